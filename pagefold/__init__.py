@@ -1,0 +1,8 @@
+"""pagefold: an LLM inference and serving engine built first for hybrid models."""
+
+from pagefold.llm import LLM
+from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
+from pagefold.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,119 @@
+"""Engine configuration: one dataclass, validated up front with messages that say what to change."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse ``4GiB``, ``512MiB``, ``1e9``, ``52.89GiB`` or an int into bytes."""
+    if isinstance(value, int | float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse a memory size from {value!r}; use e.g. 4GiB, 512MiB, 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | str | None) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if isinstance(config_dtype, torch.dtype):
+            return config_dtype
+        if isinstance(config_dtype, str) and config_dtype in DTYPES:
+            return DTYPES[config_dtype]
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    return DTYPES[kv_cache_dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine decides from user input.
+
+    ``kv_cache_memory`` is the byte budget of the block pool; when None the engine takes
+    ``DEFAULT_KV_CACHE_MEMORY`` on the CPU (or ``gpu_memory_utilization`` of a GPU minus weights).
+    ``max_model_len`` None means the model's ``max_position_embeddings``.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    device: str = "auto"
+    mamba_ssm_cache_dtype: str | None = None
+
+    DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
+            raise ValueError(
+                f"block_size must be a power of two up to 8 or a multiple of 16, got {self.block_size}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,131 @@
+"""Per-layer cache specs: the single source of every cache size in pagefold.
+
+Each layer that keeps per-sequence state declares one spec. Specs are frozen and hashable:
+layers with *equal* specs are grouped together (see ``kv_cache_planner``), and a spec's
+``manager_kind`` names the per-type cache policy (full attention, sliding window, fixed state)
+that the cache manager instantiates for its group. The scheduler never looks inside a spec.
+
+Byte layouts
+------------
+* Attention page (one layer, one block): ``[block_size, 2, num_kv_heads, head_dim]`` of
+  ``dtype`` (K and V of each token side by side). ``page_bytes(block_size) = block_size * bytes_per_token``.
+* State (one layer, one sequence): its components laid out back to back in a flat byte
+  array, each component starting at an offset aligned to 16 bytes. In pagefold's layout the
+  flat array is cut into ``ceil(state_bytes / page_bytes)`` pool pages (the last one padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+_ALIGN = 16
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align_up(n: int, a: int = _ALIGN) -> int:
+    return cdiv(n, a) * a
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    """K and V rows for every token of the sequence."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    manager_kind = "full_attention"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec:
+    """K and V rows for the last ``window`` tokens; older blocks go back to the pool."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    window: int
+
+    manager_kind = "sliding_window"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class StateComponent:
+    """One tensor of a recurrent layer's per-sequence state, e.g. the conv window or the SSM."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """A fixed-size per-sequence state (Gated DeltaNet, Mamba-2): overwritten in place each step.
+
+    ``components`` are laid out in order at 16-byte-aligned offsets; ``kind`` names the layer
+    family (``"gdn"`` or ``"mamba2"``) for logs and for the planner's vLLM arithmetic.
+    """
+
+    kind: str
+    components: tuple[StateComponent, ...]
+
+    manager_kind = "state"
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        offs, pos = [], 0
+        for c in self.components:
+            offs.append(pos)
+            pos = align_up(pos + c.nbytes)
+        return tuple(offs)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state in one layer (aligned components, no page padding)."""
+        last = self.components[-1]
+        return self.offsets[-1] + last.nbytes
+
+    @property
+    def unpadded_bytes(self) -> int:
+        return sum(c.nbytes for c in self.components)
+
+    def component(self, name: str) -> StateComponent:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | StateSpec
+
+
+def is_attention(spec: LayerSpec) -> bool:
+    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec)

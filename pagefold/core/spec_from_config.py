@@ -1,0 +1,425 @@
+"""Per-layer cache specs straight from a model config (a transformers config or config.json).
+
+``layer_specs_from_config`` is the one place that knows how each supported architecture names
+its cache-shaping fields. It needs no weights and no network: the capacity planner calls it on
+a ``config.json`` read as a plain dict, the engine on the loaded transformers config.
+
+Shapes are per tensor-parallel rank (what one GPU holds):
+
+* full / sliding attention: ``num_kv_heads = max(1, kv_heads // tp)`` (KV heads are replicated
+  when there are fewer than ranks), K and V in the KV-cache dtype.
+* Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), ``StateSpec(kind="gdn")``:
+  ``conv (conv_dim / tp, kernel - 1 + num_spec)`` in the model dtype, with
+  ``conv_dim = 2 * key_heads * key_head_dim + value_heads * value_head_dim``, and
+  ``ssm (value_heads / tp, key_head_dim, value_head_dim)`` in the SSM dtype.
+* Mamba-2 (Nemotron-H, Granite-4.0-H, Bamba), ``StateSpec(kind="mamba2")``:
+  ``conv (conv_dim / tp, kernel - 1 + num_spec)`` in the model dtype, with
+  ``conv_dim = intermediate + 2 * groups * state_size``, and
+  ``ssm (heads / tp, head_dim, state_size)`` in the SSM dtype. A single B/C group is
+  replicated on every rank (``groups`` becomes ``tp``), as the TP-sharded kernels require.
+
+Components are always ordered ``(conv, ssm)``. The SSM dtype is ``mamba_ssm_cache_dtype`` when
+given (``"auto"`` counts as not given), else the config's ``mamba_ssm_dtype`` /
+``mamba_ssm_cache_dtype`` field (Qwen3.5 names float32; transformers' ``NemotronHConfig``
+defaults its field to float32, which is mirrored for a dict that omits it), else the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pagefold.core.kv_cache_spec import (
+    FullAttentionSpec,
+    LayerSpec,
+    SlidingWindowSpec,
+    StateComponent,
+    StateSpec,
+)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
+
+# model_type -> family. The family decides how layer kinds and state shapes are read.
+_MODEL_TYPES = {
+    "llama": "attention",
+    "qwen2": "attention",
+    "qwen3": "attention",
+    "qwen3_moe": "attention",
+    "qwen3_5": "gdn",
+    "qwen3_5_text": "gdn",
+    "qwen3_5_moe": "gdn",
+    "qwen3_5_moe_text": "gdn",
+    "qwen3_next": "gdn",
+    "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granite",
+    "bamba": "bamba",
+}
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "attention",
+    "Qwen2ForCausalLM": "attention",
+    "Qwen3ForCausalLM": "attention",
+    "Qwen3MoeForCausalLM": "attention",
+    "Qwen3_5ForConditionalGeneration": "gdn",
+    "Qwen3_5ForCausalLM": "gdn",
+    "Qwen3_5MoeForConditionalGeneration": "gdn",
+    "Qwen3_5MoeForCausalLM": "gdn",
+    "Qwen3NextForCausalLM": "gdn",
+    "NemotronHForCausalLM": "nemotron_h",
+    "GraniteMoeHybridForCausalLM": "granite",
+    "BambaForCausalLM": "bamba",
+}
+# head_dim when a config omits it: transformers' class default for these model types,
+# hidden_size // num_attention_heads for the rest.
+_HEAD_DIM_DEFAULTS = {
+    "qwen3": 128,
+    "qwen3_moe": 128,
+    "qwen3_5_text": 256,
+    "qwen3_5_moe_text": 256,
+    "qwen3_next": 256,
+}
+# Nemotron-H's hybrid_override_pattern characters (as real checkpoints write them).
+_NEMOTRON_PATTERN = {"M": "mamba2", "*": "full", "-": None, "E": None}
+
+_MISSING = object()
+
+
+def _get(cfg: Any, *names: str, default: Any = _MISSING) -> Any:
+    """First non-None value of ``names`` in a dict or config object; ``default`` or raise."""
+    for name in names:
+        if isinstance(cfg, Mapping):
+            value = cfg.get(name)
+        else:
+            value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    if default is _MISSING:
+        alt = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+        raise ValueError(f"the model config has no {names[0]!r}{alt}, needed to size its cache")
+    return default
+
+
+def _dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"{what} must be one of {', '.join(_DTYPE_NAMES)}; got {value!r}")
+    return _DTYPE_NAMES[name]
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size {tp}")
+    return n // tp
+
+
+def unwrap_text_config(hf_config: Any) -> Any:
+    """The language model's config: ``text_config`` when the checkpoint nests one (Qwen3.5)."""
+    text = _get(hf_config, "text_config", default=None)
+    return text if text is not None else hf_config
+
+
+def config_model_dtype(hf_config: Any) -> str | None:
+    """The dtype a checkpoint's config names (``dtype`` or ``torch_dtype``), text config first."""
+    for cfg in (unwrap_text_config(hf_config), hf_config):
+        value = _get(cfg, "dtype", "torch_dtype", default=None)
+        if value is not None:
+            return str(value).removeprefix("torch.")
+    return None
+
+
+def detect_family(hf_config: Any) -> str:
+    """Map a config to one of the supported families, or raise listing what is supported."""
+    text = unwrap_text_config(hf_config)
+    model_types = [
+        _get(text, "model_type", default=None),
+        _get(hf_config, "model_type", default=None),
+    ]
+    for mt in model_types:
+        if mt in _MODEL_TYPES:
+            return _MODEL_TYPES[mt]
+    archs = list(_get(hf_config, "architectures", default=None) or [])
+    archs += list(_get(text, "architectures", default=None) or [])
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    raise ValueError(
+        f"unsupported architecture (model_type {[m for m in model_types if m] or None}, "
+        f"architectures {archs or None}); supported model types: {', '.join(_MODEL_TYPES)}; "
+        f"supported architectures: {', '.join(_ARCHITECTURES)}"
+    )
+
+
+def _num_layers(cfg: Any) -> int:
+    return int(_get(cfg, "num_hidden_layers", "n_layer", "num_layers"))
+
+
+def _unknown(family: str, index: int, value: Any, allowed: list[str]) -> ValueError:
+    return ValueError(
+        f"layer {index} of this {family} config has unknown layer type {value!r}; "
+        f"supported layer types: {', '.join(allowed)}"
+    )
+
+
+def _attention_kinds(cfg: Any) -> list[str]:
+    """Llama / Qwen2 / Qwen3: explicit ``layer_types``, else Qwen's max_window_layers rule."""
+    n = _num_layers(cfg)
+    types = _get(cfg, "layer_types", default=None)
+    if types is None:
+        window = _get(cfg, "sliding_window", default=None)
+        use = bool(_get(cfg, "use_sliding_window", default=False))
+        first = int(_get(cfg, "max_window_layers", default=n))
+        # transformers' Qwen2/Qwen3 rule: sliding only when enabled, from max_window_layers on.
+        types = [
+            "sliding_attention" if use and window is not None and i >= first else "full_attention"
+            for i in range(n)
+        ]
+    table = {"full_attention": "full", "sliding_attention": "sliding"}
+    return _map_kinds(list(types), table, "attention")
+
+
+def _gdn_kinds(cfg: Any) -> list[str]:
+    types = _get(cfg, "layer_types", default=None)
+    if types is None:
+        interval = int(_get(cfg, "full_attention_interval", default=4))
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(_num_layers(cfg))
+        ]
+    table = {"full_attention": "full", "linear_attention": "gdn"}
+    return _map_kinds(list(types), table, "Gated DeltaNet hybrid")
+
+
+def _nemotron_kinds(cfg: Any) -> list[str | None]:
+    pattern = _get(cfg, "hybrid_override_pattern", default=None)
+    if isinstance(pattern, str):
+        kinds = []
+        for i, ch in enumerate(pattern):
+            if ch not in _NEMOTRON_PATTERN:
+                raise _unknown("Nemotron-H", i, ch, list(_NEMOTRON_PATTERN))
+            kinds.append(_NEMOTRON_PATTERN[ch])
+        return kinds
+    types = _get(cfg, "layers_block_type", "layer_types")
+    table = {
+        "mamba": "mamba2",
+        "linear_attention": "mamba2",
+        "attention": "full",
+        "full_attention": "full",
+        "mlp": None,
+        "moe": None,
+    }
+    return _map_kinds(list(types), table, "Nemotron-H")
+
+
+def _granite_kinds(cfg: Any) -> list[str | None]:
+    # transformers defaults a Granite hybrid without layer_types to all-Mamba layers.
+    types = _get(cfg, "layer_types", "layers_block_type", default=None)
+    if types is None:
+        types = ["mamba"] * _num_layers(cfg)
+    table = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "full"}
+    table["full_attention"] = "full"
+    return _map_kinds(list(types), table, "Granite-4.0-H")
+
+
+def _bamba_kinds(cfg: Any) -> list[str | None]:
+    indices = _get(cfg, "attn_layer_indices", default=None)
+    if indices is None:
+        # A config object exposes the derived list; a dict without indices is all Mamba.
+        types = _get(cfg, "layers_block_type", default=None)
+        if types is not None and not isinstance(types, str):
+            table = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "full"}
+            table["full_attention"] = "full"
+            return _map_kinds(list(types), table, "Bamba")
+        indices = []
+    n = _num_layers(cfg)
+    bad = [i for i in indices if not 0 <= int(i) < n]
+    if bad:
+        raise ValueError(f"Bamba attn_layer_indices {bad} are outside 0..{n - 1}")
+    attn = {int(i) for i in indices}
+    return ["full" if i in attn else "mamba2" for i in range(n)]
+
+
+def _map_kinds(types: list[Any], table: dict[str, str | None], family: str) -> list[Any]:
+    out = []
+    for i, t in enumerate(types):
+        if t not in table:
+            raise _unknown(family, i, t, list(table))
+        out.append(table[t])
+    return out
+
+
+def _head_dim(cfg: Any) -> int:
+    value = _get(cfg, "head_dim", "attention_head_dim", default=None)
+    if value is not None:
+        return int(value)
+    mt = _get(cfg, "model_type", default=None)
+    if mt in _HEAD_DIM_DEFAULTS:
+        return _HEAD_DIM_DEFAULTS[mt]
+    return int(_get(cfg, "hidden_size")) // int(_get(cfg, "num_attention_heads"))
+
+
+def _ssm_dtype(
+    cfg: Any, top: Any, family: str, model_dtype: torch.dtype, override: str | None
+) -> torch.dtype:
+    if override is not None and override != "auto":
+        return _dtype(override, "mamba_ssm_cache_dtype")
+    for c in (cfg, top):
+        named = _get(c, "mamba_ssm_dtype", "mamba_ssm_cache_dtype", default=None)
+        if named is not None and named != "auto":
+            return _dtype(named, "the config's mamba_ssm_dtype")
+    if family == "nemotron_h":
+        return torch.float32  # NemotronHConfig's default for mamba_ssm_cache_dtype
+    return model_dtype
+
+
+def _gdn_spec(cfg: Any, tp: int, num_spec: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype):
+    k_heads = int(_get(cfg, "linear_num_key_heads"))
+    v_heads = int(_get(cfg, "linear_num_value_heads"))
+    k_dim = int(_get(cfg, "linear_key_head_dim"))
+    v_dim = int(_get(cfg, "linear_value_head_dim"))
+    kernel = int(_get(cfg, "linear_conv_kernel_dim"))
+    _split(k_heads, tp, "linear_num_key_heads")
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    return StateSpec(
+        kind="gdn",
+        components=(
+            StateComponent("conv", (conv_dim // tp, kernel - 1 + num_spec), conv_dtype),
+            StateComponent(
+                "ssm", (_split(v_heads, tp, "linear_num_value_heads"), k_dim, v_dim), ssm_dtype
+            ),
+        ),
+    )
+
+
+def _mamba2_params(cfg: Any, family: str) -> tuple[int, int, int, int, int, int]:
+    """(heads, head_dim, groups, state_size, kernel, intermediate) in the family's field names."""
+    if family == "nemotron_h":
+        heads = int(_get(cfg, "mamba_num_heads"))
+        head_dim = int(_get(cfg, "mamba_head_dim"))
+        groups = int(_get(cfg, "n_groups", "mamba_n_groups"))
+        state = int(_get(cfg, "ssm_state_size"))
+        kernel = int(_get(cfg, "conv_kernel", "mamba_d_conv"))
+        return heads, head_dim, groups, state, kernel, heads * head_dim
+    heads = int(_get(cfg, "mamba_n_heads"))
+    intermediate = int(_get(cfg, "mamba_expand")) * int(_get(cfg, "hidden_size"))
+    head_dim = _get(cfg, "mamba_d_head", default="auto")
+    head_dim = intermediate // heads if head_dim == "auto" else int(head_dim)
+    groups = int(_get(cfg, "mamba_n_groups"))
+    state = int(_get(cfg, "mamba_d_state"))
+    kernel = int(_get(cfg, "mamba_d_conv"))
+    return heads, head_dim, groups, state, kernel, intermediate
+
+
+def _mamba2_spec(
+    cfg: Any, family: str, tp: int, num_spec: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> StateSpec:
+    heads, head_dim, groups, state, kernel, intermediate = _mamba2_params(cfg, family)
+    if groups % tp:
+        if groups != 1:
+            raise ValueError(
+                f"Mamba-2 n_groups ({groups}) must be 1 or divisible by tensor_parallel_size {tp}"
+            )
+        groups = tp  # the single B/C group is replicated on every rank
+    conv_dim = intermediate + 2 * groups * state
+    return StateSpec(
+        kind="mamba2",
+        components=(
+            StateComponent(
+                "conv",
+                (_split(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
+                conv_dtype,
+            ),
+            StateComponent(
+                "ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype
+            ),
+        ),
+    )
+
+
+def layer_specs_from_config(
+    hf_config: Any,
+    *,
+    model_dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    mamba_ssm_cache_dtype: str | None = None,
+    num_speculative_tokens: int = 0,
+) -> dict[str, LayerSpec]:
+    """``{"layers.{i}": spec}`` for every layer that caches something, per TP rank.
+
+    ``hf_config`` is a transformers config or a config.json dict (nested ``text_config`` is
+    unwrapped). ``kv_cache_dtype``: ``auto`` (the model dtype), ``bfloat16``, ``float16``,
+    ``float32`` or ``fp8`` (``torch.float8_e4m3fn``). Layers that cache nothing (Nemotron-H's
+    MLP/MoE layers) get no entry, so the keys keep the model's own layer indices.
+    Raises ``ValueError`` for an unknown architecture or layer type, naming what is supported.
+    """
+    tp = int(tensor_parallel_size)
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    if kv_cache_dtype == "auto":
+        kv_dtype = model_dtype
+    elif kv_cache_dtype in KV_CACHE_DTYPES:
+        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    else:
+        raise ValueError(
+            f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
+            f"got {kv_cache_dtype!r}"
+        )
+
+    family = detect_family(hf_config)
+    cfg = unwrap_text_config(hf_config)
+    kinds = {
+        "attention": _attention_kinds,
+        "gdn": _gdn_kinds,
+        "nemotron_h": _nemotron_kinds,
+        "granite": _granite_kinds,
+        "bamba": _bamba_kinds,
+    }[family](cfg)
+
+    specs: dict[str, LayerSpec] = {}
+    attn = sliding = state = None
+    for i, kind in enumerate(kinds):
+        if kind is None:
+            continue
+        if kind in ("full", "sliding") and attn is None:
+            kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
+            # Fewer KV heads than ranks: each rank keeps (a replica of) one head.
+            attn = FullAttentionSpec(max(1, kv_heads // tp), _head_dim(cfg), kv_dtype)
+        if kind == "full":
+            specs[f"layers.{i}"] = attn
+        elif kind == "sliding":
+            if sliding is None:
+                window = _get(cfg, "sliding_window", default=None)
+                if window is None:
+                    raise ValueError(
+                        f"layer {i} is sliding_attention but the config has no sliding_window"
+                    )
+                sliding = SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, kv_dtype, int(window))
+            specs[f"layers.{i}"] = sliding
+        else:
+            if state is None:
+                ssm = _ssm_dtype(cfg, hf_config, family, model_dtype, mamba_ssm_cache_dtype)
+                if kind == "gdn":
+                    state = _gdn_spec(cfg, tp, num_speculative_tokens, model_dtype, ssm)
+                else:
+                    state = _mamba2_spec(cfg, family, tp, num_speculative_tokens, model_dtype, ssm)
+            specs[f"layers.{i}"] = state
+    if not specs:
+        raise ValueError(f"this {family} config declares no layer that keeps a cache")
+    return specs

@@ -1,0 +1,194 @@
+"""EngineCore: the scheduler + model busy loop. Knows token ids, never text.
+
+``step()`` schedules, runs the model, appends sampled tokens, applies the token-level stop rules
+(eos, stop_token_ids, max_tokens, max_model_len) and frees finished requests' blocks on the same
+step. Text-level stops (stop strings) are found by the output processor, which aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.scheduler import Scheduler
+from pagefold.core.spec_from_config import layer_specs_from_config
+from pagefold.executor.model_runner import ModelRunner
+from pagefold.models.registry import (
+    load_model,
+    read_config_dict,
+    resolve_architecture,
+    text_config,
+)
+from pagefold.request import Request, RequestStatus
+from pagefold.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagefold")
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def load_hf_config(model: str):
+    from transformers import AutoConfig
+
+    path = Path(model)
+    cfg_dict = read_config_dict(path)
+    arch = resolve_architecture(cfg_dict)
+    return arch, AutoConfig.from_pretrained(str(path))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, cache_fill: float | None = None) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        arch, hf_config = load_hf_config(config.model)
+        tcfg = text_config(hf_config)
+        self.hf_config = hf_config
+        self.dtype = resolve_dtype(config.dtype, getattr(tcfg, "dtype", None)
+                                   or getattr(hf_config, "dtype", None))
+        max_pos = getattr(tcfg, "max_position_embeddings", None) or 4096
+        self.max_model_len = config.max_model_len or max_pos
+        self.max_num_batched_tokens = config.max_num_batched_tokens or 4096
+        self.eos_token_id = self._eos_id(hf_config)
+
+        self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
+                                max(self.max_model_len, max_pos), self.device)
+        specs = layer_specs_from_config(
+            hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
+            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype)
+        memory = config.kv_cache_memory or config.DEFAULT_KV_CACHE_MEMORY
+        self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
+        self.kv = KVCacheManager(self.kv_config)
+        one_request = self.kv.min_blocks_for(self.max_model_len)
+        if one_request > self.kv.pool.num_usable:
+            need = one_request * self.kv_config.layers_per_group * self.kv_config.page_bytes
+            raise ValueError(
+                f"kv_cache_memory {memory} bytes holds {self.kv.pool.num_usable} blocks, but one "
+                f"request of max_model_len {self.max_model_len} needs {one_request} blocks "
+                f"({need} bytes); raise kv_cache_memory or lower max_model_len")
+        self._log_plan(arch, memory, kv_dtype(config.kv_cache_dtype, self.dtype))
+        self.scheduler = Scheduler(
+            self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            policy=config.scheduling_policy)
+        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill)
+
+    @staticmethod
+    def _eos_id(hf_config) -> int | None:
+        eos = getattr(text_config(hf_config), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos
+
+    def _log_plan(self, arch: str, memory: int, kvdt: torch.dtype) -> None:
+        c = self.kv_config
+        per_req = self.kv.min_blocks_for(self.max_model_len)
+        logger.info(
+            "%s: block size %d tokens, page %d bytes x %d layers per group, %d groups, "
+            "%d blocks (%.2f GiB, kv dtype %s); max concurrency at max_model_len %d: %.2fx",
+            arch, c.block_size, c.page_bytes, c.layers_per_group, len(c.groups),
+            c.num_blocks - 1, c.total_bytes / 2**30, kvdt, self.max_model_len,
+            (c.num_blocks - 1) / max(per_req, 1))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, *, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue. Raises ValueError (nothing is queued) on bad input."""
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}; the prompt "
+                f"must be shorter than max_model_len to leave room for one output token")
+        vocab = text_config(self.hf_config).vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+        req = Request(request_id, list(prompt_token_ids), params,
+                      eos_token_id=self.eos_token_id, priority=priority, **kw)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None:
+                self.runner.drop_request(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self._unschedulable()
+        reqs = sched.requests
+        counts = [sched.num_scheduled[r.request_id] for r in reqs]
+        block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
+        sampled = self.runner.execute(reqs, counts, block_ids)
+        outputs = []
+        for r, n in zip(reqs, counts):
+            r.num_computed_tokens += n
+            tok = sampled.get(r.request_id)
+            if tok is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            r.append_token(tok.token_id)
+            out = EngineCoreOutput(r.request_id, [tok.token_id],
+                                   num_cached_tokens=max(r.num_cached_tokens, 0))
+            if tok.logprobs is not None:
+                out.new_logprobs.append(tok.logprobs)
+                r.cumulative_logprob += tok.logprobs[1][0]
+            status = self._check_stop(r, tok.token_id)
+            if status is not None:
+                self.scheduler.finish_request(r.request_id, status)
+                self.runner.drop_request(r.request_id)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = r.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
+        sp = r.sampling_params
+        if r.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token == r.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                r.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and r.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if r.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _unschedulable(self) -> list[EngineCoreOutput]:
+        """Nothing ran although requests wait: the head request cannot fit in an empty pool."""
+        s = self.scheduler
+        if s.num_running or not s.num_waiting:
+            return []
+        head = s.waiting.peek()
+        logger.error("request %s needs more blocks than the whole pool; aborting it",
+                     head.request_id)
+        s.finish_request(head.request_id, RequestStatus.FINISHED_LENGTH)
+        self.runner.drop_request(head.request_id)
+        return [EngineCoreOutput(head.request_id, [], finish_reason="length")]

@@ -1,0 +1,158 @@
+"""``pagefold capacity PATH ...``: what a KV-cache budget buys for a model, from its config alone.
+
+PATH is a ``config.json`` or a model directory holding one; no weights, no network, and the
+config is read as a plain dict, so transformers need not know the model type. Prints the
+rendered report, or one JSON object with ``--json``. Sizes are per GPU (tensor-parallel rank),
+so ``--kv-cache-memory`` is one GPU's budget, as vLLM logs it.
+
+Example (vLLM's numbers for Qwen3.5-27B at TP 2 with an FP8 KV cache)::
+
+    pagefold capacity Qwen3.5-27B/ --tensor-parallel-size 2 --kv-cache-dtype fp8 \
+        --kv-cache-memory 52.89GiB --max-model-len 132096 --enable-prefix-caching --layout vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagefold.config import parse_bytes, resolve_dtype
+from pagefold.core.capacity import LAYOUTS, capacity_report, render_report
+from pagefold.core.spec_from_config import (
+    config_model_dtype,
+    layer_specs_from_config,
+    unwrap_text_config,
+)
+
+HELP = "report the KV-cache capacity of a model for a memory budget (needs only config.json)"
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a config.json or a model directory that holds one")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument(
+        "--kv-cache-dtype", choices=("auto", "bfloat16", "float16", "fp8"), default="auto"
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        required=True,
+        help="KV-cache budget per GPU: 52.89GiB, 512MiB, 4GB or 1e9 (bytes)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest request (default: the config's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--layout", choices=LAYOUTS, default="pagefold")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the recurrent (SSM) state (default: the config's, else the model dtype)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="attention tokens per page")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``capacity`` on an ``argparse`` subparsers object; ``func`` is :func:`run`."""
+    p = subparsers.add_parser("capacity", help=HELP, description=HELP)
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """config.json as a dict, from the file itself or from a model directory."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"no config.json at {path}")
+    try:
+        with p.open(encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p} does not hold a JSON object")
+    return cfg
+
+
+def build_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The capacity report for parsed ``args`` (raises ``ValueError`` with a readable message)."""
+    cfg = load_config(args.path)
+    model_dtype = resolve_dtype(args.dtype, config_model_dtype(cfg))
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = unwrap_text_config(cfg).get("max_position_embeddings")
+        if max_len is None:
+            raise ValueError("the config names no max_position_embeddings; pass --max-model-len")
+    specs = layer_specs_from_config(
+        cfg,
+        model_dtype=model_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    report = capacity_report(
+        specs,
+        layout=args.layout,
+        memory_bytes=parse_bytes(args.kv_cache_memory),
+        max_model_len=int(max_len),
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    report["model"] = {
+        "path": str(args.path),
+        "architectures": cfg.get("architectures"),
+        "model_dtype": str(model_dtype).removeprefix("torch."),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; 0 on success, 1 with a message on stderr when the inputs do not work."""
+    try:
+        report = build_report(args)
+    except ValueError as e:
+        print(f"pagefold capacity: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report))
+    else:
+        m = report["model"]
+        print(
+            f"{m['path']}: {', '.join(m['architectures'] or ['?'])}, {m['model_dtype']} weights, "
+            f"{m['kv_cache_dtype']} KV cache, tensor parallel {m['tensor_parallel_size']}"
+        )
+        print(render_report(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: ``main(["PATH", "--kv-cache-memory", "4GiB", ...])`` (a leading
+    ``"capacity"`` is accepted too)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["capacity"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="pagefold capacity", description=HELP)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Runs one scheduled step: flat inputs -> model forward -> logits of sampling rows -> sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.executor.cache_tensors import CacheTensors
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.executor.input_batch import build_inputs
+from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
+from pagefold.request import Request
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    # (token ids, logprobs) of the sampled token followed by the top-k alternatives; and rank.
+    logprobs: tuple[list[int], list[float], int] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, device: torch.device,
+                 cache_fill: float | None = None) -> None:
+        self.model = model
+        self.kv_config = kv_config
+        self.device = device
+        self.cache = CacheTensors(kv_config, device, fill=cache_fill)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_forward_tokens = 0
+
+    def drop_request(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None or req.sampling_params.is_greedy:
+            return None
+        g = self._generators.get(req.request_id)
+        if g is None:
+            g = self._generators[req.request_id] = make_generator(seed, self.device)
+        return g
+
+    @torch.inference_mode()
+    def execute(self, reqs: list[Request], counts: list[int],
+                block_ids: list[list[list[int]]]) -> dict[str, SampledToken]:
+        """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows."""
+        starts = [r.num_computed_tokens for r in reqs]
+        tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
+        per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]
+        inp = build_inputs(self.kv_config, tokens, starts, counts,
+                           [r.num_tokens for r in reqs], per_group)
+        self.num_forward_tokens += int(inp.input_ids.numel())
+        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+        hidden = self.model(inp.input_ids.to(self.device), inp.positions.to(self.device), ctx)
+        if not inp.sample_req_idx:
+            return {}
+        logits = self.model.compute_logits(hidden[inp.logits_rows.to(self.device)])
+        sreqs = [reqs[i] for i in inp.sample_req_idx]
+        gens = {}
+        for row, r in enumerate(sreqs):
+            g = self._generator(r)
+            if g is not None:
+                gens[row] = g
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in sreqs],
+            [r.output_token_ids for r in sreqs],
+            [r.prompt_token_ids for r in sreqs],
+            gens,
+            eos_token_ids=[r.eos_token_id for r in sreqs],
+            device=self.device,
+        )
+        out = self.sampler(logits, meta)
+        ids = out.sampled_token_ids.tolist()
+        result = {}
+        lp_ids = out.logprobs_token_ids.tolist() if out.logprobs_token_ids is not None else None
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        ranks = out.ranks.tolist() if out.ranks is not None else None
+        for row, r in enumerate(sreqs):
+            lp = None
+            k = r.sampling_params.logprobs
+            if k is not None and lp_ids is not None:
+                lp = (lp_ids[row][: 1 + k], lps[row][: 1 + k], ranks[row])
+            result[r.request_id] = SampledToken(ids[row], lp)
+        return result

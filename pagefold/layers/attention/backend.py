@@ -1,0 +1,119 @@
+"""Paged attention for the CPU, in torch: one flat varlen batch mixing prefills and decodes.
+
+Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``; flat slot
+``s = block_id * block_size + offset`` addresses one token's K and V.
+
+* Decode rows (query length 1) are computed together without padding: the keys of every row
+  are gathered into one flat list, scores are a segment softmax over each row's keys.
+* Prefill rows (query length > 1, possibly a later chunk of a prompt) run one SDPA call each
+  against their whole context, with a causal mask offset by the tokens already cached.
+
+A CUDA backend plugs in by providing the same ``forward(q, k, v, cache, meta, scale)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    tok_start: int  # first query row in the flat batch
+    tok_end: int
+    ctx_len: int  # tokens cached before this chunk
+    kv_start: int  # position of the first key read (> 0 only under a sliding window)
+    kv_slots: torch.Tensor  # (ctx_len + chunk - kv_start,) flat slots of the keys, in order
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per attention group, per step. Shared by every layer of the group."""
+
+    slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
+    decode_tok: torch.Tensor  # (Bd,) flat rows that are single-token queries
+    decode_kv_slots: torch.Tensor  # (N,) keys of all decode rows, row after row
+    decode_kv_seg: torch.Tensor  # (N,) decode row index (0..Bd-1) of each key
+    prefills: list[PrefillRow] = field(default_factory=list)
+    sliding_window: int | None = None
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    flat = cache.view(-1, *cache.shape[2:])  # (num_slots, 2, kvh, d)
+    flat[slots] = torch.stack((k, v), dim=1).to(cache.dtype)
+
+
+def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat[slots].to(dtype)  # (n, 2, kvh, d)
+
+
+def _decode(q: torch.Tensor, kv: torch.Tensor, seg: torch.Tensor, nrows: int, scale: float):
+    """Segment softmax attention. q (B, H, D); kv (N, 2, KVH, D); seg (N,) -> (B, H, D)."""
+    b, h, d = q.shape
+    kvh = kv.shape[2]
+    g = h // kvh
+    qg = q.view(b, kvh, g, d)
+    keys, vals = kv[:, 0], kv[:, 1]
+    scores = torch.einsum("nkgd,nkd->nkg", qg[seg], keys) * scale  # (N, KVH, G)
+    idx = seg.view(-1, 1, 1).expand_as(scores)
+    mx = torch.full((nrows, kvh, g), float("-inf"), dtype=scores.dtype)
+    mx = mx.scatter_reduce(0, idx, scores, reduce="amax", include_self=True)
+    p = torch.exp(scores - mx[seg])
+    denom = torch.zeros((nrows, kvh, g), dtype=scores.dtype).index_add_(0, seg, p)
+    out = torch.zeros((nrows, kvh, g, d), dtype=scores.dtype)
+    out.index_add_(0, seg, p.unsqueeze(-1) * vals.unsqueeze(2))
+    return (out / denom.unsqueeze(-1)).view(b, h, d)
+
+
+def _prefill_mask(ctx_len: int, kv_start: int, q_len: int, window: int | None) -> torch.Tensor:
+    qpos = torch.arange(ctx_len, ctx_len + q_len).unsqueeze(1)
+    kpos = torch.arange(kv_start, ctx_len + q_len).unsqueeze(0)
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q (T, H, D), k/v (T, KVH, D) -> (T, H, D). Writes k/v into the cache first."""
+    write_kv(cache, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    if meta.decode_tok.numel():
+        kv = read_kv(cache, meta.decode_kv_slots, q.dtype)
+        qd = q[meta.decode_tok]
+        out[meta.decode_tok] = _decode(qd, kv, meta.decode_kv_seg, qd.shape[0], scale).to(q.dtype)
+    h, kvh = q.shape[1], k.shape[1]
+    for row in meta.prefills:
+        qs = q[row.tok_start : row.tok_end]
+        if row.ctx_len == 0 and cache.dtype == q.dtype:
+            keys, vals = k[row.tok_start : row.tok_end], v[row.tok_start : row.tok_end]
+        else:
+            kv = read_kv(cache, row.kv_slots, q.dtype)
+            keys, vals = kv[:, 0], kv[:, 1]
+        q_len = qs.shape[0]
+        if row.ctx_len == 0 and meta.sliding_window is None:
+            mask, causal = None, True
+        else:
+            mask = _prefill_mask(row.ctx_len, row.kv_start, q_len, meta.sliding_window)
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            vals.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=h != kvh,
+        )
+        out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,175 @@
+"""Depthwise causal 1-D convolution over flat variable-length batches.
+
+This is the short convolution that Gated DeltaNet (and Mamba-2) layers apply to their fused
+q/k/v projections before the recurrent mixer. For channel ``c`` and kernel size ``K``::
+
+    y[t, c] = act(bias[c] + sum_{j=0}^{K-1} weight[c, j] * x[t - (K-1) + j, c])
+
+where positions before the start of the new tokens are read from the sequence's conv state
+(``weight[:, K-1]`` multiplies the current token). This is exactly what transformers computes
+with ``F.conv1d(x, weight.unsqueeze(1), padding=K-1, groups=C)[..., :L]`` for a fresh sequence.
+
+Layout conventions shared by every function here:
+
+* ``x`` is ``(T, C)``: the new tokens of all ``N`` sequences concatenated along dim 0, with
+  ``cu_seqlens`` (int64, ``(N+1,)``, ``cu_seqlens[0] == 0``, non-decreasing) marking sequence
+  boundaries. Zero-length sequences are allowed; their state passes through unchanged.
+* ``weight`` is ``(C, K)`` (the squeezed ``nn.Conv1d`` weight), ``bias`` is ``(C,)`` or None.
+* ``conv_state`` is ``(N, C, K-1)``: the previous ``K-1`` inputs of each sequence, oldest first
+  (zeros for a fresh sequence). The returned state has the same layout and holds the last
+  ``K-1`` inputs *including* history, so it is correct when a sequence has fewer than ``K-1``
+  new tokens.
+* The arithmetic runs in float32; ``y`` is returned in ``x``'s dtype and the new state in
+  ``x``'s dtype. Inputs are never modified in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "causal_conv1d_naive",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+]
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _check_args(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None
+) -> tuple[int, int]:
+    """Validate shapes shared by all variants; return ``(C, K)``."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; expected one of {_ACTIVATIONS}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (C, K), got {tuple(weight.shape)}")
+    channels, kernel = weight.shape
+    if kernel < 2:
+        raise ValueError(f"kernel size must be >= 2, got {kernel}")
+    if x.dim() != 2 or x.shape[1] != channels:
+        raise ValueError(f"x must be (T, {channels}), got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (channels, kernel - 1):
+        raise ValueError(
+            f"conv_state must be (N, {channels}, {kernel - 1}), got {tuple(conv_state.shape)}"
+        )
+    return channels, kernel
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return y if activation is None else F.silu(y)
+
+
+def causal_conv1d_naive(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference implementation: explicit loop over sequences and tokens.
+
+    Shapes: x (T, C), weight (C, K), bias (C,) | None, conv_state (N, C, K-1),
+    cu_seqlens (N+1,). Returns ``(y (T, C), new_conv_state (N, C, K-1))``.
+    Meant for testing; it is slow by design.
+    """
+    channels, kernel = _check_args(x, weight, conv_state, activation)
+    w = weight.float()
+    b = bias.float() if bias is not None else None
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    new_state = torch.empty(conv_state.shape, dtype=x.dtype, device=x.device)
+    bounds = cu_seqlens.tolist()
+    for s in range(len(bounds) - 1):
+        start, end = bounds[s], bounds[s + 1]
+        # window holds the K-1 most recent inputs (oldest first) plus the current one.
+        history = conv_state[s].float()  # (C, K-1)
+        for t in range(start, end):
+            window = torch.cat([history, x[t].float().unsqueeze(1)], dim=1)  # (C, K)
+            out = (window * w).sum(dim=1)
+            if b is not None:
+                out = out + b
+            y[t] = _activate(out, activation)
+            history = window[:, 1:]
+        new_state[s] = history.to(x.dtype)
+    return y.to(x.dtype), new_state
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorized varlen causal conv: one ``F.conv1d`` over all sequences.
+
+    Shapes as in :func:`causal_conv1d_naive`. Each sequence's state is placed in front of its
+    tokens in one extended buffer of length ``T + N*(K-1)``; a single unpadded depthwise conv
+    over that buffer yields every token's output at a known offset (windows that straddle two
+    sequences are computed and discarded, ``N*(K-1)`` of them). The new state of each sequence
+    is the last ``K-1`` columns of its extended segment, which may include old state columns.
+    """
+    channels, kernel = _check_args(x, weight, conv_state, activation)
+    hist = kernel - 1
+    num_seqs = cu_seqlens.numel() - 1
+    if conv_state.shape[0] != num_seqs:
+        raise ValueError(f"conv_state has {conv_state.shape[0]} rows for {num_seqs} sequences")
+    device = x.device
+    total = x.shape[0]
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+
+    tok = torch.arange(total, device=device)
+    # seg[t] = index of the sequence owning token t (sync-free, unlike repeat_interleave).
+    seg = torch.searchsorted(cu[1:], tok, right=True)
+    seq_ids = torch.arange(num_seqs, device=device)
+    # Extended segment of sequence s starts at cu[s] + s*(K-1): K-1 state columns, then tokens.
+    ext_start = cu[:-1] + seq_ids * hist  # (N,)
+    tok_pos = tok + seg * hist + hist  # (T,)
+    state_pos = (ext_start.unsqueeze(1) + torch.arange(hist, device=device)).reshape(-1)
+    ext_len = total + num_seqs * hist
+
+    ext = torch.empty(channels, ext_len, dtype=torch.float32, device=device)
+    ext[:, tok_pos] = x.float().t()
+    ext[:, state_pos] = conv_state.float().permute(1, 0, 2).reshape(channels, -1)
+
+    out = F.conv1d(
+        ext.unsqueeze(0),
+        weight.float().unsqueeze(1),
+        bias.float() if bias is not None else None,
+        groups=channels,
+    ).squeeze(0)  # (C, ext_len - K + 1); column i is the window ext[:, i : i + K]
+    # Token t's window ends at its own extended position, so it starts K-1 columns earlier.
+    y = _activate(out[:, tok_pos - hist], activation).t()
+
+    # Last K-1 columns of each extended segment; its end is cu[s+1] + (s+1)*(K-1).
+    ext_end = cu[1:] + (seq_ids + 1) * hist
+    last_pos = ext_end.unsqueeze(1) - hist + torch.arange(hist, device=device)  # (N, K-1)
+    new_state = ext[:, last_pos.reshape(-1)].reshape(channels, num_seqs, hist).permute(1, 0, 2)
+    return y.to(x.dtype).contiguous(), new_state.to(x.dtype).contiguous()
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode fast path: exactly one new token per sequence, fully batched.
+
+    Shapes: x (N, C), weight (C, K), bias (C,) | None, conv_state (N, C, K-1).
+    Returns ``(y (N, C), new_conv_state (N, C, K-1))``; equivalent to
+    :func:`causal_conv1d_varlen` with ``cu_seqlens = arange(N+1)``.
+    """
+    _check_args(x, weight, conv_state, activation)
+    if conv_state.shape[0] != x.shape[0]:
+        raise ValueError(f"conv_state has {conv_state.shape[0]} rows for {x.shape[0]} tokens")
+    window = torch.cat([conv_state.float(), x.float().unsqueeze(2)], dim=2)  # (N, C, K)
+    out = (window * weight.float()).sum(dim=2)
+    if bias is not None:
+        out = out + bias.float()
+    y = _activate(out, activation)
+    return y.to(x.dtype), window[:, :, 1:].to(x.dtype).contiguous()

@@ -1,0 +1,163 @@
+"""Offline API with vLLM's names: ``LLM(model=...)``, ``generate``, ``chat``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagefold.config import EngineConfig
+from pagefold.engine.core import EngineCore
+from pagefold.engine.output_processor import OutputProcessor
+from pagefold.outputs import RequestOutput
+from pagefold.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagefold")
+
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - re-raised with what to do
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def generation_eos_ids(model: str) -> list[int]:
+    """EOS ids a checkpoint's generation_config adds (e.g. Qwen's <|im_end|>)."""
+    import json
+
+    f = Path(model) / "generation_config.json"
+    if not f.exists():
+        return []
+    eos = json.loads(f.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are :class:`EngineConfig` fields."""
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_kwargs)
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        self.engine = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._extra_eos = [t for t in generation_eos_ids(model)
+                           if t != self.engine.eos_token_id]
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._prompt_ids(prompt["prompt"])
+        raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _params_for(self, params: SamplingParams) -> SamplingParams:
+        if params.n != 1 or (params.best_of not in (None, 1)):
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: parallel sampling (n > 1) "
+                             "is not available yet; use n=1")
+        if self._extra_eos and not params.ignore_eos:
+            params = params.clone()
+            params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(self._extra_eos))
+        return params
+
+    def add_request(self, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0) -> str:
+        text, ids = self._prompt_ids(prompt)
+        params = self._params_for(params)
+        rid = str(next(self._counter))
+        self.engine.add_request(rid, ids, params, priority=priority)
+        self.output_processor.add_request(rid, text, ids, params)
+        return rid
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort(request_ids)
+        for rid in request_ids:
+            self.output_processor.abort(rid)
+
+    def step(self) -> list[RequestOutput]:
+        outs, to_abort = self.output_processor.process(self.engine.step())
+        if to_abort:
+            self.engine.abort(to_abort)
+        return outs
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                ids.append(self.add_request(p, sp, priority[i] if priority else 0))
+        except Exception:
+            self.abort(ids)  # nothing of a rejected batch stays queued
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.abort(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in convs:
+            ids = self.tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

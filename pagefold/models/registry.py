@@ -1,0 +1,77 @@
+"""Architecture name -> pagefold model class; loading a local Hugging Face directory."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# architecture -> (module, class). Hybrid models register here as they land.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("pagefold.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pagefold.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pagefold.models.llama", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def register(arch: str, module: str, cls: str) -> None:
+    _MODELS[arch] = (module, cls)
+
+
+def read_config_dict(model_dir: Path) -> dict:
+    cfg = model_dir / "config.json"
+    if not model_dir.exists():
+        raise ValueError(f"model path {str(model_dir)!r} does not exist; give a local Hugging Face "
+                         "model directory (config.json, *.safetensors, tokenizer files)")
+    if not cfg.exists():
+        raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
+    return json.loads(cfg.read_text())
+
+
+def resolve_architecture(config: dict) -> str:
+    archs = config.get("architectures") or []
+    for a in archs:
+        if a in _MODELS:
+            return a
+    raise ValueError(
+        f"unsupported architecture {archs or config.get('model_type')!r}; pagefold supports: "
+        f"{', '.join(supported_architectures())}"
+    )
+
+
+def model_class(arch: str):
+    mod, cls = _MODELS[arch]
+    return getattr(importlib.import_module(mod), cls)
+
+
+def text_config(hf_config):
+    """Multimodal checkpoints nest the language model's config under ``text_config``."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_positions: int,
+               device: torch.device):
+    from pagefold.models.weights import iter_weights
+
+    cls = model_class(arch)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(text_config(hf_config), max_positions=max_positions)
+    finally:
+        torch.set_default_dtype(prev)
+    model.load_weights(iter_weights(model_dir))
+    model.eval().requires_grad_(False)
+    nparams = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s from %s: %.1fM parameters, %s", arch, model_dir, nparams / 1e6, dtype)
+    return model

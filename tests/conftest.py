@@ -1,0 +1,89 @@
+"""Shared pytest fixtures: tiny random models built once per session, and prompt helpers."""
+
+from __future__ import annotations
+
+import os
+
+# Set before anything imports transformers/tokenizers: no hub traffic, and no tokenizers thread
+# pool (which would also warn after the test process forks).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from pagefold.testing import tiny_models  # noqa: E402
+
+TinyModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """``factory(arch, **kwargs) -> Path``: build a tiny model once per session per arguments.
+
+    ``kwargs`` are passed to :func:`pagefold.testing.tiny_models.build_tiny_model` (``seed``,
+    ``max_shard_size``, ``vocab_size`` or config overrides). Identical arguments return the same
+    directory; treat it as read-only.
+    """
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+
+    def factory(arch: str, **kwargs: Any) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in built:
+            digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+            built[key] = tiny_models.build_tiny_model(arch, root / f"{arch}-{digest}", **kwargs)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def nemotron_h_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("nemotron_h")
+
+
+@pytest.fixture(scope="session")
+def granite_hybrid_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("granitemoehybrid")
+
+
+@pytest.fixture(scope="session")
+def bamba_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("bamba")
+
+
+@pytest.fixture
+def random_prompts() -> Callable[..., list[list[int]]]:
+    """``random_prompts(n, min_len, max_len, vocab, seed=0, *, low=5) -> list[list[int]]``."""
+    return tiny_models.random_prompts

@@ -286,7 +286,9 @@ def _ssm_dtype(
     return model_dtype
 
 
-def _gdn_spec(cfg: Any, tp: int, num_spec: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype):
+def _gdn_spec(
+    cfg: Any, tp: int, num_spec: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> StateSpec:
     k_heads = int(_get(cfg, "linear_num_key_heads"))
     v_heads = int(_get(cfg, "linear_num_value_heads"))
     k_dim = int(_get(cfg, "linear_key_head_dim"))

@@ -11,9 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
+from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.scheduler import Scheduler
@@ -79,7 +78,12 @@ class EngineCore:
                 f"kv_cache_memory {memory} bytes holds {self.kv.pool.num_usable} blocks, but one "
                 f"request of max_model_len {self.max_model_len} needs {one_request} blocks "
                 f"({need} bytes); raise kv_cache_memory or lower max_model_len")
-        self._log_plan(arch, memory, kv_dtype(config.kv_cache_dtype, self.dtype))
+        log_capacity(logger, capacity_report(
+            specs, layout="pagefold", memory_bytes=int(memory), max_model_len=self.max_model_len,
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
+        logger.info("%s: %s weights, kv cache %s, max_model_len %d, max_num_batched_tokens %d",
+                    arch, self.dtype, kv_dtype(config.kv_cache_dtype, self.dtype),
+                    self.max_model_len, self.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
@@ -94,16 +98,6 @@ class EngineCore:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         return eos
-
-    def _log_plan(self, arch: str, memory: int, kvdt: torch.dtype) -> None:
-        c = self.kv_config
-        per_req = self.kv.min_blocks_for(self.max_model_len)
-        logger.info(
-            "%s: block size %d tokens, page %d bytes x %d layers per group, %d groups, "
-            "%d blocks (%.2f GiB, kv dtype %s); max concurrency at max_model_len %d: %.2fx",
-            arch, c.block_size, c.page_bytes, c.layers_per_group, len(c.groups),
-            c.num_blocks - 1, c.total_bytes / 2**30, kvdt, self.max_model_len,
-            (c.num_blocks - 1) / max(per_req, 1))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],

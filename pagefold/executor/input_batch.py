@@ -76,15 +76,22 @@ def build_inputs(
         window = spec.window if isinstance(spec, SlidingWindowSpec) else None
         tables = _tables(group_block_ids[gi])
         slots = tables[req_of_tok, positions // bs] * bs + positions % bs
-        # Decode rows: every key of the row (inside the window), rows laid end to end.
+        # Decode rows: every block holding a key of the row (inside the window), row by row.
         seq_len = start_t[dec_rows] + 1
-        key_lo = torch.clamp(seq_len - window, min=0) if window else torch.zeros_like(seq_len)
-        nkeys = seq_len - key_lo
-        seg = torch.repeat_interleave(torch.arange(len(dec_rows)), nkeys)
-        kcu = torch.zeros(len(dec_rows) + 1, dtype=_i64)
-        torch.cumsum(nkeys, 0, out=kcu[1:])
-        kpos = torch.arange(int(kcu[-1])) - kcu[:-1][seg] + key_lo[seg]
-        dec_slots = tables[dec_rows[seg], kpos // bs] * bs + kpos % bs
+        lo_blk = (torch.clamp(seq_len - window, min=0) // bs if window
+                  else torch.zeros_like(seq_len))
+        hi_blk = (seq_len + bs - 1) // bs
+        nblk = hi_blk - lo_blk
+        row = torch.repeat_interleave(torch.arange(len(dec_rows)), nblk)
+        bcu = torch.zeros(len(dec_rows) + 1, dtype=_i64)
+        torch.cumsum(nblk, 0, out=bcu[1:])
+        blk_idx = torch.arange(int(bcu[-1])) - bcu[:-1][row] + lo_blk[row]
+        dec_blocks = tables[dec_rows[row], blk_idx]
+        kpos = blk_idx.unsqueeze(1) * bs + torch.arange(bs).unsqueeze(0)  # (Nb, bs)
+        valid = kpos < seq_len[row].unsqueeze(1)
+        if window:
+            valid &= kpos > (seq_len[row] - 1 - window).unsqueeze(1)
+        mask = None if bool(valid.all()) else valid
         prefills = []
         for i in torch.nonzero(~is_decode).flatten().tolist():
             s, n = starts[i], counts[i]
@@ -94,8 +101,9 @@ def build_inputs(
                 tok_start=int(cu[i]), tok_end=int(cu[i + 1]), ctx_len=s, kv_start=lo,
                 kv_slots=tables[i, kp // bs] * bs + kp % bs))
         attn_meta.append(AttentionMetadata(
-            slot_mapping=slots, decode_tok=cu[:-1][dec_rows], decode_kv_slots=dec_slots,
-            decode_kv_seg=seg, prefills=prefills, sliding_window=window))
+            slot_mapping=slots, decode_tok=cu[:-1][dec_rows], decode_blocks=dec_blocks,
+            decode_block_row=row, decode_block_mask=mask, prefills=prefills,
+            sliding_window=window))
 
     sample_req_idx = [i for i in range(n_req) if starts[i] + counts[i] >= totals[i]]
     logits_rows = cu[1:][torch.tensor(sample_req_idx, dtype=_i64)] - 1

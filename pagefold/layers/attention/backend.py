@@ -3,8 +3,10 @@
 Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``; flat slot
 ``s = block_id * block_size + offset`` addresses one token's K and V.
 
-* Decode rows (query length 1) are computed together without padding: the keys of every row
-  are gathered into one flat list, scores are a segment softmax over each row's keys.
+* Decode rows (query length 1) are computed together, block by block: every (row, block) pair
+  is one entry of a batched matmul, so no row is padded to the longest; a softmax across each
+  row's blocks (segment max and sum) combines them. Only the tail of a row's last block is
+  masked.
 * Prefill rows (query length > 1, possibly a later chunk of a prompt) run one SDPA call each
   against their whole context, with a causal mask offset by the tokens already cached.
 
@@ -34,8 +36,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
     decode_tok: torch.Tensor  # (Bd,) flat rows that are single-token queries
-    decode_kv_slots: torch.Tensor  # (N,) keys of all decode rows, row after row
-    decode_kv_seg: torch.Tensor  # (N,) decode row index (0..Bd-1) of each key
+    decode_blocks: torch.Tensor  # (Nb,) block ids read by decode rows, row after row
+    decode_block_row: torch.Tensor  # (Nb,) decode row index (0..Bd-1) of each block
+    decode_block_mask: torch.Tensor | None  # (Nb, block_size) valid keys; None if all valid
     prefills: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
 
@@ -50,21 +53,26 @@ def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tor
     return flat[slots].to(dtype)  # (n, 2, kvh, d)
 
 
-def _decode(q: torch.Tensor, kv: torch.Tensor, seg: torch.Tensor, nrows: int, scale: float):
-    """Segment softmax attention. q (B, H, D); kv (N, 2, KVH, D); seg (N,) -> (B, H, D)."""
+def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float):
+    """Blockwise attention for single-token queries. q (B, H, D) -> (B, H, D)."""
     b, h, d = q.shape
-    kvh = kv.shape[2]
+    blocks = cache[meta.decode_blocks]  # (Nb, bs, 2, KVH, D)
+    kvh = blocks.shape[3]
     g = h // kvh
-    qg = q.view(b, kvh, g, d)
-    keys, vals = kv[:, 0], kv[:, 1]
-    scores = torch.einsum("nkgd,nkd->nkg", qg[seg], keys) * scale  # (N, KVH, G)
-    idx = seg.view(-1, 1, 1).expand_as(scores)
-    mx = torch.full((nrows, kvh, g), float("-inf"), dtype=scores.dtype)
-    mx = mx.scatter_reduce(0, idx, scores, reduce="amax", include_self=True)
-    p = torch.exp(scores - mx[seg])
-    denom = torch.zeros((nrows, kvh, g), dtype=scores.dtype).index_add_(0, seg, p)
-    out = torch.zeros((nrows, kvh, g, d), dtype=scores.dtype)
-    out.index_add_(0, seg, p.unsqueeze(-1) * vals.unsqueeze(2))
+    row = meta.decode_block_row
+    keys = blocks[:, :, 0].transpose(1, 2).to(q.dtype)  # (Nb, KVH, bs, D)
+    vals = blocks[:, :, 1].transpose(1, 2).to(q.dtype)
+    qb = q.view(b, kvh, g, d)[row]  # (Nb, KVH, G, D)
+    scores = torch.matmul(qb, keys.transpose(-1, -2)).float() * scale  # (Nb, KVH, G, bs)
+    if meta.decode_block_mask is not None:
+        scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
+    bmax = scores.amax(-1)  # (Nb, KVH, G)
+    idx = row.view(-1, 1, 1).expand_as(bmax)
+    rmax = torch.full((b, kvh, g), float("-inf")).scatter_reduce(0, idx, bmax, reduce="amax")
+    p = torch.exp(scores - rmax[row].unsqueeze(-1))
+    denom = torch.zeros((b, kvh, g)).index_add_(0, row, p.sum(-1))
+    ob = torch.matmul(p.to(vals.dtype), vals).float()  # (Nb, KVH, G, D)
+    out = torch.zeros((b, kvh, g, d)).index_add_(0, row, ob)
     return (out / denom.unsqueeze(-1)).view(b, h, d)
 
 
@@ -89,9 +97,8 @@ def paged_attention(
     write_kv(cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.decode_tok.numel():
-        kv = read_kv(cache, meta.decode_kv_slots, q.dtype)
         qd = q[meta.decode_tok]
-        out[meta.decode_tok] = _decode(qd, kv, meta.decode_kv_seg, qd.shape[0], scale).to(q.dtype)
+        out[meta.decode_tok] = _decode(qd, cache, meta, scale).to(q.dtype)
     h, kvh = q.shape[1], k.shape[1]
     for row in meta.prefills:
         qs = q[row.tok_start : row.tok_end]

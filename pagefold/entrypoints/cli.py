@@ -1,0 +1,97 @@
+"""``pagefold`` console script: generate, capacity (serve and bench join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pagefold.entrypoints import capacity_cmd
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that builds an engine."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "fp8"])
+    p.add_argument("--kv-cache-memory", default=None, help="pool bytes, e.g. 2GiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=True)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy, seed=args.seed)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PAGEFOLD_CACHE", Path.home() / ".cache" / "pagefold"))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from pagefold import LLM, SamplingParams
+
+    model = args.model
+    if model is None:
+        from pagefold.testing.tiny_models import build_demo_model
+
+        model = str(build_demo_model(default_cache_dir()))
+        print(f"no model given: using the built-in demo model at {model} "
+              "(random weights: the text is noise, the engine is real)")
+    llm = LLM(model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    prompts = args.prompt or ["The quick brown fox", "def fibonacci(n):",
+                              "import os\nimport sys\n", "class Scheduler:"]
+    outs = llm.generate(prompts, params)
+    for o in outs:
+        c = o.outputs[0]
+        print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n({len(c.token_ids)} tokens, "
+              f"finish: {c.finish_reason})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagefold", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline from prompts")
+    g.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face model directory (default: built-in demo model)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(g)
+    g.set_defaults(func=_generate)
+
+    capacity_cmd.add_parser(sub)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The Mamba-2 mixer shared by Nemotron-H, GraniteMoeHybrid (Granite 4.0-H) and Bamba.
+
+The three transformers mixers compute identical math and name their weights identically
+(``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``); only the config
+field names differ, which :class:`Mamba2Config` absorbs. For a flat batch of T new tokens:
+
+    zxbcdt = in_proj(x)                        (T, I + conv_dim + H), conv_dim = I + 2 G N
+    z, xBC, dt = split(zxbcdt, [I, conv_dim, H])
+    xBC = silu(causal_conv1d(xBC))             rolling conv state (N_req, conv_dim, K-1)
+    x, B, C = split(xBC, [I, G N, G N])        x -> (T, H, P), B/C -> (T, G, N)
+    dt' = clamp(softplus(dt + dt_bias), dt_limit)
+    y = SSD(x, dt', A = -exp(A_log), B, C) + D x      state (N_req, H, P, N) float32
+    out = out_proj(GatedRMSNorm(y, z))         gate before the norm, groups of I // G channels
+
+The layer named ``layers.{i}`` loads its request states once per step, runs the kernels and
+stores the states back (conv in the model dtype, ssm in the cache's SSM dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.executor.forward_context import ForwardContext, StateMetadata
+from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.mamba.gated_norm import GatedRMSNorm
+from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
+
+__all__ = ["Mamba2Config", "Mamba2Mixer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Config:
+    """Shapes and options of one Mamba-2 mixer, independent of the checkpoint's field names.
+
+    ``intermediate == num_heads * head_dim``; ``num_heads % n_groups == 0``.
+    ``dt_limit`` is the (min, max) clamp of the discretised time step on the prompt path.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    eps: float
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    proj_bias: bool = False
+    conv_bias: bool = True
+    activation: str = "silu"
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size
+
+    @classmethod
+    def from_nemotron_h(cls, cfg) -> Mamba2Config:
+        """NemotronHConfig: the prompt path clamps dt to ``(time_step_min, inf)`` (transformers'
+        NemotronHMamba2Mixer ignores ``time_step_limit``)."""
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.mamba_num_heads,
+            head_dim=cfg.mamba_head_dim,
+            n_groups=cfg.n_groups,
+            state_size=cfg.ssm_state_size,
+            conv_kernel=cfg.conv_kernel,
+            chunk_size=cfg.chunk_size,
+            eps=cfg.layer_norm_epsilon,
+            dt_limit=(float(getattr(cfg, "time_step_min", 0.0) or 0.0), math.inf),
+            proj_bias=bool(getattr(cfg, "use_bias", False)),
+            conv_bias=bool(getattr(cfg, "use_conv_bias", True)),
+            activation=getattr(cfg, "mamba_hidden_act", "silu"),
+        )
+
+    @classmethod
+    def from_bamba_like(cls, cfg) -> Mamba2Config:
+        """BambaConfig / GraniteMoeHybridConfig: ``mamba_*`` fields, ``time_step_limit``."""
+        intermediate = int(cfg.mamba_expand * cfg.hidden_size)
+        head_dim = cfg.mamba_d_head
+        if head_dim in (None, "auto"):
+            head_dim = intermediate // cfg.mamba_n_heads
+        if head_dim * cfg.mamba_n_heads != intermediate:
+            raise ValueError(f"mamba_n_heads * mamba_d_head ({cfg.mamba_n_heads} * {head_dim}) != "
+                             f"mamba_expand * hidden_size ({intermediate})")
+        limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.mamba_n_heads,
+            head_dim=int(head_dim),
+            n_groups=cfg.mamba_n_groups,
+            state_size=cfg.mamba_d_state,
+            conv_kernel=cfg.mamba_d_conv,
+            chunk_size=cfg.mamba_chunk_size,
+            eps=cfg.rms_norm_eps,
+            dt_limit=(float(limit[0]), float(limit[1])),
+            proj_bias=bool(getattr(cfg, "mamba_proj_bias", False)),
+            conv_bias=bool(getattr(cfg, "mamba_conv_bias", True)),
+            activation=getattr(cfg, "hidden_act", "silu"),
+        )
+
+
+def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """(T,) bool: True for tokens on transformers' prompt path (dt clamped).
+
+    transformers takes its single-token recurrent path -- which does not clamp dt -- exactly
+    when a forward call feeds one token to a sequence that already has a state; every other
+    call goes through the chunked scan, which clamps. A request's tokens this step are
+    therefore clamped unless the request has one token and an initial state.
+    """
+    cu = meta.cu_seqlens
+    counts = (cu[1:] - cu[:-1]).to(device)
+    decode = (counts == 1) & meta.has_initial_state.to(device)
+    return torch.repeat_interleave(~decode, counts, output_size=num_tokens)
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 mixer over a flat token batch; parameters named as in transformers.
+
+    ``forward(x (T, hidden), ctx) -> (T, hidden)`` in ``x.dtype``. ``layer_name`` must be the
+    cache layer name ``f"layers.{i}"`` (the state layer of that index).
+    """
+
+    def __init__(self, mcfg: Mamba2Config, layer_name: str) -> None:
+        super().__init__()
+        if mcfg.activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba-2 mixer activation {mcfg.activation!r} is not supported "
+                             "(the conv kernel implements silu)")
+        if mcfg.num_heads % mcfg.n_groups:
+            raise ValueError(f"mamba heads {mcfg.num_heads} not divisible by groups "
+                             f"{mcfg.n_groups}")
+        self.cfg = mcfg
+        self.layer_name = layer_name
+        inter, conv_dim, heads = mcfg.intermediate, mcfg.conv_dim, mcfg.num_heads
+        self.in_proj = nn.Linear(mcfg.hidden_size, inter + conv_dim + heads, bias=mcfg.proj_bias)
+        # Depthwise conv kept as an nn.Conv1d so the checkpoint's (C, 1, K) weight loads by name;
+        # the varlen kernels read it as (C, K).
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, mcfg.conv_kernel, groups=conv_dim,
+                                bias=mcfg.conv_bias, padding=mcfg.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.D = nn.Parameter(torch.ones(heads))
+        self.norm = GatedRMSNorm(inter, eps=mcfg.eps, group_size=inter // mcfg.n_groups)
+        self.out_proj = nn.Linear(inter, mcfg.hidden_size, bias=mcfg.proj_bias)
+
+    def _dt(self, dt: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """(T, H) discretised float32 time step, clamped the way transformers clamps it.
+
+        transformers' single-token decode path (``selective_state_update``) applies no dt limit
+        while its prompt path (``mamba2_chunk_scan``) does. Nemotron-H clamps at
+        ``time_step_min`` (1e-3), which random and real weights do reach, so clamping decode
+        tokens would change generated tokens versus transformers. We mirror it per token: see
+        :func:`_clamped_token_mask`.
+        """
+        out = F.softplus(dt.float() + self.dt_bias.float())
+        lo, hi = self.cfg.dt_limit
+        if (lo <= 0.0 and hi == math.inf) or meta.all_decode:
+            return out
+        clamped = out.clamp(min=lo, max=hi)
+        mask = _clamped_token_mask(meta, out.shape[0], out.device)
+        return torch.where(mask[:, None], clamped, out)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        c = self.cfg
+        t = x.shape[0]
+        inter, gn = c.intermediate, c.n_groups * c.state_size
+        z, xbc, dt = self.in_proj(x).split([inter, c.conv_dim, c.num_heads], dim=-1)
+
+        _, meta = ctx.state(self.layer_name)
+        states = ctx.load_states(self.layer_name)
+        weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
+        if meta.all_decode:
+            xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
+                                                   activation="silu")
+        else:
+            xbc, conv_state = causal_conv1d_varlen(xbc, weight, self.conv1d.bias, states["conv"],
+                                                   meta.cu_seqlens, activation="silu")
+        xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
+
+        A = -torch.exp(self.A_log.float())
+        dt = self._dt(dt, meta)
+        kernel = ssd_recurrent if meta.all_decode else ssd_chunked
+        # transformers' chunked scan keeps y in float32 up to the gated norm, while its decode
+        # update rounds y to the model dtype first; feeding x in the matching dtype makes the
+        # kernels return y the same way (a no-op in float32).
+        xs = xs.reshape(t, c.num_heads, c.head_dim)
+        if not meta.all_decode:
+            xs = xs.float()
+        y, ssm_state = kernel(
+            xs, dt, A,
+            b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
+            self.D, states["ssm"].float(), meta.cu_seqlens,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
+        )
+        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        y = self.norm(y.reshape(t, inter), z)
+        return self.out_proj(y.to(x.dtype))

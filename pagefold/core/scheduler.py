@@ -176,6 +176,8 @@ class Scheduler:
                 victim = self._victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
+                if self.running.index(victim) < i:
+                    i -= 1  # (priority policy) an earlier entry leaves: req moves up one slot
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:

@@ -92,6 +92,10 @@ def build_inputs(
         if window:
             valid &= kpos > (seq_len[row] - 1 - window).unsqueeze(1)
         mask = None if bool(valid.all()) else valid
+        width = int(nblk.max()) if len(dec_rows) else 0
+        row_blocks = torch.full((len(dec_rows), width), int(bcu[-1]), dtype=_i64)
+        col = torch.arange(int(bcu[-1])) - bcu[:-1][row]
+        row_blocks[row, col] = torch.arange(int(bcu[-1]))
         prefills = []
         for i in torch.nonzero(~is_decode).flatten().tolist():
             s, n = starts[i], counts[i]
@@ -102,7 +106,8 @@ def build_inputs(
                 kv_slots=tables[i, kp // bs] * bs + kp % bs))
         attn_meta.append(AttentionMetadata(
             slot_mapping=slots, decode_tok=cu[:-1][dec_rows], decode_blocks=dec_blocks,
-            decode_block_row=row, decode_block_mask=mask, prefills=prefills,
+            decode_block_row=row, decode_block_mask=mask, decode_row_blocks=row_blocks,
+            prefills=prefills,
             sliding_window=window))
 
     sample_req_idx = [i for i in range(n_req) if starts[i] + counts[i] >= totals[i]]

@@ -16,6 +16,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagefold.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagefold.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pagefold.models.llama", "Qwen3ForCausalLM"),
+    "NemotronHForCausalLM": ("pagefold.models.nemotron_h", "NemotronHForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("pagefold.models.granite_hybrid",
+                                    "GraniteMoeHybridForCausalLM"),
+    "BambaForCausalLM": ("pagefold.models.granite_hybrid", "BambaForCausalLM"),
+    "Qwen3_5ForCausalLM": ("pagefold.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("pagefold.models.qwen3_5",
+                                        "Qwen3_5ForConditionalGeneration"),
+    "Qwen3NextForCausalLM": ("pagefold.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

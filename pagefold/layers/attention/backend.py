@@ -39,6 +39,7 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor  # (Nb,) block ids read by decode rows, row after row
     decode_block_row: torch.Tensor  # (Nb,) decode row index (0..Bd-1) of each block
     decode_block_mask: torch.Tensor | None  # (Nb, block_size) valid keys; None if all valid
+    decode_row_blocks: torch.Tensor  # (Bd, max blocks per row) index into Nb; Nb = padding
     prefills: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
 
@@ -66,13 +67,19 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale
     scores = torch.matmul(qb, keys.transpose(-1, -2)).float() * scale  # (Nb, KVH, G, bs)
     if meta.decode_block_mask is not None:
         scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
-    bmax = scores.amax(-1)  # (Nb, KVH, G)
-    idx = row.view(-1, 1, 1).expand_as(bmax)
-    rmax = torch.full((b, kvh, g), float("-inf")).scatter_reduce(0, idx, bmax, reduce="amax")
+        # p is 0 at masked keys, but 0 * NaN = NaN: unwritten slots (stale bytes, NaN) must
+        # not reach the value product.
+        vals = vals.masked_fill(~meta.decode_block_mask[:, None, :, None], 0)
+    # Per-row reductions over a (rows, blocks-per-row) map of the block list; the map's padding
+    # points at one extra neutral entry (-inf for the max, 0 for sums).
+    rb = meta.decode_row_blocks
+    bmax = torch.cat((scores.amax(-1), torch.full((1, kvh, g), float("-inf"))))
+    rmax = bmax[rb].amax(1)  # (B, KVH, G)
     p = torch.exp(scores - rmax[row].unsqueeze(-1))
-    denom = torch.zeros((b, kvh, g)).index_add_(0, row, p.sum(-1))
+    zero = torch.zeros((1, kvh, g))
+    denom = torch.cat((p.sum(-1), zero))[rb].sum(1)
     ob = torch.matmul(p.to(vals.dtype), vals).float()  # (Nb, KVH, G, D)
-    out = torch.zeros((b, kvh, g, d)).index_add_(0, row, ob)
+    out = torch.cat((ob, zero.unsqueeze(-1).expand(1, kvh, g, d)))[rb].sum(1)
     return (out / denom.unsqueeze(-1)).view(b, h, d)
 
 

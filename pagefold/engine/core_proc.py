@@ -1,0 +1,354 @@
+"""The EngineCore in its own process: a lean busy loop between two ZMQ sockets.
+
+The API process (``pagefold.engine.client``) binds two ipc sockets and starts this module as
+``python -m pagefold.engine.core_proc``; the core connects to both:
+
+* ``input`` (API PUSH -> core PULL): msgpack :data:`InputMessage` -- add, abort, utility
+  calls, shutdown;
+* ``output`` (core PUSH -> API PULL): msgpack :data:`OutputMessage` -- first a :class:`Ready`
+  handshake (or a :class:`Fatal` when the engine cannot be built), then :class:`Outputs` after
+  every loop iteration that did something, each carrying the scheduler/pool :class:`CoreStats`.
+
+Invariants of the loop:
+
+* every message that arrived is handled before the next ``step()``, so an abort frees the
+  request's blocks before the step after it arrives;
+* an ``add`` that the core rejects (``ValueError``) queues nothing and comes back as a
+  :class:`RequestError` for that request id, never as a crash;
+* any other exception is fatal: it is reported as :class:`Fatal` and the process exits 1;
+* the process exits when its parent dies (``PR_SET_PDEATHSIG`` on Linux, plus a ``getppid``
+  check at least once a second) and on SIGTERM; SIGINT is ignored (a Ctrl-C reaches the whole
+  process group; the API process decides how to shut down and tells the core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagefold.config import EngineConfig
+from pagefold.engine.core import EngineCoreOutput
+from pagefold.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagefold.core_proc")
+
+# Seconds between parent-liveness checks while busy (when idle, each input poll waits this long).
+PARENT_CHECK_INTERVAL = 1.0
+# Stats-only messages (steps that finished no token, e.g. prefill chunks) at most this often.
+STATS_INTERVAL = 0.1
+
+
+# ---------------------------------------------------------------------- API -> core messages
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """A call answered in the next :class:`Outputs` (see :func:`_utility` for ``method``)."""
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+InputMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
+
+
+# ---------------------------------------------------------------------- core -> API messages
+class GroupUsage(msgspec.Struct):
+    """Blocks held by the requests of one cache group (a group is one kind of layer)."""
+
+    kind: str
+    num_layers: int
+    num_blocks: int
+
+
+class CoreStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # cumulative since start
+    num_free_blocks: int
+    num_usable_blocks: int
+    kv_usage: float  # 1 - free/usable, in [0, 1]
+    groups: list[GroupUsage]
+    num_steps: int  # cumulative model steps
+
+
+class RequestError(msgspec.Struct):
+    request_id: str
+    message: str
+
+
+class UtilityResult(msgspec.Struct):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    num_usable_blocks: int
+    max_num_batched_tokens: int
+    groups: list[str]
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+    errors: list[RequestError] = []
+    utility: list[UtilityResult] = []
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    message: str
+
+
+OutputMessage = Ready | Outputs | Fatal
+
+
+# ---------------------------------------------------------------------- stats
+def core_stats(core, num_steps: int = 0) -> CoreStats:
+    """Scheduler and pool counters; per-group block counts exclude the null block."""
+    kv, s = core.kv, core.scheduler
+    groups = []
+    for m in kv.managers:
+        held = sum(1 for blocks in m.req_blocks.values() for b in blocks
+                   if b is not kv.pool.null_block)
+        groups.append(GroupUsage(type(m.group.spec).__name__, len(m.group.layer_names), held))
+    return CoreStats(
+        num_running=s.num_running, num_waiting=s.num_waiting,
+        num_preemptions=s.num_preemptions, num_free_blocks=kv.pool.num_free,
+        num_usable_blocks=kv.pool.num_usable, kv_usage=kv.usage, groups=groups,
+        num_steps=num_steps)
+
+
+def _utility(core, method: str, num_steps: int) -> Any:
+    """``pool_stats``: pool and queue counters plus ``whole`` (no block held, all free);
+    ``ping``: ``"pong"``."""
+    if method == "ping":
+        return "pong"
+    if method == "pool_stats":
+        st = core_stats(core, num_steps)
+        try:
+            core.kv.check_whole()
+            whole = True
+        except AssertionError:
+            whole = False
+        return {
+            "num_free_blocks": st.num_free_blocks, "num_usable_blocks": st.num_usable_blocks,
+            "num_running": st.num_running, "num_waiting": st.num_waiting,
+            "num_preemptions": st.num_preemptions, "kv_usage": st.kv_usage,
+            "groups": [msgspec.structs.asdict(g) for g in st.groups],
+            "num_steps": st.num_steps, "whole": whole,
+        }
+    raise ValueError(f"unknown utility method {method!r}; known: ping, pool_stats")
+
+
+# ---------------------------------------------------------------------- process plumbing
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on getppid checks")
+
+
+def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    raise SystemExit(0)
+
+
+class _CoreLoop:
+    """The busy loop. Owns the sockets and the EngineCore; see the module docstring."""
+
+    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.num_steps = 0
+        self._last_parent_check = time.monotonic()
+        self._last_send = 0.0
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def _decode(self, frame: bytes, errors: list[RequestError]) -> InputMessage | None:
+        try:
+            return self.decoder.decode(frame)
+        except msgspec.ValidationError as e:
+            # A bad add still has a request id: answer it instead of dropping it silently.
+            raw = msgspec.msgpack.decode(frame)
+            rid = raw.get("request_id") if isinstance(raw, dict) else None
+            if isinstance(rid, str):
+                errors.append(RequestError(rid, str(e)))
+            else:
+                logger.error("dropping undecodable message: %s", e)
+            return None
+
+    def handle_inputs(self, block_ms: int) -> tuple[bool, bool, list, list]:
+        """Drain the input socket. Returns (anything handled, shutdown asked, errors, utility)."""
+        errors: list[RequestError] = []
+        utility: list[UtilityResult] = []
+        handled = stop = False
+        if not self.in_sock.poll(block_ms):
+            return handled, stop, errors, utility
+        while True:
+            try:
+                frame = self.in_sock.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            handled = True
+            msg = self._decode(frame, errors)
+            if isinstance(msg, AddRequest):
+                try:
+                    self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                          priority=msg.priority)
+                except ValueError as e:
+                    errors.append(RequestError(msg.request_id, str(e)))
+            elif isinstance(msg, AbortRequests):
+                self.core.abort(msg.request_ids)
+            elif isinstance(msg, UtilityCall):
+                try:
+                    result = _utility(self.core, msg.method, self.num_steps)
+                    utility.append(UtilityResult(msg.call_id, result))
+                except ValueError as e:
+                    utility.append(UtilityResult(msg.call_id, error=str(e)))
+            elif isinstance(msg, Shutdown):
+                stop = True
+        return handled, stop, errors, utility
+
+    def send(self, outputs: list[EngineCoreOutput], errors, utility) -> None:
+        msg = Outputs(outputs, core_stats(self.core, self.num_steps), errors, utility)
+        self.out_sock.send(self.encoder.encode(msg), copy=False)
+        self._last_send = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            busy = self.core.has_unfinished()
+            handled, stop, errors, utility = self.handle_inputs(
+                0 if busy else int(PARENT_CHECK_INTERVAL * 1000))
+            if stop:
+                logger.info("shutdown requested")
+                return
+            outputs: list[EngineCoreOutput] = []
+            stepped = False
+            if self.core.has_unfinished():
+                outputs = self.core.step()
+                self.num_steps += 1
+                stepped = True
+            now = time.monotonic()
+            if (outputs or errors or utility or handled
+                    or (stepped and now - self._last_send >= STATS_INTERVAL)):
+                self.send(outputs, errors, utility)
+            if now - self._last_parent_check >= PARENT_CHECK_INTERVAL or not busy:
+                self._last_parent_check = now
+                if not self.parent_alive():
+                    logger.warning("parent process %d is gone; exiting", self.parent_pid)
+                    return
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    parent_pid: int) -> int:
+    """Build the EngineCore, handshake, run the loop. Returns the process exit code."""
+    _set_parent_death_signal()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if os.getppid() != parent_pid:
+        return 1  # the parent died before prctl took effect
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.SNDHWM, 0)
+    # Let a last Fatal message reach the API process after we decide to exit.
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(input_addr)
+    out_sock.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        try:
+            from pagefold.engine.core import EngineCore
+            from pagefold.models.registry import text_config
+
+            core = EngineCore(config)
+        except Exception as e:  # noqa: BLE001 - reported to the API process, then exit
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            logger.error("cannot build the engine: %s", msg)
+            out_sock.send(encoder.encode(Fatal(msg)))
+            return 1
+        kv = core.kv
+        out_sock.send(encoder.encode(Ready(
+            pid=os.getpid(), max_model_len=core.max_model_len,
+            vocab_size=int(text_config(core.hf_config).vocab_size),
+            eos_token_id=core.eos_token_id, block_size=kv.block_size,
+            num_usable_blocks=kv.pool.num_usable,
+            max_num_batched_tokens=core.max_num_batched_tokens,
+            groups=[type(m.group.spec).__name__ for m in kv.managers])))
+        loop = _CoreLoop(core, in_sock, out_sock, parent_pid)
+        try:
+            loop.run()
+        except SystemExit:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a crash is reported, never silent
+            tb = traceback.format_exc()
+            logger.error("engine core failed:\n%s", tb)
+            out_sock.send(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
+            code = 1
+    finally:
+        in_sock.close()
+        out_sock.close()
+        ctx.term()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="pagefold EngineCore process (started by the server)")
+    p.add_argument("--input", required=True, help="ZMQ address to pull requests from")
+    p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(levelname)s EngineCore[{os.getpid()}] %(name)s: %(message)s")
+    config = EngineConfig(**json.loads(args.config))
+    try:
+        return run_engine_core(config, args.input, args.output, args.parent_pid)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Prometheus metrics of the API server (``GET /metrics``), named as vLLM names them.
+
+Two sources feed them:
+
+* the EngineCore process sends :class:`~pagefold.engine.core_proc.CoreStats` with its outputs
+  (queue lengths, pool usage overall and by cache group, cumulative preemptions);
+* the API process times each request itself: arrival (when the server accepted it) to first
+  token (TTFT), between token batches (inter-token latency), arrival to finish (e2e).
+
+Every metric has a private registry per :class:`ServerMetrics`, so several servers (or tests)
+in one process never collide. Prefix-cache counters count prompt tokens looked up (queries)
+and tokens found cached (hits), summed from ``RequestOutput.num_cached_tokens``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """All server metrics, labelled with ``model_name``."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+        self.running = Gauge("pagefold:num_requests_running",
+                             "Requests in the running batch.", m, registry=r)
+        self.waiting = Gauge("pagefold:num_requests_waiting",
+                             "Requests waiting to be scheduled.", m, registry=r)
+        self.kv_usage = Gauge("pagefold:kv_cache_usage_perc",
+                              "Fraction of usable pool blocks in use (1 = full).", m, registry=r)
+        self.kv_group_usage = Gauge(
+            "pagefold:kv_cache_group_usage_perc",
+            "Fraction of usable pool blocks held by one cache group.",
+            m + ["group", "kind"], registry=r)
+        self.free_blocks = Gauge("pagefold:kv_cache_free_blocks",
+                                 "Pool blocks free now (cached-but-free included).", m, registry=r)
+        self.usable_blocks = Gauge("pagefold:kv_cache_usable_blocks",
+                                   "Pool blocks that can ever be handed out.", m, registry=r)
+        self.preemptions = Counter("pagefold:num_preemptions",
+                                   "Requests preempted (recompute) since start.", m, registry=r)
+        self.prefix_queries = Counter("pagefold:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", m,
+                                      registry=r)
+        self.prefix_hits = Counter("pagefold:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.", m, registry=r)
+        self.prompt_tokens = Counter("pagefold:prompt_tokens", "Prompt tokens processed.", m,
+                                     registry=r)
+        self.generation_tokens = Counter("pagefold:generation_tokens", "Tokens generated.", m,
+                                         registry=r)
+        self.request_success = Counter("pagefold:request_success", "Requests finished.",
+                                       m + ["finished_reason"], registry=r)
+        self.ttft = Histogram("pagefold:time_to_first_token_seconds",
+                              "Arrival to first output token.", m, buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pagefold:inter_token_latency_seconds",
+                             "Time between output token batches of one request.", m,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pagefold:e2e_request_latency_seconds",
+                             "Arrival to the last output token.", m, buckets=_E2E_BUCKETS,
+                             registry=r)
+        self._last_preemptions = 0
+        for metric in (self.preemptions, self.prefix_queries, self.prefix_hits,
+                       self.prompt_tokens, self.generation_tokens):
+            metric.labels(model_name)  # exported as 0 before the first event
+
+    # ------------------------------------------------------------------ engine-core side
+    def record_core_stats(self, stats) -> None:
+        """``stats``: a ``CoreStats`` (queue lengths, pool, groups, cumulative preemptions)."""
+        name = self.model_name
+        self.running.labels(name).set(stats.num_running)
+        self.waiting.labels(name).set(stats.num_waiting)
+        self.kv_usage.labels(name).set(stats.kv_usage)
+        self.free_blocks.labels(name).set(stats.num_free_blocks)
+        self.usable_blocks.labels(name).set(stats.num_usable_blocks)
+        usable = max(stats.num_usable_blocks, 1)
+        for i, g in enumerate(stats.groups):
+            self.kv_group_usage.labels(name, str(i), g.kind).set(g.num_blocks / usable)
+        new = stats.num_preemptions - self._last_preemptions
+        if new > 0:
+            self.preemptions.labels(name).inc(new)
+        self._last_preemptions = max(self._last_preemptions, stats.num_preemptions)
+
+    # ------------------------------------------------------------------ per request
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int,
+                           num_cached_tokens: int) -> None:
+        name = self.model_name
+        self.ttft.labels(name).observe(ttft_s)
+        self.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        self.prefix_queries.labels(name).inc(num_prompt_tokens)
+        self.prefix_hits.labels(name).inc(num_cached_tokens)
+
+    def record_tokens(self, num_new_tokens: int, itl_s: float | None) -> None:
+        """``itl_s`` is None for the first batch of a request (that one is TTFT)."""
+        if num_new_tokens > 0:
+            self.generation_tokens.labels(self.model_name).inc(num_new_tokens)
+        if itl_s is not None:
+            self.itl.labels(self.model_name).observe(itl_s)
+
+    def record_finished(self, e2e_s: float, finish_reason: str | None) -> None:
+        self.e2e.labels(self.model_name).observe(e2e_s)
+        self.request_success.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,310 @@
+"""Granite 4.0-H (GraniteMoeHybridForCausalLM) and Bamba (BambaForCausalLM).
+
+Both are pre-norm decoders whose layers hold one token mixer (Mamba-2 or attention) followed by
+a feed-forward block:
+
+    x = x + m * mixer(input_layernorm(x))
+    x = x + m * ffn(post_norm(x))
+
+* Granite: ``m = residual_multiplier``; embeddings are scaled by ``embedding_multiplier``,
+  attention uses ``attention_multiplier`` as its softmax scale, logits are divided by
+  ``logits_scaling``; RoPE only when ``position_embedding_type == "rope"`` (else NoPE). The
+  ffn is a sparse MoE (softmax over the top-k router logits, SwiGLU experts stored fused as
+  ``input_linear`` (E, 2I, H) / ``output_linear`` (E, H, I)) plus an always-on SwiGLU
+  ``shared_mlp``; with ``num_local_experts == 0`` only the shared MLP.
+* Bamba: ``m = 1``; attention uses partial RoPE (``rope_parameters["partial_rotary_factor"]``,
+  0.5 in every Bamba config) and the usual ``head_dim ** -0.5`` scale; SwiGLU ``feed_forward``.
+
+Inputs are one flat token batch: ``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.norm import RMSNorm
+from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.models.llama import GatedMLP
+from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
+from pagefold.models.weights import fuse, load_into
+
+__all__ = ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "hybrid_layer_kinds"]
+
+_ATTN, _MAMBA = "attention", "mamba"
+_TYPES = {"attention": _ATTN, "full_attention": _ATTN, "mamba": _MAMBA,
+          "linear_attention": _MAMBA}
+
+
+def hybrid_layer_kinds(cfg) -> list[str]:
+    """``"attention"`` or ``"mamba"`` per layer (config ``layers_block_type`` / ``layer_types``,
+    or Bamba's ``attn_layer_indices``; all-Mamba when none is given, as transformers does)."""
+    n = cfg.num_hidden_layers
+    types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
+    if types is None:
+        attn = set(getattr(cfg, "attn_layer_indices", None) or [])
+        return [_ATTN if i in attn else _MAMBA for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"config lists {len(types)} layer types for {n} layers")
+    bad = [t for t in types if t not in _TYPES]
+    if bad:
+        raise ValueError(f"unknown layer type(s) {sorted(set(bad))}; expected one of "
+                         f"{sorted(_TYPES)}")
+    return [_TYPES[t] for t in types]
+
+
+def _activation(name: str):
+    if name in ("silu", "swish"):
+        return F.silu
+    if name in ("gelu", "gelu_pytorch_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh" if "tanh" in name else "none")
+    raise ValueError(f"unsupported hidden_act {name!r}")
+
+
+class HybridAttention(nn.Module):
+    """GQA attention; RoPE on the first ``rotary_dim`` channels (None: no positional encoding)."""
+
+    def __init__(self, cfg, layer_idx: int, *, scale: float, rotary_dim: int | None,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = [q, kv, kv]
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
+                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.scale = scale
+        self.rotary = (RotaryEmbedding(cfg, self.head_dim, max_positions, rotary_dim=rotary_dim)
+                       if rotary_dim is not None else None)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        o = ctx.attention(self.layer_name, q, k, v.view(t, self.num_kv_heads, self.head_dim),
+                          self.scale)
+        return self.o_proj(o.reshape(t, self.sizes[0]))
+
+
+class _Stacked(nn.Module):
+    """Holds one stacked expert tensor as ``.weight`` (the checkpoint's name)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape))
+
+
+class GraniteMoE(nn.Module):
+    """Granite's sparse MoE: top-k of the router logits, softmax over those k, SwiGLU experts.
+
+    Weights as in Granite checkpoints: ``router.layer.weight`` (E, H), ``input_linear.weight``
+    (E, 2I, H) (gate rows first, then up), ``output_linear.weight`` (E, H, I).
+    ``forward(x (T, H)) -> (T, H)`` in ``x.dtype``.
+    """
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
+        self.router = nn.Module()
+        self.router.layer = nn.Linear(h, e, bias=False)
+        self.input_linear = _Stacked(e, 2 * i, h)
+        self.output_linear = _Stacked(e, h, i)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router.layer(x).float()
+        top_logits, idx = logits.topk(self.top_k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = idx.reshape(-1)
+        # Group the (token, slot) pairs by expert: one host sync for the per-expert counts.
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        w_in, w_out = self.input_linear.weight, self.output_linear.weight
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            start += n
+            tok, slot = sel // self.top_k, sel % self.top_k
+            gate, up = F.linear(x[tok], w_in[e]).split(self.inter, dim=-1)
+            y = F.linear(self.act(gate) * up, w_out[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y)
+        return out
+
+
+class GraniteSharedMLP(nn.Module):
+    """SwiGLU with fused ``input_linear`` (2S, H) (gate first) and ``output_linear`` (H, S)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.inter = cfg.shared_intermediate_size
+        self.input_linear = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.output_linear = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).split(self.inter, dim=-1)
+        return self.output_linear(self.act(gate) * up)
+
+
+def _mixer(cfg, layer_idx: int, kind: str, attn_kw: dict) -> nn.Module:
+    if kind == _MAMBA:
+        return Mamba2Mixer(Mamba2Config.from_bamba_like(cfg), f"layers.{layer_idx}")
+    return HybridAttention(cfg, layer_idx, **attn_kw)
+
+
+class GraniteDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, kind: str, attn_kw: dict) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if kind == _MAMBA:
+            self.mamba = _mixer(cfg, layer_idx, kind, attn_kw)
+        else:
+            self.self_attn = _mixer(cfg, layer_idx, kind, attn_kw)
+        self.block_sparse_moe = GraniteMoE(cfg) if cfg.num_local_experts > 0 else None
+        self.shared_mlp = GraniteSharedMLP(cfg)
+        self.residual_multiplier = float(cfg.residual_multiplier)
+
+    def forward(self, positions, x, ctx):
+        h = self.input_layernorm(x)
+        h = self.mamba(h, ctx) if self.kind == _MAMBA else self.self_attn(positions, h, ctx)
+        x = x + h * self.residual_multiplier
+        h = self.post_attention_layernorm(x)
+        ff = self.shared_mlp(h)
+        if self.block_sparse_moe is not None:
+            ff = self.block_sparse_moe(h) + ff
+        return x + ff * self.residual_multiplier
+
+
+class BambaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, kind: str, attn_kw: dict) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if kind == _MAMBA:
+            self.mamba = _mixer(cfg, layer_idx, kind, attn_kw)
+        else:
+            self.self_attn = _mixer(cfg, layer_idx, kind, attn_kw)
+        self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                     bias=bool(getattr(cfg, "mlp_bias", False)),
+                                     act=getattr(cfg, "hidden_act", "silu"))
+
+    def forward(self, positions, x, ctx):
+        h = self.input_layernorm(x)
+        h = self.mamba(h, ctx) if self.kind == _MAMBA else self.self_attn(positions, h, ctx)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class _HybridModel(nn.Module):
+    def __init__(self, cfg, layer_cls, attn_kw: dict, final_norm: str,
+                 embedding_multiplier: float) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, kind, attn_kw)
+                                    for i, kind in enumerate(hybrid_layer_kinds(cfg)))
+        self.final_norm_name = final_norm
+        setattr(self, final_norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        self.embedding_multiplier = embedding_multiplier
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return getattr(self, self.final_norm_name)(x)
+
+
+class _HybridCausalLM(nn.Module):
+    fused_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                   "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    # transformers' in-memory names (a checkpoint it re-saved) -> the original checkpoint's.
+    hf_renames: dict[str, str] = {}
+
+    def __init__(self, cfg, model: _HybridModel, logits_divisor: float) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_divisor = logits_divisor
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.logits_divisor != 1.0:
+            logits = logits / self.logits_divisor
+        return logits.float()
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            for new, old in self.hf_renames.items():
+                if name.endswith(new):
+                    name = name[: -len(new)] + old
+                    break
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("lm_head.",) if self.tied else ()
+        loaded = load_into(self, self._renamed(weights), rename=self.fused_names,
+                           skip_prefixes=skip)
+        got = {n.split(":")[0] for n in loaded}
+        expected = {n for n, _ in self.named_parameters()}
+        missing = sorted(expected - got)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+
+
+class GraniteMoeHybridForCausalLM(_HybridCausalLM):
+    hf_renames = {
+        "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+        "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
+        "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+    }
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        pe = getattr(cfg, "position_embedding_type", None)
+        if pe not in (None, "nope", "rope"):
+            raise ValueError(f"unsupported position_embedding_type {pe!r} (expected rope or none)")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attn_kw = dict(scale=float(cfg.attention_multiplier),
+                       rotary_dim=head_dim if pe == "rope" else None,
+                       max_positions=max_positions)
+        model = _HybridModel(cfg, GraniteDecoderLayer, attn_kw, "norm",
+                             float(cfg.embedding_multiplier))
+        super().__init__(cfg, model, float(cfg.logits_scaling))
+
+
+class BambaForCausalLM(_HybridCausalLM):
+    def __init__(self, cfg, max_positions: int) -> None:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        # transformers' BambaRotaryEmbedding reads the factor from rope_parameters only.
+        rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+        attn_kw = dict(scale=head_dim**-0.5, rotary_dim=rotary_dim, max_positions=max_positions)
+        model = _HybridModel(cfg, BambaDecoderLayer, attn_kw, "final_layernorm", 1.0)
+        super().__init__(cfg, model, 1.0)

@@ -1,0 +1,272 @@
+"""Nemotron-H (NemotronHForCausalLM): one mixer per block -- Mamba-2, attention, MLP or MoE.
+
+Each block is ``x + mixer(norm(x))``. The block kinds come from ``layers_block_type`` (or the
+older ``hybrid_override_pattern`` string: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` MoE).
+Attention has no positional encoding (the Mamba layers carry position); MLPs are ungated
+``down(relu(up(x)) ** 2)``. Checkpoint weights live under ``backbone.`` (the original layout;
+transformers-saved copies use ``model.``, which is mapped back). Inputs are a flat token batch:
+``forward(input_ids (T,), positions (T,), ctx) -> hidden (T, hidden)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.norm import RMSNorm
+from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
+from pagefold.models.weights import fuse, load_into
+
+__all__ = ["NemotronHForCausalLM", "nemotron_h_block_kinds"]
+
+_KIND_NAMES = {
+    "M": "mamba", "mamba": "mamba", "linear_attention": "mamba",
+    "*": "attention", "attention": "attention", "full_attention": "attention",
+    "-": "mlp", "mlp": "mlp",
+    "E": "moe", "moe": "moe",
+}  # fmt: skip
+
+
+def nemotron_h_block_kinds(cfg) -> list[str]:
+    """Per-block kind (``mamba``, ``attention``, ``mlp``, ``moe``) from a Nemotron-H config."""
+    types = getattr(cfg, "layers_block_type", None)
+    if types is None:
+        types = getattr(cfg, "hybrid_override_pattern", None)
+    if types is None:
+        raise ValueError("Nemotron-H config has neither layers_block_type nor "
+                         "hybrid_override_pattern")
+    kinds = []
+    for i, t in enumerate(types):
+        if t not in _KIND_NAMES:
+            raise ValueError(f"Nemotron-H block {i} has unknown type {t!r}; expected one of "
+                             f"{sorted(_KIND_NAMES)}")
+        kinds.append(_KIND_NAMES[t])
+    return kinds
+
+
+class NemotronHRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiply stays in float32 before the cast back (transformers'
+    NemotronHRMSNorm; differs from the Llama norm only below float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def _act(name: str):
+    if name == "relu2":
+        return lambda x: F.relu(x).square()
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unsupported Nemotron-H MLP activation {name!r}")
+
+
+class NemotronHMLP(nn.Module):
+    """Ungated MLP: ``down_proj(act(up_proj(x)))``."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = _act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronHAttention(nn.Module):
+    """GQA attention without RoPE; q/k/v fused into ``qkv_proj`` at load time."""
+
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = [q, kv, kv]
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
+                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        o = ctx.attention(self.layer_name, q.view(t, self.num_heads, self.head_dim),
+                          k.view(t, self.num_kv_heads, self.head_dim),
+                          v.view(t, self.num_kv_heads, self.head_dim), self.scale)
+        return self.o_proj(o.reshape(t, self.sizes[0]))
+
+
+class NemotronHRouter(nn.Module):
+    """Sigmoid top-k router with score-correction bias and group-limited selection (float32)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = getattr(cfg, "n_group", 1) or 1
+        self.topk_group = getattr(cfg, "topk_group", 1) or 1
+        self.norm_topk_prob = bool(getattr(cfg, "norm_topk_prob", True))
+        self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
+        # transformers keeps the router in float32 whatever the model dtype.
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size,
+                                               dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts,
+                                                                dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (weights (T, top_k) float32, expert ids (T, top_k))."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1:
+            group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_idx, True)
+            keep = keep.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(choice.shape)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scaling, idx
+
+
+class NemotronHMoE(nn.Module):
+    """Routed relu^2 experts (optionally in a latent space) plus an always-on shared expert."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        bias, act = bool(getattr(cfg, "mlp_bias", False)), cfg.mlp_hidden_act
+        latent = getattr(cfg, "moe_latent_size", None)
+        dim = latent or cfg.hidden_size
+        self.gate = NemotronHRouter(cfg)
+        self.experts = nn.ModuleList(NemotronHMLP(dim, cfg.moe_intermediate_size, False, act)
+                                     for _ in range(cfg.n_routed_experts))
+        self.shared_experts = NemotronHMLP(cfg.hidden_size,
+                                           cfg.moe_shared_expert_intermediate_size, bias, act)
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, latent, bias=bias)
+            self.fc2_latent_proj = nn.Linear(latent, cfg.hidden_size, bias=bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)
+        h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            start += n
+            tok, slot = sel // idx.shape[1], sel % idx.shape[1]
+            y = self.experts[e](h[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.float())
+        out = out.to(h.dtype)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg, layer_idx: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(Mamba2Config.from_nemotron_h(cfg), f"layers.{layer_idx}")
+        elif kind == "attention":
+            self.mixer = NemotronHAttention(cfg, layer_idx)
+        elif kind == "mlp":
+            self.mixer = NemotronHMLP(cfg.hidden_size, cfg.intermediate_size,
+                                      bool(getattr(cfg, "mlp_bias", False)), cfg.mlp_hidden_act)
+        else:
+            self.mixer = NemotronHMoE(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.norm(x)
+        if self.kind in ("mamba", "attention"):
+            return x + self.mixer(h, ctx)
+        return x + self.mixer(h)
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, kind)
+                                    for i, kind in enumerate(nemotron_h_block_kinds(cfg)))
+        self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm_f(x)
+
+
+class NemotronHForCausalLM(nn.Module):
+    """``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)``; positions are unused
+    (no RoPE). ``compute_logits(hidden) -> (T, vocab)`` float32."""
+
+    fused_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        del max_positions  # no positional encoding
+        self.config = cfg
+        self.backbone = NemotronHModel(cfg)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.backbone(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Checkpoint names -> ours: ``model.`` -> ``backbone.``, stacked expert tensors (as
+        transformers saves them) -> one tensor per expert, multi-token-prediction heads dropped.
+        """
+        for name, tensor in weights:
+            if name.startswith("mtp.") or ".mtp." in name:
+                continue
+            if name.startswith("model."):
+                name = "backbone." + name[len("model."):]
+            if name.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
+                base, proj = name.rsplit(".", 1)
+                for e, t in enumerate(tensor.unbind(0)):
+                    yield f"{base}.{e}.{proj}.weight", t
+                continue
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("lm_head.",) if self.tied else ()
+        loaded = load_into(self, self._renamed(weights), rename=self.fused_names,
+                           skip_prefixes=skip)
+        got = {n.split(":")[0] for n in loaded}
+        expected = {n for n, _ in self.named_parameters()} - ({"lm_head.weight"} if self.tied
+                                                                else set())
+        missing = sorted(expected - got)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")

@@ -1,0 +1,338 @@
+"""Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention.
+
+Layer ``i`` is a ``linear_attention`` (Gated DeltaNet, GDN) or ``full_attention`` layer per
+``config.layer_types``; either is followed by a SwiGLU MLP (Qwen3.5) or a sparse MoE block
+(Qwen3-Next, which reuses every class here). All norms except the GDN output norm are
+zero-centred RMSNorms (weight stored as an offset from 1).
+
+Inputs are one flat batch (no batch dimension): ``input_ids`` (T,), ``positions`` (T,). Both
+layer kinds keep their cache under the name ``layers.{i}``:
+
+* full attention: the paged KV cache, through ``ctx.attention``;
+* GDN: per request a conv state (conv_dim, K-1) in the model dtype and a recurrent state
+  (value_heads, key_head_dim, value_head_dim), loaded and stored once per step via ``ctx``.
+
+A published Qwen3.5 checkpoint is ``Qwen3_5ForConditionalGeneration``: the same text weights
+under ``model.language_model.*`` plus a vision tower (``model.visual.*``) that pagefold skips;
+its config nests the text config under ``text_config``, which the registry unwraps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
+from pagefold.layers.moe import ExpertWeightRouter
+from pagefold.layers.norm import RMSNorm
+from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.models.llama import CausalLM, GatedMLP, head_dim_of
+from pagefold.models.weights import fuse, load_into
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GatedAttention",
+    "GatedDeltaNet",
+    "HybridCausalLM",
+    "HybridDecoderLayer",
+    "HybridModel",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "RMSNormGated",
+]
+
+
+def rotary_dim_of(cfg, head_dim: int) -> int:
+    """Rotated channels per head: ``int(head_dim * partial_rotary_factor)``, as transformers."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    return int(head_dim * (1.0 if factor is None else factor))
+
+
+class RMSNormGated(nn.Module):
+    """The GDN output norm: ``weight * rmsnorm(x) * silu(gate)`` (norm before gate).
+
+    Rounds as transformers' ``Qwen3_5RMSNormGated`` does: statistics in float32, the normalised
+    value cast to x's dtype before the weight, the gate applied in float32, result in x's dtype.
+    x and gate: (..., dim).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: ``o_proj(attn(q, k, v) * sigmoid(gate))``.
+
+    ``q_proj`` gives per head ``[query (D) | gate (D)]`` (2 * H * D rows); q and k go through
+    zero-centred per-head RMSNorms, then RoPE on the first ``rotary_dim`` channels. Qwen3.5's
+    interleaved mrope reduces to this 1-D RoPE for text, whose three position rows are equal.
+    q/k/v projections are fused into ``qkv_proj`` (q rows first, including the gate).
+    """
+
+    def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = 2 * self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias),
+                             {"q_proj": self.q_size, "k_proj": self.kv_size,
+                              "v_proj": self.kv_size})
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions,
+                                      rotary_dim=rotary_dim_of(cfg, self.head_dim))
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = ctx.attention(self.layer_name, q, k, v, self.scale)
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Qwen3.5's layout; Qwen3-Next's weights are converted to it).
+
+    Per step: ``in_proj`` (the checkpoint's in_proj_qkv | in_proj_z | in_proj_b | in_proj_a,
+    fused) -> causal depthwise conv over the q|k|v channels with SiLU, continuing each
+    request's conv state -> split q (Hk, Dk), k (Hk, Dk), v (Hv, Dv) -> q/k heads repeated to
+    the Hv value heads (each key head serves Hv/Hk consecutive value heads) ->
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32), ``beta = sigmoid(b)`` -> gated delta
+    rule (L2-normalised q/k, q scaled by Dk^-0.5) from each request's recurrent state ->
+    ``RMSNormGated(o, z)`` per value head -> ``out_proj``.
+    """
+
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads {self.num_k_heads}")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported Gated DeltaNet conv activation {act!r} (only silu)")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.splits = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        self.in_proj = fuse(nn.Linear(cfg.hidden_size, sum(self.splits), bias=False),
+                            {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
+                             "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
+        # Kept as nn.Conv1d so the checkpoint's (C, 1, K) weight loads by name; never called.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, bias=False,
+                                groups=self.conv_dim, padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = RMSNormGated(self.head_v_dim, eps=cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); reads and writes this layer's states in ``ctx``."""
+        t = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        _, meta = ctx.state(self.layer_name)
+        states = ctx.load_states(self.layer_name)
+        weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
+        if meta.all_decode:
+            mixed, conv_state = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
+        else:
+            mixed, conv_state = causal_conv1d_varlen(mixed, weight, None, states["conv"],
+                                                     meta.cu_seqlens, "silu")
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.num_v_heads // self.num_k_heads
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # float32 like transformers: in half precision exp(A_log) could overflow.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if meta.all_decode:
+            o, ssm_state = gdn_recurrent(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
+                                         use_qk_l2norm=True)
+        else:
+            o, ssm_state = gdn_chunked(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
+                                       use_qk_l2norm=True, chunk_size=_chunk_size(meta.cu_seqlens))
+        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+
+def _chunk_size(cu_seqlens: torch.Tensor, largest: int = 64) -> int:
+    """Chunk length for ``gdn_chunked``: the longest sequence rounded up to a power of two,
+    at most ``largest``. Every sequence is padded to whole chunks, so under chunked prefill
+    (a few tokens per request per step) 64-token chunks would be mostly padding; the result
+    is the same up to float rounding whatever the chunk length."""
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 1
+    return min(largest, 1 << max(longest - 1, 0).bit_length())
+
+
+MlpFactory = Callable[[object, int], nn.Module]
+
+
+def dense_mlp(cfg, layer_idx: int) -> nn.Module:
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=getattr(cfg, "hidden_act", "silu"))
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (``linear_attn`` or ``self_attn``), then ``mlp``."""
+
+    def __init__(self, cfg, layer_idx: int, max_positions: int, mlp: nn.Module) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        elif self.layer_type == "full_attention":
+            self.self_attn = GatedAttention(cfg, layer_idx, max_positions)
+        else:
+            raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r}; "
+                             "expected linear_attention or full_attention")
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                zero_centered=True)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, ctx)
+        else:
+            h = self.self_attn(positions, h, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    """Embeddings -> hybrid decoder layers -> final zero-centred norm; (T,) ids -> (T, hidden)."""
+
+    def __init__(self, cfg, max_positions: int, make_mlp: dense_mlp) -> None:
+        super().__init__()
+        if len(cfg.layer_types) < cfg.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for "
+                             f"{cfg.num_hidden_layers} layers")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, i, max_positions, make_mlp(cfg, i))
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class HybridCausalLM(CausalLM):
+    """Checkpoint loading shared by the Gated DeltaNet hybrids.
+
+    Accepts the text-only layout (``model.*``, ``lm_head.*``) and the multimodal one
+    (``model.language_model.*``); skips the vision tower (``model.visual.*``) and the
+    multi-token-prediction head (``mtp.*``). Subclasses convert other layouts in
+    :meth:`convert_weight`. An untied config whose checkpoint has no ``lm_head.weight`` is tied
+    (multimodal configs may state tying only at the top level, which the text config lacks).
+    """
+
+    fused_names = {
+        **CausalLM.fused_names,
+        "in_proj_qkv": "in_proj", "in_proj_z": "in_proj",
+        "in_proj_b": "in_proj", "in_proj_a": "in_proj",
+    }
+    skipped_prefixes = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+
+    def convert_weight(self, name: str, tensor: torch.Tensor
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint tensor -> tensors in Qwen3.5's text layout (identity here)."""
+        yield name, tensor
+
+    def _canonical(self, weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.startswith(self.skipped_prefixes):
+                continue
+            if name.startswith("model.language_model."):
+                name = "model." + name.removeprefix("model.language_model.")
+            seen.add(name)
+            if name == "lm_head.weight" and self.tied:
+                continue
+            yield from self.convert_weight(name, tensor)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        experts = ExpertWeightRouter(self)
+        seen: set[str] = set()
+        loaded = load_into(self, experts.route(self._canonical(weights, seen)),
+                           rename=self.fused_names)
+        if not self.tied and "lm_head.weight" not in seen:
+            logger.info("checkpoint has no lm_head.weight: tying it to the input embeddings")
+            self.tied = True
+            self.lm_head.weight = self.model.embed_tokens.weight
+        got = {n for n in loaded if ":" not in n} | experts.complete()
+        shards: dict[str, set[str]] = {}
+        for n in loaded:
+            if ":" in n:
+                target, shard = n.split(":")
+                shards.setdefault(target, set()).add(shard)
+        missing = []
+        for name, p in self.named_parameters():
+            if name == "lm_head.weight" and self.tied:
+                continue
+            fused = getattr(p, "fused", None)
+            if fused is not None and name in shards:
+                missing += [f"{name}:{s}" for s in fused.shards if s not in shards[name]]
+            elif name not in got:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+
+
+class Qwen3_5ForCausalLM(HybridCausalLM):
+    """Qwen3.5 dense text model (GDN + gated attention, SwiGLU MLPs)."""
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__(cfg, HybridModel(cfg, max_positions, dense_mlp))
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The published Qwen3.5 checkpoints: text weights under ``model.language_model.*``.
+
+    Built from the (registry-unwrapped) ``text_config``; the vision tower is not loaded, so
+    only text prompts are served.
+    """

@@ -1,0 +1,211 @@
+"""BlockPool, the per-group managers and the all-or-nothing KVCacheManager, with no model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pagefold.core.block_pool import BlockPool
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    StateComponent,
+    StateSpec,
+)
+from pagefold.core.managers import (
+    FullAttentionManager,
+    SlidingWindowManager,
+    StateManager,
+)
+from pagefold.request import Request
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)  # 512 B per page
+SWA = SlidingWindowSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32, window=6)
+# 2 KiB + 32 B of state: 5 pages of 512 B (the last one partly used).
+STATE = StateSpec("gdn", (StateComponent("conv", (4, 2), torch.float32),
+                          StateComponent("ssm", (2, 16, 16), torch.float32)))
+
+
+def _config(specs: dict, num_blocks: int):
+    page = ATTN.page_bytes(BS)
+    probe = plan_pagefold(specs, BS, page)
+    return plan_pagefold(specs, BS, num_blocks * probe.layers_per_group * page)
+
+
+def _req(rid: str, n_prompt: int) -> Request:
+    return Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(max_tokens=4))
+
+
+# ---------------------------------------------------------------------------------- BlockPool
+def test_allocate_free_touch_refcounts():
+    pool = BlockPool(6)
+    assert pool.num_usable == 5 and pool.num_free == 5
+    a = pool.allocate(3)
+    assert [b.ref_cnt for b in a] == [1, 1, 1] and pool.num_free == 2
+    pool.touch(a[:2])  # a second holder
+    assert [b.ref_cnt for b in a] == [2, 2, 1]
+    pool.free(a)
+    assert [b.ref_cnt for b in a] == [1, 1, 0] and pool.num_free == 3
+    with pytest.raises(AssertionError, match="still referenced"):
+        pool.check_whole()
+    pool.free(a[:2])
+    assert pool.num_free == 5
+    pool.check_whole()
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free(a[:1])
+
+
+def test_null_block_never_handed_out():
+    pool = BlockPool(5)
+    got = pool.allocate(4)
+    assert 0 not in {b.block_id for b in got}
+    with pytest.raises(RuntimeError, match="only 0 free"):
+        pool.allocate(1)
+    pool.free([pool.null_block, *got, pool.null_block])  # the null block is ignored
+    assert pool.null_block.ref_cnt == 1
+    pool.check_whole()
+    again = pool.allocate(4)
+    assert 0 not in {b.block_id for b in again}
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        BlockPool(1)
+
+
+def test_free_order_is_eviction_order_and_cached_blocks_evict():
+    pool = BlockPool(5)
+    a = pool.allocate(4)  # ids 1..4
+    for i, blk in enumerate(a):
+        pool.cache_block(blk, ("h", i))
+    pool.free(list(reversed(a)))  # tail first: block 4 is evicted first, block 1 last
+    assert pool.num_free == 4 and len(pool.cached) == 4  # free but still reusable
+    assert pool.lookup(("h", 0)) is a[0]
+    first = pool.allocate(1)[0]
+    assert first is a[3]
+    assert first.block_hash is None and pool.lookup(("h", 3)) is None
+    assert pool.num_evictions == 1
+    # A prefix hit on a free cached block takes it back out of the free queue.
+    pool.touch([a[0]])
+    assert a[0].ref_cnt == 1 and pool.num_free == 2
+    rest = pool.allocate(2)
+    assert {b.block_id for b in rest} == {a[2].block_id, a[1].block_id}
+    assert pool.lookup(("h", 0)) is a[0]  # held, so never evicted
+    assert pool.num_evictions == 3
+    pool.free([first, *rest, a[0]])
+    pool.check_whole()
+
+
+def test_free_to_front_is_evicted_first():
+    pool = BlockPool(5)
+    a = pool.allocate(4)
+    pool.free(a[:2])
+    pool.free_to_front(a[2:3])
+    assert pool.allocate(1)[0] is a[2]
+
+
+def test_cache_block_first_writer_wins():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, "x")
+    pool.cache_block(b, "x")
+    assert pool.lookup("x") is a and b.block_hash is None
+    pool.free([a, b])
+    pool.reset_prefix_cache()
+    assert pool.lookup("x") is None and a.block_hash is None
+
+
+def test_removal_from_middle_of_free_queue_is_constant_time():
+    """touch() on a free block in the middle of a big queue must not scan the queue."""
+    n = 200_000
+    pool = BlockPool(n)
+    middle = [pool.blocks[i] for i in range(n // 2, n // 2 + 5000)]
+    t0 = time.perf_counter()
+    for blk in middle:
+        pool.touch([blk])
+    for blk in middle:
+        pool.free([blk])
+    elapsed = time.perf_counter() - t0
+    # A list-based queue needs ~n/2 steps per removal (minutes here); a dict, microseconds.
+    assert elapsed < 2.0, elapsed
+    pool.check_whole()
+
+
+# ---------------------------------------------------------------------------------- managers
+def test_full_attention_manager_grows_block_by_block():
+    cfg = _config({"layers.0": ATTN}, 12)
+    kv = KVCacheManager(cfg)
+    (m,) = kv.managers
+    assert isinstance(m, FullAttentionManager)
+    r = _req("a", 9)
+    assert kv.blocks_needed(r, 9) == 3
+    assert kv.allocate_slots(r, 9)
+    assert len(kv.block_ids("a")[0]) == 3
+    r.num_computed_tokens = 9
+    assert kv.blocks_needed(r, 3) == 0  # tokens 9..11 fit in the third block
+    assert kv.blocks_needed(r, 4) == 1
+    assert kv.allocate_slots(r, 4) and len(kv.block_ids("a")[0]) == 4
+    kv.free(r)
+    kv.check_whole()
+
+
+def test_sliding_window_manager_frees_blocks_outside_window():
+    cfg = _config({"layers.0": SWA}, 12)
+    kv = KVCacheManager(cfg)
+    (m,) = kv.managers
+    assert isinstance(m, SlidingWindowManager)
+    r = _req("a", 16)
+    assert kv.allocate_slots(r, 16)
+    ids = kv.block_ids("a")[0]
+    assert len(ids) == 4 and kv.pool.num_free == 11 - 4
+    r.num_computed_tokens = 16
+    # The next query (position 16) reads keys 11..16: blocks 0 and 1 (tokens 0..7) are dead.
+    assert kv.blocks_needed(r, 1) == 1 - 2
+    assert kv.allocate_slots(r, 1)
+    after = kv.block_ids("a")[0]
+    assert after[:2] == [0, 0]  # null block keeps logical indices stable
+    assert after[2:4] == ids[2:4] and len(after) == 5
+    assert kv.pool.num_free == 11 - 3
+    assert m.num_held("a") == 3
+    kv.free(r)
+    kv.check_whole()
+
+
+def test_state_manager_takes_pages_per_state_once():
+    cfg = _config({"layers.0": ATTN, "layers.1": STATE}, 40)
+    state_group = cfg.groups[1]
+    assert state_group.pages_per_state == 5
+    kv = KVCacheManager(cfg)
+    assert isinstance(kv.managers[1], StateManager)
+    r = _req("a", 5)
+    assert kv.blocks_needed(r, 5) == 2 + 5
+    assert kv.allocate_slots(r, 5)
+    assert len(kv.block_ids("a")[1]) == 5
+    r.num_computed_tokens = 5
+    assert kv.blocks_needed(r, 100) == 27 - 2  # only attention grows (105 tokens)
+    assert kv.allocate_slots(r, 3)
+    assert len(kv.block_ids("a")[1]) == 5
+    kv.free(r)
+    kv.check_whole()
+
+
+def test_allocation_is_all_or_nothing_across_groups():
+    cfg = _config({"layers.0": ATTN, "layers.1": STATE}, 12)  # 11 usable
+    kv = KVCacheManager(cfg)
+    r = _req("a", 28)  # 7 attention pages + 5 state pages = 12 > 11
+    assert not kv.allocate_slots(r, 28)
+    assert kv.block_ids("a") == [[], []] and kv.pool.num_free == 11
+    assert kv.allocate_slots(r, 24)  # 6 + 5 fits exactly
+    assert kv.pool.num_free == 0
+    kv.free(r)
+    kv.check_whole()
+
+
+def test_min_blocks_for_counts_every_group():
+    cfg = _config({"layers.0": ATTN, "layers.1": STATE}, 40)
+    kv = KVCacheManager(cfg)
+    assert kv.min_blocks_for(17) == 5 + 5
+    kv.check_whole()  # the probe left nothing behind

@@ -76,6 +76,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Hybrids: also checkpoint linear-layer states every this many tokens of long prefills.
+    state_checkpoint_interval: int = 256
     scheduling_policy: str = "fcfs"
     seed: int = 0
     device: str = "auto"
@@ -96,6 +98,10 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
+        if self.state_checkpoint_interval < self.block_size:
+            raise ValueError(
+                f"state_checkpoint_interval must be at least block_size ({self.block_size}), "
+                f"got {self.state_checkpoint_interval}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

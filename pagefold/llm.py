@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore
 from pagefold.engine.output_processor import OutputProcessor
+from pagefold.models.registry import read_config_dict, resolve_architecture
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -48,6 +49,8 @@ class LLM:
 
     def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_kwargs)
+        # Path and architecture first: a tokenizer failure on a bad path reads as a hub error.
+        resolve_architecture(read_config_dict(Path(model)))
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -20,6 +20,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -37,6 +38,7 @@ class ServerMetrics:
     """All server metrics, labelled with ``model_name``."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # no *_created series: they only confuse dashboards
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]

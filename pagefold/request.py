@@ -50,6 +50,9 @@ class Request:
     num_preemptions: int = 0
     # Cumulative logprob of sampled tokens (filled when logprobs are requested or for best_of).
     cumulative_logprob: float = 0.0
+    # Prefix caching: chained hashes of full blocks, and what keys the chain (cache salt...).
+    block_hashes: list[bytes] = field(default_factory=list)
+    extra_keys: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

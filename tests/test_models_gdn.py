@@ -38,6 +38,7 @@ SCENARIOS = {
 }
 
 _hf_cache: dict[tuple, list[list[int]]] = {}
+_lp_cache: dict[tuple, list[dict[int, float]]] = {}
 
 
 def _prompts(random_prompts) -> list[list[int]]:
@@ -51,6 +52,14 @@ def _hf_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return _hf_cache[key]
 
 
+def _hf_logprobs(model_dir: Path, token_ids: list[int]) -> list[dict[int, float]]:
+    """hf_logprobs, remembered: scenarios that agree with HF ask for the same sequences."""
+    key = (str(model_dir), tuple(token_ids))
+    if key not in _lp_cache:
+        _lp_cache[key] = hf_logprobs(model_dir, token_ids, TOP)
+    return _lp_cache[key]
+
+
 def _generate(model_dir: Path, prompts: list[list[int]], **engine_kw):
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, **engine_kw)
     params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
@@ -62,7 +71,7 @@ def _check_logprobs(model_dir: Path, prompt: list[int], out, n: int) -> None:
     """The first ``n`` chosen tokens' logprobs (and the first step's top 5) match HF's."""
     if n == 0:
         return
-    ref = hf_logprobs(model_dir, prompt + list(out.token_ids[: n - 1]), TOP)[len(prompt) - 1 :]
+    ref = _hf_logprobs(model_dir, prompt + list(out.token_ids[: n - 1]))[len(prompt) - 1 :]
     for i in range(n):
         tok = out.token_ids[i]
         got = out.logprobs[i]
@@ -104,7 +113,7 @@ def test_qwen3_next_matches_hf(qwen3_next_dir: Path, random_prompts, scenario: s
             _check_logprobs(qwen3_next_dir, p, o, N_NEW)
             continue
         # Near-tie routing flip: both tokens must be plausible to both implementations.
-        hf_top = hf_logprobs(qwen3_next_dir, p + r[:d], TOP)[-1]
+        hf_top = _hf_logprobs(qwen3_next_dir, p + r[:d])[-1]
         assert got[d] in hf_top, f"pagefold token {got[d]} not in HF's top {TOP} at step {d}"
         assert r[d] in o.logprobs[d], f"HF token {r[d]} not in pagefold's top {TOP} at {d}"
         _check_logprobs(qwen3_next_dir, p, o, d)

@@ -1,43 +1,181 @@
-"""Coordinates the per-group managers over one BlockPool: all-or-nothing allocation."""
+"""Coordinates the per-group managers over one BlockPool.
+
+* Allocation is all-or-nothing across groups.
+* Prefix hits: the longest prefix P (a multiple of the block size, at most ``num_tokens - 1``
+  so the last token's logits get computed) that *every* group can serve: attention groups
+  serve any P up to their cached chain, state groups only P where a checkpoint exists. An
+  attention hit is never thrown away for a state miss when a shorter common P exists.
+* Checkpoint targets: prefill chunks end exactly where a state checkpoint is wanted (last block
+  boundary of the prompt, every ``checkpoint_interval`` tokens, and where an attention hit ran
+  past the deepest checkpoint: a proven branch point). Decoding passes every boundary anyway.
+* Page copies (restores for hits, saves for checkpoints) are queued here and executed by the
+  runner; their sources/destinations stay pinned until ``release_pins``.
+"""
 
 from __future__ import annotations
 
-from pagefold.core.block_pool import BlockPool
+import logging
+from dataclasses import dataclass
+
+from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import KVCacheConfig
-from pagefold.core.managers import GroupManager, make_manager
+from pagefold.core.managers import GroupManager, PageCopy, make_manager
+from pagefold.core.prefix_cache import update_block_hashes
 from pagefold.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from cache
+    requests: int = 0
+    requests_hit: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, *, enable_prefix_caching: bool = False,
+                 checkpoint_interval: int = 256) -> None:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
         self.managers: list[GroupManager] = [
-            make_manager(self.pool, g, config.block_size) for g in config.groups
+            make_manager(self.pool, g, i, config.block_size) for i, g in enumerate(config.groups)
         ]
+        self.caching = enable_prefix_caching
+        self.has_state = any(m.wants_checkpoints() for m in self.managers)
+        bs = self.block_size
+        self.checkpoint_interval = max(bs, (checkpoint_interval // bs) * bs)
+        self.stats = PrefixCacheStats()
+        self._targets: dict[str, list[int]] = {}
+        self._copies: list[PageCopy] = []
+        self._pins: list[list[Block]] = []
 
-    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+    # ------------------------------------------------------------------ prefix hits
+    def find_hit(self, req: Request) -> int:
+        """Blocks of ``req``'s prefix servable from cache (0 when caching is off)."""
+        if not self.caching or req.num_computed_tokens:
+            return 0
+        bs = self.block_size
+        hashes = update_block_hashes(req, bs)
+        max_blocks = (req.num_tokens - 1) // bs
+        cap, sets = max_blocks, []
+        for m in self.managers:
+            r = m.hit_lengths(hashes, max_blocks)
+            if isinstance(r, int):
+                cap = min(cap, r)
+            else:
+                sets.append(r)
+        n = cap
+        if sets:
+            common = set.intersection(*sets)
+            n = max((x for x in common if x <= cap), default=0)
+        if self.has_state:
+            self._plan_targets(req, attention_hit=cap, hit=n)
+        return n
+
+    def _plan_targets(self, req: Request, attention_hit: int, hit: int) -> None:
+        """Where this request's prefill chunks must end so a state checkpoint can be saved."""
+        bs, iv = self.block_size, self.checkpoint_interval
+        prompt_end = req.num_tokens - 1  # positions after which a later prompt may continue
+        targets = set(range(iv, prompt_end + 1, iv))
+        targets.add((prompt_end // bs) * bs)
+        if attention_hit > hit:
+            targets.add(attention_hit * bs)  # reuse proved to happen here
+        start = hit * bs
+        self._targets[req.request_id] = sorted(t for t in targets if t > start)
+
+    def cap_chunk(self, req: Request, start: int, num_new: int) -> int:
+        """Shorten a chunk starting at ``start`` so it ends on the next checkpoint target."""
+        targets = self._targets.get(req.request_id)
+        if not targets:
+            return num_new
+        for t in targets:
+            if start < t < start + num_new:
+                return t - start
+            if t >= start + num_new:
+                break
+        return num_new
+
+    def _is_target(self, req: Request, num_computed: int) -> bool:
+        if num_computed % self.block_size or num_computed == 0:
+            return False
+        if num_computed >= req.num_prompt_tokens:
+            return True  # decode: the latest boundary serves the next conversation turn
+        return num_computed in self._targets.get(req.request_id, ())
+
+    # ------------------------------------------------------------------ allocation
+    def blocks_needed(self, req: Request, num_new_tokens: int, hit_blocks: int = 0) -> int:
         """Net blocks the pool must supply to compute ``num_new_tokens`` more tokens."""
-        end = req.num_computed_tokens + num_new_tokens
+        start = req.num_computed_tokens + hit_blocks * self.block_size
+        end = start + num_new_tokens
         need = 0
         for m in self.managers:
-            need += m.num_blocks_needed(req.request_id, req.num_computed_tokens, end)
-            need -= m.num_blocks_to_free(req.request_id, req.num_computed_tokens)
+            if hit_blocks:
+                need += m.hit_cost(req.block_hashes, hit_blocks)
+                need += m.num_blocks_needed("\0probe", start, end) - _hit_blocks_held(m, hit_blocks)
+            else:
+                need += m.num_blocks_needed(req.request_id, start, end)
+                need -= m.num_blocks_to_free(req.request_id, start)
         return need
 
-    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
-        """Give ``req`` every block it needs for ``num_new_tokens`` more tokens, or nothing."""
-        if self.blocks_needed(req, num_new_tokens) > self.pool.num_free:
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: int = 0) -> bool:
+        """Give ``req`` every block it needs for ``num_new_tokens`` more tokens, or nothing.
+
+        With ``hit_blocks``, the request first takes its cached prefix (its
+        ``num_computed_tokens`` jumps to the hit length).
+        """
+        if self.blocks_needed(req, num_new_tokens, hit_blocks) > self.pool.num_free:
             return False
+        if hit_blocks:
+            for m in self.managers:
+                copies = m.take_hit(req.request_id, req.block_hashes, hit_blocks)
+                for c in copies:
+                    self._pins.append([self.pool.blocks[b] for b in c.src])
+                self._copies.extend(copies)
+            req.num_computed_tokens = hit_blocks * self.block_size
         end = req.num_computed_tokens + num_new_tokens
         for m in self.managers:
             m.allocate(req.request_id, req.num_computed_tokens, end)
         return True
 
+    def record_admission(self, req: Request, hit_tokens: int) -> None:
+        self.stats.requests += 1
+        self.stats.queries += req.num_tokens
+        self.stats.hits += hit_tokens
+        self.stats.requests_hit += hit_tokens > 0
+
+    def after_step(self, req: Request) -> None:
+        """Cache what ``req``'s last step made reusable (full blocks, state checkpoints)."""
+        if not self.caching:
+            return
+        hashes = update_block_hashes(req, self.block_size)
+        target = self.has_state and self._is_target(req, req.num_computed_tokens)
+        for m in self.managers:
+            copies = m.after_step(req.request_id, hashes, req.num_computed_tokens, target)
+            for c in copies:
+                self._pins.append([self.pool.blocks[b] for b in c.dst])
+            self._copies.extend(copies)
+
+    def take_copies(self) -> list[PageCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def release_pins(self) -> None:
+        """After the runner executed the queued copies: unpin their checkpoint pages."""
+        for blocks in self._pins:
+            self.pool.free(blocks)
+        self._pins = []
+
     def free(self, req: Request) -> None:
         for m in self.managers:
             m.free(req.request_id)
+        self._targets.pop(req.request_id, None)
 
     def block_ids(self, req_id: str) -> list[list[int]]:
         return [m.block_ids(req_id) for m in self.managers]
@@ -53,4 +191,10 @@ class KVCacheManager:
     def check_whole(self) -> None:
         for m in self.managers:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
+        assert not self._pins and not self._copies, "page copies still pending"
         self.pool.check_whole()
+
+
+def _hit_blocks_held(m: GroupManager, hit_blocks: int) -> int:
+    """Blocks of a fresh allocation that a hit already provides (attention: the hit blocks)."""
+    return 0 if m.wants_checkpoints() else hit_blocks

@@ -1,23 +1,38 @@
 """Per-type cache policy: one manager per cache group, all drawing from the same BlockPool.
 
-The coordinator (``KVCacheManager``) never asks what kind of layer a group serves; it asks each
-manager how many blocks a request needs to reach ``num_tokens`` computed tokens, then tells it
-to allocate. New kinds of layer state get a new subclass here, not a branch in the scheduler.
+The coordinator (``KVCacheManager``) never asks what kind of layer a group serves. It asks each
+manager: how many blocks does a request need to reach ``num_tokens`` computed tokens; which
+prefix lengths can you serve from cache; where must a prefill chunk stop so you can save a
+reusable state. New kinds of layer state are a new subclass here, not a branch in the scheduler.
+
+Prefix-cache keys are ``(group index, block hash)`` for attention blocks and
+``("ckpt", group index, block hash)`` for state checkpoints, so groups never share entries.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import CacheGroup
 from pagefold.core.kv_cache_spec import SlidingWindowSpec, cdiv
 
 
+@dataclass(slots=True)
+class PageCopy:
+    """Copy whole pages (same count) inside the pool, executed by the runner before a forward."""
+
+    group: int
+    src: list[int]
+    dst: list[int]
+
+
 class GroupManager(ABC):
-    def __init__(self, pool: BlockPool, group: CacheGroup, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, group: CacheGroup, index: int, block_size: int) -> None:
         self.pool = pool
         self.group = group
+        self.index = index
         self.block_size = block_size
         self.req_blocks: dict[str, list[Block]] = {}
 
@@ -42,12 +57,29 @@ class GroupManager(ABC):
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
 
-    def num_held(self, req_id: str) -> int:
-        return sum(1 for b in self.req_blocks.get(req_id, ()) if b is not self.pool.null_block)
+    # ---- prefix caching (defaults: this kind caches nothing) ----
+    def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> set[int] | int:
+        """Prefix lengths (in blocks) this group can serve: an int n means every length <= n."""
+        return 0
+
+    def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
+        """Free blocks that taking a hit of ``n_blocks`` would consume (beyond new blocks)."""
+        return 0
+
+    def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
+        return []
+
+    def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
+                   is_checkpoint_target: bool) -> list[PageCopy]:
+        """Cache what became reusable once ``num_computed`` tokens are computed."""
+        return []
+
+    def wants_checkpoints(self) -> bool:
+        return False
 
 
 class FullAttentionManager(GroupManager):
-    """One block per ``block_size`` tokens, allocated as the sequence grows."""
+    """One block per ``block_size`` tokens, allocated as the sequence grows; hash-chained."""
 
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         have = len(self.req_blocks.get(req_id, ()))
@@ -58,6 +90,45 @@ class FullAttentionManager(GroupManager):
         blocks = self.req_blocks.setdefault(req_id, [])
         if n:
             blocks.extend(self.pool.allocate(n))
+
+    def _key(self, h: bytes):
+        return (self.index, h)
+
+    def _cached_prefix(self, hashes: list[bytes], max_blocks: int) -> list[Block]:
+        out = []
+        for h in hashes[:max_blocks]:
+            blk = self.pool.lookup(self._key(h))
+            if blk is None:
+                break
+            out.append(blk)
+        return out
+
+    def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> int:
+        return len(self._cached_prefix(hashes, max_blocks))
+
+    def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
+        return self.pool.free_cost(self._cached_prefix(hashes, n_blocks))
+
+    def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
+        blocks = self._cached_prefix(hashes, n_blocks)
+        assert len(blocks) == n_blocks and req_id not in self.req_blocks
+        self.pool.touch(blocks)
+        for h in hashes[:n_blocks]:
+            self.pool.note_hit(self._key(h))
+        self.req_blocks[req_id] = list(blocks)
+        return []
+
+    def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
+                   is_checkpoint_target: bool) -> list[PageCopy]:
+        blocks = self.req_blocks.get(req_id, [])
+        full = min(num_computed // self.block_size, len(hashes), len(blocks))
+        # Walk back from the newest full block; stop at the first already-cached one.
+        for i in range(full - 1, -1, -1):
+            blk = blocks[i]
+            if blk is self.pool.null_block or blk.entry_key is not None:
+                break
+            self.pool.cache(self._key(hashes[i]), [blk], self.block_size)
+        return []
 
 
 class SlidingWindowManager(FullAttentionManager):
@@ -90,7 +161,13 @@ class SlidingWindowManager(FullAttentionManager):
 
 
 class StateManager(GroupManager):
-    """A fixed state per sequence: ``pages_per_state`` pages, taken at admission."""
+    """A fixed state per sequence: ``pages_per_state`` pages, taken at admission.
+
+    With prefix caching, the state at an exact prefix length P (a multiple of the block size)
+    can be saved as a *checkpoint*: a copy of the pages, cached under the prefix hash at P. A
+    hit restores it by copying into the request's own pages (states are overwritten in place,
+    so they are never shared).
+    """
 
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         return 0 if req_id in self.req_blocks else self.group.pages_per_state
@@ -98,6 +175,44 @@ class StateManager(GroupManager):
     def allocate(self, req_id: str, num_computed: int, num_tokens: int) -> None:
         if req_id not in self.req_blocks:
             self.req_blocks[req_id] = self.pool.allocate(self.group.pages_per_state)
+
+    def wants_checkpoints(self) -> bool:
+        return True
+
+    def _key(self, h: bytes):
+        return ("ckpt", self.index, h)
+
+    def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> set[int]:
+        return {i + 1 for i, h in enumerate(hashes[:max_blocks])
+                if self._key(h) in self.pool.entries}
+
+    def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
+        # The checkpoint is pinned until its copy runs; its pages stop counting as free.
+        e = self.pool.entry(self._key(hashes[n_blocks - 1]))
+        return len(e.blocks) if e is not None and e.evictable else 0
+
+    def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
+        key = self._key(hashes[n_blocks - 1])
+        e = self.pool.entry(key)
+        assert e is not None
+        self.pool.touch(e.blocks)  # pinned; the coordinator unpins after the copy
+        self.pool.note_hit(key)
+        self.allocate(req_id, 0, 0)
+        dst = self.block_ids(req_id)
+        return [PageCopy(self.index, [b.block_id for b in e.blocks], dst)]
+
+    def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
+                   is_checkpoint_target: bool) -> list[PageCopy]:
+        bs = self.block_size
+        if not is_checkpoint_target or num_computed % bs or num_computed // bs > len(hashes):
+            return []
+        key = self._key(hashes[num_computed // bs - 1])
+        pages = self.group.pages_per_state
+        if key in self.pool.entries or self.pool.num_free < pages or req_id not in self.req_blocks:
+            return []
+        dst = self.pool.allocate(pages)  # pinned (ref 1) until the copy runs
+        self.pool.cache(key, dst, num_computed, is_checkpoint=True)
+        return [PageCopy(self.index, self.block_ids(req_id), [b.block_id for b in dst])]
 
 
 MANAGER_BY_KIND: dict[str, type[GroupManager]] = {
@@ -107,8 +222,6 @@ MANAGER_BY_KIND: dict[str, type[GroupManager]] = {
 }
 
 
-def make_manager(pool: BlockPool, group: CacheGroup, block_size: int) -> GroupManager:
-    kind = group.spec.manager_kind
-    if isinstance(group.spec, SlidingWindowSpec):
-        kind = "sliding_window"
-    return MANAGER_BY_KIND[kind](pool, group, block_size)
+def make_manager(pool: BlockPool, group: CacheGroup, index: int, block_size: int) -> GroupManager:
+    kind = "sliding_window" if isinstance(group.spec, SlidingWindowSpec) else group.spec.manager_kind
+    return MANAGER_BY_KIND[kind](pool, group, index, block_size)

@@ -160,6 +160,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = set()
+        self.kv.pool.tick += 1
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
 
@@ -169,6 +170,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             n = min(n, self.max_model_len - req.num_computed_tokens)
+            n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -193,10 +195,14 @@ class Scheduler:
         if not out.preempted:
             while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(req, n):
+                hit = self.kv.find_hit(req)
+                start = req.num_computed_tokens + hit * self.kv.block_size
+                n = min(req.num_tokens - start, budget)
+                n = self.kv.cap_chunk(req, start, n)
+                if not self.kv.allocate_slots(req, n, hit):
                     break
                 self.waiting.pop()
+                self.kv.record_admission(req, hit * self.kv.block_size)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = req.num_computed_tokens
                 req.status = RequestStatus.RUNNING

@@ -7,6 +7,7 @@ step. Text-level stops (stop strings) are found by the output processor, which a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
-from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.executor.model_runner import ModelRunner
@@ -49,6 +50,22 @@ def load_hf_config(model: str):
     return arch, AutoConfig.from_pretrained(str(path))
 
 
+def check_pool_fits(kv_config: KVCacheConfig, memory: int, max_model_len: int) -> None:
+    """Raise a ValueError naming kv_cache_memory and max_model_len when one request of
+    ``max_model_len`` tokens cannot fit the pool. Runs before the pool exists (BlockPool
+    refuses under 2 blocks with a message that names neither). The bytes asked for include
+    block 0, the null block, which is never handed out."""
+    usable = max(0, kv_config.num_blocks - 1)
+    probe = KVCacheManager(dataclasses.replace(kv_config, num_blocks=2))  # nothing allocated
+    one_request = probe.min_blocks_for(max_model_len)
+    if one_request > usable:
+        need = (one_request + 1) * kv_config.layers_per_group * kv_config.page_bytes
+        raise ValueError(
+            f"kv_cache_memory {memory} bytes holds {usable} usable blocks, but one request of "
+            f"max_model_len {max_model_len} needs {one_request} blocks ({need} bytes with the "
+            f"reserved null block); raise kv_cache_memory or lower max_model_len")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, *, cache_fill: float | None = None) -> None:
         self.config = config
@@ -70,14 +87,10 @@ class EngineCore:
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype)
         memory = config.kv_cache_memory or config.DEFAULT_KV_CACHE_MEMORY
         self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
-        self.kv = KVCacheManager(self.kv_config)
-        one_request = self.kv.min_blocks_for(self.max_model_len)
-        if one_request > self.kv.pool.num_usable:
-            need = one_request * self.kv_config.layers_per_group * self.kv_config.page_bytes
-            raise ValueError(
-                f"kv_cache_memory {memory} bytes holds {self.kv.pool.num_usable} blocks, but one "
-                f"request of max_model_len {self.max_model_len} needs {one_request} blocks "
-                f"({need} bytes); raise kv_cache_memory or lower max_model_len")
+        check_pool_fits(self.kv_config, int(memory), self.max_model_len)
+        self.kv = KVCacheManager(self.kv_config,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 checkpoint_interval=config.state_checkpoint_interval)
         log_capacity(logger, capacity_report(
             specs, layout="pagefold", memory_bytes=int(memory), max_model_len=self.max_model_len,
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
@@ -139,8 +152,9 @@ class EngineCore:
         reqs = sched.requests
         counts = [sched.num_scheduled[r.request_id] for r in reqs]
         block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
-        sampled = self.runner.execute(reqs, counts, block_ids)
-        outputs = []
+        sampled = self.runner.execute(reqs, counts, block_ids, self.kv.take_copies())
+        self.kv.release_pins()
+        outputs, finished = [], []
         for r, n in zip(reqs, counts):
             r.num_computed_tokens += n
             tok = sampled.get(r.request_id)
@@ -154,11 +168,18 @@ class EngineCore:
                 r.cumulative_logprob += tok.logprobs[1][0]
             status = self._check_stop(r, tok.token_id)
             if status is not None:
-                self.scheduler.finish_request(r.request_id, status)
-                self.runner.drop_request(r.request_id)
+                finished.append((r, status))
                 out.finish_reason = status.finish_reason
                 out.stop_reason = r.stop_reason
             outputs.append(out)
+        # Cache what this step made reusable (before finished requests free their pages).
+        for r in reqs:
+            self.kv.after_step(r)
+        self.runner.copy_pages(self.kv.take_copies())
+        self.kv.release_pins()
+        for r, status in finished:
+            self.scheduler.finish_request(r.request_id, status)
+            self.runner.drop_request(r.request_id)
         return outputs
 
     def _check_stop(self, r: Request, token: int) -> RequestStatus | None:

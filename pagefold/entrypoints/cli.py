@@ -1,4 +1,4 @@
-"""``pagefold`` console script: generate, capacity (serve and bench join as they land)."""
+"""``pagefold`` console script: generate, serve, capacity (bench joins as it lands)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,31 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Server flags of ``pagefold serve`` (engine flags come from :func:`add_engine_args`)."""
+    p.add_argument("model", help="local Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEFOLD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes "
+                        "(default: $PAGEFOLD_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model path)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or template text) overriding the "
+                        "tokenizer's")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Imported here: fastapi/uvicorn are only needed by the server.
+    from pagefold.entrypoints.openai.server import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagefold", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -80,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(g)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine in its own process)")
+    add_serve_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=_serve)
 
     capacity_cmd.add_parser(sub)
 

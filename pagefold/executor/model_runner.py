@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.core.managers import PageCopy
 from pagefold.executor.cache_tensors import CacheTensors
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
@@ -45,9 +46,28 @@ class ModelRunner:
         return g
 
     @torch.inference_mode()
-    def execute(self, reqs: list[Request], counts: list[int],
-                block_ids: list[list[list[int]]]) -> dict[str, SampledToken]:
-        """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows."""
+    def copy_pages(self, copies: list[PageCopy]) -> None:
+        """Copy whole pages within the pool, in every layer of each copy's group."""
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for c in copies:
+            src, dst = by_group.setdefault(c.group, ([], []))
+            src.extend(c.src)
+            dst.extend(c.dst)
+        for g, (src, dst) in by_group.items():
+            s = torch.tensor(src, dtype=torch.int64, device=self.device)
+            d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+            for si in range(len(self.kv_config.groups[g].layer_names)):
+                t = self.cache.shared[si]
+                t[d] = t[s]
+
+    @torch.inference_mode()
+    def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
+                copies: list[PageCopy] | None = None) -> dict[str, SampledToken]:
+        """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows.
+
+        ``copies`` (prefix-hit state restores) run before the forward pass."""
+        if copies:
+            self.copy_pages(copies)
         starts = [r.num_computed_tokens for r in reqs]
         tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
         per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]

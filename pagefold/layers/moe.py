@@ -75,8 +75,8 @@ class MoEExperts(nn.Module):
         if proj == "down_proj":
             dst = self.down_proj.data[e]
         else:
-            rows = slice(0, self.inter) if proj == "gate_proj" else slice(self.inter, 2 * self.inter)
-            dst = self.gate_up_proj.data[e, rows]
+            lo = 0 if proj == "gate_proj" else self.inter
+            dst = self.gate_up_proj.data[e, lo : lo + self.inter]
         if dst.shape != tensor.shape:
             raise ValueError(f"expert {e} {proj}: checkpoint shape {tuple(tensor.shape)} != "
                              f"model shape {tuple(dst.shape)}")

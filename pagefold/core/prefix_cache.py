@@ -1,0 +1,39 @@
+"""Block hashes for prefix caching: a chain over full blocks of token ids.
+
+``hash(i) = sha256(hash(i-1) || tokens of block i || extra keys)[:16]``; block 0's parent is a
+root derived from the request's extra keys (cache salt, adapter id). A block's hash therefore
+names its whole prefix. sha256 makes collisions negligible, so a hit needs no token re-check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from pagefold.request import Request
+
+ROOT = b"\x00" * 16
+
+
+def root_hash(extra_keys: tuple = ()) -> bytes:
+    if not extra_keys:
+        return ROOT
+    return hashlib.sha256(repr(extra_keys).encode()).digest()[:16]
+
+
+def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()[:16]
+
+
+def update_block_hashes(req: Request, block_size: int) -> list[bytes]:
+    """Extend ``req.block_hashes`` over every full block of its known tokens; returns it."""
+    hashes = req.block_hashes
+    toks = req.all_token_ids
+    parent = hashes[-1] if hashes else root_hash(req.extra_keys)
+    while (len(hashes) + 1) * block_size <= len(toks):
+        i = len(hashes)
+        parent = hash_block(parent, toks[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

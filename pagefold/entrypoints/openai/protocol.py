@@ -1,0 +1,233 @@
+"""Wire formats of the OpenAI-compatible server: request models, error bodies, SSE framing.
+
+Requests are parsed with ``Model.model_validate_json(body, strict=True)`` (see
+:func:`parse_request`): wrong JSON types are errors (``"5"`` is not an int, ``true`` not a
+float), unknown fields are ignored as OpenAI ignores them. Every error the server returns has
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:func:`error_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.responses import JSONResponse, StreamingResponse
+
+# --------------------------------------------------------------------------- errors
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 422: "invalid_request_error",
+                499: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client as ``status`` with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:  # noqa: A002
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
+                            status_code=self.status)
+
+
+def error_body(message: str, type: str = "invalid_request_error",  # noqa: A002
+               param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code or "invalid_value")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A 400 naming the first offending field (``param``) and every problem found."""
+    problems, param = [], None
+    for err in exc.errors()[:4]:
+        loc = [str(x) for x in err.get("loc", ())]
+        field = loc[0] if loc else None
+        param = param or field
+        where = ".".join(loc) if loc else "body"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {json.dumps(value)[:80]})"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}{shown}")
+    return bad_request("invalid request: " + "; ".join(problems), param)
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Parse a JSON body into ``model`` (strict types), raising :class:`APIError` 400."""
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as e:
+        if any(err.get("type") == "json_invalid" for err in e.errors()):
+            msg = e.errors()[0].get("msg", "invalid JSON")
+            raise bad_request(f"the request body is not valid JSON: {msg}",
+                              code="invalid_json") from None
+        if any(err.get("type") == "model_type" and not err.get("loc") for err in e.errors()):
+            raise bad_request("the request body must be a JSON object",
+                              code="invalid_json") from None
+        raise validation_error(e) from None
+
+
+# --------------------------------------------------------------------------- requests
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(_Lenient):
+    type: str
+
+
+class SamplingRequest(_Lenient):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: int = 0
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond role/content (tool_calls, name, ...) go to the template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sse(data: dict) -> str:
+    """One server-sent event carrying ``data`` as compact JSON."""
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could still grow into a stop string.
+
+    A stream must not send them yet: if the stop string completes, they are cut from the
+    output (the same rule as the detokenizer's, applied to the cumulative text we receive).
+    """
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A streaming response that notices a client disconnect at once and closes its body.
+
+    Starlette may only notice a gone client at the next write, and may leave the body
+    generator suspended; here a listener waits for ``http.disconnect`` alongside the stream
+    and the body generator is always ``aclose()``-d, so its ``finally`` (which aborts the
+    engine request) runs right away.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client went away while we wrote
+
+        streaming = asyncio.ensure_future(stream())
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (streaming, listening):
+                t.cancel()
+            await asyncio.gather(streaming, listening, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()
+        if self.background is not None:
+            await self.background()

@@ -1,0 +1,270 @@
+"""``pagefold serve``: an OpenAI-compatible HTTP server over an EngineCore process.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``
+and ``GET /v1/admin/pool`` (pool and queue counters, for tests and operators).
+
+Process model: this (API) process tokenizes, renders chat templates, detokenizes and
+streams; the scheduler and the model run in the EngineCore child process
+(:class:`~pagefold.engine.client.AsyncEngineClient`). The engine starts before uvicorn binds
+the port, so ``/health`` answers only once the engine is ready; uvicorn's lifespan shutdown
+(SIGINT / SIGTERM) stops the core, and a last-resort kill runs on any other exit.
+
+Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
+malformed JSON and invalid fields, 401 for a missing/wrong API key on ``/v1/`` routes, 404 for
+an unknown model or route, 503 while the engine core is dead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagefold.config import EngineConfig
+from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    error_body,
+    parse_request,
+)
+from pagefold.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagefold.entrypoints.openai.serving_completion import (
+    ClientDisconnected,
+    OpenAIServingCompletion,
+)
+from pagefold.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("pagefold.server")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share; ``client`` must be started before serving."""
+
+    client: AsyncEngineClient
+    tokenizer: object
+    served_model_name: str
+    model_path: str
+    metrics: ServerMetrics
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    api_key: str | None = None
+    created: int = 0
+
+
+def build_state(config: EngineConfig, *, served_model_name: str | None = None,
+                api_key: str | None = None, chat_template: str | None = None,
+                log_level: str = "INFO") -> ServerState:
+    """Load the tokenizer and wire the (not yet started) engine client and handlers."""
+    from pagefold.llm import generation_eos_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    name = served_model_name or config.model
+    metrics = ServerMetrics(name)
+    client = AsyncEngineClient(config, tokenizer, metrics=metrics, log_level=log_level)
+    extra = generation_eos_ids(config.model)
+    common = dict(extra_eos_ids=extra)
+    template = None
+    if chat_template is not None:
+        p = Path(chat_template)
+        template = p.read_text() if p.is_file() else chat_template
+    return ServerState(
+        client=client, tokenizer=tokenizer, served_model_name=name, model_path=config.model,
+        metrics=metrics, api_key=api_key, created=int(time.time()),
+        completion=OpenAIServingCompletion(client, tokenizer, name, **common),
+        chat=OpenAIServingChat(client, tokenizer, name, chat_template=template, **common))
+
+
+def _unauthorized() -> JSONResponse:
+    return JSONResponse(error_body("Incorrect or missing API key: send 'Authorization: Bearer "
+                                   "<key>'.", "invalid_request_error", None, "invalid_api_key"),
+                        status_code=401)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app. Its lifespan stops the engine client on shutdown (it must already be
+    started, see :func:`serve`)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await state.client.shutdown()
+
+    app = FastAPI(title="pagefold", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.pagefold = state
+    client = state.client
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                    token.strip().encode(), state.api_key.encode()):
+                return _unauthorized()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return bad_request(f"invalid request: {exc.errors()[:3]}").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, msg, code=f"http_{exc.status_code}").response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return APIError(503, f"the engine is not available: {exc}",
+                        code="engine_unavailable").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    async def body(request: Request) -> bytes:
+        return await request.body()
+
+    # ------------------------------------------------------------------ service routes
+    @app.get("/health")
+    async def health() -> Response:
+        info = {"engine_core_pid": client.core_pid, "num_in_flight": client.num_in_flight}
+        if client.is_alive:
+            return JSONResponse(dict(status="ok", **info))
+        reason = client.dead_reason or "the engine core is not running"
+        return JSONResponse(dict(error_body(reason, "server_error", None, "engine_unavailable"),
+                                 status="dead", **info), status_code=503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        from pagefold import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "pagefold", "root": state.model_path,
+            "max_model_len": client.info.max_model_len}]})
+
+    @app.get("/v1/admin/pool")
+    async def admin_pool() -> Response:
+        stats = await client.utility("pool_stats")
+        stats["num_in_flight_api"] = client.num_in_flight
+        return JSONResponse(stats)
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_request(CompletionRequest, await body(request))
+        try:
+            return await state.completion.create(request, req)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await body(request))
+        try:
+            return await state.chat.create(request, req)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    # ------------------------------------------------------------------ tokenizer
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse_request(TokenizeRequest, await body(request))
+        state.completion.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.prompt is not None:
+            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            _, ids = state.chat.render(req.messages,
+                                       add_generation_prompt=req.add_generation_prompt)
+        out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse_request(DetokenizeRequest, await body(request))
+        state.completion.check_model(req.model)
+        vocab = client.info.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+
+    return app
+
+
+async def serve(state: ServerState, host: str, port: int, *,
+                uvicorn_log_level: str = "info", graceful_timeout: float = 5.0) -> None:
+    """Start the engine, then serve until SIGINT/SIGTERM; the engine is always stopped."""
+    import uvicorn
+
+    await state.client.start()
+    info = state.client.info
+    logger.info("engine core %d ready: max_model_len %d, %d usable blocks", info.pid,
+                info.max_model_len, info.num_usable_blocks)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                            timeout_graceful_shutdown=graceful_timeout, access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        await server.serve()
+    finally:
+        await state.client.shutdown()
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    """Entry point of ``pagefold serve`` (``engine_kwargs`` from ``cli.engine_kwargs``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
+    state = build_state(config, served_model_name=args.served_model_name,
+                        api_key=args.api_key, chat_template=args.chat_template,
+                        log_level=getattr(args, "log_level", "INFO"))
+    try:
+        asyncio.run(serve(state, args.host, args.port,
+                          uvicorn_log_level=args.uvicorn_log_level))
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it handled; the engine is already stopped
+    finally:
+        state.client.kill_now()  # no-op after a clean shutdown; never leave the core behind
+    return 0

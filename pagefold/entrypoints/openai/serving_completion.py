@@ -1,0 +1,418 @@
+"""``POST /v1/completions`` and the request plumbing shared with chat (:class:`OpenAIServing`).
+
+Shared rules (chat follows them too):
+
+* everything that can be checked in the API process is checked before the engine sees the
+  request (model name, prompt length against ``max_model_len``, token id range, sampling
+  fields); the core's own ``ValueError``\\ s come back as :class:`RequestRejectedError` and are
+  answered 400 as well; a dead engine core is 503;
+* a client that disconnects (streaming or not) cancels its generation, which aborts the
+  engine request, so its blocks are freed on the core's next step;
+* a stream is *primed*: the first engine output is awaited before the 200 and its headers go
+  out, so a rejected request or a dead core still gets a real status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
+from pagefold.entrypoints.openai.protocol import (
+    SSE_DONE,
+    AbortingStreamingResponse,
+    APIError,
+    CompletionRequest,
+    SamplingRequest,
+    bad_request,
+    error_body,
+    held_back,
+    sse,
+    usage,
+)
+from pagefold.outputs import Logprob, RequestOutput
+from pagefold.sampling_params import SamplingParams
+
+T = TypeVar("T")
+# Logprobs of -inf do not survive JSON; report them as this (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was ready."""
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(raw: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw`` unless the client disconnects first: then cancel it (which aborts the
+    engine requests inside) and raise :class:`ClientDisconnected`. The body must be read."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def merge_generations(
+        gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as ``(index, output)``; the first error wins.
+
+    Closing this generator (or an error) cancels every stream, which aborts its request.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(e: Exception) -> APIError:
+    """Map engine-side failures to HTTP errors (400 rejected, 503 dead)."""
+    if isinstance(e, RequestRejectedError):
+        return bad_request(str(e), "prompt")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
+    if isinstance(e, APIError):
+        return e
+    raise e
+
+
+def _clamp(lp: float) -> float:
+    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def ranked(entry: dict[int, Logprob], n: int) -> list[Logprob]:
+    """The ``n`` most likely of a position's logprob entries, best first."""
+    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
+
+
+class OpenAIServing:
+    """What both endpoints need: engine handle, tokenizer, model name and validation."""
+
+    def __init__(self, client: AsyncEngineClient, tokenizer, served_model_name: str, *,
+                 extra_eos_ids: list[int] | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.extra_eos_ids = list(extra_eos_ids or [])
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.served_model_name}`.", param="model",
+                           code="model_not_found")
+
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """Reject what the core would: empty, too long, ids outside the vocabulary."""
+        if not ids:
+            raise bad_request("the prompt is empty; give at least one token", param)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(ids)} tokens; the prompt must be shorter than "
+                f"{self.max_model_len} tokens to leave room for one output token.", param,
+                code="context_length_exceeded")
+        vocab = self.client.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param)
+        return ids
+
+    def sampling_params(self, req: SamplingRequest, *, max_tokens: int | None,
+                        max_tokens_param: str, logprobs: int | None,
+                        prompt_len: int, logprobs_param: str = "logprobs") -> SamplingParams:
+        """SamplingParams for one prompt; every problem is a 400 naming the field."""
+        if req.n not in (None, 1):
+            raise bad_request(f"n={req.n}: parallel sampling (n > 1) is not available yet; "
+                              "use n=1 and send several requests", "n")
+        if req.best_of not in (None, 1):
+            raise bad_request(f"best_of={req.best_of} is not available yet; use best_of=1",
+                              "best_of")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(
+                f"response_format type {req.response_format.type!r}: structured output is not "
+                "supported yet; only {'type': 'text'} is accepted", "response_format")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported yet", "logit_bias")
+        room = self.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or "
+                f"{max_tokens_param}.", max_tokens_param, code="context_length_exceeded")
+        stop_ids = list(req.stop_token_ids or [])
+        if self.extra_eos_ids and not req.ignore_eos:
+            stop_ids = sorted(set(stop_ids) | set(self.extra_eos_ids))
+        kw: dict[str, Any] = dict(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if req.repetition_penalty is None
+                                else req.repetition_penalty),
+            seed=req.seed, stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+            max_tokens=room if max_tokens is None else max_tokens, min_tokens=req.min_tokens,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            # SamplingParams' messages start with the field name: point ``param`` at it.
+            field = str(e).split(" ", 1)[0]
+            renamed = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
+            param = renamed.get(field, field if field in kw else None)
+            raise bad_request(str(e), param) from None
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def start(self, ids: list[str], prompts: list[tuple[str | None, list[int]]],
+              params: list[SamplingParams], priority: int
+              ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Generations of every prompt, merged as ``(index, output)``."""
+        self.client.check_alive()
+        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority)
+                for rid, (text, pids), sp in zip(ids, prompts, params)]
+        return merge_generations(gens)
+
+    async def collect(self, raw: Request, stream: AsyncIterator[tuple[int, RequestOutput]],
+                      n: int) -> list[RequestOutput]:
+        """The final output of each prompt (cancelled if the client disconnects)."""
+
+        async def run() -> list[RequestOutput]:
+            last: dict[int, RequestOutput] = {}
+            async for i, out in stream:
+                last[i] = out
+            return [last[i] for i in range(n)]
+
+        try:
+            return await race_disconnect(raw, run())
+        except (RequestRejectedError, EngineDeadError) as e:
+            raise engine_error(e) from None
+
+    async def prime(self, raw: Request, stream: AsyncIterator[tuple[int, RequestOutput]]
+                    ) -> tuple[int, RequestOutput]:
+        """The first output of a stream (errors become statuses before the 200 goes out)."""
+        try:
+            return await race_disconnect(raw, stream.__anext__())
+        except (RequestRejectedError, EngineDeadError) as e:
+            await stream.aclose()
+            raise engine_error(e) from None
+        except BaseException:
+            await stream.aclose()
+            raise
+
+    @staticmethod
+    def stream_error_event(e: Exception) -> str:
+        if isinstance(e, RequestRejectedError | EngineDeadError):
+            err = engine_error(e)
+            return sse(error_body(err.message, err.type, err.param, err.code))
+        return sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+
+class StreamCursor:
+    """What a stream has sent of one choice: text characters, tokens, text offset."""
+
+    __slots__ = ("text", "tokens", "offset", "started", "finished")
+
+    def __init__(self) -> None:
+        self.text = 0
+        self.tokens = 0
+        self.offset = 0
+        self.started = False
+        self.finished = False
+
+    def advance(self, out: RequestOutput, stops: list[str]) -> tuple[str, int, int]:
+        """``(new text, first new token, end token)``; holds back a possible stop string."""
+        comp = out.outputs[0]
+        end = len(comp.text)
+        if not out.finished:
+            end -= held_back(comp.text, stops)
+        end = max(end, self.text)
+        delta = comp.text[self.text:end]
+        self.text = end
+        t0, self.tokens = self.tokens, len(comp.token_ids)
+        self.finished = out.finished
+        return delta, t0, self.tokens
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, raw: Request, req: CompletionRequest) -> Response:
+        self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs needs prompt logprobs, which are "
+                              "not supported yet; drop one of them", "echo")
+        prompts = self._prompts(req.prompt)
+        params = [self.sampling_params(req, max_tokens=req.max_tokens,
+                                       max_tokens_param="max_tokens", logprobs=req.logprobs,
+                                       prompt_len=len(ids)) for _, ids in prompts]
+        base = self.new_id("cmpl")
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        created = int(time.time())
+        stream = self.start(ids, prompts, params, req.priority)
+        if req.stream:
+            first = await self.prime(raw, stream)
+            body = self._stream(req, base, created, prompts, params, first, stream)
+            return AbortingStreamingResponse(body, media_type="text/event-stream")
+        finals = await self.collect(raw, stream, len(prompts))
+        return JSONResponse(self._response(req, base, created, prompts, finals))
+
+    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """``(text or None, token ids)`` per prompt of a string / list / token-id batch."""
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt is an empty list; give at least one prompt", "prompt")
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                out.append((p, self.check_ids(self.tokenizer.encode(p, add_special_tokens=True))))
+            else:
+                out.append((None, self.check_ids(list(p))))
+        return out
+
+    def _prompt_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    def _logprobs(self, out: RequestOutput, t0: int, t1: int, num: int, offset: int) -> dict:
+        comp = out.outputs[0]
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
+            lp = entry[tid]
+            s = lp.decoded_token or ""
+            tokens.append(s)
+            token_lps.append(_clamp(lp.logprob))
+            offsets.append(offset)
+            offset += len(s)
+            top = {(x.decoded_token or ""): _clamp(x.logprob) for x in ranked(entry, num)}
+            top.setdefault(s, _clamp(lp.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _response(self, req: CompletionRequest, rid: str, created: int,
+                  prompts: list, finals: list[RequestOutput]) -> dict:
+        choices, n_prompt, n_out, n_cached = [], 0, 0, 0
+        for i, ((text, ids), out) in enumerate(zip(prompts, finals)):
+            comp = out.outputs[0]
+            prefix = self._prompt_text(text, ids) if req.echo else ""
+            lps = None
+            if req.logprobs is not None:
+                lps = self._logprobs(out, 0, len(comp.token_ids), req.logprobs, len(prefix))
+            choices.append({"index": i, "text": prefix + comp.text, "logprobs": lps,
+                            "finish_reason": comp.finish_reason,
+                            "stop_reason": comp.stop_reason})
+            n_prompt += len(ids)
+            n_out += len(comp.token_ids)
+            n_cached += out.num_cached_tokens
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": self.served_model_name, "choices": choices,
+                "usage": usage(n_prompt, n_out, n_cached)}
+
+    async def _stream(self, req: CompletionRequest, rid: str, created: int, prompts: list,
+                      params: list[SamplingParams], first: tuple[int, RequestOutput],
+                      stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        cursors = [StreamCursor() for _ in prompts]
+        finals: dict[int, RequestOutput] = {}
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.served_model_name}
+
+        def chunk(i: int, out: RequestOutput) -> str | None:
+            cur = cursors[i]
+            prefix = ""
+            if not cur.started and req.echo:
+                prefix = self._prompt_text(*prompts[i])
+                cur.offset = len(prefix)
+            cur.started = True
+            delta, t0, t1 = cur.advance(out, params[i].stop)
+            if not (prefix or delta or t1 > t0 or out.finished):
+                return None
+            lps = None
+            if req.logprobs is not None:
+                lps = self._logprobs(out, t0, t1, req.logprobs, cur.offset)
+            cur.offset += len(delta)
+            comp = out.outputs[0]
+            data = dict(head, choices=[{
+                "index": i, "text": prefix + delta, "logprobs": lps,
+                "finish_reason": comp.finish_reason if out.finished else None,
+                "stop_reason": comp.stop_reason if out.finished else None}])
+            if include_usage:
+                data["usage"] = None
+            return sse(data)
+
+        try:
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                i, out = item
+                if out.finished:
+                    finals[i] = out
+                text = chunk(i, out)
+                if text is not None:
+                    yield text
+                item = await anext(stream, None)
+            if include_usage:
+                outs = [finals[i] for i in range(len(prompts))]
+                yield sse(dict(head, choices=[], usage=usage(
+                    sum(len(o.prompt_token_ids) for o in outs),
+                    sum(len(o.outputs[0].token_ids) for o in outs),
+                    sum(o.num_cached_tokens for o in outs))))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - headers are out: report in-band
+            yield self.stream_error_event(e)
+            yield SSE_DONE
+        finally:
+            await stream.aclose()

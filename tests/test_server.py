@@ -1,0 +1,453 @@
+"""End-to-end tests of ``pagefold serve``: a real server process (API process + EngineCore
+process) on 127.0.0.1, driven with the official ``openai`` client and raw ``httpx``.
+
+One server serves most tests (module scope); a second one exists only to have its engine core
+killed. Both are stopped with SIGTERM and must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagefold.testing.tiny_models import random_prompts
+
+KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(cond, timeout: float, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(step)
+    return cond()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    core_pid: int
+    log: Path
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers=HEADERS, timeout=30, **kw)
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        data = body if isinstance(body, str | bytes) else json.dumps(body)
+        return httpx.post(self.url + path, content=data, timeout=30,
+                          headers=kw.pop("headers", HEADERS), **kw)
+
+    def pool(self) -> dict:
+        r = self.get("/v1/admin/pool")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_pool_whole(self, timeout: float = 5.0) -> dict:
+        def whole():
+            p = self.pool()
+            return p if p["whole"] and p["num_running"] == p["num_waiting"] == 0 else None
+        pool = _wait_until(whole, timeout)
+        assert pool, f"pool not whole after {timeout} s: {self.pool()}"
+        return pool
+
+    def stop(self) -> None:
+        """SIGTERM; both processes must be gone within seconds."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                pytest.fail(f"server ignored SIGTERM; log:\n{self.log.read_text()[-3000:]}")
+        assert _wait_until(lambda: not _alive(self.core_pid), 10), "engine core left behind"
+
+
+def _start_server(model_dir: Path, log: Path) -> Server:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagefold.entrypoints.cli", "serve", str(model_dir),
+           "--port", str(port), "--served-model-name", MODEL, "--api-key", KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB",
+           "--uvicorn-log-level", "warning"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    f = open(log, "w")  # noqa: SIM115 - the server process keeps writing to it
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return Server(proc, url, r.json()["engine_core_pid"], log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"server not healthy within 90 s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    srv = _start_server(qwen3_dir, tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline_llm(qwen3_dir):
+    from pagefold import LLM
+
+    return LLM(str(qwen3_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="8MiB")
+
+
+# ----------------------------------------------------------------------------- basics
+def test_health_models_version_metrics(server):
+    h = httpx.get(server.url + "/health").json()  # no key needed outside /v1
+    assert h["status"] == "ok" and h["engine_core_pid"] == server.core_pid
+    assert _alive(server.core_pid) and server.core_pid != server.proc.pid
+    models = server.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert "version" in httpx.get(server.url + "/version").json()
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("pagefold:num_requests_running", "pagefold:num_requests_waiting",
+                 "pagefold:kv_cache_usage_perc", "pagefold:kv_cache_group_usage_perc",
+                 "pagefold:prefix_cache_queries_total", "pagefold:prefix_cache_hits_total",
+                 "pagefold:num_preemptions_total", "pagefold:time_to_first_token_seconds",
+                 "pagefold:inter_token_latency_seconds", "pagefold:e2e_request_latency_seconds",
+                 "pagefold:prompt_tokens_total", "pagefold:generation_tokens_total"):
+        assert name in text, name
+
+
+def test_greedy_matches_offline_llm(client, offline_llm):
+    from pagefold import SamplingParams
+
+    prompts = random_prompts(3, 5, 40, 512, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0] for o in offline_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    for p, w in zip(prompts, want):
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+        assert r.choices[0].text == w.text
+        assert r.usage.completion_tokens == len(w.token_ids)
+        assert r.usage.prompt_tokens == len(p)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat_want = offline_llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == chat_want.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(chat_want.token_ids)
+
+
+def test_streaming_equals_non_streaming_with_usage(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens == 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+    msgs = [{"role": "user", "content": "tell me"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.total_tokens == (
+        10 + full.usage.prompt_tokens)
+
+
+def test_logprobs_both_formats(client):
+    r = client.completions.create(model=MODEL, prompt="abc def", max_tokens=6, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and top[tok] == pytest.approx(val)
+        assert val == pytest.approx(max(top.values()))  # greedy takes the best token
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_strings_stream_and_not(client):
+    kw = dict(model=MODEL, prompt="stop here", max_tokens=16, temperature=0,
+              extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    # a 2-character stop string that first occurs past the start of the text
+    i = next(i for i in range(2, len(text) - 1)
+             if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]
+             and text.index(text[i:i + 2]) == i)
+    stop, want = text[i:i + 2], text[:i]
+    r = client.completions.create(stop=[stop, "@@never@@"], **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible_and_batch(client):
+    kw = dict(model=MODEL, prompt="once upon", max_tokens=12, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    assert a == b
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert others - {a}
+    batch = client.completions.create(model=MODEL, prompt=["one two", "three"], max_tokens=5,
+                                      temperature=0)
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+               for p in ("one two", "three")]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+
+
+def test_64_concurrent_streams(server):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                                     timeout=60)
+
+        async def one(i: int):
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=f"request number {i}", max_tokens=8, temperature=0.8,
+                seed=i, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            n_chunks, usage, finish = 0, None, None
+            async for c in stream:
+                if c.choices:
+                    n_chunks += 1
+                    finish = c.choices[0].finish_reason or finish
+                usage = c.usage or usage
+            return n_chunks, usage, finish
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for n_chunks, usage, finish in results:
+        assert usage.completion_tokens == 8 and finish == "length"
+        assert 1 <= n_chunks <= 8
+    server.wait_pool_whole()
+
+
+def test_client_disconnect_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 240, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions",
+                                                json=body, headers=HEADERS) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.pool()["num_running"] == 1
+    server.wait_pool_whole()  # the connection is closed mid-stream
+
+    async def non_streaming():
+        async with httpx.AsyncClient(timeout=30) as c:
+            task = asyncio.create_task(c.post(server.url + "/v1/completions", headers=HEADERS,
+                                              json=dict(body, stream=False)))
+            for _ in range(200):
+                if (await c.get(server.url + "/v1/admin/pool", headers=HEADERS)).json()[
+                        "num_running"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            task.cancel()  # closes the connection while the server is generating
+
+    asyncio.run(non_streaming())
+    pool = server.wait_pool_whole()
+    assert pool["num_free_blocks"] == pool["num_usable_blocks"]
+    assert server.get("/health").json()["num_in_flight"] == 0
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ("{not json", 400, None),
+    ("[1, 2]", 400, None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": list(range(5, 5 + MAX_MODEL_LEN + 10))}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [1, 100000]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+])
+def test_completion_errors(server, body, status, param):
+    r = server.post("/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+
+
+def test_chat_errors_auth_and_still_serving(server, client):
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}], "max_completion_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    r = server.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client.completions.create(model=MODEL, prompt="x", n=3)
+    # unknown fields are ignored, and the server still serves
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3,
+                                        "no_such_field": 1, "user": "u1"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    server.wait_pool_whole()
+
+
+def test_tokenize_detokenize(server, offline_llm):
+    r = server.post("/tokenize", {"prompt": "hello world"})
+    ids = offline_llm.tokenizer.encode("hello world")
+    assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    r = server.post("/detokenize", {"tokens": ids})
+    assert r.json()["prompt"] == "hello world"
+    r = server.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["count"] > 2
+    assert server.post("/detokenize", {"tokens": [10**6]}).status_code == 400
+
+
+def test_metrics_count_requests(server):
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pagefold:") and "{" in line:
+            values[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    assert values["pagefold:prompt_tokens_total"] > 0
+    assert values["pagefold:generation_tokens_total"] >= 64 * 8
+    assert values["pagefold:time_to_first_token_seconds_count"] >= 64
+    assert values["pagefold:e2e_request_latency_seconds_count"] >= 64
+    assert values["pagefold:prefix_cache_hits_total"] == 0
+    assert values["pagefold:num_requests_running"] == 0
+
+
+def test_engine_core_death_gives_503(qwen3_dir, tmp_path):
+    srv = _start_server(qwen3_dir, tmp_path / "server2.log")
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=30, headers=HEADERS) as c:
+                plain = [asyncio.create_task(c.post(srv.url + "/v1/completions", json=body))
+                         for _ in range(2)]
+                stream_lines: list[str] = []
+
+                async def streaming():
+                    async with c.stream("POST", srv.url + "/v1/completions",
+                                        json=dict(body, stream=True)) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            stream_lines.append(line)
+
+                streamed = asyncio.create_task(streaming())
+                for _ in range(300):
+                    pool = (await c.get(srv.url + "/v1/admin/pool")).json()
+                    if pool["num_running"] == 3:
+                        break
+                    await asyncio.sleep(0.01)
+                assert pool["num_running"] == 3, pool
+                t0 = time.monotonic()
+                os.kill(srv.core_pid, signal.SIGKILL)
+                results = await asyncio.wait_for(asyncio.gather(*plain), 10)
+                await asyncio.wait_for(streamed, 10)
+                return results, stream_lines, time.monotonic() - t0
+
+        results, lines, took = asyncio.run(run())
+        assert took < 5
+        for r in results:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "engine_unavailable"
+        events = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
+        assert "error" in events[-1] and lines[-1] == "data: [DONE]"
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "dead"
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    finally:
+        srv.stop()
+    assert srv.proc.returncode is not None
+
+
+def test_sigterm_shutdown_leaves_no_process(server):
+    server.stop()
+    assert server.proc.returncode is not None
+    assert not _alive(server.core_pid) and not _alive(server.proc.pid)

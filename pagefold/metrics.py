@@ -3,13 +3,14 @@
 Two sources feed them:
 
 * the EngineCore process sends :class:`~pagefold.engine.core_proc.CoreStats` with its outputs
-  (queue lengths, pool usage overall and by cache group, cumulative preemptions);
+  (queue lengths, pool usage overall and by cache group; cumulative preemptions and
+  prefix-cache queries/hits, turned into counter increments here);
 * the API process times each request itself: arrival (when the server accepted it) to first
   token (TTFT), between token batches (inter-token latency), arrival to finish (e2e).
 
 Every metric has a private registry per :class:`ServerMetrics`, so several servers (or tests)
-in one process never collide. Prefix-cache counters count prompt tokens looked up (queries)
-and tokens found cached (hits), summed from ``RequestOutput.num_cached_tokens``.
+in one process never collide. Prefix-cache counters count prompt tokens looked up at each
+admission (queries; a preempted request is looked up again) and tokens found cached (hits).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class ServerMetrics:
         self.e2e = Histogram("pagefold:e2e_request_latency_seconds",
                              "Arrival to the last output token.", m, buckets=_E2E_BUCKETS,
                              registry=r)
-        self._last_preemptions = 0
+        self._last: dict[str, int] = {}  # last cumulative values seen from the core
         for metric in (self.preemptions, self.prefix_queries, self.prefix_hits,
                        self.prompt_tokens, self.generation_tokens):
             metric.labels(model_name)  # exported as 0 before the first event
@@ -95,19 +96,20 @@ class ServerMetrics:
         usable = max(stats.num_usable_blocks, 1)
         for i, g in enumerate(stats.groups):
             self.kv_group_usage.labels(name, str(i), g.kind).set(g.num_blocks / usable)
-        new = stats.num_preemptions - self._last_preemptions
-        if new > 0:
-            self.preemptions.labels(name).inc(new)
-        self._last_preemptions = max(self._last_preemptions, stats.num_preemptions)
+        for counter, key in ((self.preemptions, "num_preemptions"),
+                             (self.prefix_queries, "prefix_queries"),
+                             (self.prefix_hits, "prefix_hits")):
+            value = getattr(stats, key)
+            new = value - self._last.get(key, 0)
+            if new > 0:
+                counter.labels(name).inc(new)
+            self._last[key] = max(self._last.get(key, 0), value)
 
     # ------------------------------------------------------------------ per request
-    def record_first_token(self, ttft_s: float, num_prompt_tokens: int,
-                           num_cached_tokens: int) -> None:
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         name = self.model_name
         self.ttft.labels(name).observe(ttft_s)
         self.prompt_tokens.labels(name).inc(num_prompt_tokens)
-        self.prefix_queries.labels(name).inc(num_prompt_tokens)
-        self.prefix_hits.labels(name).inc(num_cached_tokens)
 
     def record_tokens(self, num_new_tokens: int, itl_s: float | None) -> None:
         """``itl_s`` is None for the first batch of a request (that one is TTFT)."""

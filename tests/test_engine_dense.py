@@ -1,6 +1,6 @@
 """End-to-end engine checks on the dense tiny models against Hugging Face transformers.
 
-Every scenario runs 18 prompts of 5..90 tokens together (lengths straddle block boundaries),
+Every scenario runs 16 prompts of 5..90 tokens together (lengths straddle block boundaries),
 greedy in float32, and must reproduce ``hf_greedy`` token for token and ``hf_logprobs`` to
 ~1e-4, then leave the block pool whole. Scenarios: an ample pool, chunked prefill at odd token
 budgets (7, 33), a pool so small that requests are preempted and recomputed, and the priority
@@ -21,7 +21,7 @@ from pagefold import LLM, SamplingParams
 from pagefold.testing.oracle import hf_greedy, hf_logprobs, load_hf_model
 from pagefold.testing.tiny_models import EOS_ID, IM_END_ID, IM_START_ID
 
-LENS = [5, 6, 11, 15, 16, 17, 23, 31, 32, 33, 40, 47, 55, 64, 71, 80, 89, 90]
+LENS = [5, 11, 15, 16, 17, 23, 31, 32, 33, 40, 55, 64, 71, 80, 89, 90]
 _rng = random.Random(1234)
 PROMPTS = [[_rng.randrange(5, 512) for _ in range(n)] for n in LENS]
 NEW = 12
@@ -164,7 +164,7 @@ def test_seeded_sampling_reproducible_and_batch_independent(llama: LLM, llama_di
     alone = llama.generate(_inputs([target]), _seeded(42), use_tqdm=False)[0].outputs[0]
     again = llama.generate(_inputs([target]), _seeded(42), use_tqdm=False)[0].outputs[0]
     assert alone.token_ids == again.token_ids
-    others = [PROMPTS[i] for i in (0, 3, 9, 12, 15, 16, 17)]
+    others = [PROMPTS[i] for i in (0, 3, 9, 12, 13, 14, 15)]
     batch = _inputs(others[:4] + [target] + others[4:])
     params = [_seeded(100 + i) if i % 2 else SamplingParams(temperature=0.8, max_tokens=NEW,
                                                                ignore_eos=True)
@@ -190,7 +190,7 @@ def test_stop_string_is_cut_from_text(llama: LLM):
     plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     full = llama.generate(_inputs(PROMPTS), plain, use_tqdm=False)
     # A short ASCII stop string from the middle of some output's text.
-    for i, o in enumerate(full):
+    for i, o in enumerate(full):  # noqa: B007 - i is used after the loop
         text = o.outputs[0].text
         m = re.search(r"[A-Za-z0-9]{2}", text[len(text) // 3 :])
         if m:
@@ -269,7 +269,7 @@ def test_chat_returns_text(llama: LLM, llama_dir: Path):
 
 def test_abort_keeps_pool_whole_and_others_correct(llama: LLM, llama_ref):
     plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    picks = [0, 4, 8, 12, 17]
+    picks = [0, 4, 8, 12, 15]
     ids = {llama.add_request(_inputs([PROMPTS[i]])[0], plain): i for i in picks}
     rids = list(ids)
     for _ in range(3):

@@ -133,7 +133,7 @@ def test_preempted_request_recomputes_prompt_and_outputs():
         s.add_request(_req(x, 4, max_tokens=3, arrival=i))
     _advance(s, s.schedule())
     _advance(s, s.schedule())  # c preempted with 1 output token
-    c = s.requests["c"]
+    assert s.requests["c"].status == RequestStatus.PREEMPTED
     outs = _drain(s)
     resumed = [o.num_scheduled["c"] for o in outs if "c" in o.num_scheduled]
     assert resumed[0] == 5  # 4 prompt tokens + the 1 already sampled output token

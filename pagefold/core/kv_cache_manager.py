@@ -5,9 +5,14 @@
   so the last token's logits get computed) that *every* group can serve: attention groups
   serve any P up to their cached chain, state groups only P where a checkpoint exists. An
   attention hit is never thrown away for a state miss when a shorter common P exists.
-* Checkpoint targets: prefill chunks end exactly where a state checkpoint is wanted (last block
-  boundary of the prompt, every ``checkpoint_interval`` tokens, and where an attention hit ran
-  past the deepest checkpoint: a proven branch point). Decoding passes every boundary anyway.
+* Checkpoint targets: prefill chunks end exactly where a state checkpoint is wanted: the last
+  block boundary of the prompt and a few boundaries before it (1, 2, 4 and 8 blocks back: a
+  shared system prompt followed by a short question ends just there), every
+  ``checkpoint_interval`` tokens, and where an attention hit ran past the deepest checkpoint
+  (a proven branch point). Decoding passes every boundary anyway.
+* In-flight prefixes: a waiting request whose next uncached block is being computed right now
+  by a running request's prefill is deferred (not admitted this step) so it can hit once that
+  prefill lands, instead of recomputing the same prefix in parallel.
 * Page copies (restores for hits, saves for checkpoints) are queued here and executed by the
   runner; their sources/destinations stay pinned until ``release_pins``.
 """
@@ -53,6 +58,7 @@ class KVCacheManager:
         self.checkpoint_interval = max(bs, (checkpoint_interval // bs) * bs)
         self.stats = PrefixCacheStats()
         self._targets: dict[str, list[int]] = {}
+        self._inflight: dict[bytes, str] = {}  # prompt block hash -> producing request
         self._copies: list[PageCopy] = []
         self._pins: list[list[Block]] = []
 
@@ -61,6 +67,20 @@ class KVCacheManager:
         """Blocks of ``req``'s prefix servable from cache (0 when caching is off)."""
         if not self.caching or req.num_computed_tokens:
             return 0
+        return self._find_hit(req)
+
+    def should_defer(self, req: Request) -> bool:
+        """True when the block after ``req``'s current hit is being computed by another request."""
+        if not self.caching or req.num_computed_tokens:
+            return False
+        n = self._find_hit(req)
+        hashes = req.block_hashes
+        if n >= len(hashes) or n >= (req.num_tokens - 1) // self.block_size:
+            return False
+        owner = self._inflight.get(hashes[n])
+        return owner is not None and owner != req.request_id
+
+    def _find_hit(self, req: Request) -> int:
         bs = self.block_size
         hashes = update_block_hashes(req, bs)
         max_blocks = (req.num_tokens - 1) // bs
@@ -84,7 +104,8 @@ class KVCacheManager:
         bs, iv = self.block_size, self.checkpoint_interval
         prompt_end = req.num_tokens - 1  # positions after which a later prompt may continue
         targets = set(range(iv, prompt_end + 1, iv))
-        targets.add((prompt_end // bs) * bs)
+        last = (prompt_end // bs) * bs
+        targets.update(last - k * bs for k in (0, 1, 2, 4, 8))
         if attention_hit > hit:
             targets.add(attention_hit * bs)  # reuse proved to happen here
         start = hit * bs
@@ -145,6 +166,11 @@ class KVCacheManager:
         return True
 
     def record_admission(self, req: Request, hit_tokens: int) -> None:
+        """A request was admitted with ``hit_tokens`` from cache: count it, and promise its
+        own uncached prompt blocks to later arrivals (see ``should_defer``)."""
+        if self.caching:
+            for h in req.block_hashes[hit_tokens // self.block_size:]:
+                self._inflight.setdefault(h, req.request_id)
         self.stats.requests += 1
         self.stats.queries += req.num_tokens
         self.stats.hits += hit_tokens
@@ -176,6 +202,9 @@ class KVCacheManager:
         for m in self.managers:
             m.free(req.request_id)
         self._targets.pop(req.request_id, None)
+        for h in req.block_hashes:
+            if self._inflight.get(h) == req.request_id:
+                del self._inflight[h]
 
     def block_ids(self, req_id: str) -> list[list[int]]:
         return [m.block_ids(req_id) for m in self.managers]
@@ -192,6 +221,7 @@ class KVCacheManager:
         for m in self.managers:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
         assert not self._pins and not self._copies, "page copies still pending"
+        assert not self._inflight, "in-flight prefix promises outlived their requests"
         self.pool.check_whole()
 
 

@@ -192,16 +192,20 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, while budget, seats and blocks last (none if we just preempted).
+        # A request whose prefix another request is computing right now waits for that hit.
         if not out.preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting.peek()
+            for req in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                if self.kv.should_defer(req):
+                    continue
                 hit = self.kv.find_hit(req)
                 start = req.num_computed_tokens + hit * self.kv.block_size
                 n = min(req.num_tokens - start, budget)
                 n = self.kv.cap_chunk(req, start, n)
                 if not self.kv.allocate_slots(req, n, hit):
                     break
-                self.waiting.pop()
+                self.waiting.remove(req)
                 self.kv.record_admission(req, hit * self.kv.block_size)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = req.num_computed_tokens

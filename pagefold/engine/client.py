@@ -328,7 +328,7 @@ class AsyncEngineClient:
         m = self.metrics
         if m is not None and new > 0:
             if t.num_tokens == 0:
-                m.record_first_token(now - t.arrival, t.num_prompt_tokens, out.num_cached_tokens)
+                m.record_first_token(now - t.arrival, t.num_prompt_tokens)
                 m.record_tokens(new, None)
             else:
                 m.record_tokens(new, now - t.last_token_time)

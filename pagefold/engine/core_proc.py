@@ -92,6 +92,8 @@ class CoreStats(msgspec.Struct):
     kv_usage: float  # 1 - free/usable, in [0, 1]
     groups: list[GroupUsage]
     num_steps: int  # cumulative model steps
+    prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # cumulative tokens of those served from the cache
 
 
 class RequestError(msgspec.Struct):
@@ -134,6 +136,7 @@ OutputMessage = Ready | Outputs | Fatal
 def core_stats(core, num_steps: int = 0) -> CoreStats:
     """Scheduler and pool counters; per-group block counts exclude the null block."""
     kv, s = core.kv, core.scheduler
+    pstats = getattr(kv, "stats", None)  # PrefixCacheStats (absent: no prefix cache)
     groups = []
     for m in kv.managers:
         held = sum(1 for blocks in m.req_blocks.values() for b in blocks
@@ -143,7 +146,8 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         num_running=s.num_running, num_waiting=s.num_waiting,
         num_preemptions=s.num_preemptions, num_free_blocks=kv.pool.num_free,
         num_usable_blocks=kv.pool.num_usable, kv_usage=kv.usage, groups=groups,
-        num_steps=num_steps)
+        num_steps=num_steps, prefix_queries=int(getattr(pstats, "queries", 0)),
+        prefix_hits=int(getattr(pstats, "hits", 0)))
 
 
 def _utility(core, method: str, num_steps: int) -> Any:
@@ -164,6 +168,7 @@ def _utility(core, method: str, num_steps: int) -> Any:
             "num_preemptions": st.num_preemptions, "kv_usage": st.kv_usage,
             "groups": [msgspec.structs.asdict(g) for g in st.groups],
             "num_steps": st.num_steps, "whole": whole,
+            "prefix_queries": st.prefix_queries, "prefix_hits": st.prefix_hits,
         }
     raise ValueError(f"unknown utility method {method!r}; known: ping, pool_stats")
 

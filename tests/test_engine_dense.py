@@ -39,11 +39,21 @@ def _block_bytes(llm: LLM) -> int:
 
 
 def _check_text(llm: LLM, outs) -> None:
-    """Incremental detokenization ends where a one-shot decode of the tokens does."""
+    """Incremental detokenization ends where a one-shot decode of the tokens does.
+
+    Random prompts may end inside a multi-byte character (byte-level BPE), and then the first
+    output bytes complete the prompt's character, as in vLLM: only prompts that end on a
+    character boundary are held to the equality, and most do.
+    """
     tok = llm.get_tokenizer()
+    checked = 0
     for o in outs:
+        if tok.decode(o.prompt_token_ids[-5:]).endswith("\ufffd"):
+            continue
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+        checked += 1
+    assert checked >= len(outs) // 2
 
 
 class Case:
@@ -164,7 +174,8 @@ def test_seeded_sampling_reproducible_and_batch_independent(llama: LLM, llama_di
     alone = llama.generate(_inputs([target]), _seeded(42), use_tqdm=False)[0].outputs[0]
     again = llama.generate(_inputs([target]), _seeded(42), use_tqdm=False)[0].outputs[0]
     assert alone.token_ids == again.token_ids
-    others = [PROMPTS[i] for i in (0, 3, 9, 12, 13, 14, 15)]
+    # Short prompts near block boundaries: in the small pool below they all grow a block soon.
+    others = [PROMPTS[i] for i in (3, 2, 4, 5, 6, 1, 8)]
     batch = _inputs(others[:4] + [target] + others[4:])
     params = [_seeded(100 + i) if i % 2 else SamplingParams(temperature=0.8, max_tokens=NEW,
                                                                ignore_eos=True)
@@ -176,7 +187,7 @@ def test_seeded_sampling_reproducible_and_batch_independent(llama: LLM, llama_di
     assert other_seed.token_ids != alone.token_ids
     # Preemption recomputes the cache but must not replay or reset the request's generator.
     small = LLM(str(llama_dir), max_model_len=MAX_LEN,
-                kv_cache_memory=10 * _block_bytes(llama))
+                kv_cache_memory=9 * _block_bytes(llama))  # 8 usable: one max_model_len
     outs_small = small.generate(batch, [_seeded(100 + i) for i in range(8)], use_tqdm=False)
     outs_big = llama.generate(batch, [_seeded(100 + i) for i in range(8)], use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
@@ -249,6 +260,15 @@ def test_stop_token_ids_and_min_tokens(llama: LLM, llama_dir: Path, llama_ref):
     c = llama.generate(_inputs([PROMPTS[i]]), SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert c.token_ids == ref[:4] and c.finish_reason == "length"
+    llama.engine.kv.check_whole()
+
+
+def test_max_model_len_caps_output(llama: LLM, llama_ref):
+    prompt = PROMPTS[-1] + PROMPTS[-2][: MAX_LEN - 3 - len(PROMPTS[-1])]
+    assert len(prompt) == MAX_LEN - 3
+    c = llama.generate(_inputs([prompt]), SamplingParams(
+        temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"
     llama.engine.kv.check_whole()
 
 

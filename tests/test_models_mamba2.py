@@ -23,7 +23,7 @@ import torch
 from pagefold import LLM, SamplingParams
 from pagefold.executor.forward_context import StateMetadata
 from pagefold.models.mamba2_hybrid import _clamped_token_mask
-from pagefold.testing.oracle import hf_greedy, hf_logprobs
+from pagefold.testing.oracle import hf_greedy, hf_logprobs, load_hf_model
 
 N_PROMPTS, MIN_LEN, MAX_LEN, N_NEW, VOCAB = 16, 5, 80, 10, 512
 MAX_MODEL_LEN = MAX_LEN + N_NEW
@@ -143,6 +143,57 @@ def test_granite_matches_hf(request, random_prompts, scenario: str) -> None:
     # A flip is rare; most sequences must agree exactly or the rule would hide a real bug.
     assert exact >= N_PROMPTS - 2
     _finish(llm, scenario)
+
+
+def _hf_generate_logprobs(model_dir: Path, prompt: list[int], n: int):
+    """Tokens and per-step log-softmax rows of transformers' own greedy ``generate`` (its
+    prompt pass, then one single-token decode step per token: the path being mirrored)."""
+    model = load_hf_model(model_dir)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None)
+    rows = [torch.log_softmax(x[0].float(), -1) for x in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), rows
+
+
+def _staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams, gap: int):
+    """Add one request every ``gap`` steps, so each new prompt (one whole chunk) shares its
+    step with single-token decodes of the requests already running; then drain."""
+    ids, final = [], {}
+    for p in prompts:
+        ids.append(llm.add_request({"prompt_token_ids": p}, params))
+        for _ in range(gap):
+            final.update({o.request_id: o for o in llm.step() if o.finished})
+    while len(final) < len(ids):
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+    return [final[i].outputs[0] for i in ids]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_nemotron_h_decode_dt_matches_hf_generate(tiny_model_factory, random_prompts,
+                                                   mixed: bool) -> None:
+    """With a large ``time_step_min`` the dt clamp shows in the logprobs (~4e-3 when decode
+    tokens are clamped too); every step's logprobs must equal what transformers' ``generate``
+    computed (prompt clamped, decode steps not), both in all-decode steps and in steps where
+    decodes share the chunked kernel with a new prompt."""
+    model_dir = tiny_model_factory("nemotron_h", time_step_min=0.05)
+    prompts = random_prompts(4, 20, 60, VOCAB, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
+    llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=4 << 20)
+    if mixed:
+        outs = _staggered(llm, prompts, params, gap=2)
+    else:
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                   params, use_tqdm=False)]
+    for p, o in zip(prompts, outs, strict=True):
+        toks, rows = _hf_generate_logprobs(model_dir, p, N_NEW)
+        assert list(o.token_ids) == toks
+        for i, t in enumerate(toks):
+            assert o.logprobs[i][t].logprob == pytest.approx(float(rows[i][t]),
+                                                             abs=LOGPROB_ATOL), f"step {i}"
+    llm.engine.kv.check_whole()
 
 
 def test_decode_tokens_skip_dt_clamp() -> None:

@@ -194,6 +194,10 @@ def test_streaming_equals_non_streaming_with_usage(client):
     assert last.usage.prompt_tokens == full.usage.prompt_tokens
     assert last.usage.prompt_tokens_details.cached_tokens == 0
     assert all(c.usage is None for c in chunks[:-1])
+    echo = client.completions.create(echo=True, **kw)
+    assert echo.choices[0].text == "The quick brown fox" + full.choices[0].text
+    chunks = list(client.completions.create(echo=True, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == echo.choices[0].text
 
     msgs = [{"role": "user", "content": "tell me"}]
     full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
@@ -364,6 +368,8 @@ def test_chat_errors_auth_and_still_serving(server, client):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     r = server.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+    r = server.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
     with pytest.raises(openai.BadRequestError, match="n > 1"):
@@ -411,21 +417,23 @@ def test_metrics_count_requests(server):
     assert values["pagefold:num_requests_running"] == 0
 
 
-def test_serve_benchmark_runs(server, capsys):
-    from benchmarks.serve import build_parser, run_benchmark
-
-    args = build_parser().parse_args([
-        "--base-url", server.url + "/v1", "--model", MODEL, "--api-key", KEY,
-        "--dataset", "prefix-repetition", "--prefix-len", "20", "--num-prefixes", "2",
-        "--num-prompts", "8", "--input-len", "10", "--output-len", "5", "--ignore-eos",
-        "--token-ids", "--request-rate", "50", "--max-concurrency", "4",
-        "--goodput", "ttft:60000", "tpot:60000"])
-    s = asyncio.run(run_benchmark(args))
+def test_serve_benchmark_runs(server, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "benchmarks.serve", "--base-url", server.url + "/v1",
+           "--model", MODEL, "--api-key", KEY, "--dataset", "prefix-repetition",
+           "--prefix-len", "20", "--num-prefixes", "2", "--num-prompts", "8",
+           "--input-len", "10", "--output-len", "5", "--ignore-eos", "--token-ids",
+           "--request-rate", "50", "--max-concurrency", "4",
+           "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out)]
+    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Output token throughput" in p.stdout
+    s = json.loads(out.read_text())
     assert s["completed"] == 8 and s["failed"] == 0
     assert s["total_output_tokens"] == 8 * 5 and s["total_input_tokens"] == 8 * 30
     assert s["goodput"] == pytest.approx(s["request_throughput"])
     assert 0 < s["p50_ttft_ms"] <= s["p99_ttft_ms"] and s["mean_itl_ms"] > 0
-    assert "Output token throughput" in capsys.readouterr().out
     server.wait_pool_whole()
 
 

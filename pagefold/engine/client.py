@@ -86,7 +86,7 @@ class AsyncEngineClient:
     ``metrics`` is an optional :class:`~pagefold.metrics.ServerMetrics`.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer, *, metrics=None,
+    def __init__(self, config: EngineConfig, tokenizer=None, *, metrics=None,
                  log_level: str = "INFO", startup_timeout: float = 600.0) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -126,10 +126,11 @@ class AsyncEngineClient:
             return f"engine core process {self._proc.pid} exited with code {self._proc.returncode}"
         return self._dead_reason
 
-    async def start(self) -> Ready:
-        """Spawn the core, wait for its handshake and one round trip. Raises ``ValueError``
-        with the core's message when the engine cannot be built, ``RuntimeError`` when the
-        process dies or does not answer within ``startup_timeout`` seconds."""
+    def spawn(self) -> None:
+        """Start the core process now (it loads the model while this process goes on, e.g.
+        loading the tokenizer). Idempotent; :meth:`start` calls it if needed."""
+        if self._proc is not None:
+            return
         self._tmpdir = tempfile.mkdtemp(prefix="pagefold-")
         in_addr = f"ipc://{self._tmpdir}/input"
         out_addr = f"ipc://{self._tmpdir}/output"
@@ -149,6 +150,14 @@ class AsyncEngineClient:
                "--log-level", self.log_level]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         logger.info("started EngineCore process %d", self._proc.pid)
+
+    async def start(self) -> Ready:
+        """Spawn the core (unless :meth:`spawn` did), wait for its handshake and one round
+        trip. ``tokenizer`` must be set by now (it detokenizes outputs). Raises ``ValueError``
+        with the core's message when the engine cannot be built, ``RuntimeError`` when the
+        process dies or does not answer within ``startup_timeout`` seconds."""
+        self.spawn()
+        self._processor = OutputProcessor(self.tokenizer)
         try:
             self.info = await self._handshake()
         except BaseException:

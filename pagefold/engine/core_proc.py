@@ -16,8 +16,9 @@ Invariants of the loop:
 * an ``add`` that the core rejects (``ValueError``) queues nothing and comes back as a
   :class:`RequestError` for that request id, never as a crash;
 * any other exception is fatal: it is reported as :class:`Fatal` and the process exits 1;
-* the process exits when its parent dies (``PR_SET_PDEATHSIG`` on Linux, plus a ``getppid``
-  check at least once a second) and on SIGTERM; SIGINT is ignored (a Ctrl-C reaches the whole
+* the process exits when its parent dies (``PR_SET_PDEATHSIG`` sends SIGTERM on Linux, plus
+  a ``getppid`` check at least once a second) and on SIGTERM (after the current step);
+  SIGINT is ignored (a Ctrl-C reaches the whole
   process group; the API process decides how to shut down and tells the core).
 """
 
@@ -42,8 +43,10 @@ from pagefold.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagefold.core_proc")
 
-# Seconds between parent-liveness checks while busy (when idle, each input poll waits this long).
+# Seconds between parent-liveness checks while busy (an idle core checks after every poll).
 PARENT_CHECK_INTERVAL = 1.0
+# How long an idle core waits for input before re-checking SIGTERM and its parent.
+IDLE_POLL_MS = 250
 # Stats-only messages (steps that finished no token, e.g. prefill chunks) at most this often.
 STATS_INTERVAL = 0.1
 
@@ -187,8 +190,14 @@ def _set_parent_death_signal() -> None:
         logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on getppid checks")
 
 
+_stop_requested = False
+
+
 def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
-    raise SystemExit(0)
+    # Only a flag: raising from a handler can land inside zmq or interpreter teardown. The
+    # loop sees it within one step (or one idle poll).
+    global _stop_requested
+    _stop_requested = True
 
 
 class _CoreLoop:
@@ -259,10 +268,9 @@ class _CoreLoop:
         self._last_send = time.monotonic()
 
     def run(self) -> None:
-        while True:
+        while not _stop_requested:
             busy = self.core.has_unfinished()
-            handled, stop, errors, utility = self.handle_inputs(
-                0 if busy else int(PARENT_CHECK_INTERVAL * 1000))
+            handled, stop, errors, utility = self.handle_inputs(0 if busy else IDLE_POLL_MS)
             if stop:
                 logger.info("shutdown requested")
                 return
@@ -281,14 +289,16 @@ class _CoreLoop:
                 if not self.parent_alive():
                     logger.warning("parent process %d is gone; exiting", self.parent_pid)
                     return
+        logger.info("SIGTERM: exiting")
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int) -> int:
     """Build the EngineCore, handshake, run the loop. Returns the process exit code."""
+    # SIGTERM keeps its default (die at once) while the engine loads; the loop installs the
+    # graceful handler.
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
     if os.getppid() != parent_pid:
         return 1  # the parent died before prctl took effect
     ctx = zmq.Context()
@@ -322,11 +332,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             max_num_batched_tokens=core.max_num_batched_tokens,
             groups=[type(m.group.spec).__name__ for m in kv.managers])))
         loop = _CoreLoop(core, in_sock, out_sock, parent_pid)
+        signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             loop.run()
-        except SystemExit:
-            raise
-        except BaseException as e:  # noqa: BLE001 - a crash is reported, never silent
+        except Exception as e:  # noqa: BLE001 - a crash is reported, never silent
             tb = traceback.format_exc()
             logger.error("engine core failed:\n%s", tb)
             out_sock.send(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
@@ -349,10 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(levelname)s EngineCore[{os.getpid()}] %(name)s: %(message)s")
     config = EngineConfig(**json.loads(args.config))
-    try:
-        return run_engine_core(config, args.input, args.output, args.parent_pid)
-    except SystemExit as e:
-        return int(e.code or 0)
+    return run_engine_core(config, args.input, args.output, args.parent_pid)
 
 
 if __name__ == "__main__":

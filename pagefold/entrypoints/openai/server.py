@@ -72,14 +72,19 @@ class ServerState:
 
 def build_state(config: EngineConfig, *, served_model_name: str | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
-                log_level: str = "INFO") -> ServerState:
-    """Load the tokenizer and wire the (not yet started) engine client and handlers."""
+                log_level: str = "INFO", client: AsyncEngineClient | None = None
+                ) -> ServerState:
+    """Load the tokenizer and wire the engine client (not started yet; pass one that was
+    already spawned to overlap the model load with this) and the handlers."""
     from pagefold.llm import generation_eos_ids, load_tokenizer
 
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
     name = served_model_name or config.model
     metrics = ServerMetrics(name)
-    client = AsyncEngineClient(config, tokenizer, metrics=metrics, log_level=log_level)
+    if client is None:
+        client = AsyncEngineClient(config, log_level=log_level)
+    client.metrics = metrics
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    client.tokenizer = tokenizer
     extra = generation_eos_ids(config.model)
     common = dict(extra_eos_ids=extra)
     template = None
@@ -99,6 +104,25 @@ def _unauthorized() -> JSONResponse:
                         status_code=401)
 
 
+class APIKeyMiddleware:
+    """Plain ASGI middleware (no body buffering, streams untouched): every ``/v1`` route needs
+    ``Authorization: Bearer <api_key>``, else 401 with an OpenAI error body."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(),
+                                                                        self.key):
+                await _unauthorized()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app. Its lifespan stops the engine client on shutdown (it must already be
     started, see :func:`serve`)."""
@@ -115,15 +139,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.pagefold = state
     client = state.client
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                    token.strip().encode(), state.api_key.encode()):
-                return _unauthorized()
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -257,14 +274,16 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
-    state = build_state(config, served_model_name=args.served_model_name,
-                        api_key=args.api_key, chat_template=args.chat_template,
-                        log_level=getattr(args, "log_level", "INFO"))
+    client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
+    client.spawn()  # the core loads the model while this process loads the tokenizer
     try:
+        state = build_state(config, served_model_name=args.served_model_name,
+                            api_key=args.api_key, chat_template=args.chat_template,
+                            client=client)
         asyncio.run(serve(state, args.host, args.port,
                           uvicorn_log_level=args.uvicorn_log_level))
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the engine is already stopped
     finally:
-        state.client.kill_now()  # no-op after a clean shutdown; never leave the core behind
+        client.kill_now()  # no-op after a clean shutdown; never leave the core behind
     return 0

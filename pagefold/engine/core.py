@@ -97,11 +97,26 @@ class EngineCore:
         logger.info("%s: %s weights, kv cache %s, max_model_len %d, max_num_batched_tokens %d",
                     arch, self.dtype, kv_dtype(config.kv_cache_dtype, self.dtype),
                     self.max_model_len, self.max_num_batched_tokens)
+        self._warn_if_caching_impossible(one_request)
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill)
+
+    def _warn_if_caching_impossible(self, one_request: int) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.kv_config.block_size
+        if self.max_model_len <= bs:
+            logger.warning("prefix caching can never hit: max_model_len %d is not above "
+                           "block_size %d (hits need a full block before the last token)",
+                           self.max_model_len, bs)
+        elif self.kv.pool.num_usable < 2 * one_request:
+            logger.warning("prefix caching will rarely hit: the pool (%d blocks) holds under two "
+                           "requests of max_model_len (%d blocks each), so cached blocks and "
+                           "state checkpoints are evicted almost at once; raise kv_cache_memory",
+                           self.kv.pool.num_usable, one_request)
 
     @staticmethod
     def _eos_id(hf_config) -> int | None:

@@ -162,8 +162,20 @@ class KVCacheManager:
             req.num_computed_tokens = hit_blocks * self.block_size
         end = req.num_computed_tokens + num_new_tokens
         for m in self.managers:
-            m.allocate(req.request_id, req.num_computed_tokens, end)
+            m.allocate(req.request_id, req.num_computed_tokens, end, self._copies)
         return True
+
+    def can_fork(self, parent: Request, num_children: int) -> bool:
+        need = sum(m.fork_cost(parent.request_id) for m in self.managers) * num_children
+        return need <= self.pool.num_free
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` continues from ``parent``'s cache: attention blocks shared (copy-on-write
+        later), states copied now (the copy runs before the next forward)."""
+        for m in self.managers:
+            self._copies.extend(m.fork(parent.request_id, child.request_id))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
 
     def record_admission(self, req: Request, hit_tokens: int) -> None:
         """A request was admitted with ``hit_tokens`` from cache: count it, and promise its

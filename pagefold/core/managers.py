@@ -41,8 +41,11 @@ class GroupManager(ABC):
         """New blocks required so that tokens ``[num_computed, num_tokens)`` can be computed."""
 
     @abstractmethod
-    def allocate(self, req_id: str, num_computed: int, num_tokens: int) -> None:
-        """Allocate what ``num_blocks_needed`` promised (the caller checked the pool has them)."""
+    def allocate(self, req_id: str, num_computed: int, num_tokens: int,
+                 copies: list[PageCopy] | None = None) -> None:
+        """Allocate what ``num_blocks_needed`` promised (the caller checked the pool has them).
+
+        Page copies the allocation implies (copy-on-write) are appended to ``copies``."""
 
     def num_blocks_to_free(self, req_id: str, num_computed: int) -> int:
         """Blocks that ``allocate`` would return to the pool first (sliding window)."""
@@ -56,6 +59,14 @@ class GroupManager(ABC):
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
+
+    @abstractmethod
+    def fork(self, parent_id: str, child_id: str) -> list[PageCopy]:
+        """Give ``child_id`` the parent's cache as it stands (share or copy, per kind)."""
+
+    def fork_cost(self, parent_id: str) -> int:
+        """Blocks a fork takes from the pool now."""
+        return 0
 
     # ---- prefix caching (defaults: this kind caches nothing) ----
     def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> set[int] | int:
@@ -79,17 +90,44 @@ class GroupManager(ABC):
 
 
 class FullAttentionManager(GroupManager):
-    """One block per ``block_size`` tokens, allocated as the sequence grows; hash-chained."""
+    """One block per ``block_size`` tokens, allocated as the sequence grows; hash-chained.
+
+    Blocks are append-only, so forks share them by reference count. Before a request writes
+    into a partly filled block that another request also holds, it gets its own copy
+    (copy-on-write of that one block).
+    """
+
+    def _needs_cow(self, req_id: str, num_computed: int) -> bool:
+        blocks = self.req_blocks.get(req_id)
+        i = num_computed // self.block_size
+        return bool(blocks) and num_computed % self.block_size != 0 and i < len(blocks) \
+            and blocks[i].ref_cnt > 1
 
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         have = len(self.req_blocks.get(req_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - have)
+        cow = 1 if num_tokens > num_computed and self._needs_cow(req_id, num_computed) else 0
+        return max(0, cdiv(num_tokens, self.block_size) - have) + cow
 
-    def allocate(self, req_id: str, num_computed: int, num_tokens: int) -> None:
-        n = self.num_blocks_needed(req_id, num_computed, num_tokens)
+    def allocate(self, req_id: str, num_computed: int, num_tokens: int,
+                 copies: list[PageCopy] | None = None) -> None:
         blocks = self.req_blocks.setdefault(req_id, [])
+        if num_tokens > num_computed and self._needs_cow(req_id, num_computed):
+            i = num_computed // self.block_size
+            shared = blocks[i]
+            (own,) = self.pool.allocate(1)
+            if copies is not None:
+                copies.append(PageCopy(self.index, [shared.block_id], [own.block_id]))
+            blocks[i] = own
+            self.pool.free([shared])
+        n = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
         if n:
             blocks.extend(self.pool.allocate(n))
+
+    def fork(self, parent_id: str, child_id: str) -> list[PageCopy]:
+        blocks = list(self.req_blocks.get(parent_id, ()))
+        self.pool.touch([b for b in blocks if b is not self.pool.null_block])
+        self.req_blocks[child_id] = blocks
+        return []
 
     def _key(self, h: bytes):
         return (self.index, h)
@@ -149,7 +187,8 @@ class SlidingWindowManager(FullAttentionManager):
         dead = self._dead_prefix(num_computed)
         return sum(1 for b in blocks[:dead] if b is not self.pool.null_block)
 
-    def allocate(self, req_id: str, num_computed: int, num_tokens: int) -> None:
+    def allocate(self, req_id: str, num_computed: int, num_tokens: int,
+                 copies: list[PageCopy] | None = None) -> None:
         blocks = self.req_blocks.setdefault(req_id, [])
         dead = min(self._dead_prefix(num_computed), len(blocks))
         stale = [b for b in blocks[:dead] if b is not self.pool.null_block]
@@ -157,7 +196,7 @@ class SlidingWindowManager(FullAttentionManager):
             self.pool.free(list(reversed(stale)))
             for i in range(dead):
                 blocks[i] = self.pool.null_block
-        super().allocate(req_id, num_computed, num_tokens)
+        super().allocate(req_id, num_computed, num_tokens, copies)
 
 
 class StateManager(GroupManager):
@@ -172,9 +211,18 @@ class StateManager(GroupManager):
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         return 0 if req_id in self.req_blocks else self.group.pages_per_state
 
-    def allocate(self, req_id: str, num_computed: int, num_tokens: int) -> None:
+    def allocate(self, req_id: str, num_computed: int, num_tokens: int,
+                 copies: list[PageCopy] | None = None) -> None:
         if req_id not in self.req_blocks:
             self.req_blocks[req_id] = self.pool.allocate(self.group.pages_per_state)
+
+    def fork(self, parent_id: str, child_id: str) -> list[PageCopy]:
+        # A state is overwritten in place every step: a fork needs its own copy, eagerly.
+        self.allocate(child_id, 0, 0)
+        return [PageCopy(self.index, self.block_ids(parent_id), self.block_ids(child_id))]
+
+    def fork_cost(self, parent_id: str) -> int:
+        return self.group.pages_per_state
 
     def wants_checkpoints(self) -> bool:
         return True

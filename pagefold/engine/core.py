@@ -97,7 +97,7 @@ class EngineCore:
         logger.info("%s: %s weights, kv cache %s, max_model_len %d, max_num_batched_tokens %d",
                     arch, self.dtype, kv_dtype(config.kv_cache_dtype, self.dtype),
                     self.max_model_len, self.max_num_batched_tokens)
-        self._warn_if_caching_impossible(one_request)
+        self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,

@@ -72,9 +72,6 @@ class LLM:
         raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
     def _params_for(self, params: SamplingParams) -> SamplingParams:
-        if params.n != 1 or (params.best_of not in (None, 1)):
-            raise ValueError(f"n={params.n}, best_of={params.best_of}: parallel sampling (n > 1) "
-                             "is not available yet; use n=1")
         if self._extra_eos and not params.ignore_eos:
             params = params.clone()
             params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(self._extra_eos))

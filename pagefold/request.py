@@ -53,6 +53,13 @@ class Request:
     # Prefix caching: chained hashes of full blocks, and what keys the chain (cache salt...).
     block_hashes: list[bytes] = field(default_factory=list)
     extra_keys: tuple = ()
+    # Parallel sampling: children still to fork off once ``fork_at`` tokens are computed
+    # (the prompt minus its last token: the prompt is prefilled once, each child computes the
+    # last prompt token itself and samples its first token with its own seed).
+    fork_children: int = 0
+    fork_at: int = -1
+    parent_id: str | None = None
+    index: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -73,6 +80,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def ready_to_fork(self) -> bool:
+        return self.fork_children > 0 and self.num_computed_tokens == self.fork_at
+
+    def spawn_child(self, index: int) -> Request:
+        """Child ``index`` of a parallel-sampling family (seed + index, as vLLM does)."""
+        params = self.sampling_params.clone()
+        if params.seed is not None:
+            params.seed += index
+        return Request(f"{self.request_id}#{index}", self.prompt_token_ids, params,
+                       eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
+                       priority=self.priority, all_token_ids=list(self.all_token_ids),
+                       extra_keys=self.extra_keys, parent_id=self.request_id, index=index,
+                       num_cached_tokens=self.num_cached_tokens, status=self.status)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -110,6 +110,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_forks = 0
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -157,12 +158,32 @@ class Scheduler:
         self.waiting.push_front(req)
         logger.debug("preempted %s (recompute)", req.request_id)
 
+    def _fork(self, parent: Request) -> None:
+        """Create the parent's children right after it in the running list (if memory allows;
+        otherwise the family waits a step)."""
+        k = parent.fork_children
+        if not self.kv.can_fork(parent, k):
+            return
+        pos = self.running.index(parent) + 1
+        for idx in range(1, k + 1):
+            child = parent.spawn_child(idx)
+            self.kv.fork(parent, child)
+            self.requests[child.request_id] = child
+            self.running.insert(pos, child)
+            pos += 1
+        parent.fork_children = 0
+        self.num_forks += 1
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = set()
         self.kv.pool.tick += 1
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+
+        # 0. Parallel sampling: families whose shared prompt prefix is computed fork now.
+        for req in [r for r in self.running if r.ready_to_fork]:
+            self._fork(req)
 
         # 1. Running requests, in order.
         i = 0
@@ -171,6 +192,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             n = min(n, self.max_model_len - req.num_computed_tokens)
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
+            if req.fork_children:  # stop the shared prefill where the family forks
+                n = min(n, req.fork_at - req.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -203,6 +226,8 @@ class Scheduler:
                 start = req.num_computed_tokens + hit * self.kv.block_size
                 n = min(req.num_tokens - start, budget)
                 n = self.kv.cap_chunk(req, start, n)
+                if req.fork_children:
+                    n = min(n, req.fork_at - start)
                 if not self.kv.allocate_slots(req, n, hit):
                     break
                 self.waiting.remove(req)
@@ -211,8 +236,9 @@ class Scheduler:
                     req.num_cached_tokens = req.num_computed_tokens
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                scheduled[req.request_id] = n
-                budget -= n
+                if n:
+                    scheduled[req.request_id] = n
+                    budget -= n
 
         # Layout order: running order (stable across steps -> persistent batch friendly).
         for req in self.running:

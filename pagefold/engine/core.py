@@ -39,6 +39,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    parent_id: str | None = None  # parallel sampling: the family's request id
+    index: int = 0  # the child's index in its family
 
 
 def load_hf_config(model: str):
@@ -146,15 +148,26 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+        family = max(params.n, params.best_of or 1)
+        if family > 1:
+            params = params.clone()
+            if params.best_of > params.n and params.logprobs is None:
+                params.logprobs = 0  # ranking by cumulative logprob needs each token's logprob
+            params.n = params.best_of = 1
+            kw.update(fork_children=family - 1, fork_at=n - 1)
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, **kw)
         self.scheduler.add_request(req)
         return req
 
     def abort(self, request_ids: list[str]) -> None:
+        """Abort requests; a parallel-sampling family id aborts all its children too."""
+        reqs = self.scheduler.requests
         for rid in request_ids:
-            if self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None:
-                self.runner.drop_request(rid)
+            family = [rid] + [c for c, r in reqs.items() if r.parent_id == rid]
+            for cid in family:
+                if self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED) is not None:
+                    self.runner.drop_request(cid)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -177,7 +190,8 @@ class EngineCore:
                 continue  # a prefill chunk that did not reach the end of the prompt
             r.append_token(tok.token_id)
             out = EngineCoreOutput(r.request_id, [tok.token_id],
-                                   num_cached_tokens=max(r.num_cached_tokens, 0))
+                                   num_cached_tokens=max(r.num_cached_tokens, 0),
+                                   parent_id=r.parent_id, index=r.index)
             if tok.logprobs is not None:
                 out.new_logprobs.append(tok.logprobs)
                 r.cumulative_logprob += tok.logprobs[1][0]

@@ -241,7 +241,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     """Embeddings -> hybrid decoder layers -> final zero-centred norm; (T,) ids -> (T, hidden)."""
 
-    def __init__(self, cfg, max_positions: int, make_mlp: dense_mlp) -> None:
+    def __init__(self, cfg, max_positions: int, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         if len(cfg.layer_types) < cfg.num_hidden_layers:
             raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for "

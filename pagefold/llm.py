@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagefold.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore
 from pagefold.engine.output_processor import OutputProcessor
@@ -141,6 +142,14 @@ class LLM:
         finally:
             bar.close()
         return [final[i] for i in ids]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM-style beam search; beams fork (shared attention blocks, copied states)."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        ids = [self._prompt_ids(p)[1] for p in prompts]
+        return beam_search(self, ids, params)
 
     def chat(
         self,

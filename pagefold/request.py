@@ -60,6 +60,8 @@ class Request:
     fork_at: int = -1
     parent_id: str | None = None
     index: int = 0
+    # Held by its driver (beam search) between steps: the scheduler skips it.
+    paused: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

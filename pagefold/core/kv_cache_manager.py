@@ -211,6 +211,10 @@ class KVCacheManager:
         self._pins = []
 
     def free(self, req: Request) -> None:
+        if self._copies:  # copies into this request's pages (fork, CoW, restore) are moot now
+            owned = {(m.index, b) for m in self.managers for b in m.block_ids(req.request_id)}
+            self._copies = [c for c in self._copies
+                            if not any((c.group, b) in owned for b in c.dst)]
         for m in self.managers:
             m.free(req.request_id)
         self._targets.pop(req.request_id, None)

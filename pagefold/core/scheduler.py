@@ -164,15 +164,22 @@ class Scheduler:
         k = parent.fork_children
         if not self.kv.can_fork(parent, k):
             return
-        pos = self.running.index(parent) + 1
         for idx in range(1, k + 1):
-            child = parent.spawn_child(idx)
-            self.kv.fork(parent, child)
-            self.requests[child.request_id] = child
-            self.running.insert(pos, child)
-            pos += 1
+            self.fork_now(parent, parent.spawn_child(idx))
         parent.fork_children = 0
+
+    def fork_now(self, parent: Request, child: Request) -> None:
+        """``child`` (a copy of ``parent``'s tokens) continues from the parent's cache if the
+        parent is running, else from scratch like any waiting request."""
+        self.requests[child.request_id] = child
         self.num_forks += 1
+        if parent.status == RequestStatus.RUNNING:
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.status = RequestStatus.WAITING
+            self.waiting.push(child)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -189,6 +196,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.paused:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             n = min(n, self.max_model_len - req.num_computed_tokens)
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
@@ -220,7 +230,7 @@ class Scheduler:
             for req in list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
-                if self.kv.should_defer(req):
+                if req.paused or self.kv.should_defer(req):
                     continue
                 hit = self.kv.find_hit(req)
                 start = req.num_computed_tokens + hit * self.kv.block_size

@@ -304,9 +304,10 @@ class AsyncEngineClient:
 
     def _on_outputs(self, msg: Outputs) -> None:
         now = time.monotonic()
-        self.last_stats = msg.stats
-        if self.metrics is not None:
-            self.metrics.record_core_stats(msg.stats)
+        if msg.stats is not None:
+            self.last_stats = msg.stats
+            if self.metrics is not None:
+                self.metrics.record_core_stats(msg.stats)
         for u in msg.utility:
             fut = self._calls.pop(u.call_id, None)
             if fut is not None and not fut.done():

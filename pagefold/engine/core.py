@@ -169,6 +169,37 @@ class EngineCore:
                 if self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED) is not None:
                     self.runner.drop_request(cid)
 
+    def fork_request(self, parent_id: str, child_id: str) -> Request:
+        """A new request continuing ``parent_id`` token for token (beam search): attention
+        blocks shared copy-on-write, states copied. Call between steps."""
+        parent = self.scheduler.requests[parent_id]
+        if child_id in self.scheduler.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        if parent.status == RequestStatus.RUNNING and not self.kv.can_fork(parent, 1):
+            raise RuntimeError("no free blocks to fork a request; lower beam_width or n")
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params.clone(),
+                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
+                        priority=parent.priority, all_token_ids=list(parent.all_token_ids),
+                        output_token_ids=list(parent.output_token_ids),
+                        extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
+                        cumulative_logprob=parent.cumulative_logprob)
+        self.scheduler.fork_now(parent, child)
+        return child
+
+    def replace_last_token(self, request_id: str, token_id: int) -> None:
+        """Swap the newest sampled token (not computed yet, so nothing in the cache changes)."""
+        r = self.scheduler.requests[request_id]
+        if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
+            raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
+        r.output_token_ids[-1] = token_id
+        r.all_token_ids[-1] = token_id
+        if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:
+            r.block_hashes.pop()  # that hash covered the replaced token
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Hold a request out of scheduling (its driver decides its next token first)."""
+        self.scheduler.requests[request_id].paused = paused
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -7,7 +7,8 @@ The API process (``pagefold.engine.client``) binds two ipc sockets and starts th
   calls, shutdown;
 * ``output`` (core PUSH -> API PULL): msgpack :data:`OutputMessage` -- first a :class:`Ready`
   handshake (or a :class:`Fatal` when the engine cannot be built), then :class:`Outputs` after
-  every loop iteration that did something, each carrying the scheduler/pool :class:`CoreStats`.
+  every loop iteration that produced something, carrying the scheduler/pool
+  :class:`CoreStats` every ``STATS_INTERVAL`` and whenever the core turns idle.
 
 Invariants of the loop:
 
@@ -47,7 +48,7 @@ logger = logging.getLogger("pagefold.core_proc")
 PARENT_CHECK_INTERVAL = 1.0
 # How long an idle core waits for input before re-checking SIGTERM and its parent.
 IDLE_POLL_MS = 250
-# Stats-only messages (steps that finished no token, e.g. prefill chunks) at most this often.
+# Scheduler/pool stats ride on outputs at most this often while busy (seconds).
 STATS_INTERVAL = 0.1
 
 
@@ -122,8 +123,11 @@ class Ready(msgspec.Struct, tag="ready"):
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
+    """``stats`` is attached at most every ``STATS_INTERVAL`` while busy (counting held blocks
+    costs a pass over them), and always when the core turns idle or handled input."""
+
     outputs: list[EngineCoreOutput]
-    stats: CoreStats
+    stats: CoreStats | None = None
     errors: list[RequestError] = []
     utility: list[UtilityResult] = []
 
@@ -212,7 +216,7 @@ class _CoreLoop:
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.num_steps = 0
         self._last_parent_check = time.monotonic()
-        self._last_send = 0.0
+        self._last_stats = 0.0
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
@@ -220,9 +224,12 @@ class _CoreLoop:
     def _decode(self, frame: bytes, errors: list[RequestError]) -> InputMessage | None:
         try:
             return self.decoder.decode(frame)
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:
             # A bad add still has a request id: answer it instead of dropping it silently.
-            raw = msgspec.msgpack.decode(frame)
+            try:
+                raw = msgspec.msgpack.decode(frame)
+            except msgspec.DecodeError:
+                raw = None
             rid = raw.get("request_id") if isinstance(raw, dict) else None
             if isinstance(rid, str):
                 errors.append(RequestError(rid, str(e)))
@@ -262,10 +269,15 @@ class _CoreLoop:
                 stop = True
         return handled, stop, errors, utility
 
-    def send(self, outputs: list[EngineCoreOutput], errors, utility) -> None:
-        msg = Outputs(outputs, core_stats(self.core, self.num_steps), errors, utility)
-        self.out_sock.send(self.encoder.encode(msg), copy=False)
-        self._last_send = time.monotonic()
+    def send(self, outputs: list[EngineCoreOutput], errors, utility, *,
+             with_stats: bool = True) -> None:
+        now = time.monotonic()
+        stats = None
+        if with_stats or now - self._last_stats >= STATS_INTERVAL:
+            stats = core_stats(self.core, self.num_steps)
+            self._last_stats = now
+        self.out_sock.send(self.encoder.encode(Outputs(outputs, stats, errors, utility)),
+                           copy=False)
 
     def run(self) -> None:
         while not _stop_requested:
@@ -281,9 +293,10 @@ class _CoreLoop:
                 self.num_steps += 1
                 stepped = True
             now = time.monotonic()
-            if (outputs or errors or utility or handled
-                    or (stepped and now - self._last_send >= STATS_INTERVAL)):
-                self.send(outputs, errors, utility)
+            idle_now = stepped and not self.core.has_unfinished()
+            if (outputs or errors or utility or handled or idle_now
+                    or (stepped and now - self._last_stats >= STATS_INTERVAL)):
+                self.send(outputs, errors, utility, with_stats=handled or idle_now)
             if now - self._last_parent_check >= PARENT_CHECK_INTERVAL or not busy:
                 self._last_parent_check = now
                 if not self.parent_alive():

@@ -76,6 +76,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Preemption: "recompute", "swap", or "auto" (per request, by cost); swap needs swap_space.
+    preemption_mode: str = "auto"
+    swap_space: int | str = 0
     # Hybrids: also checkpoint linear-layer states every this many tokens of long prefills.
     state_checkpoint_interval: int = 256
     scheduling_policy: str = "fcfs"
@@ -102,6 +105,12 @@ class EngineConfig:
             raise ValueError(
                 f"state_checkpoint_interval must be at least block_size ({self.block_size}), "
                 f"got {self.state_checkpoint_interval}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError("preemption_mode must be 'recompute', 'swap' or 'auto', got "
+                             f"{self.preemption_mode!r}")
+        self.swap_space = parse_bytes(self.swap_space)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -57,8 +57,6 @@ def test_rejected_request_in_a_batch_leaves_engine_serving(llm: LLM, llama_dir: 
                      use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="parallel sampling"):
-        llm.generate({"prompt_token_ids": good[0]}, SamplingParams(n=2), use_tqdm=False)
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         llm.generate([{"prompt_token_ids": g} for g in good], [GREEDY], use_tqdm=False)
     outs = llm.generate([{"prompt_token_ids": g} for g in good], GREEDY, use_tqdm=False)

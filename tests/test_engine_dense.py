@@ -94,7 +94,7 @@ SCENARIOS = {
     "chunk7": dict(kv_cache_memory=1 << 21, max_num_batched_tokens=7),
     "chunk33": dict(kv_cache_memory=1 << 21, max_num_batched_tokens=33),
     "preempt": dict(pool_blocks=11),
-    "priority": dict(pool_blocks=11, max_num_batched_tokens=33, scheduling_policy="priority"),
+    "priority": dict(pool_blocks=11, scheduling_policy="priority"),
 }
 
 

@@ -55,12 +55,56 @@ def _wait_until(cond, timeout: float, step: float = 0.05):
     return cond()
 
 
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(d))
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                pass
+    return kids
+
+
 @dataclass
 class Server:
+    """A ``pagefold serve`` process, launched at once; :meth:`ready` waits for /health."""
+
     proc: subprocess.Popen
     url: str
-    core_pid: int
     log: Path
+    core_pid: int = 0
+
+    @classmethod
+    def launch(cls, model_dir: Path, log: Path) -> Server:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "pagefold.entrypoints.cli", "serve", str(model_dir),
+               "--port", str(port), "--served-model-name", MODEL, "--api-key", KEY,
+               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB",
+               "--uvicorn-log-level", "warning"]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        f = open(log, "w")  # noqa: SIM115 - the server process keeps writing to it
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        return cls(proc, f"http://127.0.0.1:{port}", log)
+
+    def ready(self, timeout: float = 90.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while not self.core_pid and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n"
+                            f"{self.log.read_text()[-3000:]}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    self.core_pid = r.json()["engine_core_pid"]
+            except httpx.TransportError:
+                time.sleep(0.2)
+        if not self.core_pid:
+            pytest.fail(f"server not healthy within {timeout} s:\n{self.log.read_text()[-3000:]}")
+        return self
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, headers=HEADERS, timeout=30, **kw)
@@ -84,7 +128,8 @@ class Server:
         return pool
 
     def stop(self) -> None:
-        """SIGTERM; both processes must be gone within seconds."""
+        """SIGTERM; the server and every child of it must be gone within seconds."""
+        kids = set(_children(self.proc.pid)) | ({self.core_pid} if self.core_pid else set())
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -92,53 +137,41 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 pytest.fail(f"server ignored SIGTERM; log:\n{self.log.read_text()[-3000:]}")
-        assert _wait_until(lambda: not _alive(self.core_pid), 10), "engine core left behind"
-
-
-def _start_server(model_dir: Path, log: Path) -> Server:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagefold.entrypoints.cli", "serve", str(model_dir),
-           "--port", str(port), "--served-model-name", MODEL, "--api-key", KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB",
-           "--uvicorn-log-level", "warning"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    f = open(log, "w")  # noqa: SIM115 - the server process keeps writing to it
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            r = httpx.get(url + "/health", timeout=2)
-            if r.status_code == 200:
-                return Server(proc, url, r.json()["engine_core_pid"], log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"server not healthy within 90 s:\n{log.read_text()[-3000:]}")
+        left = _wait_until(lambda: not any(_alive(k) for k in kids), 10)
+        assert left, f"processes left behind: {[k for k in kids if _alive(k)]}"
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    srv = _start_server(qwen3_dir, tmp_path_factory.mktemp("server") / "server.log")
+def servers(qwen3_dir, tmp_path_factory):
+    """The main server and the one whose engine core a test kills, launched together; the
+    offline reference LLM loads in this process meanwhile (the three startups overlap).
+    Teardown SIGTERMs both servers and checks that no process is left."""
+    from pagefold import LLM
+
+    d = tmp_path_factory.mktemp("server")
+    main = Server.launch(qwen3_dir, d / "main.log")
+    doomed = Server.launch(qwen3_dir, d / "doomed.log")
     try:
-        yield srv
+        llm = LLM(str(qwen3_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="8MiB")
+        yield {"main": main, "doomed": doomed, "llm": llm}
     finally:
-        srv.stop()
+        for srv in (main, doomed):
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers["main"].ready()
+
+
+@pytest.fixture(scope="module")
+def offline_llm(servers):
+    return servers["llm"]
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline_llm(qwen3_dir):
-    from pagefold import LLM
-
-    return LLM(str(qwen3_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="8MiB")
 
 
 # ----------------------------------------------------------------------------- basics
@@ -390,6 +423,56 @@ def test_cached_tokens_reported(client):
     assert again.usage.prompt_tokens_details.cached_tokens == 32
 
 
+def test_core_loop_rejects_aborts_and_answers(offline_llm):
+    """The EngineCore process's loop, in-process over inproc sockets: a rejected add comes
+    back as a RequestError with the core's message (the server answers it 400)."""
+    import msgspec
+    import zmq
+
+    from pagefold import SamplingParams
+    from pagefold.engine.core_proc import (
+        AbortRequests,
+        AddRequest,
+        OutputMessage,
+        Outputs,
+        UtilityCall,
+        _CoreLoop,
+    )
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(t) for t in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL)]
+    try:
+        socks[0].bind("inproc://in")
+        socks[1].connect("inproc://in")
+        socks[2].bind("inproc://out")
+        socks[3].connect("inproc://out")
+        core = offline_llm.engine
+        loop = _CoreLoop(core, socks[1], socks[2], os.getppid())
+        enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(OutputMessage)
+        sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        for msg in (AddRequest("long", list(range(5, 5 + MAX_MODEL_LEN)), sp),
+                    AddRequest("vocab", [5, 10**6], sp), AddRequest("ok", [5, 6, 7], sp),
+                    UtilityCall(1, "pool_stats"), UtilityCall(2, "nope")):
+            socks[0].send(enc.encode(msg))
+        handled, stop, errors, utility = loop.handle_inputs(2000)
+        assert handled and not stop
+        assert {e.request_id for e in errors} == {"long", "vocab"}
+        assert "max_model_len" in errors[0].message and "out of range" in errors[1].message
+        assert utility[0].result["num_waiting"] == 1 and "unknown" in utility[1].error
+        loop.send(core.step(), errors, utility, with_stats=True)
+        out = dec.decode(socks[3].recv())
+        assert isinstance(out, Outputs) and out.stats.num_running == 1
+        assert [e.request_id for e in out.errors] == ["long", "vocab"]
+        socks[0].send(enc.encode(AbortRequests(["ok"])))
+        loop.handle_inputs(2000)
+        assert not core.has_unfinished()
+        core.kv.check_whole()
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+
+
 def test_tokenize_detokenize(server, offline_llm):
     r = server.post("/tokenize", {"prompt": "hello world"})
     ids = offline_llm.tokenizer.encode("hello world")
@@ -417,28 +500,30 @@ def test_metrics_count_requests(server):
     assert values["pagefold:num_requests_running"] == 0
 
 
-def test_serve_benchmark_runs(server, tmp_path):
+def test_serve_benchmark_runs(server, tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from benchmarks import serve as bench
+
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "benchmarks.serve", "--base-url", server.url + "/v1",
-           "--model", MODEL, "--api-key", KEY, "--dataset", "prefix-repetition",
-           "--prefix-len", "20", "--num-prefixes", "2", "--num-prompts", "8",
-           "--input-len", "10", "--output-len", "5", "--ignore-eos", "--token-ids",
-           "--request-rate", "50", "--max-concurrency", "4",
-           "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out)]
-    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                       text=True, timeout=60)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "Output token throughput" in p.stdout
+    rc = bench.main([
+        "--base-url", server.url + "/v1", "--model", MODEL, "--api-key", KEY,
+        "--dataset", "prefix-repetition", "--prefix-len", "20", "--num-prefixes", "2",
+        "--num-prompts", "8", "--input-len", "10", "--output-len", "5", "--ignore-eos",
+        "--token-ids", "--request-rate", "50", "--max-concurrency", "4",
+        "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out)])
+    assert rc == 0
+    assert "Output token throughput" in capsys.readouterr().out
     s = json.loads(out.read_text())
     assert s["completed"] == 8 and s["failed"] == 0
     assert s["total_output_tokens"] == 8 * 5 and s["total_input_tokens"] == 8 * 30
     assert s["goodput"] == pytest.approx(s["request_throughput"])
     assert 0 < s["p50_ttft_ms"] <= s["p99_ttft_ms"] and s["mean_itl_ms"] > 0
+    assert bench.main(["--model", MODEL, "--goodput", "latency:5"]) == 2  # bad SLO name
     server.wait_pool_whole()
 
 
-def test_engine_core_death_gives_503(qwen3_dir, tmp_path):
-    srv = _start_server(qwen3_dir, tmp_path / "server2.log")
+def test_engine_core_death_gives_503(servers):
+    srv = servers["doomed"].ready()
     try:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "ignore_eos": True}
 

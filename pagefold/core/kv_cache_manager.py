@@ -26,6 +26,14 @@ from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.managers import GroupManager, PageCopy, make_manager
 from pagefold.core.prefix_cache import update_block_hashes
+from pagefold.core.swap import (
+    HostPool,
+    PreemptionCost,
+    PreemptionLog,
+    SwapOp,
+    SwappedRequest,
+    SwapStats,
+)
 from pagefold.request import Request
 
 logger = logging.getLogger(__name__)
@@ -61,26 +69,34 @@ class KVCacheManager:
         self._inflight: dict[bytes, str] = {}  # prompt block hash -> producing request
         self._copies: list[PageCopy] = []
         self._pins: list[list[Block]] = []
+        # Preemption by swap (off until ``attach_swap``).
+        self.host: HostPool | None = None
+        self.preemption_mode = "recompute"
+        self.cost: PreemptionCost | None = None
+        self.swapped: dict[str, SwappedRequest] = {}
+        self._swaps: list[SwapOp] = []
+        self.swap_stats = SwapStats()
+        self.preempt_log = PreemptionLog()
 
     # ------------------------------------------------------------------ prefix hits
     def find_hit(self, req: Request) -> int:
         """Blocks of ``req``'s prefix servable from cache (0 when caching is off)."""
         if not self.caching or req.num_computed_tokens:
             return 0
-        return self._find_hit(req)
+        return self._find_hit(req, plan=True)
 
     def should_defer(self, req: Request) -> bool:
         """True when the block after ``req``'s current hit is being computed by another request."""
         if not self.caching or req.num_computed_tokens:
             return False
-        n = self._find_hit(req)
+        n = self._find_hit(req, plan=False)
         hashes = req.block_hashes
         if n >= len(hashes) or n >= (req.num_tokens - 1) // self.block_size:
             return False
         owner = self._inflight.get(hashes[n])
         return owner is not None and owner != req.request_id
 
-    def _find_hit(self, req: Request) -> int:
+    def _find_hit(self, req: Request, plan: bool) -> int:
         bs = self.block_size
         hashes = update_block_hashes(req, bs)
         max_blocks = (req.num_tokens - 1) // bs
@@ -95,7 +111,7 @@ class KVCacheManager:
         if sets:
             common = set.intersection(*sets)
             n = max((x for x in common if x <= cap), default=0)
-        if self.has_state:
+        if self.has_state and plan:
             self._plan_targets(req, attention_hit=cap, hit=n)
         return n
 
@@ -151,6 +167,8 @@ class KVCacheManager:
         With ``hit_blocks``, the request first takes its cached prefix (its
         ``num_computed_tokens`` jumps to the hit length).
         """
+        if req.request_id in self.swapped:
+            return self._swap_in(req, num_new_tokens)
         if self.blocks_needed(req, num_new_tokens, hit_blocks) > self.pool.num_free:
             return False
         if hit_blocks:
@@ -210,7 +228,107 @@ class KVCacheManager:
             self.pool.free(blocks)
         self._pins = []
 
+    # ------------------------------------------------------------------ preemption
+    def attach_swap(self, num_host_blocks: int, mode: str, cost: PreemptionCost) -> None:
+        """Enable swap preemption with a host pool of ``num_host_blocks`` rows."""
+        self.host = HostPool(num_host_blocks) if num_host_blocks > 0 else None
+        self.preemption_mode = mode if self.host is not None else "recompute"
+        self.cost = cost
+
+    def _held(self, req_id: str) -> list[list[Block]]:
+        return [m.req_blocks.get(req_id, []) for m in self.managers]
+
+    def credit_tokens(self, req: Request) -> int:
+        """Tokens a recompute of ``req`` would get back from the prefix cache right now."""
+        if not self.caching:
+            return 0
+        return self._find_hit(req, plan=False) * self.block_size
+
+    def preempt(self, req: Request) -> str:
+        """Take ``req``'s blocks back: by swap or recompute, whichever costs less. Returns
+        the kind. A recompute keeps nothing but what the prefix cache holds."""
+        pages = sum(1 for blocks in self._held(req.request_id) for b in blocks
+                    if b is not self.pool.null_block)
+        nbytes = pages * self.config.layers_per_group * self.config.page_bytes
+        credit = min(self.credit_tokens(req), req.num_computed_tokens)
+        kind = "recompute"
+        if self.host is not None and pages <= self.host.num_free:
+            if self.preemption_mode == "swap":
+                kind = "swap"
+            elif self.preemption_mode == "auto" and self.cost is not None:
+                redo = req.num_computed_tokens - credit
+                if self.cost.swap_seconds(nbytes) < self.cost.recompute_seconds(redo):
+                    kind = "swap"
+        log = self.preempt_log
+        log.decisions.append((req.request_id, kind, nbytes, req.num_computed_tokens - credit))
+        del log.decisions[:-256]
+        if kind == "swap":
+            self._swap_out(req, nbytes)
+            log.swap += 1
+        else:
+            log.recompute += 1
+            log.recomputed_tokens += req.num_computed_tokens
+            log.credited_tokens += credit
+            self.free(req)
+            req.num_computed_tokens = 0
+        logger.info("preempting %s by %s (%d bytes to move vs %d tokens to recompute, %d of "
+                    "%d computed tokens credited by the prefix cache)", req.request_id, kind,
+                    nbytes, req.num_computed_tokens - credit if kind == "swap" else 0, credit,
+                    req.num_computed_tokens)
+        return kind
+
+    def _swap_out(self, req: Request, nbytes: int) -> None:
+        host_lists = []
+        for m, blocks in zip(self.managers, self._held(req.request_id)):
+            real = [b for b in blocks if b is not self.pool.null_block]
+            rows = iter(self.host.allocate(len(real)))
+            hl = [None if b is self.pool.null_block else next(rows) for b in blocks]
+            host_lists.append(hl)
+            if real:
+                self._swaps.append(SwapOp(m.index, [b.block_id for b in real],
+                                          [h for h in hl if h is not None], to_host=True))
+            if blocks:
+                self.pool.free(list(reversed(m.req_blocks.pop(req.request_id))))
+        self.swapped[req.request_id] = SwappedRequest(host_lists, nbytes)
+        self.swap_stats.swaps_out += 1
+        self.swap_stats.bytes_out += nbytes
+
+    def _swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        sw = self.swapped[req.request_id]
+        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new_tokens
+        need = 0
+        for m, hl in zip(self.managers, sw.host_blocks):
+            need += sum(h is not None for h in hl)
+            # Ask the policy about growth with a table of the swapped length (null stand-ins).
+            m.req_blocks[req.request_id] = [self.pool.null_block] * len(hl)
+            need += m.num_blocks_needed(req.request_id, start, end)
+            del m.req_blocks[req.request_id]
+        if need > self.pool.num_free:
+            return False
+        for m, hl in zip(self.managers, sw.host_blocks):
+            rows = [h for h in hl if h is not None]
+            dev = iter(self.pool.allocate(len(rows)))
+            m.req_blocks[req.request_id] = [self.pool.null_block if h is None else next(dev)
+                                            for h in hl]
+            if rows:
+                real = [b.block_id for b in m.req_blocks[req.request_id]
+                        if b is not self.pool.null_block]
+                self._swaps.append(SwapOp(m.index, real, rows, to_host=False))
+                self.host.free(rows)  # the copy back is queued before any later swap-out
+            m.allocate(req.request_id, start, end, self._copies)
+        del self.swapped[req.request_id]
+        self.swap_stats.swaps_in += 1
+        self.swap_stats.bytes_in += sw.num_bytes
+        return True
+
+    def take_swaps(self) -> list[SwapOp]:
+        swaps, self._swaps = self._swaps, []
+        return swaps
+
     def free(self, req: Request) -> None:
+        sw = self.swapped.pop(req.request_id, None)
+        if sw is not None:  # finished or aborted while parked on the host
+            self.host.free([h for hl in sw.host_blocks for h in hl if h is not None])
         if self._copies:  # copies into this request's pages (fork, CoW, restore) are moot now
             owned = {(m.index, b) for m in self.managers for b in m.block_ids(req.request_id)}
             self._copies = [c for c in self._copies
@@ -238,6 +356,9 @@ class KVCacheManager:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
         assert not self._pins and not self._copies, "page copies still pending"
         assert not self._inflight, "in-flight prefix promises outlived their requests"
+        assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"
+        if self.host is not None:
+            self.host.check_whole()
         self.pool.check_whole()
 
 

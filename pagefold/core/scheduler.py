@@ -110,6 +110,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
 
     # ------------------------------------------------------------------ queue management
@@ -143,20 +144,24 @@ class Scheduler:
         return len(self.running)
 
     # ------------------------------------------------------------------ the step
+    # A request preempted this often is spared while any other victim exists, so it finishes.
+    MAX_PREEMPTIONS_BEFORE_SPARED = 3
+
     def _victim(self) -> Request:
+        pool = [r for r in self.running
+                if r.num_preemptions < self.MAX_PREEMPTIONS_BEFORE_SPARED] or self.running
         if self.policy == "fcfs":
-            return self.running[-1]
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            return pool[-1]
+        return max(pool, key=lambda r: (r.priority, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        kind = self.kv.preempt(req)  # swap keeps progress; recompute resets it
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
         self.waiting.push_front(req)
-        logger.debug("preempted %s (recompute)", req.request_id)
 
     def _fork(self, parent: Request) -> None:
         """Create the parent's children right after it in the running list (if memory allows;

@@ -18,6 +18,7 @@ from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
+from pagefold.core.swap import PreemptionCost
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.models.registry import (
     load_model,
@@ -99,12 +100,21 @@ class EngineCore:
         logger.info("%s: %s weights, kv cache %s, max_model_len %d, max_num_batched_tokens %d",
                     arch, self.dtype, kv_dtype(config.kv_cache_dtype, self.dtype),
                     self.max_model_len, self.max_num_batched_tokens)
+        host_blocks = config.swap_space // (self.kv_config.layers_per_group
+                                            * self.kv_config.page_bytes)
+        nparams = sum(p.numel() for p in self.model.parameters())
+        self.kv.attach_swap(host_blocks, config.preemption_mode,
+                            PreemptionCost(flops_per_token=2.0 * nparams))
+        if host_blocks:
+            logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
+                        host_blocks, config.swap_space / 2**30, config.preemption_mode)
         self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill)
+        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
+                                  num_host_blocks=host_blocks)
 
     def _warn_if_caching_impossible(self, one_request: int) -> None:
         if not self.config.enable_prefix_caching:
@@ -211,7 +221,8 @@ class EngineCore:
         reqs = sched.requests
         counts = [sched.num_scheduled[r.request_id] for r in reqs]
         block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
-        sampled = self.runner.execute(reqs, counts, block_ids, self.kv.take_copies())
+        sampled = self.runner.execute(reqs, counts, block_ids, self.kv.take_copies(),
+                                      self.kv.take_swaps())
         self.kv.release_pins()
         outputs, finished = [], []
         for r, n in zip(reqs, counts):

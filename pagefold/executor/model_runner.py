@@ -8,6 +8,7 @@ import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.managers import PageCopy
+from pagefold.core.swap import SwapOp
 from pagefold.executor.cache_tensors import CacheTensors
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
@@ -24,11 +25,16 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, device: torch.device,
-                 cache_fill: float | None = None) -> None:
+                 cache_fill: float | None = None, num_host_blocks: int = 0) -> None:
         self.model = model
         self.kv_config = kv_config
         self.device = device
         self.cache = CacheTensors(kv_config, device, fill=cache_fill)
+        # Host pool for swapped-out pages: same geometry, CPU memory (pinned with a GPU).
+        pin = device.type == "cuda"
+        self.host = [torch.zeros((num_host_blocks, kv_config.page_bytes), dtype=torch.uint8,
+                                 pin_memory=pin)
+                     for _ in range(kv_config.layers_per_group if num_host_blocks else 0)]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
@@ -61,13 +67,30 @@ class ModelRunner:
                 t[d] = t[s]
 
     @torch.inference_mode()
+    def swap(self, ops: list[SwapOp]) -> None:
+        """Move whole pages between the device pool and the host pool, in op order."""
+        for op in ops:
+            dev = torch.tensor(op.device, dtype=torch.int64, device=self.device)
+            host = torch.tensor(op.host, dtype=torch.int64)
+            for si in range(len(self.kv_config.groups[op.group].layer_names)):
+                if op.to_host:
+                    self.host[si][host] = self.cache.shared[si][dev].to("cpu")
+                else:
+                    self.cache.shared[si][dev] = self.host[si][host].to(self.device)
+
+    @torch.inference_mode()
     def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
-                copies: list[PageCopy] | None = None) -> dict[str, SampledToken]:
+                copies: list[PageCopy] | None = None,
+                swaps: list[SwapOp] | None = None) -> dict[str, SampledToken]:
         """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows.
 
-        ``copies`` (prefix-hit state restores) run before the forward pass."""
+        Before the forward: swap-outs (their device pages may be reused this step), then page
+        copies (prefix-hit restores, forks, copy-on-write), then swap-ins."""
+        swaps = swaps or []
+        self.swap([op for op in swaps if op.to_host])
         if copies:
             self.copy_pages(copies)
+        self.swap([op for op in swaps if not op.to_host])
         starts = [r.num_computed_tokens for r in reqs]
         tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
         per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]

@@ -170,8 +170,9 @@ def build_traces(args, vocab: int) -> list[Trace]:
         traces.append(conversation_trace(n(args.conversations), args.turns, args.answer_len,
                                          vocab, seed + 50))
     if "split" in wanted:
-        traces.append(split_trace(1500, 700, n(args.split_requests), args.split_output_len,
-                                  vocab, seed + 60))
+        shared, unique = args.split_lens
+        traces.append(split_trace(shared, unique, n(args.split_requests),
+                                  args.split_output_len, vocab, seed + 60))
     if "random" in wanted:
         traces.append(random_trace(n(args.random_requests), args.random_input_len,
                                    (args.random_output_len[0], args.random_output_len[-1]),
@@ -196,7 +197,7 @@ def run_trace(trace: Trace, engines: dict[str, object]) -> dict[str, tuple[list[
 def summarize(name: str, key: str, recs: list[Rec], seconds: float, llm) -> dict:
     prompt_tok = sum(r.prompt_len for r in recs)
     ttft = [r.t_first - r.t_submit for r in recs]
-    n_ckpt = llm.engine.kv.pool.checkpoint_stats()[0] if key == "on" else 0
+    n_ckpt = llm.engine.kv.pool.checkpoint_stats()[0] if key == "on" else None
     return {"trace": name, "cache": key, "reqs": len(recs), "prompt tok": prompt_tok,
             "hit rate": sum(r.cached for r in recs) / prompt_tok,
             "reqs hit": sum(r.cached > 0 for r in recs), "ckpts": n_ckpt,
@@ -245,6 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--answer-len", type=int, default=32)
+    p.add_argument("--split-lens", type=int, nargs=2, default=[1500, 700],
+                   metavar=("SHARED", "UNIQUE"))
     p.add_argument("--split-requests", type=int, default=64)
     p.add_argument("--split-output-len", type=int, default=8)
     p.add_argument("--random-requests", type=int, default=64)
@@ -252,11 +255,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-output-len", type=int, nargs="+", default=[64, 128],
                    help="L or MIN MAX")
     p.add_argument("--random-repeats", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="float32 (default) makes 'match' an exactness check; in bfloat16 a "
+                   "different prefill chunking alone can flip a greedy token")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory", default="512MiB", help="per engine (two are alive)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for this run (restored after); 1 is far steadier on a "
+                   "machine whose cores other processes share")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no per-trace progress lines")
     args = p.parse_args(argv)
@@ -270,12 +278,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the traces; prints and returns the table rows (an OFF and an ON row per trace)."""
     import torch
-    from transformers import AutoConfig
 
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace) -> list[dict]:
+    import torch
+    from transformers import AutoConfig
+
     model = args.model or str(bench_model(args.arch, args.hidden, args.layers))
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
     engines = make_engines(model, args)
+    stats = engines["on"].engine.kv.stats
+    base = (stats.hits, stats.queries, stats.requests_hit, stats.requests)  # the warm-up's
     rows: list[dict] = []
     start = time.perf_counter()
     for trace in build_traces(args, vocab):
@@ -289,12 +311,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{on['hit rate']:.2f}, on/off tok/s {on['on/off tok/s']:.2f}", flush=True)
     for llm in engines.values():
         llm.engine.kv.check_whole()  # no trace leaked a block, cache on or off
-    stats = engines["on"].engine.kv.stats
+    hits, queries, req_hit, reqs = (x - y for x, y in zip(
+        (stats.hits, stats.queries, stats.requests_hit, stats.requests), base))
     print(f"\nmodel {model} ({args.dtype}), scale {args.scale}, torch threads "
           f"{torch.get_num_threads()}, total {time.perf_counter() - start:.1f}s; engine ON "
-          f"totals: {stats.hits}/{stats.queries} prompt tokens cached "
-          f"({stats.hit_rate:.2f}), {stats.requests_hit}/{stats.requests} requests hit, "
-          f"{engines['on'].engine.kv.pool.stats.checkpoint_hits} checkpoint hits")
+          f"(kv.stats, admissions incl. re-admissions): {hits}/{queries} prompt tokens cached, "
+          f"{req_hit}/{reqs} requests hit, "
+          f"{engines['on'].engine.kv.pool.stats.checkpoint_hits} checkpoint hits, "
+          f"{engines['on'].engine.scheduler.num_preemptions} preemptions")
     print_table(rows, COLUMNS)
     return rows
 

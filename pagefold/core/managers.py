@@ -205,8 +205,21 @@ class StateManager(GroupManager):
     With prefix caching, the state at an exact prefix length P (a multiple of the block size)
     can be saved as a *checkpoint*: a copy of the pages, cached under the prefix hash at P. A
     hit restores it by copying into the request's own pages (states are overwritten in place,
-    so they are never shared).
+    so they are never shared). A running request holds a reference on its own newest
+    checkpoint, so memory pressure cannot evict it before the request ends or is preempted:
+    a preempted request resumes from it (recompute with credit), a finished one leaves it for
+    the next conversation turn.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.own_checkpoint: dict[str, list[Block]] = {}
+
+    def free(self, req_id: str) -> None:
+        super().free(req_id)
+        own = self.own_checkpoint.pop(req_id, None)
+        if own:
+            self.pool.free(own)
 
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         return 0 if req_id in self.req_blocks else self.group.pages_per_state
@@ -260,6 +273,11 @@ class StateManager(GroupManager):
             return []
         dst = self.pool.allocate(pages)  # pinned (ref 1) until the copy runs
         self.pool.cache(key, dst, num_computed, is_checkpoint=True)
+        self.pool.touch(dst)  # ... and held by the request as its newest checkpoint
+        old = self.own_checkpoint.get(req_id)
+        self.own_checkpoint[req_id] = dst
+        if old:
+            self.pool.free(old)
         return [PageCopy(self.index, self.block_ids(req_id), [b.block_id for b in dst])]
 
 

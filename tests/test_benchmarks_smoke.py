@@ -1,0 +1,57 @@
+"""Smoke runs of the benchmark scripts at minimal sizes: they run, print their table, and the
+numbers they report are the ones the engine produced (hit rates, exactness on vs off)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = str(Path(__file__).resolve().parents[1])  # benchmarks/ is a package beside pagefold/
+
+
+@pytest.fixture
+def prefix_cache(monkeypatch):
+    monkeypatch.syspath_prepend(REPO)
+    from benchmarks import prefix_cache
+
+    return prefix_cache
+
+
+def test_prefix_cache_benchmark_tiny(prefix_cache, qwen3_5_dir, capsys):
+    rows = prefix_cache.main([
+        "--model", str(qwen3_5_dir), "--threads", "1", "--kv-cache-memory", "16MiB",
+        "--max-model-len", "512", "--quiet",
+        "--prefix-lens", "8", "40", "--prefix-requests", "3", "--prefix-output-len", "2",
+        "--conversations", "2", "--turns", "2", "--answer-len", "4",
+        "--split-lens", "64", "24", "--split-requests", "3", "--split-output-len", "2",
+        "--random-requests", "3", "--random-input-len", "24", "--random-output-len", "2", "3",
+        "--random-repeats", "2",
+    ])  # fmt: skip
+    names = ["prefix8/seq", "prefix8/batch", "prefix40/seq", "prefix40/batch", "conv 2x2",
+             "split 64/24", "random"]
+    assert [(r["trace"], r["cache"]) for r in rows] == [(n, c) for n in names
+                                                         for c in ("off", "on")]
+    by = {(r["trace"], r["cache"]): r for r in rows}
+
+    for n in names:
+        off, on = by[n, "off"], by[n, "on"]
+        assert off["hit rate"] == 0 and off["reqs hit"] == 0  # nothing is cached with it off
+        assert on["reqs"] == off["reqs"] and on["prompt tok"] == off["prompt tok"]
+        assert on["match"] == 1.0, n  # float32 greedy: the cache never changes an answer
+        assert on["on/off tok/s"] > 0 and on["TTFT ms"] > 0 and off["seconds"] > 0
+    assert by["random", "on"]["reqs"] == 6  # two repeats of three fresh prompts
+    # A 40-token prefix is two full blocks (32 tokens): from the 2nd sequential request on, at
+    # least those blocks can be reused (a hybrid also needs a state checkpoint there).
+    assert by["prefix40/seq", "on"]["hit rate"] > 0
+    assert by["prefix40/seq", "on"]["reqs hit"] >= 1
+    assert by["conv 2x2", "on"]["reqs hit"] == 2  # both second turns reuse their first turn
+    assert by["split 64/24", "on"]["reqs hit"] >= 2
+    for n in ("prefix8/seq", "prefix8/batch", "random"):  # nothing shareable: no hit
+        assert by[n, "on"]["hit rate"] == 0
+
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if "TTFT off/on" in line)
+    assert header.split()[:3] == ["trace", "cache", "reqs"]
+    for n in names:
+        assert sum(line.strip().startswith(n) for line in table.splitlines()) == 2

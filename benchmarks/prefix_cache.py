@@ -109,6 +109,7 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def shared_prefix_trace(prefix_len: int, n: int, mode: str, out_len: int, vocab: int,
                         seed: int) -> Trace:
+    """``n`` prompts = one ``prefix_len`` prefix + a 20-60 token question; ``mode`` seq|batch."""
     rng = random.Random(seed)
     prefix = _ids(rng, prefix_len, vocab)
     prompts = [prefix + _ids(rng, rng.randint(20, 60), vocab) for _ in range(n)]
@@ -136,6 +137,7 @@ def conversation_trace(k: int, turns: int, answer_len: int, vocab: int, seed: in
 
 
 def split_trace(shared: int, unique: int, n: int, out_len: int, vocab: int, seed: int) -> Trace:
+    """One batch of ``n`` prompts: the same ``shared`` tokens, then ``unique`` of their own."""
     rng = random.Random(seed)
     prefix = _ids(rng, shared, vocab)
     prompts = [prefix + _ids(rng, unique, vocab) for _ in range(n)]
@@ -144,6 +146,7 @@ def split_trace(shared: int, unique: int, n: int, out_len: int, vocab: int, seed
 
 def random_trace(n: int, in_len: int, out_range: tuple[int, int], vocab: int, seed: int,
                  repeats: int) -> Trace:
+    """``repeats`` rounds of ``n`` unrelated prompts (fresh ones each round: no reuse)."""
     rounds = []
     for i in range(repeats):
         rng = random.Random(seed * 1000 + i)
@@ -154,6 +157,7 @@ def random_trace(n: int, in_len: int, out_range: tuple[int, int], vocab: int, se
 
 
 def build_traces(args, vocab: int) -> list[Trace]:
+    """The traces ``--traces`` selects, sized by the options and ``--scale`` (min 2 each)."""
     def n(x: int, lo: int = 2) -> int:
         return max(lo, round(x * args.scale))
 

@@ -5,5 +5,8 @@ from pagefold.llm import LLM
 from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "BeamSearchOutput", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM", "BeamSearchParams", "BeamSearchOutput", "SamplingParams", "RequestOutput",
+    "CompletionOutput", "Logprob",
+]
 __version__ = "0.1.0"

@@ -91,11 +91,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise ValueError(
-                f"block_size must be a power of two up to 8 or a multiple of 16, got {self.block_size}"
+                "block_size must be a power of two up to 8 or a multiple of 16, got "
+                f"{self.block_size}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(

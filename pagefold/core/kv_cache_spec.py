@@ -8,7 +8,8 @@ that the cache manager instantiates for its group. The scheduler never looks ins
 Byte layouts
 ------------
 * Attention page (one layer, one block): ``[block_size, 2, num_kv_heads, head_dim]`` of
-  ``dtype`` (K and V of each token side by side). ``page_bytes(block_size) = block_size * bytes_per_token``.
+  ``dtype`` (K and V of each token side by side).
+  ``page_bytes(block_size) = block_size * bytes_per_token``.
 * State (one layer, one sequence): its components laid out back to back in a flat byte
   array, each component starting at an offset aligned to 16 bytes. In pagefold's layout the
   flat array is cut into ``ceil(state_bytes / page_bytes)`` pool pages (the last one padded).

@@ -289,5 +289,7 @@ MANAGER_BY_KIND: dict[str, type[GroupManager]] = {
 
 
 def make_manager(pool: BlockPool, group: CacheGroup, index: int, block_size: int) -> GroupManager:
-    kind = "sliding_window" if isinstance(group.spec, SlidingWindowSpec) else group.spec.manager_kind
+    kind = group.spec.manager_kind
+    if isinstance(group.spec, SlidingWindowSpec):
+        kind = "sliding_window"
     return MANAGER_BY_KIND[kind](pool, group, index, block_size)

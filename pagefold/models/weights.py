@@ -20,7 +20,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         files = sorted(model_dir.glob("*.safetensors"))
     missing = [f for f in files if not f.exists()]
     if missing:
-        raise FileNotFoundError(f"checkpoint shard(s) missing in {model_dir}: {[m.name for m in missing]}")
+        names = [m.name for m in missing]
+        raise FileNotFoundError(f"checkpoint shard(s) missing in {model_dir}: {names}")
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_dir}; pagefold loads safetensors checkpoints"

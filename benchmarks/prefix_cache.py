@@ -22,9 +22,11 @@ sampling with ``ignore_eos`` so the output token counts of ON and OFF are the sa
 
 Columns: ``hit rate`` = cached prompt tokens / prompt tokens (from each request's
 ``num_cached_tokens``), ``reqs hit`` = requests with any cached token, ``ckpts`` = state
-checkpoints held in the pool after the trace (hybrids), ``on/off tok/s`` = output throughput
-ratio, ``TTFT off/on`` = how many times shorter the mean TTFT is with the cache, ``match`` =
-fraction of requests whose greedy output is the same with the cache on and off.
+checkpoints held in the pool after the trace (hybrids), ``cpu s`` = this process's CPU seconds,
+``on/off tok/s`` = output throughput ratio, ``on/off cpu`` = CPU seconds ratio (steadier than
+wall time on a shared machine; above 1 = the cache cost compute), ``TTFT off/on`` = how many
+times shorter the mean TTFT is with the cache, ``match`` = fraction of requests whose greedy
+output is the same with the cache on and off.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 from benchmarks.common import bench_model, print_table
 
 COLUMNS = ["trace", "cache", "reqs", "prompt tok", "hit rate", "reqs hit", "ckpts", "TTFT ms",
-           "seconds", "out tok/s", "on/off tok/s", "TTFT off/on", "match"]
+           "seconds", "cpu s", "out tok/s", "on/off tok/s", "on/off cpu", "TTFT off/on",
+           "match"]
 
 
 @dataclass
@@ -185,33 +188,40 @@ def build_traces(args, vocab: int) -> list[Trace]:
 
 
 # ---------------------------------------------------------------------------- measuring
-def run_trace(trace: Trace, engines: dict[str, object]) -> dict[str, tuple[list[Rec], float]]:
-    """Every round on both engines (OFF first on even rounds); records and summed seconds."""
-    got: dict[str, tuple[list[Rec], float]] = {k: ([], 0.0) for k in engines}
+def run_trace(trace: Trace,
+              engines: dict[str, object]) -> dict[str, tuple[list[Rec], float, float]]:
+    """Every round on both engines (OFF first on even rounds): records, wall and CPU seconds.
+
+    CPU seconds (this process, all threads) barely move when other processes load the machine,
+    so their ratio is the steadier measure of what the cache costs in compute.
+    """
+    got: dict[str, tuple[list[Rec], float, float]] = {k: ([], 0.0, 0.0) for k in engines}
     for i, rnd in enumerate(trace.rounds):
         order = ["off", "on"] if i % 2 == 0 else ["on", "off"]
         for key in order:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             recs = rnd(engines[key])
-            dt = time.perf_counter() - t
-            got[key] = (got[key][0] + recs, got[key][1] + dt)
+            dt, dc = time.perf_counter() - t, time.process_time() - c
+            recs0, t0, c0 = got[key]
+            got[key] = (recs0 + recs, t0 + dt, c0 + dc)
     return got
 
 
-def summarize(name: str, key: str, recs: list[Rec], seconds: float, llm) -> dict:
+def summarize(name: str, key: str, recs: list[Rec], seconds: float, cpu: float, llm) -> dict:
     prompt_tok = sum(r.prompt_len for r in recs)
     ttft = [r.t_first - r.t_submit for r in recs]
     n_ckpt = llm.engine.kv.pool.checkpoint_stats()[0] if key == "on" else None
     return {"trace": name, "cache": key, "reqs": len(recs), "prompt tok": prompt_tok,
             "hit rate": sum(r.cached for r in recs) / prompt_tok,
             "reqs hit": sum(r.cached > 0 for r in recs), "ckpts": n_ckpt,
-            "TTFT ms": 1000 * sum(ttft) / len(ttft), "seconds": seconds,
+            "TTFT ms": 1000 * sum(ttft) / len(ttft), "seconds": seconds, "cpu s": cpu,
             "out tok/s": sum(len(r.tokens) for r in recs) / seconds}
 
 
 def compare(on: dict, off: dict, on_recs: list[Rec], off_recs: list[Rec]) -> None:
     """Fill the ON row's ratio columns (measured in this run, on the same prompts)."""
     on["on/off tok/s"] = on["out tok/s"] / off["out tok/s"]
+    on["on/off cpu"] = on["cpu s"] / off["cpu s"]
     on["TTFT off/on"] = off["TTFT ms"] / on["TTFT ms"]
     on["match"] = sum(a.tokens == b.tokens for a, b in zip(on_recs, off_recs)) / len(on_recs)
 

@@ -10,7 +10,17 @@ Two sources feed them:
 
 Every metric has a private registry per :class:`ServerMetrics`, so several servers (or tests)
 in one process never collide. Prefix-cache counters count prompt tokens looked up at each
-admission (queries; a preempted request is looked up again) and tokens found cached (hits).
+admission (queries; a preempted request is looked up again) and tokens found cached (hits),
+and admissions looked up / admissions with a hit.
+
+Engine counters from the core (cumulative there, turned into counter increments here):
+preemptions by kind (swap / recompute), swap-outs and swap-ins with their bytes, tokens a
+recompute preemption dropped and of those the tokens credited back by the prefix cache and
+state checkpoints, forked requests (parallel-sampling children). Gauges: state checkpoints
+cached now and their bytes, the cumulative prefix-cache token hit rate.
+
+A parallel-sampling request (``n`` / ``best_of`` > 1) is one request here: its TTFT is the
+first token of any child, its generated tokens those of every child.
 """
 
 from __future__ import annotations
@@ -58,7 +68,47 @@ class ServerMetrics:
         self.usable_blocks = Gauge("pagefold:kv_cache_usable_blocks",
                                    "Pool blocks that can ever be handed out.", m, registry=r)
         self.preemptions = Counter("pagefold:num_preemptions",
-                                   "Requests preempted (recompute) since start.", m, registry=r)
+                                   "Requests preempted (swap or recompute) since start.", m,
+                                   registry=r)
+        self.preemptions_by_kind = Counter(
+            "pagefold:num_preemptions_by_kind", "Requests preempted, by kind.",
+            m + ["kind"], registry=r)
+        self.swap_outs = Counter("pagefold:num_swap_outs",
+                                 "Requests swapped out to the host pool.", m, registry=r)
+        self.swap_ins = Counter("pagefold:num_swap_ins",
+                                "Requests swapped back in from the host pool.", m, registry=r)
+        self.swap_out_bytes = Counter("pagefold:swap_out_bytes",
+                                      "Bytes copied from the device pool to the host pool.", m,
+                                      registry=r)
+        self.swap_in_bytes = Counter("pagefold:swap_in_bytes",
+                                     "Bytes copied from the host pool back to the device pool.",
+                                     m, registry=r)
+        self.recomputed_tokens = Counter(
+            "pagefold:recomputed_tokens",
+            "Computed tokens dropped by recompute preemptions (to be computed again).", m,
+            registry=r)
+        self.credited_tokens = Counter(
+            "pagefold:recompute_credited_tokens",
+            "Of the recomputed tokens, those the prefix cache and state checkpoints give back.",
+            m, registry=r)
+        self.forks = Counter("pagefold:num_forks",
+                             "Requests forked from another (parallel-sampling children).", m,
+                             registry=r)
+        self.checkpoints = Gauge("pagefold:state_checkpoints",
+                                 "State checkpoints cached in the pool now.", m, registry=r)
+        self.checkpoint_bytes = Gauge("pagefold:state_checkpoint_bytes",
+                                      "Pool bytes held by cached state checkpoints now.", m,
+                                      registry=r)
+        self.prefix_requests = Counter("pagefold:prefix_cache_requests",
+                                       "Admissions looked up in the prefix cache.", m,
+                                       registry=r)
+        self.prefix_requests_hit = Counter(
+            "pagefold:prefix_cache_requests_hit",
+            "Admissions that found at least one cached block.", m, registry=r)
+        self.prefix_hit_rate = Gauge(
+            "pagefold:prefix_cache_hit_rate",
+            "Prompt tokens found cached / prompt tokens looked up, since start.", m,
+            registry=r)
         self.prefix_queries = Counter("pagefold:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.", m,
                                       registry=r)
@@ -80,13 +130,29 @@ class ServerMetrics:
                              "Arrival to the last output token.", m, buckets=_E2E_BUCKETS,
                              registry=r)
         self._last: dict[str, int] = {}  # last cumulative values seen from the core
-        for metric in (self.preemptions, self.prefix_queries, self.prefix_hits,
-                       self.prompt_tokens, self.generation_tokens):
+        # Counters fed from the core's cumulative values: (counter, CoreStats field).
+        self._core_counters = (
+            (self.preemptions, "num_preemptions"), (self.prefix_queries, "prefix_queries"),
+            (self.prefix_hits, "prefix_hits"), (self.prefix_requests, "prefix_requests"),
+            (self.prefix_requests_hit, "prefix_requests_hit"), (self.swap_outs, "swaps_out"),
+            (self.swap_ins, "swaps_in"), (self.swap_out_bytes, "swap_bytes_out"),
+            (self.swap_in_bytes, "swap_bytes_in"),
+            (self.recomputed_tokens, "recomputed_tokens"),
+            (self.credited_tokens, "credited_tokens"), (self.forks, "num_forks"))
+        for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
+        for metric in (self.prompt_tokens, self.generation_tokens, self.checkpoints,
+                       self.checkpoint_bytes, self.prefix_hit_rate):
+            metric.labels(model_name)
+        for kind in ("swap", "recompute"):
+            self.preemptions_by_kind.labels(model_name, kind)
 
     # ------------------------------------------------------------------ engine-core side
     def record_core_stats(self, stats) -> None:
-        """``stats``: a ``CoreStats`` (queue lengths, pool, groups, cumulative preemptions)."""
+        """``stats``: a ``CoreStats`` (queue lengths, pool, groups, cumulative counters).
+
+        Invariant: each counter equals the largest cumulative value the core reported (a
+        stale or repeated report adds nothing)."""
         name = self.model_name
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(stats.num_waiting)
@@ -96,14 +162,22 @@ class ServerMetrics:
         usable = max(stats.num_usable_blocks, 1)
         for i, g in enumerate(stats.groups):
             self.kv_group_usage.labels(name, str(i), g.kind).set(g.num_blocks / usable)
-        for counter, key in ((self.preemptions, "num_preemptions"),
-                             (self.prefix_queries, "prefix_queries"),
-                             (self.prefix_hits, "prefix_hits")):
-            value = getattr(stats, key)
-            new = value - self._last.get(key, 0)
-            if new > 0:
-                counter.labels(name).inc(new)
-            self._last[key] = max(self._last.get(key, 0), value)
+        for counter, key in self._core_counters:
+            self._advance(key, getattr(stats, key), counter.labels(name))
+        for kind, value in stats.preemptions_by_kind.items():
+            self._advance(f"preempt:{kind}", value,
+                          self.preemptions_by_kind.labels(name, kind))
+        self.checkpoints.labels(name).set(stats.num_checkpoints)
+        self.checkpoint_bytes.labels(name).set(stats.checkpoint_bytes)
+        if stats.prefix_queries:
+            self.prefix_hit_rate.labels(name).set(stats.prefix_hits / stats.prefix_queries)
+
+    def _advance(self, key: str, value: int, counter) -> None:
+        """Increment ``counter`` by how far the cumulative ``value`` passed the last one."""
+        last = self._last.get(key, 0)
+        if value > last:
+            counter.inc(value - last)
+            self._last[key] = value
 
     # ------------------------------------------------------------------ per request
     def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:

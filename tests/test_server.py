@@ -79,12 +79,13 @@ class Server:
     core_pid: int = 0
 
     @classmethod
-    def launch(cls, model_dir: Path, log: Path) -> Server:
+    def launch(cls, model_dir: Path, log: Path, *, kv_cache_memory: str = "8MiB",
+               extra_args: tuple[str, ...] = ()) -> Server:
         port = _free_port()
         cmd = [sys.executable, "-m", "pagefold.entrypoints.cli", "serve", str(model_dir),
                "--port", str(port), "--served-model-name", MODEL, "--api-key", KEY,
-               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "8MiB",
-               "--uvicorn-log-level", "warning"]
+               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", kv_cache_memory,
+               "--uvicorn-log-level", "warning", *extra_args]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         f = open(log, "w")  # noqa: SIM115 - the server process keeps writing to it
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -189,7 +190,12 @@ def test_health_models_version_metrics(server):
                  "pagefold:prefix_cache_queries_total", "pagefold:prefix_cache_hits_total",
                  "pagefold:num_preemptions_total", "pagefold:time_to_first_token_seconds",
                  "pagefold:inter_token_latency_seconds", "pagefold:e2e_request_latency_seconds",
-                 "pagefold:prompt_tokens_total", "pagefold:generation_tokens_total"):
+                 "pagefold:prompt_tokens_total", "pagefold:generation_tokens_total",
+                 "pagefold:num_forks_total", "pagefold:num_preemptions_by_kind_total",
+                 "pagefold:swap_out_bytes_total", "pagefold:swap_in_bytes_total",
+                 "pagefold:recomputed_tokens_total", "pagefold:recompute_credited_tokens_total",
+                 "pagefold:state_checkpoints", "pagefold:state_checkpoint_bytes",
+                 "pagefold:prefix_cache_requests_hit_total", "pagefold:prefix_cache_hit_rate"):
         assert name in text, name
 
 
@@ -373,7 +379,9 @@ def test_client_disconnect_frees_blocks(server):
     ({"model": MODEL, "prompt": list(range(5, 5 + MAX_MODEL_LEN + 10))}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": [1, 100000]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),
@@ -405,8 +413,9 @@ def test_chat_errors_auth_and_still_serving(server, client):
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model=MODEL, prompt="x", n=3)
+    with pytest.raises(openai.BadRequestError, match="only available on /v1/completions"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"best_of": 2})
     # unknown fields are ignored, and the server still serves
     r = server.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 3,
                                         "no_such_field": 1, "user": "u1"})

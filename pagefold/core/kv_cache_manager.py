@@ -6,8 +6,8 @@
   serve any P up to their cached chain, state groups only P where a checkpoint exists. An
   attention hit is never thrown away for a state miss when a shorter common P exists.
 * Checkpoint targets: prefill chunks end exactly where a state checkpoint is wanted: the last
-  block boundary of the prompt and a few boundaries before it (1, 2, 4 and 8 blocks back: a
-  shared system prompt followed by a short question ends just there), every
+  block boundary of the prompt and the one 3 blocks before it (a shared system prompt followed
+  by a short question ends in between: >= 90% reuse for questions up to ~47 tokens), every
   ``checkpoint_interval`` tokens, and where an attention hit ran past the deepest checkpoint
   (a proven branch point). Decoding passes every boundary anyway.
 * In-flight prefixes: a waiting request whose next uncached block is being computed right now
@@ -121,7 +121,7 @@ class KVCacheManager:
         prompt_end = req.num_tokens - 1  # positions after which a later prompt may continue
         targets = set(range(iv, prompt_end + 1, iv))
         last = (prompt_end // bs) * bs
-        targets.update(last - k * bs for k in (0, 1, 2, 4, 8))
+        targets.update(last - k * bs for k in (0, 3))
         if attention_hit > hit:
             targets.add(attention_hit * bs)  # reuse proved to happen here
         start = hit * bs

@@ -11,6 +11,10 @@ Invariants:
 * every tracked request has one ``asyncio.Queue``; the background receive task puts each
   cumulative ``RequestOutput`` (or an exception) in it; a finished output is the last item
   and untracks the request at once;
+* a parallel-sampling request (``n`` / ``best_of`` > 1) is tracked once, by its own id: the
+  core runs its children as ``rid`` and ``rid#i``, the OutputProcessor folds their outputs
+  into one ``RequestOutput`` (``outputs[i]`` per child), and an abort of ``rid`` aborts the
+  whole family in the core (a stop string aborts only the child that hit it);
 * a consumer that stops early (client disconnect: ``CancelledError`` / ``aclose``) aborts
   its request in the core on the way out;
 * when the core dies (exit, crash report, or an internal error here) every in-flight request
@@ -320,6 +324,12 @@ class AsyncEngineClient:
             self._processor.abort(err.request_id)
             if t is not None:
                 t.queue.put_nowait(RequestRejectedError(err.message))
+        # Tokens the core generated this round, per family (a child's parent_id is its
+        # family's id; counted here because a best_of output drops the children it ranks out).
+        new_tokens: dict[str, int] = {}
+        for o in msg.outputs:
+            fam = o.parent_id or o.request_id
+            new_tokens[fam] = new_tokens.get(fam, 0) + len(o.new_token_ids)
         outs, to_abort = self._processor.process(msg.outputs)
         if to_abort and self.is_alive:
             self._send(AbortRequests(to_abort))  # stop strings: the core stops at once
@@ -327,14 +337,13 @@ class AsyncEngineClient:
             t = self._reqs.get(out.request_id)
             if t is None:
                 continue
-            self._record(t, out, now)
+            self._record(t, out, new_tokens.get(out.request_id, 0), now)
             t.queue.put_nowait(out)
             if out.finished:
                 del self._reqs[out.request_id]
 
-    def _record(self, t: _Tracked, out: RequestOutput, now: float) -> None:
-        n = len(out.outputs[0].token_ids)
-        new = n - t.num_tokens
+    def _record(self, t: _Tracked, out: RequestOutput, new: int, now: float) -> None:
+        """Metrics of one output of a request that made ``new`` tokens (all its children)."""
         m = self.metrics
         if m is not None and new > 0:
             if t.num_tokens == 0:
@@ -343,7 +352,7 @@ class AsyncEngineClient:
             else:
                 m.record_tokens(new, now - t.last_token_time)
         if new > 0:
-            t.num_tokens, t.last_token_time = n, now
+            t.num_tokens, t.last_token_time = t.num_tokens + new, now
         if m is not None and out.finished:
             m.record_finished(now - t.arrival, out.outputs[0].finish_reason)
 

@@ -98,6 +98,18 @@ class CoreStats(msgspec.Struct):
     num_steps: int  # cumulative model steps
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # cumulative tokens of those served from the cache
+    prefix_requests: int = 0  # cumulative admissions looked up in the prefix cache
+    prefix_requests_hit: int = 0  # of those, admissions with at least one cached block
+    preemptions_by_kind: dict[str, int] = {}  # cumulative, "swap" / "recompute"
+    swaps_out: int = 0  # cumulative requests swapped out to the host pool
+    swaps_in: int = 0  # cumulative requests swapped back in
+    swap_bytes_out: int = 0  # cumulative bytes copied device -> host
+    swap_bytes_in: int = 0  # cumulative bytes copied host -> device
+    recomputed_tokens: int = 0  # cumulative computed tokens dropped by recompute preemptions
+    credited_tokens: int = 0  # of those, expected back from the prefix cache / checkpoints
+    num_forks: int = 0  # cumulative forked requests (parallel-sampling children, beams)
+    num_checkpoints: int = 0  # state checkpoints cached now
+    checkpoint_bytes: int = 0  # pool bytes those checkpoints occupy now
 
 
 class RequestError(msgspec.Struct):
@@ -124,7 +136,11 @@ class Ready(msgspec.Struct, tag="ready"):
 
 class Outputs(msgspec.Struct, tag="outputs"):
     """``stats`` is attached at most every ``STATS_INTERVAL`` while busy (counting held blocks
-    costs a pass over them), and always when the core turns idle or handled input."""
+    costs a pass over them), and always when the core turns idle or handled input.
+
+    ``outputs`` are the core's own records, every field included: a parallel-sampling child
+    arrives as ``rid#i`` with ``parent_id`` (the family id) and ``index``; the API side's
+    OutputProcessor folds the children back into the family's output."""
 
     outputs: list[EngineCoreOutput]
     stats: CoreStats | None = None
@@ -141,9 +157,15 @@ OutputMessage = Ready | Outputs | Fatal
 
 # ---------------------------------------------------------------------- stats
 def core_stats(core, num_steps: int = 0) -> CoreStats:
-    """Scheduler and pool counters; per-group block counts exclude the null block."""
+    """Scheduler and pool counters; per-group block counts exclude the null block.
+
+    Checkpoint bytes are ``blocks * layers_per_group * page_bytes`` (a pool block spans one
+    page in every layer of its group)."""
     kv, s = core.kv, core.scheduler
     pstats = getattr(kv, "stats", None)  # PrefixCacheStats (absent: no prefix cache)
+    swap, plog = kv.swap_stats, kv.preempt_log
+    num_ck, ck_blocks = kv.pool.checkpoint_stats()
+    cfg = core.kv_config
     groups = []
     for m in kv.managers:
         held = sum(1 for blocks in m.req_blocks.values() for b in blocks
@@ -154,11 +176,20 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         num_preemptions=s.num_preemptions, num_free_blocks=kv.pool.num_free,
         num_usable_blocks=kv.pool.num_usable, kv_usage=kv.usage, groups=groups,
         num_steps=num_steps, prefix_queries=int(getattr(pstats, "queries", 0)),
-        prefix_hits=int(getattr(pstats, "hits", 0)))
+        prefix_hits=int(getattr(pstats, "hits", 0)),
+        prefix_requests=int(getattr(pstats, "requests", 0)),
+        prefix_requests_hit=int(getattr(pstats, "requests_hit", 0)),
+        preemptions_by_kind=dict(s.preemptions_by_kind), swaps_out=swap.swaps_out,
+        swaps_in=swap.swaps_in, swap_bytes_out=swap.bytes_out, swap_bytes_in=swap.bytes_in,
+        recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
+        num_forks=s.num_forks, num_checkpoints=num_ck,
+        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes)
 
 
 def _utility(core, method: str, num_steps: int) -> Any:
-    """``pool_stats``: pool and queue counters plus ``whole`` (no block held, all free);
+    """``pool_stats``: pool and queue counters, the preemption / swap / fork / checkpoint /
+    prefix-cache counters of :class:`CoreStats`, ``prefix_hit_rate`` (cached / looked-up
+    prompt tokens) and ``whole`` (no block held, all free, host pool empty);
     ``ping``: ``"pong"``."""
     if method == "ping":
         return "pong"
@@ -169,14 +200,11 @@ def _utility(core, method: str, num_steps: int) -> Any:
             whole = True
         except AssertionError:
             whole = False
-        return {
-            "num_free_blocks": st.num_free_blocks, "num_usable_blocks": st.num_usable_blocks,
-            "num_running": st.num_running, "num_waiting": st.num_waiting,
-            "num_preemptions": st.num_preemptions, "kv_usage": st.kv_usage,
-            "groups": [msgspec.structs.asdict(g) for g in st.groups],
-            "num_steps": st.num_steps, "whole": whole,
-            "prefix_queries": st.prefix_queries, "prefix_hits": st.prefix_hits,
-        }
+        out = msgspec.structs.asdict(st)
+        out["groups"] = [msgspec.structs.asdict(g) for g in st.groups]
+        out["prefix_hit_rate"] = st.prefix_hits / st.prefix_queries if st.prefix_queries else 0.0
+        out["whole"] = whole
+        return out
     raise ValueError(f"unknown utility method {method!r}; known: ping, pool_stats")
 
 

@@ -25,6 +25,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_false", default=True)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                   help="how a preempted request gives its blocks back: recompute it later, "
+                        "swap its blocks to host memory, or pick the cheaper per request "
+                        "(swap needs --swap-space)")
+    p.add_argument("--swap-space", default="0",
+                   help="host memory for swapped-out blocks, e.g. 4GiB (default 0: no swap)")
+    p.add_argument("--state-checkpoint-interval", type=int, default=256,
+                   help="tokens between cached recurrent-state checkpoints of hybrid models "
+                        "(rounded down to a multiple of --block-size)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -33,7 +42,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy, seed=args.seed)
+        scheduling_policy=args.scheduling_policy, seed=args.seed,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+        state_checkpoint_interval=args.state_checkpoint_interval)
 
 
 def default_cache_dir() -> Path:

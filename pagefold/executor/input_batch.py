@@ -1,13 +1,17 @@
 """Builds one step's flat inputs and per-group cache metadata from the scheduler's decision.
 
-Everything is vectorised over tokens; the only Python loops are over requests (to read their
-token ids and block tables) and over prefill rows.
+Host-side index math runs in numpy (a few microseconds per op, against several for a small
+torch op) over whole arrays: tokens, positions and slots are vectorised; the Python loops are
+the flattening of the requests' token lists and block tables (one pass each) and the prefill
+rows. The results are moved to ``device`` once, at the end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
@@ -15,7 +19,7 @@ from pagefold.core.kv_cache_spec import SlidingWindowSpec, StateSpec
 from pagefold.executor.forward_context import StateMetadata
 from pagefold.layers.attention.backend import AttentionMetadata, PrefillRow
 
-_i64 = torch.int64
+_i64 = np.int64
 
 
 @dataclass(slots=True)
@@ -28,12 +32,15 @@ class StepInputs:
     sample_req_idx: list[int]  # request index (in batch order) of each sampled row
 
 
-def _tables(block_ids: list[list[int]]) -> torch.Tensor:
-    width = max((len(b) for b in block_ids), default=0) or 1
-    t = torch.zeros((len(block_ids), width), dtype=_i64)
-    for i, b in enumerate(block_ids):
-        if b:
-            t[i, : len(b)] = torch.tensor(b, dtype=_i64)
+def _tables(block_ids: list[list[int]]) -> np.ndarray:
+    """Block tables padded with 0 (the null block) to the longest: (n, max(1, longest))."""
+    lens = np.fromiter((len(b) for b in block_ids), dtype=_i64, count=len(block_ids))
+    width = max(int(lens.max()) if len(lens) else 0, 1)
+    flat = np.fromiter(chain.from_iterable(block_ids), dtype=_i64, count=int(lens.sum()))
+    t = np.zeros((len(block_ids), width), dtype=_i64)
+    if flat.size:
+        # Row-major fill: the mask of (row, col < len) cells in order is the flat list's order.
+        t[np.arange(width)[None, :] < lens[:, None]] = flat
     return t
 
 
@@ -44,72 +51,75 @@ def build_inputs(
     counts: list[int],
     totals: list[int],
     group_block_ids: list[list[list[int]]],
+    device: torch.device | str | None = None,
 ) -> StepInputs:
     """``token_lists[i]`` are request i's new tokens at positions ``starts[i]...``;
     ``totals[i]`` is the request's token count (a row is sampled when the step reaches it);
-    ``group_block_ids[g][i]`` is request i's block table in group g."""
+    ``group_block_ids[g][i]`` is request i's block table in group g. Every tensor of the
+    result is on ``device`` (default CPU)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
     bs = kv_config.block_size
     n_req = len(counts)
-    ids = torch.tensor([t for lst in token_lists for t in lst], dtype=_i64)
-    start_t = torch.tensor(starts, dtype=_i64)
-    count_t = torch.tensor(counts, dtype=_i64)
-    cu = torch.zeros(n_req + 1, dtype=_i64)
-    torch.cumsum(count_t, 0, out=cu[1:])
-    req_of_tok = torch.repeat_interleave(torch.arange(n_req), count_t)
-    positions = torch.arange(int(cu[-1])) - cu[:-1][req_of_tok] + start_t[req_of_tok]
+    count = np.asarray(counts, dtype=_i64)
+    start = np.asarray(starts, dtype=_i64)
+    cu = np.zeros(n_req + 1, dtype=_i64)
+    np.cumsum(count, out=cu[1:])
+    n_tok = int(cu[-1])
+    all_decode = n_tok == n_req
+    if all_decode:
+        req_of_tok = np.arange(n_req, dtype=_i64)
+        positions = start
+        ids = np.fromiter((t[0] for t in token_lists), dtype=_i64, count=n_req)
+    else:
+        req_of_tok = np.repeat(np.arange(n_req, dtype=_i64), count)
+        positions = np.arange(n_tok, dtype=_i64) - cu[:-1][req_of_tok] + start[req_of_tok]
+        ids = np.fromiter(chain.from_iterable(token_lists), dtype=_i64, count=n_tok)
 
-    is_decode = count_t == 1
-    dec_rows = torch.nonzero(is_decode).flatten()
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
+
+    cu_t = put(cu)
+    is_decode = count == 1
+    dec_rows = np.flatnonzero(is_decode)
+    pre_rows = np.flatnonzero(~is_decode).tolist()
+    decode_tok = cu_t[:-1] if all_decode else put(cu[:-1][dec_rows])
     attn_meta: list[AttentionMetadata | None] = []
     state_meta: list[StateMetadata | None] = []
+    has_init = start > 0
     for gi, group in enumerate(kv_config.groups):
         spec = group.spec
         if isinstance(spec, StateSpec):
             attn_meta.append(None)
-            pages = torch.tensor(group_block_ids[gi], dtype=_i64).view(n_req, group.pages_per_state)
-            has_init = start_t > 0
+            pages = np.fromiter(chain.from_iterable(group_block_ids[gi]), dtype=_i64,
+                                count=n_req * group.pages_per_state)
             state_meta.append(StateMetadata(
-                page_ids=pages, cu_seqlens=cu, has_initial_state=has_init,
-                all_decode=bool(is_decode.all()), any_initial_state=bool(has_init.any())))
+                page_ids=put(pages.reshape(n_req, group.pages_per_state)), cu_seqlens=cu_t,
+                has_initial_state=put(has_init), all_decode=all_decode,
+                any_initial_state=bool(has_init.any())))
             continue
         state_meta.append(None)
         window = spec.window if isinstance(spec, SlidingWindowSpec) else None
         tables = _tables(group_block_ids[gi])
         slots = tables[req_of_tok, positions // bs] * bs + positions % bs
-        # Decode rows: every block holding a key of the row (inside the window), row by row.
-        seq_len = start_t[dec_rows] + 1
-        lo_blk = (torch.clamp(seq_len - window, min=0) // bs if window
-                  else torch.zeros_like(seq_len))
-        hi_blk = (seq_len + bs - 1) // bs
-        nblk = hi_blk - lo_blk
-        row = torch.repeat_interleave(torch.arange(len(dec_rows)), nblk)
-        bcu = torch.zeros(len(dec_rows) + 1, dtype=_i64)
-        torch.cumsum(nblk, 0, out=bcu[1:])
-        blk_idx = torch.arange(int(bcu[-1])) - bcu[:-1][row] + lo_blk[row]
-        dec_blocks = tables[dec_rows[row], blk_idx]
-        kpos = blk_idx.unsqueeze(1) * bs + torch.arange(bs).unsqueeze(0)  # (Nb, bs)
-        valid = kpos < seq_len[row].unsqueeze(1)
-        if window:
-            valid &= kpos > (seq_len[row] - 1 - window).unsqueeze(1)
-        mask = None if bool(valid.all()) else valid
-        width = int(nblk.max()) if len(dec_rows) else 0
-        row_blocks = torch.full((len(dec_rows), width), int(bcu[-1]), dtype=_i64)
-        col = torch.arange(int(bcu[-1])) - bcu[:-1][row]
-        row_blocks[row, col] = torch.arange(int(bcu[-1]))
+        dec_tables = tables if all_decode else tables[dec_rows]
+        seq_lens = start[dec_rows] + 1
+        kv_start = np.maximum(seq_lens - window, 0) if window else None
         prefills = []
-        for i in torch.nonzero(~is_decode).flatten().tolist():
+        for i in pre_rows:
             s, n = starts[i], counts[i]
             lo = max(0, s - window + 1) if window else 0
-            kp = torch.arange(lo, s + n)
+            kp = np.arange(lo, s + n, dtype=_i64)
             prefills.append(PrefillRow(
                 tok_start=int(cu[i]), tok_end=int(cu[i + 1]), ctx_len=s, kv_start=lo,
-                kv_slots=tables[i, kp // bs] * bs + kp % bs))
+                kv_slots=put(tables[i, kp // bs] * bs + kp % bs)))
         attn_meta.append(AttentionMetadata(
-            slot_mapping=slots, decode_tok=cu[:-1][dec_rows], decode_blocks=dec_blocks,
-            decode_block_row=row, decode_block_mask=mask, decode_row_blocks=row_blocks,
-            prefills=prefills,
-            sliding_window=window))
+            slot_mapping=put(slots), decode_tok=decode_tok, decode_tables=put(dec_tables),
+            decode_seq_lens=put(seq_lens),
+            decode_kv_start=put(kv_start) if kv_start is not None else None,
+            block_size=bs, prefills=prefills, sliding_window=window, all_decode=all_decode))
 
     sample_req_idx = [i for i in range(n_req) if starts[i] + counts[i] >= totals[i]]
-    logits_rows = cu[1:][torch.tensor(sample_req_idx, dtype=_i64)] - 1
-    return StepInputs(ids, positions, attn_meta, state_meta, logits_rows, sample_req_idx)
+    logits_rows = put(cu[1:][np.asarray(sample_req_idx, dtype=_i64)] - 1)
+    return StepInputs(put(ids), put(positions), attn_meta, state_meta, logits_rows,
+                      sample_req_idx)

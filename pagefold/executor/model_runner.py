@@ -95,13 +95,13 @@ class ModelRunner:
         tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
         per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]
         inp = build_inputs(self.kv_config, tokens, starts, counts,
-                           [r.num_tokens for r in reqs], per_group)
+                           [r.num_tokens for r in reqs], per_group, self.device)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
-        hidden = self.model(inp.input_ids.to(self.device), inp.positions.to(self.device), ctx)
+        hidden = self.model(inp.input_ids, inp.positions, ctx)
         if not inp.sample_req_idx:
             return {}
-        logits = self.model.compute_logits(hidden[inp.logits_rows.to(self.device)])
+        logits = self.model.compute_logits(hidden[inp.logits_rows])
         sreqs = [reqs[i] for i in inp.sample_req_idx]
         gens = {}
         for row, r in enumerate(sreqs):

@@ -3,6 +3,10 @@
 Messages are rendered to text with the tokenizer's chat template (or ``--chat-template``) and
 tokenized without adding special tokens (the template writes them), exactly as the offline
 ``LLM.chat`` does, so greedy output matches it for the same conversation.
+
+``n`` > 1 gives ``n`` choices (index ``j`` = sample ``j``, seed + ``j`` when seeded); a stream
+opens every choice with its role delta, then sends per-choice content deltas, each choice
+finishing on its own. ``best_of`` is a completions-only field (400 here, as OpenAI).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from pagefold.entrypoints.openai.serving_completion import (
     OpenAIServing,
     StreamCursor,
     _clamp,
+    completion_tokens,
     ranked,
 )
-from pagefold.outputs import RequestOutput
+from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 
@@ -91,6 +96,9 @@ class OpenAIServingChat(OpenAIServing):
                               "tool_choice to 'none'", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request("best_of is only available on /v1/completions; use n for "
+                              "several chat choices", "best_of")
         text, ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 chat_template_kwargs=req.chat_template_kwargs)
@@ -113,8 +121,7 @@ class OpenAIServingChat(OpenAIServing):
         (final,) = await self.collect(raw, stream, 1)
         return JSONResponse(self._response(req, rid, created, final))
 
-    def _logprobs(self, out: RequestOutput, t0: int, t1: int, num: int) -> dict:
-        comp = out.outputs[0]
+    def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int) -> dict:
         content = []
         for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
             lp = entry[tid]
@@ -126,17 +133,19 @@ class OpenAIServingChat(OpenAIServing):
 
     def _response(self, req: ChatCompletionRequest, rid: str, created: int,
                   out: RequestOutput) -> dict:
-        comp = out.outputs[0]
-        lps = None
-        if req.logprobs:
-            lps = self._logprobs(out, 0, len(comp.token_ids), req.top_logprobs or 0)
+        choices = []
+        for comp in out.outputs:
+            lps = None
+            if req.logprobs:
+                lps = self._logprobs(comp, 0, len(comp.token_ids), req.top_logprobs or 0)
+            choices.append({"index": comp.index,
+                            "message": {"role": "assistant", "content": comp.text},
+                            "logprobs": lps, "finish_reason": comp.finish_reason,
+                            "stop_reason": comp.stop_reason})
         return {
             "id": rid, "object": "chat.completion", "created": created,
-            "model": self.served_model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
-                         "logprobs": lps, "finish_reason": comp.finish_reason,
-                         "stop_reason": comp.stop_reason}],
-            "usage": usage(len(out.prompt_token_ids), len(comp.token_ids),
+            "model": self.served_model_name, "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), completion_tokens([out]),
                            out.num_cached_tokens),
         }
 
@@ -147,9 +156,9 @@ class OpenAIServingChat(OpenAIServing):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
 
-        def chunk(delta: dict, lps: dict | None = None, finish: str | None = None,
+        def chunk(index: int, delta: dict, lps: dict | None = None, finish: str | None = None,
                   stop_reason: Any = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
             data = dict(head, choices=[choice])
@@ -157,27 +166,32 @@ class OpenAIServingChat(OpenAIServing):
                 data["usage"] = None
             return sse(data)
 
-        cur = StreamCursor()
+        cursors = [StreamCursor() for _ in range(params.n)]
         final: RequestOutput | None = None
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            for j in range(params.n):
+                yield chunk(j, {"role": "assistant", "content": ""})
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
                 out = item[1]
-                delta, t0, t1 = cur.advance(out, params.stop)
-                lps = self._logprobs(out, t0, t1, req.top_logprobs or 0) if req.logprobs \
-                    else None
                 if out.finished:
                     final = out
-                    comp = out.outputs[0]
-                    yield chunk({"content": delta} if delta else {}, lps, comp.finish_reason,
-                                comp.stop_reason)
-                elif delta or t1 > t0:
-                    yield chunk({"content": delta}, lps)
+                for comp in out.outputs:
+                    cur = cursors[comp.index]
+                    if cur.finished:
+                        continue  # this choice ended earlier; its siblings go on
+                    delta, t0, t1 = cur.advance(comp, params.stop)
+                    lps = (self._logprobs(comp, t0, t1, req.top_logprobs or 0)
+                           if req.logprobs else None)
+                    if cur.finished:
+                        yield chunk(comp.index, {"content": delta} if delta else {}, lps,
+                                    comp.finish_reason, comp.stop_reason)
+                    elif delta or t1 > t0:
+                        yield chunk(comp.index, {"content": delta}, lps)
                 item = await anext(stream, None)
             if include_usage and final is not None:
                 yield sse(dict(head, choices=[], usage=usage(
-                    len(final.prompt_token_ids), len(final.outputs[0].token_ids),
+                    len(final.prompt_token_ids), completion_tokens([final]),
                     final.num_cached_tokens)))
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band

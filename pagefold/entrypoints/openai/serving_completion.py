@@ -9,7 +9,13 @@ Shared rules (chat follows them too):
 * a client that disconnects (streaming or not) cancels its generation, which aborts the
   engine request, so its blocks are freed on the core's next step;
 * a stream is *primed*: the first engine output is awaited before the 200 and its headers go
-  out, so a rejected request or a dead core still gets a real status code.
+  out, so a rejected request or a dead core still gets a real status code;
+* ``n`` > 1 (parallel sampling) is one engine request per prompt whose ``RequestOutput`` has
+  ``outputs[j]`` per sample; choice ``index`` is ``prompt_index * n + j`` (OpenAI's order).
+  Streams send per-choice deltas, each choice finishing on its own; usage counts the
+  completion tokens of every returned choice. ``best_of`` (completions only) generates
+  ``best_of >= n`` samples and returns the ``n`` with the highest cumulative logprob, so it
+  cannot be streamed when ``best_of > n`` (400, as OpenAI).
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ from pagefold.entrypoints.openai.protocol import (
     sse,
     usage,
 )
-from pagefold.outputs import Logprob, RequestOutput
+from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 T = TypeVar("T")
 # Logprobs of -inf do not survive JSON; report them as this (as vLLM does).
 _MIN_LOGPROB = -9999.0
+# Most samples one prompt may ask for (n and best_of): each is a running engine request.
+MAX_SAMPLES = 128
 
 
 class ClientDisconnected(Exception):
@@ -166,12 +174,7 @@ class OpenAIServing:
                         max_tokens_param: str, logprobs: int | None,
                         prompt_len: int, logprobs_param: str = "logprobs") -> SamplingParams:
         """SamplingParams for one prompt; every problem is a 400 naming the field."""
-        if req.n not in (None, 1):
-            raise bad_request(f"n={req.n}: parallel sampling (n > 1) is not available yet; "
-                              "use n=1 and send several requests", "n")
-        if req.best_of not in (None, 1):
-            raise bad_request(f"best_of={req.best_of} is not available yet; use best_of=1",
-                              "best_of")
+        self._check_samples(req)
         if req.response_format is not None and req.response_format.type != "text":
             raise bad_request(
                 f"response_format type {req.response_format.type!r}: structured output is not "
@@ -197,6 +200,7 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=(1.0 if req.repetition_penalty is None
                                 else req.repetition_penalty),
+            n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
             max_tokens=room if max_tokens is None else max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
@@ -209,6 +213,23 @@ class OpenAIServing:
             renamed = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
             param = renamed.get(field, field if field in kw else None)
             raise bad_request(str(e), param) from None
+
+    def _check_samples(self, req: SamplingRequest) -> None:
+        """``n`` / ``best_of`` bounds the API enforces (SamplingParams checks ``>= 1`` and
+        ``best_of >= n``): at most :data:`MAX_SAMPLES`, and a family must be able to fit the
+        pool at all -- each sample holds at least one block of every cache group of its own."""
+        info = self.client.info
+        for name in ("n", "best_of"):
+            value = getattr(req, name)
+            if value is None or value < 1:
+                continue
+            if value > MAX_SAMPLES:
+                raise bad_request(f"{name} must be at most {MAX_SAMPLES}, got {value}", name)
+            need = value * max(len(info.groups), 1)
+            if need > info.num_usable_blocks:
+                raise bad_request(
+                    f"{name}={value}: {value} samples need at least {need} cache blocks, but "
+                    f"the pool has {info.num_usable_blocks}; lower {name}", name)
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
@@ -258,7 +279,10 @@ class OpenAIServing:
 
 
 class StreamCursor:
-    """What a stream has sent of one choice: text characters, tokens, text offset."""
+    """What a stream has sent of one choice: text characters, tokens, text offset.
+
+    A choice is finished once its ``CompletionOutput`` has a finish reason (a sample of a
+    parallel-sampling request may finish before its siblings); nothing is sent after that."""
 
     __slots__ = ("text", "tokens", "offset", "started", "finished")
 
@@ -269,18 +293,29 @@ class StreamCursor:
         self.started = False
         self.finished = False
 
-    def advance(self, out: RequestOutput, stops: list[str]) -> tuple[str, int, int]:
+    def advance(self, comp: CompletionOutput, stops: list[str]) -> tuple[str, int, int]:
         """``(new text, first new token, end token)``; holds back a possible stop string."""
-        comp = out.outputs[0]
+        done = comp.finish_reason is not None
         end = len(comp.text)
-        if not out.finished:
+        if not done:
             end -= held_back(comp.text, stops)
         end = max(end, self.text)
         delta = comp.text[self.text:end]
         self.text = end
         t0, self.tokens = self.tokens, len(comp.token_ids)
-        self.finished = out.finished
+        self.finished = done
         return delta, t0, self.tokens
+
+
+def choice_outputs(out: RequestOutput, n: int, prompt_index: int = 0
+                   ) -> list[tuple[int, CompletionOutput]]:
+    """``(choice index, output)`` of every sample of one prompt's output."""
+    return [(prompt_index * n + c.index, c) for c in out.outputs]
+
+
+def completion_tokens(outs: list[RequestOutput]) -> int:
+    """Completion tokens over every returned choice of every prompt."""
+    return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -295,6 +330,10 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(req, max_tokens=req.max_tokens,
                                        max_tokens_param="max_tokens", logprobs=req.logprobs,
                                        prompt_len=len(ids)) for _, ids in prompts]
+        if req.stream and params[0].best_of > params[0].n:
+            raise bad_request(f"best_of={req.best_of} with n={params[0].n} cannot be streamed "
+                              "(the best samples are only known at the end); drop stream or "
+                              "best_of", "best_of")
         base = self.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
@@ -304,7 +343,7 @@ class OpenAIServingCompletion(OpenAIServing):
             body = self._stream(req, base, created, prompts, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         finals = await self.collect(raw, stream, len(prompts))
-        return JSONResponse(self._response(req, base, created, prompts, finals))
+        return JSONResponse(self._response(req, base, created, prompts, params[0].n, finals))
 
     def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         """``(text or None, token ids)`` per prompt of a string / list / token-id batch."""
@@ -327,8 +366,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
 
-    def _logprobs(self, out: RequestOutput, t0: int, t1: int, num: int, offset: int) -> dict:
-        comp = out.outputs[0]
+    def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int,
+                  offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
             lp = entry[tid]
@@ -344,52 +383,54 @@ class OpenAIServingCompletion(OpenAIServing):
                 "text_offset": offsets}
 
     def _response(self, req: CompletionRequest, rid: str, created: int,
-                  prompts: list, finals: list[RequestOutput]) -> dict:
-        choices, n_prompt, n_out, n_cached = [], 0, 0, 0
+                  prompts: list, n: int, finals: list[RequestOutput]) -> dict:
+        choices, n_prompt, n_cached = [], 0, 0
         for i, ((text, ids), out) in enumerate(zip(prompts, finals)):
-            comp = out.outputs[0]
             prefix = self._prompt_text(text, ids) if req.echo else ""
-            lps = None
-            if req.logprobs is not None:
-                lps = self._logprobs(out, 0, len(comp.token_ids), req.logprobs, len(prefix))
-            choices.append({"index": i, "text": prefix + comp.text, "logprobs": lps,
-                            "finish_reason": comp.finish_reason,
-                            "stop_reason": comp.stop_reason})
+            for index, comp in choice_outputs(out, n, i):
+                lps = None
+                if req.logprobs is not None:
+                    lps = self._logprobs(comp, 0, len(comp.token_ids), req.logprobs,
+                                         len(prefix))
+                choices.append({"index": index, "text": prefix + comp.text, "logprobs": lps,
+                                "finish_reason": comp.finish_reason,
+                                "stop_reason": comp.stop_reason})
             n_prompt += len(ids)
-            n_out += len(comp.token_ids)
             n_cached += out.num_cached_tokens
+        choices.sort(key=lambda c: c["index"])
         return {"id": rid, "object": "text_completion", "created": created,
                 "model": self.served_model_name, "choices": choices,
-                "usage": usage(n_prompt, n_out, n_cached)}
+                "usage": usage(n_prompt, completion_tokens(finals), n_cached)}
 
     async def _stream(self, req: CompletionRequest, rid: str, created: int, prompts: list,
                       params: list[SamplingParams], first: tuple[int, RequestOutput],
                       stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        cursors = [StreamCursor() for _ in prompts]
+        n = params[0].n
+        cursors: dict[int, StreamCursor] = {}
         finals: dict[int, RequestOutput] = {}
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.served_model_name}
 
-        def chunk(i: int, out: RequestOutput) -> str | None:
-            cur = cursors[i]
+        def chunk(i: int, index: int, comp: CompletionOutput) -> str | None:
+            cur = cursors.setdefault(index, StreamCursor())
+            if cur.finished:
+                return None  # this sample ended earlier; its siblings go on
             prefix = ""
             if not cur.started and req.echo:
                 prefix = self._prompt_text(*prompts[i])
                 cur.offset = len(prefix)
             cur.started = True
-            delta, t0, t1 = cur.advance(out, params[i].stop)
-            if not (prefix or delta or t1 > t0 or out.finished):
+            delta, t0, t1 = cur.advance(comp, params[i].stop)
+            if not (prefix or delta or t1 > t0 or cur.finished):
                 return None
             lps = None
             if req.logprobs is not None:
-                lps = self._logprobs(out, t0, t1, req.logprobs, cur.offset)
+                lps = self._logprobs(comp, t0, t1, req.logprobs, cur.offset)
             cur.offset += len(delta)
-            comp = out.outputs[0]
             data = dict(head, choices=[{
-                "index": i, "text": prefix + delta, "logprobs": lps,
-                "finish_reason": comp.finish_reason if out.finished else None,
-                "stop_reason": comp.stop_reason if out.finished else None}])
+                "index": index, "text": prefix + delta, "logprobs": lps,
+                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}])
             if include_usage:
                 data["usage"] = None
             return sse(data)
@@ -400,15 +441,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 i, out = item
                 if out.finished:
                     finals[i] = out
-                text = chunk(i, out)
-                if text is not None:
-                    yield text
+                for index, comp in choice_outputs(out, n, i):
+                    text = chunk(i, index, comp)
+                    if text is not None:
+                        yield text
                 item = await anext(stream, None)
             if include_usage:
                 outs = [finals[i] for i in range(len(prompts))]
                 yield sse(dict(head, choices=[], usage=usage(
-                    sum(len(o.prompt_token_ids) for o in outs),
-                    sum(len(o.outputs[0].token_ids) for o in outs),
+                    sum(len(o.prompt_token_ids) for o in outs), completion_tokens(outs),
                     sum(o.num_cached_tokens for o in outs))))
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band

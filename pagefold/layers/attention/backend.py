@@ -1,12 +1,14 @@
-"""Paged attention for the CPU, in torch: one flat varlen batch mixing prefills and decodes.
+"""Paged attention for the CPU: one flat varlen batch mixing prefills and decodes.
 
 Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``; flat slot
 ``s = block_id * block_size + offset`` addresses one token's K and V.
 
-* Decode rows (query length 1) are computed together, block by block: every (row, block) pair
-  is one entry of a batched matmul, so no row is padded to the longest; a softmax across each
-  row's blocks (segment max and sum) combines them. Only the tail of a row's last block is
-  masked.
+* Decode rows (query length 1): the compiled kernel (:mod:`cpu_kernels`) walks each row's
+  block table and reads K/V in place, one online softmax per (row, kv head) shared by the
+  query heads of the group. Without it (no compiler, another device, other dtypes), a torch
+  path computes all rows together, block by block: every (row, block) pair is one entry of a
+  batched matmul, so no row is padded to the longest; a softmax across each row's blocks
+  (segment max and sum) combines them. Only keys outside a row's range are masked.
 * Prefill rows (query length > 1, possibly a later chunk of a prompt) run one SDPA call each
   against their whole context, with a causal mask offset by the tokens already cached.
 
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagefold.layers.attention import cpu_kernels
+
 
 @dataclass(slots=True)
 class PrefillRow:
@@ -32,19 +36,85 @@ class PrefillRow:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per attention group, per step. Shared by every layer of the group."""
+    """Per attention group, per step. Shared by every layer of the group.
+
+    Decode rows (query length 1) are described by their block tables: row ``i`` attends to
+    key positions ``decode_kv_start[i] .. decode_seq_lens[i] - 1`` (the new token included),
+    position ``p`` at slot ``decode_tables[i, p // bs] * bs + p % bs``. The compiled kernel
+    reads those blocks in place; the torch path builds a (row, block) map from them once per
+    step, on first use (:meth:`blockwise`).
+    """
 
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
     decode_tok: torch.Tensor  # (Bd,) flat rows that are single-token queries
-    decode_blocks: torch.Tensor  # (Nb,) block ids read by decode rows, row after row
-    decode_block_row: torch.Tensor  # (Nb,) decode row index (0..Bd-1) of each block
-    decode_block_mask: torch.Tensor | None  # (Nb, block_size) valid keys; None if all valid
-    decode_row_blocks: torch.Tensor  # (Bd, max blocks per row) index into Nb; Nb = padding
+    decode_tables: torch.Tensor  # (Bd, W) block tables of the decode rows (W >= 1)
+    decode_seq_lens: torch.Tensor  # (Bd,) keys per decode row, the new one included
+    decode_kv_start: torch.Tensor | None  # (Bd,) first key read (sliding window) or None: 0
+    block_size: int
     prefills: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
+    all_decode: bool = False  # every row of the batch is a decode row (decode_tok = arange)
+    _blockwise: tuple | None = None
+
+    def blockwise(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The torch path's view: every block a decode row reads, row after row.
+
+        Returns ``(blocks (Nb,), block_row (Nb,), block_mask (Nb, bs) or None, row_blocks
+        (Bd, max blocks per row))``: ``blocks`` are block ids, ``block_row`` the decode row of
+        each, ``block_mask`` the valid keys (None when all are), ``row_blocks`` indexes into
+        the Nb entries with Nb as padding.
+        """
+        if self._blockwise is None:
+            self._blockwise = _blockwise_map(self.decode_tables, self.decode_seq_lens,
+                                             self.decode_kv_start, self.block_size)
+        return self._blockwise
+
+    @property
+    def decode_blocks(self) -> torch.Tensor:
+        return self.blockwise()[0]
+
+    @property
+    def decode_block_row(self) -> torch.Tensor:
+        return self.blockwise()[1]
+
+    @property
+    def decode_block_mask(self) -> torch.Tensor | None:
+        return self.blockwise()[2]
+
+    @property
+    def decode_row_blocks(self) -> torch.Tensor:
+        return self.blockwise()[3]
+
+
+def _blockwise_map(tables: torch.Tensor, seq_len: torch.Tensor, kv_start: torch.Tensor | None,
+                   bs: int) -> tuple:
+    dev = tables.device
+    i64 = torch.int64
+    lo_blk = kv_start // bs if kv_start is not None else torch.zeros_like(seq_len)
+    hi_blk = (seq_len + bs - 1) // bs
+    nblk = hi_blk - lo_blk
+    nrows = seq_len.shape[0]
+    row = torch.repeat_interleave(torch.arange(nrows, device=dev), nblk)
+    bcu = torch.zeros(nrows + 1, dtype=i64, device=dev)
+    torch.cumsum(nblk, 0, out=bcu[1:])
+    total = int(bcu[-1])
+    col = torch.arange(total, device=dev) - bcu[:-1][row]
+    blk_idx = col + lo_blk[row]
+    blocks = tables[row, blk_idx]
+    kpos = blk_idx.unsqueeze(1) * bs + torch.arange(bs, device=dev).unsqueeze(0)  # (Nb, bs)
+    valid = kpos < seq_len[row].unsqueeze(1)
+    if kv_start is not None:
+        valid &= kpos >= kv_start[row].unsqueeze(1)
+    mask = None if bool(valid.all()) else valid
+    width = int(nblk.max()) if nrows else 0
+    row_blocks = torch.full((nrows, width), total, dtype=i64, device=dev)
+    row_blocks[row, col] = torch.arange(total, device=dev)
+    return blocks, row, mask, row_blocks
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if cpu_kernels.write_kv(cache, slots, k, v):
+        return
     flat = cache.view(-1, *cache.shape[2:])  # (num_slots, 2, kvh, d)
     flat[slots] = torch.stack((k, v), dim=1).to(cache.dtype)
 
@@ -55,37 +125,39 @@ def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float):
-    """Blockwise attention for single-token queries. q (B, H, D) -> (B, H, D)."""
+    """Blockwise attention for single-token queries, in torch. q (B, H, D) -> (B, H, D) f32."""
     b, h, d = q.shape
-    blocks = cache[meta.decode_blocks]  # (Nb, bs, 2, KVH, D)
+    blocks_ids, row, block_mask, rb = meta.blockwise()
+    blocks = cache[blocks_ids]  # (Nb, bs, 2, KVH, D)
     kvh = blocks.shape[3]
     g = h // kvh
-    row = meta.decode_block_row
+    dev = q.device
     keys = blocks[:, :, 0].transpose(1, 2).to(q.dtype)  # (Nb, KVH, bs, D)
     vals = blocks[:, :, 1].transpose(1, 2).to(q.dtype)
     qb = q.view(b, kvh, g, d)[row]  # (Nb, KVH, G, D)
     scores = torch.matmul(qb, keys.transpose(-1, -2)).float() * scale  # (Nb, KVH, G, bs)
-    if meta.decode_block_mask is not None:
-        scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
+    if block_mask is not None:
+        scores.masked_fill_(~block_mask[:, None, None, :], float("-inf"))
         # p is 0 at masked keys, but 0 * NaN = NaN: unwritten slots (stale bytes, NaN) must
-        # not reach the value product.
-        vals = vals.masked_fill(~meta.decode_block_mask[:, None, :, None], 0)
+        # not reach the value product. Only blocks with a masked key are rewritten.
+        partial = torch.nonzero(~block_mask.all(1)).flatten()
+        vals[partial] = vals[partial].masked_fill(~block_mask[partial][:, None, :, None], 0)
     # Per-row reductions over a (rows, blocks-per-row) map of the block list; the map's padding
     # points at one extra neutral entry (-inf for the max, 0 for sums).
-    rb = meta.decode_row_blocks
-    bmax = torch.cat((scores.amax(-1), torch.full((1, kvh, g), float("-inf"))))
+    bmax = torch.cat((scores.amax(-1), torch.full((1, kvh, g), float("-inf"), device=dev)))
     rmax = bmax[rb].amax(1)  # (B, KVH, G)
     p = torch.exp(scores - rmax[row].unsqueeze(-1))
-    zero = torch.zeros((1, kvh, g))
+    zero = torch.zeros((1, kvh, g), device=dev)
     denom = torch.cat((p.sum(-1), zero))[rb].sum(1)
     ob = torch.matmul(p.to(vals.dtype), vals).float()  # (Nb, KVH, G, D)
     out = torch.cat((ob, zero.unsqueeze(-1).expand(1, kvh, g, d)))[rb].sum(1)
     return (out / denom.unsqueeze(-1)).view(b, h, d)
 
 
-def _prefill_mask(ctx_len: int, kv_start: int, q_len: int, window: int | None) -> torch.Tensor:
-    qpos = torch.arange(ctx_len, ctx_len + q_len).unsqueeze(1)
-    kpos = torch.arange(kv_start, ctx_len + q_len).unsqueeze(0)
+def _prefill_mask(ctx_len: int, kv_start: int, q_len: int, window: int | None,
+                  device: torch.device) -> torch.Tensor:
+    qpos = torch.arange(ctx_len, ctx_len + q_len, device=device).unsqueeze(1)
+    kpos = torch.arange(kv_start, ctx_len + q_len, device=device).unsqueeze(0)
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
@@ -104,8 +176,16 @@ def paged_attention(
     write_kv(cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.decode_tok.numel():
-        qd = q[meta.decode_tok]
-        out[meta.decode_tok] = _decode(qd, cache, meta, scale).to(q.dtype)
+        rows = None if meta.all_decode else meta.decode_tok
+        if not cpu_kernels.decode_attention(q, rows, cache, meta.decode_tables,
+                                            meta.decode_seq_lens, meta.decode_kv_start, scale,
+                                            out):
+            qd = q if rows is None else q[rows]
+            od = _decode(qd, cache, meta, scale).to(q.dtype)
+            if rows is None:
+                out = od
+            else:
+                out[rows] = od
     h, kvh = q.shape[1], k.shape[1]
     for row in meta.prefills:
         qs = q[row.tok_start : row.tok_end]
@@ -118,7 +198,8 @@ def paged_attention(
         if row.ctx_len == 0 and meta.sliding_window is None:
             mask, causal = None, True
         else:
-            mask = _prefill_mask(row.ctx_len, row.kv_start, q_len, meta.sliding_window)
+            mask = _prefill_mask(row.ctx_len, row.kv_start, q_len, meta.sliding_window,
+                                 q.device)
             causal = False
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),

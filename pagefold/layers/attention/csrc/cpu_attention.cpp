@@ -1,0 +1,386 @@
+// CPU kernels for pagefold's paged KV cache, called through ctypes on raw tensor pointers.
+//
+// Cache layout (one layer): (num_blocks, block_size, 2, kv_heads, head_dim), K at index 0 and
+// V at index 1 of the third axis; token t of block b sits at flat slot b * block_size + t.
+//
+// Element types: 0 = float32, 1 = bfloat16 (stored as uint16; converted by bit shifts, rounded
+// to nearest even on the way back, as torch does). Every reduction accumulates in float32.
+//
+// Threads: the caller passes how many (torch.get_num_threads()); the OpenMP runtime is the one
+// torch already loaded (same soname), so no second thread pool competes with torch's.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+template <typename T> inline void store(T* p, int64_t i, float v);
+template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+// Row to float: the compiler vectorises this (bf16 -> f32 is a widening shift).
+template <typename T> inline void to_float(const T* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = load<T>(src, i);
+}
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 32;   // query heads per kv head
+constexpr int kMaxBlock = 256;  // tokens per block
+
+// exp for x <= 0 (softmax terms), Cephes' single-precision polynomial (about 1 ulp), written
+// so a loop of it vectorises (std::exp does not). Below -87 it returns 2^-126 instead of a
+// denormal or 0: a term that small cannot move a sum that holds exp(0) = 1.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// One (decode row, kv head): the G query heads that share the kv head read each K/V row once.
+// Online softmax over the row's keys [kv_start, seq_len), block by block. DC is the head
+// size when known at compile time (0: the runtime D), so the common sizes get unrolled loops.
+template <typename T, int DC>
+void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
+                int64_t kv_start, T* out, int G, int KVH, int Drt, int bs, int kvh, float scale) {
+  const int D = DC > 0 ? DC : Drt;
+  alignas(64) float qf[kMaxGroup][kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+  alignas(64) float s[kMaxGroup][kMaxBlock];
+  alignas(64) float kv[kMaxBlock][kMaxHeadDim];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int g = 0; g < G; ++g) {
+    const T* qg = q + static_cast<int64_t>(kvh * G + g) * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      qf[g][d] = load<T>(qg, d) * scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t tok_stride = 2LL * KVH * D;  // one token's K and V
+  const int64_t block_stride = bs * tok_stride;
+  const int64_t first_blk = kv_start / bs;
+  const int64_t last_blk = (seq_len - 1) / bs;
+  for (int64_t jb = first_blk; jb <= last_blk; ++jb) {
+    const T* blk = cache + table[jb] * block_stride;
+    const int t0 = jb == first_blk ? static_cast<int>(kv_start - jb * bs) : 0;
+    const int t1 = jb == last_blk ? static_cast<int>(seq_len - jb * bs) : bs;
+    // Scores of this block's keys, then one rescale of the running sums per block.
+    for (int t = t0; t < t1; ++t) {
+      const T* k = blk + t * tok_stride + static_cast<int64_t>(kvh) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) kv[t][d] = load<T>(k, d);
+    }
+    for (int g = 0; g < G; ++g) {
+      float bmax = m[g];
+      for (int t = t0; t < t1; ++t) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qf[g][d] * kv[t][d];
+        s[g][t] = dot;
+        bmax = dot > bmax ? dot : bmax;
+      }
+      const float alpha = exp_nonpos(m[g] - bmax);  // m = -inf on the first block: ~0
+      m[g] = bmax;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = t0; t < t1; ++t) {
+        const float p = exp_nonpos(s[g][t] - bmax);
+        s[g][t] = p;
+        sum += p;
+      }
+      l[g] = l[g] * alpha + sum;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] *= alpha;
+    }
+    for (int t = t0; t < t1; ++t) {
+      const T* v = blk + t * tok_stride + static_cast<int64_t>(KVH + kvh) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) kv[t][d] = load<T>(v, d);
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int t = t0; t < t1; ++t) {
+        const float p = s[g][t];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += p * kv[t][d];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    T* o = out + static_cast<int64_t>(kvh * G + g) * D;
+    for (int d = 0; d < D; ++d) store<T>(o, d, acc[g][d] * inv);
+  }
+}
+
+#if defined(__AVX512F__)
+// The same computation with AVX-512 intrinsics, 16 keys at a time: head sizes that are a
+// multiple of 16 and blocks that are (the defaults). Scores are 16 horizontal sums per
+// sub-block; the softmax terms, the rescale and the value sums are whole-vector operations.
+template <typename T> inline __m512 load16(const T* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 exp16_nonpos(__m512 x) {  // exp_nonpos on 16 lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+                                 _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+constexpr int64_t kPrefetch = 2;  // blocks read ahead
+
+template <typename T, int D>
+void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
+                       int64_t kv_start, T* out, int G, int KVH, int bs, int kvh, float scale) {
+  constexpr int C = D / 16;
+  alignas(64) float qf[kMaxGroup][D];
+  alignas(64) float acc[kMaxGroup][D];
+  alignas(64) float ps[kMaxGroup][16];
+  alignas(64) float vt[16][D];
+  alignas(64) float sc[kMaxGroup][16];
+  float m[kMaxGroup], l[kMaxGroup];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    const T* qg = q + static_cast<int64_t>(kvh * G + g) * D;
+    for (int c = 0; c < C; ++c) {
+      _mm512_store_ps(qf[g] + 16 * c, _mm512_mul_ps(load16<T>(qg + 16 * c), vscale));
+      _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t tok_stride = 2LL * KVH * D;
+  const int64_t block_stride = bs * tok_stride;
+  const int64_t first_blk = kv_start / bs;
+  const int64_t last_blk = (seq_len - 1) / bs;
+  for (int64_t jb = first_blk; jb <= last_blk; ++jb) {
+    const T* blk = cache + table[jb] * block_stride;
+    if (kvh == 0) {  // blocks ahead, all heads, while this one computes
+      for (int64_t ahead = jb == first_blk ? 1 : kPrefetch; ahead <= kPrefetch; ++ahead) {
+        if (jb + ahead > last_blk) break;
+        const char* nb = reinterpret_cast<const char*>(cache + table[jb + ahead] * block_stride);
+        for (int64_t off = 0; off < static_cast<int64_t>(block_stride * sizeof(T)); off += 64)
+          _mm_prefetch(nb + off, _MM_HINT_T0);
+      }
+    }
+    const int t0 = jb == first_blk ? static_cast<int>(kv_start - jb * bs) : 0;
+    const int t1 = jb == last_blk ? static_cast<int>(seq_len - jb * bs) : bs;
+    for (int sb = (t0 / 16) * 16; sb < t1; sb += 16) {
+      const int lo = t0 > sb ? t0 : sb;
+      const int hi = t1 < sb + 16 ? t1 : sb + 16;
+      const __mmask16 mask = static_cast<__mmask16>(
+          ((1u << (hi - sb)) - 1u) & ~((1u << (lo - sb)) - 1u));
+      for (int t = lo; t < hi; ++t) {  // each key converted once, used by the G heads
+        const T* k = blk + t * tok_stride + static_cast<int64_t>(kvh) * D;
+        __m512 kc[C];
+        for (int c = 0; c < C; ++c) kc[c] = load16<T>(k + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          __m512 a = _mm512_mul_ps(_mm512_load_ps(qf[g]), kc[0]);
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + 16 * c), kc[c], a);
+          sc[g][t - sb] = _mm512_reduce_add_ps(a);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 sv = _mm512_mask_load_ps(
+            _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, sc[g]);
+        const float smax = _mm512_mask_reduce_max_ps(mask, sv);
+        const float mnew = smax > m[g] ? smax : m[g];
+        const float alpha = std::exp(m[g] - mnew);  // exp(-inf) = 0 on the first keys
+        m[g] = mnew;
+        const __m512 p = _mm512_maskz_mov_ps(mask, exp16_nonpos(
+            _mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+        l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+        _mm512_store_ps(ps[g], p);
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int c = 0; c < C; ++c)
+          _mm512_store_ps(acc[g] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), va));
+      }
+      for (int t = lo; t < hi; ++t) {
+        const T* v = blk + t * tok_stride + static_cast<int64_t>(KVH + kvh) * D;
+        for (int c = 0; c < C; ++c) _mm512_store_ps(vt[t - sb] + 16 * c, load16<T>(v + 16 * c));
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 a[C];
+        for (int c = 0; c < C; ++c) a[c] = _mm512_load_ps(acc[g] + 16 * c);
+        for (int t = lo; t < hi; ++t) {
+          const __m512 pb = _mm512_set1_ps(ps[g][t - sb]);
+          for (int c = 0; c < C; ++c)
+            a[c] = _mm512_fmadd_ps(pb, _mm512_load_ps(vt[t - sb] + 16 * c), a[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g] + 16 * c, a[c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    T* o = out + static_cast<int64_t>(kvh * G + g) * D;
+    for (int d = 0; d < D; ++d) store<T>(o, d, acc[g][d] * inv);
+  }
+}
+#endif
+
+template <typename T>
+void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cache,
+                const int64_t* tables,
+                int64_t table_stride, const int64_t* seq_lens, const int64_t* kv_starts, T* out,
+                int64_t out_stride, int B, int H, int KVH, int D, int bs, float scale,
+                int nthreads) {
+  const int G = H / KVH;
+  const int64_t items = static_cast<int64_t>(B) * KVH;
+  // One chunk = one row's kv heads, so a thread reads a row's blocks while they are hot.
+#pragma omp parallel for schedule(dynamic, KVH) num_threads(nthreads) if (nthreads > 1 && items > 1)
+  for (int64_t it = 0; it < items; ++it) {
+    const int b = static_cast<int>(it / KVH);
+    const int kvh = static_cast<int>(it % KVH);
+    const int64_t r = rows ? rows[b] : b;
+    const T* qb = q + r * q_stride;
+    const int64_t* tb = tables + b * table_stride;
+    const int64_t start = kv_starts ? kv_starts[b] : 0;
+    T* ob = out + r * out_stride;
+#if defined(__AVX512F__)
+    if (bs % 16 == 0 && (D == 64 || D == 128 || D == 256)) {
+      if (D == 64)
+        decode_one_avx512<T, 64>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
+      else if (D == 128)
+        decode_one_avx512<T, 128>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
+      else
+        decode_one_avx512<T, 256>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
+      continue;
+    }
+#endif
+    switch (D) {
+      case 64:
+        decode_one<T, 64>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, D, bs, kvh, scale);
+        break;
+      case 128:
+        decode_one<T, 128>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, D, bs, kvh, scale);
+        break;
+      case 256:
+        decode_one<T, 256>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, D, bs, kvh, scale);
+        break;
+      default:
+        decode_one<T, 0>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, D, bs, kvh, scale);
+    }
+  }
+}
+
+template <typename T>
+void write_kv_all(const T* k, const T* v, int64_t k_stride, int64_t v_stride,
+                  const int64_t* slots, T* cache, int N, int KVH, int D) {
+  const int64_t row = static_cast<int64_t>(KVH) * D;
+  for (int i = 0; i < N; ++i) {
+    T* dst = cache + slots[i] * 2 * row;
+    std::memcpy(dst, k + i * k_stride, row * sizeof(T));
+    std::memcpy(dst + row, v + i * v_stride, row * sizeof(T));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Limits the Python side checks before calling (larger shapes take the torch path).
+int pf_max_head_dim() { return kMaxHeadDim; }
+int pf_max_group() { return kMaxGroup; }
+int pf_max_block() { return kMaxBlock; }
+
+// q (T, H, D) rows q_stride apart (elements), heads contiguous; out the same with out_stride.
+// Decode row b reads q row rows[b] and writes out row rows[b] (rows NULL: row b).
+// tables (B, table_stride) block ids; seq_lens (B,) keys per row, the new token included;
+// kv_starts (B,) first key position (sliding window) or NULL for 0. Returns 0, or -1 for an
+// unsupported dtype.
+int pf_decode_attention(int dtype, const void* q, int64_t q_stride, const int64_t* rows,
+                        const void* cache,
+                        const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
+                        const int64_t* kv_starts, void* out, int64_t out_stride, int B, int H,
+                        int KVH, int D, int bs, float scale, int nthreads) {
+  if (dtype == 0) {
+    decode_all<float>(static_cast<const float*>(q), q_stride, rows,
+                      static_cast<const float*>(cache),
+                      tables, table_stride, seq_lens, kv_starts, static_cast<float*>(out),
+                      out_stride, B, H, KVH, D, bs, scale, nthreads);
+    return 0;
+  }
+  if (dtype == 1) {
+    decode_all<uint16_t>(static_cast<const uint16_t*>(q), q_stride, rows,
+                         static_cast<const uint16_t*>(cache), tables, table_stride, seq_lens,
+                         kv_starts, static_cast<uint16_t*>(out), out_stride, B, H, KVH, D, bs,
+                         scale, nthreads);
+    return 0;
+  }
+  return -1;
+}
+
+// k, v (N, KVH, D) rows k_stride / v_stride apart (heads contiguous), in the cache's dtype;
+// token i goes to flat slot slots[i].
+int pf_write_kv(int dtype, const void* k, const void* v, int64_t k_stride, int64_t v_stride,
+                const int64_t* slots, void* cache, int N, int KVH, int D) {
+  if (dtype == 0) {
+    write_kv_all<float>(static_cast<const float*>(k), static_cast<const float*>(v), k_stride,
+                        v_stride, slots, static_cast<float*>(cache), N, KVH, D);
+    return 0;
+  }
+  if (dtype == 1) {
+    write_kv_all<uint16_t>(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v),
+                           k_stride, v_stride, slots, static_cast<uint16_t*>(cache), N, KVH, D);
+    return 0;
+  }
+  return -1;
+}
+
+}  // extern "C"

@@ -271,10 +271,9 @@ class KVCacheManager:
             log.credited_tokens += credit
             self.free(req)
             req.num_computed_tokens = 0
-        logger.info("preempting %s by %s (%d bytes to move vs %d tokens to recompute, %d of "
-                    "%d computed tokens credited by the prefix cache)", req.request_id, kind,
-                    nbytes, req.num_computed_tokens - credit if kind == "swap" else 0, credit,
-                    req.num_computed_tokens)
+        logger.info("preempting %s by %s: %d bytes to move vs %d tokens to recompute (%d "
+                    "tokens creditable from the prefix cache)", req.request_id, kind, nbytes,
+                    log.decisions[-1][3], credit)
         return kind
 
     def _swap_out(self, req: Request, nbytes: int) -> None:

@@ -164,21 +164,21 @@ class Scheduler:
         self.waiting.push_front(req)
 
     def _fork(self, parent: Request) -> None:
-        """Create the parent's children right after it in the running list (if memory allows;
-        otherwise the family waits a step)."""
+        """Create the parent's children right after it in the running list. Children that do
+        not fit in the pool now start from scratch as waiting requests instead (the prefix
+        cache still serves their prompt), so a family never waits on memory it cannot get."""
         k = parent.fork_children
-        if not self.kv.can_fork(parent, k):
-            return
+        shared = next((m for m in range(k, 0, -1) if self.kv.can_fork(parent, m)), 0)
         for idx in range(1, k + 1):
-            self.fork_now(parent, parent.spawn_child(idx))
+            self.fork_now(parent, parent.spawn_child(idx), share=idx <= shared)
         parent.fork_children = 0
 
-    def fork_now(self, parent: Request, child: Request) -> None:
+    def fork_now(self, parent: Request, child: Request, share: bool = True) -> None:
         """``child`` (a copy of ``parent``'s tokens) continues from the parent's cache if the
-        parent is running, else from scratch like any waiting request."""
+        parent is running (and ``share``), else from scratch like any waiting request."""
         self.requests[child.request_id] = child
         self.num_forks += 1
-        if parent.status == RequestStatus.RUNNING:
+        if share and parent.status == RequestStatus.RUNNING:
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)

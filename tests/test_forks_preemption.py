@@ -168,3 +168,18 @@ def test_no_request_is_requeued_forever(qwen3_dir):
         llm.generate(_prompts([list(range(5, 200))]), SamplingParams(max_tokens=1),
                      use_tqdm=False)
     llm.engine.kv.check_whole()
+
+
+def test_family_larger_than_the_pool_still_completes(qwen3_5_dir):
+    """n=8 children cannot all hold a state at once in this pool: the ones that do not fit
+    start as waiting requests instead of the family waiting forever; each child still equals
+    an independent run with its seed."""
+    llm = LLM(str(qwen3_5_dir), kv_cache_memory=140_000, max_model_len=128)
+    prompt = {"prompt_token_ids": list(range(5, 80))}
+    fam = llm.generate([prompt], SamplingParams(n=8, temperature=1.0, seed=0, max_tokens=12,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in fam.outputs] == [12] * 8
+    solo = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=12,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    assert fam.outputs[5].token_ids == solo.outputs[0].token_ids
+    llm.engine.kv.check_whole()

@@ -1,0 +1,453 @@
+"""pagefold vs transformers vs vLLM (CPU build) on the same models and workloads, one run.
+
+    python -m benchmarks.compare                                   # pagefold + transformers
+    python -m benchmarks.compare --vllm-python /tmp/vllm-venv/bin/python   # + vLLM
+
+Each (system, model) runs in its own subprocess, one after the other, so no two systems share
+the cores; vLLM runs under its own interpreter (its venv), never imported here. The workloads
+are generated once in this process and handed to every worker as token ids:
+
+* ``throughput``: 64 prompts x 256 tokens in, 128 out, all submitted at once;
+* ``latency``: batch 1, 4 requests one after another, 256 in, 128 out (TTFT, TPOT);
+* ``mixed``: 64 prompts, inputs uniform in 32..1024, outputs uniform in 16..512;
+* ``large``: on the larger model (``--large-hidden``/``--large-layers``, ~150M parameters by
+  default): batch-1 latency (3 requests, 256 in, 64 out) and a 16 x 256 -> 64 batch.
+
+Greedy decoding, ``ignore_eos``, bf16. pagefold and vLLM are driven step by step
+(``add_request`` + ``step``) so every request's first-token and finish times are seen: TTFT =
+first token - submission, TPOT = (finish - first token) / (tokens - 1), both averaged over
+requests. transformers' batched ``generate()`` has no per-request times: its TTFT is a separate
+``max_new_tokens=1`` run of the same batch, its TPOT (total - TTFT) / (longest output - 1).
+
+vLLM reserves one of the machine's cores for its front end by default; it is run both that way
+(``vllm``) and with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (``vllm-r0``). The ratio columns are
+pagefold's speedups (> 1: pagefold faster) over the best vLLM row and over transformers.
+
+The bandwidth table divides the bytes a batch-1 decode step must read (every weight but the
+embedding table, plus the KV cache or the recurrent states) by each system's TPOT on the large
+model, against a STREAM-like copy measured here with the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> (model key, requests, (in lo, in hi), (out lo, out hi), sequential)
+WORKLOADS: dict[str, tuple[str, int, tuple[int, int], tuple[int, int], bool]] = {
+    "throughput": ("small", 64, (256, 256), (128, 128), False),
+    "latency": ("small", 4, (256, 256), (128, 128), True),
+    "mixed": ("small", 64, (32, 1024), (16, 512), False),
+    "large-latency": ("large", 3, (256, 256), (64, 64), True),
+    "large-batch": ("large", 16, (256, 256), (64, 64), False),
+}
+GROUPS = {"throughput": ["throughput"], "latency": ["latency"], "mixed": ["mixed"],
+          "large": ["large-latency", "large-batch"]}
+MAX_MODEL_LEN = 2048
+KV_BYTES = 2 << 30
+
+
+# ----------------------------------------------------------------------------- workers
+def _drive(add, step, work: list[dict], sequential: bool) -> dict:
+    """Submit ``work`` (all at once, or one at a time) and step until done; per-request times."""
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, int]] = {}
+    t0 = time.perf_counter()
+    submit: dict[str, float] = {}
+
+    def run(batch: list[tuple[str, dict]]) -> None:
+        for rid, w in batch:
+            submit[rid] = time.perf_counter()
+            add(rid, w)
+        pending = {rid for rid, _ in batch}
+        while pending:
+            for rid, n_tok, finished in step():
+                now = time.perf_counter()
+                if n_tok and rid not in first:
+                    first[rid] = now
+                if finished and rid in pending:
+                    done[rid] = (now, n_tok)
+                    pending.discard(rid)
+
+    items = [(str(i), w) for i, w in enumerate(work)]
+    if sequential:
+        for it in items:
+            run([it])
+    else:
+        run(items)
+    total = time.perf_counter() - t0
+    ttft = [first[r] - submit[r] for r in submit]
+    tpot = [(done[r][0] - first[r]) / (done[r][1] - 1) for r in submit if done[r][1] > 1]
+    return {"seconds": total, "n_out": sum(n for _, n in done.values()),
+            "ttft": sum(ttft) / len(ttft), "tpot": sum(tpot) / len(tpot) if tpot else None}
+
+
+def worker_pagefold(spec: dict) -> dict:
+    import torch
+
+    from pagefold import LLM, SamplingParams
+
+    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+              kv_cache_memory=KV_BYTES, max_num_seqs=256)
+    warm = [{"prompt_token_ids": [5, 6, 7, 8]}] * 2
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    ids: dict[str, str] = {}
+
+    def add(rid: str, w: dict) -> None:
+        sp = SamplingParams(temperature=0, max_tokens=w["out"], ignore_eos=True)
+        ids[llm.add_request({"prompt_token_ids": w["ids"]}, sp)] = rid
+
+    def step():
+        return [(ids[o.request_id], len(o.outputs[0].token_ids), o.finished)
+                for o in llm.step()]
+
+    res = {name: _drive(add, step, work, seq) for name, (work, seq) in spec["work"].items()}
+    return {"threads": torch.get_num_threads(), "results": res}
+
+
+def worker_vllm(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+              kv_cache_memory_bytes=KV_BYTES, max_num_seqs=256, seed=0)
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])] * 2,
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    engine = llm.llm_engine
+
+    def add(rid: str, w: dict) -> None:
+        sp = SamplingParams(temperature=0, max_tokens=w["out"], ignore_eos=True)
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=w["ids"]), sp)
+
+    def step():
+        return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in engine.step()]
+
+    res = {name: _drive(add, step, work, seq) for name, (work, seq) in spec["work"].items()}
+    reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    ncpu = os.cpu_count() or 1
+    threads = ncpu - (int(reserved) if reserved is not None else (1 if ncpu > 1 else 0))
+    return {"threads": threads, "results": res}
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    vocab = m.config.get_text_config().vocab_size
+
+    def generate(items: list[dict], new: int) -> float:
+        width = max(len(w["ids"]) for w in items)
+        ids = torch.zeros((len(items), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, w in enumerate(items):  # left padding, as decoder-only generation needs
+            ids[i, width - len(w["ids"]):] = torch.tensor(w["ids"])
+            mask[i, width - len(w["ids"]):] = 1
+        t = time.perf_counter()
+        with torch.inference_mode():
+            m.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                       min_new_tokens=new, pad_token_id=0, eos_token_id=vocab + 1)
+        return time.perf_counter() - t
+
+    generate([{"ids": [5, 6, 7, 8]}] * 2, 4)  # warm-up
+    res = {}
+    for name, (work, seq) in spec["work"].items():
+        batches = [[w] for w in work] if seq else [work]
+        total = ttft = tpot = 0.0
+        for b in batches:
+            new = max(w["out"] for w in b)
+            t1 = generate(b, 1)
+            tn = generate(b, new)
+            total += tn
+            ttft += t1
+            tpot += (tn - t1) / max(new - 1, 1)
+        res[name] = {"seconds": total, "n_out": sum(w["out"] for w in work),
+                     "ttft": ttft / len(batches), "tpot": tpot / len(batches)}
+    return {"threads": torch.get_num_threads(), "results": res}
+
+
+WORKERS = {"pagefold": worker_pagefold, "vllm": worker_vllm,
+           "transformers": worker_transformers}
+
+
+def worker_main(system: str, spec_path: str, out_path: str) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    spec = json.loads(Path(spec_path).read_text())
+    Path(out_path).write_text(json.dumps(WORKERS[system](spec)))
+
+
+# ----------------------------------------------------------------------------- the parent
+_TORCHVISION_STUB = '''"""Import-only torchvision stand-in for text-only vLLM benchmarks (see README)."""
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0.0+stub"
+
+
+class _Dummy:
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Dummy(self._name + "." + attr)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("torchvision stub: " + self._name + " is not available")
+
+    def __hash__(self):
+        return hash(self._name)
+
+    def __eq__(self, other):
+        return isinstance(other, _Dummy) and other._name == self._name
+
+
+def _attr(prefix, name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Dummy(prefix + "." + name)
+
+
+def __getattr__(name):
+    return _attr("torchvision", name)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = types.ModuleType(spec.name)
+        mod.__path__ = []
+        mod.__getattr__ = lambda attr, _n=spec.name: _attr(_n, attr)
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _StubFinder())
+'''
+
+
+def _vllm_env(vllm_python: str, tmp: Path, reserved0: bool) -> dict:
+    """vLLM's environment: the torchvision stub on PYTHONPATH when its venv has no working
+    torchvision (Qwen3.5's modules import transformers' qwen2_vl image processor, which
+    imports torchvision unconditionally); the reserved-core setting."""
+    env = dict(os.environ)
+    ok = subprocess.run([vllm_python, "-c", "import torchvision"], capture_output=True).returncode
+    if ok != 0:
+        stub = tmp / "tvstub" / "torchvision"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "__init__.py").write_text(_TORCHVISION_STUB)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stub.parent),
+                                                          env.get("PYTHONPATH")]))
+    if reserved0:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def run_worker(system: str, python: str, spec: dict, tmp: Path, env: dict | None,
+               log: Path) -> dict | None:
+    spec_path = tmp / f"spec-{system}.json"
+    out_path = tmp / f"out-{system}.json"
+    out_path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    worker = "vllm" if system.startswith("vllm") else system
+    cmd = [python, str(Path(__file__).resolve()), "--worker", worker, "--spec", str(spec_path),
+           "--out", str(out_path)]
+    t = time.perf_counter()
+    with log.open("a") as f:
+        f.write(f"\n===== {system} {spec['model']}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not out_path.exists():
+        print(f"  {system}: failed (exit {rc}); see {log}", flush=True)
+        return None
+    print(f"  {system}: done in {time.perf_counter() - t:.0f} s", flush=True)
+    return json.loads(out_path.read_text())
+
+
+def make_work(name: str, vocab: int, seed: int) -> tuple[list[dict], bool]:
+    _, n, (ilo, ihi), (olo, ohi), seq = WORKLOADS[name]
+    rng = random.Random(f"{name}-{seed}")
+    work = [{"ids": [rng.randrange(5, vocab) for _ in range(rng.randint(ilo, ihi))],
+             "out": rng.randint(olo, ohi)} for _ in range(n)]
+    return work, seq
+
+
+def stream_copy_gbps(threads: int, mib: int = 256) -> float:
+    """Best of 5 copies of a ``mib`` MiB buffer: (read + write bytes) / time, in GB/s."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(mib << 18, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def decode_step_bytes(model_dir: str, ctx: int) -> int:
+    """Bytes a batch-1 decode step reads at context ``ctx``: every bf16 weight except the
+    input embedding (one row of it is read), plus each attention layer's K/V up to ``ctx``
+    and each state layer's states (read and written)."""
+    from pagefold.core.spec_from_config import layer_specs_from_config
+    from pagefold.engine.core import load_hf_config
+    from pagefold.models.registry import text_config
+
+    _, cfg = load_hf_config(model_dir)
+    import safetensors
+
+    n_params = 0
+    embed = 0
+    with safetensors.safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            numel = 1
+            for s in f.get_slice(k).get_shape():
+                numel *= s
+            n_params += numel
+            if "embed_tokens" in k:
+                embed = numel
+    tcfg = text_config(cfg)
+    tied = bool(getattr(tcfg, "tie_word_embeddings", False))
+    weights = 2 * (n_params - (0 if tied else embed))
+    import torch
+
+    from pagefold.core.kv_cache_spec import is_attention
+
+    cache = 0
+    for spec in layer_specs_from_config(cfg, model_dtype=torch.bfloat16).values():
+        if is_attention(spec):
+            cache += ctx * spec.bytes_per_token
+        else:
+            cache += 2 * spec.unpadded_bytes
+    return weights + cache
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    p.add_argument("--archs", nargs="+", default=["qwen3", "qwen3_5"])
+    p.add_argument("--workloads", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    p.add_argument("--systems", nargs="+", default=["pagefold", "transformers", "vllm",
+                                                    "vllm-r0"])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--large-hidden", type=int, default=1024)
+    p.add_argument("--large-layers", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="workers' output (default: a temp file)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.spec, args.out)
+        return
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import bench_model, print_table
+
+    systems = [s for s in args.systems if not s.startswith("vllm") or args.vllm_python]
+    tmp = Path(tempfile.mkdtemp(prefix="pagefold-compare-"))
+    log = Path(args.log) if args.log else tmp / "workers.log"
+    names = [w for g in args.workloads for w in GROUPS[g]]
+    rows: list[dict] = []
+    bw_rows: list[dict] = []
+    ncpu = os.cpu_count() or 1
+    for arch in args.archs:
+        by_model: dict[str, list[str]] = {}
+        for w in names:
+            by_model.setdefault(WORKLOADS[w][0], []).append(w)
+        for key, wl in by_model.items():
+            h, nl = (args.hidden, args.layers) if key == "small" else (args.large_hidden,
+                                                                       args.large_layers)
+            model = str(bench_model(arch, h, nl))
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+            spec = {"model": model, "work": {w: make_work(w, vocab, args.seed) for w in wl}}
+            print(f"{arch} h{h} l{nl}: {', '.join(wl)}", flush=True)
+            got: dict[str, dict] = {}
+            for system in systems:
+                if system.startswith("vllm"):
+                    env = _vllm_env(args.vllm_python, tmp, system == "vllm-r0")
+                    r = run_worker(system, args.vllm_python, spec, tmp, env, log)
+                else:
+                    r = run_worker(system, sys.executable, spec, tmp, None, log)
+                if r is not None:
+                    got[system] = r
+            for w in wl:
+                block = []
+                for system, r in got.items():
+                    res = r["results"][w]
+                    block.append({"workload": w, "model": f"{arch}-h{h}-l{nl}",
+                                  "system": system, "threads": r["threads"],
+                                  "out tok/s": res["n_out"] / res["seconds"],
+                                  "TTFT ms": res["ttft"] * 1e3,
+                                  "TPOT ms": res["tpot"] * 1e3 if res["tpot"] else None})
+                pf = next((b for b in block if b["system"] == "pagefold"), None)
+                vl = [b for b in block if b["system"].startswith("vllm")]
+                best_v = max(vl, key=lambda b: b["out tok/s"]) if vl else None
+                hf = next((b for b in block if b["system"] == "transformers"), None)
+                if pf is not None:
+                    for tag, other in (("vLLM", best_v), ("HF", hf)):
+                        if other is None:
+                            continue
+                        pf[f"tok/s /{tag}"] = _ratio(pf["out tok/s"], other["out tok/s"])
+                        pf[f"TPOT x{tag}"] = _ratio(other["TPOT ms"], pf["TPOT ms"])
+                rows.extend(block)
+                if w == "large-latency":
+                    ctx = WORKLOADS[w][2][1] + WORKLOADS[w][3][1] // 2
+                    nbytes = decode_step_bytes(model, ctx)
+                    for b in block:
+                        gbps = stream_copy_gbps(b["threads"])
+                        ach = nbytes / (b["TPOT ms"] / 1e3) / 1e9 if b["TPOT ms"] else None
+                        bw_rows.append({"model": b["model"], "system": b["system"],
+                                        "threads": b["threads"], "MB/step": nbytes / 1e6,
+                                        "TPOT ms": b["TPOT ms"], "achieved GB/s": ach,
+                                        "copy GB/s": gbps,
+                                        "% of copy": 100 * ach / gbps if ach else None})
+    import torch
+
+    print(f"\n{ncpu} cores, torch {torch.__version__}, bf16, greedy; workers' log: {log}")
+    cols = ["workload", "model", "system", "threads", "out tok/s", "TTFT ms", "TPOT ms",
+            "tok/s /vLLM", "TPOT xvLLM", "tok/s /HF", "TPOT xHF"]
+    print_table(rows, [c for c in cols if any(c in r for r in rows)])
+    if bw_rows:
+        print("\nbatch-1 decode on the large model: bytes per step / TPOT vs a STREAM-like copy")
+        print_table(bw_rows, ["model", "system", "threads", "MB/step", "TPOT ms",
+                              "achieved GB/s", "copy GB/s", "% of copy"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "bandwidth": bw_rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

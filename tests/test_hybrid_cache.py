@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagefold import LLM, SamplingParams
@@ -97,3 +98,10 @@ def test_finished_request_returns_state_pages_on_that_step(qwen3_5_dir):
     assert outs[0].finished
     assert pool.num_free == pool.num_usable  # everything back on the finishing step
     llm.engine.kv.check_whole()
+
+
+def test_state_that_cannot_be_split_into_pages_is_a_clear_error():
+    specs = {"layers.0": GDN, "layers.1": FullAttentionSpec(1, 4, torch.float8_e4m3fn)}
+    with pytest.raises(ValueError, match="cannot be split into pages.*block_size"):
+        plan_pagefold(specs, 1, 1 << 20)  # an 8-byte page cannot hold float32 state rows
+    assert plan_pagefold(specs, 16, 1 << 20).groups[0].pages_per_state > 1  # 16 tokens can

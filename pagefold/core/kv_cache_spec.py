@@ -37,8 +37,21 @@ def align_up(n: int, a: int = _ALIGN) -> int:
     return cdiv(n, a) * a
 
 
+class _KVPages:
+    """Page arithmetic shared by the attention specs (K and V rows per token)."""
+
+    __slots__ = ()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec:
+class FullAttentionSpec(_KVPages):
     """K and V rows for every token of the sequence."""
 
     num_kv_heads: int
@@ -47,16 +60,9 @@ class FullAttentionSpec:
 
     manager_kind = "full_attention"
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
-
-    def page_bytes(self, block_size: int) -> int:
-        return block_size * self.bytes_per_token
-
 
 @dataclass(frozen=True, slots=True)
-class SlidingWindowSpec:
+class SlidingWindowSpec(_KVPages):
     """K and V rows for the last ``window`` tokens; older blocks go back to the pool."""
 
     num_kv_heads: int
@@ -65,13 +71,6 @@ class SlidingWindowSpec:
     window: int
 
     manager_kind = "sliding_window"
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * dtype_size(self.dtype)
-
-    def page_bytes(self, block_size: int) -> int:
-        return block_size * self.bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,27 +37,8 @@ SCENARIOS = {
     "chunk33_preempt": dict(kv_cache_memory=20 * 8192, max_num_batched_tokens=33),
 }
 
-_hf_cache: dict[tuple, list[list[int]]] = {}
-_lp_cache: dict[tuple, list[dict[int, float]]] = {}
-
-
 def _prompts(random_prompts) -> list[list[int]]:
     return random_prompts(N_PROMPTS, MIN_LEN, MAX_LEN, VOCAB, seed=7)
-
-
-def _hf_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    key = (str(model_dir), tuple(map(tuple, prompts)))
-    if key not in _hf_cache:
-        _hf_cache[key] = hf_greedy(model_dir, prompts, N_NEW)
-    return _hf_cache[key]
-
-
-def _hf_logprobs(model_dir: Path, token_ids: list[int]) -> list[dict[int, float]]:
-    """hf_logprobs, remembered: scenarios that agree with HF ask for the same sequences."""
-    key = (str(model_dir), tuple(token_ids))
-    if key not in _lp_cache:
-        _lp_cache[key] = hf_logprobs(model_dir, token_ids, TOP)
-    return _lp_cache[key]
 
 
 def _generate(model_dir: Path, prompts: list[list[int]], **engine_kw):
@@ -71,7 +52,7 @@ def _check_logprobs(model_dir: Path, prompt: list[int], out, n: int) -> None:
     """The first ``n`` chosen tokens' logprobs (and the first step's top 5) match HF's."""
     if n == 0:
         return
-    ref = _hf_logprobs(model_dir, prompt + list(out.token_ids[: n - 1]))[len(prompt) - 1 :]
+    ref = hf_logprobs(model_dir, prompt + list(out.token_ids[: n - 1]), TOP)[len(prompt) - 1 :]
     for i in range(n):
         tok = out.token_ids[i]
         got = out.logprobs[i]
@@ -91,7 +72,7 @@ def _finish(llm: LLM, scenario: str) -> None:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_qwen3_5_matches_hf(qwen3_5_dir: Path, random_prompts, scenario: str) -> None:
     prompts = _prompts(random_prompts)
-    ref = _hf_tokens(qwen3_5_dir, prompts)
+    ref = hf_greedy(qwen3_5_dir, prompts, N_NEW)
     outs, llm = _generate(qwen3_5_dir, prompts, **SCENARIOS[scenario])
     assert [list(o.token_ids) for o in outs] == ref
     for p, o in zip(prompts, outs):
@@ -102,7 +83,7 @@ def test_qwen3_5_matches_hf(qwen3_5_dir: Path, random_prompts, scenario: str) ->
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_qwen3_next_matches_hf(qwen3_next_dir: Path, random_prompts, scenario: str) -> None:
     prompts = _prompts(random_prompts)
-    ref = _hf_tokens(qwen3_next_dir, prompts)
+    ref = hf_greedy(qwen3_next_dir, prompts, N_NEW)
     outs, llm = _generate(qwen3_next_dir, prompts, **SCENARIOS[scenario])
     exact = 0
     for p, o, r in zip(prompts, outs, ref):
@@ -113,7 +94,7 @@ def test_qwen3_next_matches_hf(qwen3_next_dir: Path, random_prompts, scenario: s
             _check_logprobs(qwen3_next_dir, p, o, N_NEW)
             continue
         # Near-tie routing flip: both tokens must be plausible to both implementations.
-        hf_top = _hf_logprobs(qwen3_next_dir, p + r[:d])[-1]
+        hf_top = hf_logprobs(qwen3_next_dir, p + r[:d], TOP)[-1]
         assert got[d] in hf_top, f"pagefold token {got[d]} not in HF's top {TOP} at step {d}"
         assert r[d] in o.logprobs[d], f"HF token {r[d]} not in pagefold's top {TOP} at {d}"
         _check_logprobs(qwen3_next_dir, p, o, d)
@@ -183,6 +164,6 @@ def test_qwen3_5_multimodal_layout_loads(qwen3_5_dir: Path, random_prompts,
     assert type(llm.engine.model).__name__ == "Qwen3_5ForConditionalGeneration"
     params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    text_ref = _hf_tokens(qwen3_5_dir, _prompts(random_prompts))[:6]
+    text_ref = hf_greedy(qwen3_5_dir, _prompts(random_prompts), N_NEW)[:6]
     assert [list(o.outputs[0].token_ids) for o in outs] == text_ref
     llm.engine.kv.check_whole()

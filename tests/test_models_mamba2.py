@@ -48,26 +48,8 @@ SCENARIOS = {
 FIXTURES = {"nemotron_h": "nemotron_h_dir", "granite": "granite_hybrid_dir",
             "bamba": "bamba_dir"}
 
-_hf_cache: dict[tuple, list[list[int]]] = {}
-_lp_cache: dict[tuple, list[dict[int, float]]] = {}
-
-
 def _prompts(random_prompts) -> list[list[int]]:
     return random_prompts(N_PROMPTS, MIN_LEN, MAX_LEN, VOCAB, seed=11)
-
-
-def _hf_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    key = (str(model_dir), tuple(map(tuple, prompts)))
-    if key not in _hf_cache:
-        _hf_cache[key] = hf_greedy(model_dir, prompts, N_NEW)
-    return _hf_cache[key]
-
-
-def _hf_logprobs(model_dir: Path, token_ids: list[int]) -> list[dict[int, float]]:
-    key = (str(model_dir), tuple(token_ids))
-    if key not in _lp_cache:
-        _lp_cache[key] = hf_logprobs(model_dir, token_ids, TOP)
-    return _lp_cache[key]
 
 
 def _generate(model_dir: Path, prompts: list[list[int]], **engine_kw):
@@ -81,7 +63,7 @@ def _teacher_forced(model_dir: Path, prompt: list[int], out) -> list[dict[int, f
     """HF's top-5 rows for every generated step, from one pass over prompt + pagefold's tokens
     (row i predicts token i; rows up to a divergence are what ``generate`` saw, up to dt)."""
     seq = prompt + list(out.token_ids[: N_NEW - 1])
-    return _hf_logprobs(model_dir, seq)[len(prompt) - 1 :]
+    return hf_logprobs(model_dir, seq, TOP)[len(prompt) - 1 :]
 
 
 def _check_logprobs(ref: list[dict[int, float]], out, n: int, atol: float) -> None:
@@ -107,7 +89,7 @@ def _finish(llm: LLM, scenario: str) -> None:
 def _run(request, arch: str, scenario: str, random_prompts):
     model_dir = request.getfixturevalue(FIXTURES[arch])
     prompts = _prompts(random_prompts)
-    ref = _hf_tokens(model_dir, prompts)
+    ref = hf_greedy(model_dir, prompts, N_NEW)
     kw = dict(SCENARIOS[scenario])
     kw.setdefault("kv_cache_memory", SMALL_POOL[arch])
     outs, llm = _generate(model_dir, prompts, **kw)

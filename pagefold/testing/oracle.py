@@ -35,9 +35,16 @@ def load_hf_model(model_dir: str | Path) -> Any:
     return _load(str(Path(model_dir).resolve()))
 
 
+# Results are remembered per (model, input): scenarios that agree with HF ask the same questions.
+_greedy_memo: dict[tuple, list[int]] = {}
+_logprob_memo: dict[tuple, list[dict[int, float]]] = {}
+
+
 def clear_cache() -> None:
-    """Forget every cached model (e.g. after rewriting a model directory in place)."""
+    """Forget every cached model and result (e.g. after rewriting a model directory in place)."""
     _load.cache_clear()
+    _greedy_memo.clear()
+    _logprob_memo.clear()
 
 
 def _vocab_width(model: Any) -> int:
@@ -81,13 +88,18 @@ def hf_greedy(
         for prompt in prompts:
             if not prompt:
                 raise ValueError("prompts must be non-empty")
+            key = (str(Path(model_dir).resolve()), tuple(prompt), max_new_tokens, ignore_eos)
+            if key in _greedy_memo:
+                outputs.append(list(_greedy_memo[key]))
+                continue
             input_ids = torch.tensor([prompt], dtype=torch.long)
             generated = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=gen_config,
             )
-            outputs.append(generated[0, len(prompt) :].tolist())
+            _greedy_memo[key] = generated[0, len(prompt) :].tolist()
+            outputs.append(list(_greedy_memo[key]))
     return outputs
 
 
@@ -102,6 +114,9 @@ def hf_logprobs(model_dir: str | Path, token_ids: list[int], top_k: int) -> list
         raise ValueError("token_ids must be non-empty")
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    key = (str(Path(model_dir).resolve()), tuple(token_ids), top_k)
+    if key in _logprob_memo:
+        return [dict(d) for d in _logprob_memo[key]]
     model = load_hf_model(model_dir)
     input_ids = torch.tensor([token_ids], dtype=torch.long)
     with torch.inference_mode():
@@ -109,7 +124,8 @@ def hf_logprobs(model_dir: str | Path, token_ids: list[int], top_k: int) -> list
         logits = model(input_ids, attention_mask=torch.ones_like(input_ids), logits_to_keep=0)
         logprobs = torch.log_softmax(logits.logits[0].float(), dim=-1)
         values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-    return [
+    _logprob_memo[key] = [
         dict(zip(idx.tolist(), val.tolist(), strict=True))
         for idx, val in zip(indices, values, strict=True)
     ]
+    return [dict(d) for d in _logprob_memo[key]]

@@ -19,6 +19,15 @@ from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, is_attention
 
 
+def wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows, nbytes) uint8 viewed with the widest element that divides a row: row
+    gathers and scatters then move 8-byte words (torch copies uint8 rows byte by byte)."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if t.shape[-1] % dt.itemsize == 0:
+            return t.view(dt)
+    return t
+
+
 class StateView:
     """Gathers a batch of states from their pages and scatters them back."""
 
@@ -31,7 +40,8 @@ class StateView:
     def gather(self, page_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """page_ids (N, pages_per_state) -> {component: (N, *shape)} (fresh tensors)."""
         n = page_ids.shape[0]
-        flat = self.raw[page_ids.reshape(-1)].view(n, self.pages * self.page_bytes)
+        rows = wide_rows(self.raw).index_select(0, page_ids.reshape(-1))
+        flat = rows.view(torch.uint8).view(n, self.pages * self.page_bytes)
         out = {}
         for comp, off in zip(self.spec.components, self.spec.offsets):
             chunk = flat[:, off : off + comp.nbytes]
@@ -46,7 +56,8 @@ class StateView:
         for comp, off in zip(self.spec.components, self.spec.offsets):
             src = states[comp.name].to(comp.dtype).reshape(n, -1).contiguous()
             flat[:, off : off + comp.nbytes] = src.view(torch.uint8)
-        self.raw[page_ids.reshape(-1)] = flat.view(n * self.pages, self.page_bytes)
+        wide_rows(self.raw).index_copy_(0, page_ids.reshape(-1),
+                                        wide_rows(flat.view(n * self.pages, self.page_bytes)))
 
     def zeros(self, n: int) -> dict[str, torch.Tensor]:
         return {

@@ -9,7 +9,8 @@ import torch
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.managers import PageCopy
 from pagefold.core.swap import SwapOp
-from pagefold.executor.cache_tensors import CacheTensors
+from pagefold.csrc import cpu_ops
+from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
 from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
@@ -23,10 +24,19 @@ class SampledToken:
     logprobs: tuple[list[int], list[float], int] | None = None
 
 
+# A CPU step whose work (tokens x parameters) is below this runs on one thread: its ops are
+# too small for a parallel region to pay, and on a loaded machine every parallel region waits
+# for a thread the OS may have descheduled (spinning, for milliseconds).
+SMALL_STEP_WORK = 1 << 26
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, device: torch.device,
                  cache_fill: float | None = None, num_host_blocks: int = 0) -> None:
         self.model = model
+        self.num_params = sum(p.numel() for p in model.parameters())
+        if device.type == "cpu":  # bf16 linears: GEMV for 1-2 rows, else pre-reordered oneDNN
+            cpu_ops.use_fast_linears(model)
         self.kv_config = kv_config
         self.device = device
         self.cache = CacheTensors(kv_config, device, fill=cache_fill)
@@ -63,8 +73,8 @@ class ModelRunner:
             s = torch.tensor(src, dtype=torch.int64, device=self.device)
             d = torch.tensor(dst, dtype=torch.int64, device=self.device)
             for si in range(len(self.kv_config.groups[g].layer_names)):
-                t = self.cache.shared[si]
-                t[d] = t[s]
+                t = wide_rows(self.cache.shared[si])  # words, not bytes: ~10x faster
+                t.index_copy_(0, d, t.index_select(0, s))
 
     @torch.inference_mode()
     def swap(self, ops: list[SwapOp]) -> None:
@@ -73,19 +83,37 @@ class ModelRunner:
             dev = torch.tensor(op.device, dtype=torch.int64, device=self.device)
             host = torch.tensor(op.host, dtype=torch.int64)
             for si in range(len(self.kv_config.groups[op.group].layer_names)):
+                pool, hpool = wide_rows(self.cache.shared[si]), wide_rows(self.host[si])
                 if op.to_host:
-                    self.host[si][host] = self.cache.shared[si][dev].to("cpu")
+                    hpool.index_copy_(0, host, pool.index_select(0, dev).to("cpu"))
                 else:
-                    self.cache.shared[si][dev] = self.host[si][host].to(self.device)
+                    pool.index_copy_(0, dev, hpool.index_select(0, host).to(self.device))
 
-    @torch.inference_mode()
     def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
                 copies: list[PageCopy] | None = None,
                 swaps: list[SwapOp] | None = None) -> dict[str, SampledToken]:
         """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows.
 
         Before the forward: swap-outs (their device pages may be reused this step), then page
-        copies (prefix-hit restores, forks, copy-on-write), then swap-ins."""
+        copies (prefix-hit restores, forks, copy-on-write), then swap-ins.
+
+        On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
+        caller's thread count is restored afterwards."""
+        threads = torch.get_num_threads()
+        small = (self.device.type == "cpu" and threads > 1
+                 and sum(counts) * self.num_params < SMALL_STEP_WORK)
+        if small:
+            torch.set_num_threads(1)
+        try:
+            return self._execute(reqs, counts, block_ids, copies, swaps)
+        finally:
+            if small:
+                torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def _execute(self, reqs: list[Request], counts: list[int],
+                 block_ids: list[list[list[int]]], copies: list[PageCopy] | None,
+                 swaps: list[SwapOp] | None) -> dict[str, SampledToken]:
         swaps = swaps or []
         self.swap([op for op in swaps if op.to_host])
         if copies:

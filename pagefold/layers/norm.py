@@ -5,11 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagefold.csrc import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32 and casts back, as transformers does.
 
     ``zero_centered``: the weight is stored as an offset from 1 (Qwen3.5 / Qwen3-Next).
+
+    ``forward(x)`` returns the normalised tensor. ``forward(x, residual)`` first adds: it
+    returns ``(norm(x + residual), x + residual)``, the sum rounded to x's dtype as a separate
+    add would (decoder layers carry the residual this way so the add and the norm are one
+    pass); the sum may be written into ``residual``'s storage.
+
+    On the CPU a compiled kernel (:mod:`pagefold.csrc.cpu_ops`) does the whole row in one pass
+    with the same roundings; :meth:`reference` is the torch formulation, used elsewhere.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
@@ -18,7 +28,17 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            out = cpu_ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
+            return out if out is not None else self.reference(x)
+        out = cpu_ops.rms_norm(x, self.weight, self.eps, self.zero_centered, residual=residual)
+        if out is not None:
+            return out, residual
+        residual = x + residual
+        return self.reference(residual), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

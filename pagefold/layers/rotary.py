@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 
-def inv_freq_from_config(config, head_dim: int, rotary_dim: int | None = None) -> tuple[torch.Tensor, float]:
+def inv_freq_from_config(config, head_dim: int,
+                         rotary_dim: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling exactly as transformers computes them.
 
     Scaled variants (llama3, linear, yarn, dynamic, longrope) come from transformers' own RoPE
@@ -22,13 +23,19 @@ def inv_freq_from_config(config, head_dim: int, rotary_dim: int | None = None) -
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+        raise ValueError(f"unsupported rope_type {rope_type!r}; "
+                         f"known: {sorted(ROPE_INIT_FUNCTIONS)}")
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
     return inv.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to the first ``rotary_dim`` channels of each head (all of them by default)."""
+    """Applies RoPE to the first ``rotary_dim`` channels of each head (all of them by default).
+
+    ``cos``/``sin`` are float32 (max_positions, rotary_dim) tables; the compiled q/k norm +
+    RoPE kernel (:func:`pagefold.csrc.cpu_ops.qk_norm_rope`) reads them directly and rounds as
+    :meth:`forward` does (tables cast to the input dtype, each product and the sum rounded).
+    """
 
     def __init__(self, config, head_dim: int, max_positions: int, rotary_dim: int | None = None):
         super().__init__()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagefold.csrc import cpu_ops
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
@@ -32,8 +33,12 @@ class GatedMLP(nn.Module):
             lambda x: nn.functional.gelu(x, approximate="tanh" if "tanh" in act else "none"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        h = cpu_ops.silu_and_mul(gate_up) if self.act is nn.functional.silu else None
+        if h is None:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = self.act(gate) * up
+        return self.down_proj(h)
 
 
 class Attention(nn.Module):
@@ -56,13 +61,25 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        # One pass for q/k norm + RoPE when the compiled kernel takes it; same roundings.
+        qk = cpu_ops.qk_norm_rope(
+            qkv, positions, self.rotary.cos, self.rotary.sin, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_off=0,
+            q_head_stride=self.head_dim, k_off=self.q_size,
+            q_weight=self.q_norm.weight if self.q_norm is not None else None,
+            k_weight=self.k_norm.weight if self.k_norm is not None else None,
+            eps=self.q_norm.eps if self.q_norm is not None else 0.0, zero_centered=False)
+        if qk is not None:
+            q, k = qk
+        else:
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         o = ctx.attention(self.layer_name, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -77,9 +94,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, ctx):
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, ctx, residual=None):
+        """Returns ``(mlp output, residual)``: the caller adds them (the next layer's fused
+        add + norm does), so ``x + residual`` is this layer's output hidden state."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -94,9 +119,12 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx):
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            x, residual = layer(positions, x, ctx, residual)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.csrc import cpu_ops
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
@@ -164,9 +165,17 @@ class GatedDeltaNet(nn.Module):
         """x (T, hidden) -> (T, hidden); reads and writes this layer's states in ``ctx``."""
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
-        _, meta = ctx.state(self.layer_name)
-        states = ctx.load_states(self.layer_name)
+        view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
+        # Compiled path (prefill and decode): states read from and written to their pages.
+        o = cpu_ops.gdn(view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a,
+                        b, weight, self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
+                        num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
+                        head_v_dim=self.head_v_dim)
+        if o is not None:
+            o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
+            return self.out_proj(o.reshape(t, self.value_dim))
+        states = ctx.load_states(self.layer_name)
         if meta.all_decode:
             mixed, conv_state = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
         else:

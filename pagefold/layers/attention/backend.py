@@ -3,8 +3,8 @@
 Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``; flat slot
 ``s = block_id * block_size + offset`` addresses one token's K and V.
 
-* Decode rows (query length 1): the compiled kernel (:mod:`cpu_kernels`) walks each row's
-  block table and reads K/V in place, one online softmax per (row, kv head) shared by the
+* Decode rows (query length 1): the compiled kernel (:mod:`pagefold.csrc.cpu_ops`) walks each
+  row's block table and reads K/V in place, one online softmax per (row, kv head) shared by the
   query heads of the group. Without it (no compiler, another device, other dtypes), a torch
   path computes all rows together, block by block: every (row, block) pair is one entry of a
   batched matmul, so no row is padded to the longest; a softmax across each row's blocks
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.attention import cpu_kernels
+from pagefold.csrc import cpu_ops
 
 
 @dataclass(slots=True)
@@ -113,7 +113,7 @@ def _blockwise_map(tables: torch.Tensor, seq_len: torch.Tensor, kv_start: torch.
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if cpu_kernels.write_kv(cache, slots, k, v):
+    if cpu_ops.write_kv(cache, slots, k, v):
         return
     flat = cache.view(-1, *cache.shape[2:])  # (num_slots, 2, kvh, d)
     flat[slots] = torch.stack((k, v), dim=1).to(cache.dtype)
@@ -177,9 +177,8 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode_tok.numel():
         rows = None if meta.all_decode else meta.decode_tok
-        if not cpu_kernels.decode_attention(q, rows, cache, meta.decode_tables,
-                                            meta.decode_seq_lens, meta.decode_kv_start, scale,
-                                            out):
+        if not cpu_ops.decode_attention(q, rows, cache, meta.decode_tables,
+                                        meta.decode_seq_lens, meta.decode_kv_start, scale, out):
             qd = q if rows is None else q[rows]
             od = _decode(qd, cache, meta, scale).to(q.dtype)
             if rows is None:

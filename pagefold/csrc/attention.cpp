@@ -1,77 +1,13 @@
-// CPU kernels for pagefold's paged KV cache, called through ctypes on raw tensor pointers.
+// Paged KV cache kernels: decode attention reading K/V blocks in place, and the K/V write.
+// Called through ctypes (see cpu_ops.py).
 //
 // Cache layout (one layer): (num_blocks, block_size, 2, kv_heads, head_dim), K at index 0 and
 // V at index 1 of the third axis; token t of block b sits at flat slot b * block_size + t.
-//
-// Element types: 0 = float32, 1 = bfloat16 (stored as uint16; converted by bit shifts, rounded
-// to nearest even on the way back, as torch does). Every reduction accumulates in float32.
-//
-// Threads: the caller passes how many (torch.get_num_threads()); the OpenMP runtime is the one
-// torch already loaded (same soname), so no second thread pool competes with torch's.
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
+#include "common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+namespace pf {
 namespace {
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-template <typename T> inline float load(const T* p, int64_t i);
-template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-
-template <typename T> inline void store(T* p, int64_t i, float v);
-template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
-template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
-
-// Row to float: the compiler vectorises this (bf16 -> f32 is a widening shift).
-template <typename T> inline void to_float(const T* src, float* dst, int n) {
-#pragma omp simd
-  for (int i = 0; i < n; ++i) dst[i] = load<T>(src, i);
-}
-
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxGroup = 32;   // query heads per kv head
-constexpr int kMaxBlock = 256;  // tokens per block
-
-// exp for x <= 0 (softmax terms), Cephes' single-precision polynomial (about 1 ulp), written
-// so a loop of it vectorises (std::exp does not). Below -87 it returns 2^-126 instead of a
-// denormal or 0: a term that small cannot move a sum that holds exp(0) = 1.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
 
 // One (decode row, kv head): the G query heads that share the kv head read each K/V row once.
 // Online softmax over the row's keys [kv_start, seq_len), block by block. DC is the head
@@ -331,6 +267,9 @@ void write_kv_all(const T* k, const T* v, int64_t k_stride, int64_t v_stride,
 }
 
 }  // namespace
+}  // namespace pf
+
+using namespace pf;
 
 extern "C" {
 

@@ -1,0 +1,429 @@
+"""Compiled CPU kernels, built on first use and loaded through ctypes.
+
+``attention.cpp`` (paged decode attention, the K/V write) and ``layers.cpp`` (RMSNorm with the
+residual add, q/k norm + RoPE, SiLU-and-mul, the Gated DeltaNet layer on paged states, a bf16
+GEMV), with ``common.h``, use no torch or Python headers: one ``g++`` call builds them in a few
+seconds. The shared object is cached under ``$PAGEFOLD_CACHE/kernels`` (default
+``~/.cache/pagefold/kernels``), keyed by the source, the compiler and this CPU's flags (the
+build uses ``-march=native``), so a later process loads it at once and another CPU rebuilds.
+
+Fallback: when the build fails (no compiler) or ``PAGEFOLD_CPU_KERNELS=0``, :func:`kernels`
+returns ``None`` and callers take their pure-torch path; the reason is logged once. The
+kernels link the OpenMP runtime by soname, so they share the one torch already loaded.
+
+Every wrapper returns ``False`` / ``None`` (and writes nothing) when the inputs fall outside
+what the kernel handles (another device or dtype, unusual strides or sizes), so the caller can
+always fall back to torch. Tensors are passed by pointer: the wrappers check dtypes and
+strides before every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagefold")
+
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "attention.cpp", _DIR / "layers.cpp"]
+_HEADERS = [_DIR / "common.h"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+_ENABLED = os.environ.get("PAGEFOLD_CPU_KERNELS", "1") != "0"
+
+
+def enabled() -> bool:
+    """False when ``PAGEFOLD_CPU_KERNELS=0`` at import, or after :func:`set_enabled` (False)."""
+    return _ENABLED
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the kernels on or off for this process (tests compare both paths)."""
+    global _ENABLED
+    _ENABLED = bool(on)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEFOLD_CACHE") or Path.home() / ".cache" / "pagefold"
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "g++"
+    return shutil.which(cxx)
+
+
+def _build(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (*(f.read_text() for f in _SOURCES + _HEADERS),
+                                         " ".join(_FLAGS), version, _cpu_flags()))
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"pf_cpu_ops-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed: concurrent builds never load a half-written file.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    res = subprocess.run([cxx, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp)],
+                         capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.pf_decode_attention.argtypes = [
+        i32,  # dtype
+        p, i64, p,  # q, q_stride, rows
+        p, p, i64, p, p,  # cache, tables, table_stride, seq_lens, kv_starts
+        p, i64,  # out, out_stride
+        i32, i32, i32, i32, i32, f32, i32,  # B, H, KVH, D, block_size, scale, threads
+    ]
+    lib.pf_decode_attention.restype = i32
+    lib.pf_write_kv.argtypes = [i32, p, p, i64, i64, p, p, i32, i32, i32]
+    lib.pf_write_kv.restype = i32
+    lib.pf_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i32, f32, i32, i32]
+    lib.pf_rms_norm.restype = i32
+    lib.pf_qk_norm_rope.argtypes = [
+        i32, p, i64, i64, i64, i64,  # dtype, qkv, row_stride, q_off, q_head_stride, k_off
+        p, p, p, i32,  # positions, cos, sin, rot
+        p, p, f32, i32,  # q/k norm weights, eps, zero_centered
+        p, p, i64, i32, i32, i32, i32,  # q_out, k_out, N, H, KVH, D, threads
+    ]
+    lib.pf_qk_norm_rope.restype = i32
+    lib.pf_silu_mul.argtypes = [i32, p, i64, p, i64, i32, i32]
+    lib.pf_silu_mul.restype = i32
+    lib.pf_gdn.argtypes = [
+        i32, i32, p, i64, p, i32,  # dtype, ssm dtype, raw, page_bytes, pages, pages per state
+        i64, i64, p, p,  # conv_off, ssm_off, fresh, cu_seqlens
+        p, i64, p, p, i64,  # x, x_stride, a, b, ab_stride
+        p, p, p, p,  # conv_w, neg_exp_alog, dt_bias, out
+        i64, i32, i32, i32, i32, i32, i32, f32, i32,  # N, C, K, Hk, Hv, Dk, Dv, scale, threads
+    ]
+    lib.pf_gdn.restype = i32
+    lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
+    lib.pf_linear_bf16.restype = i32
+    for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
+        getattr(lib, name).restype = i32
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded library, building it on the first call; ``None`` means use torch."""
+    global _lib, _tried
+    if not _ENABLED:
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                cxx = _compiler()
+                if cxx is None:
+                    raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+                lib = ctypes.CDLL(str(_build(cxx)))
+                _declare(lib)
+                _lib = lib
+            except Exception as e:  # noqa: BLE001 - any failure means the torch fallback
+                logger.warning("pagefold CPU kernels unavailable, using the torch path: %s", e)
+            _tried = True
+    return _lib
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Tensor,
+                     tables: torch.Tensor, seq_lens: torch.Tensor,
+                     kv_starts: torch.Tensor | None, scale: float, out: torch.Tensor) -> bool:
+    """Single-token attention over paged K/V, read in place (no gather).
+
+    q, out: (T, H, D) with heads and dims contiguous; ``rows`` (B,) int64 picks the decode
+    rows of q/out (``None``: all T rows). tables (B, W) int64 block ids; seq_lens (B,) keys per
+    row (the new token included, already written); kv_starts (B,) first key position or None.
+    cache (num_blocks, block_size, 2, KVH, D). Writes out[rows]; returns False (nothing
+    written) when the kernel does not handle these inputs.
+    """
+    lib = kernels()
+    if lib is None or q.device.type != "cpu":
+        return False
+    code = _DTYPE_CODE.get(q.dtype)
+    _, h, d = q.shape
+    _, bs, _, kvh, _ = cache.shape
+    if (code is None or cache.dtype != q.dtype or out.dtype != q.dtype or h % kvh
+            or d > lib.pf_max_head_dim() or h // kvh > lib.pf_max_group()
+            or bs > lib.pf_max_block() or not cache.is_contiguous()
+            or q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1
+            or out.stride(1) != d):
+        return False
+    if rows is not None:
+        rows = rows.contiguous()
+    tables = tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if kv_starts is not None:
+        kv_starts = kv_starts.contiguous()
+    rc = lib.pf_decode_attention(
+        code, _ptr(q), q.stride(0), _ptr(rows) if rows is not None else None, _ptr(cache),
+        _ptr(tables), tables.stride(0), _ptr(seq_lens),
+        _ptr(kv_starts) if kv_starts is not None else None, _ptr(out), out.stride(0),
+        seq_lens.shape[0], h, kvh, d, bs, float(scale), torch.get_num_threads())
+    return rc == 0
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Store k, v (N, KVH, D) at flat ``slots`` (N,) of cache; False when not handled."""
+    lib = kernels()
+    if lib is None or k.device.type != "cpu":
+        return False
+    code = _DTYPE_CODE.get(cache.dtype)
+    n, kvh, d = k.shape
+    if (code is None or k.dtype != cache.dtype or v.dtype != cache.dtype
+            or not cache.is_contiguous() or slots.dtype != torch.int64
+            or any(x.stride(2) != 1 or x.stride(1) != d for x in (k, v))):
+        return False
+    slots = slots.contiguous()
+    rc = lib.pf_write_kv(code, _ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(slots),
+                         _ptr(cache), n, kvh, d)
+    return rc == 0
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """2-D with contiguous rows (any row stride)."""
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def _usable(*ts: torch.Tensor) -> int | None:
+    """The dtype code when every tensor is on the CPU with one supported dtype, else None."""
+    dt = ts[0].dtype
+    if any(t.device.type != "cpu" or t.dtype != dt for t in ts):
+        return None
+    return _DTYPE_CODE.get(dt)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """RMSNorm over the last dim (see ``pagefold.layers.norm``); with ``residual``,
+    ``residual += x`` (rounded to the dtype, in place) is what gets normalised. Returns the
+    normalised tensor, or None when not handled (nothing written)."""
+    lib = kernels()
+    if lib is None or x.numel() == 0:
+        return None
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d) if x.dim() != 2 else x
+    if residual is not None:
+        if residual.shape != x.shape:
+            return None
+        r2 = residual.view(-1, d) if residual.dim() != 2 else residual
+    else:
+        r2 = None
+    code = _usable(x2, weight) if r2 is None else _usable(x2, weight, r2)
+    if (code is None or not _rows_ok(x2) or (r2 is not None and not _rows_ok(r2))
+            or not weight.is_contiguous() or weight.numel() != d):
+        return None
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    rc = lib.pf_rms_norm(code, _ptr(x2), x2.stride(0),
+                         _ptr(r2) if r2 is not None else None,
+                         r2.stride(0) if r2 is not None else 0, _ptr(weight), _ptr(out), d,
+                         x2.shape[0], d, float(eps), int(zero_centered), torch.get_num_threads())
+    return out.view(x.shape) if rc == 0 else None
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_off: int, q_head_stride: int, k_off: int, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, zero_centered: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-head q/k RMSNorm (when weights are given) then neox RoPE on the first
+    ``cos.shape[1]`` channels, read from the fused projection ``qkv`` (T, width): query head
+    ``h`` at column ``q_off + h * q_head_stride``, kv head ``j`` at ``k_off + j * head_dim``.
+    ``cos``/``sin``: float32 (max_positions, rotary_dim) tables. Returns fresh contiguous
+    ``q (T, H, D)``, ``k (T, KVH, D)``, or None when not handled."""
+    lib = kernels()
+    if lib is None:
+        return None
+    ws = [w for w in (q_weight, k_weight) if w is not None]
+    code = _usable(qkv, *ws)
+    if (code is None or not _rows_ok(qkv) or positions.dtype != torch.int64
+            or positions.device.type != "cpu" or cos.dtype != torch.float32
+            or sin.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+            or (q_weight is None) != (k_weight is None)
+            or any(not w.is_contiguous() or w.numel() != head_dim for w in ws)):
+        return None
+    t = qkv.shape[0]
+    positions = positions.contiguous()
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype)
+    k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype)
+    rc = lib.pf_qk_norm_rope(
+        code, _ptr(qkv), qkv.stride(0), q_off, q_head_stride, k_off, _ptr(positions),
+        _ptr(cos), _ptr(sin), cos.shape[1],
+        _ptr(q_weight) if q_weight is not None else None,
+        _ptr(k_weight) if k_weight is not None else None, float(eps), int(zero_centered),
+        _ptr(q), _ptr(k), t, num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+    return (q, k) if rc == 0 else None
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up], rounded like the torch ops
+    (silu's result, then the product). Returns (T, I), or None when not handled."""
+    lib = kernels()
+    if lib is None:
+        return None
+    code = _usable(gate_up)
+    if code is None or not _rows_ok(gate_up) or gate_up.shape[1] % 2:
+        return None
+    n, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, i), dtype=gate_up.dtype)
+    rc = lib.pf_silu_mul(code, _ptr(gate_up), gate_up.stride(0), _ptr(out), n, i,
+                         torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
+        cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+        conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
+        num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+        scale: float | None = None) -> torch.Tensor | None:
+    """A Gated DeltaNet layer's conv and delta rule over a flat varlen batch (prefill chunks
+    and decode tokens alike), token-recurrent per sequence, reading each sequence's conv and
+    SSM states from their pages once and writing them back once (no gather, no scatter).
+
+    ``view``: the layer's :class:`~pagefold.executor.cache_tensors.StateView`; ``page_ids``
+    (N, pages_per_state); ``cu_seqlens`` (N+1,); ``mixed`` (T, conv_dim) the conv input;
+    ``a``, ``b`` (T, Hv); ``conv_weight`` (conv_dim, K). Equals ``causal_conv1d_*`` +
+    ``gdn_recurrent`` / ``gdn_chunked`` (L2 norm on q/k, ``scale`` default ``Dk ** -0.5``) +
+    storing both states, up to float32 rounding. Returns ``o`` (T, Hv, Dv) in mixed's dtype,
+    or None when not handled (nothing written).
+    """
+    lib = kernels()
+    if lib is None:
+        return None
+    spec = view.spec
+    try:
+        conv = spec.component("conv")
+        ssm = spec.component("ssm")
+    except KeyError:
+        return None
+    offs = dict(zip((c.name for c in spec.components), spec.offsets))
+    t, c = mixed.shape
+    k = conv_weight.shape[1]
+    pb = view.page_bytes
+    ssm_code = _DTYPE_CODE.get(ssm.dtype)
+    row = head_v_dim * ssm.dtype.itemsize
+    code = _usable(mixed, a, b, conv_weight, dt_bias)
+    if (code is None or ssm_code is None or conv.dtype != mixed.dtype
+            or conv.shape != (c, k - 1) or ssm.shape != (num_v_heads, head_k_dim, head_v_dim)
+            or 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim != c or k < 2
+            or pb % row or offs["ssm"] % row  # no SSM row across a page boundary
+            or not view.raw.is_contiguous() or not _rows_ok(mixed)
+            or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0)
+            or not conv_weight.is_contiguous() or not dt_bias.is_contiguous()
+            or cu_seqlens.device.type != "cpu"):
+        return None
+    pages = page_ids.contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    fresh = None
+    if not bool(has_initial_state.all()):
+        fresh = (~has_initial_state).to(torch.uint8).contiguous()
+    neg_exp_alog = (-A_log.float().exp()).contiguous()
+    out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype)
+    rc = lib.pf_gdn(
+        code, ssm_code, _ptr(view.raw), pb, _ptr(pages), pages.shape[1], offs["conv"],
+        offs["ssm"], _ptr(fresh) if fresh is not None else None, _ptr(cu), _ptr(mixed),
+        mixed.stride(0), _ptr(a), _ptr(b), a.stride(0), _ptr(conv_weight), _ptr(neg_exp_alog),
+        _ptr(dt_bias), _ptr(out), pages.shape[0], c, k, num_k_heads, num_v_heads, head_k_dim,
+        head_v_dim, float(head_k_dim**-0.5 if scale is None else scale),
+        torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+GEMV_MAX_ROWS = 2
+PREPACK_LIMIT_BYTES = 2 << 30
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+           ) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for bf16 inputs of at most ``GEMV_MAX_ROWS`` rows (decode steps
+    of small batches), float32 sums and one rounding, as oneDNN's bf16 matmul; None
+    otherwise (more rows: the GEMM library is the faster one)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+        return None
+    lib = kernels()
+    if (lib is None or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or not weight.is_contiguous() or x.stride(1) != 1
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+        return None
+    n, k = weight.shape
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    rc = lib.pf_linear_bf16(_ptr(x), x.stride(0), _ptr(weight),
+                            _ptr(bias) if bias is not None else None, _ptr(y), n, m, n, k,
+                            torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and x.dtype == torch.bfloat16:
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            y = linear(x, self.weight, self.bias)
+            if y is not None:
+                return y
+        packed = self.pf_packed_weight
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_BYTES) -> int:
+    """Route this model's ``nn.Linear`` layers (the instances, not the class) through the
+    fastest CPU path for bf16 inputs: :func:`linear` for up to ``GEMV_MAX_ROWS`` rows, else
+    oneDNN with the weight reordered once into its blocked layout (``F.linear`` reorders it
+    on every call, which for decode-sized batches costs more than the product). Results are
+    the same bits as ``F.linear``. The reordered copies double the linear weights' memory, so
+    they are made only when those weights total at most ``prepack_limit`` bytes. Call again
+    after changing weights. Returns how many layers were routed."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    pack = total <= prepack_limit
+    for mod in linears:
+        w = mod.weight
+        mod.pf_packed_weight = (_prepack(w.detach()) if pack and w.dtype == torch.bfloat16
+                                and w.device.type == "cpu" else None)
+        mod.forward = _fast_linear_forward.__get__(mod)
+    return len(linears)

@@ -1,0 +1,370 @@
+"""The compiled CPU kernels (pagefold.csrc.cpu_ops) against their torch references.
+
+Each kernel replaces a torch formulation that stays in the code as the fallback; here both run
+on the same inputs. bf16 kernels round at the same points as the torch ops, so they agree bit
+for bit except where a float32 sum's order flips a rounding (allowed on a tiny fraction of
+elements). The attention backend is also run end to end with the kernels switched off, so the
+pure-torch path stays tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagefold.core.kv_cache_spec import StateComponent, StateSpec
+from pagefold.csrc import cpu_ops
+from pagefold.executor.cache_tensors import StateView
+from pagefold.layers.attention.backend import AttentionMetadata, _decode
+from pagefold.layers.causal_conv1d import causal_conv1d_update
+from pagefold.layers.linear_attention.gdn import gdn_recurrent
+from pagefold.layers.norm import RMSNorm
+from pagefold.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None,
+                                reason="no C++ compiler: the torch paths run instead")
+
+
+@pytest.fixture
+def kernels_off():
+    cpu_ops.set_enabled(False)
+    yield
+    cpu_ops.set_enabled(True)
+
+
+def _close_bits(got: torch.Tensor, ref: torch.Tensor, max_frac: float = 2e-3) -> None:
+    """Equal, except a few elements one rounding step apart (float32 sum order)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    diff = got != ref
+    assert diff.float().mean().item() <= max_frac, f"{int(diff.sum())} of {got.numel()} differ"
+    if diff.any():
+        scale = ref.float().abs()[diff] + 1e-6
+        assert ((got.float() - ref.float()).abs()[diff] / scale).max() < 2e-2
+
+
+def _paged_decode_case(b: int, h: int, kvh: int, d: int, bs: int, dtype, window: int | None,
+                       seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 5 * bs, (b,), generator=g)
+    width = int((lens.max() + bs - 1) // bs)
+    num_blocks = b * width + 1
+    cache = torch.full((num_blocks, bs, 2, kvh, d), float("nan"), dtype=dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).view(b, width)
+    keys = []
+    for i in range(b):
+        n = int(lens[i])
+        kv = torch.randn(n, 2, kvh, d, generator=g).to(dtype)
+        for p in range(n):  # only the slots a row owns are written; the rest stay NaN
+            cache[perm[i, p // bs], p % bs] = kv[p]
+        keys.append(kv)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    starts = torch.clamp(lens - window, min=0) if window else None
+    return q, cache, perm, lens, starts, keys
+
+
+def _dense(q, keys, lens, starts, scale):
+    out = []
+    for i, kv in enumerate(keys):
+        lo = int(starts[i]) if starts is not None else 0
+        k = kv[lo:, 0].double()
+        v = kv[lo:, 1].double()
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.einsum("hd,khd->hk", q[i].double(), k) * scale
+        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (6, 3, 32, 16), (8, 1, 128, 32),
+                                        (4, 4, 24, 4)],
+                         ids=["avx-gqa", "avx-d32-generic", "avx-mqa-d128", "generic-bs4"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
+    q, cache, tables, lens, starts, keys = _paged_decode_case(5, h, kvh, d, bs, dtype, window,
+                                                              seed=h * d + bs)
+    out = torch.full_like(q, float("nan"))
+    scale = d**-0.5
+    assert cpu_ops.decode_attention(q, None, cache, tables, lens, starts, scale, out)
+    ref = _dense(q, keys, lens, starts, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    # The torch path on the same metadata agrees (it is the fallback).
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             decode_tok=torch.arange(5), decode_tables=tables,
+                             decode_seq_lens=lens, decode_kv_start=starts, block_size=bs,
+                             all_decode=True)
+    torch.testing.assert_close(_decode(q, cache, meta, scale).double(), ref, atol=2e-2,
+                               rtol=2e-2)
+
+
+def test_decode_attention_row_subset_leaves_other_rows():
+    q, cache, tables, lens, _, keys = _paged_decode_case(4, 4, 2, 64, 16, torch.float32, None,
+                                                         seed=1)
+    big = torch.randn(7, 4, 64)
+    rows = torch.tensor([5, 0, 3, 6])
+    big[rows] = q
+    out = torch.zeros_like(big)
+    assert cpu_ops.decode_attention(big, rows, cache, tables, lens, None, 0.125, out)
+    torch.testing.assert_close(out[rows].double(), _dense(q, keys, lens, None, 0.125),
+                               atol=1e-5, rtol=1e-5)
+    assert not out[[1, 2, 4]].any()
+
+
+def test_unsupported_inputs_fall_back():
+    q, cache, tables, lens, _, _ = _paged_decode_case(2, 4, 2, 64, 16, torch.float32, None, 0)
+    out = torch.empty_like(q)
+    assert not cpu_ops.decode_attention(q.half(), None, cache.half(), tables, lens, None, 1.0,
+                                        out.half())
+    assert cpu_ops.rms_norm(torch.ones(3, 8, dtype=torch.float16),
+                            torch.ones(8, dtype=torch.float16), 1e-6, False) is None
+    assert cpu_ops.silu_and_mul(torch.ones(3, 8, dtype=torch.float64)) is None
+
+
+def test_disabled_kernels_return_nothing(kernels_off):
+    q, cache, tables, lens, _, _ = _paged_decode_case(2, 4, 2, 64, 16, torch.float32, None, 0)
+    assert not cpu_ops.decode_attention(q, None, cache, tables, lens, None, 1.0, q.clone())
+    assert cpu_ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6, False) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv(dtype):
+    cache = torch.zeros(6, 4, 2, 2, 16, dtype=dtype)
+    kv = torch.randn(5, 3, 2, 16).to(dtype)  # a fused (k, v, extra) projection: strided views
+    k, v = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([3, 9, 17, 22, 4])
+    assert cpu_ops.write_kv(cache, slots, k, v)
+    flat = cache.view(-1, 2, 2, 16)
+    assert torch.equal(flat[slots, 0], k) and torch.equal(flat[slots, 1], v)
+    assert flat.abs().sum(dim=(1, 2, 3)).count_nonzero() == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rms_norm_and_fused_residual(dtype, zero_centered):
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(192, 1e-6, zero_centered).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(192, generator=g) * 0.2 + (0.0 if zero_centered else 1.0))
+    x = (torch.randn(33, 192, generator=g) * 3).to(dtype)
+    res = (torch.randn(33, 192, generator=g) * 3).to(dtype)
+    check = _close_bits if dtype == torch.bfloat16 else (
+        lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5))
+    with torch.no_grad():
+        check(norm(x), norm.reference(x))
+        summed = x + res
+        out, new_res = norm(x, res.clone())
+        assert torch.equal(new_res, summed)  # the add rounds exactly like torch's
+        check(out, norm.reference(summed))
+        # Per-head use (q/k norms): a 3-D input with strided rows.
+        heads = torch.randn(5, 8, 2 * 192, generator=g).to(dtype)[..., :192]
+        check(norm(heads), norm.reference(heads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim,qk_norm", [(None, True), (16, True), (None, False)])
+def test_qk_norm_rope_matches_torch(dtype, rotary_dim, qk_norm):
+    class Cfg:
+        rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+
+    g = torch.Generator().manual_seed(4)
+    h, kvh, d = 4, 2, 64
+    rope = RotaryEmbedding(Cfg(), d, 512, rotary_dim=rotary_dim)
+    qn, kn = RMSNorm(d).to(dtype), RMSNorm(d).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(torch.randn(d, generator=g) * 0.1 + 1)
+        kn.weight.copy_(torch.randn(d, generator=g) * 0.1 + 1)
+    t = 9
+    qkv = (torch.randn(t, (h + 2 * kvh) * d, generator=g) * 2).to(dtype)
+    pos = torch.randint(0, 512, (t,), generator=g)
+    got = cpu_ops.qk_norm_rope(qkv, pos, rope.cos, rope.sin, num_heads=h, num_kv_heads=kvh,
+                               head_dim=d, q_off=0, q_head_stride=d, k_off=h * d,
+                               q_weight=qn.weight if qk_norm else None,
+                               k_weight=kn.weight if qk_norm else None, eps=1e-6,
+                               zero_centered=False)
+    assert got is not None
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    with torch.no_grad():
+        if qk_norm:
+            q, k = qn.reference(q), kn.reference(k)
+        rq, rk = rope(pos, q, k)
+    check = _close_bits if dtype == torch.bfloat16 else (
+        lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5))
+    check(got[0], rq)
+    check(got[1], rk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    gu = (torch.randn(17, 2 * 96, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # overflow edges of exp
+    got = cpu_ops.silu_and_mul(gu)
+    ref = F.silu(gu[:, :96]) * gu[:, 96:]
+    if dtype == torch.bfloat16:
+        _close_bits(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k,n,bias", [(256, 96, False), (100, 77, True), (1024, 515, True)],
+                         ids=["k32x", "k-tail-bias", "wide"])
+def test_small_batch_linear_matches_torch(m, k, n, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # strided rows
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = cpu_ops.linear(x, w, b)
+    assert got is not None
+    _close_bits(got, F.linear(x, w, b), max_frac=1e-2)
+
+
+def test_linear_leaves_other_inputs_to_torch():
+    w = torch.randn(8, 16).bfloat16()
+    assert cpu_ops.linear(torch.randn(cpu_ops.GEMV_MAX_ROWS + 1, 16).bfloat16(), w, None) is None
+    assert cpu_ops.linear(torch.randn(2, 16), w.float(), None) is None
+    lin = torch.nn.Linear(48, 40, dtype=torch.bfloat16)
+    assert cpu_ops.use_fast_linears(torch.nn.Sequential(lin, torch.nn.ReLU())) == 1
+    for rows in (1, 9, 300):  # the GEMV, then oneDNN on the pre-reordered weight
+        x = torch.randn(rows, 96).bfloat16()[:, :48]
+        with torch.no_grad():
+            _close_bits(lin(x), F.linear(x, lin.weight, lin.bias), max_frac=1e-2)
+            if rows > cpu_ops.GEMV_MAX_ROWS and lin.pf_packed_weight is not None:
+                assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin32 = torch.nn.Linear(16, 8)  # float32 layers keep F.linear
+    cpu_ops.use_fast_linears(lin32)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert lin32.pf_packed_weight is None and torch.equal(lin32(x), F.linear(x, lin32.weight,
+                                                                                 lin32.bias))
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_decode_in_place_matches_torch_path(dtype, ssm_dtype):
+    g = torch.Generator().manual_seed(6)
+    n, hk, hv, dk, dv, kernel = 3, 2, 4, 16, 32, 4
+    c = 2 * hk * dk + hv * dv
+    spec = StateSpec("gdn", (StateComponent("conv", (c, kernel - 1), dtype),
+                             StateComponent("ssm", (hv, dk, dv), ssm_dtype)))
+    # A state spans several non-adjacent pages, and the conv state (channels of 12 or 6 bytes)
+    # crosses a page boundary in the middle of a channel.
+    page_bytes = 1024
+    pages = -(-spec.state_bytes // page_bytes)
+    raw = torch.zeros(n * pages + 4, page_bytes, dtype=torch.uint8)
+    view = StateView(raw, spec, pages)
+    page_ids = (torch.randperm(raw.shape[0] - 1, generator=g)[: n * pages] + 1).view(n, pages)
+    init = {"conv": torch.randn(n, c, kernel - 1, generator=g).to(dtype),
+            "ssm": (torch.randn(n, hv, dk, dv, generator=g) * 0.3).to(ssm_dtype)}
+    view.scatter(page_ids, init)
+    fresh = torch.tensor([False, True, False])  # row 1 starts here: its pages are stale
+    mixed = torch.randn(n, c, generator=g).to(dtype)
+    ab = torch.randn(n, 2 * hv, generator=g).to(dtype)
+    a, b = ab[:, :hv], ab[:, hv:]
+    weight = (torch.randn(c, kernel, generator=g) * 0.5).to(dtype)
+    a_log = torch.randn(hv, generator=g).to(dtype)
+    dt_bias = torch.randn(hv, generator=g).to(dtype)
+
+    # The torch path, as GatedDeltaNet runs it.
+    states = view.gather(page_ids)
+    for t in states.values():
+        t[fresh] = 0
+    y, conv_new = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, 1)
+    k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, 1)
+    gg = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    o_ref, ssm_new = gdn_recurrent(q, k, v.reshape(n, hv, dv), gg, b.sigmoid(), states["ssm"],
+                                   torch.arange(n + 1), use_qk_l2norm=True)
+
+    o = cpu_ops.gdn(view, page_ids, ~fresh, torch.arange(n + 1), mixed, a, b, weight, a_log,
+                    dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    assert o is not None
+    after = view.gather(page_ids)
+    tol = 1e-5 if dtype == torch.float32 and ssm_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(after["conv"].float(), conv_new.float(), atol=0, rtol=0)
+    torch.testing.assert_close(after["ssm"].float(), ssm_new.to(ssm_dtype).float(), atol=tol,
+                               rtol=tol)
+
+
+@pytest.mark.parametrize("model", ["qwen3_dir", "llama_dir", "qwen3_5_dir"])
+def test_engine_same_tokens_with_and_without_kernels(model, request, random_prompts):
+    """End to end (float32, mixed prefill/decode steps, a fresh 1-token prompt): the torch
+    fallback and the kernels give the same greedy tokens, and logprobs within float noise."""
+    from pagefold import LLM, SamplingParams
+
+    model_dir = request.getfixturevalue(model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 1, 40, vocab, seed=2)]
+    prompts.append({"prompt_token_ids": [7]})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    results = []
+    for on in (True, False):
+        cpu_ops.set_enabled(on)
+        try:
+            llm = LLM(str(model_dir), max_num_batched_tokens=33, kv_cache_memory=1 << 22,
+                      max_model_len=128)
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            cpu_ops.set_enabled(True)
+    for a, b in zip(*results):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
+                             a.outputs[0].token_ids):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-3
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype):
+    """Prefill chunks of different lengths, continuing and fresh, as one flat batch."""
+    from pagefold.layers.causal_conv1d import causal_conv1d_varlen
+    from pagefold.layers.linear_attention.gdn import gdn_chunked
+
+    g = torch.Generator().manual_seed(7)
+    hk, hv, dk, dv, kernel = 1, 2, 16, 16, 4
+    c = 2 * hk * dk + hv * dv
+    lens = [5, 1, 12, 3]
+    n, t = len(lens), sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    spec = StateSpec("gdn", (StateComponent("conv", (c, kernel - 1), dtype),
+                             StateComponent("ssm", (hv, dk, dv), ssm_dtype)))
+    page_bytes = 512
+    pages = -(-spec.state_bytes // page_bytes)
+    raw = torch.zeros(n * pages + 2, page_bytes, dtype=torch.uint8)
+    view = StateView(raw, spec, pages)
+    page_ids = (torch.randperm(raw.shape[0] - 1, generator=g)[: n * pages] + 1).view(n, pages)
+    view.scatter(page_ids, {"conv": torch.randn(n, c, kernel - 1, generator=g).to(dtype),
+                            "ssm": (torch.randn(n, hv, dk, dv, generator=g) * 0.3).to(ssm_dtype)})
+    has_init = torch.tensor([True, False, True, False])
+    mixed = torch.randn(t, c, generator=g).to(dtype)
+    ab = torch.randn(t, 2 * hv, generator=g).to(dtype)
+    a, b = ab[:, :hv], ab[:, hv:]
+    weight = (torch.randn(c, kernel, generator=g) * 0.5).to(dtype)
+    a_log, dt_bias = torch.randn(hv, generator=g).to(dtype), torch.randn(hv, generator=g).to(dtype)
+
+    states = view.gather(page_ids)
+    for s in states.values():
+        s[~has_init] = 0
+    y, conv_new = causal_conv1d_varlen(mixed, weight, None, states["conv"], cu, "silu")
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = q.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
+    k = k.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
+    gg = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    o_ref, ssm_new = gdn_chunked(q, k, v.reshape(t, hv, dv), gg, b.sigmoid(), states["ssm"], cu,
+                                 use_qk_l2norm=True, chunk_size=4)
+
+    o = cpu_ops.gdn(view, page_ids, has_init, cu, mixed, a, b, weight, a_log, dt_bias,
+                    num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    assert o is not None
+    after = view.gather(page_ids)
+    tol = 1e-4 if dtype == torch.float32 and ssm_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(after["conv"].float(), conv_new.float(), atol=0, rtol=0)
+    torch.testing.assert_close(after["ssm"].float(), ssm_new.to(ssm_dtype).float(), atol=tol,
+                               rtol=tol)

@@ -319,29 +319,37 @@ def test_engine_same_tokens_with_and_without_kernels(model, request, random_prom
             assert abs(la[t].logprob - lb[t].logprob) < 1e-3
 
 
+# (hk, hv, dk, dv, lens, page_bytes): the vector code works on blocks of up to 64 state
+# columns, 16 per lane group: one partial lane group (24), several blocks with a partial one
+# (136, whose rows cross page boundaries), and the real models' 128 x 128 heads. A float32 row
+# inside one page is updated in place, others go through scratch.
+GDN_SHAPES = [(1, 2, 16, 16, [5, 1, 12, 3], 512), (2, 4, 16, 24, [9, 1, 40], 384),
+              (1, 2, 32, 136, [3, 17], 512), (2, 2, 128, 128, [2, 33], 1024)]
+
+
+@pytest.mark.parametrize("shape", GDN_SHAPES, ids=lambda s: f"dk{s[2]}-dv{s[3]}")
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype):
+def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype, shape):
     """Prefill chunks of different lengths, continuing and fresh, as one flat batch."""
     from pagefold.layers.causal_conv1d import causal_conv1d_varlen
     from pagefold.layers.linear_attention.gdn import gdn_chunked
 
     g = torch.Generator().manual_seed(7)
-    hk, hv, dk, dv, kernel = 1, 2, 16, 16, 4
+    hk, hv, dk, dv, lens, page_bytes = shape
+    kernel = 4
     c = 2 * hk * dk + hv * dv
-    lens = [5, 1, 12, 3]
     n, t = len(lens), sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     spec = StateSpec("gdn", (StateComponent("conv", (c, kernel - 1), dtype),
                              StateComponent("ssm", (hv, dk, dv), ssm_dtype)))
-    page_bytes = 512
     pages = -(-spec.state_bytes // page_bytes)
     raw = torch.zeros(n * pages + 2, page_bytes, dtype=torch.uint8)
     view = StateView(raw, spec, pages)
     page_ids = (torch.randperm(raw.shape[0] - 1, generator=g)[: n * pages] + 1).view(n, pages)
     view.scatter(page_ids, {"conv": torch.randn(n, c, kernel - 1, generator=g).to(dtype),
                             "ssm": (torch.randn(n, hv, dk, dv, generator=g) * 0.3).to(ssm_dtype)})
-    has_init = torch.tensor([True, False, True, False])
+    has_init = torch.tensor([i % 2 == 0 for i in range(n)])
     mixed = torch.randn(t, c, generator=g).to(dtype)
     ab = torch.randn(t, 2 * hv, generator=g).to(dtype)
     a, b = ab[:, :hv], ab[:, hv:]

@@ -264,3 +264,31 @@ def test_include_stop_str_streaming() -> None:
 def test_empty_stop_string_rejected() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(CharTokenizer([]), [], stop=[""])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_fast_path_equals_transformers_decode(bytelevel, metaspace, skip: bool) -> None:
+    """A plain fast tokenizer is decoded through its ``tokenizers`` backend (no transformers
+    per-call overhead); the text equals ``tokenizer.decode`` for any ids, special ones
+    included. A subclass that overrides ``_decode`` keeps transformers' path."""
+    import random
+
+    from pagefold.engine.detokenizer import _make_decode, _plain_backend
+
+    rng = random.Random(0)
+    for tok in (bytelevel, metaspace):
+        assert _plain_backend(tok) is tok._tokenizer
+        decode = _make_decode(tok, skip)
+        assert decode.__name__ == "decode_backend"
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip,
+                                             clean_up_tokenization_spaces=False)
+
+    class Custom(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):  # noqa: ANN001, ANN202
+            return "custom"
+
+    custom = Custom(tokenizer_object=bytelevel._tokenizer)
+    assert _plain_backend(custom) is None
+    assert _make_decode(custom, skip)([5, 6]) == "custom"

@@ -17,6 +17,11 @@
 #include <immintrin.h>
 #endif
 
+// The 16-lane helpers below (vload, vstore, vrnd, vexp) need AVX-512 F, BW and VL.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PF_AVX512 1
+#endif
+
 namespace pf {
 
 inline float bf16_to_f32(uint16_t h) {
@@ -96,6 +101,82 @@ inline float exp_any(float x) {
 template <typename T> inline float rnd(float v);
 template <> inline float rnd<float>(float v) { return v; }
 template <> inline float rnd<uint16_t>(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+#if defined(PF_AVX512)
+// Lanes 0..n-1 of 16 (n >= 16: all).
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// 16 elements of T as floats; lanes outside m read as 0 (and their memory is not touched).
+template <typename T> inline __m512 vload(const T* p, __mmask16 m = 0xffff);
+template <> inline __m512 vload<float>(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+template <> inline __m512 vload<uint16_t>(const uint16_t* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// f32_to_bf16 on 16 lanes (round to nearest even, NaN kept quiet): the bf16 bits in the low
+// half of each 32-bit lane.
+inline __m512i vbf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                        _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+
+// Stores the lanes in m as T (bf16: rounded as store<uint16_t> rounds).
+template <typename T> inline void vstore(T* p, __m512 v, __mmask16 m = 0xffff);
+template <> inline void vstore<float>(float* p, __m512 v, __mmask16 m) {
+  _mm512_mask_storeu_ps(p, m, v);
+}
+template <> inline void vstore<uint16_t>(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(vbf16_bits(v)));
+}
+
+// rnd on 16 lanes.
+template <typename T> inline __m512 vrnd(__m512 v);
+template <> inline __m512 vrnd<float>(__m512 v) { return v; }
+template <> inline __m512 vrnd<uint16_t>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(vbf16_bits(v), 16));
+}
+
+// exp_any on 16 lanes (the same polynomial and clamps; NaN stays NaN).
+inline __m512 vexp(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), x);  // NaN: min returns x
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+                                 _mm512_set1_ps(1.0f));
+  const __m512 nc = _mm512_max_ps(_mm512_set1_ps(-127.0f), n);  // 2^-127 -> scale 0
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(nc), _mm512_set1_epi32(127)), 23);
+  const __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ);
+  return _mm512_mask_mov_ps(out, big, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// x * sigmoid(x) = x / (1 + exp(-x)) on 16 lanes, as the scalar code computes it.
+inline __m512 vsilu(__m512 x) {
+  const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
 
 // RMSNorm of one row of D: out = w * T(x / rms(x)), or T(x / rms(x) * (1 + w)) when
 // zero-centred (the weight stored as an offset from 1), as pagefold.layers.norm computes it.

@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "attention.cpp", _DIR / "layers.cpp"]
+_SOURCES = [_DIR / "attention.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -338,12 +338,10 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     k = conv_weight.shape[1]
     pb = view.page_bytes
     ssm_code = _DTYPE_CODE.get(ssm.dtype)
-    row = head_v_dim * ssm.dtype.itemsize
     code = _usable(mixed, a, b, conv_weight, dt_bias)
     if (code is None or ssm_code is None or conv.dtype != mixed.dtype
             or conv.shape != (c, k - 1) or ssm.shape != (num_v_heads, head_k_dim, head_v_dim)
             or 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim != c or k < 2
-            or pb % row or offs["ssm"] % row  # no SSM row across a page boundary
             or not view.raw.is_contiguous() or not _rows_ok(mixed)
             or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0)
             or not conv_weight.is_contiguous() or not dt_bias.is_contiguous()

@@ -54,158 +54,18 @@ void silu_mul_all(const T* gu, int64_t stride, T* out, int64_t N, int I, int nth
     const T* g = gu + i * stride;
     const T* u = g + I;
     T* o = out + i * I;
-#pragma omp simd
+#if defined(PF_AVX512)
+    for (int d = 0; d < I; d += 16) {
+      const __mmask16 m = lanes(I - d);
+      const __m512 s = vrnd<T>(vsilu(vload<T>(g + d, m)));
+      vstore<T>(o + d, _mm512_mul_ps(s, vload<T>(u + d, m)), m);
+    }
+#else
     for (int d = 0; d < I; ++d) {
       const float x = load<T>(g, d);
       store<T>(o, d, rnd<T>(x / (1.0f + exp_any(-x))) * load<T>(u, d));
     }
-  }
-}
-
-// A cursor over a state laid across pages (the concatenation of its P pages, as
-// pagefold.executor.cache_tensors.StateView sees it): no division per row.
-struct PageCursor {
-  uint8_t* raw;
-  const int64_t* pages;
-  int64_t pb, pi, po;
-  PageCursor(uint8_t* r, const int64_t* p, int64_t page_bytes, int64_t off)
-      : raw(r), pages(p), pb(page_bytes), pi(off / page_bytes), po(off % page_bytes) {}
-  uint8_t* ptr() const { return raw + pages[pi] * pb + po; }
-  void advance(int64_t n) {
-    po += n;
-    while (po >= pb) {
-      po -= pb;
-      ++pi;
-    }
-  }
-};
-
-// Per-thread float32 scratch of the GDN kernel.
-struct GdnScratch {
-  float* y;   // (C,) conv output of one token: q | k | v
-  float* cw;  // (C, K-1) conv window
-  float* st;  // (Hv, Dk, Dv) SSM state
-};
-
-// One sequence (L tokens, L >= 0) through a Gated DeltaNet layer, with the same steps and
-// roundings as the torch path (causal_conv1d_* -> split -> gdn_* -> o in T):
-//   conv over [window | x] (float32), SiLU, rounded to T; the window slides by one token;
-//   q, k L2-normalised (eps 1e-6), q scaled; value head h uses key head h / (Hv / Hk);
-//   g = -exp(A_log) * softplus(a + dt_bias) (float32), beta = T(sigmoid(b));
-//   per token: S <- exp(g) S + k d^T with d = beta (v - exp(g) S^T k), o = S^T q (new S).
-// The states are read from the pages once into float32 scratch and written back once (the
-// conv window in T, the SSM state as S: float32 or bf16, rounded once per call like the torch
-// path's store). fresh: the sequence starts here, its states read as zeros. Every SSM row
-// (Dv elements) lies inside one page (the caller checks); conv channels may straddle pages.
-template <typename T, typename S>
-void gdn_seq(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t conv_off,
-             int64_t ssm_off, bool fresh, const T* x, int64_t xs, const T* a, const T* b,
-             int64_t abs_, const T* conv_w, const float* neg_exp_alog, const T* dt_bias,
-             T* out, int64_t L, int C, int K, int Hk, int Hv, int Dk, int Dv, float scale,
-             GdnScratch sc) {
-  const int W = K - 1;
-  const int64_t es = static_cast<int64_t>(sizeof(T));
-  const int64_t rowb = static_cast<int64_t>(Dv) * sizeof(S);
-  // Load both states.
-  {
-    PageCursor cc(raw, pages, page_bytes, conv_off);
-    for (int64_t e = 0; e < static_cast<int64_t>(C) * W; ++e) {
-      sc.cw[e] = fresh ? 0.f : load<T>(reinterpret_cast<const T*>(cc.ptr()), 0);
-      cc.advance(es);
-    }
-    PageCursor rc(raw, pages, page_bytes, ssm_off);
-    for (int64_t r = 0; r < static_cast<int64_t>(Hv) * Dk; ++r) {
-      const S* row = reinterpret_cast<const S*>(rc.ptr());
-      float* dst = sc.st + r * Dv;
-      if (fresh) {
-        for (int d = 0; d < Dv; ++d) dst[d] = 0.f;
-      } else {
-#pragma omp simd
-        for (int d = 0; d < Dv; ++d) dst[d] = load<S>(row, d);
-      }
-      rc.advance(rowb);
-    }
-  }
-  const int rep = Hv / Hk;
-  alignas(64) float ks[kMaxHeadDim], qs[kMaxHeadDim], delta[kMaxHeadDim];
-  float* q = sc.y;
-  float* k = sc.y + Hk * Dk;
-  const float* v = sc.y + 2 * Hk * Dk;
-  for (int64_t t = 0; t < L; ++t) {
-    const T* xt = x + t * xs;
-    for (int c = 0; c < C; ++c) {
-      float* win = sc.cw + static_cast<int64_t>(c) * W;
-      const T* w = conv_w + static_cast<int64_t>(c) * K;
-      float acc = 0.f;
-      for (int j = 0; j < W; ++j) acc += win[j] * load<T>(w, j);
-      const float xc = load<T>(xt, c);
-      acc += xc * load<T>(w, W);
-      sc.y[c] = rnd<T>(acc / (1.0f + exp_any(-acc)));
-      for (int j = 0; j + 1 < W; ++j) win[j] = win[j + 1];
-      win[W - 1] = xc;
-    }
-    for (int h = 0; h < Hk; ++h) {
-      float sq = 0.f, sk = 0.f;
-      for (int d = 0; d < Dk; ++d) {
-        sq += q[h * Dk + d] * q[h * Dk + d];
-        sk += k[h * Dk + d] * k[h * Dk + d];
-      }
-      const float rq = 1.0f / std::sqrt(sq + 1e-6f) * scale;
-      const float rk = 1.0f / std::sqrt(sk + 1e-6f);
-      for (int d = 0; d < Dk; ++d) {
-        q[h * Dk + d] *= rq;
-        k[h * Dk + d] *= rk;
-      }
-    }
-    const T* at = a + t * abs_;
-    const T* bt = b + t * abs_;
-    T* ot = out + t * static_cast<int64_t>(Hv) * Dv;
-    for (int h = 0; h < Hv; ++h) {
-      const float* qh = q + (h / rep) * Dk;
-      const float* kh = k + (h / rep) * Dk;
-      const float* vh = v + static_cast<int64_t>(h) * Dv;
-      const float sp_in = load<T>(at, h) + load<T>(dt_bias, h);
-      const float sp = sp_in > 20.0f ? sp_in : std::log1p(std::exp(sp_in));
-      const float decay = std::exp(neg_exp_alog[h] * sp);
-      const float beta = rnd<T>(1.0f / (1.0f + std::exp(-load<T>(bt, h))));
-      float* st = sc.st + static_cast<int64_t>(h) * Dk * Dv;
-      for (int d = 0; d < Dv; ++d) ks[d] = qs[d] = 0.f;
-      float qk = 0.f;
-      for (int i = 0; i < Dk; ++i) {
-        qk += qh[i] * kh[i];
-        const float* row = st + static_cast<int64_t>(i) * Dv;
-        const float ki = kh[i], qi = qh[i];
-#pragma omp simd
-        for (int d = 0; d < Dv; ++d) {
-          ks[d] += ki * row[d];
-          qs[d] += qi * row[d];
-        }
-      }
-#pragma omp simd
-      for (int d = 0; d < Dv; ++d) delta[d] = (vh[d] - decay * ks[d]) * beta;
-      T* oh = ot + static_cast<int64_t>(h) * Dv;
-      for (int d = 0; d < Dv; ++d) store<T>(oh, d, decay * qs[d] + qk * delta[d]);
-      for (int i = 0; i < Dk; ++i) {
-        float* row = st + static_cast<int64_t>(i) * Dv;
-        const float ki = kh[i];
-#pragma omp simd
-        for (int d = 0; d < Dv; ++d) row[d] = decay * row[d] + ki * delta[d];
-      }
-    }
-  }
-  // Store both states.
-  PageCursor cc(raw, pages, page_bytes, conv_off);
-  for (int64_t e = 0; e < static_cast<int64_t>(C) * W; ++e) {
-    store<T>(reinterpret_cast<T*>(cc.ptr()), 0, sc.cw[e]);
-    cc.advance(es);
-  }
-  PageCursor rc(raw, pages, page_bytes, ssm_off);
-  for (int64_t r = 0; r < static_cast<int64_t>(Hv) * Dk; ++r) {
-    S* row = reinterpret_cast<S*>(rc.ptr());
-    const float* src = sc.st + r * Dv;
-#pragma omp simd
-    for (int d = 0; d < Dv; ++d) store<S>(row, d, src[d]);
-    rc.advance(rowb);
+#endif
   }
 }
 
@@ -372,69 +232,6 @@ int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N,
     return 0;
   }
   return -1;
-}
-
-// A Gated DeltaNet layer over N sequences of a flat varlen batch (see gdn_seq): sequence i
-// owns rows cu[i]..cu[i+1] of x (C wide, x_stride apart), of a and b (Hv wide, ab_stride
-// apart) and of out ((T, Hv, Dv) contiguous). raw: the layer's (num_blocks, page_bytes)
-// bytes; pages (N, P) int64; fresh (N,) uint8 or NULL; conv_w (C, K). conv state (C, K-1) in
-// T, SSM state (Hv, Dk, Dv) float32 (ssm_dtype 0) or bf16 (1).
-int pf_gdn(int dtype, int ssm_dtype, void* raw, int64_t page_bytes, const int64_t* pages, int P,
-           int64_t conv_off, int64_t ssm_off, const uint8_t* fresh, const int64_t* cu,
-           const void* x, int64_t x_stride, const void* a, const void* b, int64_t ab_stride,
-           const void* conv_w, const float* neg_exp_alog, const void* dt_bias, void* out,
-           int64_t N, int C, int K, int Hk, int Hv, int Dk, int Dv, float scale, int nthreads) {
-  if ((dtype != 0 && dtype != 1) || (ssm_dtype != 0 && ssm_dtype != 1) || Dv > kMaxHeadDim ||
-      Hk < 1 || Hv % Hk || K < 2 || C != 2 * Hk * Dk + Hv * Dv)
-    return -1;
-  const bool par = nthreads > 1 && N > 1;
-#pragma omp parallel num_threads(nthreads) if (par)
-  {
-    float* buf = new float[C + static_cast<int64_t>(C) * (K - 1) +
-                           static_cast<int64_t>(Hv) * Dk * Dv];
-    const GdnScratch sc{buf, buf + C, buf + C + static_cast<int64_t>(C) * (K - 1)};
-    uint8_t* rw = static_cast<uint8_t*>(raw);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < N; ++i) {
-      const bool fr = fresh && fresh[i];
-      const int64_t t0 = cu[i], len = cu[i + 1] - cu[i];
-      const int64_t* pg = pages + i * P;
-      const int64_t ob = t0 * Hv * Dv;
-      if (dtype == 0) {
-        const auto* xf = static_cast<const float*>(x) + t0 * x_stride;
-        const auto* af = static_cast<const float*>(a) + t0 * ab_stride;
-        const auto* bf = static_cast<const float*>(b) + t0 * ab_stride;
-        const auto* wf = static_cast<const float*>(conv_w);
-        const auto* df = static_cast<const float*>(dt_bias);
-        auto* of = static_cast<float*>(out) + ob;
-        if (ssm_dtype == 0)
-          gdn_seq<float, float>(rw, page_bytes, pg, conv_off, ssm_off, fr, xf, x_stride, af, bf,
-                                ab_stride, wf, neg_exp_alog, df, of, len, C, K, Hk, Hv, Dk, Dv,
-                                scale, sc);
-        else
-          gdn_seq<float, uint16_t>(rw, page_bytes, pg, conv_off, ssm_off, fr, xf, x_stride, af,
-                                   bf, ab_stride, wf, neg_exp_alog, df, of, len, C, K, Hk, Hv,
-                                   Dk, Dv, scale, sc);
-      } else {
-        const auto* xh = static_cast<const uint16_t*>(x) + t0 * x_stride;
-        const auto* ah = static_cast<const uint16_t*>(a) + t0 * ab_stride;
-        const auto* bh = static_cast<const uint16_t*>(b) + t0 * ab_stride;
-        const auto* wh = static_cast<const uint16_t*>(conv_w);
-        const auto* dh = static_cast<const uint16_t*>(dt_bias);
-        auto* oh = static_cast<uint16_t*>(out) + ob;
-        if (ssm_dtype == 0)
-          gdn_seq<uint16_t, float>(rw, page_bytes, pg, conv_off, ssm_off, fr, xh, x_stride, ah,
-                                   bh, ab_stride, wh, neg_exp_alog, dh, oh, len, C, K, Hk, Hv,
-                                   Dk, Dv, scale, sc);
-        else
-          gdn_seq<uint16_t, uint16_t>(rw, page_bytes, pg, conv_off, ssm_off, fr, xh, x_stride,
-                                      ah, bh, ab_stride, wh, neg_exp_alog, dh, oh, len, C, K, Hk,
-                                      Hv, Dk, Dv, scale, sc);
-      }
-    }
-    delete[] buf;
-  }
-  return 0;
 }
 
 // y (M, N) = x (M, K) W^T + bias for bf16 x (rows x_stride apart), W (N, K) contiguous, bias

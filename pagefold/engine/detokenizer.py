@@ -47,6 +47,14 @@ def _make_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[in
     except ImportError:  # pragma: no cover - transformers is a hard dependency
         PreTrainedTokenizerBase = ()  # type: ignore[assignment,misc]  # noqa: N806
     if isinstance(tokenizer, PreTrainedTokenizerBase):
+        backend = _plain_backend(tokenizer)
+        if backend is not None:
+            # Same text as tokenizer.decode (checked below), without transformers' per-call
+            # Python (argument conversion, kwargs): two decodes per token add up.
+            def decode_backend(ids: list[int]) -> str:
+                return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+            return decode_backend
 
         def decode_hf(ids: list[int]) -> str:
             return tokenizer.decode(
@@ -61,6 +69,22 @@ def _make_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[in
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     return decode_raw
+
+
+def _plain_backend(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind a fast ``transformers`` tokenizer whose ``decode``
+    (with ``clean_up_tokenization_spaces=False``) is exactly the backend's decode: its class
+    overrides neither ``decode`` nor ``_decode``. ``None`` for anything else."""
+    try:
+        from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover
+        return None
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast)
+            or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
 
 
 class IncrementalDetokenizer:

@@ -294,8 +294,12 @@ void gdn_item(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t ss
     if (fresh) {
       for (int d = 0; d < n; ++d) rows[i][d] = 0.f;
     } else if (!inplace && src[i]) {
-#pragma omp simd
+#if defined(PF_AVX512)
+      for (int d = 0; d < n; d += 16)
+        _mm512_mask_storeu_ps(rows[i] + d, lanes(n - d), vload<S>(src[i] + d, lanes(n - d)));
+#else
       for (int d = 0; d < n; ++d) rows[i][d] = load<S>(src[i], d);
+#endif
     } else if (!inplace) {
       for (int d = 0; d < n; ++d)
         rows[i][d] = load<S>(row_elem<S>(raw, page_bytes, pages, offs[i], d), 0);

@@ -55,3 +55,20 @@ def test_prefix_cache_benchmark_tiny(prefix_cache, qwen3_5_dir, capsys):
     assert header.split()[:3] == ["trace", "cache", "reqs"]
     for n in names:
         assert sum(line.strip().startswith(n) for line in table.splitlines()) == 2
+
+
+def test_serve_compare_pagefold_only(monkeypatch, tmp_path, capsys):
+    """The serving comparison starts a real ``pagefold serve``, drives it with the streaming
+    client, stops it, and reports what the client measured (vLLM is left out here)."""
+    monkeypatch.syspath_prepend(REPO)
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path))  # the bench model is built here
+    from benchmarks import serve_compare
+
+    rows = serve_compare.main(["--archs", "qwen3", "--num-prompts", "4", "--input-len", "16",
+                               "--output-len", "3", "--request-rate", "inf"])
+    assert [r["system"] for r in rows] == ["pagefold"]
+    r = rows[0]
+    assert r["out tok/s"] > 0 and r["req/s"] > 0
+    assert 0 < r["TTFT ms"] <= r["p99 TTFT"] and 0 < r["TPOT ms"] <= r["p99 TPOT"]
+    assert "tok/s /vLLM" not in r
+    assert "pagefold" in capsys.readouterr().out

@@ -208,6 +208,35 @@ def test_silu_and_mul(dtype):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gated_matches_module(dtype, d):
+    """The GDN output norm on (tokens, heads, dim) with a gate that is a strided slice of a
+    wider projection, as Qwen3.5 passes it; a partial lane group when dim is 24."""
+    from pagefold.models.qwen3_5 import RMSNormGated
+
+    g = torch.Generator().manual_seed(9)
+    t, h = 13, 3
+    norm = RMSNormGated(d).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=g))
+    x = torch.randn(t, h, d, generator=g).to(dtype)
+    wide = (torch.randn(t, h * d + 5, generator=g) * 4).to(dtype)
+    gate = wide[:, 5:].reshape(t, h, d)  # rows t*(h*d+5) apart
+    gate[0, 0, :2] = torch.tensor([-100.0, 100.0])  # exp overflow edges
+    got = cpu_ops.rms_norm_gated(x, gate, norm.weight, norm.eps)
+    assert got is not None
+    ref = norm.reference(x, gate)
+    if dtype == torch.bfloat16:
+        _close_bits(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(norm(x, gate), got)  # the module takes the kernel
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    assert cpu_ops.rms_norm_gated(x, gate.to(other), norm.weight, norm.eps) is None  # mixed
+
+
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("k,n,bias", [(256, 96, False), (100, 77, True), (1024, 515, True)],
                          ids=["k32x", "k-tail-bias", "wide"])

@@ -1,11 +1,12 @@
 """Compiled CPU kernels, built on first use and loaded through ctypes.
 
-``attention.cpp`` (paged decode attention, the K/V write) and ``layers.cpp`` (RMSNorm with the
-residual add, q/k norm + RoPE, SiLU-and-mul, the Gated DeltaNet layer on paged states, a bf16
-GEMV), with ``common.h``, use no torch or Python headers: one ``g++`` call builds them in a few
-seconds. The shared object is cached under ``$PAGEFOLD_CACHE/kernels`` (default
-``~/.cache/pagefold/kernels``), keyed by the source, the compiler and this CPU's flags (the
-build uses ``-march=native``), so a later process loads it at once and another CPU rebuilds.
+``attention.cpp`` (paged decode attention, the K/V write), ``layers.cpp`` (RMSNorm with the
+residual add, q/k norm + RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, a bf16 GEMV)
+and ``gdn.cpp`` (the Gated DeltaNet layer on paged states), with ``common.h``, use no torch or
+Python headers: one ``g++`` call builds them in a few seconds. The shared object is cached
+under ``$PAGEFOLD_CACHE/kernels`` (default ``~/.cache/pagefold/kernels``), keyed by the
+sources, the compiler and this CPU's flags (the build uses ``-march=native``), so a later
+process loads it at once and another CPU rebuilds.
 
 Fallback: when the build fails (no compiler) or ``PAGEFOLD_CPU_KERNELS=0``, :func:`kernels`
 returns ``None`` and callers take their pure-torch path; the reason is logged once. The
@@ -122,6 +123,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.pf_qk_norm_rope.restype = i32
     lib.pf_silu_mul.argtypes = [i32, p, i64, p, i64, i32, i32]
+    lib.pf_rms_norm_gated.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, i64, i32, i32, f32,
+                                      i32]
+    lib.pf_rms_norm_gated.restype = i32
     lib.pf_silu_mul.restype = i32
     lib.pf_gdn.argtypes = [
         i32, i32, p, i64, p, i32,  # dtype, ssm dtype, raw, page_bytes, pages, pages per state
@@ -305,6 +309,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((n, i), dtype=gate_up.dtype)
     rc = lib.pf_silu_mul(code, _ptr(gate_up), gate_up.stride(0), _ptr(out), n, i,
                          torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor | None:
+    """``weight * rmsnorm(x) * silu(gate)`` per (token, head) row of ``x``/``gate`` (N, H, D),
+    each with contiguous rows (any token and head strides), rounded as
+    ``pagefold.models.qwen3_5.RMSNormGated``. Returns (N, H, D), or None when not handled."""
+    lib = kernels()
+    if lib is None or x.dim() != 3 or gate.shape != x.shape or x.numel() == 0:
+        return None
+    code = _usable(x, gate, weight)
+    if (code is None or x.stride(2) != 1 or gate.stride(2) != 1 or not weight.is_contiguous()
+            or weight.numel() != x.shape[2]):
+        return None
+    n, h, d = x.shape
+    out = torch.empty((n, h, d), dtype=x.dtype)
+    rc = lib.pf_rms_norm_gated(code, _ptr(x), x.stride(0), x.stride(1), _ptr(gate),
+                               gate.stride(0), gate.stride(1), _ptr(weight), _ptr(out), n, h, d,
+                               float(eps), torch.get_num_threads())
     return out if rc == 0 else None
 
 

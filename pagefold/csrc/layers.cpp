@@ -1,6 +1,6 @@
 // Per-layer kernels: RMSNorm (optionally fused with the residual add), per-head q/k RMSNorm +
-// RoPE, SiLU-and-mul, the Gated DeltaNet decode step on paged states, and a bf16 GEMV for
-// few-row products. They round to the tensor dtype at the same points as the torch code they
+// RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, and a bf16 GEMV for few-row products (the Gated DeltaNet layer is in
+// gdn.cpp). They round to the tensor dtype at the same points as the torch code they
 // replace, so a bf16 model sees the same intermediate roundings (only float32 summation order
 // differs). Called through ctypes (see cpu_ops.py).
 
@@ -67,6 +67,34 @@ void silu_mul_all(const T* gu, int64_t stride, T* out, int64_t N, int I, int nth
     }
 #endif
   }
+}
+
+// One row of the GDN output norm (RMSNormGated: norm before gate), rounded as the torch module:
+// h = T(w * T(x / rms(x))), out = T(h * silu(float(gate))).
+template <typename T>
+void rms_gated_row(const T* x, const T* gate, const T* w, T* out, int D, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int d = 0; d < D; ++d) {
+    const float v = load<T>(x, d);
+    ss += v * v;
+  }
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+#if defined(PF_AVX512)
+  const __m512 vr = _mm512_set1_ps(r);
+  for (int d = 0; d < D; d += 16) {
+    const __mmask16 m = lanes(D - d);
+    const __m512 h = vrnd<T>(_mm512_mul_ps(vload<T>(w + d, m),
+                                           vrnd<T>(_mm512_mul_ps(vload<T>(x + d, m), vr))));
+    vstore<T>(out + d, _mm512_mul_ps(h, vsilu(vload<T>(gate + d, m))), m);
+  }
+#else
+  for (int d = 0; d < D; ++d) {
+    const float h = rnd<T>(load<T>(w, d) * rnd<T>(load<T>(x, d) * r));
+    const float g = load<T>(gate, d);
+    store<T>(out, d, h * (g / (1.0f + exp_any(-g))));
+  }
+#endif
 }
 
 // y (M, N) = x (M, K) W^T (+ bias), bf16 in and out, float32 sums, one rounding at the end
@@ -216,6 +244,30 @@ int pf_qk_norm_rope(int dtype, const void* qkv, int64_t row_stride, int64_t q_of
     return 0;
   }
   return -1;
+}
+
+// The GDN output norm over (N, H) rows of D: x row (n, h) at x + n*xs0 + h*xs1, gate likewise
+// with gs0/gs1; out (N, H, D) contiguous; weight (D).
+int pf_rms_norm_gated(int dtype, const void* x, int64_t xs0, int64_t xs1, const void* gate,
+                      int64_t gs0, int64_t gs1, const void* w, void* out, int64_t N, int H, int D,
+                      float eps, int nthreads) {
+  if (dtype != 0 && dtype != 1) return -1;
+  const int64_t rows = N * H;
+  const bool par = nthreads > 1 && rows * D >= (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = i / H, h = i % H;
+    if (dtype == 0)
+      rms_gated_row<float>(static_cast<const float*>(x) + n * xs0 + h * xs1,
+                           static_cast<const float*>(gate) + n * gs0 + h * gs1,
+                           static_cast<const float*>(w), static_cast<float*>(out) + i * D, D, eps);
+    else
+      rms_gated_row<uint16_t>(static_cast<const uint16_t*>(x) + n * xs0 + h * xs1,
+                              static_cast<const uint16_t*>(gate) + n * gs0 + h * gs1,
+                              static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out) + i * D,
+                              D, eps);
+  }
+  return 0;
 }
 
 // out (N, I) = T(T(silu(gate)) * up) with gate = gu[:, :I], up = gu[:, I:2I] (rows stride apart).

@@ -120,6 +120,20 @@ def _content(chunk: dict) -> str | None:
     return c.get("text") or ""
 
 
+async def _sse_lines(r: httpx.Response):
+    """The stream's lines split at "\n" only. (``aiter_lines`` splits like ``str.splitlines``,
+    also at U+2028, U+0085 and friends, which JSON strings may carry unescaped: a random-token
+    completion's text then breaks its ``data:`` line in two.)"""
+    buf = ""
+    async for text in r.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf.rstrip("\r")
+
+
 async def send_one(client: httpx.AsyncClient, args, prompt, n_in: int,
                    max_tokens: int) -> RequestResult:
     res = RequestResult(prompt_len=n_in)
@@ -132,7 +146,7 @@ async def send_one(client: httpx.AsyncClient, args, prompt, n_in: int,
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in _sse_lines(r):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

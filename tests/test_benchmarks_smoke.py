@@ -72,3 +72,27 @@ def test_serve_compare_pagefold_only(monkeypatch, tmp_path, capsys):
     assert 0 < r["TTFT ms"] <= r["p99 TTFT"] and 0 < r["TPOT ms"] <= r["p99 TPOT"]
     assert "tok/s /vLLM" not in r
     assert "pagefold" in capsys.readouterr().out
+
+
+def test_serve_client_splits_sse_lines_at_newlines_only(monkeypatch):
+    """Completion text may carry U+2028 / U+0085 unescaped inside a JSON string (vLLM's server
+    does): the client must not cut a ``data:`` line there, even across network chunks."""
+    import asyncio
+
+    import httpx
+
+    monkeypatch.syspath_prepend(REPO)
+    from benchmarks.serve import _sse_lines
+
+    body = 'data: {"t": "a\u2028b\x85c"}\r\n\r\ndata: [DONE]\n\n'.encode()
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for i in range(0, len(body), 5):  # a multi-byte character split across chunks
+                yield body[i : i + 5]
+
+    async def lines():
+        return [line async for line in _sse_lines(httpx.Response(200, stream=Chunks()))]
+
+    got = asyncio.run(lines())
+    assert [x for x in got if x] == ['data: {"t": "a\u2028b\x85c"}', "data: [DONE]"]

@@ -49,7 +49,8 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
-def _run_step(kv_heads: int, cache_dtype: torch.dtype, seed: int):
+def _run_step(kv_heads: int, cache_dtype: torch.dtype, seed: int,
+              q_dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     specs = {
@@ -75,9 +76,9 @@ def _run_step(kv_heads: int, cache_dtype: torch.dtype, seed: int):
     for ctx, n in ROWS:
         length = ctx + n
         seqs.append({
-            name: (torch.randn(length, HEADS, HEAD_DIM, generator=gen),
-                   torch.randn(length, kv_heads, HEAD_DIM, generator=gen),
-                   torch.randn(length, kv_heads, HEAD_DIM, generator=gen))
+            name: (torch.randn(length, HEADS, HEAD_DIM, generator=gen).to(q_dtype),
+                   torch.randn(length, kv_heads, HEAD_DIM, generator=gen).to(q_dtype),
+                   torch.randn(length, kv_heads, HEAD_DIM, generator=gen).to(q_dtype))
             for name in specs
         })
     # Earlier steps' K/V: only the positions whose blocks the request still holds.
@@ -106,19 +107,24 @@ def _run_step(kv_heads: int, cache_dtype: torch.dtype, seed: int):
             sq, sk, sv = s[name]
             # The reference sees K/V as the cache stores them.
             sk, sv = sk.to(cache_dtype).float(), sv.to(cache_dtype).float()
-            refs.append(dense_reference(sq[ctx:], sk, sv, ctx, window, scale))
+            refs.append(dense_reference(sq[ctx:].float(), sk, sv, ctx, window, scale))
         results[name] = (out, torch.cat(refs), k, v, inp.attn_meta[gi].slot_mapping,
                          [sq[name] for sq in seqs])
     return cache, results
 
 
 @pytest.mark.parametrize(
-    "kv_heads,cache_dtype,tol",
-    [(2, torch.float32, 1e-5), (1, torch.float32, 1e-5), (2, torch.bfloat16, 2e-5)],
-    ids=["gqa-f32", "mqa-f32", "gqa-bf16cache"],
+    "kv_heads,cache_dtype,q_dtype,tol",
+    [(2, torch.float32, torch.float32, 1e-5), (1, torch.float32, torch.float32, 1e-5),
+     (2, torch.bfloat16, torch.float32, 2e-5), (2, torch.bfloat16, torch.bfloat16, 2e-2),
+     (1, torch.bfloat16, torch.bfloat16, 2e-2)],
+    ids=["gqa-f32", "mqa-f32", "gqa-bf16cache", "gqa-bf16", "mqa-bf16"],
 )
-def test_paged_attention_matches_dense(kv_heads: int, cache_dtype: torch.dtype, tol: float):
-    cache, results = _run_step(kv_heads, cache_dtype, seed=kv_heads * 10 + cache_dtype.itemsize)
+def test_paged_attention_matches_dense(kv_heads: int, cache_dtype: torch.dtype,
+                                       q_dtype: torch.dtype, tol: float):
+    """bf16 queries take the compiled prefill and decode kernels where the CPU has them."""
+    cache, results = _run_step(kv_heads, cache_dtype, seed=kv_heads * 10 + cache_dtype.itemsize,
+                               q_dtype=q_dtype)
     for name, (out, ref, k, v, slots, _) in results.items():
         assert not torch.isnan(out).any(), f"{name}: output read an unwritten (NaN) slot"
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=name)

@@ -99,6 +99,61 @@ def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
                                rtol=2e-2)
 
 
+def _has_prefill_kernel() -> bool:
+    """The prefill kernel needs AVX-512 BF16; elsewhere it declines (SDPA runs instead)."""
+    q = torch.zeros(1, 1, 2, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 1, 2, dtype=torch.bfloat16)
+    rows = torch.tensor([[0, 1, 0, 0, 0]])
+    return cpu_ops.prefill_attention(q, cache, rows, torch.tensor([16]), None, 1.0,
+                                     torch.empty_like(q))
+
+
+@pytest.mark.parametrize("h,kvh,d", [(4, 2, 64), (8, 2, 24), (2, 1, 128)],
+                         ids=["gqa-d64", "g4-d24", "d128"])
+@pytest.mark.parametrize("window", [None, 21])
+def test_prefill_attention_matches_dense(h, kvh, d, window):
+    """Chunks of a flat batch with and without cached context (chunked prefill, prefix hits),
+    lengths that leave partial tiles, keys scattered over pages whose unused slots are NaN."""
+    if not _has_prefill_kernel():
+        pytest.skip("this CPU has no AVX-512 BF16: prefill attention stays on SDPA")
+    g = torch.Generator().manual_seed(11)
+    bs = 16
+    chunks = [(0, 37), (5, 1), (40, 16), (100, 3), (0, 1), (17, 50)]  # (ctx_len, q_len)
+    total = sum(c + n for c, n in chunks)
+    num_blocks = sum(-(-(c + n) // bs) for c, n in chunks) + 1
+    cache = torch.full((num_blocks, bs, 2, kvh, d), float("nan"), dtype=torch.bfloat16)
+    pages = torch.randperm(num_blocks - 1, generator=g) + 1
+    q = torch.randn(sum(n for _, n in chunks), h, d, generator=g).to(torch.bfloat16)
+    rows, slots, refs, tok, used = [], [], [], 0, 0
+    scale = d**-0.5
+    for ctx, n in chunks:
+        length = ctx + n
+        mine = pages[used : used + -(-length // bs)]
+        used += mine.shape[0]
+        pos_slots = mine.repeat_interleave(bs)[:length] * bs + torch.arange(length) % bs
+        kv = torch.randn(length, 2, kvh, d, generator=g).to(torch.bfloat16)
+        cache.view(-1, 2, kvh, d)[pos_slots] = kv
+        kv_start = max(0, ctx - window + 1) if window else 0
+        rows.append((tok, n, ctx, kv_start, sum(x.shape[0] for x in slots)))
+        slots.append(pos_slots[kv_start:])
+        # Reference in float64: query i at position ctx + i sees keys lo..ctx + i.
+        rep = h // kvh
+        kk = kv[:, 0].double().repeat_interleave(rep, 1)
+        vv = kv[:, 1].double().repeat_interleave(rep, 1)
+        for i in range(n):
+            pos = ctx + i
+            lo = max(kv_start, pos - window + 1) if window else 0
+            sc = torch.einsum("hd,khd->hk", q[tok + i].double(), kk[lo : pos + 1]) * scale
+            refs.append(torch.einsum("hk,khd->hd", sc.softmax(-1), vv[lo : pos + 1]))
+        tok += n
+    assert used == num_blocks - 1 and total > 0
+    out = torch.zeros_like(q)
+    ok = cpu_ops.prefill_attention(q, cache, torch.tensor(rows), torch.cat(slots), window, scale,
+                                   out)
+    assert ok
+    torch.testing.assert_close(out.double(), torch.stack(refs), atol=2e-2, rtol=2e-2)
+
+
 def test_decode_attention_row_subset_leaves_other_rows():
     q, cache, tables, lens, _, keys = _paged_decode_case(4, 4, 2, 64, 16, torch.float32, None,
                                                          seed=1)

@@ -1,6 +1,7 @@
 """Compiled CPU kernels, built on first use and loaded through ctypes.
 
-``attention.cpp`` (paged decode attention, the K/V write), ``layers.cpp`` (RMSNorm with the
+``attention.cpp`` (paged decode attention, the K/V write), ``prefill.cpp`` (prefill
+attention over the paged cache), ``layers.cpp`` (RMSNorm with the
 residual add, q/k norm + RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, a bf16 GEMV)
 and ``gdn.cpp`` (the Gated DeltaNet layer on paged states), with ``common.h``, use no torch or
 Python headers: one ``g++`` call builds them in a few seconds. The shared object is cached
@@ -34,7 +35,7 @@ import torch
 logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "attention.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp"]
+_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -112,6 +113,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.pf_decode_attention.restype = i32
     lib.pf_write_kv.argtypes = [i32, p, p, i64, i64, p, p, i32, i32, i32]
+    lib.pf_prefill_attention.argtypes = [p, i64, p, p, p, i32, p, i64, i32, i32, i32, i32, f32,
+                                         i32]
+    lib.pf_prefill_attention.restype = i32
     lib.pf_write_kv.restype = i32
     lib.pf_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i32, f32, i32, i32]
     lib.pf_rms_norm.restype = i32
@@ -201,6 +205,31 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Te
         _ptr(tables), tables.stride(0), _ptr(seq_lens),
         _ptr(kv_starts) if kv_starts is not None else None, _ptr(out), out.stride(0),
         seq_lens.shape[0], h, kvh, d, bs, float(scale), torch.get_num_threads())
+    return rc == 0
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
+                      slots: torch.Tensor, window: int | None, scale: float,
+                      out: torch.Tensor) -> bool:
+    """Causal attention of prefill chunks over the paged cache (their own K/V already
+    written), bf16 only. ``rows`` (R, 5) int64: per chunk ``tok_start, q_len, ctx_len,
+    kv_start, slot_off``; key position ``p`` of a chunk is at flat slot
+    ``slots[slot_off + p - kv_start]``. q, out (T, H, D) with heads and dims contiguous.
+    Writes the chunks' rows of ``out``; False (nothing written) when not handled."""
+    lib = kernels()
+    if lib is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        return False
+    _, h, d = q.shape
+    kvh = cache.shape[3]
+    if (cache.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or h % kvh
+            or not cache.is_contiguous() or q.stride(2) != 1 or q.stride(1) != d
+            or out.stride(2) != 1 or out.stride(1) != d or rows.dtype != torch.int64
+            or slots.dtype != torch.int64):
+        return False
+    rows, slots = rows.contiguous(), slots.contiguous()
+    rc = lib.pf_prefill_attention(_ptr(q), q.stride(0), _ptr(cache), _ptr(slots), _ptr(rows),
+                                  rows.shape[0], _ptr(out), out.stride(0), h, kvh, d,
+                                  int(window or 0), float(scale), torch.get_num_threads())
     return rc == 0
 
 

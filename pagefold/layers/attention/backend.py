@@ -3,6 +3,9 @@
 Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``; flat slot
 ``s = block_id * block_size + offset`` addresses one token's K and V.
 
+* Prefill chunks (bf16 on a CPU with AVX-512 BF16): the compiled kernel
+  (:func:`pagefold.csrc.cpu_ops.prefill_attention`) reads their keys from the pages in place;
+  otherwise SDPA per chunk, as below.
 * Decode rows (query length 1): the compiled kernel (:mod:`pagefold.csrc.cpu_ops`) walks each
   row's block table and reads K/V in place, one online softmax per (row, kv head) shared by the
   query heads of the group. Without it (no compiler, another device, other dtypes), a torch
@@ -55,6 +58,21 @@ class AttentionMetadata:
     sliding_window: int | None = None
     all_decode: bool = False  # every row of the batch is a decode row (decode_tok = arange)
     _blockwise: tuple | None = None
+    _prefill_pack: tuple | None = None
+
+    def prefill_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled prefill kernel's view of :attr:`prefills`, built once per step:
+        ``rows`` (R, 5) int64 ``tok_start, q_len, ctx_len, kv_start, slot_off`` and every
+        chunk's ``kv_slots`` concatenated (``slot_off`` indexes into it)."""
+        if self._prefill_pack is None:
+            table, off = [], 0
+            for r in self.prefills:
+                table.append((r.tok_start, r.tok_end - r.tok_start, r.ctx_len, r.kv_start, off))
+                off += r.kv_slots.shape[0]
+            rows = torch.tensor(table, dtype=torch.int64).reshape(-1, 5)
+            slots = torch.cat([r.kv_slots for r in self.prefills]).to("cpu", torch.int64)
+            self._prefill_pack = (rows, slots)
+        return self._prefill_pack
 
     def blockwise(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The torch path's view: every block a decode row reads, row after row.
@@ -186,6 +204,10 @@ def paged_attention(
             else:
                 out[rows] = od
     h, kvh = q.shape[1], k.shape[1]
+    if meta.prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        rows, slots = meta.prefill_pack()
+        if cpu_ops.prefill_attention(q, cache, rows, slots, meta.sliding_window, scale, out):
+            return out
     for row in meta.prefills:
         qs = q[row.tok_start : row.tok_end]
         if row.ctx_len == 0 and cache.dtype == q.dtype:

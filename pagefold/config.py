@@ -85,6 +85,9 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     mamba_ssm_cache_dtype: str | None = None
+    # One forward of max_num_batched_tokens dummy tokens at start-up (cache untouched), so the
+    # first real batch does not pay one-time costs.
+    warm_up: bool = True
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 

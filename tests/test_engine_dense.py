@@ -310,3 +310,18 @@ def test_abort_keeps_pool_whole_and_others_correct(llama: LLM, llama_ref):
     for rid, toks in done.items():
         assert toks == llama_ref[ids[rid]]
     engine.kv.check_whole()
+
+
+@pytest.mark.parametrize("model", ["qwen3_dir", "qwen3_5_dir"])
+def test_warm_up_leaves_cache_and_counters_untouched(model, request):
+    """The start-up warm-up forward writes only into the null block and puts its bytes back:
+    the whole pool (NaN-filled here) is bit-identical afterwards, and no counter moved."""
+    llm = LLM(str(request.getfixturevalue(model)), kv_cache_memory=1 << 22, max_model_len=128,
+              max_num_batched_tokens=100, warm_up=False)
+    runner = llm.engine.runner
+    for t in runner.cache.shared:
+        t.view(torch.float32).fill_(float("nan"))
+    before = [t.clone() for t in runner.cache.shared]
+    assert runner.warm_up(100, seq_len=37) > 0  # 37 + 37 + 26 tokens, chunks of odd sizes
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.shared))
+    assert runner.num_forward_tokens == 0

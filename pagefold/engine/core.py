@@ -115,6 +115,11 @@ class EngineCore:
             policy=config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
                                   num_host_blocks=host_blocks)
+        if config.warm_up:
+            warm = self.max_num_batched_tokens
+            secs = self.runner.warm_up(warm, seq_len=min(self.max_model_len, 256))
+            logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
+                        warm, secs)
 
     def _warn_if_caching_impossible(self, one_request: int) -> None:
         if not self.config.enable_prefix_caching:

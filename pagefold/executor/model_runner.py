@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.core.kv_cache_spec import StateSpec
 from pagefold.core.managers import PageCopy
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
@@ -48,6 +50,48 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
+
+    def warm_up(self, num_tokens: int, seq_len: int) -> float:
+        """One forward of ``num_tokens`` prompt tokens (sequences of at most ``seq_len``) and
+        the logits of their last rows, before serving, so that the first real batch of that
+        size does not pay one-time costs (oneDNN primitives for that row count, the kernels'
+        buffers, the allocator's first touch); vLLM's start-up profile run does the same.
+
+        Every block table points at the null block (block 0); its bytes in every shared tensor
+        are saved first and restored afterwards, so no cache content changes. No request,
+        counter or generator sees the run. Returns the seconds it took."""
+        if num_tokens < 1:
+            return 0.0
+        t = time.perf_counter()
+        seq_len = max(1, min(seq_len, num_tokens))
+        counts = [seq_len] * (num_tokens // seq_len)
+        if num_tokens % seq_len:
+            counts.append(num_tokens % seq_len)
+        bs = self.kv_config.block_size
+        per_group = []
+        for group in self.kv_config.groups:
+            width = group.pages_per_state if isinstance(group.spec, StateSpec) else None
+            per_group.append([[0] * (width or -(-n // bs)) for n in counts])
+        saved = [t_[0].clone() for t_ in self.cache.shared]
+        threads = torch.get_num_threads()
+        small = (self.device.type == "cpu" and threads > 1
+                 and num_tokens * self.num_params < SMALL_STEP_WORK)
+        if small:
+            torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                tokens = [[1] * n for n in counts]
+                inp = build_inputs(self.kv_config, tokens, [0] * len(counts), counts, counts,
+                                   per_group, self.device)
+                ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+                hidden = self.model(inp.input_ids, inp.positions, ctx)
+                self.model.compute_logits(hidden[inp.logits_rows])
+        finally:
+            if small:
+                torch.set_num_threads(threads)
+            for t_, row in zip(self.cache.shared, saved):
+                t_[0].copy_(row)
+        return time.perf_counter() - t
 
     def drop_request(self, req_id: str) -> None:
         self._generators.pop(req_id, None)

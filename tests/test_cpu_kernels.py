@@ -325,6 +325,28 @@ def test_linear_leaves_other_inputs_to_torch():
                                                                                  lin32.bias))
 
 
+def _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv):
+    """The torch path's delta-rule inputs from the conv output ``y`` (T, C), as GatedDeltaNet
+    builds them: q, k repeated to the value heads, v per value head, the float32 gate."""
+    t = y.shape[0]
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = q.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
+    k = k.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
+    gg = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v.reshape(t, hv, dv), gg
+
+
+def _assert_gdn_matches(view, page_ids, o, o_ref, conv_new, ssm_new, ssm_dtype, tol):
+    """The kernel's output and the states it left in the pages equal the torch path's (the
+    conv window exactly: it holds inputs, not sums)."""
+    assert o is not None
+    after = view.gather(page_ids)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(after["conv"].float(), conv_new.float(), atol=0, rtol=0)
+    torch.testing.assert_close(after["ssm"].float(), ssm_new.to(ssm_dtype).float(), atol=tol,
+                               rtol=tol)
+
+
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_decode_in_place_matches_torch_path(dtype, ssm_dtype):
@@ -356,22 +378,14 @@ def test_gdn_decode_in_place_matches_torch_path(dtype, ssm_dtype):
     for t in states.values():
         t[fresh] = 0
     y, conv_new = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
-    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    q = q.reshape(n, hk, dk).repeat_interleave(hv // hk, 1)
-    k = k.reshape(n, hk, dk).repeat_interleave(hv // hk, 1)
-    gg = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    o_ref, ssm_new = gdn_recurrent(q, k, v.reshape(n, hv, dv), gg, b.sigmoid(), states["ssm"],
+    q, k, v, gg = _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv)
+    o_ref, ssm_new = gdn_recurrent(q, k, v, gg, b.sigmoid(), states["ssm"],
                                    torch.arange(n + 1), use_qk_l2norm=True)
 
     o = cpu_ops.gdn(view, page_ids, ~fresh, torch.arange(n + 1), mixed, a, b, weight, a_log,
                     dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
-    assert o is not None
-    after = view.gather(page_ids)
     tol = 1e-5 if dtype == torch.float32 and ssm_dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(after["conv"].float(), conv_new.float(), atol=0, rtol=0)
-    torch.testing.assert_close(after["ssm"].float(), ssm_new.to(ssm_dtype).float(), atol=tol,
-                               rtol=tol)
+    _assert_gdn_matches(view, page_ids, o, o_ref, conv_new, ssm_new, ssm_dtype, tol)
 
 
 @pytest.mark.parametrize("model", ["qwen3_dir", "llama_dir", "qwen3_5_dir"])
@@ -444,19 +458,11 @@ def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype, shape):
     for s in states.values():
         s[~has_init] = 0
     y, conv_new = causal_conv1d_varlen(mixed, weight, None, states["conv"], cu, "silu")
-    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    q = q.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
-    k = k.reshape(t, hk, dk).repeat_interleave(hv // hk, 1)
-    gg = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    o_ref, ssm_new = gdn_chunked(q, k, v.reshape(t, hv, dv), gg, b.sigmoid(), states["ssm"], cu,
+    q, k, v, gg = _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv)
+    o_ref, ssm_new = gdn_chunked(q, k, v, gg, b.sigmoid(), states["ssm"], cu,
                                  use_qk_l2norm=True, chunk_size=4)
 
     o = cpu_ops.gdn(view, page_ids, has_init, cu, mixed, a, b, weight, a_log, dt_bias,
                     num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
-    assert o is not None
-    after = view.gather(page_ids)
     tol = 1e-4 if dtype == torch.float32 and ssm_dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(after["conv"].float(), conv_new.float(), atol=0, rtol=0)
-    torch.testing.assert_close(after["ssm"].float(), ssm_new.to(ssm_dtype).float(), atol=tol,
-                               rtol=tol)
+    _assert_gdn_matches(view, page_ids, o, o_ref, conv_new, ssm_new, ssm_dtype, tol)

@@ -87,36 +87,12 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(PF_AVX512)
 // The same computation with AVX-512 intrinsics, 16 keys at a time: head sizes that are a
 // multiple of 16 and blocks that are (the defaults). Scores are 16 horizontal sums per
 // sub-block; the softmax terms, the rescale and the value sums are whole-vector operations.
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512 exp16_nonpos(__m512 x) {  // exp_nonpos on 16 lanes
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
-                                 _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+// exp_nonpos on 16 lanes: common.h's vexp after the same clamp (bit for bit the scalar's).
+inline __m512 exp16_nonpos(__m512 x) { return vexp(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }
 
 constexpr int64_t kPrefetch = 2;  // blocks read ahead
 
@@ -134,7 +110,7 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
   for (int g = 0; g < G; ++g) {
     const T* qg = q + static_cast<int64_t>(kvh * G + g) * D;
     for (int c = 0; c < C; ++c) {
-      _mm512_store_ps(qf[g] + 16 * c, _mm512_mul_ps(load16<T>(qg + 16 * c), vscale));
+      _mm512_store_ps(qf[g] + 16 * c, _mm512_mul_ps(vload<T>(qg + 16 * c), vscale));
       _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
     }
     m[g] = -std::numeric_limits<float>::infinity();
@@ -164,7 +140,7 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
       for (int t = lo; t < hi; ++t) {  // each key converted once, used by the G heads
         const T* k = blk + t * tok_stride + static_cast<int64_t>(kvh) * D;
         __m512 kc[C];
-        for (int c = 0; c < C; ++c) kc[c] = load16<T>(k + 16 * c);
+        for (int c = 0; c < C; ++c) kc[c] = vload<T>(k + 16 * c);
         for (int g = 0; g < G; ++g) {
           __m512 a = _mm512_mul_ps(_mm512_load_ps(qf[g]), kc[0]);
           for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + 16 * c), kc[c], a);
@@ -188,7 +164,7 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
       }
       for (int t = lo; t < hi; ++t) {
         const T* v = blk + t * tok_stride + static_cast<int64_t>(KVH + kvh) * D;
-        for (int c = 0; c < C; ++c) _mm512_store_ps(vt[t - sb] + 16 * c, load16<T>(v + 16 * c));
+        for (int c = 0; c < C; ++c) _mm512_store_ps(vt[t - sb] + 16 * c, vload<T>(v + 16 * c));
       }
       for (int g = 0; g < G; ++g) {
         __m512 a[C];
@@ -228,7 +204,7 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
     const int64_t* tb = tables + b * table_stride;
     const int64_t start = kv_starts ? kv_starts[b] : 0;
     T* ob = out + r * out_stride;
-#if defined(__AVX512F__)
+#if defined(PF_AVX512)
     if (bs % 16 == 0 && (D == 64 || D == 128 || D == 256)) {
       if (D == 64)
         decode_one_avx512<T, 64>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);

@@ -57,28 +57,9 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 32;   // query heads per kv head
 constexpr int kMaxBlock = 256;  // tokens per block
 
-// exp for x <= 0 (softmax terms), Cephes' single-precision polynomial (about 1 ulp), written
-// so a loop of it vectorises (std::exp does not). Below -87 it returns 2^-126 instead of a
-// denormal or 0: a term that small cannot move a sum that holds exp(0) = 1.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-// exp on the whole float range, vectorisable: exp_nonpos's polynomial after a clamp; above
-// 88.7 (where float overflows) it returns +inf, as std::exp does.
+// exp on the whole float range, Cephes' single-precision polynomial (about 1 ulp), written so
+// a loop of it vectorises (std::exp does not); above 88.7 (where float overflows) it returns
+// +inf, as std::exp does.
 inline float exp_any(float x) {
   const float xc = x > 88.0f ? 88.0f : x;
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
@@ -96,6 +77,10 @@ inline float exp_any(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return x > 88.7f ? std::numeric_limits<float>::infinity() : y * scale;
 }
+
+// exp for x <= 0 (softmax terms). Below -87 it returns 2^-126 instead of a denormal or 0: a
+// term that small cannot move a sum that holds exp(0) = 1.
+inline float exp_nonpos(float x) { return exp_any(x < -87.0f ? -87.0f : x); }
 
 // Rounds a float to T and back: the value a torch op of dtype T would have stored.
 template <typename T> inline float rnd(float v);

@@ -94,6 +94,26 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
 // exp_nonpos on 16 lanes: common.h's vexp after the same clamp (bit for bit the scalar's).
 inline __m512 exp16_nonpos(__m512 x) { return vexp(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }
 
+// Lane i = the sum of v[i]'s 16 lanes, for 16 vectors: pairs, then quadruples, interleaved
+// within 128-bit lanes, then the four 128-bit lanes of each quadruple summed across.
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's sums of v[4k .. 4k+3]
+    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 constexpr int64_t kPrefetch = 2;  // blocks read ahead
 
 template <typename T, int D>
@@ -105,6 +125,7 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
   alignas(64) float ps[kMaxGroup][16];
   alignas(64) float vt[16][D];
   alignas(64) float sc[kMaxGroup][16];
+  __m512 part[kMaxGroup][16];
   float m[kMaxGroup], l[kMaxGroup];
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
@@ -137,6 +158,8 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
       const int hi = t1 < sb + 16 ? t1 : sb + 16;
       const __mmask16 mask = static_cast<__mmask16>(
           ((1u << (hi - sb)) - 1u) & ~((1u << (lo - sb)) - 1u));
+      // Per key and head a 16-lane partial dot product; the 16 keys' partials of a head are
+      // then summed together (hsum16), not one horizontal reduction per key.
       for (int t = lo; t < hi; ++t) {  // each key converted once, used by the G heads
         const T* k = blk + t * tok_stride + static_cast<int64_t>(kvh) * D;
         __m512 kc[C];
@@ -144,8 +167,13 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
         for (int g = 0; g < G; ++g) {
           __m512 a = _mm512_mul_ps(_mm512_load_ps(qf[g]), kc[0]);
           for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + 16 * c), kc[c], a);
-          sc[g][t - sb] = _mm512_reduce_add_ps(a);
+          part[g][t - sb] = a;
         }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int t = sb; t < lo; ++t) part[g][t - sb] = _mm512_setzero_ps();
+        for (int t = hi; t < sb + 16; ++t) part[g][t - sb] = _mm512_setzero_ps();
+        _mm512_store_ps(sc[g], hsum16(part[g]));
       }
       for (int g = 0; g < G; ++g) {
         const __m512 sv = _mm512_mask_load_ps(

@@ -102,9 +102,10 @@ class EngineCore:
                     self.max_model_len, self.max_num_batched_tokens)
         host_blocks = config.swap_space // (self.kv_config.layers_per_group
                                             * self.kv_config.page_bytes)
-        nparams = sum(p.numel() for p in self.model.parameters())
+        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
+                                  num_host_blocks=host_blocks)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
-                            PreemptionCost(flops_per_token=2.0 * nparams))
+                            PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
@@ -113,8 +114,6 @@ class EngineCore:
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
-                                  num_host_blocks=host_blocks)
         if config.warm_up:
             warm = self.max_num_batched_tokens
             secs = self.runner.warm_up(warm, seq_len=min(self.max_model_len, 256))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
-from pagefold.core.kv_cache_spec import StateSpec
+from pagefold.core.kv_cache_spec import StateSpec, cdiv
 from pagefold.core.managers import PageCopy
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
@@ -30,6 +31,21 @@ class SampledToken:
 # too small for a parallel region to pay, and on a loaded machine every parallel region waits
 # for a thread the OS may have descheduled (spinning, for milliseconds).
 SMALL_STEP_WORK = 1 << 26
+
+
+@contextmanager
+def _threads_for(device: torch.device, work: int):
+    """One torch thread for a CPU step whose ``work`` (tokens x parameters) is below
+    ``SMALL_STEP_WORK``; the caller's thread count is restored afterwards."""
+    threads = torch.get_num_threads()
+    small = device.type == "cpu" and threads > 1 and work < SMALL_STEP_WORK
+    if small:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if small:
+            torch.set_num_threads(threads)
 
 
 class ModelRunner:
@@ -71,15 +87,11 @@ class ModelRunner:
         per_group = []
         for group in self.kv_config.groups:
             width = group.pages_per_state if isinstance(group.spec, StateSpec) else None
-            per_group.append([[0] * (width or -(-n // bs)) for n in counts])
+            per_group.append([[0] * (width or cdiv(n, bs)) for n in counts])
         saved = [t_[0].clone() for t_ in self.cache.shared]
-        threads = torch.get_num_threads()
-        small = (self.device.type == "cpu" and threads > 1
-                 and num_tokens * self.num_params < SMALL_STEP_WORK)
-        if small:
-            torch.set_num_threads(1)
         try:
-            with torch.inference_mode():
+            with _threads_for(self.device, num_tokens * self.num_params), \
+                    torch.inference_mode():
                 tokens = [[1] * n for n in counts]
                 inp = build_inputs(self.kv_config, tokens, [0] * len(counts), counts, counts,
                                    per_group, self.device)
@@ -87,8 +99,6 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions, ctx)
                 self.model.compute_logits(hidden[inp.logits_rows])
         finally:
-            if small:
-                torch.set_num_threads(threads)
             for t_, row in zip(self.cache.shared, saved):
                 t_[0].copy_(row)
         return time.perf_counter() - t
@@ -143,16 +153,8 @@ class ModelRunner:
 
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
-        threads = torch.get_num_threads()
-        small = (self.device.type == "cpu" and threads > 1
-                 and sum(counts) * self.num_params < SMALL_STEP_WORK)
-        if small:
-            torch.set_num_threads(1)
-        try:
+        with _threads_for(self.device, sum(counts) * self.num_params):
             return self._execute(reqs, counts, block_ids, copies, swaps)
-        finally:
-            if small:
-                torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def _execute(self, reqs: list[Request], counts: list[int],

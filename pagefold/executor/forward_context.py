@@ -8,6 +8,7 @@ import torch
 
 from pagefold.executor.cache_tensors import CacheTensors, StateView
 from pagefold.layers.attention.backend import AttentionMetadata, paged_attention
+from pagefold.layers.attention.kv_quant import KVScales, is_fp8
 
 
 @dataclass(slots=True)
@@ -32,11 +33,19 @@ class ForwardContext:
     cache: CacheTensors
     attn_meta: list[AttentionMetadata | None]
     state_meta: list[StateMetadata | None]
+    # False for warm-up's dummy tokens: FP8 scales are calibrated on the first real batch.
+    calibrate: bool = True
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
         meta = self.attn_meta[self.cache.layer_group[layer]]
-        return paged_attention(q, k, v, self.cache.attn[layer], meta, scale)
+        cache = self.cache.attn[layer]
+        scales = None
+        if is_fp8(cache.dtype):
+            scales = self.cache.kv_scales.get(layer)
+            if scales is None and self.calibrate:
+                scales = self.cache.kv_scales[layer] = KVScales.calibrate(k, v, cache.dtype)
+        return paged_attention(q, k, v, cache, meta, scale, scales)
 
     def state(self, layer: str) -> tuple[StateView, StateMetadata]:
         return self.cache.state[layer], self.state_meta[self.cache.layer_group[layer]]

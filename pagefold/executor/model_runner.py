@@ -95,7 +95,7 @@ class ModelRunner:
                 tokens = [[1] * n for n in counts]
                 inp = build_inputs(self.kv_config, tokens, [0] * len(counts), counts, counts,
                                    per_group, self.device)
-                ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+                ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, calibrate=False)
                 hidden = self.model(inp.input_ids, inp.positions, ctx)
                 self.model.compute_logits(hidden[inp.logits_rows])
         finally:

@@ -46,9 +46,19 @@ def generation_eos_ids(model: str) -> list[int]:
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are :class:`EngineConfig` fields."""
+    """An engine in this process. Keyword arguments are :class:`EngineConfig` fields.
+
+    ``model`` is a Hugging Face checkpoint directory or a ``.gguf`` file (dequantized into a
+    bf16 checkpoint in the pagefold cache on first use; see ``pagefold.models.gguf_checkpoint``).
+    """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
+        from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
+
+        try:
+            model = resolve_model(str(model))
+        except GGUFConversionError as e:
+            raise ValueError(str(e)) from e
         self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_kwargs)
         # Path and architecture first: a tokenizer failure on a bad path reads as a hub error.
         resolve_architecture(read_config_dict(Path(model)))

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from pagefold.entrypoints import capacity_cmd
+from pagefold.entrypoints import capacity_cmd, chat_cmd
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -51,33 +51,41 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PAGEFOLD_CACHE", Path.home() / ".cache" / "pagefold"))
 
 
+DEMO_CHATS = ["What is the capital of France?",
+              "Name three primary colors.",
+              "Write a haiku about the sea."]
+
+
 def _generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pagefold import LLM, SamplingParams
 
-    model = args.model
-    if model is None:
-        from pagefold.testing.tiny_models import build_demo_model
-
-        model = str(build_demo_model(default_cache_dir()))
-        print(f"no model given: using the built-in demo model at {model} "
-              "(random weights: the text is noise, the engine is real)")
+    model = chat_cmd.resolve_cli_model(args.model)
     llm = LLM(model, **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
-    prompts = args.prompt or ["The quick brown fox", "def fibonacci(n):",
-                              "import os\nimport sys\n", "class Scheduler:"]
-    outs = llm.generate(prompts, params)
-    for o in outs:
-        c = o.outputs[0]
-        print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n({len(c.token_ids)} tokens, "
-              f"finish: {c.finish_reason})")
+    chats = args.chat or ([] if args.prompt else DEMO_CHATS)
+    if chats:  # one conversation per message, through the checkpoint's chat template
+        outs = llm.chat([[{"role": "user", "content": c}] for c in chats], params,
+                        use_tqdm=False)
+        for c, o in zip(chats, outs):
+            print(f"--- user: {c}\nassistant: {o.outputs[0].text}\n"
+                  f"({len(o.outputs[0].token_ids)} tokens, finish: "
+                  f"{o.outputs[0].finish_reason})")
+    if args.prompt:
+        outs = llm.generate(args.prompt, params)
+        for o in outs:
+            c = o.outputs[0]
+            print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n({len(c.token_ids)} tokens, "
+                  f"finish: {c.finish_reason})")
     return 0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server flags of ``pagefold serve`` (engine flags come from :func:`add_engine_args`)."""
-    p.add_argument("model", help="local Hugging Face model directory")
+    p.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face model directory or .gguf file "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGEFOLD_API_KEY"),
@@ -97,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here: fastapi/uvicorn are only needed by the server.
     from pagefold.entrypoints.openai.server import run_server
 
+    args.model = chat_cmd.resolve_cli_model(args.model)
     return run_server(args, engine_kwargs(args))
 
 
@@ -107,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate text offline from prompts")
     g.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model directory (default: built-in demo model)")
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    g.add_argument("--max-tokens", type=int, default=32)
+                   help="local Hugging Face model directory or .gguf file "
+                        "(default: SmolLM2-135M-Instruct)")
+    g.add_argument("--prompt", action="append", help="a raw text prompt (repeatable)")
+    g.add_argument("--chat", action="append",
+                   help="a user message answered through the chat template (repeatable); "
+                        "with neither --prompt nor --chat a few demo questions are asked")
+    g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -123,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=_serve)
 
     capacity_cmd.add_parser(sub)
+    chat_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

@@ -21,21 +21,12 @@ import torch
 
 from pagefold import LLM, SamplingParams
 from pagefold.models import gguf_checkpoint, smollm2
-from pagefold.testing.kv_quality import mean_kl, prompt_logprobs
+from pagefold.testing.kv_quality import SAMPLE_TEXT, mean_kl, prompt_logprobs
 from pagefold.testing.oracle import hf_greedy
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 ENGINE = dict(kv_cache_memory="32MiB", max_model_len=512, warm_up=False)
-# Real prose (written for this test, not from the model's data) for the KL measurement.
-TEXT = (
-    "The river town woke slowly. Fishermen carried their nets down to the water while the "
-    "baker opened his shutters and the smell of fresh bread drifted over the square. Children "
-    "ran past the fountain on their way to school, and an old man fed the pigeons from a paper "
-    "bag, as he had done every morning for thirty years. By noon the market was full: farmers "
-    "sold apples, cheese and honey, a woman played the violin near the church, and tourists "
-    "photographed the stone bridge that had stood since the fourteenth century. In the "
-    "afternoon clouds gathered over the hills, and by evening a gentle rain fell on the red "
-    "roofs, washing the dust from the streets.")
+TEXT = SAMPLE_TEXT
 # FP8 bound. Measured on TEXT (132 tokens, prefill chunks of 48): calibrated FP8 0.0052
 # (max 0.031), plain e4m3 casts (unit scales, no shift) 0.0063 and the flipped capital answer;
 # e5m2 (2 mantissa bits) ~3x worse in a transformers replay. e4m3's 3 mantissa bits give

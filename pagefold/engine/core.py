@@ -20,6 +20,7 @@ from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
 from pagefold.executor.model_runner import ModelRunner
+from pagefold.layers.attention.kv_quant import apply_checkpoint_kv_scales
 from pagefold.models.registry import (
     load_model,
     read_config_dict,
@@ -104,6 +105,10 @@ class EngineCore:
                                             * self.kv_config.page_bytes)
         self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
                                   num_host_blocks=host_blocks)
+        if config.kv_cache_dtype == "fp8":
+            n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
+            logger.info("fp8 kv cache: %d layers take the checkpoint's k/v scales, the others "
+                        "calibrate on the first batch", n)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         if host_blocks:

@@ -75,6 +75,8 @@ def load_into(
     for name, tensor in weights:
         if name.startswith(skip_prefixes) or "rotary_emb.inv_freq" in name:
             continue
+        if name.endswith((".k_scale", ".v_scale")):  # FP8 KV scales: the cache takes them
+            continue
         target, shard = name, None
         parts = name.split(".")
         for i, part in enumerate(parts):

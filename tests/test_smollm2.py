@@ -27,8 +27,8 @@ from pagefold.testing.oracle import hf_greedy
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 ENGINE = dict(kv_cache_memory="32MiB", max_model_len=512, warm_up=False)
 TEXT = SAMPLE_TEXT
-# FP8 bound. Measured on TEXT (132 tokens, prefill chunks of 48): calibrated FP8 0.0052
-# (max 0.031), plain e4m3 casts (unit scales, no shift) 0.0063 and the flipped capital answer;
+# FP8 bound. Measured on TEXT (132 tokens): calibrated FP8 0.005 (max 0.02-0.03), plain
+# e4m3 casts (unit scales, no shift) 0.006 and the flipped capital answer;
 # e5m2 (2 mantissa bits) ~3x worse in a transformers replay. e4m3's 3 mantissa bits give
 # ~2.7% relative error per element, which sets this noise floor; 0.02 leaves ~4x margin for
 # other CPUs' rounding while a broken encoding (wrong scale, lost shift) lands far above.
@@ -80,8 +80,10 @@ def test_greedy_equals_transformers_multi_turn_with_prefix_cache(llm_f32: LLM,
 
 
 def test_fp8_kv_cache_answers_paris_and_kl_is_bounded(smollm2_dir: Path):
+    # One prefill chunk per prompt, as a new user's defaults give: with plain e4m3 casts this
+    # setting answers "L'Etoile, la Marsebeau, ..." (the first token is a 0.1-nat near-tie).
     engines = {kv: LLM(str(smollm2_dir), kv_cache_dtype=kv, enable_prefix_caching=False,
-                       max_num_batched_tokens=48, **ENGINE) for kv in ("auto", "fp8")}
+                       max_num_batched_tokens=512, **ENGINE) for kv in ("auto", "fp8")}
     fp8 = engines["fp8"]
     out = fp8.chat(CAPITAL, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert out[0].outputs[0].text.startswith("The capital of France is Paris")

@@ -54,6 +54,10 @@ def test_checkpoint_is_a_plain_llama(smollm2_dir: Path):
     assert (smollm2_dir / "chat_template.jinja").exists()
     # A .gguf given to LLM/CLI resolves to the same cached conversion (no second conversion).
     assert gguf_checkpoint.resolve_model(str(smollm2.smollm2_gguf())) == str(smollm2_dir)
+    # generate / chat / serve without a model run this checkpoint.
+    from pagefold.entrypoints.chat_cmd import resolve_cli_model
+
+    assert resolve_cli_model(None) == str(smollm2_dir)
 
 
 def test_greedy_equals_transformers_multi_turn_with_prefix_cache(llm_f32: LLM,

@@ -1,14 +1,15 @@
 """FP8 (e4m3) KV cache: per-head scales, K smoothing, saturating casts.
 
-What a plain ``tensor.to(float8_e4m3fn)`` gets wrong on trained models (found on
-SmolLM2-135M-Instruct, where it turned "The capital of France is Paris." into "L'Étoile, la
-Marsebeau, ..."): e4m3 keeps 3 mantissa bits, a relative error of up to 1/16 per element; K's
-outlier channels (large, nearly constant across tokens, from RoPE's slow dimensions) carry most
-of each logit, so their rounding error moves every logit of a query (the attention sink's
-first) by tenths of a nat, enough to flip a close first token. Saturation is not the cause
-there (|K| <= ~20, |V| <= ~12, far under e4m3's 448) but must not turn into NaN elsewhere.
+What went wrong on SmolLM2-135M-Instruct ("The capital of France is Paris." became "L'Étoile,
+la Marsebeau, ..."): the reply's first token is a near-tie ("The" vs "L", 0.1 nat apart in
+float32). e4m3 keeps 3 mantissa bits (up to 1/16 relative error per element; quantizing K
+alone flips the answer, V alone does not), and the FP8 cache took the torch fallback, which
+rounded the dequantized scores to bf16 on top. Saturation was not the cause there (|K| <= ~20,
+|V| <= ~12, far under e4m3's 448) but must never turn into NaN. FP8 attention therefore runs in
+float32 on dequantized values (``backend.py``), and the stored encoding reduces the rounding
+error where it is largest, K's outlier channels (large, nearly constant across tokens):
 
-The fix, per attention layer (vLLM's ``calculate_kv_scales`` idea plus K smoothing):
+per attention layer (vLLM's ``calculate_kv_scales`` idea plus K smoothing):
 
 * ``k_shift`` (kv_heads, head_dim): the mean key of the calibration tokens, subtracted before
   quantizing. Softmax is invariant to adding one constant to all logits of a query, and

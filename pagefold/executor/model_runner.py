@@ -66,6 +66,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
+        # The EngineCore's StructuredOutputManager (fills the batch's token bitmask).
+        self.structured = None
 
     def warm_up(self, num_tokens: int, seq_len: int) -> float:
         """One forward of ``num_tokens`` prompt tokens (sequences of at most ``seq_len``) and
@@ -105,6 +107,8 @@ class ModelRunner:
 
     def drop_request(self, req_id: str) -> None:
         self._generators.pop(req_id, None)
+        if self.structured is not None:
+            self.structured.free(req_id)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -190,6 +194,8 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_id for r in sreqs],
             device=self.device,
         )
+        if self.structured is not None:
+            meta.token_bitmask = self.structured.bitmask(sreqs, logits.shape[1])
         out = self.sampler(logits, meta)
         ids = out.sampled_token_ids.tolist()
         result = {}

@@ -237,7 +237,9 @@ class Scheduler:
                     break
                 if req.paused or self.kv.should_defer(req):
                     continue
-                hit = self.kv.find_hit(req)
+                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                hit = (0 if req.sampling_params.prompt_logprobs is not None
+                       else self.kv.find_hit(req))
                 start = req.num_computed_tokens + hit * self.kv.block_size
                 n = min(req.num_tokens - start, budget)
                 n = self.kv.cap_chunk(req, start, n)

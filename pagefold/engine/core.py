@@ -43,6 +43,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     parent_id: str | None = None  # parallel sampling: the family's request id
     index: int = 0  # the child's index in its family
+    # On a request's first output only, when it asked for prompt logprobs: per prompt token
+    # after the first, (ids, logprobs, rank) as in new_logprobs.
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
 
 def load_hf_config(model: str):
@@ -267,6 +270,9 @@ class EngineCore:
             out = EngineCoreOutput(r.request_id, [tok.token_id],
                                    num_cached_tokens=max(r.num_cached_tokens, 0),
                                    parent_id=r.parent_id, index=r.index)
+            if (r.sampling_params.prompt_logprobs is not None and r.num_output_tokens == 1
+                    and r.parent_id is None):
+                out.prompt_logprobs = r.prompt_logprobs
             if tok.logprobs is not None:
                 out.new_logprobs.append(tok.logprobs)
                 r.cumulative_logprob += tok.logprobs[1][0]

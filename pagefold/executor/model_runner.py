@@ -16,7 +16,12 @@ from pagefold.csrc import cpu_ops
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
-from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
+from pagefold.executor.sampler import (
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    make_generator,
+)
 from pagefold.request import Request
 
 
@@ -119,6 +124,26 @@ class ModelRunner:
             g = self._generators[req.request_id] = make_generator(seed, self.device)
         return g
 
+    def _prompt_logprobs(self, reqs: list[Request], starts: list[int], counts: list[int],
+                         hidden: torch.Tensor) -> None:
+        """Append to ``req.prompt_logprobs`` the entries of the prompt positions this step
+        computed, for requests that ask for them (positions already recorded, e.g. by a
+        prefill that a preemption made compute again, are skipped)."""
+        offset = 0
+        for r, start, n in zip(reqs, starts, counts):
+            k = r.sampling_params.prompt_logprobs
+            first = max(start, len(r.prompt_logprobs))
+            end = min(start + n, r.num_prompt_tokens - 1)
+            if k is not None and start <= len(r.prompt_logprobs) and first < end:
+                rows = torch.arange(offset + first - start, offset + end - start,
+                                    device=hidden.device)
+                logits = self.model.compute_logits(hidden[rows]).float()
+                targets = torch.tensor(r.all_token_ids[first + 1:end + 1], dtype=torch.int64,
+                                       device=logits.device)
+                ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=1), targets, k)
+                r.prompt_logprobs.extend(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
+            offset += n
+
     @torch.inference_mode()
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy whole pages within the pool, in every layer of each copy's group."""
@@ -177,6 +202,7 @@ class ModelRunner:
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
         hidden = self.model(inp.input_ids, inp.positions, ctx)
+        self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])

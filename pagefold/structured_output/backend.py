@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import OrderedDict
 
 from pagefold.structured_output.params import StructuredOutputsParams
@@ -68,6 +69,7 @@ class GrammarCompiler:
                 compiled = c.compile_structural_tag(value)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", reason)  # xgrammar's log prefix
             raise ValueError(f"structured output ({kind}) cannot be compiled: {reason}") from None
         self.num_compiles += 1
         self._cache[key] = compiled

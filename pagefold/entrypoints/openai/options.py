@@ -34,6 +34,31 @@ class ServeOptions:
     default_sampling: dict = field(default_factory=dict)
 
 
+def serve_options(args) -> ServeOptions:
+    """ServeOptions from ``pagefold serve``'s parsed flags (missing flags: defaults)."""
+    from pagefold.entrypoints.openai.chat_parsing import REASONING_PARSERS, TOOL_PARSERS
+
+    d = ServeOptions()
+    opts = ServeOptions(
+        log_requests=getattr(args, "log_requests", d.log_requests),
+        max_log_len=getattr(args, "max_log_len", d.max_log_len),
+        log_stats=getattr(args, "log_stats", d.log_stats),
+        log_stats_interval=getattr(args, "log_stats_interval", d.log_stats_interval),
+        access_log=getattr(args, "access_log", d.access_log),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None))
+    if opts.tool_call_parser is not None and opts.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                         f"{opts.tool_call_parser!r}")
+    if opts.reasoning_parser is not None and opts.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {opts.reasoning_parser!r}")
+    if opts.enable_auto_tool_choice and not opts.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return opts
+
+
 def log_request(opts: ServeOptions, request_id: str, prompt: str | None, ids: list[int],
                 params) -> None:
     """One line per accepted request when ``--enable-log-requests`` (vLLM's format)."""

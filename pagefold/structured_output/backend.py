@@ -37,6 +37,26 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict = OrderedDict()
         self.num_compiles = 0
+        self._json_safe = None
+
+    def json_safe_mask(self):
+        """Packed int32 bitmask ``(ceil(V/32),)`` of tokens without raw control characters
+        (bytes 0x00-0x1f). xgrammar's JSON string rule admits them, but JSON parsers (Python's
+        ``json.loads``) refuse them; compact JSON never needs one (escapes are ``\\n``...)."""
+        if self._json_safe is None:
+            import torch
+
+            width = (self.vocab_size + 31) // 32
+            bits = torch.ones(width * 32, dtype=torch.int64)
+            for i, b in enumerate(self.info.decoded_vocab[:self.vocab_size]):
+                if any(c < 0x20 for c in b):
+                    bits[i] = 0
+            bits[self.vocab_size:] = 0
+            weights = torch.tensor([1 << k for k in range(32)], dtype=torch.int64)
+            packed = (bits.view(width, 32) * weights).sum(1)
+            self._json_safe = torch.where(packed >= 1 << 31, packed - (1 << 32),
+                                          packed).to(torch.int32)
+        return self._json_safe
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of ``params`` (cached). Raises ValueError naming the field

@@ -105,6 +105,9 @@ class StructuredOutputManager:
             m = self._matcher(reqs[i])
             if not m.is_terminated():
                 m.fill_next_token_bitmask(mask, i)
+                kind, _, compact = reqs[i].sampling_params.structured_outputs.key()
+                if compact and kind in ("json", "json_object"):
+                    mask[i] &= self.compiler.json_safe_mask()
             else:  # finished grammar: only a stop token may follow
                 mask[i].zero_()
                 for t in self.stop_token_ids + [reqs[i].eos_token_id]:

@@ -177,8 +177,10 @@ def named_choice(tool_choice: Any) -> str | None:
     return None
 
 
-def tool_constraint(tools: list[dict], tool_choice: Any) -> StructuredOutputsParams | None:
-    """The grammar that enforces ``required`` / a named function (None otherwise)."""
+def tool_constraint(tools: list[dict], tool_choice: Any, parallel: bool = True
+                    ) -> StructuredOutputsParams | None:
+    """The grammar that enforces ``required`` / a named function (None otherwise);
+    ``parallel=False`` (``parallel_tool_calls: false``) allows exactly one call."""
     fns = {tool_function(t)["name"]: tool_function(t) for t in tools}
     name = named_choice(tool_choice)
     if name is not None:
@@ -193,6 +195,8 @@ def tool_constraint(tools: list[dict], tool_choice: Any) -> StructuredOutputsPar
                   "required": ["name", "parameters"]} for n, fn in fns.items()]
         schema = {"type": "array", "minItems": 1,
                   "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
     return None
 

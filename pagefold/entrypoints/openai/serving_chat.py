@@ -170,7 +170,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request("tool_choice required / named cannot be combined with "
                                   "another output constraint", "tool_choice")
             try:
-                params.structured_outputs = tool_constraint(req.tools, req.tool_choice)
+                params.structured_outputs = tool_constraint(
+                    req.tools, req.tool_choice, req.parallel_tool_calls is not False)
             except ValueError as e:
                 raise bad_request(str(e), "tool_choice") from None
         rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")

@@ -400,7 +400,7 @@ def test_misc_vllm_behaviours(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
     # continuous usage stats: every chunk has usage.
     chunks = list(client.completions.create(
-        model=MODEL, prompt="x", max_tokens=4, stream=True, ignore_eos=True,
+        model=MODEL, prompt="x", max_tokens=4, stream=True, extra_body={"ignore_eos": True},
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert all(c.usage is not None for c in chunks)
     assert [c.usage.completion_tokens for c in chunks if c.choices][-1] == 4

@@ -178,7 +178,7 @@ def test_bad_constraints_are_400_saying_why(server, body, param):
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, **body))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] in (param, "prompt"), err
+    assert err["param"] in (param, "structured_outputs"), err
     assert err["message"]
     server.wait_pool_whole()
 

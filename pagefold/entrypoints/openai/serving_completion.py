@@ -119,7 +119,9 @@ async def merge_generations(
 def engine_error(e: Exception) -> APIError:
     """Map engine-side failures to HTTP errors (400 rejected, 503 dead)."""
     if isinstance(e, RequestRejectedError):
-        return bad_request(str(e), "prompt")
+        msg = str(e)
+        return bad_request(msg, "structured_outputs" if "structured output" in msg
+                           else "prompt")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
     if isinstance(e, APIError):

@@ -177,13 +177,19 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``tools`` and ``chat_template_kwargs`` go to the template."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         for conv in convs:
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=True)
+                tokenize=True, **extra)
             if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})

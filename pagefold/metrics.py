@@ -42,6 +42,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0)
 
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -129,6 +131,13 @@ class ServerMetrics:
         self.e2e = Histogram("pagefold:e2e_request_latency_seconds",
                              "Arrival to the last output token.", m, buckets=_E2E_BUCKETS,
                              registry=r)
+        self.request_prompt_tokens = Histogram(
+            "pagefold:request_prompt_tokens", "Prompt tokens per finished request.", m,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "pagefold:request_generation_tokens",
+            "Generated tokens per finished request (all its samples).", m,
+            buckets=_TOKEN_BUCKETS, registry=r)
         self._last: dict[str, int] = {}  # last cumulative values seen from the core
         # Counters fed from the core's cumulative values: (counter, CoreStats field).
         self._core_counters = (
@@ -196,6 +205,11 @@ class ServerMetrics:
         self.e2e.labels(self.model_name).observe(e2e_s)
         self.request_success.labels(self.model_name, finish_reason or "unknown").inc()
 
+    def record_request_tokens(self, num_prompt_tokens: int, num_generated: int) -> None:
+        """Per finished request: its prompt and generated token counts."""
+        self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(self.model_name).observe(num_generated)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, each vLLM knows also under its
         ``vllm:`` name (same labels, same values; see :data:`VLLM_NAMES`)."""
@@ -232,6 +246,8 @@ VLLM_NAMES = {
     "pagefold:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "pagefold:inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "pagefold:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "pagefold:request_prompt_tokens": "vllm:request_prompt_tokens",
+    "pagefold:request_generation_tokens": "vllm:request_generation_tokens",
 }
 # Older vLLM names some dashboards still use (same series again).
 VLLM_LEGACY_NAMES = {

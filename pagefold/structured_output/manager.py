@@ -31,9 +31,17 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *,
+                        use_xgrammar: bool = True) -> torch.Tensor:
     """Set ``logits[i, t] = -inf`` where bit ``t`` of row ``i`` of the packed int32 ``bitmask``
-    ``(B, ceil(V / 32))`` is 0 (in place; returns ``logits``). Pure torch: any device."""
+    ``(B, ceil(V / 32))`` is 0 (in place; returns ``logits``). On the CPU xgrammar's kernel
+    (about 3x faster); elsewhere, or with ``use_xgrammar=False``, pure torch."""
+    if use_xgrammar and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+            and logits.is_contiguous():
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask.contiguous())
+        return logits
     b, v = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1

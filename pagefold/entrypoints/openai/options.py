@@ -84,5 +84,6 @@ async def stats_loop(metrics: ServerMetrics, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         cur, now = metrics.snapshot(), time.monotonic()
-        logger.info("%s", stats_line(prev, cur, now - t))
+        if cur != prev or cur["running"] or cur["waiting"]:  # an idle server stays quiet
+            logger.info("%s", stats_line(prev, cur, now - t))
         prev, t = cur, now

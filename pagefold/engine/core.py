@@ -236,6 +236,9 @@ class EngineCore:
         r = self.scheduler.requests[request_id]
         if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
             raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
+        if r.sampling_params.structured_outputs is not None:
+            self.structured.rollback(r, 1)  # the matcher took the old token
+            self.structured.accept(r, token_id)
         r.output_token_ids[-1] = token_id
         r.all_token_ids[-1] = token_id
         if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:

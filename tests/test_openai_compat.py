@@ -520,6 +520,7 @@ def test_every_vllm_field_is_honoured_or_refused_by_name(server, endpoint):
 
 
 # ----------------------------------------------------------------------------- launch line
+@pytest.mark.slow
 def test_vllm_launch_line_starts(model_dir, tmp_path):
     """``vllm serve MODEL --enable-prefix-caching --gpu-memory-utilization 0.9
     --max-model-len 4096 --disable-log-requests --generation-config auto --max-num-seqs 64``

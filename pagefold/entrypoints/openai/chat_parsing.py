@@ -27,7 +27,7 @@ from typing import Any
 
 from pagefold.structured_output import StructuredOutputsParams
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "think", "granite")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "think")
 TOOL_PARSERS = ("hermes", "pythonic", "json", "qwen", "llama3_json")
 THINK_START, THINK_END = "<think>", "</think>"
 

@@ -62,9 +62,6 @@ class Request:
     index: int = 0
     # Held by its driver (beam search) between steps: the scheduler skips it.
     paused: bool = False
-    # Prompt logprobs computed so far: entry p is (ids, logprobs, rank) of prompt token p + 1
-    # given tokens 0..p (a recomputed prefill never adds an entry twice).
-    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

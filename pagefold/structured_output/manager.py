@@ -96,6 +96,27 @@ class StructuredOutputManager:
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
+    def retain(self, live) -> None:
+        """Drop the matchers of requests no longer in ``live`` (finished, aborted)."""
+        for rid in [r for r in self._matchers if r not in live]:
+            del self._matchers[rid]
+
+    @staticmethod
+    def num_constrained(requests: dict) -> int:
+        return sum(1 for r in requests.values() if r.sampling_params.structured_outputs)
+
+    def step_bitmask(self, requests: dict, num_scheduled: dict[str, int]) -> dict[str, bytes]:
+        """Per constrained request that samples this step (its scheduled tokens reach its
+        last token), its allowed-token row as little-endian int32 bytes."""
+        reqs = [requests[rid] for rid, n in num_scheduled.items()
+                if requests[rid].sampling_params.structured_outputs
+                and requests[rid].num_computed_tokens + n >= requests[rid].num_tokens]
+        if not reqs:
+            return {}
+        mask = self.bitmask(reqs, self.vocab_size)
+        return {r.request_id: mask[i].numpy().astype("<i4").tobytes()
+                for i, r in enumerate(reqs)}
+
     @property
     def num_matchers(self) -> int:
         return len(self._matchers)
@@ -124,8 +145,12 @@ class StructuredOutputManager:
         return mask
 
     def accept(self, req, token: int) -> bool:
-        """Advance ``req``'s matcher with a token appended to it; False if refused."""
+        """Advance ``req``'s matcher with a token appended to it; False if refused. A
+        matcher created now replays the request's output, which already holds ``token``."""
         if req.sampling_params.structured_outputs is None:
+            return True
+        if req.request_id not in self._matchers:
+            self._matcher(req)
             return True
         m = self._matcher(req)
         if m.is_terminated():

@@ -109,6 +109,9 @@ class Scheduler:
         policy: str = "fcfs",
     ) -> None:
         self.kv = kv_cache
+        # The engine's StructuredOutputManager (grammar rows per step, matchers advanced with
+        # sampled tokens); None: no structured output.
+        self.structured = None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -316,6 +319,9 @@ class Scheduler:
         out.swaps = self.kv.take_swaps()
         if not scheduled and not self.running and self.waiting and not out.copies:
             self._abort_unschedulable()
+        so = self.structured
+        if so is not None and so.num_constrained(self.requests):
+            out.grammar_bitmask = so.step_bitmask(self.requests, out.num_scheduled)
         return out
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:
@@ -362,6 +368,8 @@ class Scheduler:
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             r.append_token(tok.token_id)
+            if self.structured is not None:
+                self.structured.accept(r, tok.token_id)  # advance the request's grammar
             eo = EngineCoreOutput(rid, [tok.token_id],
                                   num_cached_tokens=max(r.num_cached_tokens, 0),
                                   parent_id=r.parent_id, index=r.index)
@@ -382,6 +390,8 @@ class Scheduler:
         self.kv.release_pins()
         for r, status in finished:
             self.finish_request(r.request_id, status)
+        if self.structured is not None and self.structured.num_matchers:
+            self.structured.retain(self.requests)  # finished / aborted requests' matchers go
         return outputs
 
     def check_stop(self, r: Request, token: int) -> RequestStatus | None:

@@ -110,6 +110,7 @@ class EngineCore:
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
+        self.scheduler.structured = self.structured
         if config.warm_up:
             warm = self.max_num_batched_tokens
             secs = self.runner.warm_up(warm, seq_len=min(self.max_model_len, 256))
@@ -226,17 +227,5 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        so = self.structured
-        if so.num_constrained(self.scheduler.requests):
-            out.grammar_bitmask = so.step_bitmask(self.scheduler.requests, out.num_scheduled)
         sampled = self.runner.execute(out)
-        outputs = self.scheduler.update_from_output(out, sampled)
-        if so.num_matchers or out.grammar_bitmask:
-            reqs = self.scheduler.requests
-            for o in outputs:
-                r = reqs.get(o.request_id)
-                if r is not None:
-                    for t in o.new_token_ids:
-                        so.accept(r, t)
-            so.retain(reqs)  # matchers of finished / aborted requests go
-        return outputs
+        return self.scheduler.update_from_output(out, sampled)

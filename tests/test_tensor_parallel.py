@@ -50,7 +50,7 @@ def _small_pool(cfg: dict, tp: int) -> int:
     specs = layer_specs_from_config(cfg, model_dtype=torch.float32, tensor_parallel_size=tp)
     plan = plan_pagefold(specs, 16, 1 << 24)
     rep = capacity_report(specs, layout="pagefold", memory_bytes=1 << 24, max_model_len=MAX_LEN,
-                          block_size=16)
+                          block_size=16, enable_prefix_caching=True)
     one = max(rep["blocks_per_request"], KVCacheManager(plan).min_blocks_for(MAX_LEN))
     return (one + 3) * plan.layers_per_group * plan.page_bytes
 
@@ -84,7 +84,7 @@ def test_tp2_greedy_matches_transformers(tiny_model_factory, arch: str):
 
         specs = layer_specs_from_config(cfg, model_dtype=torch.float32, tensor_parallel_size=2)
         rep = capacity_report(specs, layout="pagefold", memory_bytes=memory,
-                              max_model_len=MAX_LEN, block_size=16)
+                              max_model_len=MAX_LEN, block_size=16, enable_prefix_caching=True)
         want = {"num_blocks": rep["num_blocks"], "pool_bytes": rep["pool_bytes"]}
         assert llm.engine.runner.rank_pools == [want, want]
         assert llm.engine.kv_config.num_blocks == rep["num_blocks"]

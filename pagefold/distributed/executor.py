@@ -78,12 +78,7 @@ class TPExecutor:
         self.conns: list = [None] * size
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
-            listener._listener._socket.settimeout(start_timeout_s)
-            for _ in range(size):
-                conn = listener.accept()
-                self.conns[conn.recv()] = conn
-        except OSError as e:
-            self._fail(f"tensor-parallel workers did not connect: {e}")
+            self._accept_all(listener, start_timeout_s)
         finally:
             listener.close()
         for c in self.conns:
@@ -92,6 +87,24 @@ class TPExecutor:
         replies = self._collect(start_timeout_s)
         self.num_params = sum(r[1] for r in replies)  # shards (replicated norms count twice)
         self.rank_pools: list[dict] = [r[2] for r in replies]  # per rank: blocks, pool bytes
+
+    def _accept_all(self, listener: Listener, timeout_s: float) -> None:
+        """Each rank connects and names itself; a rank that exits first fails the start."""
+        sock = listener._listener._socket  # accept in short waits to watch the processes
+        sock.settimeout(0.5)
+        deadline = time.monotonic() + timeout_s
+        while any(c is None for c in self.conns):
+            try:
+                conn = listener.accept()
+                self.conns[conn.recv()] = conn
+            except TimeoutError:
+                pass
+            for rank, p in enumerate(self.procs):
+                if self.conns[rank] is None and p.poll() is not None:
+                    self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with "
+                               f"code {p.returncode} before connecting")
+            if time.monotonic() > deadline:
+                self._fail(f"tensor-parallel workers did not connect within {timeout_s:.0f} s")
 
     @property
     def pids(self) -> list[int]:

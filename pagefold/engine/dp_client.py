@@ -187,13 +187,14 @@ class DPEngineClient:
         i = self.balancer.pick(list(prompt_token_ids), self.loads())
         self._owner[request_id] = i
         self.routed[i] += 1
+        inner = self.replicas[i].generate(prompt, prompt_token_ids, params,
+                                          request_id=request_id, priority=priority)
         try:
-            async for out in self.replicas[i].generate(prompt, prompt_token_ids, params,
-                                                       request_id=request_id,
-                                                       priority=priority):
+            async for out in inner:
                 yield out
         finally:
             self._owner.pop(request_id, None)
+            await inner.aclose()  # a consumer that left early aborts the request there
 
     def abort(self, request_id: str) -> None:
         i = self._owner.pop(request_id, None)

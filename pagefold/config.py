@@ -97,6 +97,11 @@ class EngineConfig:
     generation_config: str = "auto"
     # Most logprobs per token (and prompt logprobs) a request may ask for.
     max_logprobs: int = 20
+    # Tensor parallelism: that many worker processes, one rank each; kv_cache_memory is then
+    # per rank (each rank's pool holds its shard of every page).
+    tensor_parallel_size: int = 1
+    # Torch threads per tensor-parallel rank (None: this process's threads / ranks).
+    threads_per_rank: int | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -137,6 +142,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

@@ -100,6 +100,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None,
                    help="split <think>...</think> into reasoning_content: deepseek_r1, qwen3 "
                         "or think")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores (each with its own pool and scheduler) behind this "
+                        "server; requests go to the least loaded, prefix-aware")
 
 
 def _serve(args: argparse.Namespace) -> int:

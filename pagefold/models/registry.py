@@ -24,6 +24,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("pagefold.models.qwen3_5",
                                         "Qwen3_5ForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("pagefold.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Mamba2ForCausalLM": ("pagefold.models.mamba2", "Mamba2ForCausalLM"),
 }
 
 

@@ -256,6 +256,13 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    # Mamba-2 only (no attention): 3 layers, hidden 40, 10 heads x 8 (= 2 * 40), 2 groups,
+    # state 12, conv kernel 3, chunk 16. Untied.
+    "mamba2": dict(
+        hidden_size=40, num_hidden_layers=3, num_heads=10, head_dim=8, n_groups=2, state_size=12,
+        expand=2, conv_kernel=3, chunk_size=16, use_bias=False, use_conv_bias=True,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -270,6 +277,7 @@ _CONFIG_CLASSES: dict[str, str] = {
     "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "bamba": "BambaConfig",
+    "mamba2": "Mamba2Config",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

@@ -1,0 +1,187 @@
+"""Cache specs for the families added after the first hybrids (issue 17), one reader each.
+
+:func:`extra_layer_specs` is consulted by :func:`pagefold.core.spec_from_config.
+layer_specs_from_config` before its own families; it returns None for a config it does not
+know. Every reader takes a transformers config or a ``config.json`` dict (``_get`` reads both)
+and returns ``{layer name: spec}`` per tensor-parallel rank. Layer names are ``layers.{i}``,
+except where one model layer keeps two caches (Falcon-H1: ``layers.{i}`` attention and
+``layers.{i}.mamba`` state).
+
+New state kinds (all :class:`~pagefold.core.kv_cache_spec.StateSpec`, so the one generic state
+manager serves them: checkpoints and forks copy whole pages):
+
+* ``mamba2`` (Mamba2ForCausalLM, Falcon-H1): as in ``spec_from_config``.
+* ``shortconv`` (LFM2): ``conv (hidden / tp, L_cache - 1)`` in the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagefold.core.kv_cache_spec import (
+    FullAttentionSpec,
+    LayerSpec,
+    SlidingWindowSpec,
+    StateComponent,
+    StateSpec,
+)
+
+__all__ = ["EXTRA_ARCHITECTURES", "EXTRA_MODEL_TYPES", "extra_layer_specs"]
+
+
+def _h():
+    # Imported late: spec_from_config imports this module.
+    from pagefold.core import spec_from_config as s
+
+    return s
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size {tp}")
+    return n // tp
+
+
+def _ssm_dtype(cfg: Any, model_dtype: torch.dtype, override: str | None) -> torch.dtype:
+    s = _h()
+    if override is not None and override != "auto":
+        return s._dtype(override, "mamba_ssm_cache_dtype")
+    named = s._get(cfg, "mamba_ssm_dtype", "mamba_ssm_cache_dtype", default=None)
+    if named is not None and named != "auto":
+        return s._dtype(named, "the config's mamba_ssm_dtype")
+    return model_dtype
+
+
+def mamba2_state(
+    *, heads: int, head_dim: int, groups: int, state: int, kernel: int, tp: int, num_spec: int,
+    conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
+) -> StateSpec:
+    """Mamba-2 state: ``(conv (conv_dim / tp, K - 1 + spec), ssm (H / tp, P, N))``."""
+    if groups % tp:
+        if groups != 1:
+            raise ValueError(
+                f"Mamba-2 n_groups ({groups}) must be 1 or divisible by tensor_parallel_size {tp}")
+        groups = tp
+    conv_dim = heads * head_dim + 2 * groups * state
+    return StateSpec(kind="mamba2", components=(
+        StateComponent("conv", (_split(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
+                       conv_dtype),
+        StateComponent("ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype),
+    ))
+
+
+def _attention(cfg: Any, tp: int, kv_dtype: torch.dtype) -> FullAttentionSpec:
+    s = _h()
+    kv_heads = int(s._get(cfg, "num_key_value_heads", "num_attention_heads"))
+    return FullAttentionSpec(max(1, kv_heads // tp), s._head_dim(cfg), kv_dtype)
+
+
+def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
+                     family: str) -> dict[str, LayerSpec]:
+    s = _h()
+    full = _attention(cfg, tp, kv_dtype)
+    out: dict[str, LayerSpec] = {}
+    for i, t in enumerate(types):
+        if t == "full_attention":
+            out[f"layers.{i}"] = full
+        elif t == "sliding_attention":
+            window = int(s._get(cfg, "sliding_window"))
+            out[f"layers.{i}"] = SlidingWindowSpec(full.num_kv_heads, full.head_dim, kv_dtype,
+                                                   window)
+        else:
+            raise s._unknown(family, i, t, ["full_attention", "sliding_attention"])
+    return out
+
+
+# ---- readers ------------------------------------------------------------------------------
+
+
+def _mamba2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    heads = int(s._get(cfg, "num_heads"))
+    spec = mamba2_state(
+        heads=heads, head_dim=int(s._get(cfg, "head_dim")), groups=int(s._get(cfg, "n_groups")),
+        state=int(s._get(cfg, "state_size")), kernel=int(s._get(cfg, "conv_kernel")), tp=tp,
+        num_spec=num_spec, conv_dtype=model_dtype,
+        ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
+    return {f"layers.{i}": spec for i in range(s._num_layers(cfg))}
+
+
+def gemma3_layer_types(cfg: Any) -> list[str]:
+    """``layer_types``, else transformers' rule: every ``sliding_window_pattern``-th layer is
+    full attention, the others sliding."""
+    s = _h()
+    types = s._get(cfg, "layer_types", default=None)
+    if types is not None:
+        return list(types)
+    pattern = int(s._get(cfg, "sliding_window_pattern", default=6))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(s._num_layers(cfg))]
+
+
+def _gemma3(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    return _sliding_or_full(cfg, gemma3_layer_types(cfg), tp, kv_dtype, "Gemma-3")
+
+
+def gpt_oss_layer_types(cfg: Any) -> list[str]:
+    """``layer_types``, else transformers' default: even layers sliding, odd layers full."""
+    s = _h()
+    types = s._get(cfg, "layer_types", default=None)
+    if types is not None:
+        return list(types)
+    return ["sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(s._num_layers(cfg))]
+
+
+def _gpt_oss(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    return _sliding_or_full(cfg, gpt_oss_layer_types(cfg), tp, kv_dtype, "gpt-oss")
+
+
+_READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+    "mamba2": _mamba2,
+    "gemma3": _gemma3,
+    "gpt_oss": _gpt_oss,
+}
+EXTRA_MODEL_TYPES: dict[str, str] = {
+    "mamba2": "mamba2",
+    "gemma3_text": "gemma3",
+    "gpt_oss": "gpt_oss",
+}
+EXTRA_ARCHITECTURES: dict[str, str] = {
+    "Mamba2ForCausalLM": "mamba2",
+    "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+def extra_family(hf_config: Any) -> str | None:
+    s = _h()
+    text = s.unwrap_text_config(hf_config)
+    for c in (text, hf_config):
+        mt = s._get(c, "model_type", default=None)
+        if mt in EXTRA_MODEL_TYPES:
+            return EXTRA_MODEL_TYPES[mt]
+    for c in (hf_config, text):
+        for arch in s._get(c, "architectures", default=None) or []:
+            if arch in EXTRA_ARCHITECTURES:
+                return EXTRA_ARCHITECTURES[arch]
+    return None
+
+
+def extra_layer_specs(
+    hf_config: Any, *, model_dtype: torch.dtype, kv_dtype: torch.dtype, tp: int,
+    ssm_override: str | None, num_spec: int,
+) -> dict[str, LayerSpec] | None:
+    """Specs for a family of this module, or None when ``hf_config`` is not one of them."""
+    family = extra_family(hf_config)
+    if family is None:
+        return None
+    cfg = _h().unwrap_text_config(hf_config)
+    specs = _READERS[family](cfg, model_dtype=model_dtype, kv_dtype=kv_dtype, tp=tp,
+                             ssm_override=ssm_override, num_spec=num_spec)
+    if not specs:
+        raise ValueError(f"this {family} config declares no layer that keeps a cache")
+    return specs

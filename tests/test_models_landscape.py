@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from pagefold import LLM, SamplingParams
-from pagefold.core.kv_cache_spec import is_attention
 from pagefold.core.kv_cache_planner import pages_for_request, plan_pagefold
+from pagefold.core.kv_cache_spec import is_attention
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.entrypoints.capacity_cmd import main as capacity_main
 from pagefold.testing.oracle import hf_greedy

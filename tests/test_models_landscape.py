@@ -18,11 +18,13 @@ capacity planner, reading config.json alone, describes exactly the pool the engi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pagefold import LLM, SamplingParams
+from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import pages_for_request, plan_pagefold
 from pagefold.core.kv_cache_spec import is_attention
 from pagefold.core.spec_from_config import layer_specs_from_config
@@ -31,7 +33,7 @@ from pagefold.testing.oracle import hf_greedy
 
 N_NEW, VOCAB, MAX_LEN = 8, 512, 60
 MAX_MODEL_LEN = 72
-ARCHS = ["mamba2"]
+ARCHS = ["mamba2", "gemma3", "gpt_oss"]
 SCENARIOS = ["batch", "chunk7", "preempt", "prefix", "fork"]
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
@@ -55,7 +57,8 @@ def _small_pool(model_dir: Path, requests: int = 2) -> int:
     """Bytes of a pool holding ``requests`` requests of MAX_MODEL_LEN (prefix caching on)."""
     specs = _specs(model_dir)
     probe = plan_pagefold(specs, 16, 1 << 30)
-    per_req = pages_for_request(probe, MAX_MODEL_LEN, enable_prefix_caching=True)
+    per_req = max(pages_for_request(probe, MAX_MODEL_LEN, enable_prefix_caching=True),
+                  KVCacheManager(replace(probe, num_blocks=2)).min_blocks_for(MAX_MODEL_LEN))
     return (requests * per_req + 1) * probe.layers_per_group * probe.page_bytes
 
 

@@ -25,6 +25,8 @@ _MODELS: dict[str, tuple[str, str]] = {
                                         "Qwen3_5ForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("pagefold.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Mamba2ForCausalLM": ("pagefold.models.mamba2", "Mamba2ForCausalLM"),
+    "Gemma3ForCausalLM": ("pagefold.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("pagefold.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -263,6 +263,31 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         expand=2, conv_kernel=3, chunk_size=16, use_bias=False, use_conv_bias=True,
         layer_norm_epsilon=1e-5, tie_word_embeddings=False,
     ),
+    # Gemma 3 text: 7 layers, sliding 5:1 (layers 0-4 and 6 sliding, 5 full), window 11 (prompts
+    # cross it), local/global RoPE thetas, the global one linearly scaled; 3 heads x 24, 1 kv
+    # head, query_pre_attn_scalar 20, final logit soft cap 30. Tied.
+    "gemma3": dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=20, sliding_window=11,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+        ),
+    ),
+    # gpt-oss: 4 layers alternating sliding (window 9) and full attention, attention sinks,
+    # biases; MoE of 5 experts, top-2, width 40, clamped SwiGLU; YaRN RoPE. 3 heads x 20, 1 kv
+    # head. Untied.
+    "gpt_oss": dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=20, sliding_window=9, num_local_experts=5,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=1024),
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -278,6 +303,8 @@ _CONFIG_CLASSES: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "bamba": "BambaConfig",
     "mamba2": "Mamba2Config",
+    "gemma3": "Gemma3TextConfig",
+    "gpt_oss": "GptOssConfig",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

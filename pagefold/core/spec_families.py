@@ -140,17 +140,74 @@ def _gpt_oss(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     return _sliding_or_full(cfg, gpt_oss_layer_types(cfg), tp, kv_dtype, "gpt-oss")
 
 
+def lfm2_layer_types(cfg: Any) -> list[str]:
+    """``layer_types`` (``conv`` / ``full_attention``), else from ``full_attn_idxs`` (all
+    attention when neither is given, as transformers defaults)."""
+    s = _h()
+    types = s._get(cfg, "layer_types", default=None)
+    if types is None:
+        n = s._num_layers(cfg)
+        idxs = s._get(cfg, "full_attn_idxs", default=None)
+        full = set(range(n) if idxs is None else idxs)
+        types = ["full_attention" if i in full else "conv" for i in range(n)]
+    for i, t in enumerate(types):
+        if t not in ("conv", "full_attention"):
+            raise s._unknown("LFM2", i, t, ["conv", "full_attention"])
+    return list(types)
+
+
+def _lfm2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    hidden = int(s._get(cfg, "hidden_size"))
+    kernel = int(s._get(cfg, "conv_L_cache"))
+    heads = int(s._get(cfg, "num_attention_heads"))
+    attn = FullAttentionSpec(max(1, int(s._get(cfg, "num_key_value_heads", "num_attention_heads"))
+                                 // tp), hidden // heads, kv_dtype)
+    conv = StateSpec(kind="shortconv", components=(
+        StateComponent("conv", (_split(hidden, tp, "LFM2 hidden_size"), kernel - 1 + num_spec),
+                       model_dtype),))
+    return {f"layers.{i}": attn if t == "full_attention" else conv
+            for i, t in enumerate(lfm2_layer_types(cfg))}
+
+
+def _falcon_h1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    heads = int(s._get(cfg, "mamba_n_heads"))
+    inter = s._get(cfg, "mamba_d_ssm", default=None)
+    if inter is None:
+        inter = int(s._get(cfg, "mamba_expand")) * int(s._get(cfg, "hidden_size"))
+    head_dim = s._get(cfg, "mamba_d_head", default="auto")
+    head_dim = int(inter) // heads if head_dim == "auto" else int(head_dim)
+    state = mamba2_state(
+        heads=heads, head_dim=head_dim, groups=int(s._get(cfg, "mamba_n_groups")),
+        state=int(s._get(cfg, "mamba_d_state")), kernel=int(s._get(cfg, "mamba_d_conv")), tp=tp,
+        num_spec=num_spec, conv_dtype=model_dtype,
+        ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
+    attn = _attention(cfg, tp, kv_dtype)
+    out: dict[str, LayerSpec] = {}
+    for i in range(s._num_layers(cfg)):
+        out[f"layers.{i}"] = attn
+        out[f"layers.{i}.mamba"] = state
+    return out
+
+
 _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+    "falcon_h1": _falcon_h1,
+    "lfm2": _lfm2,
     "mamba2": _mamba2,
     "gemma3": _gemma3,
     "gpt_oss": _gpt_oss,
 }
 EXTRA_MODEL_TYPES: dict[str, str] = {
+    "falcon_h1": "falcon_h1",
+    "lfm2": "lfm2",
     "mamba2": "mamba2",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
 }
 EXTRA_ARCHITECTURES: dict[str, str] = {
+    "FalconH1ForCausalLM": "falcon_h1",
+    "Lfm2ForCausalLM": "lfm2",
     "Mamba2ForCausalLM": "mamba2",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",

@@ -27,6 +27,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mamba2ForCausalLM": ("pagefold.models.mamba2", "Mamba2ForCausalLM"),
     "Gemma3ForCausalLM": ("pagefold.models.gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("pagefold.models.gpt_oss", "GptOssForCausalLM"),
+    "Lfm2ForCausalLM": ("pagefold.models.lfm2", "Lfm2ForCausalLM"),
+    "FalconH1ForCausalLM": ("pagefold.models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 

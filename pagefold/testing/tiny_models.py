@@ -288,6 +288,31 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                              beta_fast=32.0, beta_slow=1.0, truncate=False,
                              original_max_position_embeddings=1024),
     ),
+    # LFM2: conv, conv, attention, conv, attention; short conv kernel 3 with biases; 4 heads x
+    # 12, 2 kv heads; MLP width auto-adjusted from 96 to 72 (2/3, rounded up to 24). Tied.
+    "lfm2": dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=True, block_multiple_of=24,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, norm_eps=1e-5,
+        layer_types=["conv", "conv", "full_attention", "conv", "full_attention"],
+        max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+    # Falcon-H1: 3 layers, each attention (3 heads x 16, 1 kv head) and Mamba-2 in parallel;
+    # Mamba-2 width 60 given by mamba_d_ssm = 5 heads x 12, 1 group, state 12, conv 3, chunk 16,
+    # gated grouped RMSNorm; every multiplier set to a distinct non-trivial value. Untied.
+    "falcon_h1": dict(
+        hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=1, mamba_d_ssm=60, mamba_n_heads=5, mamba_d_head=12,
+        mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=3, mamba_chunk_size=16,
+        mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_conv_bias=True,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
+        embedding_multiplier=1.5, lm_head_multiplier=0.8, mlp_multipliers=[0.9, 1.2],
+        key_multiplier=0.7, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.85,
+        ssm_out_multiplier=1.15,
+        rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -305,6 +330,8 @@ _CONFIG_CLASSES: dict[str, str] = {
     "mamba2": "Mamba2Config",
     "gemma3": "Gemma3TextConfig",
     "gpt_oss": "GptOssConfig",
+    "lfm2": "Lfm2Config",
+    "falcon_h1": "FalconH1Config",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

@@ -191,7 +191,42 @@ def _falcon_h1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     return out
 
 
+def zamba2_hybrid_layers(cfg: Any) -> list[int]:
+    """Indices of Zamba2's hybrid layers (Mamba-2 plus a use of a shared attention block)."""
+    s = _h()
+    types = s._get(cfg, "layers_block_type", "layer_types")
+    table = {"mamba": "mamba", "mamba2": "mamba", "linear_attention": "mamba", "m": "mamba",
+             "hybrid": "hybrid", "g": "hybrid"}
+    out = []
+    for i, t in enumerate(types):
+        if t not in table:
+            raise s._unknown("Zamba2", i, t, list(table))
+        if table[t] == "hybrid":
+            out.append(i)
+    return out
+
+
+def _zamba2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    hidden = int(s._get(cfg, "hidden_size"))
+    heads = int(s._get(cfg, "n_mamba_heads"))
+    inter = int(s._get(cfg, "mamba_expand")) * hidden
+    state = mamba2_state(
+        heads=heads, head_dim=inter // heads, groups=int(s._get(cfg, "mamba_ngroups")),
+        state=int(s._get(cfg, "mamba_d_state")), kernel=int(s._get(cfg, "mamba_d_conv")), tp=tp,
+        num_spec=num_spec, conv_dtype=model_dtype,
+        ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
+    attn_heads = int(s._get(cfg, "num_attention_heads"))
+    kv_heads = int(s._get(cfg, "num_key_value_heads", "num_attention_heads"))
+    attn = FullAttentionSpec(max(1, kv_heads // tp), 2 * hidden // attn_heads, kv_dtype)
+    out: dict[str, LayerSpec] = {f"layers.{i}": state for i in range(s._num_layers(cfg))}
+    for i in zamba2_hybrid_layers(cfg):
+        out[f"layers.{i}.attn"] = attn  # one KV cache per use of a shared block
+    return out
+
+
 _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+    "zamba2": _zamba2,
     "falcon_h1": _falcon_h1,
     "lfm2": _lfm2,
     "mamba2": _mamba2,
@@ -199,6 +234,7 @@ _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "gpt_oss": _gpt_oss,
 }
 EXTRA_MODEL_TYPES: dict[str, str] = {
+    "zamba2": "zamba2",
     "falcon_h1": "falcon_h1",
     "lfm2": "lfm2",
     "mamba2": "mamba2",
@@ -206,6 +242,7 @@ EXTRA_MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "gpt_oss",
 }
 EXTRA_ARCHITECTURES: dict[str, str] = {
+    "Zamba2ForCausalLM": "zamba2",
     "FalconH1ForCausalLM": "falcon_h1",
     "Lfm2ForCausalLM": "lfm2",
     "Mamba2ForCausalLM": "mamba2",

@@ -313,6 +313,20 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         ssm_out_multiplier=1.15,
         rope_parameters=dict(rope_type="default", rope_theta=100000.0),
     ),
+    # Zamba2: 5 Mamba-2 layers, of which 1, 3 and 4 also run a shared attention block (2 blocks
+    # alternating: uses 1 and 4 share block 0's weights) with per-use LoRA adapters (rank 6) and
+    # a per-layer linear; attention sees [hidden | embeddings] (2 x 40), 4 heads x 20 (the
+    # adapters need as many kv heads), RoPE. Mamba-2: 5 heads x 16, 1 group, state 12, conv
+    # 3, chunk 16. Tied.
+    "zamba2": dict(
+        hidden_size=40, intermediate_size=72, num_hidden_layers=5,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=5, mamba_d_state=12,
+        mamba_d_conv=3, mamba_expand=2, mamba_ngroups=1, chunk_size=16, num_mem_blocks=2,
+        use_shared_attention_adapter=True, adapter_rank=6, use_mem_rope=True,
+        hidden_act="gelu", rms_norm_eps=1e-5, max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -332,6 +346,7 @@ _CONFIG_CLASSES: dict[str, str] = {
     "gpt_oss": "GptOssConfig",
     "lfm2": "Lfm2Config",
     "falcon_h1": "FalconH1Config",
+    "zamba2": "Zamba2Config",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

@@ -12,6 +12,8 @@ manager serves them: checkpoints and forks copy whole pages):
 
 * ``mamba2`` (Mamba2ForCausalLM, Falcon-H1): as in ``spec_from_config``.
 * ``shortconv`` (LFM2): ``conv (hidden / tp, L_cache - 1)`` in the model dtype.
+* ``mamba1`` (Jamba): ``conv (I / tp, K - 1)`` in the model dtype, ``ssm (I / tp, N)`` in the SSM
+  dtype, ``I = mamba_expand * hidden``.
 """
 
 from __future__ import annotations
@@ -225,7 +227,42 @@ def _zamba2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     return out
 
 
+def jamba_layer_kinds(cfg: Any) -> list[tuple[str, bool]]:
+    """Per layer ``(mixer, moe)``: mixer ``attention`` when ``i % attn_layer_period ==
+    attn_layer_offset`` else ``mamba``; MoE when ``i % expert_layer_period ==
+    expert_layer_offset`` and there is more than one expert (transformers' rules)."""
+    s = _h()
+    ap, ao = int(s._get(cfg, "attn_layer_period")), int(s._get(cfg, "attn_layer_offset"))
+    ep, eo = int(s._get(cfg, "expert_layer_period")), int(s._get(cfg, "expert_layer_offset"))
+    experts = int(s._get(cfg, "num_experts", "num_local_experts", default=1))
+    return [("attention" if i % ap == ao else "mamba", experts > 1 and i % ep == eo)
+            for i in range(s._num_layers(cfg))]
+
+
+def mamba1_state(*, inter: int, state: int, kernel: int, tp: int, num_spec: int,
+                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> StateSpec:
+    """Mamba-1 state: ``(conv (I / tp, K - 1 + spec), ssm (I / tp, N))``."""
+    i = _split(inter, tp, "Mamba-1 intermediate size")
+    return StateSpec(kind="mamba1", components=(
+        StateComponent("conv", (i, kernel - 1 + num_spec), conv_dtype),
+        StateComponent("ssm", (i, state), ssm_dtype),
+    ))
+
+
+def _jamba(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    state = mamba1_state(
+        inter=int(s._get(cfg, "mamba_expand")) * int(s._get(cfg, "hidden_size")),
+        state=int(s._get(cfg, "mamba_d_state")), kernel=int(s._get(cfg, "mamba_d_conv")), tp=tp,
+        num_spec=num_spec, conv_dtype=model_dtype,
+        ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
+    attn = _attention(cfg, tp, kv_dtype)
+    return {f"layers.{i}": attn if mixer == "attention" else state
+            for i, (mixer, _) in enumerate(jamba_layer_kinds(cfg))}
+
+
 _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+    "jamba": _jamba,
     "zamba2": _zamba2,
     "falcon_h1": _falcon_h1,
     "lfm2": _lfm2,
@@ -234,6 +271,7 @@ _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "gpt_oss": _gpt_oss,
 }
 EXTRA_MODEL_TYPES: dict[str, str] = {
+    "jamba": "jamba",
     "zamba2": "zamba2",
     "falcon_h1": "falcon_h1",
     "lfm2": "lfm2",
@@ -242,6 +280,7 @@ EXTRA_MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "gpt_oss",
 }
 EXTRA_ARCHITECTURES: dict[str, str] = {
+    "JambaForCausalLM": "jamba",
     "Zamba2ForCausalLM": "zamba2",
     "FalconH1ForCausalLM": "falcon_h1",
     "Lfm2ForCausalLM": "lfm2",

@@ -30,6 +30,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Lfm2ForCausalLM": ("pagefold.models.lfm2", "Lfm2ForCausalLM"),
     "FalconH1ForCausalLM": ("pagefold.models.falcon_h1", "FalconH1ForCausalLM"),
     "Zamba2ForCausalLM": ("pagefold.models.zamba2", "Zamba2ForCausalLM"),
+    "JambaForCausalLM": ("pagefold.models.jamba", "JambaForCausalLM"),
 }
 
 

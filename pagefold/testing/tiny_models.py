@@ -327,6 +327,16 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_act="gelu", rms_norm_eps=1e-5, max_position_embeddings=_MAX_POS,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    # Jamba: 6 layers, attention (no positional encoding) at 1 and 4, Mamba-1 elsewhere; MoE
+    # (5 experts, top-2, width 56) at odd layers, dense SwiGLU at even ones. Mamba-1: width 80
+    # (expand 2), state 12, conv 3, dt rank 3; 4 heads x 10, 2 kv heads. Untied.
+    "jamba": dict(
+        hidden_size=40, intermediate_size=56, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=5, num_experts_per_tok=2, mamba_d_state=12,
+        mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=3, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -347,6 +357,7 @@ _CONFIG_CLASSES: dict[str, str] = {
     "lfm2": "Lfm2Config",
     "falcon_h1": "FalconH1Config",
     "zamba2": "Zamba2Config",
+    "jamba": "JambaConfig",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

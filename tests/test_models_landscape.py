@@ -33,7 +33,7 @@ from pagefold.testing.oracle import hf_greedy
 
 N_NEW, VOCAB, MAX_LEN = 8, 512, 60
 MAX_MODEL_LEN = 72
-ARCHS = ["mamba2", "gemma3", "gpt_oss", "lfm2", "falcon_h1", "zamba2", "jamba"]
+ARCHS = ["mamba2", "gemma3", "gpt_oss", "lfm2", "falcon_h1", "zamba2", "jamba", "minimax"]
 SCENARIOS = ["batch", "chunk7", "preempt", "prefix", "fork"]
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 

@@ -14,6 +14,7 @@ manager serves them: checkpoints and forks copy whole pages):
 * ``shortconv`` (LFM2): ``conv (hidden / tp, L_cache - 1)`` in the model dtype.
 * ``mamba1`` (Jamba): ``conv (I / tp, K - 1)`` in the model dtype, ``ssm (I / tp, N)`` in the SSM
   dtype, ``I = mamba_expand * hidden``.
+* ``lightning`` (MiniMax): ``kv (H / tp, D, D)`` in the SSM dtype.
 """
 
 from __future__ import annotations
@@ -261,7 +262,39 @@ def _jamba(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
             for i, (mixer, _) in enumerate(jamba_layer_kinds(cfg))}
 
 
+def minimax_layer_types(cfg: Any) -> list[str]:
+    """``layer_types`` (``linear_attention`` / ``full_attention``), else the original
+    checkpoints' ``attn_type_list`` (0 lightning, 1 full), else transformers' default (full
+    attention at even layers)."""
+    s = _h()
+    types = s._get(cfg, "layer_types", default=None)
+    if types is None:
+        flags = s._get(cfg, "attn_type_list", default=None)
+        if flags is not None:
+            types = ["full_attention" if int(f) else "linear_attention" for f in flags]
+        else:
+            types = ["full_attention" if (i + 1) % 2 else "linear_attention"
+                     for i in range(s._num_layers(cfg))]
+    for i, t in enumerate(types):
+        if t not in ("linear_attention", "full_attention"):
+            raise s._unknown("MiniMax", i, t, ["linear_attention", "full_attention"])
+    return list(types)
+
+
+def _minimax(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    heads = int(s._get(cfg, "num_attention_heads"))
+    d = s._head_dim(cfg)
+    lightning = StateSpec(kind="lightning", components=(
+        StateComponent("kv", (_split(heads, tp, "MiniMax heads"), d, d),
+                       _ssm_dtype(cfg, model_dtype, ssm_override)),))
+    attn = _attention(cfg, tp, kv_dtype)
+    return {f"layers.{i}": attn if t == "full_attention" else lightning
+            for i, t in enumerate(minimax_layer_types(cfg))}
+
+
 _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+    "minimax": _minimax,
     "jamba": _jamba,
     "zamba2": _zamba2,
     "falcon_h1": _falcon_h1,
@@ -271,6 +304,7 @@ _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "gpt_oss": _gpt_oss,
 }
 EXTRA_MODEL_TYPES: dict[str, str] = {
+    "minimax": "minimax",
     "jamba": "jamba",
     "zamba2": "zamba2",
     "falcon_h1": "falcon_h1",
@@ -280,6 +314,7 @@ EXTRA_MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "gpt_oss",
 }
 EXTRA_ARCHITECTURES: dict[str, str] = {
+    "MiniMaxForCausalLM": "minimax",
     "JambaForCausalLM": "jamba",
     "Zamba2ForCausalLM": "zamba2",
     "FalconH1ForCausalLM": "falcon_h1",

@@ -31,6 +31,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "FalconH1ForCausalLM": ("pagefold.models.falcon_h1", "FalconH1ForCausalLM"),
     "Zamba2ForCausalLM": ("pagefold.models.zamba2", "Zamba2ForCausalLM"),
     "JambaForCausalLM": ("pagefold.models.jamba", "JambaForCausalLM"),
+    "MiniMaxForCausalLM": ("pagefold.models.minimax", "MiniMaxForCausalLM"),
 }
 
 

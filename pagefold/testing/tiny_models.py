@@ -337,6 +337,20 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=3, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
     ),
+    # MiniMax-Text-01 style: lightning (linear) attention at 0, 2, 3, full attention (GQA 4:2,
+    # RoPE) at 1; lightning blocks of 16 tokens (prompts span several); 4 heads x 12; MoE of 4
+    # experts, top-2, width 40, in every layer; distinct alpha/beta residual factors. Untied.
+    "minimax": dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention"],
+        block_size=16, full_attn_alpha_factor=1.2, full_attn_beta_factor=0.9,
+        linear_attn_alpha_factor=0.8, linear_attn_beta_factor=1.1, mlp_alpha_factor=1.05,
+        mlp_beta_factor=0.95, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -358,6 +372,7 @@ _CONFIG_CLASSES: dict[str, str] = {
     "falcon_h1": "FalconH1Config",
     "zamba2": "Zamba2Config",
     "jamba": "JambaConfig",
+    "minimax": "MiniMaxConfig",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

@@ -15,6 +15,11 @@ manager serves them: checkpoints and forks copy whole pages):
 * ``mamba1`` (Jamba): ``conv (I / tp, K - 1)`` in the model dtype, ``ssm (I / tp, N)`` in the SSM
   dtype, ``I = mamba_expand * hidden``.
 * ``lightning`` (MiniMax): ``kv (H / tp, D, D)`` in the SSM dtype.
+* ``kda`` (Kimi Linear): ``conv (3 H D / tp, K - 1)`` in the model dtype, ``ssm (H / tp, D, D)``
+  float32 unless ``mamba_ssm_cache_dtype`` says otherwise.
+
+Kimi Linear's MLA layers get an :class:`~pagefold.core.kv_cache_spec.MLASpec`: one latent row of
+``kv_lora_rank + qk_rope_head_dim`` values per token.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from pagefold.core.kv_cache_spec import (
     FullAttentionSpec,
     LayerSpec,
+    MLASpec,
     SlidingWindowSpec,
     StateComponent,
     StateSpec,
@@ -293,7 +299,60 @@ def _minimax(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
             for i, t in enumerate(minimax_layer_types(cfg))}
 
 
+def _kimi_linear_cfg(cfg: Any) -> dict[str, Any]:
+    s = _h()
+    sub = s._get(cfg, "linear_attn_config", default=None) or {}
+    return {
+        "heads": sub.get("num_heads") or s._get(cfg, "linear_num_heads", default=32),
+        "head_dim": sub.get("head_dim") or s._get(cfg, "linear_head_dim", default=128),
+        "kernel": sub.get("short_conv_kernel_size") or s._get(cfg, "linear_conv_kernel_dim",
+                                                              default=4),
+        "sub": sub,
+    }
+
+
+def kimi_layer_types(cfg: Any) -> list[str]:
+    """``layer_types``; else the checkpoint's ``linear_attn_config`` (1-indexed
+    ``full_attn_layers`` / ``kda_layers``); else transformers' default (MLA every 4th layer
+    from layer 4 on)."""
+    s = _h()
+    types = s._get(cfg, "layer_types", default=None)
+    n = s._num_layers(cfg)
+    if types is None:
+        sub = _kimi_linear_cfg(cfg)["sub"]
+        if "full_attn_layers" in sub and "kda_layers" in sub:
+            types = [None] * n
+            for i in sub["full_attn_layers"]:
+                types[int(i) - 1] = "full_attention"
+            for i in sub["kda_layers"]:
+                types[int(i) - 1] = "linear_attention"
+        else:
+            types = ["full_attention" if i and i % 4 == 0 else "linear_attention"
+                     for i in range(n)]
+    for i, t in enumerate(types):
+        if t not in ("linear_attention", "full_attention"):
+            raise s._unknown("Kimi Linear", i, t, ["linear_attention", "full_attention"])
+    return list(types)
+
+
+def _kimi_linear(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    s = _h()
+    lin = _kimi_linear_cfg(cfg)
+    heads, d = _split(int(lin["heads"]), tp, "KDA heads"), int(lin["head_dim"])
+    ssm = (torch.float32 if ssm_override in (None, "auto")
+           else _ssm_dtype(cfg, model_dtype, ssm_override))  # transformers keeps it in float32
+    kda = StateSpec(kind="kda", components=(
+        StateComponent("conv", (3 * heads * d, int(lin["kernel"]) - 1 + num_spec), model_dtype),
+        StateComponent("ssm", (heads, d, d), ssm),
+    ))
+    latent = int(s._get(cfg, "kv_lora_rank")) + int(s._get(cfg, "qk_rope_head_dim"))
+    mla = MLASpec(latent, kv_dtype)  # the latent is shared by all heads: not split across ranks
+    return {f"layers.{i}": mla if t == "full_attention" else kda
+            for i, t in enumerate(kimi_layer_types(cfg))}
+
+
 _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+    "kimi_linear": _kimi_linear,
     "minimax": _minimax,
     "jamba": _jamba,
     "zamba2": _zamba2,
@@ -304,6 +363,7 @@ _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "gpt_oss": _gpt_oss,
 }
 EXTRA_MODEL_TYPES: dict[str, str] = {
+    "kimi_linear": "kimi_linear",
     "minimax": "minimax",
     "jamba": "jamba",
     "zamba2": "zamba2",
@@ -314,6 +374,7 @@ EXTRA_MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "gpt_oss",
 }
 EXTRA_ARCHITECTURES: dict[str, str] = {
+    "KimiLinearForCausalLM": "kimi_linear",
     "MiniMaxForCausalLM": "minimax",
     "JambaForCausalLM": "jamba",
     "Zamba2ForCausalLM": "zamba2",

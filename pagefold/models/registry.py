@@ -32,6 +32,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Zamba2ForCausalLM": ("pagefold.models.zamba2", "Zamba2ForCausalLM"),
     "JambaForCausalLM": ("pagefold.models.jamba", "JambaForCausalLM"),
     "MiniMaxForCausalLM": ("pagefold.models.minimax", "MiniMaxForCausalLM"),
+    "KimiLinearForCausalLM": ("pagefold.models.kimi_linear", "KimiLinearForCausalLM"),
 }
 
 

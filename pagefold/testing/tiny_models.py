@@ -351,6 +351,23 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=_MAX_POS,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    # Kimi Linear: KDA at 0, 1, 3 (3 heads x 10, conv 3), MLA at 2 (3 heads, q LoRA rank 20,
+    # KV latent 24 + shared rope key 8, nope 12, v 10; no positional encoding); dense MLP at 0,
+    # MoE elsewhere (4 experts in 2 groups, 1 group kept, top-2, width 24, sigmoid router with
+    # scaling 1.5, one shared expert). Untied.
+    "kimi_linear": dict(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=3,
+        num_key_value_heads=3, q_lora_rank=20, kv_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=12, v_head_dim=10,
+        layer_types=["linear_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        linear_num_heads=3, linear_head_dim=10, linear_conv_kernel_dim=3,
+        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        n_shared_experts=1, routed_scaling_factor=1.5, n_group=2, topk_group=1,
+        norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS,
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -373,6 +390,7 @@ _CONFIG_CLASSES: dict[str, str] = {
     "zamba2": "Zamba2Config",
     "jamba": "JambaConfig",
     "minimax": "MiniMaxConfig",
+    "kimi_linear": "KimiLinearConfig",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

@@ -99,7 +99,8 @@ class KimiMLA(nn.Module):
         self.layer_name = f"layers.{layer_idx}"
         h, hidden = cfg.num_attention_heads, cfg.hidden_size
         self.num_heads = h
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
         bias = bool(getattr(cfg, "attention_bias", False))

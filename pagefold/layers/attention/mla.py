@@ -44,8 +44,9 @@ def paged_mla_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Tens
             rows.append((slice(tok, tok + 1), slots, torch.tensor([n - 1], device=dev), kpos))
     for r in meta.prefills:
         n = r.ctx_len + (r.tok_end - r.tok_start)
-        rows.append((slice(r.tok_start, r.tok_end), r.kv_slots,
-                     torch.arange(r.ctx_len, n, device=dev), torch.arange(r.kv_start, n, device=dev)))
+        qpos = torch.arange(r.ctx_len, n, device=dev)
+        rows.append((slice(r.tok_start, r.tok_end), r.kv_slots, qpos,
+                     torch.arange(r.kv_start, n, device=dev)))
     out = None
     for sl, slots, qpos, kpos in rows:
         k, v = expand(flat[slots].to(q.dtype))

@@ -3,10 +3,12 @@
 One parametrised scenario set per architecture, each on a tiny random model whose test config
 has every layer kind of its family and shapes that are not powers of two:
 
-* ``batch``: 8 prompts of 5..50 tokens together in an ample pool;
+* ``batch``: 6 prompts of 5..50 tokens together in an ample pool;
 * ``chunk7``: chunked prefill at 7 tokens per step, prefill chunks mixed with decodes;
-* ``preempt``: a pool that holds about two requests at max_model_len, chunked at 33 tokens,
-  once with recompute and once with swap (both preempt; states and pages come back exact);
+* ``preempt``: a pool that holds one request at max_model_len, chunked at 33 tokens, once
+  with recompute and once with swap; two running requests are also preempted mid-decode on
+  purpose (a state-only model never outgrows its pool), models with growing KV preempt on
+  their own as well; states and pages come back exact;
 * ``prefix``: prompts sharing a 40-token prefix, checkpoints every block, run twice: the second
   run is served from the cache (hits counted) and still equals transformers;
 * ``fork``: n=2 greedy children equal each other and transformers.
@@ -31,9 +33,10 @@ from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.entrypoints.capacity_cmd import main as capacity_main
 from pagefold.testing.oracle import hf_greedy
 
-N_NEW, VOCAB, MAX_LEN = 8, 512, 50
+N_NEW, VOCAB, MAX_LEN = 6, 512, 50
 MAX_MODEL_LEN = 72
-ARCHS = ["mamba2", "gemma3", "gpt_oss", "lfm2", "falcon_h1", "zamba2", "jamba", "minimax"]
+ARCHS = ["mamba2", "gemma3", "gpt_oss", "lfm2", "falcon_h1", "zamba2", "jamba", "minimax",
+         "kimi_linear"]
 SCENARIOS = ["batch", "chunk7", "preempt", "prefix", "fork"]
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
@@ -53,7 +56,7 @@ def _specs(model_dir: Path):
     return layer_specs_from_config(cfg, model_dtype=torch.float32)
 
 
-def _small_pool(model_dir: Path, requests: int = 2) -> int:
+def _small_pool(model_dir: Path, requests: int = 1) -> int:
     """Bytes of a pool holding ``requests`` requests of MAX_MODEL_LEN (prefix caching on)."""
     specs = _specs(model_dir)
     probe = plan_pagefold(specs, 16, 1 << 30)
@@ -90,7 +93,7 @@ def _forced_preemptions(llm: LLM, prompts) -> list[list[int]]:
 def run_scenario(model_dir: Path, scenario: str, random_prompts) -> None:
     """One scenario of the module docstring on ``model_dir``; asserts exactness and a whole
     pool."""
-    prompts = random_prompts(8, 5, MAX_LEN, VOCAB, seed=17)
+    prompts = random_prompts(6, 5, MAX_LEN, VOCAB, seed=17)
     if scenario in ("batch", "chunk7"):
         ref = hf_greedy(model_dir, prompts, N_NEW)
         kw = {"max_num_batched_tokens": 7} if scenario == "chunk7" else {}
@@ -112,7 +115,7 @@ def run_scenario(model_dir: Path, scenario: str, random_prompts) -> None:
             llm.engine.kv.check_whole()
     elif scenario == "prefix":
         shared = random_prompts(1, 40, 40, VOCAB, seed=23)[0]
-        tails = random_prompts(5, 3, 15, VOCAB, seed=29)
+        tails = random_prompts(3, 3, 15, VOCAB, seed=29)
         ps = [shared + t for t in tails]
         ref = hf_greedy(model_dir, ps, N_NEW)
         llm = _llm(model_dir, state_checkpoint_interval=16, max_num_batched_tokens=19)
@@ -160,3 +163,29 @@ def test_capacity_matches_engine(arch: str, tiny_model_factory, capsys) -> None:
                                                              enable_prefix_caching=True)
     assert capacity_main([*args, "--layout", "vllm"]) == 0
     assert json.loads(capsys.readouterr().out)["usable_blocks"] > 0
+
+
+def test_vllm_layout_by_hand(tiny_model_factory, capsys) -> None:
+    """``--layout vllm`` numbers derived by hand (float32) for a state-only model and for the
+    latent-attention hybrid. Mamba-2: the page is one unpadded state, conv (128, 2) + ssm
+    (10, 8, 12) = (256 + 960) * 4 bytes; 3 layers in one group; 2 blocks per request with
+    prefix caching. Kimi Linear: an MLA token row is 24 + 8 values (128 bytes), the KDA state
+    conv (90, 2) + ssm (3, 10, 10) = 720 + 1200 bytes fits a 16-token page (2048 bytes)."""
+    memory = 1 << 20
+
+    def report(arch: str) -> dict:
+        args = ["capacity", str(tiny_model_factory(arch)), "--kv-cache-memory", str(memory),
+                "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching", "--json",
+                "--layout", "vllm"]
+        assert capacity_main(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    m = report("mamba2")
+    assert m["page_size_bytes"] == (256 + 960) * 4
+    assert m["usable_blocks"] == memory // (3 * 4864)
+    assert m["blocks_per_request"] == 2
+    k = report("kimi_linear")
+    assert k["page_size_bytes"] == 16 * 128 == 2048
+    # groups: 3 KDA layers, 1 MLA layer -> groups of 1 layer; 4 groups share the pool
+    assert k["usable_blocks"] == memory // 2048
+    assert k["blocks_per_request"] == 3 * 2 + -(-MAX_MODEL_LEN // 16)

@@ -88,6 +88,11 @@ class EngineConfig:
     # One forward of max_num_batched_tokens dummy tokens at start-up (cache untouched), so the
     # first real batch does not pay one-time costs.
     warm_up: bool = True
+    # Tensor parallelism: that many worker processes, one rank each; kv_cache_memory is then
+    # per rank (each rank's pool holds its shard of every page).
+    tensor_parallel_size: int = 1
+    # Torch threads per tensor-parallel rank (None: this process's threads / ranks).
+    threads_per_rank: int | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -128,6 +133,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -178,3 +178,36 @@ def test_finish_while_waiting_drops_nothing_the_runner_holds():
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     runner.apply(s.schedule())
     assert "a" not in runner.states
+
+
+def test_hit_blocks_are_held_while_other_groups_allocate():
+    """A hybrid request admitted with a prefix hit: its state pages are allocated from the
+    free queue, which must not evict the cached attention blocks the same hit reads (the
+    scheduler used to trip ``take_hit``'s assertion here, on Qwen3.5's per-rank pool)."""
+    from pagefold.core.capacity import capacity_report
+    from pagefold.core.spec_from_config import layer_specs_from_config
+    from pagefold.testing.tiny_models import arch_config_kwargs, random_prompts
+
+    cfg = dict(arch_config_kwargs("qwen3_5"), model_type="qwen3_5_text")
+    specs = layer_specs_from_config(cfg, model_dtype=torch.float32, tensor_parallel_size=2)
+    rep = capacity_report(specs, layout="pagefold", memory_bytes=1 << 24, max_model_len=128,
+                          block_size=16, enable_prefix_caching=True)
+    probe = plan_pagefold(specs, 16, 1 << 24)
+    cfg_pool = plan_pagefold(specs, 16, (rep["blocks_per_request"] + 3)
+                             * probe.layers_per_group * probe.page_bytes)
+    kv = KVCacheManager(cfg_pool, enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_batched_tokens=13, max_num_seqs=256, max_model_len=128)
+    prefix = random_prompts(1, 40, 40, 500, seed=7)[0]
+    prompts = [prefix + t for t in random_prompts(5, 3, 30, 500, seed=3)]
+    n = 0
+    for _ in range(2):
+        for p in prompts:
+            s.add_request(Request(str(n), list(p), SamplingParams(max_tokens=8, ignore_eos=True)))
+            n += 1
+        while s.has_unfinished():
+            out = s.schedule()
+            sampled = {rid: SampledToken(7) for rid, k in out.num_scheduled.items()
+                       if s.requests[rid].num_computed_tokens + k >= s.requests[rid].num_tokens}
+            s.update_from_output(out, sampled)
+    assert s.num_preemptions > 0 and kv.stats.hits > 0
+    kv.check_whole()

@@ -177,11 +177,20 @@ class KVCacheManager:
         if self.blocks_needed(req, num_new_tokens, hit_blocks) > self.pool.num_free:
             return False
         if hit_blocks:
-            for m in self.managers:
-                copies = m.take_hit(req.request_id, req.block_hashes, hit_blocks)
-                for c in copies:
-                    self._pins.append([self.pool.blocks[b] for b in c.src])
-                self._copies.extend(copies)
+            # Hold every group's hit blocks first: a state group allocating its pages takes
+            # from the free queue, which could otherwise evict the attention blocks (or another
+            # group's checkpoint) this very hit is about to use.
+            held = [b for m in self.managers
+                    for b in m.hit_blocks(req.block_hashes, hit_blocks)]
+            self.pool.touch(held)
+            try:
+                for m in self.managers:
+                    copies = m.take_hit(req.request_id, req.block_hashes, hit_blocks)
+                    for c in copies:
+                        self._pins.append([self.pool.blocks[b] for b in c.src])
+                    self._copies.extend(copies)
+            finally:
+                self.pool.free(held)
             req.num_computed_tokens = hit_blocks * self.block_size
         end = req.num_computed_tokens + num_new_tokens
         for m in self.managers:

@@ -37,6 +37,7 @@ from pagefold.core.kv_cache_spec import (
     StateComponent,
     StateSpec,
 )
+from pagefold.core.layer_kinds import _unknown
 
 __all__ = ["EXTRA_ARCHITECTURES", "EXTRA_MODEL_TYPES", "extra_layer_specs"]
 
@@ -101,7 +102,7 @@ def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
             out[f"layers.{i}"] = SlidingWindowSpec(full.num_kv_heads, full.head_dim, kv_dtype,
                                                    window)
         else:
-            raise s._unknown(family, i, t, ["full_attention", "sliding_attention"])
+            raise _unknown(family, i, t, ["full_attention", "sliding_attention"])
     return out
 
 
@@ -161,7 +162,7 @@ def lfm2_layer_types(cfg: Any) -> list[str]:
         types = ["full_attention" if i in full else "conv" for i in range(n)]
     for i, t in enumerate(types):
         if t not in ("conv", "full_attention"):
-            raise s._unknown("LFM2", i, t, ["conv", "full_attention"])
+            raise _unknown("LFM2", i, t, ["conv", "full_attention"])
     return list(types)
 
 
@@ -209,7 +210,7 @@ def zamba2_hybrid_layers(cfg: Any) -> list[int]:
     out = []
     for i, t in enumerate(types):
         if t not in table:
-            raise s._unknown("Zamba2", i, t, list(table))
+            raise _unknown("Zamba2", i, t, list(table))
         if table[t] == "hybrid":
             out.append(i)
     return out
@@ -283,7 +284,7 @@ def minimax_layer_types(cfg: Any) -> list[str]:
                      for i in range(s._num_layers(cfg))]
     for i, t in enumerate(types):
         if t not in ("linear_attention", "full_attention"):
-            raise s._unknown("MiniMax", i, t, ["linear_attention", "full_attention"])
+            raise _unknown("MiniMax", i, t, ["linear_attention", "full_attention"])
     return list(types)
 
 
@@ -331,7 +332,7 @@ def kimi_layer_types(cfg: Any) -> list[str]:
                      for i in range(n)]
     for i, t in enumerate(types):
         if t not in ("linear_attention", "full_attention"):
-            raise s._unknown("Kimi Linear", i, t, ["linear_attention", "full_attention"])
+            raise _unknown("Kimi Linear", i, t, ["linear_attention", "full_attention"])
     return list(types)
 
 

@@ -32,6 +32,48 @@ from pagefold.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagefold")
 
+# Architectures whose layers have tensor-parallel shards so far.
+TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                    "NemotronHForCausalLM", "BambaForCausalLM")
+
+
+def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
+                          kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
+                          warm_len: int):
+    import torch
+
+    from pagefold.distributed.executor import TPExecutor
+    from pagefold.distributed.worker import WorkerInit
+
+    if arch not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} is not supported "
+                         f"for {arch} yet; supported: {', '.join(TP_ARCHITECTURES)}")
+    from pagefold.layers.attention_block import split_heads
+    from pagefold.models.registry import text_config as _text
+
+    tcfg, tp = _text(load_hf_config(config.model)[1]), config.tensor_parallel_size
+    heads = tcfg.num_attention_heads
+    split_heads(heads, getattr(tcfg, "num_key_value_heads", None) or heads, tp)
+    experts = getattr(tcfg, "num_local_experts", 0) or getattr(tcfg, "num_experts", 0) or 0
+    if arch == "NemotronHForCausalLM":
+        from pagefold.core.layer_kinds import MOE, layer_kinds
+
+        experts = MOE in layer_kinds(tcfg, "nemotron_h")  # its config always names experts
+    if experts:
+        raise ValueError(f"tensor_parallel_size {tp} does not split MoE experts yet ({arch} "
+                         f"with experts); use tensor_parallel_size 1")
+    inter = getattr(tcfg, "intermediate_size", None)
+    if inter and inter % tp:
+        raise ValueError(f"intermediate_size ({inter}) is not divisible by "
+                         f"tensor_parallel_size {tp}")
+    threads = config.threads_per_rank or max(1, torch.get_num_threads()
+                                             // config.tensor_parallel_size)
+    init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
+                      cache_fill, host_blocks, threads, warm, warm_len)
+    return TPExecutor(init, config.tensor_parallel_size)
+
+
 __all__ = ["EngineCore", "EngineCoreOutput"]
 
 
@@ -74,11 +116,10 @@ class EngineCore:
         self.max_num_batched_tokens = config.max_num_batched_tokens or 4096
         self.eos_token_id = self._eos_id(hf_config)
 
-        self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
-                                max(self.max_model_len, max_pos), self.device)
+        self.tp = config.tensor_parallel_size
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
-            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype)
+            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)
         memory = config.kv_cache_memory or config.DEFAULT_KV_CACHE_MEMORY
         self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
         check_pool_fits(self.kv_config, int(memory), self.max_model_len)
@@ -93,8 +134,20 @@ class EngineCore:
                     self.max_model_len, self.max_num_batched_tokens)
         host_blocks = config.swap_space // (self.kv_config.layers_per_group
                                             * self.kv_config.page_bytes)
-        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
-                                  num_host_blocks=host_blocks)
+        max_positions = max(self.max_model_len, max_pos)
+        warm = self.max_num_batched_tokens if config.warm_up else 0
+        warm_len = min(self.max_model_len, 256)
+        if self.tp == 1:
+            self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
+                                    max_positions, self.device)
+            self.runner = ModelRunner(self.model, self.kv_config, self.device,
+                                      cache_fill=cache_fill, num_host_blocks=host_blocks)
+        else:
+            self.model = None  # the ranks hold the shards
+            self.runner = start_tensor_parallel(
+                config, arch, self.dtype, max_positions, self.device, self.kv_config,
+                cache_fill, host_blocks, warm, warm_len)
+            logger.info("tensor parallel: %d ranks (pids %s)", self.tp, self.runner.pids)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         if host_blocks:
@@ -105,11 +158,16 @@ class EngineCore:
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
-        if config.warm_up:
-            warm = self.max_num_batched_tokens
-            secs = self.runner.warm_up(warm, seq_len=min(self.max_model_len, 256))
+        if warm and self.tp == 1:
+            secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
                         warm, secs)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do in one process)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _warn_if_caching_impossible(self, one_request: int) -> None:
         if not self.config.enable_prefix_caching:

@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(swap needs --swap-space)")
     p.add_argument("--swap-space", default="0",
                    help="host memory for swapped-out blocks, e.g. 4GiB (default 0: no swap)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="worker processes (ranks) the model is split over; --kv-cache-memory "
+                        "is then per rank")
     p.add_argument("--state-checkpoint-interval", type=int, default=256,
                    help="tokens between cached recurrent-state checkpoints of hybrid models "
                         "(rounded down to a multiple of --block-size)")
@@ -44,7 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        state_checkpoint_interval=args.state_checkpoint_interval)
+        state_checkpoint_interval=args.state_checkpoint_interval,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def default_cache_dir() -> Path:
@@ -91,6 +95,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer's")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores (each with its own pool and scheduler) behind this "
+                        "server; requests go to the least loaded, prefix-aware")
 
 
 def _serve(args: argparse.Namespace) -> int:

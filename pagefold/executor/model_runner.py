@@ -17,6 +17,7 @@ from pagefold.core.managers import PageCopy
 from pagefold.core.sched_output import SampledToken, SchedulerOutput
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
+from pagefold.distributed.parallel_state import tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
@@ -189,7 +190,9 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, ctx)
         if not inp.sample_req_idx:
             return {}
-        logits = self.model.compute_logits(hidden[inp.logits_rows])
+        logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
+        if tp_rank() != 0:
+            return {}  # sampling happens once, on rank 0
         sreqs = [reqs[i] for i in inp.sample_req_idx]
         return self.sample(logits, sreqs)
 

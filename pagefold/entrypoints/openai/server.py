@@ -274,7 +274,13 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
-    client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    if dp > 1:
+        from pagefold.engine.dp_client import DPEngineClient
+
+        client = DPEngineClient(config, dp, log_level=getattr(args, "log_level", "INFO"))
+    else:
+        client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
     client.spawn()  # the core loads the model while this process loads the tokenizer
     try:
         state = build_state(config, served_model_name=args.served_model_name,

@@ -25,9 +25,11 @@ from torch import nn
 
 from pagefold.core.spec_families import gemma3_layer_types
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import head_dim_of
+from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
-from pagefold.models.llama import CausalLM, GatedMLP, head_dim_of
+from pagefold.models.llama import CausalLM
 from pagefold.models.weights import fuse
 
 __all__ = ["Gemma3ForCausalLM", "LayerTypeRotary"]

@@ -26,9 +26,9 @@ from pagefold.core.spec_families import jamba_layer_kinds
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.mamba.selective_scan import selective_scan_chunked, selective_scan_recurrent
+from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
-from pagefold.models.llama import GatedMLP
 from pagefold.models.nemotron_h import NemotronHAttention
 from pagefold.models.qwen3_5 import HybridCausalLM
 

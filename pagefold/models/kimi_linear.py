@@ -31,9 +31,9 @@ from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.mla import paged_mla_attention
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear_attention.kda import kda_chunked, kda_recurrent
+from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import MoEExperts
 from pagefold.layers.norm import RMSNorm
-from pagefold.models.llama import GatedMLP
 from pagefold.models.nemotron_h import NemotronHRouter
 from pagefold.models.qwen3_5 import HybridCausalLM
 

@@ -24,10 +24,10 @@ from torch import nn
 
 from pagefold.core.spec_families import minimax_layer_types
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import GQAAttention
 from pagefold.layers.linear_attention.lightning import lightning_chunked, lightning_recurrent
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
-from pagefold.models.llama import Attention
 from pagefold.models.qwen3_5 import HybridCausalLM
 
 __all__ = ["LightningAttention", "MiniMaxForCausalLM", "lightning_slopes"]
@@ -79,7 +79,7 @@ class MiniMaxDecoderLayer(nn.Module):
             self.self_attn = LightningAttention(cfg, layer_idx)
             self.alpha, self.beta = cfg.linear_attn_alpha_factor, cfg.linear_attn_beta_factor
         else:
-            self.self_attn = Attention(cfg, layer_idx, qkv_bias=False, o_bias=False,
+            self.self_attn = GQAAttention(cfg, layer_idx, qkv_bias=False, o_bias=False,
                                        qk_norm=False, max_positions=max_positions)
             self.alpha, self.beta = cfg.full_attn_alpha_factor, cfg.full_attn_beta_factor
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_local_experts,

@@ -38,6 +38,11 @@ from pagefold.core.kv_cache_spec import (
     StateSpec,
 )
 from pagefold.core.layer_kinds import CACHED_KINDS, config_get, layer_kinds, num_layers
+from pagefold.core.spec_families import (
+    EXTRA_ARCHITECTURES,
+    EXTRA_MODEL_TYPES,
+    extra_layer_specs,
+)
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -142,8 +147,9 @@ def detect_family(hf_config: Any) -> str:
             return _ARCHITECTURES[arch]
     raise ValueError(
         f"unsupported architecture (model_type {[m for m in model_types if m] or None}, "
-        f"architectures {archs or None}); supported model types: {', '.join(_MODEL_TYPES)}; "
-        f"supported architectures: {', '.join(_ARCHITECTURES)}"
+        f"architectures {archs or None}); supported model types: "
+        f"{', '.join([*_MODEL_TYPES, *EXTRA_MODEL_TYPES])}; "
+        f"supported architectures: {', '.join([*_ARCHITECTURES, *EXTRA_ARCHITECTURES])}"
     )
 
 
@@ -269,6 +275,11 @@ def layer_specs_from_config(
             f"got {kv_cache_dtype!r}"
         )
 
+    extra = extra_layer_specs(hf_config, model_dtype=model_dtype, kv_dtype=kv_dtype, tp=tp,
+                              ssm_override=mamba_ssm_cache_dtype,
+                              num_spec=num_speculative_tokens)
+    if extra is not None:
+        return extra
     family = detect_family(hf_config)
     cfg = unwrap_text_config(hf_config)
     # One parser for the cache and the models; MLP / MoE blocks cache nothing.

@@ -70,7 +70,9 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     model = resolve_cli_model(args.model)
-    llm = LLM(model, **engine_kwargs(args))
+    kw = engine_kwargs(args)
+    kw.pop("model", None)
+    llm = LLM(model, **kw)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
     history: list[dict[str, str]] = []

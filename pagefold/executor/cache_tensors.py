@@ -86,7 +86,7 @@ class CacheTensors:
                 spec = group.spec
                 if is_attention(spec):
                     self.attn[name] = raw.view(spec.dtype).view(
-                        config.num_blocks, config.block_size, 2, spec.num_kv_heads, spec.head_dim
+                        config.num_blocks, *spec.page_shape(config.block_size)
                     )
                 else:
                     self.state[name] = StateView(raw, spec, group.pages_per_state)

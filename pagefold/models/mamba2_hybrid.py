@@ -18,6 +18,7 @@ stores the states back (conv in the model dtype, ssm in the cache's SSM dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
 
@@ -137,10 +140,21 @@ class Mamba2Mixer(nn.Module):
         if mcfg.num_heads % mcfg.n_groups:
             raise ValueError(f"mamba heads {mcfg.num_heads} not divisible by groups "
                              f"{mcfg.n_groups}")
+        # Tensor parallelism: this rank's heads and B/C groups (a group's heads stay together).
+        tp = tp_size()
+        for field, n in (("mamba heads", mcfg.num_heads), ("n_groups", mcfg.n_groups)):
+            if n % tp:
+                raise ValueError(f"{field} ({n}) is not divisible by tensor_parallel_size {tp}")
+        full = mcfg
+        mcfg = dataclasses.replace(mcfg, num_heads=mcfg.num_heads // tp,
+                                   n_groups=mcfg.n_groups // tp)
         self.cfg = mcfg
         self.layer_name = layer_name
         inter, conv_dim, heads = mcfg.intermediate, mcfg.conv_dim, mcfg.num_heads
-        self.in_proj = nn.Linear(mcfg.hidden_size, inter + conv_dim + heads, bias=mcfg.proj_bias)
+        fi, fgn, fh = full.intermediate, full.n_groups * full.state_size, full.num_heads
+        # The checkpoint's in_proj rows: z | x | B | C | dt, each block cut over the ranks.
+        self.in_proj = column_linear(mcfg.hidden_size, [fi, fi, fgn, fgn, fh],
+                                     bias=mcfg.proj_bias, what="Mamba-2 in_proj")
         # Depthwise conv kept as an nn.Conv1d so the checkpoint's (C, 1, K) weight loads by name;
         # the varlen kernels read it as (C, K).
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, mcfg.conv_kernel, groups=conv_dim,
@@ -149,7 +163,14 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.D = nn.Parameter(torch.ones(heads))
         self.norm = GatedRMSNorm(inter, eps=mcfg.eps, group_size=inter // mcfg.n_groups)
-        self.out_proj = nn.Linear(inter, mcfg.hidden_size, bias=mcfg.proj_bias)
+        self.out_proj = row_linear(fi, mcfg.hidden_size, bias=mcfg.proj_bias,
+                                   what="Mamba-2 out_proj")
+        shard_rows(self.conv1d.weight, [fi, fgn, fgn], "Mamba-2 conv channels")
+        if self.conv1d.bias is not None:
+            shard_rows(self.conv1d.bias, [fi, fgn, fgn], "Mamba-2 conv channels")
+        for p in (self.dt_bias, self.A_log, self.D):
+            shard_rows(p, [fh], "mamba heads")
+        shard_rows(self.norm.weight, [fi], "Mamba-2 norm")
 
     def _dt(self, dt: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         """(T, H) discretised float32 time step, clamped the way transformers clamps it.

@@ -14,6 +14,11 @@ from pagefold.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore
 from pagefold.engine.output_processor import OutputProcessor
+from pagefold.generation_defaults import (
+    generation_defaults,
+    log_generation_defaults,
+    truncate_prompt,
+)
 from pagefold.models.registry import read_config_dict, resolve_architecture
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
@@ -58,6 +63,8 @@ class LLM:
         self._extra_eos = [t for t in generation_eos_ids(model)
                            if t != self.engine.eos_token_id]
         self._counter = itertools.count()
+        self.default_sampling = generation_defaults(model, self.config.generation_config)
+        log_generation_defaults(self.default_sampling, self.config.generation_config)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -76,12 +83,23 @@ class LLM:
         if self._extra_eos and not params.ignore_eos:
             params = params.clone()
             params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(self._extra_eos))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone()
+            params.update_from_tokenizer(self.tokenizer)
         return params
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (unless
+        ``generation_config="vllm"``), as vLLM's ``LLM`` uses when none are given."""
+        return SamplingParams(**self.default_sampling)
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     priority: int = 0) -> str:
         text, ids = self._prompt_ids(prompt)
         params = self._params_for(params)
+        if params.truncate_prompt_tokens is not None:
+            text, ids = None, truncate_prompt(ids, params.truncate_prompt_tokens,
+                                              self.engine.max_model_len)
         rid = str(next(self._counter))
         self.engine.add_request(rid, ids, params, priority=priority)
         self.output_processor.add_request(rid, text, ids, params)
@@ -112,7 +130,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -161,13 +179,19 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``tools`` and ``chat_template_kwargs`` go to the template."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         for conv in convs:
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=True)
+                tokenize=True, **extra)
             if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})

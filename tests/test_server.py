@@ -382,7 +382,7 @@ def test_client_disconnect_frees_blocks(server):
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
     ({"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
-    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400,
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "yaml"}}, 400,
      "response_format"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),
 ])

@@ -79,6 +79,10 @@ class SchedulerOutput:
     swaps: list[SwapOp] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule
+    # Structured output: request id -> its packed int32 allowed-token row (little-endian
+    # bytes, ceil(V/32) words) for the requests that sample this step; filled by the engine
+    # from its grammar matchers (structured_output/manager.py), applied by the sampler.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -99,6 +103,9 @@ class SampledToken:
     token_id: int
     # (token ids, logprobs) of the sampled token followed by the top-k alternatives; and rank.
     logprobs: tuple[list[int], list[float], int] | None = None
+    # With SamplingParams.prompt_logprobs, on the request's first sampled token: per prompt
+    # token after the first, (ids, logprobs, rank) as in ``logprobs``.
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
 
 @dataclass(slots=True)
@@ -111,6 +118,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     parent_id: str | None = None  # parallel sampling: the family's request id
     index: int = 0  # the child's index in its family
+    # On a request's first output only, when it asked for prompt logprobs.
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

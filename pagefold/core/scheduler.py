@@ -109,6 +109,9 @@ class Scheduler:
         policy: str = "fcfs",
     ) -> None:
         self.kv = kv_cache
+        # The engine's StructuredOutputManager (grammar rows per step, matchers advanced with
+        # sampled tokens); None: no structured output.
+        self.structured = None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -286,7 +289,9 @@ class Scheduler:
                     break
                 if req.paused or self.kv.should_defer(req):
                     continue
-                hit = self.kv.find_hit(req)
+                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                hit = (0 if req.sampling_params.prompt_logprobs is not None
+                       else self.kv.find_hit(req))
                 start = req.num_computed_tokens + hit * self.kv.block_size
                 n = min(req.num_tokens - start, budget)
                 n = self.kv.cap_chunk(req, start, n)
@@ -314,6 +319,9 @@ class Scheduler:
         out.swaps = self.kv.take_swaps()
         if not scheduled and not self.running and self.waiting and not out.copies:
             self._abort_unschedulable()
+        so = self.structured
+        if so is not None and so.num_constrained(self.requests):
+            out.grammar_bitmask = so.step_bitmask(self.requests, out.num_scheduled)
         return out
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:
@@ -360,9 +368,13 @@ class Scheduler:
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             r.append_token(tok.token_id)
+            if self.structured is not None:
+                self.structured.accept(r, tok.token_id)  # advance the request's grammar
             eo = EngineCoreOutput(rid, [tok.token_id],
                                   num_cached_tokens=max(r.num_cached_tokens, 0),
                                   parent_id=r.parent_id, index=r.index)
+            if tok.prompt_logprobs is not None:
+                eo.prompt_logprobs = tok.prompt_logprobs
             if tok.logprobs is not None:
                 eo.new_logprobs.append(tok.logprobs)
                 r.cumulative_logprob += tok.logprobs[1][0]
@@ -378,6 +390,8 @@ class Scheduler:
         self.kv.release_pins()
         for r, status in finished:
             self.finish_request(r.request_id, status)
+        if self.structured is not None and self.structured.num_matchers:
+            self.structured.retain(self.requests)  # finished / aborted requests' matchers go
         return outputs
 
     def check_stop(self, r: Request, token: int) -> RequestStatus | None:

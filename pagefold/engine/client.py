@@ -355,6 +355,7 @@ class AsyncEngineClient:
             t.num_tokens, t.last_token_time = t.num_tokens + new, now
         if m is not None and out.finished:
             m.record_finished(now - t.arrival, out.outputs[0].finish_reason)
+            m.record_request_tokens(t.num_prompt_tokens, t.num_tokens)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
+from pagefold.config import EngineConfig, kv_dtype, pool_bytes, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
@@ -29,6 +29,7 @@ from pagefold.models.registry import (
 )
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
+from pagefold.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagefold")
 
@@ -120,7 +121,10 @@ class EngineCore:
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)
-        memory = config.kv_cache_memory or config.DEFAULT_KV_CACHE_MEMORY
+        memory = pool_bytes(config, self.device, request_bytes=self._request_bytes(specs))
+        if config.kv_cache_memory is None:
+            logger.info("block pool: %.1f MiB (gpu_memory_utilization %s on %s)",
+                        memory / 2**20, config.gpu_memory_utilization, self.device.type)
         self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
         check_pool_fits(self.kv_config, int(memory), self.max_model_len)
         self.kv = KVCacheManager(self.kv_config,
@@ -153,11 +157,13 @@ class EngineCore:
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
+        self.structured = self._structured_output_manager()
         self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
+        self.scheduler.structured = self.structured
         if warm and self.tp == 1:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
@@ -168,6 +174,22 @@ class EngineCore:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        from pagefold.llm import generation_eos_ids, load_tokenizer
+
+        cfg = self.config
+        stops = [t for t in [self.eos_token_id, *generation_eos_ids(cfg.model)] if t is not None]
+        return StructuredOutputManager(lambda: load_tokenizer(cfg.tokenizer or cfg.model),
+                                       text_config(self.hf_config).vocab_size,
+                                       sorted(set(stops)))
+
+    def _request_bytes(self, specs) -> int:
+        """Pool bytes one request of max_model_len tokens holds (null block included)."""
+        probe = plan_pagefold(specs, self.config.block_size, 1 << 40)
+        blocks = KVCacheManager(dataclasses.replace(probe, num_blocks=2)).min_blocks_for(
+            self.max_model_len)
+        return (blocks + 1) * probe.layers_per_group * probe.page_bytes
 
     def _warn_if_caching_impossible(self, one_request: int) -> None:
         if not self.config.enable_prefix_caching:
@@ -210,6 +232,12 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs "
+                                 f"({self.config.max_logprobs}), got {k}")
+        self.structured.check(params)  # compiles (cached) or raises ValueError
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
         if family > 1:
@@ -236,7 +264,11 @@ class EngineCore:
         return self.scheduler.fork_request(parent_id, child_id)
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
+        r = self.scheduler.requests[request_id]
         self.scheduler.replace_last_token(request_id, token_id)
+        if r.sampling_params.structured_outputs is not None:
+            self.structured.rollback(r, 1)  # the matcher took the old token
+            self.structured.accept(r, token_id)
 
     def set_paused(self, request_id: str, paused: bool) -> None:
         self.scheduler.set_paused(request_id, paused)

@@ -22,7 +22,12 @@ from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
-from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
+from pagefold.executor.sampler import (
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    make_generator,
+)
 
 __all__ = ["ModelRunner", "SampledToken"]
 
@@ -64,6 +69,7 @@ class ModelRunner:
                      for _ in range(kv_config.layers_per_group if num_host_blocks else 0)]
         self.sampler = Sampler()
         self.requests = RunnerRequests()
+        self._grammar: dict[str, bytes] = {}  # this step's structured-output rows
         self.num_forward_tokens = 0
 
     def warm_up(self, num_tokens: int, seq_len: int) -> float:
@@ -165,6 +171,7 @@ class ModelRunner:
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
         batch = self.requests.apply(out)
+        self._grammar = out.grammar_bitmask
         with _threads_for(self.device, batch.num_tokens * self.num_params):
             self.move_pages(out)
             if not batch.reqs:
@@ -188,6 +195,7 @@ class ModelRunner:
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
         hidden = self.model(inp.input_ids, inp.positions, ctx)
+        self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
@@ -211,6 +219,8 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_id for r in sreqs],
             device=self.device,
         )
+        if self._grammar:
+            meta.token_bitmask = self._bitmask(self._grammar, sreqs, logits.shape[1])
         out = self.sampler(logits, meta)
         ids = out.sampled_token_ids.tolist()
         result = {}
@@ -223,4 +233,41 @@ class ModelRunner:
             if k is not None and lp_ids is not None:
                 lp = (lp_ids[row][: 1 + k], lps[row][: 1 + k], ranks[row])
             result[r.req_id] = SampledToken(ids[row], lp)
+            k = r.sampling_params.prompt_logprobs
+            if (k is not None and not r.output_token_ids
+                    and len(r.prompt_logprobs) == len(r.prompt_token_ids) - 1):
+                result[r.req_id].prompt_logprobs = r.prompt_logprobs
         return result
+
+    @staticmethod
+    def _bitmask(grammar: dict[str, bytes], sreqs: list[CachedRequestState],
+                 vocab: int) -> torch.Tensor:
+        """The step's packed allowed-token rows in sampling-row order (unconstrained rows
+        allow everything)."""
+        mask = torch.full((len(sreqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        for row, r in enumerate(sreqs):
+            b = grammar.get(r.req_id)
+            if b is not None:
+                mask[row] = torch.frombuffer(bytearray(b), dtype=torch.int32)
+        return mask
+
+    def _prompt_logprobs(self, reqs: list[CachedRequestState], starts: list[int],
+                         counts: list[int], hidden: torch.Tensor) -> None:
+        """Append to ``state.prompt_logprobs`` the entries of the prompt positions this step
+        computed, for requests that ask for them and have no output yet (positions already
+        recorded are skipped; a request that resumes mid-prompt records nothing)."""
+        offset = 0
+        for r, start, n in zip(reqs, starts, counts):
+            k = r.sampling_params.prompt_logprobs
+            first = max(start, len(r.prompt_logprobs))
+            end = min(start + n, len(r.prompt_token_ids) - 1)
+            if (k is not None and not r.output_token_ids and start <= len(r.prompt_logprobs)
+                    and first < end):
+                rows = torch.arange(offset + first - start, offset + end - start,
+                                    device=hidden.device)
+                logits = self.model.compute_logits(hidden[rows]).float()
+                targets = torch.tensor(r.token_ids[first + 1:end + 1], dtype=torch.int64,
+                                       device=logits.device)
+                ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=1), targets, k)
+                r.prompt_logprobs.extend(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
+            offset += n

@@ -10,7 +10,7 @@ the runner's last known (the scheduler never sends a token it will not schedule)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     block_ids: list[list[int]]  # per cache group
+    # Prompt logprobs computed so far (SamplingParams.prompt_logprobs): entry p is
+    # (ids, logprobs, rank) of prompt token p + 1 given tokens 0..p.
+    prompt_logprobs: list = field(default_factory=list)
 
     def write(self, start: int, tokens: list[int]) -> None:
         """Tokens ``tokens`` at positions ``start...`` (replacing or extending)."""

@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.entrypoints.openai.options import ServeOptions, serve_options, stats_loop
 from pagefold.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -50,6 +51,7 @@ from pagefold.entrypoints.openai.serving_completion import (
     ClientDisconnected,
     OpenAIServingCompletion,
 )
+from pagefold.generation_defaults import generation_defaults, log_generation_defaults
 from pagefold.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagefold.server")
@@ -68,17 +70,24 @@ class ServerState:
     chat: OpenAIServingChat
     api_key: str | None = None
     created: int = 0
+    options: ServeOptions = field(default_factory=ServeOptions)
 
 
-def build_state(config: EngineConfig, *, served_model_name: str | None = None,
+def build_state(config: EngineConfig, *, served_model_name: str | list[str] | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
-                log_level: str = "INFO", client: AsyncEngineClient | None = None
-                ) -> ServerState:
+                log_level: str = "INFO", client: AsyncEngineClient | None = None,
+                options: ServeOptions | None = None) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
     from pagefold.llm import generation_eos_ids, load_tokenizer
 
-    name = served_model_name or config.model
+    names = ([served_model_name] if isinstance(served_model_name, str)
+             else list(served_model_name or []))
+    name = names[0] if names else config.model
+    options = options or ServeOptions()
+    options.served_model_names = names or [name]
+    options.default_sampling = generation_defaults(config.model, config.generation_config)
+    log_generation_defaults(options.default_sampling, config.generation_config)
     metrics = ServerMetrics(name)
     if client is None:
         client = AsyncEngineClient(config, log_level=log_level)
@@ -86,14 +95,14 @@ def build_state(config: EngineConfig, *, served_model_name: str | None = None,
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     client.tokenizer = tokenizer
     extra = generation_eos_ids(config.model)
-    common = dict(extra_eos_ids=extra)
+    common = dict(extra_eos_ids=extra, options=options)
     template = None
     if chat_template is not None:
         p = Path(chat_template)
         template = p.read_text() if p.is_file() else chat_template
     return ServerState(
         client=client, tokenizer=tokenizer, served_model_name=name, model_path=config.model,
-        metrics=metrics, api_key=api_key, created=int(time.time()),
+        metrics=metrics, api_key=api_key, created=int(time.time()), options=options,
         completion=OpenAIServingCompletion(client, tokenizer, name, **common),
         chat=OpenAIServingChat(client, tokenizer, name, chat_template=template, **common))
 
@@ -134,8 +143,10 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             await state.client.shutdown()
 
-    app = FastAPI(title="pagefold", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    from pagefold import __version__
+
+    app = FastAPI(title="pagefold", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url="/openapi.json")
     app.state.pagefold = state
     client = state.client
 
@@ -230,11 +241,14 @@ def build_app(state: ServerState) -> FastAPI:
         if req.prompt is not None:
             ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            _, ids = state.chat.render(req.messages,
-                                       add_generation_prompt=req.add_generation_prompt)
-        out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+            add_gen = req.add_generation_prompt and not req.continue_final_message
+            _, ids = state.chat.render(req.messages, add_generation_prompt=add_gen,
+                                       continue_final_message=req.continue_final_message,
+                                       chat_template_kwargs=req.chat_template_kwargs,
+                                       tools=req.tools)
+        out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids,
+               "token_strs": (state.tokenizer.convert_ids_to_tokens(ids)
+                              if req.return_token_strs else None)}
         return JSONResponse(out)
 
     @app.post("/detokenize")
@@ -260,12 +274,18 @@ async def serve(state: ServerState, host: str, port: int, *,
     logger.info("engine core %d ready: max_model_len %d, %d usable blocks", info.pid,
                 info.max_model_len, info.num_usable_blocks)
     app = build_app(state)
+    opts = state.options
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                            timeout_graceful_shutdown=graceful_timeout, access_log=False)
+                            timeout_graceful_shutdown=graceful_timeout,
+                            access_log=opts.access_log)
     server = uvicorn.Server(config)
+    stats = (asyncio.ensure_future(stats_loop(state.metrics, opts.log_stats_interval))
+             if opts.log_stats and opts.log_stats_interval > 0 else None)
     try:
         await server.serve()
     finally:
+        if stats is not None:
+            stats.cancel()
         await state.client.shutdown()
 
 
@@ -274,6 +294,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
+    options = serve_options(args)
     dp = getattr(args, "data_parallel_size", 1) or 1
     if dp > 1:
         from pagefold.engine.dp_client import DPEngineClient
@@ -285,7 +306,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     try:
         state = build_state(config, served_model_name=args.served_model_name,
                             api_key=args.api_key, chat_template=args.chat_template,
-                            client=client)
+                            client=client, options=options)
         asyncio.run(serve(state, args.host, args.port,
                           uvicorn_log_level=args.uvicorn_log_level))
     except KeyboardInterrupt:

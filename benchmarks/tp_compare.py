@@ -59,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = str(bench_model(args.arch, args.hidden, args.layers))
     work = random_workload(args.num_prompts, (args.input_len, args.input_len),
-                           (args.output_len, args.output_len), 1000)
+                           (args.output_len, args.output_len), 500)
     one = run(model, 1, work, args)
     two = run(model, 2, work, args)
     rows = []

@@ -59,6 +59,7 @@ class AttentionMetadata:
     all_decode: bool = False  # every row of the batch is a decode row (decode_tok = arange)
     _blockwise: tuple | None = None
     _prefill_pack: tuple | None = None
+    _triton_pack: tuple | None = None  # the Triton prefill kernel's rows/slots/tiles
 
     def prefill_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled prefill kernel's view of :attr:`prefills`, built once per step:

@@ -1,0 +1,190 @@
+"""Fused row-wise kernels in Triton: RMSNorm (with the residual add), q/k norm + RoPE,
+SiLU-and-mul and the gated RMSNorm of GDN outputs.
+
+Each has the signature and contract of its :mod:`pagefold.csrc.cpu_ops` counterpart and
+rounds as the torch reference does (the result of each torch op rounded to the model dtype),
+so float32 and bf16 outputs match the torch path up to the order of float32 sums. One
+program per row; the row is loaded once (``BLOCK`` = the row length rounded up to a power of
+two).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagefold.kernels.triton.common import pow2
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, x_st, r_ptr, r_st, w_ptr, out_ptr, D, eps,
+                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    x = tl.load(x_ptr + row * x_st + d, mask=m, other=0.0)
+    if HAS_RES:
+        res = tl.load(r_ptr + row * r_st + d, mask=m, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # x + residual, rounded
+        tl.store(r_ptr + row * r_st + d, x, mask=m)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        y = h * (1.0 + w)
+    else:
+        y = w * h.to(x.dtype).to(tl.float32)  # weight * h.to(dtype), one rounding
+    tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """See :func:`pagefold.csrc.cpu_ops.rms_norm`: with ``residual``, ``residual += x`` in
+    place and the sum is normalised. None when not handled."""
+    d = x.shape[-1]
+    if x.numel() == 0 or weight.numel() != d or x.dtype != weight.dtype:
+        return None
+    x2 = x.reshape(-1, d)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            return None
+        r2 = residual.view(-1, d) if residual.is_contiguous() else None
+        if r2 is None:
+            return None
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, x2.stride(0), r2 if r2 is not None else x2, r2.stride(0) if r2 is not None else 0,
+        weight.contiguous(), out, d, float(eps), HAS_RES=r2 is not None,
+        ZERO_CENTERED=bool(zero_centered), BLOCK=pow2(d))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, x_st, out_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < I
+    gate = tl.load(x_ptr + row * x_st + i, mask=m, other=0.0)
+    up = tl.load(x_ptr + row * x_st + I + i, mask=m, other=0.0)
+    gf = gate.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)  # silu(gate), rounded
+    tl.store(out_ptr + row * I + i, (s * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=m)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        return None
+    n, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, i), dtype=gate_up.dtype, device=gate_up.device)
+    if n:
+        block = min(pow2(i), 1024)
+        _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, gate_up.stride(0), out, i,
+                                                     BLOCK=block)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, row_st, q_off, q_hs, k_off, pos_ptr, cos_ptr, sin_ptr, ROT,
+                         qw_ptr, kw_ptr, eps, q_out, k_out, H, KVH, D,
+                         HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # query heads first, then kv heads
+    is_q = j < H
+    col = tl.where(is_q, q_off + j * q_hs, k_off + (j - H) * D)
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    half = ROT // 2
+    partner = tl.where(d < half, d + half, d - half)
+    pm = m & (d < ROT)
+    x = tl.load(qkv_ptr + t * row_st + col + d, mask=m, other=0.0)
+    xp = tl.load(qkv_ptr + t * row_st + col + partner, mask=pm, other=0.0)
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    xpf = xp.to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+        if is_q:
+            w = tl.load(qw_ptr + d, mask=m, other=0.0).to(tl.float32)
+            wp = tl.load(qw_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(kw_ptr + d, mask=m, other=0.0).to(tl.float32)
+            wp = tl.load(kw_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            xf = (xf * inv * (1.0 + w)).to(dt).to(tl.float32)
+            xpf = (xpf * inv * (1.0 + wp)).to(dt).to(tl.float32)
+        else:
+            xf = (w * (xf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xpf = (wp * (xpf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * ROT + d, mask=pm, other=1.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * ROT + d, mask=pm, other=0.0).to(dt).to(tl.float32)
+    rot = tl.where(d < half, -xpf, xpf)
+    a = (xf * c).to(dt).to(tl.float32)
+    b = (rot * s).to(dt).to(tl.float32)
+    y = tl.where(d < ROT, a + b, xf)
+    if is_q:
+        tl.store(q_out + (t * H + j) * D + d, y.to(dt), mask=m)
+    else:
+        tl.store(k_out + (t * KVH + j - H) * D + d, y.to(dt), mask=m)
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_off: int, q_head_stride: int, k_off: int, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, zero_centered: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """See :func:`pagefold.csrc.cpu_ops.qk_norm_rope`; fresh contiguous q (T, H, D) and
+    k (T, KVH, D), or None when not handled."""
+    if (qkv.dim() != 2 or qkv.stride(1) != 1 or (q_weight is None) != (k_weight is None)
+            or cos.dtype != torch.float32 or cos.shape[1] % 2):
+        return None
+    t = qkv.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        w = q_weight if q_weight is not None else cos
+        _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
+            qkv, qkv.stride(0), q_off, q_head_stride, k_off, positions.contiguous(),
+            cos.contiguous(), sin.contiguous(), cos.shape[1], w.contiguous(),
+            (k_weight if k_weight is not None else w).contiguous(), float(eps), q, k,
+            num_heads, num_kv_heads, head_dim, HAS_NORM=q_weight is not None,
+            ZERO_CENTERED=bool(zero_centered), BLOCK=pow2(head_dim))
+    return q, k
+
+
+@triton.jit
+def _rms_norm_gated_kernel(x_ptr, x_st, x_sh, g_ptr, g_st, g_sh, w_ptr, out_ptr, H, D, eps,
+                           BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    x = tl.load(x_ptr + t * x_st + h * x_sh + d, mask=m, other=0.0)
+    gate = tl.load(g_ptr + t * g_st + h * g_sh + d, mask=m, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    hn = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    hw = (w * hn).to(x.dtype).to(tl.float32)
+    y = hw * (gate / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + (t * H + h) * D + d, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor | None:
+    """``weight * rmsnorm(x) * silu(gate)`` per (token, head) row of x/gate (N, H, D)."""
+    if x.dim() != 3 or gate.shape != x.shape or x.stride(2) != 1 or gate.stride(2) != 1:
+        return None
+    n, h, d = x.shape
+    out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
+    if n:
+        _rms_norm_gated_kernel[(n, h)](x, x.stride(0), x.stride(1), gate, gate.stride(0),
+                                       gate.stride(1), weight.contiguous(), out, h, d,
+                                       float(eps), BLOCK=pow2(d))
+    return out

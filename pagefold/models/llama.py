@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagefold.csrc import cpu_ops
+from pagefold.kernels import dispatch
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
@@ -34,7 +34,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        h = cpu_ops.silu_and_mul(gate_up) if self.act is nn.functional.silu else None
+        h = dispatch.silu_and_mul(gate_up) if self.act is nn.functional.silu else None
         if h is None:
             gate, up = gate_up.split(self.inter, dim=-1)
             h = self.act(gate) * up
@@ -65,7 +65,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # One pass for q/k norm + RoPE when the compiled kernel takes it; same roundings.
-        qk = cpu_ops.qk_norm_rope(
+        qk = dispatch.qk_norm_rope(
             qkv, positions, self.rotary.cos, self.rotary.sin, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_off=0,
             q_head_stride=self.head_dim, k_off=self.q_size,

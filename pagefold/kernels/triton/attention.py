@@ -23,28 +23,30 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import INTERPRET, dot_dtype, gate, pow2
+from pagefold.kernels.triton.common import INTERPRET, dot_dtype, pow2
 
 _NEG = -1.0e30  # finite "minus infinity" for running maxima: exp(m_old - m_new) stays defined
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, slots_ptr, cache_ptr, KVH, D,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    m = gate((h < KVH) & (d < D), slot >= 0)
+def _write_kv_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, slots_ptr, cache_ptr, N, KVH, D,
+                     ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slots_ptr + i, mask=i < N, other=-1).to(tl.int64)[:, None]
+    f = tl.arange(0, BLOCK_F)[None, :]  # head * D + dim
+    h = f // D
+    d = f % D
+    m = (slot >= 0) & (f < KVH * D)
+    i = i.to(tl.int64)[:, None]
     kv = tl.load(k_ptr + i * k_st + h * k_sh + d, mask=m)
     vv = tl.load(v_ptr + i * v_st + h * v_sh + d, mask=m)
-    dst = cache_ptr + slot * (2 * KVH * D) + h * D + d
+    dst = cache_ptr + slot * (2 * KVH * D) + f
     tl.store(dst, kv.to(cache_ptr.dtype.element_ty), mask=m)
     tl.store(dst + KVH * D, vv.to(cache_ptr.dtype.element_ty), mask=m)
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store k, v (N, KVH, D) (last dim contiguous) at flat ``slots`` (N,) of ``cache``."""
+    """Store k, v (N, KVH, D) at flat ``slots`` (N,) of ``cache`` (negative slots skipped)."""
     n, kvh, d = k.shape
     if n == 0:
         return
@@ -52,9 +54,10 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    _write_kv_kernel[(n,)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           slots.contiguous(), cache, kvh, d, BLOCK_H=pow2(kvh),
-                           BLOCK_D=pow2(d))
+    rows = min(pow2(n), 64) if INTERPRET else 1
+    _write_kv_kernel[(triton.cdiv(n, rows),)](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.contiguous(), cache, n,
+        kvh, d, ROWS=rows, BLOCK_F=pow2(kvh * d))
 
 
 @triton.jit

@@ -14,28 +14,37 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import pow2
+from pagefold.kernels.triton.common import INTERPRET, pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_st, r_ptr, r_st, w_ptr, out_ptr, D, eps,
-                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    m = d < D
+def _rms_norm_kernel(x_ptr, x_st, r_ptr, r_st, w_ptr, out_ptr, R, D, eps,
+                     HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    m = (row < R) & (d < D)
     x = tl.load(x_ptr + row * x_st + d, mask=m, other=0.0)
     if HAS_RES:
         res = tl.load(r_ptr + row * r_st + d, mask=m, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # x + residual, rounded
         tl.store(r_ptr + row * r_st + d, x, mask=m)
     h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, 0) / D + eps)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, 1) / D + eps)[:, None]
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         y = h * (1.0 + w)
     else:
         y = w * h.to(x.dtype).to(tl.float32)  # weight * h.to(dtype), one rounding
     tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(n: int, width: int) -> int:
+    """Rows per program: many under the interpreter (its cost is per program, not per
+    element), on a GPU enough to give each program ~1-4K elements."""
+    if INTERPRET:
+        return min(pow2(n), 64)
+    return max(1, min(pow2(n), 4096 // pow2(width)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
@@ -56,18 +65,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
         if r2 is None:
             return None
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(x2.shape[0],)](
+    n = x2.shape[0]
+    rows = _rows(n, d)
+    _rms_norm_kernel[(triton.cdiv(n, rows),)](
         x2, x2.stride(0), r2 if r2 is not None else x2, r2.stride(0) if r2 is not None else 0,
-        weight.contiguous(), out, d, float(eps), HAS_RES=r2 is not None,
-        ZERO_CENTERED=bool(zero_centered), BLOCK=pow2(d))
+        weight.contiguous(), out, n, d, float(eps), HAS_RES=r2 is not None,
+        ZERO_CENTERED=bool(zero_centered), ROWS=rows, BLOCK=pow2(d))
     return out.view(x.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, x_st, out_ptr, I, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = i < I
+def _silu_mul_kernel(x_ptr, x_st, out_ptr, R, I, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    i = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    m = (row < R) & (i < I)
     gate = tl.load(x_ptr + row * x_st + i, mask=m, other=0.0)
     up = tl.load(x_ptr + row * x_st + I + i, mask=m, other=0.0)
     gf = gate.to(tl.float32)
@@ -83,9 +94,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     n, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, i), dtype=gate_up.dtype, device=gate_up.device)
     if n:
-        block = min(pow2(i), 1024)
-        _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, gate_up.stride(0), out, i,
-                                                     BLOCK=block)
+        block = pow2(i) if INTERPRET else min(pow2(i), 1024)
+        rows = _rows(n, block)
+        _silu_mul_kernel[(triton.cdiv(n, rows), triton.cdiv(i, block))](
+            gate_up, gate_up.stride(0), out, n, i, ROWS=rows, BLOCK=block)
     return out
 
 
@@ -93,13 +105,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def _qk_norm_rope_kernel(qkv_ptr, row_st, q_off, q_hs, k_off, pos_ptr, cos_ptr, sin_ptr, ROT,
                          qw_ptr, kw_ptr, eps, q_out, k_out, H, KVH, D,
                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK_J: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)  # query heads first, then kv heads
+    j = tl.arange(0, BLOCK_J)[:, None]  # query heads first, then kv heads
     is_q = j < H
     col = tl.where(is_q, q_off + j * q_hs, k_off + (j - H) * D)
-    d = tl.arange(0, BLOCK)
-    m = d < D
+    d = tl.arange(0, BLOCK)[None, :]
+    m = (j < H + KVH) & (d < D)
     half = ROT // 2
     partner = tl.where(d < half, d + half, d - half)
     pm = m & (d < ROT)
@@ -109,13 +121,11 @@ def _qk_norm_rope_kernel(qkv_ptr, row_st, q_off, q_hs, k_off, pos_ptr, cos_ptr, 
     xf = x.to(tl.float32)
     xpf = xp.to(tl.float32)
     if HAS_NORM:
-        inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-        if is_q:
-            w = tl.load(qw_ptr + d, mask=m, other=0.0).to(tl.float32)
-            wp = tl.load(qw_ptr + partner, mask=pm, other=0.0).to(tl.float32)
-        else:
-            w = tl.load(kw_ptr + d, mask=m, other=0.0).to(tl.float32)
-            wp = tl.load(kw_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
+        w = tl.where(is_q, tl.load(qw_ptr + d, mask=d < D, other=0.0),
+                     tl.load(kw_ptr + d, mask=d < D, other=0.0)).to(tl.float32)
+        wp = tl.where(is_q, tl.load(qw_ptr + partner, mask=d < ROT, other=0.0),
+                      tl.load(kw_ptr + partner, mask=d < ROT, other=0.0)).to(tl.float32)
         if ZERO_CENTERED:
             xf = (xf * inv * (1.0 + w)).to(dt).to(tl.float32)
             xpf = (xpf * inv * (1.0 + wp)).to(dt).to(tl.float32)
@@ -123,16 +133,14 @@ def _qk_norm_rope_kernel(qkv_ptr, row_st, q_off, q_hs, k_off, pos_ptr, cos_ptr, 
             xf = (w * (xf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             xpf = (wp * (xpf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * ROT + d, mask=pm, other=1.0).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * ROT + d, mask=pm, other=0.0).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + pos * ROT + d, mask=d < ROT, other=1.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * ROT + d, mask=d < ROT, other=0.0).to(dt).to(tl.float32)
     rot = tl.where(d < half, -xpf, xpf)
     a = (xf * c).to(dt).to(tl.float32)
     b = (rot * s).to(dt).to(tl.float32)
-    y = tl.where(d < ROT, a + b, xf)
-    if is_q:
-        tl.store(q_out + (t * H + j) * D + d, y.to(dt), mask=m)
-    else:
-        tl.store(k_out + (t * KVH + j - H) * D + d, y.to(dt), mask=m)
+    y = tl.where(d < ROT, a + b, xf).to(dt)
+    tl.store(q_out + (t * H + j) * D + d, y, mask=m & is_q)
+    tl.store(k_out + (t * KVH + j - H) * D + d, y, mask=m & (j >= H))
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -150,30 +158,32 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if t:
         w = q_weight if q_weight is not None else cos
-        _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
+        _qk_norm_rope_kernel[(t,)](
             qkv, qkv.stride(0), q_off, q_head_stride, k_off, positions.contiguous(),
             cos.contiguous(), sin.contiguous(), cos.shape[1], w.contiguous(),
             (k_weight if k_weight is not None else w).contiguous(), float(eps), q, k,
             num_heads, num_kv_heads, head_dim, HAS_NORM=q_weight is not None,
-            ZERO_CENTERED=bool(zero_centered), BLOCK=pow2(head_dim))
+            ZERO_CENTERED=bool(zero_centered), BLOCK_J=pow2(num_heads + num_kv_heads),
+            BLOCK=pow2(head_dim))
     return q, k
 
 
 @triton.jit
-def _rms_norm_gated_kernel(x_ptr, x_st, x_sh, g_ptr, g_st, g_sh, w_ptr, out_ptr, H, D, eps,
-                           BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    m = d < D
+def _rms_norm_gated_kernel(x_ptr, x_st, x_sh, g_ptr, g_st, g_sh, w_ptr, out_ptr, R, H, D, eps,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # token * H + head
+    t = r // H
+    h = r % H
+    d = tl.arange(0, BLOCK)[None, :]
+    m = (r < R) & (d < D)
     x = tl.load(x_ptr + t * x_st + h * x_sh + d, mask=m, other=0.0)
     gate = tl.load(g_ptr + t * g_st + h * g_sh + d, mask=m, other=0.0).to(tl.float32)
     xf = x.to(tl.float32)
-    hn = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    hn = (xf * tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     hw = (w * hn).to(x.dtype).to(tl.float32)
     y = hw * (gate / (1.0 + tl.exp(-gate)))
-    tl.store(out_ptr + (t * H + h) * D + d, y.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + r * D + d, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
@@ -184,7 +194,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     n, h, d = x.shape
     out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
     if n:
-        _rms_norm_gated_kernel[(n, h)](x, x.stride(0), x.stride(1), gate, gate.stride(0),
-                                       gate.stride(1), weight.contiguous(), out, h, d,
-                                       float(eps), BLOCK=pow2(d))
+        rows = _rows(n * h, d)
+        _rms_norm_gated_kernel[(triton.cdiv(n * h, rows),)](
+            x, x.stride(0), x.stride(1), gate, gate.stride(0), gate.stride(1),
+            weight.contiguous(), out, n * h, h, d, float(eps), ROWS=rows, BLOCK=pow2(d))
     return out

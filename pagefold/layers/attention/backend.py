@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
+from pagefold.kernels import dispatch
 
 
 @dataclass(slots=True)
@@ -192,6 +193,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q (T, H, D), k/v (T, KVH, D) -> (T, H, D). Writes k/v into the cache first."""
+    out = dispatch.paged_attention(q, k, v, cache, meta, scale)  # Triton (CUDA by default)
+    if out is not None:
+        return out
     write_kv(cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.decode_tok.numel():

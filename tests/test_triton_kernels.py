@@ -125,9 +125,7 @@ def test_gdn_layer_on_pages_matches_torch_path(dtype):
     view = _view([StateComponent("conv", (c, kk - 1), dtype),
                   StateComponent("ssm", (hv, dk, dv), torch.float32)], pages_per_state=2)
     pages, init = _pages(n, 2), _fresh_mask(n)
-    for comp in view.spec.components:  # finite starting states (the pool is random bytes)
-        pass
-    st = view.gather(pages)
+    st = view.gather(pages)  # random bytes: replaced by finite starting states
     st = {kname: torch.randn(v.shape, generator=g).to(DEV, v.dtype) for kname, v in st.items()}
     view.scatter(pages, st)
     mixed = torch.randn(t, c, generator=g).to(DEV, dtype)

@@ -19,10 +19,14 @@ from pagefold.testing.oracle import hf_greedy
 dispatch.prepare_interpreter()  # before triton is first imported (no-op with CUDA)
 pytest.importorskip("triton")
 
-N_NEW = 6
+N_NEW = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
-# Pools that hold one request and little more: with 5 requests in flight some are preempted.
-SMALL_POOL = {"llama": 14 * 4096, "qwen3_5": 20 * 8192, "nemotron_h": 20 * 4096}
+# Pools that hold one request and little more (pages of 4 / 8 / 4 KiB), and the token budget
+# per step: with 5 requests in flight some are preempted (the schedule is the same whatever
+# the kernels, so these were found with the fast paths).
+ENGINE = {"llama": dict(kv_cache_memory=8 * 4096, max_num_batched_tokens=16),
+          "qwen3_5": dict(kv_cache_memory=10 * 8192, max_num_batched_tokens=7),
+          "nemotron_h": dict(kv_cache_memory=18 * 4096, max_num_batched_tokens=7)}
 FIXTURES = {"llama": "llama_dir", "qwen3_5": "qwen3_5_dir", "nemotron_h": "nemotron_h_dir"}
 
 
@@ -62,21 +66,15 @@ def test_triton_greedy_matches_transformers(arch, request, random_prompts, trito
     prompts = base[:3] + [shared + base[3][:3], shared + base[4][:5]]
     ref = hf_greedy(model_dir, prompts, N_NEW)
 
-    # Chunked prefill (7 tokens a step, chunks mixed with decodes) in a small pool: preemption.
-    llm = LLM(str(model_dir), max_model_len=48, max_num_batched_tokens=7,
-              kv_cache_memory=SMALL_POOL[arch])
+    # Chunked prefill (7 or 16 tokens a step, chunks mixed with decodes) in a small pool:
+    # preemption; then the shared-prefix prompts again: prefix hits.
+    llm = LLM(str(model_dir), max_model_len=48, **ENGINE[arch])
     assert _ids(_run(llm, prompts)) == ref
     assert llm.engine.scheduler.num_preemptions > 0
-    llm.engine.kv.check_whole()
     assert triton_mode["n"] > 0
-
-    # Ample pool, prefix caching: the second pass of the shared-prefix prompts hits.
-    llm = LLM(str(model_dir), max_model_len=48, max_num_batched_tokens=16,
-              kv_cache_memory=4 << 20)
-    assert _ids(_run(llm, prompts[3:])) == ref[3:]
     again = _run(llm, prompts[3:])
     assert _ids(again) == ref[3:]
-    assert all(o.num_cached_tokens >= 32 for o in again)
+    assert all(o.num_cached_tokens >= 16 for o in again)
     llm.engine.kv.check_whole()
 
 

@@ -20,6 +20,7 @@ from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
 from pagefold.executor.model_runner import ModelRunner
+from pagefold.kernels import dispatch
 from pagefold.models.registry import (
     load_model,
     read_config_dict,
@@ -104,6 +105,9 @@ class EngineCore:
                                             * self.kv_config.page_bytes)
         self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
                                   num_host_blocks=host_blocks)
+        if self.device.type == "cuda" and dispatch.use_triton(self.device):
+            # Decode steps replayed from CUDA graphs (captured per bucket on first use).
+            self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256), self.max_model_len)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         if host_blocks:

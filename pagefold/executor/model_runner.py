@@ -66,6 +66,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran (CUDA + Triton)
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int,
+                           capture: bool | None = None) -> None:
+        """Replay all-decode steps of up to ``max_batch`` rows from CUDA graphs over static
+        buffers (:mod:`pagefold.executor.cuda_graphs`); ``capture=False`` runs the same padded
+        static step eagerly (how CPU tests check it)."""
+        from pagefold.executor.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.cache, self.kv_config, max_batch,
+                                   max_model_len, self.device, capture=capture)
 
     def warm_up(self, num_tokens: int, seq_len: int) -> float:
         """One forward of ``num_tokens`` prompt tokens (sequences of at most ``seq_len``) and
@@ -172,7 +183,12 @@ class ModelRunner:
                            [r.num_tokens for r in reqs], per_group, self.device)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
-        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta,
+                                     inp.state_meta)
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, ctx)
         if not inp.sample_req_idx:
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagefold.kernels import dispatch
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.kernels import dispatch
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.models.weights import fuse, load_into

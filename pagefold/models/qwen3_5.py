@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefold.kernels import dispatch
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.kernels import dispatch
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
 from pagefold.layers.moe import ExpertWeightRouter

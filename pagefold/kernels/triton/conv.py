@@ -18,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import PagedState, gate, has_pages, pow2, state_addr
+from pagefold.kernels.triton.common import (
+    INTERPRET,
+    PagedState,
+    gate,
+    has_pages,
+    pow2,
+    state_addr,
+)
 
 
 @triton.jit
@@ -95,7 +102,7 @@ def conv_paged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     n = cu.shape[0] - 1
     init = has_initial_state.to(x.device, torch.int8).contiguous() \
         if has_initial_state is not None else cu
-    block_c = min(pow2(c), 256)
+    block_c = pow2(c) if INTERPRET else min(pow2(c), 256)  # interpreter: fewer programs
     pps, pe, off = state.pages.shape[1], state.page_elems, state.offset
     if t:
         seg = torch.searchsorted(cu[1:], torch.arange(t, device=x.device), right=True)
@@ -106,8 +113,8 @@ def conv_paged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             HAS_INIT=has_initial_state is not None, BLOCK_C=block_c)
     if n:
         _conv_state_kernel[(n, triton.cdiv(c, block_c))](
-            x, x.stride(0), cu, init, state.base, state.pages, pps, pe, off, c, k, HAS_INIT=has_initial_state is not None, BLOCK_C=block_c,
-            BLOCK_K=pow2(k - 1))
+            x, x.stride(0), cu, init, state.base, state.pages, pps, pe, off, c, k,
+            HAS_INIT=has_initial_state is not None, BLOCK_C=block_c, BLOCK_K=pow2(k - 1))
     return y
 
 

@@ -75,15 +75,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, x_st, out_ptr, R, I, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, x_st, out_ptr, R, INTER, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     i = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    m = (row < R) & (i < I)
+    m = (row < R) & (i < INTER)
     gate = tl.load(x_ptr + row * x_st + i, mask=m, other=0.0)
-    up = tl.load(x_ptr + row * x_st + I + i, mask=m, other=0.0)
+    up = tl.load(x_ptr + row * x_st + INTER + i, mask=m, other=0.0)
     gf = gate.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)  # silu(gate), rounded
-    tl.store(out_ptr + row * I + i, (s * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + row * INTER + i, (s * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=m)
 
 

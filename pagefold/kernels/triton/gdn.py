@@ -25,7 +25,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import PagedState, gate, has_pages, pow2, state_addr
+from pagefold.kernels.triton.common import (
+    INTERPRET,
+    PagedState,
+    gate,
+    has_pages,
+    pow2,
+    state_addr,
+)
 from pagefold.kernels.triton.conv import conv_paged
 
 
@@ -97,7 +104,8 @@ def gdn_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     cu = cu_seqlens.to(q.device, torch.int).contiguous()
     init = has_initial_state.to(q.device, torch.int8).contiguous() \
         if has_initial_state is not None else cu
-    block_v = min(pow2(dv), 32)
+    # Under the interpreter one tile per head: its cost is per program and per op.
+    block_v = pow2(dv) if INTERPRET else min(pow2(dv), 32)
     _gdn_kernel[(n, h, triton.cdiv(dv, block_v))](
         q, k, q.stride(0), q.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu,
         init, state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset,

@@ -22,7 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import PagedState, gate, has_pages, pow2, state_addr
+from pagefold.kernels.triton.common import (
+    INTERPRET,
+    PagedState,
+    gate,
+    has_pages,
+    pow2,
+    state_addr,
+)
 from pagefold.kernels.triton.conv import conv_paged
 
 
@@ -89,7 +96,7 @@ def ssd_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     cu = cu_seqlens.to(x.device, torch.int64).contiguous()
     init = has_initial_state.to(x.device, torch.int8).contiguous() \
         if has_initial_state is not None else cu
-    block_p = min(pow2(p), 32)
+    block_p = pow2(p) if INTERPRET else min(pow2(p), 32)  # interpreter: fewer programs
     _ssd_kernel[(ns, h, triton.cdiv(p, block_p))](
         x, x.stride(0), x.stride(1), dt, dt.stride(0), A.float().contiguous(), B, C,
         B.stride(0), B.stride(1), D.contiguous() if D is not None else dt, cu, init,

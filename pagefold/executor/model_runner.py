@@ -14,6 +14,7 @@ from pagefold.core.managers import PageCopy
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
+from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
 from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
@@ -63,6 +64,7 @@ class ModelRunner:
         self.host = [torch.zeros((num_host_blocks, kv_config.page_bytes), dtype=torch.uint8,
                                  pin_memory=pin)
                      for _ in range(kv_config.layers_per_group if num_host_blocks else 0)]
+        self.copier = CopyStream(device)  # swaps on a copy stream on CUDA
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
@@ -150,9 +152,9 @@ class ModelRunner:
             for si in range(len(self.kv_config.groups[op.group].layer_names)):
                 pool, hpool = wide_rows(self.cache.shared[si]), wide_rows(self.host[si])
                 if op.to_host:
-                    hpool.index_copy_(0, host, pool.index_select(0, dev).to("cpu"))
+                    self.copier.to_host(pool, hpool, dev, host)
                 else:
-                    pool.index_copy_(0, dev, hpool.index_select(0, host).to(self.device))
+                    self.copier.to_device(pool, hpool, dev, host)
 
     def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
                 copies: list[PageCopy] | None = None,

@@ -66,3 +66,45 @@ def test_padded_static_decode_matches_eager_and_transformers(qwen3_5_dir, random
         runs.append([t.clone() for t in runner.cache.shared])
     for eager, padded in zip(*runs):
         assert torch.equal(eager, padded)  # padding rows wrote nothing anywhere
+
+
+def test_static_batch_fill_pads_inert_rows(qwen3_5_dir):
+    """A 3-row decode step in a bucket of 8: real rows copied, the rest inert (slot -1, no
+    keys, page -1, not fresh), cu_seqlens one token per row; a smaller step clears rows."""
+    from pagefold.executor.cuda_graphs import StaticBatch
+    from pagefold.executor.input_batch import build_inputs
+
+    llm = LLM(str(qwen3_5_dir), max_model_len=64, kv_cache_memory=1 << 20)
+    cfg = llm.engine.kv_config
+    per_group = []
+    for g in cfg.groups:
+        per_group.append([[3 + i] * (g.pages_per_state or 2) for i in range(3)])
+    inp = build_inputs(cfg, [[7], [8], [9]], [20, 5, 17], [1, 1, 1], [21, 6, 18], per_group)
+    sb = StaticBatch(cfg, 8, 64, torch.device("cpu"))
+    sb.fill(inp.input_ids, inp.positions, inp.attn_meta, inp.state_meta)
+    assert sb.input_ids.tolist() == [7, 8, 9, 0, 0, 0, 0, 0]
+    kinds = set()
+    for g, am, sm in zip(sb.groups, inp.attn_meta, inp.state_meta):
+        if g.attn is not None:
+            kinds.add("attn")
+            assert g.attn.slot_mapping[:3].tolist() == am.slot_mapping.tolist()
+            assert g.attn.slot_mapping[3:].eq(-1).all()
+            assert g.attn.decode_seq_lens.tolist() == [21, 6, 18, 0, 0, 0, 0, 0]
+            assert g.attn.decode_tables[:3, :2].tolist() == am.decode_tables.tolist()
+        else:
+            kinds.add("state")
+            assert g.state.page_ids[:3].tolist() == sm.page_ids.tolist()
+            assert g.state.page_ids[3:].eq(-1).all()
+            assert g.state.has_initial_state.tolist() == [True] * 3 + [False] * 5
+            assert g.state.cu_seqlens.tolist() == list(range(9))
+    assert kinds == {"attn", "state"}
+    one = build_inputs(cfg, [[4]], [9], [1], [10], [p[:1] for p in per_group])
+    sb.fill(one.input_ids, one.positions, one.attn_meta, one.state_meta)
+    for g in sb.groups:
+        if g.attn is not None:
+            assert g.attn.slot_mapping[1:].eq(-1).all() and g.attn.decode_seq_lens[1:].eq(0).all()
+        else:
+            assert g.state.page_ids[1:].eq(-1).all()
+    with pytest.raises(ValueError, match="bucket"):
+        StaticBatch(cfg, 2, 64, torch.device("cpu")).fill(
+            inp.input_ids, inp.positions, inp.attn_meta, inp.state_meta)

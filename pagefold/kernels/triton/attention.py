@@ -25,7 +25,8 @@ import triton.language as tl
 
 from pagefold.kernels.triton.common import INTERPRET, dot_dtype, pow2
 
-_NEG = -1.0e30  # finite "minus infinity" for running maxima: exp(m_old - m_new) stays defined
+# Running maxima start at a finite "minus infinity" (-1e30, written inline: Triton kernels may
+# read only constexpr globals), so exp(m_old - m_new) stays defined for rows with no key yet.
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def _decode_kernel(q_ptr, q_st, q_sh, rows_ptr, cache_ptr, tables_ptr, t_st, seq
     q = q.to(DOT)
     seq_len = tl.load(seq_lens_ptr + b)
     lo = tl.load(kv_start_ptr + b) if HAS_START else 0
-    m_i = tl.full((BLOCK_G,), _NEG, tl.float32)
+    m_i = tl.full((BLOCK_G,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     slot_stride = 2 * KVH * D
@@ -156,7 +157,7 @@ def _prefill_kernel(q_ptr, q_st, q_sh, cache_ptr, slots_ptr, rows_ptr, tiles_ptr
     kv_lo = kv_start
     if WINDOW > 0:
         kv_lo = tl.maximum(kv_lo, ctx_len + m0 - WINDOW + 1)
-    m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     slot_stride = 2 * KVH * D

@@ -38,14 +38,17 @@ def triton_mode():
 
 
 @pytest.mark.slow
-def test_padded_static_decode_matches_eager_and_transformers(qwen3_5_dir, random_prompts,
-                                                             triton_mode):
-    prompts = random_prompts(3, 5, 12, 512, seed=31)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    ref = hf_greedy(qwen3_5_dir, prompts, 4)
+def test_padded_static_decode_matches_eager_and_transformers(tiny_model_factory,
+                                                             random_prompts, triton_mode):
+    # One GDN and one attention layer: the padding rows meet both kinds of cache.
+    model = tiny_model_factory("qwen3_5", num_hidden_layers=2,
+                               layer_types=["linear_attention", "full_attention"])
+    prompts = random_prompts(3, 4, 8, 512, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ref = hf_greedy(model, prompts, 3)
     runs = []
     for graphs in (False, True):
-        llm = LLM(str(qwen3_5_dir), max_model_len=32, kv_cache_memory=1 << 20)
+        llm = LLM(str(model), max_model_len=32, kv_cache_memory=1 << 20)
         runner = llm.engine.runner
         calls = {"n": 0}
         if graphs:
@@ -62,7 +65,7 @@ def test_padded_static_decode_matches_eager_and_transformers(qwen3_5_dir, random
         assert [o.outputs[0].token_ids for o in outs] == ref
         llm.engine.kv.check_whole()
         if graphs:
-            assert calls["n"] >= 3  # every decode step went through the bucket of 4
+            assert calls["n"] >= 2  # every decode step went through the bucket of 4
         runs.append([t.clone() for t in runner.cache.shared])
     for eager, padded in zip(*runs):
         assert torch.equal(eager, padded)  # padding rows wrote nothing anywhere

@@ -19,8 +19,8 @@ class RMSNorm(nn.Module):
     pass); the sum may be written into ``residual``'s storage.
 
     A fused kernel (C++ on the CPU, Triton on CUDA; :mod:`pagefold.kernels.dispatch`) does the
-    whole row in one pass
-    with the same roundings; :meth:`reference` is the torch formulation, used elsewhere.
+    whole row in one pass with the same roundings; :meth:`reference` is the torch formulation,
+    used elsewhere.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:

@@ -21,6 +21,7 @@ from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
 from pagefold.executor.model_runner import ModelRunner
+from pagefold.kernels import dispatch
 from pagefold.layers.attention.kv_quant import apply_checkpoint_kv_scales
 from pagefold.models.registry import (
     load_model,
@@ -147,6 +148,10 @@ class EngineCore:
                                     max_positions, self.device)
             self.runner = ModelRunner(self.model, self.kv_config, self.device,
                                       cache_fill=cache_fill, num_host_blocks=host_blocks)
+            if self.device.type == "cuda" and dispatch.use_triton(self.device):
+                # Decode steps replayed from CUDA graphs (captured per bucket on first use).
+                self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256),
+                                               self.max_model_len)
         else:
             self.model = None  # the ranks hold the shards
             self.runner = start_tensor_parallel(

@@ -19,6 +19,7 @@ from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
+from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
@@ -67,10 +68,22 @@ class ModelRunner:
         self.host = [torch.zeros((num_host_blocks, kv_config.page_bytes), dtype=torch.uint8,
                                  pin_memory=pin)
                      for _ in range(kv_config.layers_per_group if num_host_blocks else 0)]
+        self.copier = CopyStream(device)  # swaps on a copy stream on CUDA
         self.sampler = Sampler()
         self.requests = RunnerRequests()
         self._grammar: dict[str, bytes] = {}  # this step's structured-output rows
         self.num_forward_tokens = 0
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran (CUDA + Triton)
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int,
+                           capture: bool | None = None) -> None:
+        """Replay all-decode steps of up to ``max_batch`` rows from CUDA graphs over static
+        buffers (:mod:`pagefold.executor.cuda_graphs`); ``capture=False`` runs the same padded
+        static step eagerly (how CPU tests check it)."""
+        from pagefold.executor.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.cache, self.kv_config, max_batch,
+                                   max_model_len, self.device, capture=capture)
 
     def warm_up(self, num_tokens: int, seq_len: int) -> float:
         """One forward of ``num_tokens`` prompt tokens (sequences of at most ``seq_len``) and
@@ -156,9 +169,9 @@ class ModelRunner:
             for si in range(len(self.kv_config.groups[op.group].layer_names)):
                 pool, hpool = wide_rows(self.cache.shared[si]), wide_rows(self.host[si])
                 if op.to_host:
-                    hpool.index_copy_(0, host, pool.index_select(0, dev).to("cpu"))
+                    self.copier.to_host(pool, hpool, dev, host)
                 else:
-                    pool.index_copy_(0, dev, hpool.index_select(0, host).to(self.device))
+                    self.copier.to_device(pool, hpool, dev, host)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step message; returns the tokens of the rows that reached the end of their
@@ -194,7 +207,12 @@ class ModelRunner:
                            [len(r.token_ids) for r in reqs], per_group, self.device)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
-        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta,
+                                     inp.state_meta)
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, ctx)
         self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             return {}

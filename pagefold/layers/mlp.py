@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
+from pagefold.kernels import dispatch
 from pagefold.layers.activations import get_activation
 from pagefold.layers.linear import column_linear, row_linear
 
@@ -29,7 +29,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        h = cpu_ops.silu_and_mul(gate_up) if self.act is F.silu else None
+        h = dispatch.silu_and_mul(gate_up) if self.act is F.silu else None
         if h is None:
             gate, up = gate_up.split(self.inter, dim=-1)
             h = self.act(gate) * up

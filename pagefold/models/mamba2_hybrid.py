@@ -28,6 +28,7 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
+from pagefold.kernels import dispatch
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
@@ -195,9 +196,22 @@ class Mamba2Mixer(nn.Module):
         inter, gn = c.intermediate, c.n_groups * c.state_size
         z, xbc, dt = self.in_proj(x).split([inter, c.conv_dim, c.num_heads], dim=-1)
 
-        _, meta = ctx.state(self.layer_name)
-        states = ctx.load_states(self.layer_name)
+        view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
+        A = -torch.exp(self.A_log.float())
+        # Triton path (CUDA by default): conv and scan read and write the states in their
+        # pages; y in the dtype the torch path gives it (see below).
+        if dispatch.use_triton(x.device):
+            y = dispatch.mamba_scan(view, meta.page_ids, meta.has_initial_state,
+                                    meta.cu_seqlens, xbc, weight, self.conv1d.bias,
+                                    self._dt(dt, meta), A, self.D, num_heads=c.num_heads,
+                                    head_dim=c.head_dim, n_groups=c.n_groups,
+                                    state_size=c.state_size,
+                                    y_dtype=x.dtype if meta.all_decode else torch.float32)
+            if y is not None:
+                y = self.norm(y.reshape(t, inter), z)
+                return self.out_proj(y.to(x.dtype))
+        states = ctx.load_states(self.layer_name)
         if meta.all_decode:
             xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
                                                    activation="silu")
@@ -206,7 +220,6 @@ class Mamba2Mixer(nn.Module):
                                                    meta.cu_seqlens, activation="silu")
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
 
-        A = -torch.exp(self.A_log.float())
         dt = self._dt(dt, meta)
         kernel = ssd_recurrent if meta.all_decode else ssd_chunked
         # transformers' chunked scan keeps y in float32 up to the gated norm, while its decode

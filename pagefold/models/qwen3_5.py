@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
@@ -76,7 +76,7 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # (tokens, heads, dim) on the CPU: the compiled kernel, same roundings.
-        out = cpu_ops.rms_norm_gated(x, gate, self.weight, self.eps)
+        out = dispatch.rms_norm_gated(x, gate, self.weight, self.eps)
         return out if out is not None else self.reference(x, gate)
 
     def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -189,10 +189,10 @@ class GatedDeltaNet(nn.Module):
         view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
         # Compiled path (prefill and decode): states read from and written to their pages.
-        o = cpu_ops.gdn(view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a,
-                        b, weight, self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
-                        num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
-                        head_v_dim=self.head_v_dim)
+        o = dispatch.gdn(view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a,
+                         b, weight, self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
+                         num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
+                         head_v_dim=self.head_v_dim)
         if o is not None:
             o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
             return self.out_proj(o.reshape(t, self.value_dim))

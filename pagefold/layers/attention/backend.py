@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
+from pagefold.kernels import dispatch
 from pagefold.layers.attention.kv_quant import KVScales, is_fp8
 
 
@@ -60,6 +61,7 @@ class AttentionMetadata:
     all_decode: bool = False  # every row of the batch is a decode row (decode_tok = arange)
     _blockwise: tuple | None = None
     _prefill_pack: tuple | None = None
+    _triton_pack: tuple | None = None  # the Triton prefill kernel's rows/slots/tiles
 
     def prefill_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled prefill kernel's view of :attr:`prefills`, built once per step:
@@ -216,6 +218,10 @@ def paged_attention(
     ``kv_scales``: the layer's FP8 encoding (an FP8 cache only). Every path reads what the
     cache holds (a chunk's own keys included), so a prefix-cache hit computes what a fresh
     prefill would; FP8 attention runs in float32 on the dequantized values."""
+    if kv_scales is None and not is_fp8(cache.dtype):
+        out = dispatch.paged_attention(q, k, v, cache, meta, scale)  # Triton (CUDA by default)
+        if out is not None:
+            return out
     write_kv(cache, meta.slot_mapping, k, v, kv_scales)
     out = torch.empty_like(q)
     fp8 = is_fp8(cache.dtype)

@@ -29,6 +29,9 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished_ids: set[str] = field(default_factory=set)  # freed since the last step
+    # Speculative decoding: the drafts scheduled with each decoding request (its count is
+    # 1 + len(drafts); drafts cut by the budget or a chunk cap are dropped from the tail).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -112,6 +115,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
+        # Drafts proposed for the next step, per decoding request (set by the engine).
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -204,7 +209,12 @@ class Scheduler:
             if req.paused:
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            drafts = self.spec_token_ids.get(req.request_id) if n == 1 else None
+            if drafts:
+                n += len(drafts)
+                n = self.kv.cap_spec_chunk(req, n)
+            n = min(n, budget)
             n = min(n, self.max_model_len - req.num_computed_tokens)
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
             if req.fork_children:  # stop the shared prefill where the family forks
@@ -226,6 +236,8 @@ class Scheduler:
             if n == 0:
                 continue  # req was preempted; running[i] is now the next request
             scheduled[req.request_id] = n
+            if drafts and n > 1:
+                out.spec_token_ids[req.request_id] = drafts[: n - 1]
             budget -= n
             i += 1
 

@@ -28,6 +28,8 @@ from pagefold.models.registry import (
 )
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
+from pagefold.spec_decode.config import check_model_supports
+from pagefold.spec_decode.engine import SpecDecoder, spec_step
 
 logger = logging.getLogger("pagefold")
 
@@ -110,6 +112,11 @@ class EngineCore:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
         self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
+        self.spec = None
+        if config.speculative_config is not None:
+            check_model_supports(config.speculative_config, hf_config)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
+            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
@@ -198,6 +205,8 @@ class EngineCore:
                         extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
                         cumulative_logprob=parent.cumulative_logprob)
         self.scheduler.fork_now(parent, child)
+        if self.spec is not None:
+            self.spec.exclude(child_id)
         return child
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
@@ -213,15 +222,21 @@ class EngineCore:
     def set_paused(self, request_id: str, paused: bool) -> None:
         """Hold a request out of scheduling (its driver decides its next token first)."""
         self.scheduler.requests[request_id].paused = paused
+        if self.spec is not None:  # driven token by token from outside: never speculated
+            self.spec.exclude(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._unschedulable()
+        if sched.spec_token_ids:
+            return spec_step(self, sched)
         reqs = sched.requests
         counts = [sched.num_scheduled[r.request_id] for r in reqs]
         block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
@@ -255,6 +270,8 @@ class EngineCore:
         for r, status in finished:
             self.scheduler.finish_request(r.request_id, status)
             self.runner.drop_request(r.request_id)
+            if self.spec is not None:
+                self.spec.forget(r.request_id)
         return outputs
 
     def _check_stop(self, r: Request, token: int) -> RequestStatus | None:

@@ -1,0 +1,175 @@
+"""The engine side of speculative decoding: proposing drafts before a step, and turning a
+verified step into appended tokens, stop checks and counters.
+
+Per step: :meth:`SpecDecoder.propose` leaves drafts for every eligible decoding request in
+``Scheduler.spec_token_ids``; the scheduler gives such a request ``1 + k`` tokens (its native
+unit stays "n tokens for request X") and records the drafts it kept; :func:`spec_step` runs
+the verify forward and advances each request by ``1 + accepted`` computed tokens, appending
+the accepted drafts and the one sampled token (stopping at the first stop token, exactly as
+single-token steps would).
+
+Not speculated: requests driven token by token from outside (beam search: paused or forked
+through ``EngineCore.fork_request``), prefill chunks, and every request on steps with at least
+``disable_by_batch_size`` running requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagefold.core.scheduler import Scheduler, SchedulerOutput
+from pagefold.spec_decode.config import SpeculativeConfig
+from pagefold.spec_decode.ngram import ngram_propose
+
+__all__ = ["SpecDecoder", "SpecMetrics", "spec_step"]
+
+# With no explicit disable_by_batch_size, speculation stops at this many running requests:
+# a verify step costs 1 + k tokens per request, which only pays while decode is memory-bound.
+AUTO_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(slots=True)
+class SpecMetrics:
+    """Counters since start-up: verify rounds with drafts, drafted and accepted tokens."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        while len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos.append(0)
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify round (accepted drafts + the sampled one)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> str:
+        return (f"spec decode: {self.num_drafts} rounds, {self.num_draft_tokens} drafted, "
+                f"{self.num_accepted_tokens} accepted ({100 * self.acceptance_rate:.1f}%), "
+                f"mean accepted length {self.mean_accepted_length:.2f}")
+
+
+class SpecDecoder:
+    """Holds the proposer, the counters and the requests excluded from speculation."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(
+                f"speculative method {config.method!r} is not implemented by this engine yet; "
+                f"use {{\"method\": \"ngram\", ...}}"
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.metrics = SpecMetrics()
+        self.excluded: set[str] = set()
+        self.disable_by_batch_size = config.disable_by_batch_size or AUTO_DISABLE_BY_BATCH_SIZE
+        # (request, k) -> up to k drafted ids; tests swap in drafters with known acceptance.
+        self.propose_fn = self._ngram
+
+    def exclude(self, request_id: str) -> None:
+        self.excluded.add(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.excluded.discard(request_id)
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Fill ``scheduler.spec_token_ids`` for this step."""
+        drafts: dict[str, list[int]] = {}
+        scheduler.spec_token_ids = drafts
+        running = scheduler.running
+        if not running or len(running) >= self.disable_by_batch_size:
+            return
+        c = self.config
+        for r in running:
+            if r.paused or r.request_id in self.excluded:
+                continue
+            if r.num_tokens - r.num_computed_tokens != 1 or not r.output_token_ids:
+                continue
+            # Never draft past max_tokens or max_model_len: the last emitted token is sampled.
+            room = self.max_model_len - r.num_tokens - 1
+            mt = r.sampling_params.max_tokens
+            if mt is not None:
+                room = min(room, mt - r.num_output_tokens - 1)
+            k = min(c.num_speculative_tokens, room)
+            if k <= 0:
+                continue
+            d = self.propose_fn(r, k)
+            if d:
+                drafts[r.request_id] = d
+
+    def _ngram(self, r, k: int) -> list[int]:
+        c = self.config
+        return ngram_propose(np.asarray(r.all_token_ids, dtype=np.int64), k,
+                             c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+
+
+def spec_step(core, sched: SchedulerOutput) -> list:
+    """Run a scheduled step that carries drafts; mirrors ``EngineCore.step`` after schedule."""
+    from pagefold.engine.core import EngineCoreOutput
+    from pagefold.executor.model_runner import _threads_for
+    from pagefold.spec_decode.runner import execute_verify
+
+    reqs = sched.requests
+    counts = [sched.num_scheduled[r.request_id] for r in reqs]
+    drafts = [sched.spec_token_ids.get(r.request_id, []) for r in reqs]
+    block_ids = [core.kv.block_ids(r.request_id) for r in reqs]
+    runner = core.runner
+    with _threads_for(runner.device, sum(counts) * runner.num_params):
+        verified = execute_verify(runner, reqs, counts, drafts, block_ids,
+                                  core.kv.take_copies(), core.kv.take_swaps())
+    core.kv.release_pins()
+    metrics = core.spec.metrics
+    outputs, finished = [], []
+    # Stopped before its last emitted token: its computed length and committed state run past
+    # its tokens, so nothing of this step is cached for it (it is freed right away anyway).
+    cut_short: set[str] = set()
+    for r, n, d in zip(reqs, counts, drafts, strict=True):
+        v = verified.get(r.request_id)
+        if v is None:
+            r.num_computed_tokens += n
+            continue
+        r.num_computed_tokens += n - len(d) + v.num_accepted
+        if d:
+            metrics.observe(len(d), v.num_accepted)
+        out = EngineCoreOutput(r.request_id, [], num_cached_tokens=max(r.num_cached_tokens, 0),
+                               parent_id=r.parent_id, index=r.index)
+        for j, tok in enumerate(v.token_ids):
+            r.append_token(tok)
+            out.new_token_ids.append(tok)
+            if v.logprobs is not None:
+                out.new_logprobs.append(v.logprobs[j])
+                r.cumulative_logprob += v.logprobs[j][1][0]
+            status = core._check_stop(r, tok)
+            if status is not None:
+                finished.append((r, status))
+                out.finish_reason = status.finish_reason
+                out.stop_reason = r.stop_reason
+                if j < len(v.token_ids) - 1:
+                    cut_short.add(r.request_id)
+                    r.num_computed_tokens = r.num_tokens - 1
+                break
+        outputs.append(out)
+    for r in reqs:
+        if r.request_id not in cut_short:
+            core.kv.after_step(r)
+    runner.copy_pages(core.kv.take_copies())
+    core.kv.release_pins()
+    for r, status in finished:
+        core.scheduler.finish_request(r.request_id, status)
+        runner.drop_request(r.request_id)
+        core.spec.forget(r.request_id)
+    return outputs

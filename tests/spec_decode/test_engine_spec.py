@@ -1,0 +1,95 @@
+"""Speculative decoding in the engine: greedy tokens with speculation equal transformers'
+(float32) on dense, GDN, Mamba-2 and sliding-window models, under batching, chunked prefill,
+preemption (swap and recompute), prefix-cache hits and forks; pools whole afterwards.
+
+Random tiny models rarely repeat themselves, so besides the n-gram proposer these tests use an
+*oracle drafter*: it drafts the reference continuation with some positions corrupted, so every
+accepted length 0..k occurs and a wrong state commit (off by one position, or a rejected draft
+leaking into a recurrent state) changes the tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefold import LLM, SamplingParams
+from pagefold.testing import tiny_models
+from pagefold.testing.oracle import hf_greedy
+
+K = 3
+NEW = 12
+ARCHS = {
+    "qwen3": {},
+    "qwen3_5": {},
+    "nemotron_h": {},
+    "sliding": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "sliding_window": 24, "use_sliding_window": True, "max_window_layers": 0},
+}
+SMALL_POOL = {"qwen3": 300_000, "qwen3_5": 150_000, "nemotron_h": 200_000, "sliding": 300_000}
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1, "disable_by_batch_size": 64}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch_case(request, tiny_model_factory):
+    name = request.param
+    model = tiny_model_factory("qwen3" if name == "sliding" else name, **ARCHS[name])
+    prompts = tiny_models.random_prompts(8, 5, 60, 512, seed=5)
+    prompts = [p + p[: 10] for p in prompts]  # repeats, so the n-gram proposer finds drafts
+    ref = hf_greedy(model, prompts, NEW)
+    return name, model, prompts, ref
+
+
+def _oracle(llm: LLM, prompts, ref) -> None:
+    """Draft the reference continuation, corrupting positions by a fixed pseudo-random rule."""
+    table = {tuple(p): r for p, r in zip(prompts, ref)}
+
+    def propose(req, k):
+        cont = table[tuple(req.prompt_token_ids)]
+        n = req.num_output_tokens
+        d = list(cont[n : n + k])
+        for j in range(len(d)):
+            if (n * 7 + j * 3 + len(req.prompt_token_ids)) % 5 == 0:
+                d[j] = (d[j] + 1) % 512
+        return d
+
+    llm.engine.spec.propose_fn = propose
+
+
+def _run(llm: LLM, prompts, n: int = 1):
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, n=n)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return outs
+
+
+@pytest.mark.parametrize("scenario", ["ngram", "oracle", "chunk7", "preempt", "prefix_fork"])
+def test_greedy_spec_equals_transformers(arch_case, scenario: str) -> None:
+    name, model, prompts, ref = arch_case
+    kw: dict = {"max_model_len": 128}
+    if scenario == "chunk7":
+        kw["max_num_batched_tokens"] = 7
+    if scenario == "preempt":
+        kw |= {"kv_cache_memory": SMALL_POOL[name], "preemption_mode": "auto",
+               "swap_space": "8MiB", "max_num_batched_tokens": 33}
+    llm = LLM(str(model), speculative_config=SPEC, **kw)
+    if scenario != "ngram":
+        _oracle(llm, prompts, ref)
+    outs = _run(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    m = llm.engine.spec.metrics
+    assert m.num_drafts > 0
+    if scenario != "ngram":
+        # Every accepted length occurred, including partial acceptance.
+        assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+        assert m.accepted_per_pos[0] > m.accepted_per_pos[K - 1] > 0
+    if scenario == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+    if scenario == "prefix_fork":
+        # Same prompts again: prefix hits (attention blocks and state checkpoints), then n=2.
+        again = _run(llm, prompts)
+        assert [o.outputs[0].token_ids for o in again] == ref
+        assert sum(o.num_cached_tokens for o in again) > 0
+        fam = _run(llm, prompts[:3], n=2)
+        for o, r in zip(fam, ref[:3]):
+            assert [c.token_ids for c in o.outputs] == [r, r]
+    llm.engine.kv.check_whole()

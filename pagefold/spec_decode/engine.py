@@ -1,12 +1,12 @@
-"""The engine side of speculative decoding: proposing drafts before a step, and turning a
-verified step into appended tokens, stop checks and counters.
+"""The engine side of speculative decoding: proposing drafts before a step, and counters.
 
 Per step: :meth:`SpecDecoder.propose` leaves drafts for every eligible decoding request in
 ``Scheduler.spec_token_ids``; the scheduler gives such a request ``1 + k`` tokens (its native
-unit stays "n tokens for request X") and records the drafts it kept; :func:`spec_step` runs
-the verify forward and advances each request by ``1 + accepted`` computed tokens, appending
-the accepted drafts and the one sampled token (stopping at the first stop token, exactly as
-single-token steps would).
+unit stays "n tokens for request X") and puts the drafts it kept in the step message; the
+runner runs the verify forward (``spec_decode.runner``) and
+``Scheduler.update_from_output`` advances each request by ``1 + accepted`` computed tokens,
+appending the accepted drafts and the one sampled token (stopping at the first stop token,
+exactly as single-token steps would).
 
 Not speculated: requests driven token by token from outside (beam search: paused or forked
 through ``EngineCore.fork_request``), prefill chunks, and every request on steps with at least
@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagefold.core.scheduler import Scheduler, SchedulerOutput
+from pagefold.core.sched_output import SchedulerOutput, VerifiedTokens
+from pagefold.core.scheduler import Scheduler
 from pagefold.spec_decode.config import SpeculativeConfig
 from pagefold.spec_decode.ngram import ngram_propose
 
-__all__ = ["SpecDecoder", "SpecMetrics", "spec_step"]
+__all__ = ["SpecDecoder", "SpecMetrics"]
 
 # With no explicit disable_by_batch_size, speculation stops at this many running requests:
 # a verify step costs 1 + k tokens per request, which only pays while decode is memory-bound.
@@ -80,6 +81,13 @@ class SpecDecoder:
         # (request, k) -> up to k drafted ids; tests swap in drafters with known acceptance.
         self.propose_fn = self._ngram
 
+    def observe(self, out: SchedulerOutput, sampled: dict) -> None:
+        """Count a verify step's drafted and accepted tokens."""
+        for rid, d in out.spec_token_ids.items():
+            v = sampled.get(rid)
+            if isinstance(v, VerifiedTokens):
+                self.metrics.observe(len(d), v.num_accepted)
+
     def exclude(self, request_id: str) -> None:
         self.excluded.add(request_id)
 
@@ -90,6 +98,8 @@ class SpecDecoder:
         """Fill ``scheduler.spec_token_ids`` for this step."""
         drafts: dict[str, list[int]] = {}
         scheduler.spec_token_ids = drafts
+        if len(self.excluded) > 4 * len(scheduler.requests) + 64:
+            self.excluded &= scheduler.requests.keys()
         running = scheduler.running
         if not running or len(running) >= self.disable_by_batch_size:
             return
@@ -115,61 +125,3 @@ class SpecDecoder:
         c = self.config
         return ngram_propose(np.asarray(r.all_token_ids, dtype=np.int64), k,
                              c.prompt_lookup_min, c.prompt_lookup_max).tolist()
-
-
-def spec_step(core, sched: SchedulerOutput) -> list:
-    """Run a scheduled step that carries drafts; mirrors ``EngineCore.step`` after schedule."""
-    from pagefold.engine.core import EngineCoreOutput
-    from pagefold.executor.model_runner import _threads_for
-    from pagefold.spec_decode.runner import execute_verify
-
-    reqs = sched.requests
-    counts = [sched.num_scheduled[r.request_id] for r in reqs]
-    drafts = [sched.spec_token_ids.get(r.request_id, []) for r in reqs]
-    block_ids = [core.kv.block_ids(r.request_id) for r in reqs]
-    runner = core.runner
-    with _threads_for(runner.device, sum(counts) * runner.num_params):
-        verified = execute_verify(runner, reqs, counts, drafts, block_ids,
-                                  core.kv.take_copies(), core.kv.take_swaps())
-    core.kv.release_pins()
-    metrics = core.spec.metrics
-    outputs, finished = [], []
-    # Stopped before its last emitted token: its computed length and committed state run past
-    # its tokens, so nothing of this step is cached for it (it is freed right away anyway).
-    cut_short: set[str] = set()
-    for r, n, d in zip(reqs, counts, drafts, strict=True):
-        v = verified.get(r.request_id)
-        if v is None:
-            r.num_computed_tokens += n
-            continue
-        r.num_computed_tokens += n - len(d) + v.num_accepted
-        if d:
-            metrics.observe(len(d), v.num_accepted)
-        out = EngineCoreOutput(r.request_id, [], num_cached_tokens=max(r.num_cached_tokens, 0),
-                               parent_id=r.parent_id, index=r.index)
-        for j, tok in enumerate(v.token_ids):
-            r.append_token(tok)
-            out.new_token_ids.append(tok)
-            if v.logprobs is not None:
-                out.new_logprobs.append(v.logprobs[j])
-                r.cumulative_logprob += v.logprobs[j][1][0]
-            status = core._check_stop(r, tok)
-            if status is not None:
-                finished.append((r, status))
-                out.finish_reason = status.finish_reason
-                out.stop_reason = r.stop_reason
-                if j < len(v.token_ids) - 1:
-                    cut_short.add(r.request_id)
-                    r.num_computed_tokens = r.num_tokens - 1
-                break
-        outputs.append(out)
-    for r in reqs:
-        if r.request_id not in cut_short:
-            core.kv.after_step(r)
-    runner.copy_pages(core.kv.take_copies())
-    core.kv.release_pins()
-    for r, status in finished:
-        core.scheduler.finish_request(r.request_id, status)
-        runner.drop_request(r.request_id)
-        core.spec.forget(r.request_id)
-    return outputs

@@ -15,30 +15,17 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from pagefold.core.managers import PageCopy
-from pagefold.core.swap import SwapOp
+from pagefold.core.sched_output import VerifiedTokens
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
+from pagefold.executor.runner_state import StepBatch
 from pagefold.executor.sampler import SamplingMetadata, gather_logprobs
-from pagefold.request import Request
 from pagefold.spec_decode.rejection import expand_for_verify, rejection_sample
 
-__all__ = ["VerifiedTokens", "commit_states", "execute_verify"]
-
-
-@dataclass(slots=True)
-class VerifiedTokens:
-    """A request's outcome: emitted tokens (accepted drafts, then one sampled token), how many
-    drafts were accepted, and per emitted token its logprobs entry when asked for."""
-
-    token_ids: list[int]
-    num_accepted: int
-    logprobs: list[tuple[list[int], list[float], int]] | None = None
+__all__ = ["commit_states", "execute_verify"]
 
 
 def commit_states(ctx: ForwardContext, cu_seqlens: torch.Tensor, keep: list[int]) -> None:
@@ -52,31 +39,26 @@ def commit_states(ctx: ForwardContext, cu_seqlens: torch.Tensor, keep: list[int]
 
 
 @torch.inference_mode()
-def execute_verify(runner, reqs: list[Request], counts: list[int], drafts: list[list[int]],
-                   block_ids: list[list[list[int]]], copies: list[PageCopy] | None = None,
-                   swaps: list[SwapOp] | None = None) -> dict[str, VerifiedTokens]:
-    """Like ``ModelRunner.execute`` for a step where some requests carry drafts.
+def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]]
+                   ) -> dict[str, VerifiedTokens]:
+    """``ModelRunner`` forward + verification for a step where some requests carry drafts.
 
-    ``drafts[i]`` are request i's drafted tokens (empty for requests without); a drafted
-    request is decoding and ``counts[i] == 1 + len(drafts[i])``. Returns the verified tokens
-    of every request whose step reached the end of its known tokens.
+    A drafted request is decoding: its count is ``1 + len(drafts)`` and its tokens are its
+    last token followed by the drafts (which never enter the runner's copy of the request).
+    Returns the verified tokens of every request whose step reached the end of its tokens.
     """
-    swaps = swaps or []
-    runner.swap([op for op in swaps if op.to_host])
-    if copies:
-        runner.copy_pages(copies)
-    runner.swap([op for op in swaps if not op.to_host])
-    starts = [r.num_computed_tokens for r in reqs]
+    reqs, starts, counts = batch.reqs, batch.starts, batch.counts
+    drafts = [spec_token_ids.get(r.req_id, []) for r in reqs]
     tokens = []
     for r, s, n, d in zip(reqs, starts, counts, drafts, strict=True):
         if d:
-            if n != 1 + len(d) or s + 1 != r.num_tokens:
-                raise ValueError(f"request {r.request_id}: drafts need a decode step of 1 + k")
-            tokens.append(r.all_token_ids[s:] + list(d))
+            if n != 1 + len(d) or s + 1 != len(r.token_ids):
+                raise ValueError(f"request {r.req_id}: drafts need a decode step of 1 + k")
+            tokens.append(r.token_ids[s : s + 1] + list(d))
         else:
-            tokens.append(r.all_token_ids[s : s + n])
-    totals = [r.num_tokens + len(d) for r, d in zip(reqs, drafts, strict=True)]
-    per_group = [[b[g] for b in block_ids] for g in range(len(runner.kv_config.groups))]
+            tokens.append(r.token_ids[s : s + n])
+    totals = [len(r.token_ids) + len(d) for r, d in zip(reqs, drafts, strict=True)]
+    per_group = [[r.block_ids[g] for r in reqs] for g in range(len(runner.kv_config.groups))]
     inp = build_inputs(runner.kv_config, tokens, starts, counts, totals, per_group,
                        runner.device)
     spec_rows = torch.tensor([bool(d) for d in drafts], device=runner.device)
@@ -114,7 +96,10 @@ def execute_verify(runner, reqs: list[Request], counts: list[int], drafts: list[
     res = rejection_sample(logits, meta, sdrafts, gens)
     for j, i in enumerate(sample):
         if drafts[i]:
-            keep[i] = 1 + res.num_accepted[j]
+            a = res.num_accepted[j]
+            keep[i] = 1 + a
+            # Accepted drafts are computed tokens the scheduler will not send again.
+            reqs[i].write(starts[i] + 1, list(drafts[i][:a]))
     commit_states(ctx, _cu_tensor(cu, runner.device), keep)
 
     lp_rows = None
@@ -137,7 +122,7 @@ def execute_verify(runner, reqs: list[Request], counts: list[int], drafts: list[
             lp = [(lp_rows[0][pos + t][: 1 + k], lp_rows[1][pos + t][: 1 + k], lp_rows[2][pos + t])
                   for t in range(len(toks))]
         pos += len(toks)
-        out[r.request_id] = VerifiedTokens(toks, res.num_accepted[j], lp)
+        out[r.req_id] = VerifiedTokens(toks, res.num_accepted[j], lp)
     return out
 
 

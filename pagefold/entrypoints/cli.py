@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-checkpoint-interval", type=int, default=256,
                    help="tokens between cached recurrent-state checkpoints of hybrid models "
                         "(rounded down to a multiple of --block-size)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,7 +48,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        state_checkpoint_interval=args.state_checkpoint_interval)
+        state_checkpoint_interval=args.state_checkpoint_interval,
+        speculative_config=args.speculative_config)
 
 
 def default_cache_dir() -> Path:

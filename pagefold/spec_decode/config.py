@@ -62,6 +62,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config must be a dict or a JSON object, got {type(value).__name__}"
             )
+        value = {k: v for k, v in value.items() if v is not None}  # None: not given
         if not value:
             return None
         unknown = sorted(set(value) - _KEYS)
@@ -104,7 +105,7 @@ class SpeculativeConfig:
                     "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                     f"prompt_lookup_min={lo}, prompt_lookup_max={hi}"
                 )
-        elif "prompt_lookup_max" in value or "prompt_lookup_min" in value:
+        elif value.get("prompt_lookup_max") or value.get("prompt_lookup_min"):
             raise ValueError("prompt_lookup_max/min only apply to method 'ngram'")
         dbs = value.get("disable_by_batch_size")
         if dbs is not None:

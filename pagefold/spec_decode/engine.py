@@ -15,6 +15,8 @@ through ``EngineCore.fork_request``), prefill chunks, and every request on steps
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,9 @@ from pagefold.spec_decode.config import SpeculativeConfig
 from pagefold.spec_decode.ngram import ngram_propose
 
 __all__ = ["SpecDecoder", "SpecMetrics"]
+
+logger = logging.getLogger("pagefold")
+LOG_INTERVAL_S = 10.0  # the periodic spec-decode log line (while verify steps run)
 
 # With no explicit disable_by_batch_size, speculation stops at this many running requests:
 # a verify step costs 1 + k tokens per request, which only pays while decode is memory-bound.
@@ -80,13 +85,29 @@ class SpecDecoder:
         self.disable_by_batch_size = config.disable_by_batch_size or AUTO_DISABLE_BY_BATCH_SIZE
         # (request, k) -> up to k drafted ids; tests swap in drafters with known acceptance.
         self.propose_fn = self._ngram
+        self._step = 0
+        self._last_log = time.monotonic()
+        self._backoff: dict[str, tuple[int, int]] = {}  # id -> (no drafts before step, fails)
 
     def observe(self, out: SchedulerOutput, sampled: dict) -> None:
-        """Count a verify step's drafted and accepted tokens."""
+        """Count a verify step's drafted and accepted tokens and update each request's
+        back-off: a round with nothing accepted doubles the number of steps the request then
+        decodes without drafts (up to ``MAX_BACKOFF``); any acceptance resets it. So a request
+        whose drafts keep failing costs about one wasted verify every ``MAX_BACKOFF`` steps."""
+        now = time.monotonic()
+        if now - self._last_log >= LOG_INTERVAL_S:
+            self._last_log = now
+            logger.info("%s", self.metrics.summary())
         for rid, d in out.spec_token_ids.items():
             v = sampled.get(rid)
             if isinstance(v, VerifiedTokens):
                 self.metrics.observe(len(d), v.num_accepted)
+                if v.num_accepted:
+                    self._backoff.pop(rid, None)
+                else:
+                    fails = self._backoff.get(rid, (0, 0))[1] + 1
+                    wait = min(1 << fails, self.MAX_BACKOFF)
+                    self._backoff[rid] = (self._step + wait, fails)
 
     def exclude(self, request_id: str) -> None:
         self.excluded.add(request_id)
@@ -94,18 +115,25 @@ class SpecDecoder:
     def forget(self, request_id: str) -> None:
         self.excluded.discard(request_id)
 
+    MAX_BACKOFF = 16
+
     def propose(self, scheduler: Scheduler) -> None:
         """Fill ``scheduler.spec_token_ids`` for this step."""
         drafts: dict[str, list[int]] = {}
         scheduler.spec_token_ids = drafts
-        if len(self.excluded) > 4 * len(scheduler.requests) + 64:
+        self._step += 1
+        if len(self.excluded) + len(self._backoff) > 4 * len(scheduler.requests) + 64:
             self.excluded &= scheduler.requests.keys()
+            self._backoff = {k: v for k, v in self._backoff.items() if k in scheduler.requests}
         running = scheduler.running
         if not running or len(running) >= self.disable_by_batch_size:
             return
         c = self.config
         for r in running:
             if r.paused or r.request_id in self.excluded:
+                continue
+            wait = self._backoff.get(r.request_id)
+            if wait is not None and self._step < wait[0]:
                 continue
             if r.num_tokens - r.num_computed_tokens != 1 or not r.output_token_ids:
                 continue

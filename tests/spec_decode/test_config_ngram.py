@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -20,6 +23,9 @@ def test_parse_vllm_forms() -> None:
     assert m.method == "mtp" and m.num_speculative_tokens == 1 and m.model is None
     assert SpeculativeConfig.from_user(None) is None and SpeculativeConfig.from_user({}) is None
     assert SpeculativeConfig.from_user(c.to_dict()) == c
+    # The engine-process hand-off: dataclasses.asdict of EngineConfig, JSON, back.
+    for spec in (c, d, m):
+        assert SpeculativeConfig.from_user(json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
 
 
 @pytest.mark.parametrize("bad, msg", [

@@ -125,7 +125,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
-        # Drafts proposed for the next step, per decoding request (set by the engine).
+        # Speculative decoding: the drafter (``spec_decode.engine.SpecDecoder``) fills
+        # ``spec_token_ids`` at the start of each schedule and counts the verified results.
+        self.drafter = None
         self.spec_token_ids: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ queue management
@@ -239,6 +241,8 @@ class Scheduler:
             self.waiting.push(child)
 
     def schedule(self) -> SchedulerOutput:
+        if self.drafter is not None:
+            self.drafter.propose(self)
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.kv.pool.tick += 1
@@ -358,6 +362,8 @@ class Scheduler:
         """Apply a step's results: scheduled tokens become computed, sampled tokens are
         appended and checked against the stop rules, full blocks and state checkpoints are
         cached, the step's copied pages are unpinned and finished requests freed."""
+        if out.spec_token_ids and self.drafter is not None:
+            self.drafter.observe(out, sampled)
         outputs, self._pending_outputs = self._pending_outputs, []
         stepped: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []

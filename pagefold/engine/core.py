@@ -112,6 +112,7 @@ class EngineCore:
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
+        self.scheduler.drafter = self.spec  # drafts before, counters after each step
         if config.warm_up:
             warm = self.max_num_batched_tokens
             secs = self.runner.warm_up(warm, seq_len=min(self.max_model_len, 256))
@@ -206,10 +207,6 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
-        if self.spec is not None:
-            self.spec.propose(self.scheduler)
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
-        if out.spec_token_ids and self.spec is not None:
-            self.spec.observe(out, sampled)
         return self.scheduler.update_from_output(out, sampled)

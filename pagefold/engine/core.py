@@ -16,6 +16,7 @@ from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
+from pagefold.core.kv_cache_spec import StateSpec
 from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
@@ -106,7 +107,9 @@ class EngineCore:
         self.spec = None
         if config.speculative_config is not None:
             check_model_supports(config.speculative_config, hf_config)
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
+            self.spec = SpecDecoder(
+                config.speculative_config, self.max_model_len,
+                has_state=any(isinstance(g.spec, StateSpec) for g in self.kv_config.groups))
             logger.info("speculative decoding: %s", config.speculative_config.to_dict())
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,

@@ -9,8 +9,9 @@ appending the accepted drafts and the one sampled token (stopping at the first s
 exactly as single-token steps would).
 
 Not speculated: requests driven token by token from outside (beam search: paused or forked
-through ``EngineCore.fork_request``), prefill chunks, and every request on steps with at least
-``disable_by_batch_size`` running requests.
+through ``EngineCore.fork_request``), prefill chunks, every request on steps with at least
+``disable_by_batch_size`` running requests, and (hybrids) every request on steps that also
+carry prefill work.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class SpecMetrics:
 class SpecDecoder:
     """Holds the proposer, the counters and the requests excluded from speculation."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 has_state: bool = False) -> None:
         if config.method != "ngram":
             raise ValueError(
                 f"speculative method {config.method!r} is not implemented by this engine yet; "
@@ -80,6 +82,10 @@ class SpecDecoder:
             )
         self.config = config
         self.max_model_len = max_model_len
+        # State layers run a verify step token by token for *every* request in it; a prefill
+        # chunk sharing that step would lose the chunked kernels, so hybrids draft only on
+        # steps without prefill work.
+        self.has_state = has_state
         self.metrics = SpecMetrics()
         self.excluded: set[str] = set()
         self.disable_by_batch_size = config.disable_by_batch_size or AUTO_DISABLE_BY_BATCH_SIZE
@@ -127,6 +133,9 @@ class SpecDecoder:
             self._backoff = {k: v for k, v in self._backoff.items() if k in scheduler.requests}
         running = scheduler.running
         if not running or len(running) >= self.disable_by_batch_size:
+            return
+        if self.has_state and (scheduler.num_waiting or any(
+                r.num_tokens - r.num_computed_tokens > 1 for r in running)):
             return
         c = self.config
         for r in running:

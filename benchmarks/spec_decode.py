@@ -96,12 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     model = str(args.model or default_model())
     tok = AutoTokenizer.from_pretrained(model)
     edit, free = _chat_ids(tok, EDIT), _chat_ids(tok, FREE)
-    off = LLM(model, max_model_len=2048)
-    on = LLM(model, max_model_len=2048, speculative_config=SPEC)
+    kw = dict(max_model_len=2048, max_num_batched_tokens=512, warm_up=False)
+    off = LLM(model, **kw)
+    on = LLM(model, speculative_config=SPEC, **kw)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     cases = [("edit b1", [edit], False), ("none accepted b1", [edit], True),
              ("free b1", [free], False), ("edit b32", [edit] * 32, False)]
-    print(f"model {model}\nspeculative_config {SPEC}\n")
+    print(f"model {model}\nspeculative_config {SPEC}\n", flush=True)
     head = (f"{'workload':18} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
             f"{'accept':>7} {'mean len':>8} {'same':>5}")
     print(head)

@@ -85,3 +85,21 @@ def test_ngram_matches_definition(seed: int) -> None:
         hi = int(rng.integers(lo, 6))
         k = int(rng.integers(1, 5))
         assert ngram_propose(t, k, lo, hi).tolist() == ngram_propose_naive(t.tolist(), k, lo, hi)
+
+
+def test_cli_flag_reaches_engine_config() -> None:
+    import argparse
+
+    from pagefold.config import EngineConfig
+    from pagefold.entrypoints.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--speculative-config", '{"method": "ngram", '
+                         '"num_speculative_tokens": 2, "prompt_lookup_max": 3}'])
+    cfg = EngineConfig(model="x", **engine_kwargs(args))
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 2, 3, 2)
+    assert EngineConfig(model="x", **engine_kwargs(p.parse_args([]))).speculative_config is None
+    with pytest.raises(ValueError, match="not supported"):
+        EngineConfig(model="x", speculative_config={"method": "medusa",
+                                                    "num_speculative_tokens": 2})

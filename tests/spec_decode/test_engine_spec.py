@@ -152,3 +152,11 @@ def test_sampling_features_with_speculation(tiny_model_factory, random_prompts) 
     m = spec.engine.spec.metrics
     assert (st.spec_num_drafts, st.spec_num_accepted_tokens) == (m.num_drafts,
                                                                   m.num_accepted_tokens) != (0, 0)
+
+
+def test_methods_the_engine_cannot_run_are_refused(tiny_model_factory) -> None:
+    model = tiny_model_factory("qwen3")
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        LLM(str(model), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="not implemented"):
+        LLM(str(model), speculative_config={"model": str(model), "num_speculative_tokens": 2})

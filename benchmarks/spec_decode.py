@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--cases", default="edit b1,none accepted b1,free b1,edit b32",
+                    help="comma-separated workload names to run")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     cases = [("edit b1", [edit], False), ("none accepted b1", [edit], True),
              ("free b1", [free], False), ("edit b32", [edit] * 32, False)]
+    wanted = [c.strip() for c in args.cases.split(",")]
+    cases = [c for c in cases if c[0] in wanted]
     print(f"model {model}\nspeculative_config {SPEC}\n", flush=True)
     head = (f"{'workload':18} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
             f"{'accept':>7} {'mean len':>8} {'same':>5}")

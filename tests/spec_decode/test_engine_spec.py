@@ -84,8 +84,9 @@ def test_greedy_spec_equals_transformers(arch_case, scenario: str) -> None:
     assert [o.outputs[0].token_ids for o in outs] == ref
     m = llm.engine.spec.metrics
     assert m.num_drafts > 0
-    if scenario != "ngram":
-        # Every accepted length occurred, including partial acceptance.
+    if scenario != "ngram" and (name in ("qwen3", "sliding") or scenario == "prefix_fork"):
+        # Every accepted length occurred, including partial acceptance. (Hybrids draft only
+        # on steps without prefill work: with a tiny budget or preemptions that is few steps.)
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens
         assert m.accepted_per_pos[0] > m.accepted_per_pos[K - 1] > 0
     if scenario == "preempt":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,10 +103,17 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Torch threads per tensor-parallel rank (None: this process's threads / ranks).
     threads_per_rank: int | None = None
+    # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}; parsed into
+    # a pagefold.spec_decode.config.SpeculativeConfig (None: off).
+    speculative_config: Any = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
     def __post_init__(self) -> None:
+        from pagefold.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise ValueError(
                 "block_size must be a power of two up to 8 or a multiple of 16, got "

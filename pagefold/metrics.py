@@ -138,6 +138,19 @@ class ServerMetrics:
             "pagefold:request_generation_tokens",
             "Generated tokens per finished request (all its samples).", m,
             buckets=_TOKEN_BUCKETS, registry=r)
+        self.spec_drafts = Counter("pagefold:spec_decode_num_drafts",
+                                   "Speculative verify rounds with drafts.", m, registry=r)
+        self.spec_draft_tokens = Counter("pagefold:spec_decode_num_draft_tokens",
+                                         "Drafted tokens.", m, registry=r)
+        self.spec_accepted_tokens = Counter("pagefold:spec_decode_num_accepted_tokens",
+                                            "Drafted tokens accepted.", m, registry=r)
+        self.spec_acceptance_rate = Gauge(
+            "pagefold:spec_decode_acceptance_rate",
+            "Accepted / drafted tokens since start.", m, registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "pagefold:spec_decode_mean_accepted_length",
+            "Tokens emitted per verify round (accepted drafts + 1) since start.", m,
+            registry=r)
         self._last: dict[str, int] = {}  # last cumulative values seen from the core
         # Counters fed from the core's cumulative values: (counter, CoreStats field).
         self._core_counters = (
@@ -147,7 +160,10 @@ class ServerMetrics:
             (self.swap_ins, "swaps_in"), (self.swap_out_bytes, "swap_bytes_out"),
             (self.swap_in_bytes, "swap_bytes_in"),
             (self.recomputed_tokens, "recomputed_tokens"),
-            (self.credited_tokens, "credited_tokens"), (self.forks, "num_forks"))
+            (self.credited_tokens, "credited_tokens"), (self.forks, "num_forks"),
+            (self.spec_drafts, "spec_num_drafts"),
+            (self.spec_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_accepted_tokens, "spec_num_accepted_tokens"))
         for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
         for metric in (self.prompt_tokens, self.generation_tokens, self.checkpoints,
@@ -180,6 +196,11 @@ class ServerMetrics:
         self.checkpoint_bytes.labels(name).set(stats.checkpoint_bytes)
         if stats.prefix_queries:
             self.prefix_hit_rate.labels(name).set(stats.prefix_hits / stats.prefix_queries)
+        drafts = getattr(stats, "spec_num_drafts", 0)
+        if drafts:
+            acc = stats.spec_num_accepted_tokens
+            self.spec_acceptance_rate.labels(name).set(acc / stats.spec_num_draft_tokens)
+            self.spec_mean_accepted_length.labels(name).set(1 + acc / drafts)
 
     def _advance(self, key: str, value: int, counter) -> None:
         """Increment ``counter`` by how far the cumulative ``value`` passed the last one."""

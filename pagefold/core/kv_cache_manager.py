@@ -144,6 +144,16 @@ class KVCacheManager:
                 break
         return num_new
 
+    def cap_spec_chunk(self, req: Request, num_new: int) -> int:
+        """A verify chunk of a model with states ends at the next block boundary, so that when
+        every draft is accepted the committed state lands on it and the decode checkpoint
+        there is taken (checkpoints exist only at exact, accepted prefix lengths)."""
+        if not (self.caching and self.has_state):
+            return num_new
+        start = req.num_computed_tokens
+        boundary = (start // self.block_size + 1) * self.block_size
+        return min(num_new, boundary - start)
+
     def _is_target(self, req: Request, num_computed: int) -> bool:
         if num_computed % self.block_size or num_computed == 0:
             return False

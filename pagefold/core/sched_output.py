@@ -83,6 +83,10 @@ class SchedulerOutput:
     # bytes, ceil(V/32) words) for the requests that sample this step; filled by the engine
     # from its grammar matchers (structured_output/manager.py), applied by the sampler.
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+    # Speculative decoding: a decoding request's drafts; its count is 1 + len(drafts) and its
+    # tokens this step are its last token (``new_token_ids``) followed by these. Drafts are
+    # never written into the runner's copy of the request.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -106,6 +110,17 @@ class SampledToken:
     # With SamplingParams.prompt_logprobs, on the request's first sampled token: per prompt
     # token after the first, (ids, logprobs, rank) as in ``logprobs``.
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+
+
+@dataclass(slots=True)
+class VerifiedTokens:
+    """A speculative step's result for one request: the emitted tokens (accepted drafts, then
+    one sampled token), how many drafts were accepted, and per emitted token its logprobs
+    entry when asked for."""
+
+    token_ids: list[int]
+    num_accepted: int
+    logprobs: list[tuple[list[int], list[float], int]] | None = None
 
 
 @dataclass(slots=True)

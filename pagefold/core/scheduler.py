@@ -30,6 +30,7 @@ from pagefold.core.sched_output import (
     SampledToken,
     SchedulerOutput,
     TableDiff,
+    VerifiedTokens,
 )
 from pagefold.request import Request, RequestStatus
 
@@ -127,6 +128,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
+        # Speculative decoding: the drafter (``spec_decode.engine.SpecDecoder``) fills
+        # ``spec_token_ids`` at the start of each schedule and counts the verified results.
+        self.drafter = None
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -239,6 +244,8 @@ class Scheduler:
             self.waiting.push(child)
 
     def schedule(self) -> SchedulerOutput:
+        if self.drafter is not None:
+            self.drafter.propose(self)
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.kv.pool.tick += 1
@@ -256,7 +263,12 @@ class Scheduler:
             if req.paused:
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            drafts = self.spec_token_ids.get(req.request_id) if n == 1 else None
+            if drafts:
+                n += len(drafts)
+                n = self.kv.cap_spec_chunk(req, n)
+            n = min(n, budget)
             n = min(n, self.max_model_len - req.num_computed_tokens)
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
             if req.fork_children:  # stop the shared prefill where the family forks
@@ -268,6 +280,7 @@ class Scheduler:
                 victim = self._victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
+                    out.spec_token_ids.pop(victim.request_id, None)
                 if self.running.index(victim) < i:
                     i -= 1  # (priority policy) an earlier entry leaves: req moves up one slot
                 self._preempt(victim)
@@ -278,6 +291,8 @@ class Scheduler:
             if n == 0:
                 continue  # req was preempted; running[i] is now the next request
             scheduled[req.request_id] = n
+            if drafts and n > 1:
+                out.spec_token_ids[req.request_id] = drafts[: n - 1]
             budget -= n
             i += 1
 
@@ -355,6 +370,8 @@ class Scheduler:
         """Apply a step's results: scheduled tokens become computed, sampled tokens are
         appended and checked against the stop rules, full blocks and state checkpoints are
         cached, the step's copied pages are unpinned and finished requests freed."""
+        if out.spec_token_ids and self.drafter is not None:
+            self.drafter.observe(out, sampled)
         outputs, self._pending_outputs = self._pending_outputs, []
         stepped: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
@@ -367,6 +384,11 @@ class Scheduler:
             tok = sampled.get(rid)
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if isinstance(tok, VerifiedTokens):
+                if self._append_verified(r, n, out.spec_token_ids.get(rid, []), tok, outputs,
+                                         finished):
+                    stepped.pop()
+                continue
             r.append_token(tok.token_id)
             if self.structured is not None:
                 self.structured.accept(r, tok.token_id)  # advance the request's grammar
@@ -393,6 +415,36 @@ class Scheduler:
         if self.structured is not None and self.structured.num_matchers:
             self.structured.retain(self.requests)  # finished / aborted requests' matchers go
         return outputs
+
+    def _append_verified(self, r: Request, n: int, drafts: list[int], tok: VerifiedTokens,
+                         outputs: list[EngineCoreOutput],
+                         finished: list[tuple[Request, RequestStatus]]) -> bool:
+        """A speculative step's result: of the ``n`` computed tokens only ``1 + accepted``
+        stand (rejected drafts' KV lies past the computed length, to be overwritten); the
+        accepted drafts and the sampled token are appended one by one through the stop rules.
+        Returns True when the request stopped before its last emitted token: its computed
+        length and committed state then run past its tokens, so nothing of this step may be
+        cached for it (it is freed on this step anyway)."""
+        r.num_computed_tokens -= len(drafts) - tok.num_accepted
+        eo = EngineCoreOutput(r.request_id, [], num_cached_tokens=max(r.num_cached_tokens, 0),
+                              parent_id=r.parent_id, index=r.index)
+        outputs.append(eo)
+        for j, t in enumerate(tok.token_ids):
+            r.append_token(t)
+            eo.new_token_ids.append(t)
+            if tok.logprobs is not None:
+                eo.new_logprobs.append(tok.logprobs[j])
+                r.cumulative_logprob += tok.logprobs[j][1][0]
+            status = self.check_stop(r, t)
+            if status is not None:
+                finished.append((r, status))
+                eo.finish_reason = status.finish_reason
+                eo.stop_reason = r.stop_reason
+                if j < len(tok.token_ids) - 1:
+                    r.num_computed_tokens = r.num_tokens - 1
+                    return True
+                break
+        return False
 
     def check_stop(self, r: Request, token: int) -> RequestStatus | None:
         sp = r.sampling_params

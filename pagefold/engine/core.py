@@ -16,6 +16,7 @@ from pagefold.config import EngineConfig, kv_dtype, pool_bytes, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
+from pagefold.core.kv_cache_spec import StateSpec
 from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
@@ -31,6 +32,8 @@ from pagefold.models.registry import (
 )
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
+from pagefold.spec_decode.config import check_model_supports
+from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagefold")
@@ -169,10 +172,18 @@ class EngineCore:
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
         self.structured = self._structured_output_manager()
         self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
+        self.spec = None
+        if config.speculative_config is not None:
+            check_model_supports(config.speculative_config, hf_config)
+            self.spec = SpecDecoder(
+                config.speculative_config, self.max_model_len,
+                has_state=any(isinstance(g.spec, StateSpec) for g in self.kv_config.groups))
+            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
+        self.scheduler.drafter = self.spec  # drafts before, counters after each step
         self.scheduler.structured = self.structured
         if warm and self.tp == 1:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
@@ -271,7 +282,10 @@ class EngineCore:
 
     # Beam search's operations between steps (the scheduler's).
     def fork_request(self, parent_id: str, child_id: str) -> Request:
-        return self.scheduler.fork_request(parent_id, child_id)
+        child = self.scheduler.fork_request(parent_id, child_id)
+        if self.spec is not None:  # driven token by token from outside: never speculated
+            self.spec.exclude(child_id)
+        return child
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
         r = self.scheduler.requests[request_id]
@@ -282,6 +296,8 @@ class EngineCore:
 
     def set_paused(self, request_id: str, paused: bool) -> None:
         self.scheduler.set_paused(request_id, paused)
+        if self.spec is not None:  # driven token by token from outside: never speculated
+            self.spec.exclude(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

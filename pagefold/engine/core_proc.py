@@ -110,6 +110,9 @@ class CoreStats(msgspec.Struct):
     num_forks: int = 0  # cumulative forked requests (parallel-sampling children, beams)
     num_checkpoints: int = 0  # state checkpoints cached now
     checkpoint_bytes: int = 0  # pool bytes those checkpoints occupy now
+    spec_num_drafts: int = 0  # cumulative verify rounds with drafts (speculative decoding)
+    spec_num_draft_tokens: int = 0  # cumulative drafted tokens
+    spec_num_accepted_tokens: int = 0  # cumulative accepted drafted tokens
 
 
 class RequestError(msgspec.Struct):
@@ -183,7 +186,17 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         swaps_in=swap.swaps_in, swap_bytes_out=swap.bytes_out, swap_bytes_in=swap.bytes_in,
         recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
         num_forks=s.num_forks, num_checkpoints=num_ck,
-        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes)
+        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes,
+        **_spec_stats(core))
+
+
+def _spec_stats(core) -> dict[str, int]:
+    spec = getattr(core, "spec", None)
+    if spec is None:
+        return {}
+    m = spec.metrics
+    return {"spec_num_drafts": m.num_drafts, "spec_num_draft_tokens": m.num_draft_tokens,
+            "spec_num_accepted_tokens": m.num_accepted_tokens}
 
 
 def _utility(core, method: str, num_steps: int) -> Any:

@@ -26,6 +26,8 @@ class StateMetadata:
     has_initial_state: torch.Tensor
     all_decode: bool
     any_initial_state: bool
+    # (N,) bool on a speculative verify step: the requests whose chunk is 1 + k decode tokens.
+    spec_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -35,6 +37,10 @@ class ForwardContext:
     state_meta: list[StateMetadata | None]
     # False for warm-up's dummy tokens: FP8 scales are calibrated on the first real batch.
     calibrate: bool = True
+    # Speculative verify step: state layers run their verify kernels and leave the state
+    # after *every* token here ({layer: {component: (T, ...)}}) instead of storing; the runner
+    # commits the state after each request's last accepted token (spec_decode.state_verify).
+    spec_states: dict[str, dict[str, torch.Tensor]] | None = None
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -61,6 +67,16 @@ class ForwardContext:
             for t in states.values():
                 t[fresh] = 0
         return states
+
+    @property
+    def verify(self) -> bool:
+        """True on a speculative verify step (see ``spec_states``)."""
+        return self.spec_states is not None
+
+    def store_token_states(self, layer: str, states: dict[str, torch.Tensor]) -> None:
+        """Verify step: keep the per-token states of ``layer`` for the commit."""
+        assert self.spec_states is not None
+        self.spec_states[layer] = states
 
     def store_states(self, layer: str, states: dict[str, torch.Tensor]) -> None:
         view, meta = self.state(layer)

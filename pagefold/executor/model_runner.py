@@ -189,6 +189,9 @@ class ModelRunner:
             self.move_pages(out)
             if not batch.reqs:
                 return {}
+            if out.spec_token_ids:  # speculative verify step (pagefold.spec_decode)
+                from pagefold.spec_decode.runner import execute_verify
+                return execute_verify(self, batch, out.spec_token_ids)
             return self._execute(batch)
 
     def move_pages(self, out: SchedulerOutput) -> None:

@@ -33,6 +33,7 @@ from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_va
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
+from pagefold.spec_decode.state_verify import causal_conv1d_verify, ssd_verify
 
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
 
@@ -112,7 +113,8 @@ class Mamba2Config:
         )
 
 
-def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.device) -> torch.Tensor:
+def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.device,
+                        verify: bool = False) -> torch.Tensor:
     """(T,) bool: True for tokens on transformers' prompt path (dt clamped).
 
     transformers takes its single-token recurrent path -- which does not clamp dt -- exactly
@@ -123,6 +125,9 @@ def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.devi
     cu = meta.cu_seqlens
     counts = (cu[1:] - cu[:-1]).to(device)
     decode = (counts == 1) & meta.has_initial_state.to(device)
+    if verify and meta.spec_rows is not None:
+        # A verify chunk stands for 1 + k single-token decode steps (no clamp in transformers).
+        decode = decode | meta.spec_rows.to(device)
     return torch.repeat_interleave(~decode, counts, output_size=num_tokens)
 
 
@@ -173,7 +178,7 @@ class Mamba2Mixer(nn.Module):
             shard_rows(p, [fh], "mamba heads")
         shard_rows(self.norm.weight, [fi], "Mamba-2 norm")
 
-    def _dt(self, dt: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    def _dt(self, dt: torch.Tensor, meta: StateMetadata, verify: bool = False) -> torch.Tensor:
         """(T, H) discretised float32 time step, clamped the way transformers clamps it.
 
         transformers' single-token decode path (``selective_state_update``) applies no dt limit
@@ -187,7 +192,7 @@ class Mamba2Mixer(nn.Module):
         if (lo <= 0.0 and hi == math.inf) or meta.all_decode:
             return out
         clamped = out.clamp(min=lo, max=hi)
-        mask = _clamped_token_mask(meta, out.shape[0], out.device)
+        mask = _clamped_token_mask(meta, out.shape[0], out.device, verify)
         return torch.where(mask[:, None], clamped, out)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -201,7 +206,7 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         # Triton path (CUDA by default): conv and scan read and write the states in their
         # pages; y in the dtype the torch path gives it (see below).
-        if dispatch.use_triton(x.device):
+        if dispatch.use_triton(x.device) and not ctx.verify:
             y = dispatch.mamba_scan(view, meta.page_ids, meta.has_initial_state,
                                     meta.cu_seqlens, xbc, weight, self.conv1d.bias,
                                     self._dt(dt, meta), A, self.D, num_heads=c.num_heads,
@@ -212,7 +217,10 @@ class Mamba2Mixer(nn.Module):
                 y = self.norm(y.reshape(t, inter), z)
                 return self.out_proj(y.to(x.dtype))
         states = ctx.load_states(self.layer_name)
-        if meta.all_decode:
+        if ctx.verify:  # state after every token: the commit selects the accepted one
+            xbc, conv_state = causal_conv1d_verify(xbc, weight, self.conv1d.bias, states["conv"],
+                                                   meta.cu_seqlens, activation="silu")
+        elif meta.all_decode:
             xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
                                                    activation="silu")
         else:
@@ -220,13 +228,13 @@ class Mamba2Mixer(nn.Module):
                                                    meta.cu_seqlens, activation="silu")
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
 
-        dt = self._dt(dt, meta)
-        kernel = ssd_recurrent if meta.all_decode else ssd_chunked
+        dt = self._dt(dt, meta, ctx.verify)
+        kernel = ssd_verify if ctx.verify else ssd_recurrent if meta.all_decode else ssd_chunked
         # transformers' chunked scan keeps y in float32 up to the gated norm, while its decode
         # update rounds y to the model dtype first; feeding x in the matching dtype makes the
         # kernels return y the same way (a no-op in float32).
         xs = xs.reshape(t, c.num_heads, c.head_dim)
-        if not meta.all_decode:
+        if not meta.all_decode and not ctx.verify:
             xs = xs.float()
         y, ssm_state = kernel(
             xs, dt, A,
@@ -234,6 +242,9 @@ class Mamba2Mixer(nn.Module):
             self.D, states["ssm"].float(), meta.cu_seqlens,
             dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
         )
-        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        if ctx.verify:
+            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        else:
+            ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         y = self.norm(y.reshape(t, inter), z)
         return self.out_proj(y.to(x.dtype))

@@ -39,6 +39,7 @@ from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM, GatedMLP, head_dim_of
 from pagefold.models.weights import load_into
+from pagefold.spec_decode.state_verify import causal_conv1d_verify, gdn_verify
 
 logger = logging.getLogger(__name__)
 
@@ -189,15 +190,19 @@ class GatedDeltaNet(nn.Module):
         view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
         # Compiled path (prefill and decode): states read from and written to their pages.
-        o = dispatch.gdn(view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a,
-                         b, weight, self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
-                         num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
-                         head_v_dim=self.head_v_dim)
+        o = None if ctx.verify else dispatch.gdn(
+            view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a, b, weight,
+            self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
+            num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim)
         if o is not None:
             o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
             return self.out_proj(o.reshape(t, self.value_dim))
         states = ctx.load_states(self.layer_name)
-        if meta.all_decode:
+        if ctx.verify:  # state after every token: the commit selects the accepted one
+            mixed, conv_state = causal_conv1d_verify(mixed, weight, None, states["conv"],
+                                                     meta.cu_seqlens, "silu")
+        elif meta.all_decode:
             mixed, conv_state = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
         else:
             mixed, conv_state = causal_conv1d_varlen(mixed, weight, None, states["conv"],
@@ -212,6 +217,12 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         # float32 like transformers: in half precision exp(A_log) could overflow.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if ctx.verify:
+            o, ssm_state = gdn_verify(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
+                                      use_qk_l2norm=True)
+            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+            o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
+            return self.out_proj(o.reshape(t, self.value_dim))
         if meta.all_decode:
             o, ssm_state = gdn_recurrent(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
                                          use_qk_l2norm=True)

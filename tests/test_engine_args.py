@@ -93,11 +93,6 @@ def test_version_and_serve_help(capsys):
         assert flag in out, flag
 
 
-def test_serve_needs_a_model(capsys):
-    assert main(["serve"]) == 2
-    assert "no model given" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("text,parser,content,calls", [
     ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "hermes", None,
      [("f", {"a": 1})]),

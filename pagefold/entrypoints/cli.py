@@ -81,8 +81,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGEFOLD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes "
-                        "(default: $PAGEFOLD_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(and /metrics, see --metrics-require-key) (default: $PAGEFOLD_API_KEY)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="put /metrics behind the API key too (open by default for scrapers)")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="largest request body accepted (413 above it, checked while reading, "
+                        "before parsing); 0 = no limit (default 32 MiB)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model path)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")

@@ -11,8 +11,10 @@ the port, so ``/health`` answers only once the engine is ready; uvicorn's lifesp
 (SIGINT / SIGTERM) stops the core, and a last-resort kill runs on any other exit.
 
 Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed JSON and invalid fields, 401 for a missing/wrong API key on ``/v1/`` routes, 404 for
-an unknown model or route, 503 while the engine core is dead.
+malformed JSON and invalid fields, 401 for a missing/wrong API key (every route but ``/health``,
+and ``/metrics`` unless ``--metrics-require-key``), 404 for an unknown model or route, 413 for
+a body over ``--max-request-bytes``, 503 while the engine core is dead or the server drains.
+Tokenizing and detokenizing run in a thread pool (``tokenizing``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.entrypoints.openai.middleware import GateMiddleware
 from pagefold.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -50,9 +53,13 @@ from pagefold.entrypoints.openai.serving_completion import (
     ClientDisconnected,
     OpenAIServingCompletion,
 )
+from pagefold.entrypoints.openai.tokenizing import TokenizerPool
 from pagefold.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagefold.server")
+
+# Default --max-request-bytes: room for any prompt that fits a long context as text or ids.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -68,12 +75,18 @@ class ServerState:
     chat: OpenAIServingChat
     api_key: str | None = None
     created: int = 0
+    # 0 = no limit. Checked by GateMiddleware while the body is read (413).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # /metrics behind the API key too (it is open by default, for scrapers).
+    metrics_require_key: bool = False
+    tokens: TokenizerPool | None = None
 
 
 def build_state(config: EngineConfig, *, served_model_name: str | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
-                log_level: str = "INFO", client: AsyncEngineClient | None = None
-                ) -> ServerState:
+                log_level: str = "INFO", client: AsyncEngineClient | None = None,
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                metrics_require_key: bool = False) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
     from pagefold.llm import generation_eos_ids, load_tokenizer
@@ -86,41 +99,18 @@ def build_state(config: EngineConfig, *, served_model_name: str | None = None,
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     client.tokenizer = tokenizer
     extra = generation_eos_ids(config.model)
-    common = dict(extra_eos_ids=extra)
+    tokens = TokenizerPool(tokenizer)
+    common = dict(extra_eos_ids=extra, tokens=tokens)
     template = None
     if chat_template is not None:
         p = Path(chat_template)
         template = p.read_text() if p.is_file() else chat_template
     return ServerState(
         client=client, tokenizer=tokenizer, served_model_name=name, model_path=config.model,
-        metrics=metrics, api_key=api_key, created=int(time.time()),
+        metrics=metrics, api_key=api_key, created=int(time.time()), tokens=tokens,
+        max_request_bytes=max_request_bytes, metrics_require_key=metrics_require_key,
         completion=OpenAIServingCompletion(client, tokenizer, name, **common),
         chat=OpenAIServingChat(client, tokenizer, name, chat_template=template, **common))
-
-
-def _unauthorized() -> JSONResponse:
-    return JSONResponse(error_body("Incorrect or missing API key: send 'Authorization: Bearer "
-                                   "<key>'.", "invalid_request_error", None, "invalid_api_key"),
-                        status_code=401)
-
-
-class APIKeyMiddleware:
-    """Plain ASGI middleware (no body buffering, streams untouched): every ``/v1`` route needs
-    ``Authorization: Bearer <api_key>``, else 401 with an OpenAI error body."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(),
-                                                                        self.key):
-                await _unauthorized()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -139,8 +129,10 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.pagefold = state
     client = state.client
 
-    if state.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    app.add_middleware(GateMiddleware, api_key=state.api_key,
+                       max_request_bytes=state.max_request_bytes,
+                       metrics_require_key=state.metrics_require_key)
+    tokens = state.tokens or state.completion.tokens
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -228,14 +220,15 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            _, ids = state.chat.render(req.messages,
-                                       add_generation_prompt=req.add_generation_prompt)
+            _, ids = await state.chat.render_async(
+                req.messages, add_generation_prompt=req.add_generation_prompt)
         out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids}
         if req.return_token_strs:
-            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
-        return JSONResponse(out)
+            out["token_strs"] = await tokens.run(state.tokenizer.convert_ids_to_tokens, ids)
+        return Response(await tokens.run(msgspec.json.encode, out),
+                        media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -245,7 +238,9 @@ def build_app(state: ServerState) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+        text = await tokens.decode(req.tokens)
+        return Response(await tokens.run(msgspec.json.encode, {"prompt": text}),
+                        media_type="application/json")
 
     return app
 
@@ -279,7 +274,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     try:
         state = build_state(config, served_model_name=args.served_model_name,
                             api_key=args.api_key, chat_template=args.chat_template,
-                            client=client)
+                            client=client, max_request_bytes=args.max_request_bytes,
+                            metrics_require_key=args.metrics_require_key)
         asyncio.run(serve(state, args.host, args.port,
                           uvicorn_log_level=args.uvicorn_log_level))
     except KeyboardInterrupt:

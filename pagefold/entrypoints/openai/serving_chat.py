@@ -85,8 +85,25 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja errors, template raise_exception
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokens.encode_sync(text, add_special_tokens=False)
         return text, ids
+
+    async def render_async(self, messages: list[ChatMessage], **kwargs: Any
+                           ) -> tuple[str, list[int]]:
+        """:meth:`render` in the tokenizer pool (templates and tokenizing are slow on long
+        conversations; the event loop must stay free)."""
+        return await self.tokens.run(self.render, messages, **kwargs)
+
+    @staticmethod
+    def content_chars(messages: list[ChatMessage]) -> int:
+        """Characters of every message's text: the rendered prompt has at least these."""
+        total = 0
+        for m in messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif isinstance(m.content, list):
+                total += sum(len(p.text or "") for p in m.content)
+        return total
 
     # ------------------------------------------------------------------ request
     async def create(self, raw: Request, req: ChatCompletionRequest) -> Response:
@@ -99,9 +116,11 @@ class OpenAIServingChat(OpenAIServing):
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of is only available on /v1/completions; use n for "
                               "several chat choices", "best_of")
-        text, ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                continue_final_message=req.continue_final_message,
-                                chat_template_kwargs=req.chat_template_kwargs)
+        self.check_text_fits(self.content_chars(req.messages), "messages")
+        text, ids = await self.render_async(
+            req.messages, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs)
         self.check_ids(ids, "messages")
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"

@@ -42,6 +42,7 @@ from pagefold.entrypoints.openai.protocol import (
     sse,
     usage,
 )
+from pagefold.entrypoints.openai.tokenizing import TokenizerPool
 from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -138,9 +139,12 @@ class OpenAIServing:
     """What both endpoints need: engine handle, tokenizer, model name and validation."""
 
     def __init__(self, client: AsyncEngineClient, tokenizer, served_model_name: str, *,
-                 extra_eos_ids: list[int] | None = None) -> None:
+                 extra_eos_ids: list[int] | None = None,
+                 tokens: TokenizerPool | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        # Tokenizer work runs here, off the event loop (shared by every endpoint).
+        self.tokens = tokens if tokens is not None else TokenizerPool(tokenizer)
         self.served_model_name = served_model_name
         self.extra_eos_ids = list(extra_eos_ids or [])
 
@@ -153,6 +157,15 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`.", param="model",
                            code="model_not_found")
+
+    def check_text_fits(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long to ever fit (see ``tokenizing``)."""
+        if self.tokens.cannot_fit(num_chars, self.max_model_len - 1):
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; a text "
+                f"of {num_chars} characters cannot fit (no token is longer than "
+                f"{self.tokens.max_token_chars} characters). Please reduce the {param}.",
+                param, code="context_length_exceeded")
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """Reject what the core would: empty, too long, ids outside the vocabulary."""
@@ -326,7 +339,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs needs prompt logprobs, which are "
                               "not supported yet; drop one of them", "echo")
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
         params = [self.sampling_params(req, max_tokens=req.max_tokens,
                                        max_tokens_param="max_tokens", logprobs=req.logprobs,
                                        prompt_len=len(ids)) for _, ids in prompts]
@@ -345,8 +358,9 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self.collect(raw, stream, len(prompts))
         return JSONResponse(self._response(req, base, created, prompts, params[0].n, finals))
 
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        """``(text or None, token ids)`` per prompt of a string / list / token-id batch."""
+    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """``(text or None, token ids)`` per prompt of a string / list / token-id batch;
+        every text is bounded first, then tokenized off the event loop."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -355,10 +369,13 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise bad_request("prompt is an empty list; give at least one prompt", "prompt")
+        for p in items:
+            if isinstance(p, str):
+                self.check_text_fits(len(p))
         out = []
         for p in items:
             if isinstance(p, str):
-                out.append((p, self.check_ids(self.tokenizer.encode(p, add_special_tokens=True))))
+                out.append((p, self.check_ids(await self.tokens.encode(p))))
             else:
                 out.append((None, self.check_ids(list(p))))
         return out

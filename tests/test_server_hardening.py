@@ -1,0 +1,105 @@
+"""``pagefold serve`` against hostile clients: the key on every route, the body limit, the
+event loop never blocked by tokenizing, strict numbers, bounded output memory.
+
+One server for the module (a 1 MB body limit, the tiny qwen3, max_model_len 256).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from test_server import HEADERS, MODEL, Server
+
+LIMIT = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hardening") / "server.log"
+    srv = Server.launch(qwen3_dir, log, extra_args=("--max-request-bytes", str(LIMIT)))
+    try:
+        yield srv.ready()
+    finally:
+        srv.stop()
+
+
+# ----------------------------------------------------------------------------- item 1
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+    ("GET", "/v1/admin/pool"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("GET", "/no/such/route")])
+def test_every_route_needs_the_key(server, method, path):
+    body = json.dumps({"prompt": "hello", "tokens": [1, 2]})
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic x"}):
+        r = httpx.request(method, server.url + path, headers=headers, content=body, timeout=10)
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_health_and_metrics_stay_open(server):
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+
+
+def test_body_limit_413_before_parsing(server):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (LIMIT + 10)})
+    r = server.post("/tokenize", big)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # chunked: no Content-Length, the limit is counted while reading
+        for _ in range(40):
+            yield b"x" * 50_000
+
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers=HEADERS,
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["param"] is None, r.text
+    assert time.monotonic() - t0 < 5
+    # just under the limit is parsed normally
+    ok = json.dumps({"model": MODEL, "prompt": "hello", "pad": "y" * (LIMIT - 100)})
+    assert server.post("/tokenize", ok).status_code == 200
+
+
+def test_health_answers_while_a_huge_tokenize_runs(server):
+    text = "the quick brown fox, jumps over 12 lazy dogs; " * (LIMIT // 50)
+    result: dict = {}
+
+    def tokenize() -> None:
+        r = server.post("/tokenize", {"model": MODEL, "prompt": text})
+        result["status"], result["end"] = r.status_code, time.monotonic()
+
+    t = threading.Thread(target=tokenize)
+    start = time.monotonic()
+    t.start()
+    worst, polls = 0.0, 0
+    time.sleep(0.05)
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        polls += 1
+        time.sleep(0.02)
+    t.join()
+    assert result["status"] == 200
+    assert result["end"] - start > 0.5, "the tokenize was too quick to prove anything"
+    assert polls >= 3 and worst < 0.5, (polls, worst)
+
+
+def test_prompt_that_cannot_fit_refused_before_tokenizing(server):
+    huge = "word " * (LIMIT // 6)  # ~170k tokens: cannot fit max_model_len 256
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": huge}),
+                       ("/v1/completions", {"model": MODEL, "prompt": ["ok", huge]}),
+                       ("/v1/chat/completions",
+                        {"model": MODEL, "messages": [{"role": "user", "content": huge}]})):
+        t0 = time.monotonic()
+        r = server.post(path, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+        assert time.monotonic() - t0 < 0.5
+    server.wait_pool_whole()

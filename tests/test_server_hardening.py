@@ -103,3 +103,44 @@ def test_prompt_that_cannot_fit_refused_before_tokenizing(server):
         assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
         assert time.monotonic() - t0 < 0.5
     server.wait_pool_whole()
+
+
+# ----------------------------------------------------------------------------- item 4
+_C = '{"model": "tiny", "prompt": "x", "max_tokens": 2, '
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", _C + '"temperature": NaN}', "temperature"),
+    ("/v1/completions", _C + '"temperature": Infinity}', "temperature"),
+    ("/v1/completions", _C + '"top_p": -Infinity}', "top_p"),
+    ("/v1/completions", _C + '"presence_penalty": 1e999}', "presence_penalty"),
+    ("/v1/completions", _C + f'"seed": {2**64 + 1}}}', "seed"),
+    ("/v1/completions", _C + f'"seed": {-(2**70)}}}', "seed"),
+    ("/v1/completions", _C + f'"priority": {2**64}}}', "priority"),
+    ("/v1/completions", _C + f'"stop_token_ids": [1, {2**65}]}}', "stop_token_ids"),
+    ("/v1/completions", _C + f'"logprobs": {2**64}}}', "logprobs"),
+    ("/v1/completions", _C + f'"n": {2**64}}}', "n"),
+    ("/v1/completions", _C + f'"top_k": {10**30}}}', "top_k"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": ' + str(2**80) + '}',
+     "max_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [1, ' + str(2**64) + ']}', "prompt"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}],'
+     ' "chat_template_kwargs": {"t": NaN}}', "chat_template_kwargs"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x",'
+     ' "weight": Infinity}]}', "messages"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}],'
+     ' "min_p": NaN}', "min_p"),
+    ("/detokenize", '{"tokens": [' + str(2**64) + ']}', "tokens"),
+])
+def test_nan_infinity_and_huge_integers_are_400(server, path, body, param):
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_no_traceback_after_hostile_numbers(server):
+    r = server.post("/v1/completions", _C + '"temperature": 0, "seed": 7}')
+    assert r.status_code == 200
+    server.wait_pool_whole()
+    log = server.log.read_text()
+    assert "Traceback" not in log and "OverflowError" not in log, log[-3000:]

@@ -67,7 +67,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(body, strict=True)
+        req = model.model_validate_json(body, strict=True)
     except ValidationError as e:
         if any(err.get("type") == "json_invalid" for err in e.errors()):
             msg = e.errors()[0].get("msg", "invalid JSON")
@@ -77,6 +77,10 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
             raise bad_request("the request body must be a JSON object",
                               code="invalid_json") from None
         raise validation_error(e) from None
+    from pagefold.entrypoints.openai.validation import check_numbers  # imports this module
+
+    check_numbers(req)  # NaN / Infinity / integers past 64 bits: 400 naming the field
+    return req
 
 
 # --------------------------------------------------------------------------- requests

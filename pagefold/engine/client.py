@@ -113,6 +113,7 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._dead_reason: str | None = None
         self._closing = False
+        self._shutdown_done: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -196,11 +197,22 @@ class AsyncEngineClient:
                                    f"{self._proc.returncode} during startup (see its log above)")
         raise RuntimeError(f"engine core did not start within {self.startup_timeout:.0f} s")
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the core (shutdown message, SIGTERM, SIGKILL) and release everything."""
+    async def shutdown(self, timeout: float = 5.0, term_timeout: float = 2.0) -> None:
+        """Stop the core (shutdown message; SIGTERM after ``timeout`` s, SIGKILL
+        ``term_timeout`` s later) and release everything. Every in-flight request fails with
+        :class:`EngineDeadError` at once. A second call waits for the first to finish."""
         if self._closing:
+            if self._shutdown_done is not None:
+                await self._shutdown_done.wait()
             return
         self._closing = True
+        self._shutdown_done = asyncio.Event()
+        try:
+            await self._shutdown(timeout, term_timeout)
+        finally:
+            self._shutdown_done.set()
+
+    async def _shutdown(self, timeout: float, term_timeout: float) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -217,7 +229,7 @@ class AsyncEngineClient:
                 pass
             if not await self._wait_exit(timeout):
                 proc.terminate()
-                if not await self._wait_exit(2.0):
+                if not await self._wait_exit(term_timeout):
                     proc.kill()
                     await self._wait_exit(5.0)
         self._close_sockets()

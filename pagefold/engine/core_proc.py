@@ -403,4 +403,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is sent and closed by now (the output socket lingers until delivered):
+    # skip the interpreter's slow teardown of torch & co (seconds), which would stretch a
+    # graceful shutdown past its deadline.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -2,8 +2,9 @@
 
 In order, for each HTTP request:
 
-1. while the server drains for shutdown (:class:`~pagefold.entrypoints.openai.shutdown.
-   Drain`), every new request except ``GET /health`` is answered 503 at once;
+1. while the server drains for shutdown (``InFlight.draining``, set by
+   :class:`~pagefold.entrypoints.openai.shutdown.Drain`), every new request except
+   ``GET /health`` is answered 503 at once;
 2. with an API key, every route needs ``Authorization: Bearer <key>`` (401 otherwise) except
    ``/health``, and ``/metrics`` unless ``metrics_require_key``; unknown paths are behind the
    key too, so a scanner learns nothing about the routes;
@@ -41,20 +42,27 @@ def unauthorized() -> JSONResponse:
                         status_code=401)
 
 
-class GateMiddleware:
-    """Draining, API key and body limit (see the module docstring).
+class InFlight:
+    """What the gate shares with the shutdown drain: requests inside the app now (service
+    routes excepted) and whether new ones are refused."""
 
-    ``drain`` is any object with a ``draining`` bool (None: never drains). ``active`` is the
-    number of requests inside the app now (service routes excepted)."""
+    __slots__ = ("active", "draining")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.draining = False
+
+
+class GateMiddleware:
+    """Draining, API key and body limit (see the module docstring)."""
 
     def __init__(self, app, *, api_key: str | None = None, max_request_bytes: int = 0,
-                 metrics_require_key: bool = False, drain=None) -> None:
+                 metrics_require_key: bool = False, inflight: InFlight | None = None) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.limit = max_request_bytes
         self.open_paths = OPEN_PATHS if metrics_require_key else OPEN_PATHS + ("/metrics",)
-        self.drain = drain
-        self.active = 0
+        self.inflight = inflight if inflight is not None else InFlight()
 
     def authorized(self, scope) -> bool:
         if self.key is None or scope["path"] in self.open_paths:
@@ -71,7 +79,7 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if self.drain is not None and self.drain.draining and path != "/health":
+        if self.inflight.draining and path != "/health":
             await APIError(503, "the server is shutting down; retry on another replica",
                            code="server_shutting_down").response()(scope, receive, send)
             return
@@ -94,7 +102,7 @@ class GateMiddleware:
             await send(message)
 
         if not service:
-            self.active += 1
+            self.inflight.active += 1
         try:
             await self.app(scope, receive, send_tracked)
         except RequestTooLarge as e:
@@ -104,7 +112,7 @@ class GateMiddleware:
             await e.response()(scope, receive, send)
         finally:
             if not service:
-                self.active -= 1
+                self.inflight.active -= 1
 
 
 def _content_length(scope) -> int | None:

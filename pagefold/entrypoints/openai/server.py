@@ -23,9 +23,10 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -37,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
-from pagefold.entrypoints.openai.middleware import GateMiddleware
+from pagefold.entrypoints.openai.middleware import GateMiddleware, InFlight
 from pagefold.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -60,6 +61,7 @@ logger = logging.getLogger("pagefold.server")
 
 # Default --max-request-bytes: room for any prompt that fits a long context as text or ids.
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
 @dataclass
@@ -80,6 +82,9 @@ class ServerState:
     # /metrics behind the API key too (it is open by default, for scrapers).
     metrics_require_key: bool = False
     tokens: TokenizerPool | None = None
+    # Seconds in-flight requests get to finish after SIGTERM (see ``shutdown``).
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    inflight: InFlight = field(default_factory=InFlight)
 
 
 def build_state(config: EngineConfig, *, served_model_name: str | None = None,
@@ -131,7 +136,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(GateMiddleware, api_key=state.api_key,
                        max_request_bytes=state.max_request_bytes,
-                       metrics_require_key=state.metrics_require_key)
+                       metrics_require_key=state.metrics_require_key,
+                       inflight=state.inflight)
     tokens = state.tokens or state.completion.tokens
 
     @app.exception_handler(APIError)
@@ -166,6 +172,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         info = {"engine_core_pid": client.core_pid, "num_in_flight": client.num_in_flight}
+        if state.inflight.draining:
+            return JSONResponse(dict(error_body("the server is shutting down", "server_error",
+                                                None, "server_shutting_down"),
+                                     status="draining", **info), status_code=503)
         if client.is_alive:
             return JSONResponse(dict(status="ok", **info))
         reason = client.dead_reason or "the engine core is not running"
@@ -245,10 +255,29 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a busy port fails in milliseconds, before any model
+    loads (uvicorn then serves on this socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another "
+                         "server running there? pick another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 async def serve(state: ServerState, host: str, port: int, *,
-                uvicorn_log_level: str = "info", graceful_timeout: float = 5.0) -> None:
-    """Start the engine, then serve until SIGINT/SIGTERM; the engine is always stopped."""
+                uvicorn_log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Start the engine, then serve until SIGINT/SIGTERM (a graceful drain, see
+    ``shutdown``); the engine is always stopped."""
     import uvicorn
+
+    from pagefold.entrypoints.openai.shutdown import UVICORN_GRACE, Drain, DrainingServer
 
     await state.client.start()
     info = state.client.info
@@ -256,12 +285,14 @@ async def serve(state: ServerState, host: str, port: int, *,
                 info.max_model_len, info.num_usable_blocks)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                            timeout_graceful_shutdown=graceful_timeout, access_log=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=UVICORN_GRACE, access_log=False)
+    server = DrainingServer(config, Drain(state.inflight, state.client, state.shutdown_timeout))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         await state.client.shutdown()
+        if state.tokens is not None:
+            state.tokens.shutdown()
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -269,6 +300,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
+    sock = bind_socket(args.host, args.port)  # before the model loads: fail fast on a busy port
     client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
     client.spawn()  # the core loads the model while this process loads the tokenizer
     try:
@@ -276,10 +308,12 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                             api_key=args.api_key, chat_template=args.chat_template,
                             client=client, max_request_bytes=args.max_request_bytes,
                             metrics_require_key=args.metrics_require_key)
+        state.shutdown_timeout = args.shutdown_timeout
         asyncio.run(serve(state, args.host, args.port,
-                          uvicorn_log_level=args.uvicorn_log_level))
+                          uvicorn_log_level=args.uvicorn_log_level, sock=sock))
     except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it handled; the engine is already stopped
+        pass  # a second SIGINT during the drain is re-raised by uvicorn; the engine is stopped
     finally:
         client.kill_now()  # no-op after a clean shutdown; never leave the core behind
+        sock.close()
     return 0

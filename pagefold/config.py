@@ -88,6 +88,8 @@ class EngineConfig:
     # One forward of max_num_batched_tokens dummy tokens at start-up (cache untouched), so the
     # first real batch does not pay one-time costs.
     warm_up: bool = True
+    # Most top logprobs a request may ask for (vLLM's default 20; at most MAX_LOGPROBS).
+    max_logprobs: int = 20
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -128,6 +130,11 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        from pagefold.sampling_params import MAX_LOGPROBS
+
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

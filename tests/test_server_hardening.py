@@ -7,6 +7,7 @@ One server for the module (a 1 MB body limit, the tiny qwen3, max_model_len 256)
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -15,12 +16,15 @@ import pytest
 from test_server import HEADERS, MODEL, Server
 
 LIMIT = 1_000_000
+OUTPUT_CAP = 20_000
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("hardening") / "server.log"
-    srv = Server.launch(qwen3_dir, log, extra_args=("--max-request-bytes", str(LIMIT)))
+    srv = Server.launch(qwen3_dir, log, extra_args=(
+        "--max-request-bytes", str(LIMIT), "--max-logprobs", "5",
+        "--max-request-output-tokens", str(OUTPUT_CAP)))
     try:
         yield srv.ready()
     finally:
@@ -144,3 +148,97 @@ def test_no_traceback_after_hostile_numbers(server):
     server.wait_pool_whole()
     log = server.log.read_text()
     assert "Traceback" not in log and "OverflowError" not in log, log[-3000:]
+
+
+# ----------------------------------------------------------------------------- item 2
+def test_max_logprobs_and_output_cap(server):
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert "--max-logprobs" in r.json()["error"]["message"]
+    r = server.post("/v1/chat/completions", {"model": MODEL, "logprobs": True, "top_logprobs": 6,
+                                             "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    # the issue's request: n=128 x max_tokens=600 (x 6 with logprobs=5)
+    for lp, param in ((None, "max_tokens"), (5, "max_tokens")):
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "n": 128,
+                                            "max_tokens": 200, "logprobs": lp})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, r.text
+        assert err["code"] == "output_too_large" and "--max-request-output-tokens" in err["message"]
+    # exactly at the cap is accepted: 4 x 50 x (1 + 5) = 1200 <= 20000; 100 x 40 x 6 > cap
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "n": 100,
+                                        "max_tokens": 40, "logprobs": 5})
+    assert r.status_code == 400
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "n": 20,
+                                        "max_tokens": OUTPUT_CAP // 20 // 6, "logprobs": 5,
+                                        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    # chat without max_tokens: lowered to fit the cap, not refused
+    r = server.post("/v1/chat/completions", {
+        "model": MODEL, "n": 40, "logprobs": True, "top_logprobs": 5, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    lengths = {len(c["logprobs"]["content"]) for c in r.json()["choices"]}
+    assert lengths == {OUTPUT_CAP // (40 * 6)}, lengths
+    server.wait_pool_whole()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_rss_back_near_baseline_after_a_burst(server):
+    import asyncio
+
+    body = {"model": MODEL, "prompt": "x", "n": 16, "max_tokens": 40, "logprobs": 5,
+            "ignore_eos": True}
+
+    async def burst() -> None:
+        async with httpx.AsyncClient(timeout=120, headers=HEADERS) as c:
+            rs = await asyncio.gather(*[c.post(server.url + "/v1/completions", json=body)
+                                        for _ in range(4)])
+        assert all(r.status_code == 200 for r in rs)
+
+    asyncio.run(burst())  # warm every code path once
+    time.sleep(1.5)
+    base = _rss_mib(server.proc.pid)
+    peak = base
+    for _ in range(1):
+        t = threading.Thread(target=asyncio.run, args=(burst(),))
+        t.start()
+        while t.is_alive():
+            peak = max(peak, _rss_mib(server.proc.pid))
+            time.sleep(0.05)
+        t.join()
+    time.sleep(1.5)  # idle: the trimmer has run
+    after = _rss_mib(server.proc.pid)
+    print(f"RSS base {base:.0f} MiB, peak {peak:.0f} MiB, after {after:.0f} MiB")
+    assert after < base + 25, (base, peak, after)
+
+
+def test_trimmer_gives_freed_memory_back():
+    """The mechanism behind the bound above, measured in this process: a burst of small
+    objects (as a big logprobs answer makes) raises RSS; freed and trimmed, it comes back."""
+    from pagefold.entrypoints.openai.memory import MemoryTrimmer, json_response
+    from pagefold.outputs import Logprob
+
+    def rss() -> float:
+        return _rss_mib(os.getpid())
+
+    trimmer = MemoryTrimmer()
+    trimmer.trim_now()
+    base = rss()
+    data = [[{i: Logprob(-0.5 * i, i, f"tok{i}") for i in range(6)} for _ in range(500)]
+            for _ in range(128)]
+    body = json_response({"choices": [[{str(k): v.logprob for k, v in e.items()} for e in row]
+                                      for row in data]})
+    peak = rss()
+    del data, body
+    trimmer.trim_now()
+    after = rss()
+    assert peak - base > 60, (base, peak)
+    assert after - base < 15, (base, peak, after)

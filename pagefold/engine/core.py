@@ -161,6 +161,11 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} {value} is above this engine's max_logprobs "
+                                 f"({self.config.max_logprobs})")
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
         if family > 1:

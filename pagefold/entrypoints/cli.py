@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(swap needs --swap-space)")
     p.add_argument("--swap-space", default="0",
                    help="host memory for swapped-out blocks, e.g. 4GiB (default 0: no swap)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top logprobs a request may ask for (0-20, default 20)")
     p.add_argument("--state-checkpoint-interval", type=int, default=256,
                    help="tokens between cached recurrent-state checkpoints of hybrid models "
                         "(rounded down to a multiple of --block-size)")
@@ -44,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        state_checkpoint_interval=args.state_checkpoint_interval)
+        state_checkpoint_interval=args.state_checkpoint_interval, max_logprobs=args.max_logprobs)
 
 
 def default_cache_dir() -> Path:
@@ -88,6 +90,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish (new ones "
                         "get 503) before the rest are ended with 503 / an SSE error event")
+    p.add_argument("--max-request-output-tokens", type=int, default=2**18,
+                   help="most output a request may ask for, counted as samples (n or best_of) "
+                        "x max_tokens x (1 + logprobs): every sampled token and every logprob "
+                        "entry is held until the response is sent (default 262144)")
     p.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
                    help="largest request body accepted (413 above it, checked while reading, "
                         "before parsing); 0 = no limit (default 32 MiB)")

@@ -46,11 +46,12 @@ class InFlight:
     """What the gate shares with the shutdown drain: requests inside the app now (service
     routes excepted) and whether new ones are refused."""
 
-    __slots__ = ("active", "draining")
+    __slots__ = ("active", "draining", "on_idle")
 
-    def __init__(self) -> None:
+    def __init__(self, on_idle=None) -> None:
         self.active = 0
         self.draining = False
+        self.on_idle = on_idle  # called when ``active`` drops back to 0
 
 
 class GateMiddleware:
@@ -113,6 +114,8 @@ class GateMiddleware:
         finally:
             if not service:
                 self.inflight.active -= 1
+                if self.inflight.active == 0 and self.inflight.on_idle is not None:
+                    self.inflight.on_idle()
 
 
 def _content_length(scope) -> int | None:

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.entrypoints.openai.memory import MemoryTrimmer
 from pagefold.entrypoints.openai.middleware import GateMiddleware, InFlight
 from pagefold.entrypoints.openai.protocol import (
     APIError,
@@ -51,6 +52,7 @@ from pagefold.entrypoints.openai.protocol import (
 )
 from pagefold.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagefold.entrypoints.openai.serving_completion import (
+    DEFAULT_MAX_REQUEST_OUTPUT_TOKENS,
     ClientDisconnected,
     OpenAIServingCompletion,
 )
@@ -85,13 +87,19 @@ class ServerState:
     # Seconds in-flight requests get to finish after SIGTERM (see ``shutdown``).
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     inflight: InFlight = field(default_factory=InFlight)
+    trimmer: MemoryTrimmer = field(default_factory=MemoryTrimmer)
+
+    def __post_init__(self) -> None:
+        self.inflight.on_idle = self.trimmer.idle  # RSS back down after a burst
 
 
 def build_state(config: EngineConfig, *, served_model_name: str | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
                 log_level: str = "INFO", client: AsyncEngineClient | None = None,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                metrics_require_key: bool = False) -> ServerState:
+                metrics_require_key: bool = False,
+                max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+                ) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
     from pagefold.llm import generation_eos_ids, load_tokenizer
@@ -105,7 +113,8 @@ def build_state(config: EngineConfig, *, served_model_name: str | None = None,
     client.tokenizer = tokenizer
     extra = generation_eos_ids(config.model)
     tokens = TokenizerPool(tokenizer)
-    common = dict(extra_eos_ids=extra, tokens=tokens)
+    common = dict(extra_eos_ids=extra, tokens=tokens,
+                  max_request_output_tokens=max_request_output_tokens)
     template = None
     if chat_template is not None:
         p = Path(chat_template)
@@ -307,7 +316,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
         state = build_state(config, served_model_name=args.served_model_name,
                             api_key=args.api_key, chat_template=args.chat_template,
                             client=client, max_request_bytes=args.max_request_bytes,
-                            metrics_require_key=args.metrics_require_key)
+                            metrics_require_key=args.metrics_require_key,
+                            max_request_output_tokens=args.max_request_output_tokens)
         state.shutdown_timeout = args.shutdown_timeout
         asyncio.run(serve(state, args.host, args.port,
                           uvicorn_log_level=args.uvicorn_log_level, sock=sock))

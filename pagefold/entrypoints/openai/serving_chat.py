@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -138,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
             body = self._stream(req, rid, created, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         (final,) = await self.collect(raw, stream, 1)
-        return JSONResponse(self._response(req, rid, created, final))
+        return json_response(self._response(req, rid, created, final))
 
     def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int) -> dict:
         content = []

@@ -27,9 +27,10 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
+from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -51,6 +52,8 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 # Most samples one prompt may ask for (n and best_of): each is a running engine request.
 MAX_SAMPLES = 128
+# Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
+DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
 
 
 class ClientDisconnected(Exception):
@@ -140,11 +143,13 @@ class OpenAIServing:
 
     def __init__(self, client: AsyncEngineClient, tokenizer, served_model_name: str, *,
                  extra_eos_ids: list[int] | None = None,
-                 tokens: TokenizerPool | None = None) -> None:
+                 tokens: TokenizerPool | None = None,
+                 max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS) -> None:
         self.client = client
         self.tokenizer = tokenizer
         # Tokenizer work runs here, off the event loop (shared by every endpoint).
         self.tokens = tokens if tokens is not None else TokenizerPool(tokenizer)
+        self.max_request_output_tokens = max_request_output_tokens
         self.served_model_name = served_model_name
         self.extra_eos_ids = list(extra_eos_ids or [])
 
@@ -201,6 +206,8 @@ class OpenAIServing:
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or "
                 f"{max_tokens_param}.", max_tokens_param, code="context_length_exceeded")
+        max_tokens = self.bound_output(req, max_tokens, room, logprobs, max_tokens_param,
+                                       logprobs_param)
         stop_ids = list(req.stop_token_ids or [])
         if self.extra_eos_ids and not req.ignore_eos:
             stop_ids = sorted(set(stop_ids) | set(self.extra_eos_ids))
@@ -215,7 +222,7 @@ class OpenAIServing:
                                 else req.repetition_penalty),
             n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-            max_tokens=room if max_tokens is None else max_tokens, min_tokens=req.min_tokens,
+            max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output)
         try:
@@ -226,6 +233,39 @@ class OpenAIServing:
             renamed = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
             param = renamed.get(field, field if field in kw else None)
             raise bad_request(str(e), param) from None
+
+    def bound_output(self, req: SamplingRequest, max_tokens: int | None, room: int,
+                     logprobs: int | None, max_tokens_param: str, logprobs_param: str) -> int:
+        """The max_tokens to run with, within the output memory bounds of one request.
+
+        Everything a non-streaming request generates is held until the response goes out:
+        each sampled token and each logprob entry. So ``logprobs`` is at most the engine's
+        ``max_logprobs``, and samples x max_tokens x (1 + logprobs) at most
+        ``max_request_output_tokens``: over it is a 400 naming the limit; an unset
+        max_tokens (up to the context) is lowered to fit instead."""
+        limit = self.client.config.max_logprobs
+        if logprobs is not None and logprobs > limit:
+            raise bad_request(f"{logprobs_param} must be at most {limit} on this server "
+                              f"(--max-logprobs), got {logprobs}", logprobs_param)
+        samples = max(req.n or 1, req.best_of or 1, 1)
+        per_token = samples * (1 + (logprobs or 0))
+        cap = self.max_request_output_tokens
+        if max_tokens is None:
+            fit = cap // per_token
+            if fit < 1:
+                raise bad_request(f"n={samples} with logprobs={logprobs} exceeds this server's "
+                                  f"limit of {cap} output tokens per request "
+                                  "(--max-request-output-tokens)", "n")
+            return min(room, fit)
+        if max_tokens * per_token > cap:
+            what = f"{samples} sample(s) x {max_tokens_param}={max_tokens}"
+            if logprobs:
+                what += f" x (1 + {logprobs_param}={logprobs})"
+            raise bad_request(
+                f"{what} = {max_tokens * per_token} exceeds this server's limit of {cap} output "
+                f"tokens per request (--max-request-output-tokens); lower {max_tokens_param}, "
+                f"n or {logprobs_param}", max_tokens_param, code="output_too_large")
+        return max_tokens
 
     def _check_samples(self, req: SamplingRequest) -> None:
         """``n`` / ``best_of`` bounds the API enforces (SamplingParams checks ``>= 1`` and
@@ -356,7 +396,7 @@ class OpenAIServingCompletion(OpenAIServing):
             body = self._stream(req, base, created, prompts, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         finals = await self.collect(raw, stream, len(prompts))
-        return JSONResponse(self._response(req, base, created, prompts, params[0].n, finals))
+        return json_response(self._response(req, base, created, prompts, params[0].n, finals))
 
     async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         """``(text or None, token ids)`` per prompt of a string / list / token-id batch;

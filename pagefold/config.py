@@ -88,6 +88,9 @@ class EngineConfig:
     # One forward of max_num_batched_tokens dummy tokens at start-up (cache untouched), so the
     # first real batch does not pay one-time costs.
     warm_up: bool = True
+    # max_model_len above the model's positions (rope scaling included) is refused unless
+    # this is set (or PAGEFOLD_ALLOW_LONG_MAX_MODEL_LEN=1), see ``core.model_len``.
+    allow_long_max_model_len: bool = False
     # Most top logprobs a request may ask for (vLLM's default 20; at most MAX_LOGPROBS).
     max_logprobs: int = 20
 

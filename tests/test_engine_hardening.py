@@ -40,3 +40,45 @@ def test_keyboard_interrupt_mid_step_frees_the_pool(llm, monkeypatch, where):
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert again == want
     llm.engine.kv.check_whole()
+
+
+# ----------------------------------------------------------------------------- item 3
+def test_max_model_len_checked_against_positions(qwen3_dir, monkeypatch):
+    from pagefold.engine.core import EngineCore
+
+    monkeypatch.delenv("PAGEFOLD_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    from pagefold.config import EngineConfig
+
+    cfg = dict(model=str(qwen3_dir), kv_cache_memory="8MiB", warm_up=False)
+    with pytest.raises(ValueError, match=r"max_model_len 4097 .* 4096 positions.*"
+                                         r"--allow-long-max-model-len"):
+        EngineCore(EngineConfig(max_model_len=4097, **cfg))
+    assert EngineCore(EngineConfig(max_model_len=4096, **cfg)).max_model_len == 4096
+    assert EngineCore(EngineConfig(**cfg)).max_model_len == 4096
+    core = EngineCore(EngineConfig(max_model_len=5000, allow_long_max_model_len=True, **cfg))
+    assert core.max_model_len == 5000
+    monkeypatch.setenv("PAGEFOLD_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert EngineCore(EngineConfig(max_model_len=5000, **cfg)).max_model_len == 5000
+
+
+@pytest.mark.parametrize("rope,limit", [
+    ({"rope_type": "default", "rope_theta": 1e4}, 4096),
+    ({"rope_type": "linear", "factor": 2.0}, 8192),
+    ({"rope_type": "dynamic", "factor": 4.0}, 16384),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096),
+    ({"rope_type": "yarn", "factor": 2.0}, 8192),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 512}, 4096),
+    ({"rope_type": "longrope", "factor": 4.0}, 4096),
+    (None, 4096),
+])
+def test_derived_positions_follow_rope_scaling(rope, limit):
+    from types import SimpleNamespace
+
+    from pagefold.core.model_len import derived_max_positions, resolve_max_model_len
+
+    cfg = SimpleNamespace(max_position_embeddings=4096, rope_parameters=rope)
+    assert derived_max_positions(cfg) == limit
+    assert resolve_max_model_len(None, cfg) == limit
+    assert resolve_max_model_len(limit, cfg) == limit
+    with pytest.raises(ValueError, match=f"{limit} positions"):
+        resolve_max_model_len(limit + 1, cfg)

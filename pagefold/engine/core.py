@@ -16,6 +16,7 @@ from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
+from pagefold.core.model_len import resolve_max_model_len
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
@@ -79,7 +80,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, getattr(tcfg, "dtype", None)
                                    or getattr(hf_config, "dtype", None))
         max_pos = getattr(tcfg, "max_position_embeddings", None) or 4096
-        self.max_model_len = config.max_model_len or max_pos
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, tcfg, allow_long=config.allow_long_max_model_len)
         self.max_num_batched_tokens = config.max_num_batched_tokens or 4096
         self.eos_token_id = self._eos_id(hf_config)
 

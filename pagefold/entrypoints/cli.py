@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "bfloat16", "float16", "fp8"])
     p.add_argument("--kv-cache-memory", default=None, help="pool bytes, e.g. 2GiB")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="accept a --max-model-len above the model's max_position_embeddings "
+                        "(rope scaling included); outputs past it may be garbage")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
@@ -46,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        state_checkpoint_interval=args.state_checkpoint_interval, max_logprobs=args.max_logprobs)
+        state_checkpoint_interval=args.state_checkpoint_interval, max_logprobs=args.max_logprobs,
+        allow_long_max_model_len=args.allow_long_max_model_len)
 
 
 def default_cache_dir() -> Path:

@@ -82,3 +82,81 @@ def test_derived_positions_follow_rope_scaling(rope, limit):
     assert resolve_max_model_len(limit, cfg) == limit
     with pytest.raises(ValueError, match=f"{limit} positions"):
         resolve_max_model_len(limit + 1, cfg)
+
+
+# ----------------------------------------------------------------------------- item 6
+def _copy_model(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_config_names_the_file(qwen3_dir, tmp_path):
+    d = _copy_model(qwen3_dir, tmp_path / "m")
+    (d / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "hidden_')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        LLM(str(d), max_model_len=64, kv_cache_memory="1MiB")
+
+
+def test_truncated_safetensors_names_the_file(qwen3_dir, tmp_path):
+    d = _copy_model(qwen3_dir, tmp_path / "m")
+    (f,) = sorted(d.glob("*.safetensors"))
+    data = f.read_bytes()
+    for cut in (len(data) // 2, 20):  # inside the tensors, inside the header
+        f.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=rf"{f.name}.*truncated"):
+            LLM(str(d), max_model_len=64, kv_cache_memory="1MiB", warm_up=False)
+
+
+def test_serve_reports_a_corrupt_config_by_name(qwen3_dir, tmp_path):
+    import subprocess
+    import sys
+
+    d = _copy_model(qwen3_dir, tmp_path / "m")
+    (d / "config.json").write_text("{not json")
+    proc = subprocess.run([sys.executable, "-m", "pagefold.entrypoints.cli", "serve", str(d),
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "config.json is not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_preemptions_logged_once_per_step(qwen3_dir, caplog):
+    import logging
+
+    small = LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="312KiB",
+                preemption_mode="recompute", warm_up=False)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 30, 40, 512, seed=5)]
+    with caplog.at_level(logging.DEBUG, logger="pagefold"):
+        small.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                       use_tqdm=False)
+    per_request = [r for r in caplog.records if r.getMessage().startswith("preempting ")]
+    summaries = [r for r in caplog.records if "request(s) this step" in r.getMessage()]
+    total = small.engine.scheduler.num_preemptions
+    assert total >= 2 and len(per_request) == total
+    assert all(r.levelno == logging.DEBUG for r in per_request)
+    assert all(r.levelno == logging.INFO for r in summaries)
+    assert 1 <= len(summaries) <= total
+    counted = sum(int(r.getMessage().split()[1]) for r in summaries)
+    assert counted == total
+    small.engine.kv.check_whole()
+
+
+def test_aborted_requests_count_in_metrics(qwen3_dir):
+    from pagefold.config import EngineConfig
+    from pagefold.engine.client import AsyncEngineClient, _Tracked
+    from pagefold.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    client = AsyncEngineClient(EngineConfig(model=str(qwen3_dir)), metrics=m)
+
+    def value(name: str, **labels) -> float:
+        return m.registry.get_sample_value(name, dict(model_name="m", **labels)) or 0.0
+
+    client._reqs["a"] = _Tracked(None, 0.0, 37)  # left before its first token
+    client._reqs["b"] = _Tracked(None, 0.0, 11, num_tokens=3)  # counted at its first token
+    client.abort("a")
+    client.abort("b")
+    client.abort("never-seen")
+    assert value("pagefold:prompt_tokens_total") == 37
+    assert value("pagefold:request_success_total", finished_reason="abort") == 2

@@ -242,3 +242,12 @@ def test_trimmer_gives_freed_memory_back():
     after = rss()
     assert peak - base > 60, (base, peak)
     assert after - base < 15, (base, peak, after)
+
+
+# ----------------------------------------------------------------------------- item 6
+def test_text_part_without_text_is_named(server):
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages"
+    assert "messages[0].content[1]" in err["message"] and "needs a 'text'" in err["message"]

@@ -274,6 +274,7 @@ class AsyncEngineClient:
         for rid, t in list(self._reqs.items()):
             t.queue.put_nowait(err)
             self._processor.abort(rid)
+            self._record_abort(t)
         self._reqs.clear()
         for fut in self._calls.values():
             if not fut.done():
@@ -404,9 +405,18 @@ class AsyncEngineClient:
             if not finished:
                 self.abort(request_id)
 
+    def _record_abort(self, t: _Tracked) -> None:
+        """Metrics of a request that ends unfinished: its prompt tokens count even when no
+        token came back (a client that leaves during a long prefill)."""
+        if self.metrics is not None:
+            self.metrics.record_aborted(time.monotonic() - t.arrival,
+                                        t.num_prompt_tokens if t.num_tokens == 0 else 0)
+
     def abort(self, request_id: str) -> None:
         """Forget a request here and tell the core to free its blocks (no-op if unknown)."""
-        self._reqs.pop(request_id, None)
+        t = self._reqs.pop(request_id, None)
+        if t is not None:
+            self._record_abort(t)
         self._processor.abort(request_id)
         if self.is_alive and not self._closing:
             try:

@@ -309,6 +309,10 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
+    from pagefold.models.registry import read_config_dict, resolve_architecture
+
+    # Cheap checks first, each naming what is wrong: the model's config, then the port.
+    resolve_architecture(read_config_dict(Path(args.model)))
     sock = bind_socket(args.host, args.port)  # before the model loads: fail fast on a busy port
     client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
     client.spawn()  # the core loads the model while this process loads the tokenizer

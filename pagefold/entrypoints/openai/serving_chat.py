@@ -54,10 +54,13 @@ class OpenAIServingChat(OpenAIServing):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content: only text content parts are "
-                                      f"supported, got type {part.type!r}", "messages")
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise bad_request(f"messages[{i}].content[{j}]: only text content parts "
+                                      f"are supported, got type {part.type!r}", "messages")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: a content part of type "
+                                      "'text' needs a 'text' string", "messages")
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
         elif m.content is None:

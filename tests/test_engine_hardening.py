@@ -160,3 +160,33 @@ def test_aborted_requests_count_in_metrics(qwen3_dir):
     client.abort("never-seen")
     assert value("pagefold:prompt_tokens_total") == 37
     assert value("pagefold:request_success_total", finished_reason="abort") == 2
+
+
+# ----------------------------------------------------------------------------- item 7
+def test_cache_salt_isolates_blocks_and_checkpoints(llm):
+    """A hybrid (attention + GDN states): a hit needs both the attention blocks and a state
+    checkpoint, and both are keyed by the salted chain."""
+    (prompt,) = random_prompts(1, 100, 100, 512, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(salt=None, in_prompt=False):
+        p = {"prompt_token_ids": prompt}
+        if in_prompt:
+            p["cache_salt"] = salt
+            salt = None
+        (out,) = llm.generate(p, params, use_tqdm=False, cache_salt=salt)
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    hit0, ref = run("tenant-a")
+    assert hit0 == 0
+    hit, toks = run("tenant-a")
+    assert hit >= 64 and toks == ref  # same salt: shares blocks and the checkpoint
+    for other in ("tenant-b", None):
+        hit, toks = run(other)
+        assert hit == 0 and toks == ref, other  # never crosses salts (or unsalted)
+    hit, toks = run("tenant-b", in_prompt=True)  # the prompt dict's key, vLLM-style
+    assert hit >= 64 and toks == ref
+    llm.engine.kv.check_whole()
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, cache_salt="")
+    llm.engine.kv.check_whole()

@@ -77,21 +77,29 @@ def test_health_answers_while_a_huge_tokenize_runs(server):
         r = server.post("/tokenize", {"model": MODEL, "prompt": text})
         result["status"], result["end"] = r.status_code, time.monotonic()
 
+    def health() -> float:
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        return time.monotonic() - t0
+
+    # This machine's own latency (a CI runner or a desk shared with other jobs): the bounds
+    # below are 0.1 s (median) and 0.5 s (worst) on an idle machine.
+    base = sorted(health() for _ in range(9))[4]
     t = threading.Thread(target=tokenize)
     start = time.monotonic()
     t.start()
-    worst, polls = 0.0, 0
+    times: list[float] = []
     time.sleep(0.05)
     while t.is_alive():
-        t0 = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-        worst = max(worst, time.monotonic() - t0)
-        polls += 1
+        times.append(health())
         time.sleep(0.02)
     t.join()
     assert result["status"] == 200
     assert result["end"] - start > 0.5, "the tokenize was too quick to prove anything"
-    assert polls >= 3 and worst < 0.5, (polls, worst)
+    # A blocked loop answers /health once, after the whole tokenize (seconds).
+    times.sort()
+    assert len(times) >= 5 and times[len(times) // 2] < 0.1 + 3 * base, (base, times)
+    assert sum(x > 0.5 + 3 * base for x in times) <= 1, (base, times)
 
 
 def test_prompt_that_cannot_fit_refused_before_tokenizing(server):
@@ -105,7 +113,7 @@ def test_prompt_that_cannot_fit_refused_before_tokenizing(server):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 1.0  # tokenizing it would take seconds
     server.wait_pool_whole()
 
 
@@ -251,3 +259,31 @@ def test_text_part_without_text_is_named(server):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages"
     assert "messages[0].content[1]" in err["message"] and "needs a 'text'" in err["message"]
+
+
+# ----------------------------------------------------------------------------- item 7
+def test_cache_salt_over_http(server):
+    from pagefold.testing.tiny_models import random_prompts
+
+    (secret,) = random_prompts(1, 40, 40, 512, seed=77)
+
+    def cached(path: str, **extra) -> int:
+        body = {"model": MODEL, "max_tokens": 2, **extra}
+        if path == "/v1/completions":
+            body["prompt"] = secret
+        else:
+            body["messages"] = [{"role": "user", "content": "secret " * 12}]
+        r = server.post(path, body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert cached(path, cache_salt="alice") == 0
+        assert cached(path, cache_salt="alice") >= 32
+        assert cached(path, cache_salt="bob") == 0  # bob cannot tell that alice sent it
+        assert cached(path) == 0
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    server.wait_pool_whole()

@@ -372,7 +372,8 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative ``RequestOutput``s until the finished one.
 
         Outputs that pile up while the consumer is busy are coalesced (each is cumulative),
@@ -389,7 +390,8 @@ class AsyncEngineClient:
         self._processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority))
+            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority,
+                                  cache_salt))
             while not finished:
                 items = [await t.queue.get()]
                 while not t.queue.empty():

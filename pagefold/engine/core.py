@@ -148,8 +148,15 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue. Raises ValueError (nothing is queued) on bad input."""
+                    arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Validate and queue. Raises ValueError (nothing is queued) on bad input.
+
+        ``cache_salt`` keys the request's prefix-cache chain (block hashes and therefore state
+        checkpoints): requests with different salts never share a cached block, so one tenant
+        cannot learn whether another sent a prompt (vLLM's semantics)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -176,6 +183,8 @@ class EngineCore:
                 params.logprobs = 0  # ranking by cumulative logprob needs each token's logprob
             params.n = params.best_of = 1
             kw.update(fork_children=family - 1, fork_at=n - 1)
+        if cache_salt is not None:
+            kw["extra_keys"] = ("cache_salt", cache_salt)
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, **kw)
         self.scheduler.add_request(req)

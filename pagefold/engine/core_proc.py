@@ -58,6 +58,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -282,7 +283,7 @@ class _CoreLoop:
             if isinstance(msg, AddRequest):
                 try:
                     self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                          priority=msg.priority)
+                                          priority=msg.priority, cache_salt=msg.cache_salt)
                 except ValueError as e:
                     errors.append(RequestError(msg.request_id, str(e)))
             elif isinstance(msg, AbortRequests):

@@ -123,6 +123,8 @@ class SamplingRequest(_Lenient):
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
     priority: int = 0
+    # Tenants that must not share prefix-cache entries send different salts (vLLM's field).
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -136,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
                                       logprobs_param="top_logprobs")
         rid = self.new_id("chatcmpl")
         created = int(time.time())
-        stream = self.start([rid], [(text, ids)], [params], req.priority)
+        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self._stream(req, rid, created, params, first, stream)

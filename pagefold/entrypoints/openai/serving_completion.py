@@ -288,11 +288,14 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def start(self, ids: list[str], prompts: list[tuple[str | None, list[int]]],
-              params: list[SamplingParams], priority: int
+              params: list[SamplingParams], priority: int, cache_salt: str | None = None
               ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Generations of every prompt, merged as ``(index, output)``."""
+        if cache_salt is not None and not cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         self.client.check_alive()
-        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority)
+        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority,
+                                     cache_salt=cache_salt)
                 for rid, (text, pids), sp in zip(ids, prompts, params)]
         return merge_generations(gens)
 
@@ -390,7 +393,7 @@ class OpenAIServingCompletion(OpenAIServing):
         base = self.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
-        stream = self.start(ids, prompts, params, req.priority)
+        stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self._stream(req, base, created, prompts, params, first, stream)

@@ -287,3 +287,67 @@ def test_cache_salt_over_http(server):
     r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
     server.wait_pool_whole()
+
+
+# ----------------------------------------------------------------------------- item 8 (server)
+def _sse_json(lines: list[str]) -> list[dict]:
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+
+
+def test_multi_prompt_usage_sums(server):
+    """Two prompts with different cache hits (32 and 16 tokens): usage is the sum over the
+    prompts, streamed or not; chat with n=2 sums its choices' tokens."""
+    from pagefold.testing.tiny_models import random_prompts
+
+    a, b = random_prompts(2, 20, 20, 512, seed=91)
+    a = a + random_prompts(1, 22, 22, 512, seed=92)[0]  # 42 tokens: 2 full blocks
+    for p in (a, b):  # warm the cache: a -> 32 cached tokens, b (20 tokens) -> 16
+        assert server.post("/v1/completions", {"model": MODEL, "prompt": p,
+                                               "max_tokens": 1}).status_code == 200
+    body = {"model": MODEL, "prompt": [a, b], "max_tokens": 3, "ignore_eos": True, "n": 2}
+    u = server.post("/v1/completions", body).json()["usage"]
+    assert u["prompt_tokens"] == len(a) + len(b) and u["completion_tokens"] == 2 * 2 * 3
+    assert u["prompt_tokens_details"]["cached_tokens"] == 32 + 16
+    with httpx.Client(timeout=60) as c:
+        r = c.post(server.url + "/v1/completions", headers=HEADERS, json=dict(
+            body, stream=True, stream_options={"include_usage": True}))
+        events = _sse_json(r.text.splitlines())
+    assert events[-1]["usage"] == u
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "sum " * 9}], "n": 2,
+            "max_tokens": 4, "ignore_eos": True}
+    first = server.post("/v1/chat/completions", chat).json()["usage"]
+    assert first["completion_tokens"] == 8
+    with httpx.Client(timeout=60) as c:
+        r = c.post(server.url + "/v1/chat/completions", headers=HEADERS, json=dict(
+            chat, stream=True, stream_options={"include_usage": True}))
+        usage = _sse_json(r.text.splitlines())[-1]["usage"]
+    assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] == first["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # the same conversation
+    server.wait_pool_whole()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_reaches_the_core(server, stream):
+    """A request that would run for its whole max_tokens: the client leaves once it runs;
+    the core must count one more aborted request (a request that finished by itself, or
+    whose abort was lost, would not) and the pool is whole again."""
+    import asyncio
+
+    before = server.pool()["num_aborted"]
+    body = {"model": MODEL, "prompt": "never ends", "max_tokens": 240, "ignore_eos": True,
+            "stream": stream}
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=30, headers=HEADERS) as c:
+            task = asyncio.create_task(c.post(server.url + "/v1/completions", json=body))
+            for _ in range(500):
+                if (await c.get(server.url + "/v1/admin/pool")).json()["num_running"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_early())
+    pool = server.wait_pool_whole()
+    assert pool["num_aborted"] == before + 1, pool

@@ -110,6 +110,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_aborted = 0  # cumulative requests finished as aborted (client gone, stop str)
         self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
 
@@ -128,6 +129,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        if status == RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += 1
         self.kv.free(req)
         self._finished_ids.add(req_id)
         return req

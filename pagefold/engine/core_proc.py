@@ -111,6 +111,7 @@ class CoreStats(msgspec.Struct):
     num_forks: int = 0  # cumulative forked requests (parallel-sampling children, beams)
     num_checkpoints: int = 0  # state checkpoints cached now
     checkpoint_bytes: int = 0  # pool bytes those checkpoints occupy now
+    num_aborted: int = 0  # cumulative requests the core aborted (disconnects, stop strings)
 
 
 class RequestError(msgspec.Struct):
@@ -184,7 +185,8 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         swaps_in=swap.swaps_in, swap_bytes_out=swap.bytes_out, swap_bytes_in=swap.bytes_in,
         recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
         num_forks=s.num_forks, num_checkpoints=num_ck,
-        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes)
+        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes,
+        num_aborted=s.num_aborted)
 
 
 def _utility(core, method: str, num_steps: int) -> Any:

@@ -190,3 +190,18 @@ def test_cache_salt_isolates_blocks_and_checkpoints(llm):
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, cache_salt="")
     llm.engine.kv.check_whole()
+
+
+# ----------------------------------------------------------------------------- item 2 (engine)
+def test_engine_max_logprobs(qwen3_dir):
+    from pagefold.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineConfig(model=str(qwen3_dir), max_logprobs=21)
+    small = LLM(str(qwen3_dir), max_model_len=64, kv_cache_memory="1MiB", max_logprobs=2,
+                warm_up=False)
+    with pytest.raises(ValueError, match=r"logprobs 3 is above this engine's max_logprobs \(2\)"):
+        small.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)
+    (out,) = small.generate("hi", SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)
+    assert all(len(e) >= 2 for e in out.outputs[0].logprobs)
+    small.engine.kv.check_whole()

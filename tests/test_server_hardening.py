@@ -24,7 +24,7 @@ def server(qwen3_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("hardening") / "server.log"
     srv = Server.launch(qwen3_dir, log, extra_args=(
         "--max-request-bytes", str(LIMIT), "--max-logprobs", "5",
-        "--max-request-output-tokens", str(OUTPUT_CAP)))
+        "--max-request-output-tokens", str(OUTPUT_CAP), "--metrics-require-key"))
     try:
         yield srv.ready()
     finally:
@@ -44,9 +44,12 @@ def test_every_route_needs_the_key(server, method, path):
         assert r.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_health_and_metrics_stay_open(server):
+def test_health_open_metrics_behind_key(server):
+    """/health is always open; /metrics is behind the key with --metrics-require-key (it is
+    open by default: tests/test_server.py)."""
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
+    assert server.get("/metrics").status_code == 200
 
 
 def test_body_limit_413_before_parsing(server):

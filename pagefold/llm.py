@@ -101,6 +101,7 @@ class LLM:
         self.engine.abort(request_ids)
         for rid in request_ids:
             self.output_processor.abort(rid)
+        self.engine.flush()
 
     def step(self) -> list[RequestOutput]:
         outs, to_abort = self.output_processor.process(self.engine.step())
@@ -153,6 +154,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        self.engine.flush()
         return [final[i] for i in ids]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],

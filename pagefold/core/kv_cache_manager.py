@@ -13,8 +13,12 @@
 * In-flight prefixes: a waiting request whose next uncached block is being computed right now
   by a running request's prefill is deferred (not admitted this step) so it can hit once that
   prefill lands, instead of recomputing the same prefix in parallel.
-* Page copies (restores for hits, saves for checkpoints) are queued here and executed by the
-  runner; their sources/destinations stay pinned until ``release_pins``.
+* Page copies (restores for hits, forks, copy-on-write, saves for checkpoints) are queued here
+  and leave with the next step's message (``take_copies``): the runner runs them all, in order,
+  before that step's forward (one copy point per step). Their pinned pages (restore sources,
+  checkpoint destinations) stay pinned until ``release_pins`` after that step. A checkpoint
+  saved after step N is copied at the start of step N+1; its source pages are not written
+  before then (forwards run after the copies, swap-ins after the copies too).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class KVCacheManager:
         self._targets: dict[str, list[int]] = {}
         self._inflight: dict[bytes, str] = {}  # prompt block hash -> producing request
         self._copies: list[PageCopy] = []
-        self._pins: list[list[Block]] = []
+        self._pins: list[list[Block]] = []  # pins of the queued copies
+        self._pins_in_flight: list[list[Block]] = []  # pins of the copies of the current step
         # Preemption by swap (off until ``attach_swap``).
         self.host: HostPool | None = None
         self.preemption_mode = "recompute"
@@ -219,14 +224,22 @@ class KVCacheManager:
             self._copies.extend(copies)
 
     def take_copies(self) -> list[PageCopy]:
+        """The queued copies, for this step's message; their pins stay until ``release_pins``."""
         copies, self._copies = self._copies, []
+        self._pins_in_flight.extend(self._pins)
+        self._pins = []
         return copies
 
     def release_pins(self) -> None:
-        """After the runner executed the queued copies: unpin their checkpoint pages."""
-        for blocks in self._pins:
+        """After the step that carried them ran: unpin the copied pages."""
+        for blocks in self._pins_in_flight:
             self.pool.free(blocks)
-        self._pins = []
+        self._pins_in_flight = []
+
+    @property
+    def has_pending_copies(self) -> bool:
+        """Copies queued for the next step (e.g. a checkpoint saved by a request that ended)."""
+        return bool(self._copies or self._swaps)
 
     # ------------------------------------------------------------------ preemption
     def attach_swap(self, num_host_blocks: int, mode: str, cost: PreemptionCost) -> None:
@@ -355,7 +368,8 @@ class KVCacheManager:
     def check_whole(self) -> None:
         for m in self.managers:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
-        assert not self._pins and not self._copies, "page copies still pending"
+        assert not self._pins and not self._copies and not self._pins_in_flight, \
+            "page copies still pending"
         assert not self._inflight, "in-flight prefix promises outlived their requests"
         assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"
         if self.host is not None:

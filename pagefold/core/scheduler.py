@@ -6,6 +6,14 @@ by the block pool. When the pool runs dry for a running request, the scheduler p
 recompute: the victim is the lowest-priority running request (FCFS: the latest arrival;
 priority policy: largest ``(priority, arrival_time)``), it frees everything and goes back to the
 front of the waiting queue. The rule is deterministic: the same inputs give the same schedule.
+
+The step contract (``core/sched_output.py``): ``schedule()`` returns the whole step as a
+message; ``update_from_output(out, sampled)`` applies the runner's sampled tokens: counts the
+computed tokens, appends the new tokens, applies the token-level stop rules (eos,
+stop_token_ids, max_tokens, max_model_len), caches what became reusable (full blocks, state
+checkpoints) and frees finished requests on that same step. Text-level stops (stop strings) are
+the output processor's, which aborts. Beam search's operations (fork a request, swap its newest
+token, pause it) are scheduler operations between steps.
 """
 
 from __future__ import annotations
@@ -13,30 +21,30 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SampledToken,
+    SchedulerOutput,
+    TableDiff,
+)
 from pagefold.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Scheduler", "SchedulerOutput"]
 
-@dataclass
-class SchedulerOutput:
-    """What to run this step. ``num_scheduled`` preserves the order inputs are laid out in."""
 
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    finished_ids: set[str] = field(default_factory=set)  # freed since the last step
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled
+def table_diff(old: list[int], new: list[int]) -> TableDiff:
+    """``(i, new[i:])`` from the first index where ``new`` differs from ``old``; None if equal."""
+    n = len(old)
+    if len(new) >= n and new[:n] == old:
+        return None if len(new) == n else (n, new[n:])
+    i = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(n, len(new)))
+    return (i, new[i:])
 
 
 class _WaitingQueue:
@@ -108,7 +116,11 @@ class Scheduler:
         self.waiting = _WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished_ids: set[str] = set()
+        self._finished_ids: list[str] = []
+        # What the runner holds: requests it has seen since their last preemption, and the
+        # block tables it was last sent (diffs are taken against them).
+        self._sent_tables: dict[str, list[list[int]]] = {}
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.num_aborted = 0  # cumulative requests finished as aborted (client gone, stop str)
         self.preemptions_by_kind: dict[str, int] = {}
@@ -132,11 +144,47 @@ class Scheduler:
         if status == RequestStatus.FINISHED_ABORTED:
             self.num_aborted += 1
         self.kv.free(req)
-        self._finished_ids.add(req_id)
+        self._sent_tables.pop(req_id, None)
+        self._finished_ids.append(req_id)
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests remain, or page copies wait for a step (a checkpoint saved by the last
+        step of a request that has ended)."""
+        return bool(self.requests) or self.kv.has_pending_copies
+
+    # ------------------------------------------------------------------ driver operations
+    def fork_request(self, parent_id: str, child_id: str) -> Request:
+        """A new request continuing ``parent_id`` token for token (beam search): attention
+        blocks shared copy-on-write, states copied. Call between steps."""
+        parent = self.requests[parent_id]
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        if parent.status == RequestStatus.RUNNING and not self.kv.can_fork(parent, 1):
+            raise RuntimeError("no free blocks to fork a request; lower beam_width or n")
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params.clone(),
+                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
+                        priority=parent.priority, all_token_ids=list(parent.all_token_ids),
+                        output_token_ids=list(parent.output_token_ids),
+                        extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
+                        cumulative_logprob=parent.cumulative_logprob)
+        self.fork_now(parent, child)
+        return child
+
+    def replace_last_token(self, request_id: str, token_id: int) -> None:
+        """Swap the newest sampled token (not computed yet, so nothing in the cache changes;
+        the runner gets the new one with the next step's tokens)."""
+        r = self.requests[request_id]
+        if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
+            raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
+        r.output_token_ids[-1] = token_id
+        r.all_token_ids[-1] = token_id
+        if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:
+            r.block_hashes.pop()  # that hash covered the replaced token
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Hold a request out of scheduling (its driver decides its next token first)."""
+        self.requests[request_id].paused = paused
 
     @property
     def num_waiting(self) -> int:
@@ -161,6 +209,7 @@ class Scheduler:
         self.running.remove(req)
         kind = self.kv.preempt(req)  # swap keeps progress; recompute resets it
         req.status = RequestStatus.PREEMPTED
+        self._sent_tables.pop(req.request_id, None)  # the runner drops it; it comes back new
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
@@ -191,7 +240,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
-        self._finished_ids = set()
+        self._finished_ids = []
         self.kv.pool.tick += 1
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -222,7 +271,7 @@ class Scheduler:
                 if self.running.index(victim) < i:
                     i -= 1  # (priority policy) an earlier entry leaves: req moves up one slot
                 self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     n = 0
                     break
@@ -234,7 +283,7 @@ class Scheduler:
 
         # 2. Waiting requests, while budget, seats and blocks last (none if we just preempted).
         # A request whose prefix another request is computing right now waits for that hit.
-        if not out.preempted:
+        if not out.preempted_ids:
             for req in list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
@@ -260,7 +309,90 @@ class Scheduler:
 
         # Layout order: running order (stable across steps -> persistent batch friendly).
         for req in self.running:
-            if req.request_id in scheduled:
-                out.num_scheduled[req.request_id] = scheduled[req.request_id]
-                out.requests.append(req)
+            n = scheduled.get(req.request_id)
+            if n is not None:
+                out.num_scheduled[req.request_id] = n
+                self._describe(req, n, out)
+        out.copies = self.kv.take_copies()
+        out.swaps = self.kv.take_swaps()
+        if not scheduled and not self.running and self.waiting and not out.copies:
+            self._abort_unschedulable()
         return out
+
+    def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """Put what the runner needs to compute ``req``'s next ``n`` tokens into ``out``."""
+        rid = req.request_id
+        tables = self.kv.block_ids(rid)
+        sent = self._sent_tables.get(rid)
+        self._sent_tables[rid] = tables
+        start = req.num_computed_tokens
+        if sent is None:
+            out.new_reqs.append(NewRequestData(
+                rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                req.eos_token_id, tables, start))
+        else:
+            out.cached_reqs.append(CachedRequestData(
+                rid, start, req.all_token_ids[start : start + n],
+                [table_diff(o, t) for o, t in zip(sent, tables)]))
+
+    def _abort_unschedulable(self) -> None:
+        """Nothing ran although requests wait: the head request cannot fit in an empty pool."""
+        head = self.waiting.peek()
+        logger.error("request %s needs more blocks than the whole pool; aborting it",
+                     head.request_id)
+        self.finish_request(head.request_id, RequestStatus.FINISHED_LENGTH)
+        self._pending_outputs.append(EngineCoreOutput(head.request_id, [],
+                                                      finish_reason="length"))
+
+    # ------------------------------------------------------------------ after the forward
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
+        """Apply a step's results: scheduled tokens become computed, sampled tokens are
+        appended and checked against the stop rules, full blocks and state checkpoints are
+        cached, the step's copied pages are unpinned and finished requests freed."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        stepped: list[Request] = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        for rid, n in out.num_scheduled.items():
+            r = self.requests.get(rid)
+            if r is None:
+                continue  # ended while the step ran
+            r.num_computed_tokens += n
+            stepped.append(r)
+            tok = sampled.get(rid)
+            if tok is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            r.append_token(tok.token_id)
+            eo = EngineCoreOutput(rid, [tok.token_id],
+                                  num_cached_tokens=max(r.num_cached_tokens, 0),
+                                  parent_id=r.parent_id, index=r.index)
+            if tok.logprobs is not None:
+                eo.new_logprobs.append(tok.logprobs)
+                r.cumulative_logprob += tok.logprobs[1][0]
+            status = self.check_stop(r, tok.token_id)
+            if status is not None:
+                finished.append((r, status))
+                eo.finish_reason = status.finish_reason
+                eo.stop_reason = r.stop_reason
+            outputs.append(eo)
+        # Cache what this step made reusable (before finished requests free their pages).
+        for r in stepped:
+            self.kv.after_step(r)
+        self.kv.release_pins()
+        for r, status in finished:
+            self.finish_request(r.request_id, status)
+        return outputs
+
+    def check_stop(self, r: Request, token: int) -> RequestStatus | None:
+        sp = r.sampling_params
+        if r.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token == r.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                r.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and r.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if r.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,15 +1,15 @@
 """EngineCore: the scheduler + model busy loop. Knows token ids, never text.
 
-``step()`` schedules, runs the model, appends sampled tokens, applies the token-level stop rules
-(eos, stop_token_ids, max_tokens, max_model_len) and frees finished requests' blocks on the same
-step. Text-level stops (stop strings) are found by the output processor, which aborts.
+``step()`` is three calls (the step contract of ``core/sched_output.py``): the scheduler makes
+the step's message, the runner executes it, the scheduler applies the sampled tokens (appends
+them, applies the token-level stop rules, caches, frees finished requests on the same step).
+Text-level stops (stop strings) are found by the output processor, which aborts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
@@ -17,6 +17,7 @@ from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
 from pagefold.core.model_len import resolve_max_model_len
+from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
@@ -32,17 +33,7 @@ from pagefold.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagefold")
 
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    parent_id: str | None = None  # parallel sampling: the family's request id
-    index: int = 0  # the child's index in its family
+__all__ = ["EngineCore", "EngineCoreOutput"]
 
 
 def load_hf_config(model: str):
@@ -196,42 +187,26 @@ class EngineCore:
         for rid in request_ids:
             family = [rid] + [c for c, r in reqs.items() if r.parent_id == rid]
             for cid in family:
-                if self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED) is not None:
-                    self.runner.drop_request(cid)
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
 
+    # Beam search's operations between steps (the scheduler's).
     def fork_request(self, parent_id: str, child_id: str) -> Request:
-        """A new request continuing ``parent_id`` token for token (beam search): attention
-        blocks shared copy-on-write, states copied. Call between steps."""
-        parent = self.scheduler.requests[parent_id]
-        if child_id in self.scheduler.requests:
-            raise ValueError(f"request id {child_id!r} is already in use")
-        if parent.status == RequestStatus.RUNNING and not self.kv.can_fork(parent, 1):
-            raise RuntimeError("no free blocks to fork a request; lower beam_width or n")
-        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params.clone(),
-                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-                        priority=parent.priority, all_token_ids=list(parent.all_token_ids),
-                        output_token_ids=list(parent.output_token_ids),
-                        extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
-                        cumulative_logprob=parent.cumulative_logprob)
-        self.scheduler.fork_now(parent, child)
-        return child
+        return self.scheduler.fork_request(parent_id, child_id)
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
-        """Swap the newest sampled token (not computed yet, so nothing in the cache changes)."""
-        r = self.scheduler.requests[request_id]
-        if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
-            raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
-        r.output_token_ids[-1] = token_id
-        r.all_token_ids[-1] = token_id
-        if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:
-            r.block_hashes.pop()  # that hash covered the replaced token
+        self.scheduler.replace_last_token(request_id, token_id)
 
     def set_paused(self, request_id: str, paused: bool) -> None:
-        """Hold a request out of scheduling (its driver decides its next token first)."""
-        self.scheduler.requests[request_id].paused = paused
+        self.scheduler.set_paused(request_id, paused)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def flush(self) -> None:
+        """When no request is left: run the token-free step that copies what the last steps
+        queued (a finished request's final state checkpoint), so the pool is whole again."""
+        while not self.scheduler.requests and self.scheduler.has_unfinished():
+            self.step()
 
     # ------------------------------------------------------------------ the step
     def _log_preemptions(self, before: dict[str, int]) -> None:
@@ -247,67 +222,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         before = dict(self.scheduler.preemptions_by_kind)
-        sched = self.scheduler.schedule()
+        out = self.scheduler.schedule()
         self._log_preemptions(before)
-        if sched.is_empty:
-            return self._unschedulable()
-        reqs = sched.requests
-        counts = [sched.num_scheduled[r.request_id] for r in reqs]
-        block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
-        sampled = self.runner.execute(reqs, counts, block_ids, self.kv.take_copies(),
-                                      self.kv.take_swaps())
-        self.kv.release_pins()
-        outputs, finished = [], []
-        for r, n in zip(reqs, counts):
-            r.num_computed_tokens += n
-            tok = sampled.get(r.request_id)
-            if tok is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            r.append_token(tok.token_id)
-            out = EngineCoreOutput(r.request_id, [tok.token_id],
-                                   num_cached_tokens=max(r.num_cached_tokens, 0),
-                                   parent_id=r.parent_id, index=r.index)
-            if tok.logprobs is not None:
-                out.new_logprobs.append(tok.logprobs)
-                r.cumulative_logprob += tok.logprobs[1][0]
-            status = self._check_stop(r, tok.token_id)
-            if status is not None:
-                finished.append((r, status))
-                out.finish_reason = status.finish_reason
-                out.stop_reason = r.stop_reason
-            outputs.append(out)
-        # Cache what this step made reusable (before finished requests free their pages).
-        for r in reqs:
-            self.kv.after_step(r)
-        self.runner.copy_pages(self.kv.take_copies())
-        self.kv.release_pins()
-        for r, status in finished:
-            self.scheduler.finish_request(r.request_id, status)
-            self.runner.drop_request(r.request_id)
-        return outputs
-
-    def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
-        sp = r.sampling_params
-        if r.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token == r.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                r.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and r.num_output_tokens >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if r.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _unschedulable(self) -> list[EngineCoreOutput]:
-        """Nothing ran although requests wait: the head request cannot fit in an empty pool."""
-        s = self.scheduler
-        if s.num_running or not s.num_waiting:
-            return []
-        head = s.waiting.peek()
-        logger.error("request %s needs more blocks than the whole pool; aborting it",
-                     head.request_id)
-        s.finish_request(head.request_id, RequestStatus.FINISHED_LENGTH)
-        self.runner.drop_request(head.request_id)
-        return [EngineCoreOutput(head.request_id, [], finish_reason="length")]
+        sampled = self.runner.execute(out)
+        return self.scheduler.update_from_output(out, sampled)

@@ -1,31 +1,29 @@
-"""Runs one scheduled step: flat inputs -> model forward -> logits of sampling rows -> sampler."""
+"""Runs one step message: page moves, flat inputs -> model forward -> logits -> sampler.
+
+The runner reads only the step message (``core/sched_output.py``) and its own request state
+(``executor/runner_state.py``); it never imports the scheduler's request module.
+"""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, cdiv
 from pagefold.core.managers import PageCopy
+from pagefold.core.sched_output import SampledToken, SchedulerOutput
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
+from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
 from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
-from pagefold.request import Request
 
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    # (token ids, logprobs) of the sampled token followed by the top-k alternatives; and rank.
-    logprobs: tuple[list[int], list[float], int] | None = None
-
+__all__ = ["ModelRunner", "SampledToken"]
 
 # A CPU step whose work (tokens x parameters) is below this runs on one thread: its ops are
 # too small for a parallel region to pay, and on a loaded machine every parallel region waits
@@ -64,7 +62,7 @@ class ModelRunner:
                                  pin_memory=pin)
                      for _ in range(kv_config.layers_per_group if num_host_blocks else 0)]
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.requests = RunnerRequests()
         self.num_forward_tokens = 0
 
     def warm_up(self, num_tokens: int, seq_len: int) -> float:
@@ -103,26 +101,38 @@ class ModelRunner:
                 t_[0].copy_(row)
         return time.perf_counter() - t
 
-    def drop_request(self, req_id: str) -> None:
-        self._generators.pop(req_id, None)
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.is_greedy:
+    def _generator(self, st: CachedRequestState) -> torch.Generator | None:
+        seed = st.sampling_params.seed
+        if seed is None or st.sampling_params.is_greedy:
             return None
-        g = self._generators.get(req.request_id)
+        gens = self.requests.generators
+        g = gens.get(st.req_id)
         if g is None:
-            g = self._generators[req.request_id] = make_generator(seed, self.device)
+            g = gens[st.req_id] = make_generator(seed, self.device)
         return g
 
     @torch.inference_mode()
     def copy_pages(self, copies: list[PageCopy]) -> None:
-        """Copy whole pages within the pool, in every layer of each copy's group."""
-        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        """Copy whole pages within the pool, in every layer of each copy's group, with the
+        effect of running the copies one after another in list order.
+
+        Copies are batched into runs in which no copy touches a page an earlier copy of the
+        run writes (a checkpoint saved last step may be restored by a hit this step); each run
+        is one gather and one scatter per group and layer."""
+        run: dict[int, tuple[list[int], list[int]]] = {}
+        written: set[int] = set()
         for c in copies:
-            src, dst = by_group.setdefault(c.group, ([], []))
+            if written and (not written.isdisjoint(c.src) or not written.isdisjoint(c.dst)):
+                self._copy_run(run)
+                run, written = {}, set()
+            src, dst = run.setdefault(c.group, ([], []))
             src.extend(c.src)
             dst.extend(c.dst)
+            written.update(c.dst)
+        if run:
+            self._copy_run(run)
+
+    def _copy_run(self, by_group: dict[int, tuple[list[int], list[int]]]) -> None:
         for g, (src, dst) in by_group.items():
             s = torch.tensor(src, dtype=torch.int64, device=self.device)
             d = torch.tensor(dst, dtype=torch.int64, device=self.device)
@@ -143,33 +153,37 @@ class ModelRunner:
                 else:
                     pool.index_copy_(0, dev, hpool.index_select(0, host).to(self.device))
 
-    def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
-                copies: list[PageCopy] | None = None,
-                swaps: list[SwapOp] | None = None) -> dict[str, SampledToken]:
-        """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows.
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step message; returns the tokens of the rows that reached the end of their
+        request's tokens.
 
         Before the forward: swap-outs (their device pages may be reused this step), then page
-        copies (prefix-hit restores, forks, copy-on-write), then swap-ins.
+        copies (prefix-hit restores, forks, copy-on-write, last step's checkpoint saves), then
+        swap-ins.
 
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
-        with _threads_for(self.device, sum(counts) * self.num_params):
-            return self._execute(reqs, counts, block_ids, copies, swaps)
+        batch = self.requests.apply(out)
+        with _threads_for(self.device, batch.num_tokens * self.num_params):
+            self.move_pages(out)
+            if not batch.reqs:
+                return {}
+            return self._execute(batch)
+
+    def move_pages(self, out: SchedulerOutput) -> None:
+        self.swap([op for op in out.swaps if op.to_host])
+        if out.copies:
+            self.copy_pages(out.copies)
+        self.swap([op for op in out.swaps if not op.to_host])
 
     @torch.inference_mode()
-    def _execute(self, reqs: list[Request], counts: list[int],
-                 block_ids: list[list[list[int]]], copies: list[PageCopy] | None,
-                 swaps: list[SwapOp] | None) -> dict[str, SampledToken]:
-        swaps = swaps or []
-        self.swap([op for op in swaps if op.to_host])
-        if copies:
-            self.copy_pages(copies)
-        self.swap([op for op in swaps if not op.to_host])
-        starts = [r.num_computed_tokens for r in reqs]
-        tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
-        per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]
+    def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        reqs, starts, counts = batch.reqs, batch.starts, batch.counts
+        tokens = [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
+        nt = len(self.kv_config.groups)
+        per_group = [[r.block_ids[g] for r in reqs] for g in range(nt)]
         inp = build_inputs(self.kv_config, tokens, starts, counts,
-                           [r.num_tokens for r in reqs], per_group, self.device)
+                           [len(r.token_ids) for r in reqs], per_group, self.device)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
         hidden = self.model(inp.input_ids, inp.positions, ctx)
@@ -177,6 +191,10 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])
         sreqs = [reqs[i] for i in inp.sample_req_idx]
+        return self.sample(logits, sreqs)
+
+    def sample(self, logits: torch.Tensor,
+               sreqs: list[CachedRequestState]) -> dict[str, SampledToken]:
         gens = {}
         for row, r in enumerate(sreqs):
             g = self._generator(r)
@@ -201,5 +219,5 @@ class ModelRunner:
             k = r.sampling_params.logprobs
             if k is not None and lp_ids is not None:
                 lp = (lp_ids[row][: 1 + k], lps[row][: 1 + k], ranks[row])
-            result[r.request_id] = SampledToken(ids[row], lp)
+            result[r.req_id] = SampledToken(ids[row], lp)
         return result

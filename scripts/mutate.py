@@ -11,7 +11,7 @@ runs the whole suite for each mutant instead (slow, the most honest number).
 
     python scripts/mutate.py                 # every mutant, its own test files
     python scripts/mutate.py --list          # the mutants, nothing run
-    python scripts/mutate.py --only topp_boundary credit_plus_one
+    python scripts/mutate.py --only topp_boundary credit_plus_one   # in this order
     python scripts/mutate.py --full --only abort_lost
 
 Exit status: 0 when every mutant run was killed, 1 otherwise.
@@ -247,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="run the whole suite per mutant")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
     args = p.parse_args(argv)
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
-    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = set(args.only or ()) - set(by_name)
     if unknown:
         raise SystemExit(f"unknown mutants: {sorted(unknown)}")
+    chosen = [by_name[n] for n in args.only] if args.only else list(MUTANTS)
     if args.list:
         for m in chosen:
             print(f"{m.name:30s} {m.path:45s} {m.why}")

@@ -238,7 +238,19 @@ class Scheduler:
             child.status = RequestStatus.WAITING
             self.waiting.push(child)
 
+    def _log_preemptions(self, before: dict[str, int]) -> None:
+        """One INFO line per step that preempted (each preemption itself is a DEBUG line of
+        the cache manager: a large family can preempt hundreds of requests)."""
+        now = self.preemptions_by_kind
+        delta = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+        if delta:
+            logger.info("preempted %d request(s) this step (%s); %d running, %d waiting, "
+                        "%d free blocks", sum(delta.values()),
+                        ", ".join(f"{v} by {k}" for k, v in sorted(delta.items())),
+                        self.num_running, self.num_waiting, self.kv.pool.num_free)
+
     def schedule(self) -> SchedulerOutput:
+        before = dict(self.preemptions_by_kind)
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.kv.pool.tick += 1
@@ -317,6 +329,7 @@ class Scheduler:
         out.swaps = self.kv.take_swaps()
         if not scheduled and not self.running and self.waiting and not out.copies:
             self._abort_unschedulable()
+        self._log_preemptions(before)
         return out
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:

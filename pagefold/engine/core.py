@@ -209,20 +209,7 @@ class EngineCore:
             self.step()
 
     # ------------------------------------------------------------------ the step
-    def _log_preemptions(self, before: dict[str, int]) -> None:
-        """One INFO line per step that preempted (the per-request lines are DEBUG)."""
-        now = self.scheduler.preemptions_by_kind
-        delta = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
-        if delta:
-            s = self.scheduler
-            logger.info("preempted %d request(s) this step (%s); %d running, %d waiting, "
-                        "%d free blocks", sum(delta.values()),
-                        ", ".join(f"{v} by {k}" for k, v in sorted(delta.items())),
-                        s.num_running, s.num_waiting, self.kv.pool.num_free)
-
     def step(self) -> list[EngineCoreOutput]:
-        before = dict(self.scheduler.preemptions_by_kind)
         out = self.scheduler.schedule()
-        self._log_preemptions(before)
         sampled = self.runner.execute(out)
         return self.scheduler.update_from_output(out, sampled)

@@ -87,7 +87,7 @@ def test_health_answers_while_a_huge_tokenize_runs(server):
 
     # This machine's own latency (a CI runner or a desk shared with other jobs): the bounds
     # below are 0.1 s (median) and 0.5 s (worst) on an idle machine.
-    base = sorted(health() for _ in range(9))[4]
+    base = _base_latency(server)
     t = threading.Thread(target=tokenize)
     start = time.monotonic()
     t.start()
@@ -102,10 +102,21 @@ def test_health_answers_while_a_huge_tokenize_runs(server):
     # A blocked loop answers /health once, after the whole tokenize (seconds).
     times.sort()
     assert len(times) >= 5 and times[len(times) // 2] < 0.1 + 3 * base, (base, times)
-    assert sum(x > 0.5 + 3 * base for x in times) <= 1, (base, times)
+    assert sum(x > 0.5 + 3 * base for x in times) <= max(1, len(times) // 10), (base, times)
+
+
+def _base_latency(server) -> float:
+    """Median /health round trip now: this machine's own latency under its current load."""
+    times = []
+    for _ in range(9):
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        times.append(time.monotonic() - t0)
+    return sorted(times)[4]
 
 
 def test_prompt_that_cannot_fit_refused_before_tokenizing(server):
+    base = _base_latency(server)
     huge = "word " * (LIMIT // 6)  # ~170k tokens: cannot fit max_model_len 256
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": huge}),
                        ("/v1/completions", {"model": MODEL, "prompt": ["ok", huge]}),
@@ -116,7 +127,7 @@ def test_prompt_that_cannot_fit_refused_before_tokenizing(server):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
-        assert time.monotonic() - t0 < 1.0  # tokenizing it would take seconds
+        assert time.monotonic() - t0 < 1.0 + 5 * base  # tokenizing it would take seconds
     server.wait_pool_whole()
 
 

@@ -365,3 +365,21 @@ def test_disconnect_reaches_the_core(server, stream):
     asyncio.run(leave_early())
     pool = server.wait_pool_whole()
     assert pool["num_aborted"] == before + 1, pool
+
+
+def test_client_leaving_while_sending_its_body_is_no_error(server):
+    """The soak found it: a client gone mid-body was a 500 with a traceback."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(server.url)
+    for path in ("/v1/completions", "/tokenize"):
+        with socket.create_connection((u.hostname, u.port)) as s:
+            s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer test-key\r\n"
+                       "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+                       '{"model": "tiny", "prompt": "').encode())
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert server.get("/health").status_code == 200
+    log = server.log.read_text()
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]

@@ -33,7 +33,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pagefold.config import EngineConfig
@@ -163,6 +163,11 @@ def build_app(state: ServerState) -> FastAPI:
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
         return APIError(exc.status_code, msg, code=f"http_{exc.status_code}").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        # The client left while its body was being read: nobody to answer, nothing to log.
+        return Response(status_code=499)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError):

@@ -26,7 +26,7 @@ def server(qwen3_dir, tmp_path_factory):
         "--max-request-bytes", str(LIMIT), "--max-logprobs", "5",
         "--max-request-output-tokens", str(OUTPUT_CAP), "--metrics-require-key"))
     try:
-        yield srv.ready()
+        yield srv.ready(timeout=300)  # a loaded 2-core machine can take minutes
     finally:
         srv.stop()
 

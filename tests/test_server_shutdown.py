@@ -29,7 +29,7 @@ def _long(stream: bool) -> dict:
 def test_sigterm_drains_then_ends_everyone_properly(qwen3_dir, tmp_path):
     srv = Server.launch(qwen3_dir, tmp_path / "server.log", extra_args=(
         "--shutdown-timeout", str(TIMEOUT), "--max-num-seqs", "1", "--max-model-len", "2048"))
-    srv.ready()
+    srv.ready(timeout=300)
 
     async def scenario() -> dict:
         out: dict = {}

@@ -57,7 +57,7 @@ def test_soak(qwen3_dir, tmp_path):
                                     "1MiB", "--preemption-mode", "auto",
                                     "--state-checkpoint-interval", "32"))
     try:
-        srv.ready()
+        srv.ready(timeout=300)
         _soak(srv)
     finally:
         srv.stop()

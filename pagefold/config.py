@@ -107,6 +107,9 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}; parsed into
     # a pagefold.spec_decode.config.SpeculativeConfig (None: off).
     speculative_config: Any = None
+    # max_model_len above the model's positions (rope scaling included) is refused unless
+    # this is set (or PAGEFOLD_ALLOW_LONG_MAX_MODEL_LEN=1), see ``core.model_len``.
+    allow_long_max_model_len: bool = False
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -153,8 +156,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if not 0 <= self.max_logprobs <= 20:
-            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        from pagefold.sampling_params import MAX_LOGPROBS
+
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

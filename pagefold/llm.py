@@ -80,6 +80,13 @@ class LLM:
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests
+    @staticmethod
+    def _salt(prompt: PromptType, cache_salt: str | None) -> str | None:
+        """A prompt dict's own ``cache_salt`` wins over the call's."""
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            return prompt["cache_salt"]
+        return cache_salt
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -104,14 +111,17 @@ class LLM:
         return SamplingParams(**self.default_sampling)
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue one prompt. ``cache_salt`` (or the prompt dict's ``"cache_salt"``) keeps it
+        from sharing prefix-cache entries with requests salted otherwise (or not at all)."""
         text, ids = self._prompt_ids(prompt)
         params = self._params_for(params)
         if params.truncate_prompt_tokens is not None:
             text, ids = None, truncate_prompt(ids, params.truncate_prompt_tokens,
                                               self.engine.max_model_len)
         rid = str(next(self._counter))
-        self.engine.add_request(rid, ids, params, priority=priority)
+        self.engine.add_request(rid, ids, params, priority=priority,
+                                cache_salt=self._salt(prompt, cache_salt))
         self.output_processor.add_request(rid, text, ids, params)
         return rid
 
@@ -135,6 +145,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -148,7 +159,8 @@ class LLM:
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self.add_request(p, sp, priority[i] if priority else 0))
+                ids.append(self.add_request(p, sp, priority[i] if priority else 0,
+                                            cache_salt))
         except Exception:
             self.abort(ids)  # nothing of a rejected batch stays queued
             raise

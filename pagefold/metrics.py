@@ -222,6 +222,14 @@ class ServerMetrics:
         if itl_s is not None:
             self.itl.labels(self.model_name).observe(itl_s)
 
+    def record_aborted(self, e2e_s: float, num_prompt_tokens: int) -> None:
+        """A request that ended without finishing (client gone, shutdown, dead core):
+        ``request_success{finished_reason="abort"}``, and its prompt tokens when no token
+        had counted them yet (``num_prompt_tokens`` is 0 otherwise)."""
+        if num_prompt_tokens:
+            self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.record_finished(e2e_s, "abort")
+
     def record_finished(self, e2e_s: float, finish_reason: str | None) -> None:
         self.e2e.labels(self.model_name).observe(e2e_s)
         self.request_success.labels(self.model_name, finish_reason or "unknown").inc()

@@ -16,6 +16,7 @@ so an API layer can forward the message to the client unchanged.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 from pagefold.structured_output.params import StructuredOutputsParams
@@ -24,6 +25,10 @@ from pagefold.structured_output.params import StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 # The most top-logprobs a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+# Seeds are 64-bit signed (a child of a parallel-sampling family uses seed + index).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 4096
+# Token ids travel as signed 64-bit integers.
+TOKEN_ID_MAX = 2**63 - 1
 
 
 def _is_number(x: object) -> bool:
@@ -126,7 +131,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-            setattr(self, name, float(value))
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            setattr(self, name, value)
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -151,6 +162,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -163,6 +176,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+            if t > TOKEN_ID_MAX:
+                raise ValueError(f"stop_token_ids must be at most {TOKEN_ID_MAX}, got {t}")
         self._check_int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

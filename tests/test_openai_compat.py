@@ -474,7 +474,7 @@ COMPLETION_FIELDS = {
 ALWAYS_REFUSED = {"use_beam_search", "watermarking", "length_penalty",
                   "spaces_between_special_tokens", "logprob_token_ids",
                   "routed_experts_prompt_start", "return_token_offsets", "mm_payload",
-                  "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params",
+                  "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",
                   "vllm_xargs", "repetition_detection", "stream_interval",
                   "thinking_token_budget", "media_io_kwargs", "mm_processor_kwargs",
                   "return_prompt_text", "suffix", "prompt_embeds", "logits_processors",

@@ -303,7 +303,9 @@ class KVCacheManager:
             log.credited_tokens += credit
             self.free(req)
             req.num_computed_tokens = 0
-        logger.info("preempting %s by %s: %d bytes to move vs %d tokens to recompute (%d "
+        # DEBUG: a large family preempts many requests a step; EngineCore logs one INFO
+        # summary per step (see ``EngineCore._log_preemptions``).
+        logger.debug("preempting %s by %s: %d bytes to move vs %d tokens to recompute (%d "
                     "tokens creditable from the prefix cache)", req.request_id, kind, nbytes,
                     log.decisions[-1][3], credit)
         return kind

@@ -126,6 +126,7 @@ class Scheduler:
         self._sent_tables: dict[str, list[list[int]]] = {}
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.num_aborted = 0  # cumulative requests finished as aborted (client gone, stop str)
         self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
         # Speculative decoding: the drafter (``spec_decode.engine.SpecDecoder``) fills
@@ -148,6 +149,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        if status == RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += 1
         self.kv.free(req)
         self._sent_tables.pop(req_id, None)
         self._finished_ids.append(req_id)
@@ -243,7 +246,19 @@ class Scheduler:
             child.status = RequestStatus.WAITING
             self.waiting.push(child)
 
+    def _log_preemptions(self, before: dict[str, int]) -> None:
+        """One INFO line per step that preempted (each preemption itself is a DEBUG line of
+        the cache manager: a large family can preempt hundreds of requests)."""
+        now = self.preemptions_by_kind
+        delta = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+        if delta:
+            logger.info("preempted %d request(s) this step (%s); %d running, %d waiting, "
+                        "%d free blocks", sum(delta.values()),
+                        ", ".join(f"{v} by {k}" for k, v in sorted(delta.items())),
+                        self.num_running, self.num_waiting, self.kv.pool.num_free)
+
     def schedule(self) -> SchedulerOutput:
+        before = dict(self.preemptions_by_kind)
         if self.drafter is not None:
             self.drafter.propose(self)
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -337,6 +352,7 @@ class Scheduler:
         so = self.structured
         if so is not None and so.num_constrained(self.requests):
             out.grammar_bitmask = so.step_bitmask(self.requests, out.num_scheduled)
+        self._log_preemptions(before)
         return out
 
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:

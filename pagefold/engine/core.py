@@ -17,6 +17,7 @@ from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
 from pagefold.core.kv_cache_spec import StateSpec
+from pagefold.core.model_len import resolve_max_model_len
 from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
@@ -118,7 +119,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, getattr(tcfg, "dtype", None)
                                    or getattr(hf_config, "dtype", None))
         max_pos = getattr(tcfg, "max_position_embeddings", None) or 4096
-        self.max_model_len = config.max_model_len or max_pos
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, tcfg, allow_long=config.allow_long_max_model_len)
         self.max_num_batched_tokens = config.max_num_batched_tokens or 4096
         self.eos_token_id = self._eos_id(hf_config)
 
@@ -238,8 +240,15 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue. Raises ValueError (nothing is queued) on bad input."""
+                    arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Validate and queue. Raises ValueError (nothing is queued) on bad input.
+
+        ``cache_salt`` keys the request's prefix-cache chain (block hashes and therefore state
+        checkpoints): requests with different salts never share a cached block, so one tenant
+        cannot learn whether another sent a prompt (vLLM's semantics)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -254,10 +263,10 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"{name} must be at most max_logprobs "
-                                 f"({self.config.max_logprobs}), got {k}")
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} {value} is above this engine's max_logprobs "
+                                 f"({self.config.max_logprobs})")
         self.structured.check(params)  # compiles (cached) or raises ValueError
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
@@ -267,6 +276,8 @@ class EngineCore:
                 params.logprobs = 0  # ranking by cumulative logprob needs each token's logprob
             params.n = params.best_of = 1
             kw.update(fork_children=family - 1, fork_at=n - 1)
+        if cache_salt is not None:
+            kw["extra_keys"] = ("cache_salt", cache_salt)
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, **kw)
         self.scheduler.add_request(req)

@@ -58,6 +58,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -113,6 +114,7 @@ class CoreStats(msgspec.Struct):
     spec_num_drafts: int = 0  # cumulative verify rounds with drafts (speculative decoding)
     spec_num_draft_tokens: int = 0  # cumulative drafted tokens
     spec_num_accepted_tokens: int = 0  # cumulative accepted drafted tokens
+    num_aborted: int = 0  # cumulative requests the core aborted (disconnects, stop strings)
 
 
 class RequestError(msgspec.Struct):
@@ -187,7 +189,7 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
         num_forks=s.num_forks, num_checkpoints=num_ck,
         checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes,
-        **_spec_stats(core))
+        num_aborted=s.num_aborted, **_spec_stats(core))
 
 
 def _spec_stats(core) -> dict[str, int]:
@@ -295,7 +297,7 @@ class _CoreLoop:
             if isinstance(msg, AddRequest):
                 try:
                     self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                          priority=msg.priority)
+                                          priority=msg.priority, cache_salt=msg.cache_salt)
                 except ValueError as e:
                     errors.append(RequestError(msg.request_id, str(e)))
             elif isinstance(msg, AbortRequests):
@@ -416,4 +418,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is sent and closed by now (the output socket lingers until delivered):
+    # skip the interpreter's slow teardown of torch & co (seconds), which would stretch a
+    # graceful shutdown past its deadline.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -68,8 +68,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--api-key", default=os.environ.get("PAGEFOLD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes "
-                        "(taken from $PAGEFOLD_API_KEY when set)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(and /metrics, see --metrics-require-key) (default: $PAGEFOLD_API_KEY)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="put /metrics behind the API key too (open by default for scrapers)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish (new ones "
+                        "get 503) before the rest are ended with 503 / an SSE error event")
+    p.add_argument("--max-request-output-tokens", type=int, default=2**18,
+                   help="most output a request may ask for, counted as samples (n or best_of) "
+                        "x max_tokens x (1 + logprobs): every sampled token and every logprob "
+                        "entry is held until the response is sent (default 262144)")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="largest request body accepted (413 above it, checked while reading, "
+                        "before parsing); 0 = no limit (default 32 MiB)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients send; none: the model path; the first is "
                         "reported")
@@ -123,7 +135,13 @@ def _serve(args: argparse.Namespace) -> int:
     kw = engine_kwargs(args)
     kw.pop("model", None)
     kw.pop("tokenizer", None)
-    return run_server(args, kw)
+    code = run_server(args, kw)
+    # The engine core is gone and every response is written: skip the interpreter's slow
+    # teardown of torch & co (seconds), so a SIGTERM exits within --shutdown-timeout + 2 s.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

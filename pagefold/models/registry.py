@@ -51,7 +51,11 @@ def read_config_dict(model_dir: Path) -> dict:
                          "model directory (config.json, *.safetensors, tokenizer files)")
     if not cfg.exists():
         raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
-    return json.loads(cfg.read_text())
+    try:
+        return json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg} is not valid JSON ({e}); the model's config file is corrupt or "
+                         "truncated") from None
 
 
 def resolve_architecture(config: dict) -> str:

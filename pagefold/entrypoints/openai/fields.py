@@ -31,7 +31,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_prompt_text": ((False, None), "not implemented"),
     "mm_payload": (("tensors", None), "no multimodal input"),
     "return_mm_kwargs": ((False, None), "no multimodal input"),
-    "cache_salt": ((None,), "per-request cache salts are not supported"),
     "kv_transfer_params": ((None, {}), "no disaggregated prefill"),
     "ec_transfer_params": ((None, {}), "no encoder cache transfer"),
     "vllm_xargs": ((None, {}), "no custom logits processors take extra arguments"),

@@ -67,7 +67,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(body, strict=True)
+        req = model.model_validate_json(body, strict=True)
     except ValidationError as e:
         if any(err.get("type") == "json_invalid" for err in e.errors()):
             msg = e.errors()[0].get("msg", "invalid JSON")
@@ -77,6 +77,10 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
             raise bad_request("the request body must be a JSON object",
                               code="invalid_json") from None
         raise validation_error(e) from None
+    from pagefold.entrypoints.openai.validation import check_numbers  # imports this module
+
+    check_numbers(req)  # NaN / Infinity / integers past 64 bits: 400 naming the field
+    return req
 
 
 # --------------------------------------------------------------------------- requests
@@ -175,6 +179,8 @@ class SamplingRequest(_Lenient):
     spaces_between_special_tokens: bool = True
     length_penalty: float = 1.0
     use_beam_search: bool = False
+    # Tenants that must not share prefix-cache entries send different salts (vLLM's field).
+    cache_salt: str | None = None
     # vLLM extras refused unless neutral (fields.py says why)
     watermarking: Any = None
     logprob_token_ids: Any = None
@@ -183,7 +189,6 @@ class SamplingRequest(_Lenient):
     return_prompt_text: Any = None
     mm_payload: Any = None
     return_mm_kwargs: Any = None
-    cache_salt: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
     vllm_xargs: Any = None

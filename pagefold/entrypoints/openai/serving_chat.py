@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagefold.entrypoints.openai.chat_parsing import (
     ToolCall,
@@ -31,6 +31,7 @@ from pagefold.entrypoints.openai.chat_parsing import (
     tool_start_marker,
 )
 from pagefold.entrypoints.openai.fields import refuse_unsupported
+from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -67,10 +68,13 @@ class OpenAIServingChat(OpenAIServing):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content: only text content parts are "
-                                      f"supported, got type {part.type!r}", "messages")
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise bad_request(f"messages[{i}].content[{j}]: only text content parts "
+                                      f"are supported, got type {part.type!r}", "messages")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: a content part of type "
+                                      "'text' needs a 'text' string", "messages")
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
         elif m.content is None:
@@ -107,8 +111,25 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja errors, template raise_exception
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = self.tokens.encode_sync(text, add_special_tokens=add_special_tokens)
         return text, ids
+
+    async def render_async(self, messages: list[ChatMessage], **kwargs: Any
+                           ) -> tuple[str, list[int]]:
+        """:meth:`render` in the tokenizer pool (templates and tokenizing are slow on long
+        conversations; the event loop must stay free)."""
+        return await self.tokens.run(self.render, messages, **kwargs)
+
+    @staticmethod
+    def content_chars(messages: list[ChatMessage]) -> int:
+        """Characters of every message's text: the rendered prompt has at least these."""
+        total = 0
+        for m in messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif isinstance(m.content, list):
+                total += sum(len(p.text or "") for p in m.content)
+        return total
 
     # ------------------------------------------------------------------ request
     def _tool_mode(self, req: ChatCompletionRequest) -> tuple[str, str | None]:
@@ -148,11 +169,13 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        text, ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                continue_final_message=req.continue_final_message,
-                                chat_template_kwargs=kwargs, tools=req.tools,
-                                documents=req.documents, chat_template=req.chat_template,
-                                add_special_tokens=bool(req.add_special_tokens))
+        self.check_text_fits(self.content_chars(req.messages), "messages")
+        text, ids = await self.render_async(
+            req.messages, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=kwargs, tools=req.tools,
+            documents=req.documents, chat_template=req.chat_template,
+            add_special_tokens=bool(req.add_special_tokens))
         ids2 = self.prepare_prompt(req, ids)
         if ids2 != ids:
             text, ids = None, ids2
@@ -176,13 +199,13 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request(str(e), "tool_choice") from None
         rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")
         created = int(time.time())
-        stream = self.start([rid], [(text, ids)], [params], req.priority)
+        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self._stream(req, rid, created, params, first, stream, mode)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         (final,) = await self.collect(raw, stream, 1)
-        return JSONResponse(self._response(req, rid, created, final, mode))
+        return json_response(self._response(req, rid, created, final, mode))
 
     def _echo_prefix(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat ``echo``: the last message's content when it is the assistant's."""

@@ -27,10 +27,11 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
 from pagefold.entrypoints.openai.fields import refuse_unsupported, structured_outputs
+from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.options import ServeOptions, log_request
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
@@ -44,6 +45,7 @@ from pagefold.entrypoints.openai.protocol import (
     sse,
     usage,
 )
+from pagefold.entrypoints.openai.tokenizing import TokenizerPool
 from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -52,6 +54,8 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 # Most samples one prompt may ask for (n and best_of): each is a running engine request.
 MAX_SAMPLES = 128
+# Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
+DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
 
 
 class ClientDisconnected(Exception):
@@ -143,9 +147,14 @@ class OpenAIServing:
 
     def __init__(self, client: AsyncEngineClient, tokenizer, served_model_name: str, *,
                  extra_eos_ids: list[int] | None = None,
-                 options: ServeOptions | None = None) -> None:
+                 options: ServeOptions | None = None,
+                 tokens: TokenizerPool | None = None,
+                 max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        # Tokenizer work runs here, off the event loop (shared by every endpoint).
+        self.tokens = tokens if tokens is not None else TokenizerPool(tokenizer)
+        self.max_request_output_tokens = max_request_output_tokens
         self.served_model_name = served_model_name
         self.extra_eos_ids = list(extra_eos_ids or [])
         self.options = options or ServeOptions()
@@ -163,6 +172,15 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`.", param="model",
                            code="model_not_found")
+
+    def check_text_fits(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long to ever fit (see ``tokenizing``)."""
+        if self.tokens.cannot_fit(num_chars, self.max_model_len - 1):
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; a text "
+                f"of {num_chars} characters cannot fit (no token is longer than "
+                f"{self.tokens.max_token_chars} characters). Please reduce the {param}.",
+                param, code="context_length_exceeded")
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """Reject what the core would: empty, too long, ids outside the vocabulary."""
@@ -199,6 +217,8 @@ class OpenAIServing:
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or "
                 f"{max_tokens_param}.", max_tokens_param, code="context_length_exceeded")
+        max_tokens = self.bound_output(req, max_tokens, room, logprobs, max_tokens_param,
+                                       logprobs_param)
         stop_ids = list(req.stop_token_ids or [])
         if self.extra_eos_ids and not req.ignore_eos:
             stop_ids = sorted(set(stop_ids) | set(self.extra_eos_ids))
@@ -216,7 +236,7 @@ class OpenAIServing:
             repetition_penalty=pick("repetition_penalty", 1.0),
             n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-            max_tokens=room if max_tokens is None else max_tokens, min_tokens=req.min_tokens,
+            max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=constraint, logit_bias=self._logit_bias(req.logit_bias),
@@ -277,6 +297,39 @@ class OpenAIServing:
             return ids
         return list(ids[:keep]) if req.truncation_side == "right" else list(ids[-keep:])
 
+    def bound_output(self, req: SamplingRequest, max_tokens: int | None, room: int,
+                     logprobs: int | None, max_tokens_param: str, logprobs_param: str) -> int:
+        """The max_tokens to run with, within the output memory bounds of one request.
+
+        Everything a non-streaming request generates is held until the response goes out:
+        each sampled token and each logprob entry. So ``logprobs`` is at most the engine's
+        ``max_logprobs``, and samples x max_tokens x (1 + logprobs) at most
+        ``max_request_output_tokens``: over it is a 400 naming the limit; an unset
+        max_tokens (up to the context) is lowered to fit instead."""
+        limit = self.client.config.max_logprobs
+        if logprobs is not None and logprobs > limit:
+            raise bad_request(f"{logprobs_param} must be at most {limit} on this server "
+                              f"(--max-logprobs), got {logprobs}", logprobs_param)
+        samples = max(req.n or 1, req.best_of or 1, 1)
+        per_token = samples * (1 + (logprobs or 0))
+        cap = self.max_request_output_tokens
+        if max_tokens is None:
+            fit = cap // per_token
+            if fit < 1:
+                raise bad_request(f"n={samples} with logprobs={logprobs} exceeds this server's "
+                                  f"limit of {cap} output tokens per request "
+                                  "(--max-request-output-tokens)", "n")
+            return min(room, fit)
+        if max_tokens * per_token > cap:
+            what = f"{samples} sample(s) x {max_tokens_param}={max_tokens}"
+            if logprobs:
+                what += f" x (1 + {logprobs_param}={logprobs})"
+            raise bad_request(
+                f"{what} = {max_tokens * per_token} exceeds this server's limit of {cap} output "
+                f"tokens per request (--max-request-output-tokens); lower {max_tokens_param}, "
+                f"n or {logprobs_param}", max_tokens_param, code="output_too_large")
+        return max_tokens
+
     def _check_samples(self, req: SamplingRequest) -> None:
         """``n`` / ``best_of`` bounds the API enforces (SamplingParams checks ``>= 1`` and
         ``best_of >= n``): at most :data:`MAX_SAMPLES`, and a family must be able to fit the
@@ -298,13 +351,16 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def start(self, ids: list[str], prompts: list[tuple[str | None, list[int]]],
-              params: list[SamplingParams], priority: int
+              params: list[SamplingParams], priority: int, cache_salt: str | None = None
               ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Generations of every prompt, merged as ``(index, output)``."""
+        if cache_salt is not None and not cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         self.client.check_alive()
         for rid, (text, pids), sp in zip(ids, prompts, params):
             log_request(self.options, rid, text, pids, sp)
-        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority)
+        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority,
+                                     cache_salt=cache_salt)
                 for rid, (text, pids), sp in zip(ids, prompts, params)]
         return merge_generations(gens)
 
@@ -399,7 +455,7 @@ class OpenAIServingCompletion(OpenAIServing):
         refuse_unsupported(req)
         if req.prompt is None:
             raise bad_request("prompt is required", "prompt")
-        prompts = self._prompts(req.prompt, req)
+        prompts = await self._prompts(req.prompt, req)
         params = [self.sampling_params(req, max_tokens=req.max_tokens,
                                        max_tokens_param="max_tokens", logprobs=req.logprobs,
                                        prompt_len=len(ids)) for _, ids in prompts]
@@ -415,17 +471,18 @@ class OpenAIServingCompletion(OpenAIServing):
         base = f"cmpl-{req.request_id}" if req.request_id else self.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
-        stream = self.start(ids, prompts, params, req.priority)
+        stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self._stream(req, base, created, prompts, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         finals = await self.collect(raw, stream, len(prompts))
-        return JSONResponse(self._response(req, base, created, prompts, params[0].n, finals))
+        return json_response(self._response(req, base, created, prompts, params[0].n, finals))
 
-    def _prompts(self, prompt, req: CompletionRequest | None = None
-                 ) -> list[tuple[str | None, list[int]]]:
-        """``(text or None, token ids)`` per prompt of a string / list / token-id batch."""
+    async def _prompts(self, prompt, req: CompletionRequest | None = None
+                       ) -> list[tuple[str | None, list[int]]]:
+        """``(text or None, token ids)`` per prompt of a string / list / token-id batch;
+        every text is bounded first, then tokenized off the event loop."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -434,12 +491,15 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise bad_request("prompt is an empty list; give at least one prompt", "prompt")
+        for p in items:
+            if isinstance(p, str):
+                self.check_text_fits(len(p))
         out = []
         for p in items:
             if isinstance(p, str):
                 add = True if req is None or req.add_special_tokens is None else (
                     req.add_special_tokens)
-                ids = self.tokenizer.encode(p, add_special_tokens=add)
+                ids = await self.tokens.encode(p, add_special_tokens=add)
                 if req is not None and req.truncate_prompt_tokens is not None:
                     ids2 = self.prepare_prompt(req, ids)
                     p, ids = (p if ids2 == ids else None), ids2

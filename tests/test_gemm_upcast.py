@@ -24,7 +24,7 @@ def _assert_rounding_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.fixture
 def upcast_on(monkeypatch):
-    monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "1")
+    monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "force")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -41,6 +41,30 @@ def test_matches_float32_product(upcast_on, monkeypatch, bias, slice_elems):
     _assert_rounding_close(got, _reference(x, w, b))
 
 
+def test_scratch_made_in_inference_mode_is_writable_outside(upcast_on):
+    import threading
+
+    def first_use() -> None:  # a fresh thread: a fresh scratch buffer, made in inference mode
+        x = torch.randn(gemm.MIN_ROWS, 8).bfloat16()
+        with torch.inference_mode():
+            gemm.linear(x, torch.randn(4, 8).bfloat16())
+        _assert_rounding_close(gemm.linear(x, torch.randn(2, 8).bfloat16() * 0 + 1),
+                               _reference(x, torch.ones(2, 8).bfloat16(), None))
+
+    errors = []
+    t = threading.Thread(target=lambda: _catch(first_use, errors))
+    t.start()
+    t.join()
+    assert not errors, errors
+
+
+def _catch(fn, errors: list) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported by the test thread
+        errors.append(e)
+
+
 def test_strided_input_and_scratch_reuse(upcast_on):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(gemm.MIN_ROWS, 64, generator=g).bfloat16()[:, ::2]  # strided columns
@@ -55,6 +79,8 @@ def test_plain_path_where_upcast_does_not_apply(upcast_on, monkeypatch):
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16), w.float()) is None  # float32
     assert gemm.linear(torch.randn(2, gemm.MIN_ROWS, 16).bfloat16(), w) is None  # 3-D
     monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "0")
+    assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is None
+    monkeypatch.delenv("PAGEFOLD_BF16_UPCAST")  # off by default
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is None
     x3 = torch.randn(2, 3, 16).bfloat16()
     assert torch.equal(gemm.matmul_t(x3, w), F.linear(x3, w))

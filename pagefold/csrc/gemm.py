@@ -11,7 +11,14 @@ bf16 matmul (only the summation order differs).
 
 Converting costs one pass over the weight, so it pays only when enough rows share it:
 ``MIN_ROWS`` (prefill chunks, large decode batches); decode steps of a few rows keep the bf16
-GEMV / GEMM. ``PAGEFOLD_BF16_UPCAST=0`` turns the path off, ``=1`` forces it on (tests).
+GEMV / GEMM.
+
+Opt-in: ``PAGEFOLD_BF16_UPCAST=1`` turns the path on (where the CPU lacks native bf16 GEMM,
+or anywhere with ``=force``). It is off by default because its rounding differs from oneDNN's
+in the last bit of some outputs, and on a borderline prompt of the trained SmolLM2 in bf16
+("What is the capital of France?") that flips the first token ("L'Étoile, ..." instead of
+"The capital of France is Paris."): faster, but not the answer users check first. float32
+models never take it.
 """
 
 from __future__ import annotations
@@ -40,16 +47,19 @@ def _cpu_has_fast_bf16() -> bool:
 
 def upcast_enabled() -> bool:
     """Whether bf16 products of ``MIN_ROWS`` or more rows go through float32 here."""
-    flag = os.environ.get("PAGEFOLD_BF16_UPCAST", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return not _cpu_has_fast_bf16()
+    flag = os.environ.get("PAGEFOLD_BF16_UPCAST", "0")
+    if flag == "force":
+        return True
+    return flag == "1" and not _cpu_has_fast_bf16()
 
 
 def _buffer(n: int) -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < n:
-        buf = torch.empty(n, dtype=torch.float32)
+        # A normal tensor even when first made under inference mode: it is written both
+        # inside and outside it.
+        with torch.inference_mode(False):
+            buf = torch.empty(n, dtype=torch.float32)
         _scratch.buf = buf
     return buf[:n]
 

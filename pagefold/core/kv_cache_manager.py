@@ -15,6 +15,10 @@
   prefill lands, instead of recomputing the same prefix in parallel.
 * Page copies (restores for hits, saves for checkpoints) are queued here and executed by the
   runner; their sources/destinations stay pinned until ``release_pins``.
+* ``capture_in_kernel`` (every state layer of the model can capture): chunks are not cut at
+  targets; a target strictly inside a step's chunk becomes a ``StateCapture`` (pages taken
+  after scheduling, written by the layers' kernels during the forward, registered as a cache
+  entry by ``after_step``), so no prompt pays extra steps for its checkpoints.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import KVCacheConfig
-from pagefold.core.managers import GroupManager, PageCopy, make_manager
+from pagefold.core.managers import GroupManager, PageCopy, StateCapture, make_manager
 from pagefold.core.prefix_cache import update_block_hashes
 from pagefold.core.swap import (
     HostPool,
@@ -53,7 +57,7 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, enable_prefix_caching: bool = False,
-                 checkpoint_interval: int = 256) -> None:
+                 checkpoint_interval: int = 256, capture_in_kernel: bool = False) -> None:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
@@ -69,6 +73,8 @@ class KVCacheManager:
         self._inflight: dict[bytes, str] = {}  # prompt block hash -> producing request
         self._copies: list[PageCopy] = []
         self._pins: list[list[Block]] = []
+        self.capture_in_kernel = capture_in_kernel
+        self._captures: list[StateCapture] = []
         # Preemption by swap (off until ``attach_swap``).
         self.host: HostPool | None = None
         self.preemption_mode = "recompute"
@@ -130,7 +136,7 @@ class KVCacheManager:
     def cap_chunk(self, req: Request, start: int, num_new: int) -> int:
         """Shorten a chunk starting at ``start`` so it ends on the next checkpoint target."""
         targets = self._targets.get(req.request_id)
-        if not targets:
+        if not targets or self.capture_in_kernel:
             return num_new
         for t in targets:
             if start < t < start + num_new:
@@ -138,6 +144,28 @@ class KVCacheManager:
             if t >= start + num_new:
                 break
         return num_new
+
+    def plan_captures(self, reqs: list[Request], counts: list[int]) -> None:
+        """After scheduling: checkpoint targets strictly inside this step's chunks become
+        captures (the chunk's end is ``after_step``'s). Skipped when the pool is short."""
+        if not (self.caching and self.has_state and self.capture_in_kernel):
+            return
+        for req, n in zip(reqs, counts):
+            targets = self._targets.get(req.request_id)
+            start = req.num_computed_tokens
+            if not targets or n < 2 or targets[-1] <= start:
+                continue
+            hashes = update_block_hashes(req, self.block_size)
+            for t in targets:
+                if start < t < start + n:
+                    for m in self.managers:
+                        cap = m.plan_capture(req.request_id, hashes, t)
+                        if cap is not None:
+                            self._captures.append(cap)
+
+    def take_captures(self) -> list[StateCapture]:
+        caps, self._captures = self._captures, []
+        return caps
 
     def _is_target(self, req: Request, num_computed: int) -> bool:
         if num_computed % self.block_size or num_computed == 0:
@@ -332,6 +360,8 @@ class KVCacheManager:
             owned = {(m.index, b) for m in self.managers for b in m.block_ids(req.request_id)}
             self._copies = [c for c in self._copies
                             if not any((c.group, b) in owned for b in c.dst)]
+        if self._captures:
+            self._captures = [c for c in self._captures if c.request_id != req.request_id]
         for m in self.managers:
             m.free(req.request_id)
         self._targets.pop(req.request_id, None)
@@ -354,6 +384,8 @@ class KVCacheManager:
         for m in self.managers:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
         assert not self._pins and not self._copies, "page copies still pending"
+        assert not self._captures and not any(getattr(m, "pending", None) for m in self.managers), \
+            "state captures still pending"
         assert not self._inflight, "in-flight prefix promises outlived their requests"
         assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"
         if self.host is not None:

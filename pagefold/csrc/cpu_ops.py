@@ -136,7 +136,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64, i64, p, p,  # conv_off, ssm_off, fresh, cu_seqlens
         p, i64, p, p, i64,  # x, x_stride, a, b, ab_stride
         p, p, p, p,  # conv_w, neg_exp_alog, dt_bias, out
-        i64, i32, i32, i32, i32, i32, i32, f32, i32,  # N, C, K, Hk, Hv, Dk, Dv, scale, threads
+        i64, i32, i32, i32, i32, i32, i32, f32,  # N, C, K, Hk, Hv, Dk, Dv, scale
+        p, p, p, i32,  # capture cu / offsets / pages, threads
     ]
     lib.pf_gdn.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
@@ -365,7 +366,8 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
         num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-        scale: float | None = None) -> torch.Tensor | None:
+        scale: float | None = None,
+        capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """A Gated DeltaNet layer's conv and delta rule over a flat varlen batch (prefill chunks
     and decode tokens alike), token-recurrent per sequence, reading each sequence's conv and
     SSM states from their pages once and writing them back once (no gather, no scatter).
@@ -376,6 +378,10 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     ``gdn_recurrent`` / ``gdn_chunked`` (L2 norm on q/k, ``scale`` default ``Dk ** -0.5``) +
     storing both states, up to float32 rounding. Returns ``o`` (T, Hv, Dv) in mixed's dtype,
     or None when not handled (nothing written).
+
+    ``capture=(after (M,), pages (M, pages_per_state))``: the states right after flat token
+    ``after[m]`` also go to ``pages[m]`` (a prefix-cache checkpoint inside the chunk), the
+    same bytes a call ending after that token leaves in the sequence's own pages.
     """
     lib = kernels()
     if lib is None:
@@ -407,13 +413,23 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         fresh = (~has_initial_state).to(torch.uint8).contiguous()
     neg_exp_alog = (-A_log.float().exp()).contiguous()
     out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype)
+    cap_cu = cap_off = cap_pages = None
+    if capture is not None:
+        after, cpages = capture
+        after, perm = after.to(torch.int64).sort()  # grouped by sequence, offsets ascending
+        cap_pages = cpages.to(torch.int64)[perm].contiguous()
+        cap_cu = torch.searchsorted(after, cu).contiguous()
+        seq = torch.searchsorted(cu[1:], after, right=True)
+        cap_off = (after - cu[seq]).contiguous()
     rc = lib.pf_gdn(
         code, ssm_code, _ptr(view.raw), pb, _ptr(pages), pages.shape[1], offs["conv"],
         offs["ssm"], _ptr(fresh) if fresh is not None else None, _ptr(cu), _ptr(mixed),
         mixed.stride(0), _ptr(a), _ptr(b), a.stride(0), _ptr(conv_weight), _ptr(neg_exp_alog),
         _ptr(dt_bias), _ptr(out), pages.shape[0], c, k, num_k_heads, num_v_heads, head_k_dim,
         head_v_dim, float(head_k_dim**-0.5 if scale is None else scale),
-        torch.get_num_threads())
+        _ptr(cap_cu) if cap_cu is not None else None,
+        _ptr(cap_off) if cap_off is not None else None,
+        _ptr(cap_pages) if cap_pages is not None else None, torch.get_num_threads())
     return out if rc == 0 else None
 
 

@@ -12,10 +12,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
+from pagefold.core.kv_cache_spec import is_attention
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
@@ -69,6 +72,17 @@ def check_pool_fits(kv_config: KVCacheConfig, memory: int, max_model_len: int) -
             f"reserved null block); raise kv_cache_memory or lower max_model_len")
 
 
+def _captures_in_kernel(model: torch.nn.Module, kv_config: KVCacheConfig) -> bool:
+    """True when every state layer of ``model`` takes state checkpoints inside its kernels
+    (a module with that ``layer_name`` and ``captures_checkpoints``); any other state layer
+    keeps the chunks cut at checkpoint targets."""
+    state_layers = {name for g in kv_config.groups if not is_attention(g.spec)
+                    for name in g.layer_names}
+    able = {getattr(m, "layer_name", None) for m in model.modules()
+            if getattr(m, "captures_checkpoints", False)}
+    return state_layers <= able
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, *, cache_fill: float | None = None) -> None:
         self.config = config
@@ -93,7 +107,9 @@ class EngineCore:
         check_pool_fits(self.kv_config, int(memory), self.max_model_len)
         self.kv = KVCacheManager(self.kv_config,
                                  enable_prefix_caching=config.enable_prefix_caching,
-                                 checkpoint_interval=config.state_checkpoint_interval)
+                                 checkpoint_interval=config.state_checkpoint_interval,
+                                 capture_in_kernel=config.state_checkpoints_in_kernel
+                                 and _captures_in_kernel(self.model, self.kv_config))
         log_capacity(logger, capacity_report(
             specs, layout="pagefold", memory_bytes=int(memory), max_model_len=self.max_model_len,
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
@@ -225,8 +241,9 @@ class EngineCore:
         reqs = sched.requests
         counts = [sched.num_scheduled[r.request_id] for r in reqs]
         block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
+        self.kv.plan_captures(reqs, counts)
         sampled = self.runner.execute(reqs, counts, block_ids, self.kv.take_copies(),
-                                      self.kv.take_swaps())
+                                      self.kv.take_swaps(), captures=self.kv.take_captures())
         self.kv.release_pins()
         outputs, finished = [], []
         for r, n in zip(reqs, counts):

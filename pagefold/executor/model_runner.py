@@ -10,7 +10,7 @@ import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, cdiv
-from pagefold.core.managers import PageCopy
+from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
@@ -145,21 +145,24 @@ class ModelRunner:
 
     def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
                 copies: list[PageCopy] | None = None,
-                swaps: list[SwapOp] | None = None) -> dict[str, SampledToken]:
+                swaps: list[SwapOp] | None = None,
+                captures: list[StateCapture] | None = None) -> dict[str, SampledToken]:
         """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows.
 
         Before the forward: swap-outs (their device pages may be reused this step), then page
-        copies (prefix-hit restores, forks, copy-on-write), then swap-ins.
+        copies (prefix-hit restores, forks, copy-on-write), then swap-ins. ``captures``: state
+        checkpoints the state layers write during the forward.
 
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
         with _threads_for(self.device, sum(counts) * self.num_params):
-            return self._execute(reqs, counts, block_ids, copies, swaps)
+            return self._execute(reqs, counts, block_ids, copies, swaps, captures)
 
     @torch.inference_mode()
     def _execute(self, reqs: list[Request], counts: list[int],
                  block_ids: list[list[list[int]]], copies: list[PageCopy] | None,
-                 swaps: list[SwapOp] | None) -> dict[str, SampledToken]:
+                 swaps: list[SwapOp] | None,
+                 captures: list[StateCapture] | None = None) -> dict[str, SampledToken]:
         swaps = swaps or []
         self.swap([op for op in swaps if op.to_host])
         if copies:
@@ -168,8 +171,14 @@ class ModelRunner:
         starts = [r.num_computed_tokens for r in reqs]
         tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
         per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]
+        by_group: dict[int, list[tuple[int, int, list[int]]]] = {}
+        if captures:
+            index = {r.request_id: i for i, r in enumerate(reqs)}
+            for c in captures:
+                by_group.setdefault(c.group, []).append((index[c.request_id], c.num_tokens,
+                                                         c.pages))
         inp = build_inputs(self.kv_config, tokens, starts, counts,
-                           [r.num_tokens for r in reqs], per_group, self.device)
+                           [r.num_tokens for r in reqs], per_group, self.device, by_group)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
         hidden = self.model(inp.input_ids, inp.positions, ctx)

@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.causal_conv1d import (
+    causal_conv1d_state_at,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+)
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
 
@@ -129,6 +133,9 @@ class Mamba2Mixer(nn.Module):
     cache layer name ``f"layers.{i}"`` (the state layer of that index).
     """
 
+    # Prefix-cache checkpoints requested in ``ctx`` are taken inside the kernels.
+    captures_checkpoints = True
+
     def __init__(self, mcfg: Mamba2Config, layer_name: str) -> None:
         super().__init__()
         if mcfg.activation not in ("silu", "swish"):
@@ -177,6 +184,11 @@ class Mamba2Mixer(nn.Module):
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
         weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
+        after, capture, conv_ck = meta.capture_after, None, None
+        if after is not None:
+            conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
+            capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
+                                          dtype=torch.float32, device=x.device))
         if meta.all_decode:
             xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
                                                    activation="silu")
@@ -198,8 +210,10 @@ class Mamba2Mixer(nn.Module):
             xs, dt, A,
             b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
             self.D, states["ssm"].float(), meta.cu_seqlens,
-            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, capture=capture,
         )
         ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        if capture is not None:
+            ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
         y = self.norm(y.reshape(t, inter), z)
         return self.out_proj(y.to(x.dtype))

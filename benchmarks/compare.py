@@ -115,6 +115,19 @@ def _drive(add, step, work, sequential: bool | str) -> dict:
             "ttft": sum(ttft) / len(ttft), "tpot": sum(tpot) / len(tpot) if tpot else None}
 
 
+def _run_all(add, step, spec: dict) -> dict:
+    """Every workload of ``spec`` in order; one that raises (an engine that died) is
+    reported and ends the run, keeping the results before it."""
+    res = {}
+    for name, (work, seq) in spec["work"].items():
+        try:
+            res[name] = _drive(add, step, work, seq)
+        except Exception as e:  # noqa: BLE001 - report any engine failure, keep the rest
+            print(f"workload {name} failed: {e!r}", flush=True)
+            break
+    return res
+
+
 def worker_pagefold(spec: dict) -> dict:
     import torch
 
@@ -135,8 +148,7 @@ def worker_pagefold(spec: dict) -> dict:
         return [(ids[o.request_id], len(o.outputs[0].token_ids), o.finished,
                  o.outputs[0].token_ids if o.finished else None) for o in llm.step()]
 
-    res = {name: _drive(add, step, work, seq) for name, (work, seq) in spec["work"].items()}
-    return {"threads": torch.get_num_threads(), "results": res}
+    return {"threads": torch.get_num_threads(), "results": _run_all(add, step, spec)}
 
 
 def worker_vllm(spec: dict) -> dict:
@@ -162,7 +174,7 @@ def worker_vllm(spec: dict) -> dict:
         return [(o.request_id, len(o.outputs[0].token_ids), o.finished,
                  list(o.outputs[0].token_ids) if o.finished else None) for o in engine.step()]
 
-    res = {name: _drive(add, step, work, seq) for name, (work, seq) in spec["work"].items()}
+    res = _run_all(add, step, spec)
     reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     ncpu = os.cpu_count() or 1
     threads = ncpu - (int(reserved) if reserved is not None else (1 if ncpu > 1 else 0))
@@ -470,13 +482,16 @@ def main(argv: list[str] | None = None) -> None:
                         got[system] = r
                         continue
                     for w, res in r["results"].items():
-                        old = got[system]["results"][w]
-                        if res["n_out"] / res["seconds"] > old["n_out"] / old["seconds"]:
+                        old = got[system]["results"].get(w)
+                        if old is None or res["n_out"] / res["seconds"] > (
+                                old["n_out"] / old["seconds"]):
                             got[system]["results"][w] = res
             for w in wl:
                 block = []
                 for system, r in got.items():
-                    res = r["results"][w]
+                    res = r["results"].get(w)
+                    if res is None:
+                        continue
                     block.append({"workload": w, "model": f"{arch}-h{h}-l{nl}",
                                   "system": system, "threads": r["threads"],
                                   "out tok/s": res["n_out"] / res["seconds"],

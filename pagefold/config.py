@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,9 +61,13 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 class EngineConfig:
     """Everything the engine decides from user input.
 
-    ``kv_cache_memory`` is the byte budget of the block pool; when None the engine takes
-    ``DEFAULT_KV_CACHE_MEMORY`` on the CPU (or ``gpu_memory_utilization`` of a GPU minus weights).
+    ``kv_cache_memory`` is the byte budget of the block pool; when None the engine sizes it
+    with :func:`pool_bytes` from ``gpu_memory_utilization``: on a GPU that fraction of the
+    device's memory minus what the weights use (0.9 when not given); on the CPU, when given,
+    that fraction of the host's available memory, capped at what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use, else ``DEFAULT_KV_CACHE_MEMORY``.
     ``max_model_len`` None means the model's ``max_position_embeddings``.
+    Every field is a ``pagefold serve`` / ``generate`` flag (``entrypoints/engine_args.py``).
     """
 
     model: str
@@ -70,7 +75,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
@@ -91,10 +96,30 @@ class EngineConfig:
     # One forward of max_num_batched_tokens dummy tokens at start-up (cache untouched), so the
     # first real batch does not pay one-time costs.
     warm_up: bool = True
+    # Sampling defaults: "auto" (the checkpoint's generation_config.json), "vllm" (neutral),
+    # or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Most logprobs per token (and prompt logprobs) a request may ask for.
+    max_logprobs: int = 20
+    # Tensor parallelism: that many worker processes, one rank each; kv_cache_memory is then
+    # per rank (each rank's pool holds its shard of every page).
+    tensor_parallel_size: int = 1
+    # Torch threads per tensor-parallel rank (None: this process's threads / ranks).
+    threads_per_rank: int | None = None
+    # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}; parsed into
+    # a pagefold.spec_decode.config.SpeculativeConfig (None: off).
+    speculative_config: Any = None
+    # max_model_len above the model's positions (rope scaling included) is refused unless
+    # this is set (or PAGEFOLD_ALLOW_LONG_MAX_MODEL_LEN=1), see ``core.model_len``.
+    allow_long_max_model_len: bool = False
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
     def __post_init__(self) -> None:
+        from pagefold.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise ValueError(
                 "block_size must be a power of two up to 8 or a multiple of 16, got "
@@ -131,7 +156,15 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        from pagefold.sampling_params import MAX_LOGPROBS
+
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
@@ -140,3 +173,33 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def available_host_memory() -> int:
+    """``MemAvailable`` of /proc/meminfo in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pool_bytes(config: EngineConfig, device: torch.device, *, request_bytes: int) -> int:
+    """Bytes of the block pool (see :class:`EngineConfig` for the rule).
+
+    ``request_bytes``: pool bytes one request of ``max_model_len`` tokens holds (the CPU cap:
+    the pool never takes more than ``max_num_seqs`` such requests can use)."""
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory)
+    util = config.gpu_memory_utilization
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(int((0.9 if util is None else util) * total) - used, 0)
+    if util is None:
+        return config.DEFAULT_KV_CACHE_MEMORY
+    cap = (request_bytes + 1) * (config.max_num_seqs + 1)
+    return max(min(int(util * available_host_memory()), cap), 1 << 20)

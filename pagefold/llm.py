@@ -14,6 +14,11 @@ from pagefold.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore
 from pagefold.engine.output_processor import OutputProcessor
+from pagefold.generation_defaults import (
+    generation_defaults,
+    log_generation_defaults,
+    truncate_prompt,
+)
 from pagefold.models.registry import read_config_dict, resolve_architecture
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
@@ -46,9 +51,19 @@ def generation_eos_ids(model: str) -> list[int]:
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are :class:`EngineConfig` fields."""
+    """An engine in this process. Keyword arguments are :class:`EngineConfig` fields.
+
+    ``model`` is a Hugging Face checkpoint directory or a ``.gguf`` file (dequantized into a
+    bf16 checkpoint in the pagefold cache on first use; see ``pagefold.models.gguf_checkpoint``).
+    """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
+        from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
+
+        try:
+            model = resolve_model(str(model))
+        except GGUFConversionError as e:
+            raise ValueError(str(e)) from e
         self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_kwargs)
         # Path and architecture first: a tokenizer failure on a bad path reads as a hub error.
         resolve_architecture(read_config_dict(Path(model)))
@@ -58,11 +73,20 @@ class LLM:
         self._extra_eos = [t for t in generation_eos_ids(model)
                            if t != self.engine.eos_token_id]
         self._counter = itertools.count()
+        self.default_sampling = generation_defaults(model, self.config.generation_config)
+        log_generation_defaults(self.default_sampling, self.config.generation_config)
 
     def get_tokenizer(self):
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests
+    @staticmethod
+    def _salt(prompt: PromptType, cache_salt: str | None) -> str | None:
+        """A prompt dict's own ``cache_salt`` wins over the call's."""
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            return prompt["cache_salt"]
+        return cache_salt
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -76,14 +100,28 @@ class LLM:
         if self._extra_eos and not params.ignore_eos:
             params = params.clone()
             params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(self._extra_eos))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone()
+            params.update_from_tokenizer(self.tokenizer)
         return params
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (unless
+        ``generation_config="vllm"``), as vLLM's ``LLM`` uses when none are given."""
+        return SamplingParams(**self.default_sampling)
+
     def add_request(self, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue one prompt. ``cache_salt`` (or the prompt dict's ``"cache_salt"``) keeps it
+        from sharing prefix-cache entries with requests salted otherwise (or not at all)."""
         text, ids = self._prompt_ids(prompt)
         params = self._params_for(params)
+        if params.truncate_prompt_tokens is not None:
+            text, ids = None, truncate_prompt(ids, params.truncate_prompt_tokens,
+                                              self.engine.max_model_len)
         rid = str(next(self._counter))
-        self.engine.add_request(rid, ids, params, priority=priority)
+        self.engine.add_request(rid, ids, params, priority=priority,
+                                cache_salt=self._salt(prompt, cache_salt))
         self.output_processor.add_request(rid, text, ids, params)
         return rid
 
@@ -91,6 +129,7 @@ class LLM:
         self.engine.abort(request_ids)
         for rid in request_ids:
             self.output_processor.abort(rid)
+        self.engine.flush()
 
     def step(self) -> list[RequestOutput]:
         outs, to_abort = self.output_processor.process(self.engine.step())
@@ -106,12 +145,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -119,7 +159,8 @@ class LLM:
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self.add_request(p, sp, priority[i] if priority else 0))
+                ids.append(self.add_request(p, sp, priority[i] if priority else 0,
+                                            cache_salt))
         except Exception:
             self.abort(ids)  # nothing of a rejected batch stays queued
             raise
@@ -141,6 +182,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        self.engine.flush()
         return [final[i] for i in ids]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
@@ -159,13 +201,19 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``tools`` and ``chat_template_kwargs`` go to the template."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         for conv in convs:
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=True)
+                tokenize=True, **extra)
             if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})

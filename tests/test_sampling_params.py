@@ -104,3 +104,19 @@ def test_boundaries_accepted() -> None:
         seed=0,
     )
     SamplingParams(max_tokens=None, min_tokens=1000)
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")},
+    {"min_p": float("nan")}, {"presence_penalty": float("-inf")},
+    {"repetition_penalty": float("nan")}, {"temperature": 10**400},
+    {"seed": 2**64}, {"seed": -(2**63) - 1}, {"stop_token_ids": [2**63]},
+])
+def test_non_finite_and_out_of_range_numbers_rejected(kw):
+    field = next(iter(kw))
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_large_in_range_seed_accepted():
+    assert SamplingParams(seed=2**62).seed == 2**62

@@ -1,8 +1,8 @@
 """Scheduler rules on a hand-built pool, with a stand-in for the model (no forward pass).
 
-``_advance`` plays the engine's part: scheduled tokens become computed, a request that reaches
-the end of its tokens gets one new token, and a request at ``max_tokens`` finishes (its blocks
-go back on that step).
+``_advance`` plays the runner's part only: every request whose scheduled tokens reach the end
+of its tokens samples token 7; ``Scheduler.update_from_output`` does the rest (computed
+tokens, appends, stop rules, frees finished requests on that step).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler, SchedulerOutput
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
@@ -36,16 +37,16 @@ def _req(rid: str, n_prompt: int, max_tokens: int = 4, *, priority: int = 0,
 
 
 def _advance(s: Scheduler, out: SchedulerOutput) -> list[str]:
-    """Apply one step's results as EngineCore does; returns the ids finished this step."""
-    finished = []
-    for r in out.requests:
-        r.num_computed_tokens += out.num_scheduled[r.request_id]
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_token(7)
-            if r.num_output_tokens >= r.sampling_params.max_tokens:
-                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
-                finished.append(r.request_id)
-    return finished
+    """Sample token 7 for every row that reaches its request's end; returns the ids finished
+    this step."""
+    sampled = {}
+    for rid, n in out.num_scheduled.items():
+        r = s.requests[rid]
+        if r.num_computed_tokens + n == r.num_tokens:
+            sampled[rid] = SampledToken(7)
+    outs = s.update_from_output(out, sampled)
+    assert [o.request_id for o in outs] == list(sampled)
+    return [o.request_id for o in outs if o.finish_reason is not None]
 
 
 def _drain(s: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
@@ -115,7 +116,7 @@ def test_fcfs_preempts_latest_arrival_and_requeues_it_first():
     out = s.schedule()
     # a takes the last block; b needs one: c (latest arrival) is preempted to make room, and
     # nothing is admitted on a step that preempted.
-    assert out.preempted == ["c"]
+    assert out.preempted_ids == ["c"]
     assert out.num_scheduled == {"a": 1, "b": 1}
     c = s.requests["c"]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
@@ -166,7 +167,7 @@ def test_priority_policy_preempts_lowest_priority_and_keeps_others_running():
     out = s.schedule()
     # x needs a block: bulk (ahead of x in the running list) is preempted, and y, which needs
     # no new block, still runs this step.
-    assert out.preempted == ["bulk"]
+    assert out.preempted_ids == ["bulk"]
     assert out.num_scheduled == {"x": 1, "y": 1}
     _drain(s)
     s.kv.check_whole()
@@ -182,7 +183,7 @@ def test_finished_request_frees_blocks_on_that_step():
     assert s.kv.pool.num_free == held + 3  # a's 3 blocks, at once
     assert s.kv.block_ids("a") == [[]]
     nxt = s.schedule()
-    assert nxt.finished_ids == {"a"} and "a" not in nxt.num_scheduled
+    assert nxt.finished_ids == ["a"] and "a" not in nxt.num_scheduled
 
 
 def test_abort_waiting_and_running():
@@ -207,7 +208,10 @@ def test_running_request_never_scheduled_past_max_model_len():
             break
         assert r.num_computed_tokens + out.num_scheduled["a"] <= 10
         _advance(s, out)
-    assert r.num_computed_tokens == 10
+    # The stop rule ends it when its tokens reach max_model_len (the last one uncomputed).
+    assert r.num_tokens == 10 and r.num_computed_tokens == 9
+    assert r.status == RequestStatus.FINISHED_LENGTH
+    s.kv.check_whole()
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

@@ -96,13 +96,14 @@ def _checkpoints(llm) -> dict:
 
 
 def _prefill_steps(llm) -> list[int]:
-    """Counts the engine steps (calls into the runner) from now on."""
+    """Counts the engine steps that compute tokens from now on (not the token-free steps that
+    only run queued page copies)."""
     steps = [0]
     execute = llm.engine.runner.execute
 
-    def counting(*args, **kwargs):
-        steps[0] += 1
-        return execute(*args, **kwargs)
+    def counting(out):
+        steps[0] += out.has_tokens
+        return execute(out)
 
     llm.engine.runner.execute = counting
     return steps
@@ -161,3 +162,17 @@ def test_one_prompt_prefills_in_one_step_with_every_checkpoint(qwen3_5_dir):
                        if e.is_checkpoint}
         llm.engine.kv.check_whole()
     assert saved[True] == saved[False] == {256, 512, 544, 592}
+
+
+def test_a_state_layer_that_cannot_capture_keeps_the_cuts(tiny_model_factory):
+    """Falcon-H1's mixer subclasses the Mamba-2 mixer with its own forward (no captures): the
+    promise is not inherited, so its prompts are cut at targets, and hits stay exact."""
+    model = tiny_model_factory("falcon_h1")
+    prompts = [[random.Random(7).randrange(5, 500) for _ in range(150)]] * 2
+    llm = LLM(str(model), max_model_len=256, state_checkpoint_interval=64,
+              max_num_batched_tokens=200, kv_cache_memory="32MiB")
+    assert not llm.engine.runner.captures_in_kernel and not llm.engine.kv.capture_in_kernel
+    outs = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert outs[1].num_cached_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, GREEDY.max_tokens)
+    llm.engine.kv.check_whole()

@@ -13,12 +13,17 @@
 * In-flight prefixes: a waiting request whose next uncached block is being computed right now
   by a running request's prefill is deferred (not admitted this step) so it can hit once that
   prefill lands, instead of recomputing the same prefix in parallel.
-* Page copies (restores for hits, saves for checkpoints) are queued here and executed by the
-  runner; their sources/destinations stay pinned until ``release_pins``.
+* Page copies (restores for hits, forks, copy-on-write, saves for checkpoints) are queued here
+  and leave with the next step's message (``take_copies``): the runner runs them all, in order,
+  before that step's forward (one copy point per step). Their pinned pages (restore sources,
+  checkpoint destinations) stay pinned until ``release_pins`` after that step. A checkpoint
+  saved after step N is copied at the start of step N+1; its source pages are not written
+  before then (forwards run after the copies, swap-ins after the copies too).
 * ``capture_in_kernel`` (every state layer of the model can capture): chunks are not cut at
-  targets; a target strictly inside a step's chunk becomes a ``StateCapture`` (pages taken
-  after scheduling, written by the layers' kernels during the forward, registered as a cache
-  entry by ``after_step``), so no prompt pays extra steps for its checkpoints.
+  targets; a target strictly inside a step's chunk becomes a ``StateCapture`` in the step's
+  message (pages taken after scheduling by ``plan_captures``, written by the layers' kernels
+  during the forward, registered as a cache entry by ``after_step``), so no prompt pays extra
+  steps for its checkpoints.
 """
 
 from __future__ import annotations
@@ -72,9 +77,9 @@ class KVCacheManager:
         self._targets: dict[str, list[int]] = {}
         self._inflight: dict[bytes, str] = {}  # prompt block hash -> producing request
         self._copies: list[PageCopy] = []
-        self._pins: list[list[Block]] = []
+        self._pins: list[list[Block]] = []  # pins of the queued copies
+        self._pins_in_flight: list[list[Block]] = []  # pins of the copies of the current step
         self.capture_in_kernel = capture_in_kernel
-        self._captures: list[StateCapture] = []
         # Preemption by swap (off until ``attach_swap``).
         self.host: HostPool | None = None
         self.preemption_mode = "recompute"
@@ -145,11 +150,14 @@ class KVCacheManager:
                 break
         return num_new
 
-    def plan_captures(self, reqs: list[Request], counts: list[int]) -> None:
+    def plan_captures(self, reqs: list[Request], counts: list[int]) -> list[StateCapture]:
         """After scheduling: checkpoint targets strictly inside this step's chunks become
-        captures (the chunk's end is ``after_step``'s). Skipped when the pool is short."""
+        captures for the step's message (the chunk's end is ``after_step``'s). A target is
+        skipped when the pool is short or the key is cached already. The pages stay held by
+        their manager until ``after_step`` registers them (or the request is freed)."""
+        caps: list[StateCapture] = []
         if not (self.caching and self.has_state and self.capture_in_kernel):
-            return
+            return caps
         for req, n in zip(reqs, counts):
             targets = self._targets.get(req.request_id)
             start = req.num_computed_tokens
@@ -161,11 +169,18 @@ class KVCacheManager:
                     for m in self.managers:
                         cap = m.plan_capture(req.request_id, hashes, t)
                         if cap is not None:
-                            self._captures.append(cap)
-
-    def take_captures(self) -> list[StateCapture]:
-        caps, self._captures = self._captures, []
+                            caps.append(cap)
         return caps
+
+    def cap_spec_chunk(self, req: Request, num_new: int) -> int:
+        """A verify chunk of a model with states ends at the next block boundary, so that when
+        every draft is accepted the committed state lands on it and the decode checkpoint
+        there is taken (checkpoints exist only at exact, accepted prefix lengths)."""
+        if not (self.caching and self.has_state):
+            return num_new
+        start = req.num_computed_tokens
+        boundary = (start // self.block_size + 1) * self.block_size
+        return min(num_new, boundary - start)
 
     def _is_target(self, req: Request, num_computed: int) -> bool:
         if num_computed % self.block_size or num_computed == 0:
@@ -200,11 +215,20 @@ class KVCacheManager:
         if self.blocks_needed(req, num_new_tokens, hit_blocks) > self.pool.num_free:
             return False
         if hit_blocks:
-            for m in self.managers:
-                copies = m.take_hit(req.request_id, req.block_hashes, hit_blocks)
-                for c in copies:
-                    self._pins.append([self.pool.blocks[b] for b in c.src])
-                self._copies.extend(copies)
+            # Hold every group's hit blocks first: a state group allocating its pages takes
+            # from the free queue, which could otherwise evict the attention blocks (or another
+            # group's checkpoint) this very hit is about to use.
+            held = [b for m in self.managers
+                    for b in m.hit_blocks(req.block_hashes, hit_blocks)]
+            self.pool.touch(held)
+            try:
+                for m in self.managers:
+                    copies = m.take_hit(req.request_id, req.block_hashes, hit_blocks)
+                    for c in copies:
+                        self._pins.append([self.pool.blocks[b] for b in c.src])
+                    self._copies.extend(copies)
+            finally:
+                self.pool.free(held)
             req.num_computed_tokens = hit_blocks * self.block_size
         end = req.num_computed_tokens + num_new_tokens
         for m in self.managers:
@@ -247,14 +271,22 @@ class KVCacheManager:
             self._copies.extend(copies)
 
     def take_copies(self) -> list[PageCopy]:
+        """The queued copies, for this step's message; their pins stay until ``release_pins``."""
         copies, self._copies = self._copies, []
+        self._pins_in_flight.extend(self._pins)
+        self._pins = []
         return copies
 
     def release_pins(self) -> None:
-        """After the runner executed the queued copies: unpin their checkpoint pages."""
-        for blocks in self._pins:
+        """After the step that carried them ran: unpin the copied pages."""
+        for blocks in self._pins_in_flight:
             self.pool.free(blocks)
-        self._pins = []
+        self._pins_in_flight = []
+
+    @property
+    def has_pending_copies(self) -> bool:
+        """Copies queued for the next step (e.g. a checkpoint saved by a request that ended)."""
+        return bool(self._copies or self._swaps)
 
     # ------------------------------------------------------------------ preemption
     def attach_swap(self, num_host_blocks: int, mode: str, cost: PreemptionCost) -> None:
@@ -299,7 +331,9 @@ class KVCacheManager:
             log.credited_tokens += credit
             self.free(req)
             req.num_computed_tokens = 0
-        logger.info("preempting %s by %s: %d bytes to move vs %d tokens to recompute (%d "
+        # DEBUG: a large family preempts many requests a step; EngineCore logs one INFO
+        # summary per step (see ``EngineCore._log_preemptions``).
+        logger.debug("preempting %s by %s: %d bytes to move vs %d tokens to recompute (%d "
                     "tokens creditable from the prefix cache)", req.request_id, kind, nbytes,
                     log.decisions[-1][3], credit)
         return kind
@@ -360,8 +394,6 @@ class KVCacheManager:
             owned = {(m.index, b) for m in self.managers for b in m.block_ids(req.request_id)}
             self._copies = [c for c in self._copies
                             if not any((c.group, b) in owned for b in c.dst)]
-        if self._captures:
-            self._captures = [c for c in self._captures if c.request_id != req.request_id]
         for m in self.managers:
             m.free(req.request_id)
         self._targets.pop(req.request_id, None)
@@ -383,8 +415,9 @@ class KVCacheManager:
     def check_whole(self) -> None:
         for m in self.managers:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
-        assert not self._pins and not self._copies, "page copies still pending"
-        assert not self._captures and not any(getattr(m, "pending", None) for m in self.managers), \
+        assert not self._pins and not self._copies and not self._pins_in_flight, \
+            "page copies still pending"
+        assert not any(getattr(m, "pending", None) for m in self.managers), \
             "state captures still pending"
         assert not self._inflight, "in-flight prefix promises outlived their requests"
         assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"

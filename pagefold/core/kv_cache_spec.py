@@ -49,6 +49,10 @@ class _KVPages:
     def page_bytes(self, block_size: int) -> int:
         return block_size * self.bytes_per_token
 
+    def page_shape(self, block_size: int) -> tuple[int, ...]:
+        """One layer's page as the attention kernels index it."""
+        return (block_size, 2, self.num_kv_heads, self.head_dim)
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(_KVPages):
@@ -124,8 +128,31 @@ class StateSpec:
         raise KeyError(name)
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | StateSpec
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (Kimi Linear's MLA): each token keeps one compressed row of
+    ``latent_dim`` values (the normalised KV latent and the shared rope key), not per-head K and
+    V; heads are expanded from it at attention time. Page: ``(block_size, latent_dim)``.
+    Managed like full attention (every token kept, pages shared by prefix and forks)."""
+
+    latent_dim: int
+    dtype: torch.dtype
+
+    manager_kind = "full_attention"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.latent_dim * dtype_size(self.dtype)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+    def page_shape(self, block_size: int) -> tuple[int, ...]:
+        return (block_size, self.latent_dim)
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | StateSpec | MLASpec
 
 
 def is_attention(spec: LayerSpec) -> bool:
-    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
+    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec | MLASpec)

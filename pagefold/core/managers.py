@@ -97,6 +97,11 @@ class GroupManager(ABC):
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
         return []
 
+    def hit_blocks(self, hashes: list[bytes], n_blocks: int) -> list[Block]:
+        """The cached blocks a hit of ``n_blocks`` reads (pinned before any group allocates,
+        so one group's allocation cannot evict what another group's hit is about to use)."""
+        return []
+
     def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
                    is_checkpoint_target: bool) -> list[PageCopy]:
         """Cache what became reusable once ``num_computed`` tokens are computed."""
@@ -163,6 +168,9 @@ class FullAttentionManager(GroupManager):
 
     def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
         return self.pool.free_cost(self._cached_prefix(hashes, n_blocks))
+
+    def hit_blocks(self, hashes: list[bytes], n_blocks: int) -> list[Block]:
+        return self._cached_prefix(hashes, n_blocks)
 
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
         blocks = self._cached_prefix(hashes, n_blocks)
@@ -299,6 +307,10 @@ class StateManager(GroupManager):
         # The checkpoint is pinned until its copy runs; its pages stop counting as free.
         e = self.pool.entry(self._key(hashes[n_blocks - 1]))
         return len(e.blocks) if e is not None and e.evictable else 0
+
+    def hit_blocks(self, hashes: list[bytes], n_blocks: int) -> list[Block]:
+        e = self.pool.entry(self._key(hashes[n_blocks - 1]))
+        return list(e.blocks) if e is not None else []
 
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
         key = self._key(hashes[n_blocks - 1])

@@ -6,6 +6,14 @@ by the block pool. When the pool runs dry for a running request, the scheduler p
 recompute: the victim is the lowest-priority running request (FCFS: the latest arrival;
 priority policy: largest ``(priority, arrival_time)``), it frees everything and goes back to the
 front of the waiting queue. The rule is deterministic: the same inputs give the same schedule.
+
+The step contract (``core/sched_output.py``): ``schedule()`` returns the whole step as a
+message; ``update_from_output(out, sampled)`` applies the runner's sampled tokens: counts the
+computed tokens, appends the new tokens, applies the token-level stop rules (eos,
+stop_token_ids, max_tokens, max_model_len), caches what became reusable (full blocks, state
+checkpoints) and frees finished requests on that same step. Text-level stops (stop strings) are
+the output processor's, which aborts. Beam search's operations (fork a request, swap its newest
+token, pause it) are scheduler operations between steps.
 """
 
 from __future__ import annotations
@@ -13,30 +21,31 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SampledToken,
+    SchedulerOutput,
+    TableDiff,
+    VerifiedTokens,
+)
 from pagefold.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Scheduler", "SchedulerOutput"]
 
-@dataclass
-class SchedulerOutput:
-    """What to run this step. ``num_scheduled`` preserves the order inputs are laid out in."""
 
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    finished_ids: set[str] = field(default_factory=set)  # freed since the last step
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled
+def table_diff(old: list[int], new: list[int]) -> TableDiff:
+    """``(i, new[i:])`` from the first index where ``new`` differs from ``old``; None if equal."""
+    n = len(old)
+    if len(new) >= n and new[:n] == old:
+        return None if len(new) == n else (n, new[n:])
+    i = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(n, len(new)))
+    return (i, new[i:])
 
 
 class _WaitingQueue:
@@ -101,6 +110,9 @@ class Scheduler:
         policy: str = "fcfs",
     ) -> None:
         self.kv = kv_cache
+        # The engine's StructuredOutputManager (grammar rows per step, matchers advanced with
+        # sampled tokens); None: no structured output.
+        self.structured = None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -108,10 +120,19 @@ class Scheduler:
         self.waiting = _WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished_ids: set[str] = set()
+        self._finished_ids: list[str] = []
+        # What the runner holds: requests it has seen since their last preemption, and the
+        # block tables it was last sent (diffs are taken against them).
+        self._sent_tables: dict[str, list[list[int]]] = {}
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.num_aborted = 0  # cumulative requests finished as aborted (client gone, stop str)
         self.preemptions_by_kind: dict[str, int] = {}
         self.num_forks = 0
+        # Speculative decoding: the drafter (``spec_decode.engine.SpecDecoder``) fills
+        # ``spec_token_ids`` at the start of each schedule and counts the verified results.
+        self.drafter = None
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -128,12 +149,50 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        if status == RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += 1
         self.kv.free(req)
-        self._finished_ids.add(req_id)
+        self._sent_tables.pop(req_id, None)
+        self._finished_ids.append(req_id)
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests remain, or page copies wait for a step (a checkpoint saved by the last
+        step of a request that has ended)."""
+        return bool(self.requests) or self.kv.has_pending_copies
+
+    # ------------------------------------------------------------------ driver operations
+    def fork_request(self, parent_id: str, child_id: str) -> Request:
+        """A new request continuing ``parent_id`` token for token (beam search): attention
+        blocks shared copy-on-write, states copied. Call between steps."""
+        parent = self.requests[parent_id]
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        if parent.status == RequestStatus.RUNNING and not self.kv.can_fork(parent, 1):
+            raise RuntimeError("no free blocks to fork a request; lower beam_width or n")
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params.clone(),
+                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
+                        priority=parent.priority, all_token_ids=list(parent.all_token_ids),
+                        output_token_ids=list(parent.output_token_ids),
+                        extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
+                        cumulative_logprob=parent.cumulative_logprob)
+        self.fork_now(parent, child)
+        return child
+
+    def replace_last_token(self, request_id: str, token_id: int) -> None:
+        """Swap the newest sampled token (not computed yet, so nothing in the cache changes;
+        the runner gets the new one with the next step's tokens)."""
+        r = self.requests[request_id]
+        if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
+            raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
+        r.output_token_ids[-1] = token_id
+        r.all_token_ids[-1] = token_id
+        if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:
+            r.block_hashes.pop()  # that hash covered the replaced token
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Hold a request out of scheduling (its driver decides its next token first)."""
+        self.requests[request_id].paused = paused
 
     @property
     def num_waiting(self) -> int:
@@ -158,6 +217,7 @@ class Scheduler:
         self.running.remove(req)
         kind = self.kv.preempt(req)  # swap keeps progress; recompute resets it
         req.status = RequestStatus.PREEMPTED
+        self._sent_tables.pop(req.request_id, None)  # the runner drops it; it comes back new
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
@@ -186,9 +246,23 @@ class Scheduler:
             child.status = RequestStatus.WAITING
             self.waiting.push(child)
 
+    def _log_preemptions(self, before: dict[str, int]) -> None:
+        """One INFO line per step that preempted (each preemption itself is a DEBUG line of
+        the cache manager: a large family can preempt hundreds of requests)."""
+        now = self.preemptions_by_kind
+        delta = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+        if delta:
+            logger.info("preempted %d request(s) this step (%s); %d running, %d waiting, "
+                        "%d free blocks", sum(delta.values()),
+                        ", ".join(f"{v} by {k}" for k, v in sorted(delta.items())),
+                        self.num_running, self.num_waiting, self.kv.pool.num_free)
+
     def schedule(self) -> SchedulerOutput:
+        before = dict(self.preemptions_by_kind)
+        if self.drafter is not None:
+            self.drafter.propose(self)
         out = SchedulerOutput(finished_ids=self._finished_ids)
-        self._finished_ids = set()
+        self._finished_ids = []
         self.kv.pool.tick += 1
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -204,7 +278,12 @@ class Scheduler:
             if req.paused:
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            drafts = self.spec_token_ids.get(req.request_id) if n == 1 else None
+            if drafts:
+                n += len(drafts)
+                n = self.kv.cap_spec_chunk(req, n)
+            n = min(n, budget)
             n = min(n, self.max_model_len - req.num_computed_tokens)
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
             if req.fork_children:  # stop the shared prefill where the family forks
@@ -216,28 +295,33 @@ class Scheduler:
                 victim = self._victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
+                    out.spec_token_ids.pop(victim.request_id, None)
                 if self.running.index(victim) < i:
                     i -= 1  # (priority policy) an earlier entry leaves: req moves up one slot
                 self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     n = 0
                     break
             if n == 0:
                 continue  # req was preempted; running[i] is now the next request
             scheduled[req.request_id] = n
+            if drafts and n > 1:
+                out.spec_token_ids[req.request_id] = drafts[: n - 1]
             budget -= n
             i += 1
 
         # 2. Waiting requests, while budget, seats and blocks last (none if we just preempted).
         # A request whose prefix another request is computing right now waits for that hit.
-        if not out.preempted:
+        if not out.preempted_ids:
             for req in list(self.waiting):
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if req.paused or self.kv.should_defer(req):
                     continue
-                hit = self.kv.find_hit(req)
+                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                hit = (0 if req.sampling_params.prompt_logprobs is not None
+                       else self.kv.find_hit(req))
                 start = req.num_computed_tokens + hit * self.kv.block_size
                 n = min(req.num_tokens - start, budget)
                 n = self.kv.cap_chunk(req, start, n)
@@ -257,7 +341,142 @@ class Scheduler:
 
         # Layout order: running order (stable across steps -> persistent batch friendly).
         for req in self.running:
-            if req.request_id in scheduled:
-                out.num_scheduled[req.request_id] = scheduled[req.request_id]
-                out.requests.append(req)
+            n = scheduled.get(req.request_id)
+            if n is not None:
+                out.num_scheduled[req.request_id] = n
+                self._describe(req, n, out)
+        if out.num_scheduled and self.kv.capture_in_kernel:
+            # Checkpoint targets inside the chunks: taken by the kernels (no chunk was cut).
+            out.captures = self.kv.plan_captures(
+                [self.requests[rid] for rid in out.num_scheduled],
+                list(out.num_scheduled.values()))
+        out.copies = self.kv.take_copies()
+        out.swaps = self.kv.take_swaps()
+        if not scheduled and not self.running and self.waiting and not out.copies:
+            self._abort_unschedulable()
+        so = self.structured
+        if so is not None and so.num_constrained(self.requests):
+            out.grammar_bitmask = so.step_bitmask(self.requests, out.num_scheduled)
+        self._log_preemptions(before)
         return out
+
+    def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """Put what the runner needs to compute ``req``'s next ``n`` tokens into ``out``."""
+        rid = req.request_id
+        tables = self.kv.block_ids(rid)
+        sent = self._sent_tables.get(rid)
+        self._sent_tables[rid] = tables
+        start = req.num_computed_tokens
+        if sent is None:
+            out.new_reqs.append(NewRequestData(
+                rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                req.eos_token_id, tables, start))
+        else:
+            out.cached_reqs.append(CachedRequestData(
+                rid, start, req.all_token_ids[start : start + n],
+                [table_diff(o, t) for o, t in zip(sent, tables)]))
+
+    def _abort_unschedulable(self) -> None:
+        """Nothing ran although requests wait: the head request cannot fit in an empty pool."""
+        head = self.waiting.peek()
+        logger.error("request %s needs more blocks than the whole pool; aborting it",
+                     head.request_id)
+        self.finish_request(head.request_id, RequestStatus.FINISHED_LENGTH)
+        self._pending_outputs.append(EngineCoreOutput(head.request_id, [],
+                                                      finish_reason="length"))
+
+    # ------------------------------------------------------------------ after the forward
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
+        """Apply a step's results: scheduled tokens become computed, sampled tokens are
+        appended and checked against the stop rules, full blocks and state checkpoints are
+        cached, the step's copied pages are unpinned and finished requests freed."""
+        if out.spec_token_ids and self.drafter is not None:
+            self.drafter.observe(out, sampled)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        stepped: list[Request] = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        for rid, n in out.num_scheduled.items():
+            r = self.requests.get(rid)
+            if r is None:
+                continue  # ended while the step ran
+            r.num_computed_tokens += n
+            stepped.append(r)
+            tok = sampled.get(rid)
+            if tok is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            if isinstance(tok, VerifiedTokens):
+                if self._append_verified(r, n, out.spec_token_ids.get(rid, []), tok, outputs,
+                                         finished):
+                    stepped.pop()
+                continue
+            r.append_token(tok.token_id)
+            if self.structured is not None:
+                self.structured.accept(r, tok.token_id)  # advance the request's grammar
+            eo = EngineCoreOutput(rid, [tok.token_id],
+                                  num_cached_tokens=max(r.num_cached_tokens, 0),
+                                  parent_id=r.parent_id, index=r.index)
+            if tok.prompt_logprobs is not None:
+                eo.prompt_logprobs = tok.prompt_logprobs
+            if tok.logprobs is not None:
+                eo.new_logprobs.append(tok.logprobs)
+                r.cumulative_logprob += tok.logprobs[1][0]
+            status = self.check_stop(r, tok.token_id)
+            if status is not None:
+                finished.append((r, status))
+                eo.finish_reason = status.finish_reason
+                eo.stop_reason = r.stop_reason
+            outputs.append(eo)
+        # Cache what this step made reusable (before finished requests free their pages).
+        for r in stepped:
+            self.kv.after_step(r)
+        self.kv.release_pins()
+        for r, status in finished:
+            self.finish_request(r.request_id, status)
+        if self.structured is not None and self.structured.num_matchers:
+            self.structured.retain(self.requests)  # finished / aborted requests' matchers go
+        return outputs
+
+    def _append_verified(self, r: Request, n: int, drafts: list[int], tok: VerifiedTokens,
+                         outputs: list[EngineCoreOutput],
+                         finished: list[tuple[Request, RequestStatus]]) -> bool:
+        """A speculative step's result: of the ``n`` computed tokens only ``1 + accepted``
+        stand (rejected drafts' KV lies past the computed length, to be overwritten); the
+        accepted drafts and the sampled token are appended one by one through the stop rules.
+        Returns True when the request stopped before its last emitted token: its computed
+        length and committed state then run past its tokens, so nothing of this step may be
+        cached for it (it is freed on this step anyway)."""
+        r.num_computed_tokens -= len(drafts) - tok.num_accepted
+        eo = EngineCoreOutput(r.request_id, [], num_cached_tokens=max(r.num_cached_tokens, 0),
+                              parent_id=r.parent_id, index=r.index)
+        outputs.append(eo)
+        for j, t in enumerate(tok.token_ids):
+            r.append_token(t)
+            eo.new_token_ids.append(t)
+            if tok.logprobs is not None:
+                eo.new_logprobs.append(tok.logprobs[j])
+                r.cumulative_logprob += tok.logprobs[j][1][0]
+            status = self.check_stop(r, t)
+            if status is not None:
+                finished.append((r, status))
+                eo.finish_reason = status.finish_reason
+                eo.stop_reason = r.stop_reason
+                if j < len(tok.token_ids) - 1:
+                    r.num_computed_tokens = r.num_tokens - 1
+                    return True
+                break
+        return False
+
+    def check_stop(self, r: Request, token: int) -> RequestStatus | None:
+        sp = r.sampling_params
+        if r.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token == r.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                r.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and r.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if r.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

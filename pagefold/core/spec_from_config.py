@@ -26,7 +26,6 @@ defaults its field to float32, which is mirrored for a dict that omits it), else
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,6 +36,12 @@ from pagefold.core.kv_cache_spec import (
     SlidingWindowSpec,
     StateComponent,
     StateSpec,
+)
+from pagefold.core.layer_kinds import CACHED_KINDS, config_get, layer_kinds, num_layers
+from pagefold.core.spec_families import (
+    EXTRA_ARCHITECTURES,
+    EXTRA_MODEL_TYPES,
+    extra_layer_specs,
 )
 
 _DTYPE_NAMES = {
@@ -91,25 +96,8 @@ _HEAD_DIM_DEFAULTS = {
     "qwen3_5_moe_text": 256,
     "qwen3_next": 256,
 }
-# Nemotron-H's hybrid_override_pattern characters (as real checkpoints write them).
-_NEMOTRON_PATTERN = {"M": "mamba2", "*": "full", "-": None, "E": None}
-
-_MISSING = object()
-
-
-def _get(cfg: Any, *names: str, default: Any = _MISSING) -> Any:
-    """First non-None value of ``names`` in a dict or config object; ``default`` or raise."""
-    for name in names:
-        if isinstance(cfg, Mapping):
-            value = cfg.get(name)
-        else:
-            value = getattr(cfg, name, None)
-        if value is not None:
-            return value
-    if default is _MISSING:
-        alt = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
-        raise ValueError(f"the model config has no {names[0]!r}{alt}, needed to size its cache")
-    return default
+_get = config_get
+_num_layers = num_layers
 
 
 def _dtype(value: str | torch.dtype, what: str) -> torch.dtype:
@@ -159,107 +147,10 @@ def detect_family(hf_config: Any) -> str:
             return _ARCHITECTURES[arch]
     raise ValueError(
         f"unsupported architecture (model_type {[m for m in model_types if m] or None}, "
-        f"architectures {archs or None}); supported model types: {', '.join(_MODEL_TYPES)}; "
-        f"supported architectures: {', '.join(_ARCHITECTURES)}"
+        f"architectures {archs or None}); supported model types: "
+        f"{', '.join([*_MODEL_TYPES, *EXTRA_MODEL_TYPES])}; "
+        f"supported architectures: {', '.join([*_ARCHITECTURES, *EXTRA_ARCHITECTURES])}"
     )
-
-
-def _num_layers(cfg: Any) -> int:
-    return int(_get(cfg, "num_hidden_layers", "n_layer", "num_layers"))
-
-
-def _unknown(family: str, index: int, value: Any, allowed: list[str]) -> ValueError:
-    return ValueError(
-        f"layer {index} of this {family} config has unknown layer type {value!r}; "
-        f"supported layer types: {', '.join(allowed)}"
-    )
-
-
-def _attention_kinds(cfg: Any) -> list[str]:
-    """Llama / Qwen2 / Qwen3: explicit ``layer_types``, else Qwen's max_window_layers rule."""
-    n = _num_layers(cfg)
-    types = _get(cfg, "layer_types", default=None)
-    if types is None:
-        window = _get(cfg, "sliding_window", default=None)
-        use = bool(_get(cfg, "use_sliding_window", default=False))
-        first = int(_get(cfg, "max_window_layers", default=n))
-        # transformers' Qwen2/Qwen3 rule: sliding only when enabled, from max_window_layers on.
-        types = [
-            "sliding_attention" if use and window is not None and i >= first else "full_attention"
-            for i in range(n)
-        ]
-    table = {"full_attention": "full", "sliding_attention": "sliding"}
-    return _map_kinds(list(types), table, "attention")
-
-
-def _gdn_kinds(cfg: Any) -> list[str]:
-    types = _get(cfg, "layer_types", default=None)
-    if types is None:
-        interval = int(_get(cfg, "full_attention_interval", default=4))
-        types = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(_num_layers(cfg))
-        ]
-    table = {"full_attention": "full", "linear_attention": "gdn"}
-    return _map_kinds(list(types), table, "Gated DeltaNet hybrid")
-
-
-def _nemotron_kinds(cfg: Any) -> list[str | None]:
-    pattern = _get(cfg, "hybrid_override_pattern", default=None)
-    if isinstance(pattern, str):
-        kinds = []
-        for i, ch in enumerate(pattern):
-            if ch not in _NEMOTRON_PATTERN:
-                raise _unknown("Nemotron-H", i, ch, list(_NEMOTRON_PATTERN))
-            kinds.append(_NEMOTRON_PATTERN[ch])
-        return kinds
-    types = _get(cfg, "layers_block_type", "layer_types")
-    table = {
-        "mamba": "mamba2",
-        "linear_attention": "mamba2",
-        "attention": "full",
-        "full_attention": "full",
-        "mlp": None,
-        "moe": None,
-    }
-    return _map_kinds(list(types), table, "Nemotron-H")
-
-
-def _granite_kinds(cfg: Any) -> list[str | None]:
-    # transformers defaults a Granite hybrid without layer_types to all-Mamba layers.
-    types = _get(cfg, "layer_types", "layers_block_type", default=None)
-    if types is None:
-        types = ["mamba"] * _num_layers(cfg)
-    table = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "full"}
-    table["full_attention"] = "full"
-    return _map_kinds(list(types), table, "Granite-4.0-H")
-
-
-def _bamba_kinds(cfg: Any) -> list[str | None]:
-    indices = _get(cfg, "attn_layer_indices", default=None)
-    if indices is None:
-        # A config object exposes the derived list; a dict without indices is all Mamba.
-        types = _get(cfg, "layers_block_type", default=None)
-        if types is not None and not isinstance(types, str):
-            table = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "full"}
-            table["full_attention"] = "full"
-            return _map_kinds(list(types), table, "Bamba")
-        indices = []
-    n = _num_layers(cfg)
-    bad = [i for i in indices if not 0 <= int(i) < n]
-    if bad:
-        raise ValueError(f"Bamba attn_layer_indices {bad} are outside 0..{n - 1}")
-    attn = {int(i) for i in indices}
-    return ["full" if i in attn else "mamba2" for i in range(n)]
-
-
-def _map_kinds(types: list[Any], table: dict[str, str | None], family: str) -> list[Any]:
-    out = []
-    for i, t in enumerate(types):
-        if t not in table:
-            raise _unknown(family, i, t, list(table))
-        out.append(table[t])
-    return out
 
 
 def _head_dim(cfg: Any) -> int:
@@ -384,15 +275,15 @@ def layer_specs_from_config(
             f"got {kv_cache_dtype!r}"
         )
 
+    extra = extra_layer_specs(hf_config, model_dtype=model_dtype, kv_dtype=kv_dtype, tp=tp,
+                              ssm_override=mamba_ssm_cache_dtype,
+                              num_spec=num_speculative_tokens)
+    if extra is not None:
+        return extra
     family = detect_family(hf_config)
     cfg = unwrap_text_config(hf_config)
-    kinds = {
-        "attention": _attention_kinds,
-        "gdn": _gdn_kinds,
-        "nemotron_h": _nemotron_kinds,
-        "granite": _granite_kinds,
-        "bamba": _bamba_kinds,
-    }[family](cfg)
+    # One parser for the cache and the models; MLP / MoE blocks cache nothing.
+    kinds = [k if k in CACHED_KINDS else None for k in layer_kinds(cfg, family)]
 
     specs: dict[str, LayerSpec] = {}
     attn = sliding = state = None

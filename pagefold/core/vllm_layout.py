@@ -33,6 +33,7 @@ from pagefold.core.kv_cache_planner import group_layers
 from pagefold.core.kv_cache_spec import (
     FullAttentionSpec,
     LayerSpec,
+    MLASpec,
     SlidingWindowSpec,
     StateSpec,
     cdiv,
@@ -45,6 +46,8 @@ VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 def spec_kind(spec: LayerSpec) -> str:
     """A short name for logs and reports: full_attention, sliding_window, gdn, mamba2."""
+    if isinstance(spec, MLASpec):
+        return "mla"
     return spec.kind if isinstance(spec, StateSpec) else spec.manager_kind
 
 
@@ -151,7 +154,7 @@ def _group_blocks(
     if isinstance(spec, SlidingWindowSpec):
         held = min(spec.window - 1 + max_num_batched_tokens, num_tokens)
         return cdiv(held, block) + 1
-    assert isinstance(spec, FullAttentionSpec)
+    assert isinstance(spec, FullAttentionSpec | MLASpec)
     return cdiv(num_tokens, block)
 
 

@@ -497,7 +497,7 @@ def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
             ready = self.pf_gemv
             w, b = self.weight, self.bias
             if ready is not None and ready[0] is w and ready[1] is b and x.is_cpu \
-                    and x.stride(1) == 1 and x.shape[0] >= 1:
+                    and x.stride(1) == 1 and x.shape[0] >= 1 and x.shape[1] == w.shape[1]:
                 # The checks of linear() done once (same weight objects): straight to the GEMV.
                 n, k = w.shape
                 m = x.shape[0]

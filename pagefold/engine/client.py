@@ -113,6 +113,7 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._dead_reason: str | None = None
         self._closing = False
+        self._shutdown_done: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -196,11 +197,22 @@ class AsyncEngineClient:
                                    f"{self._proc.returncode} during startup (see its log above)")
         raise RuntimeError(f"engine core did not start within {self.startup_timeout:.0f} s")
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the core (shutdown message, SIGTERM, SIGKILL) and release everything."""
+    async def shutdown(self, timeout: float = 5.0, term_timeout: float = 2.0) -> None:
+        """Stop the core (shutdown message; SIGTERM after ``timeout`` s, SIGKILL
+        ``term_timeout`` s later) and release everything. Every in-flight request fails with
+        :class:`EngineDeadError` at once. A second call waits for the first to finish."""
         if self._closing:
+            if self._shutdown_done is not None:
+                await self._shutdown_done.wait()
             return
         self._closing = True
+        self._shutdown_done = asyncio.Event()
+        try:
+            await self._shutdown(timeout, term_timeout)
+        finally:
+            self._shutdown_done.set()
+
+    async def _shutdown(self, timeout: float, term_timeout: float) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -217,7 +229,7 @@ class AsyncEngineClient:
                 pass
             if not await self._wait_exit(timeout):
                 proc.terminate()
-                if not await self._wait_exit(2.0):
+                if not await self._wait_exit(term_timeout):
                     proc.kill()
                     await self._wait_exit(5.0)
         self._close_sockets()
@@ -262,6 +274,7 @@ class AsyncEngineClient:
         for rid, t in list(self._reqs.items()):
             t.queue.put_nowait(err)
             self._processor.abort(rid)
+            self._record_abort(t)
         self._reqs.clear()
         for fut in self._calls.values():
             if not fut.done():
@@ -355,11 +368,13 @@ class AsyncEngineClient:
             t.num_tokens, t.last_token_time = t.num_tokens + new, now
         if m is not None and out.finished:
             m.record_finished(now - t.arrival, out.outputs[0].finish_reason)
+            m.record_request_tokens(t.num_prompt_tokens, t.num_tokens)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative ``RequestOutput``s until the finished one.
 
         Outputs that pile up while the consumer is busy are coalesced (each is cumulative),
@@ -376,7 +391,8 @@ class AsyncEngineClient:
         self._processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority))
+            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority,
+                                  cache_salt))
             while not finished:
                 items = [await t.queue.get()]
                 while not t.queue.empty():
@@ -392,9 +408,18 @@ class AsyncEngineClient:
             if not finished:
                 self.abort(request_id)
 
+    def _record_abort(self, t: _Tracked) -> None:
+        """Metrics of a request that ends unfinished: its prompt tokens count even when no
+        token came back (a client that leaves during a long prefill)."""
+        if self.metrics is not None:
+            self.metrics.record_aborted(time.monotonic() - t.arrival,
+                                        t.num_prompt_tokens if t.num_tokens == 0 else 0)
+
     def abort(self, request_id: str) -> None:
         """Forget a request here and tell the core to free its blocks (no-op if unknown)."""
-        self._reqs.pop(request_id, None)
+        t = self._reqs.pop(request_id, None)
+        if t is not None:
+            self._record_abort(t)
         self._processor.abort(request_id)
         if self.is_alive and not self._closing:
             try:

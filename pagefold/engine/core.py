@@ -1,28 +1,30 @@
 """EngineCore: the scheduler + model busy loop. Knows token ids, never text.
 
-``step()`` schedules, runs the model, appends sampled tokens, applies the token-level stop rules
-(eos, stop_token_ids, max_tokens, max_model_len) and frees finished requests' blocks on the same
-step. Text-level stops (stop strings) are found by the output processor, which aborts.
+``step()`` is three calls (the step contract of ``core/sched_output.py``): the scheduler makes
+the step's message, the runner executes it, the scheduler applies the sampled tokens (appends
+them, applies the token-level stop rules, caches, frees finished requests on the same step).
+Text-level stops (stop strings) are found by the output processor, which aborts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from pagefold.config import EngineConfig, kv_dtype, resolve_dtype
+from pagefold.config import EngineConfig, kv_dtype, pool_bytes, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
-from pagefold.core.kv_cache_spec import is_attention
+from pagefold.core.kv_cache_spec import StateSpec
+from pagefold.core.model_len import resolve_max_model_len
+from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
 from pagefold.executor.model_runner import ModelRunner
+from pagefold.kernels import dispatch
+from pagefold.layers.attention.kv_quant import apply_checkpoint_kv_scales
 from pagefold.models.registry import (
     load_model,
     read_config_dict,
@@ -31,20 +33,55 @@ from pagefold.models.registry import (
 )
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
+from pagefold.spec_decode.config import check_model_supports
+from pagefold.spec_decode.engine import SpecDecoder
+from pagefold.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagefold")
 
+# Architectures whose layers have tensor-parallel shards so far.
+TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                    "NemotronHForCausalLM", "BambaForCausalLM")
 
-@dataclass(slots=True)
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    parent_id: str | None = None  # parallel sampling: the family's request id
-    index: int = 0  # the child's index in its family
+
+def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
+                          kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
+                          warm_len: int):
+    import torch
+
+    from pagefold.distributed.executor import TPExecutor
+    from pagefold.distributed.worker import WorkerInit
+
+    if arch not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} is not supported "
+                         f"for {arch} yet; supported: {', '.join(TP_ARCHITECTURES)}")
+    from pagefold.layers.attention_block import split_heads
+    from pagefold.models.registry import text_config as _text
+
+    tcfg, tp = _text(load_hf_config(config.model)[1]), config.tensor_parallel_size
+    heads = tcfg.num_attention_heads
+    split_heads(heads, getattr(tcfg, "num_key_value_heads", None) or heads, tp)
+    experts = getattr(tcfg, "num_local_experts", 0) or getattr(tcfg, "num_experts", 0) or 0
+    if arch == "NemotronHForCausalLM":
+        from pagefold.core.layer_kinds import MOE, layer_kinds
+
+        experts = MOE in layer_kinds(tcfg, "nemotron_h")  # its config always names experts
+    if experts:
+        raise ValueError(f"tensor_parallel_size {tp} does not split MoE experts yet ({arch} "
+                         f"with experts); use tensor_parallel_size 1")
+    inter = getattr(tcfg, "intermediate_size", None)
+    if inter and inter % tp:
+        raise ValueError(f"intermediate_size ({inter}) is not divisible by "
+                         f"tensor_parallel_size {tp}")
+    threads = config.threads_per_rank or max(1, torch.get_num_threads()
+                                             // config.tensor_parallel_size)
+    init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
+                      cache_fill, host_blocks, threads, warm, warm_len)
+    return TPExecutor(init, config.tensor_parallel_size)
+
+
+__all__ = ["EngineCore", "EngineCoreOutput"]
 
 
 def load_hf_config(model: str):
@@ -72,17 +109,6 @@ def check_pool_fits(kv_config: KVCacheConfig, memory: int, max_model_len: int) -
             f"reserved null block); raise kv_cache_memory or lower max_model_len")
 
 
-def _captures_in_kernel(model: torch.nn.Module, kv_config: KVCacheConfig) -> bool:
-    """True when every state layer of ``model`` takes state checkpoints inside its kernels
-    (a module with that ``layer_name`` and ``captures_checkpoints``); any other state layer
-    keeps the chunks cut at checkpoint targets."""
-    state_layers = {name for g in kv_config.groups if not is_attention(g.spec)
-                    for name in g.layer_names}
-    able = {getattr(m, "layer_name", None) for m in model.modules()
-            if getattr(m, "captures_checkpoints", False)}
-    return state_layers <= able
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, *, cache_fill: float | None = None) -> None:
         self.config = config
@@ -93,23 +119,24 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, getattr(tcfg, "dtype", None)
                                    or getattr(hf_config, "dtype", None))
         max_pos = getattr(tcfg, "max_position_embeddings", None) or 4096
-        self.max_model_len = config.max_model_len or max_pos
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, tcfg, allow_long=config.allow_long_max_model_len)
         self.max_num_batched_tokens = config.max_num_batched_tokens or 4096
         self.eos_token_id = self._eos_id(hf_config)
 
-        self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
-                                max(self.max_model_len, max_pos), self.device)
+        self.tp = config.tensor_parallel_size
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
-            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype)
-        memory = config.kv_cache_memory or config.DEFAULT_KV_CACHE_MEMORY
+            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)
+        memory = pool_bytes(config, self.device, request_bytes=self._request_bytes(specs))
+        if config.kv_cache_memory is None:
+            logger.info("block pool: %.1f MiB (gpu_memory_utilization %s on %s)",
+                        memory / 2**20, config.gpu_memory_utilization, self.device.type)
         self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
         check_pool_fits(self.kv_config, int(memory), self.max_model_len)
         self.kv = KVCacheManager(self.kv_config,
                                  enable_prefix_caching=config.enable_prefix_caching,
-                                 checkpoint_interval=config.state_checkpoint_interval,
-                                 capture_in_kernel=config.state_checkpoints_in_kernel
-                                 and _captures_in_kernel(self.model, self.kv_config))
+                                 checkpoint_interval=config.state_checkpoint_interval)
         log_capacity(logger, capacity_report(
             specs, layout="pagefold", memory_bytes=int(memory), max_model_len=self.max_model_len,
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
@@ -118,23 +145,78 @@ class EngineCore:
                     self.max_model_len, self.max_num_batched_tokens)
         host_blocks = config.swap_space // (self.kv_config.layers_per_group
                                             * self.kv_config.page_bytes)
-        self.runner = ModelRunner(self.model, self.kv_config, self.device, cache_fill=cache_fill,
-                                  num_host_blocks=host_blocks)
+        max_positions = max(self.max_model_len, max_pos)
+        warm = self.max_num_batched_tokens if config.warm_up else 0
+        warm_len = min(self.max_model_len, 256)
+        if self.tp == 1:
+            self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
+                                    max_positions, self.device)
+            self.runner = ModelRunner(self.model, self.kv_config, self.device,
+                                      cache_fill=cache_fill, num_host_blocks=host_blocks)
+            if self.device.type == "cuda" and dispatch.use_triton(self.device):
+                # Decode steps replayed from CUDA graphs (captured per bucket on first use).
+                self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256),
+                                               self.max_model_len)
+        else:
+            self.model = None  # the ranks hold the shards
+            self.runner = start_tensor_parallel(
+                config, arch, self.dtype, max_positions, self.device, self.kv_config,
+                cache_fill, host_blocks, warm, warm_len)
+            logger.info("tensor parallel: %d ranks (pids %s)", self.tp, self.runner.pids)
+        if config.kv_cache_dtype == "fp8" and self.tp == 1:
+            n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
+            logger.info("fp8 kv cache: %d layers take the checkpoint's k/v scales, the others "
+                        "calibrate on the first batch", n)
+        # Checkpoints inside the state layers' kernels when every state layer can take them
+        # (on every rank); otherwise prefill chunks end at checkpoint targets.
+        self.kv.capture_in_kernel = (config.state_checkpoints_in_kernel
+                                     and self.runner.captures_in_kernel)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
+        self.structured = self._structured_output_manager()
         self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
+        self.spec = None
+        if config.speculative_config is not None:
+            check_model_supports(config.speculative_config, hf_config)
+            self.spec = SpecDecoder(
+                config.speculative_config, self.max_model_len,
+                has_state=any(isinstance(g.spec, StateSpec) for g in self.kv_config.groups))
+            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
-        if config.warm_up:
-            warm = self.max_num_batched_tokens
-            secs = self.runner.warm_up(warm, seq_len=min(self.max_model_len, 256))
+        self.scheduler.drafter = self.spec  # drafts before, counters after each step
+        self.scheduler.structured = self.structured
+        if warm and self.tp == 1:
+            secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
                         warm, secs)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do in one process)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        from pagefold.llm import generation_eos_ids, load_tokenizer
+
+        cfg = self.config
+        stops = [t for t in [self.eos_token_id, *generation_eos_ids(cfg.model)] if t is not None]
+        return StructuredOutputManager(lambda: load_tokenizer(cfg.tokenizer or cfg.model),
+                                       text_config(self.hf_config).vocab_size,
+                                       sorted(set(stops)))
+
+    def _request_bytes(self, specs) -> int:
+        """Pool bytes one request of max_model_len tokens holds (null block included)."""
+        probe = plan_pagefold(specs, self.config.block_size, 1 << 40)
+        blocks = KVCacheManager(dataclasses.replace(probe, num_blocks=2)).min_blocks_for(
+            self.max_model_len)
+        return (blocks + 1) * probe.layers_per_group * probe.page_bytes
 
     def _warn_if_caching_impossible(self, one_request: int) -> None:
         if not self.config.enable_prefix_caching:
@@ -162,8 +244,15 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue. Raises ValueError (nothing is queued) on bad input."""
+                    arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Validate and queue. Raises ValueError (nothing is queued) on bad input.
+
+        ``cache_salt`` keys the request's prefix-cache chain (block hashes and therefore state
+        checkpoints): requests with different salts never share a cached block, so one tenant
+        cannot learn whether another sent a prompt (vLLM's semantics)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -177,6 +266,12 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} {value} is above this engine's max_logprobs "
+                                 f"({self.config.max_logprobs})")
+        self.structured.check(params)  # compiles (cached) or raises ValueError
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
         if family > 1:
@@ -185,6 +280,8 @@ class EngineCore:
                 params.logprobs = 0  # ranking by cumulative logprob needs each token's logprob
             params.n = params.best_of = 1
             kw.update(fork_children=family - 1, fork_at=n - 1)
+        if cache_salt is not None:
+            kw["extra_keys"] = ("cache_salt", cache_salt)
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, **kw)
         self.scheduler.add_request(req)
@@ -196,106 +293,38 @@ class EngineCore:
         for rid in request_ids:
             family = [rid] + [c for c, r in reqs.items() if r.parent_id == rid]
             for cid in family:
-                if self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED) is not None:
-                    self.runner.drop_request(cid)
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
 
+    # Beam search's operations between steps (the scheduler's).
     def fork_request(self, parent_id: str, child_id: str) -> Request:
-        """A new request continuing ``parent_id`` token for token (beam search): attention
-        blocks shared copy-on-write, states copied. Call between steps."""
-        parent = self.scheduler.requests[parent_id]
-        if child_id in self.scheduler.requests:
-            raise ValueError(f"request id {child_id!r} is already in use")
-        if parent.status == RequestStatus.RUNNING and not self.kv.can_fork(parent, 1):
-            raise RuntimeError("no free blocks to fork a request; lower beam_width or n")
-        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params.clone(),
-                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-                        priority=parent.priority, all_token_ids=list(parent.all_token_ids),
-                        output_token_ids=list(parent.output_token_ids),
-                        extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
-                        cumulative_logprob=parent.cumulative_logprob)
-        self.scheduler.fork_now(parent, child)
+        child = self.scheduler.fork_request(parent_id, child_id)
+        if self.spec is not None:  # driven token by token from outside: never speculated
+            self.spec.exclude(child_id)
         return child
 
     def replace_last_token(self, request_id: str, token_id: int) -> None:
-        """Swap the newest sampled token (not computed yet, so nothing in the cache changes)."""
         r = self.scheduler.requests[request_id]
-        if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
-            raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
-        r.output_token_ids[-1] = token_id
-        r.all_token_ids[-1] = token_id
-        if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:
-            r.block_hashes.pop()  # that hash covered the replaced token
+        self.scheduler.replace_last_token(request_id, token_id)
+        if r.sampling_params.structured_outputs is not None:
+            self.structured.rollback(r, 1)  # the matcher took the old token
+            self.structured.accept(r, token_id)
 
     def set_paused(self, request_id: str, paused: bool) -> None:
-        """Hold a request out of scheduling (its driver decides its next token first)."""
-        self.scheduler.requests[request_id].paused = paused
+        self.scheduler.set_paused(request_id, paused)
+        if self.spec is not None:  # driven token by token from outside: never speculated
+            self.spec.exclude(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def flush(self) -> None:
+        """When no request is left: run the token-free step that copies what the last steps
+        queued (a finished request's final state checkpoint), so the pool is whole again."""
+        while not self.scheduler.requests and self.scheduler.has_unfinished():
+            self.step()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return self._unschedulable()
-        reqs = sched.requests
-        counts = [sched.num_scheduled[r.request_id] for r in reqs]
-        block_ids = [self.kv.block_ids(r.request_id) for r in reqs]
-        self.kv.plan_captures(reqs, counts)
-        sampled = self.runner.execute(reqs, counts, block_ids, self.kv.take_copies(),
-                                      self.kv.take_swaps(), captures=self.kv.take_captures())
-        self.kv.release_pins()
-        outputs, finished = [], []
-        for r, n in zip(reqs, counts):
-            r.num_computed_tokens += n
-            tok = sampled.get(r.request_id)
-            if tok is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            r.append_token(tok.token_id)
-            out = EngineCoreOutput(r.request_id, [tok.token_id],
-                                   num_cached_tokens=max(r.num_cached_tokens, 0),
-                                   parent_id=r.parent_id, index=r.index)
-            if tok.logprobs is not None:
-                out.new_logprobs.append(tok.logprobs)
-                r.cumulative_logprob += tok.logprobs[1][0]
-            status = self._check_stop(r, tok.token_id)
-            if status is not None:
-                finished.append((r, status))
-                out.finish_reason = status.finish_reason
-                out.stop_reason = r.stop_reason
-            outputs.append(out)
-        # Cache what this step made reusable (before finished requests free their pages).
-        for r in reqs:
-            self.kv.after_step(r)
-        self.runner.copy_pages(self.kv.take_copies())
-        self.kv.release_pins()
-        for r, status in finished:
-            self.scheduler.finish_request(r.request_id, status)
-            self.runner.drop_request(r.request_id)
-        return outputs
-
-    def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
-        sp = r.sampling_params
-        if r.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token == r.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                r.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and r.num_output_tokens >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if r.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _unschedulable(self) -> list[EngineCoreOutput]:
-        """Nothing ran although requests wait: the head request cannot fit in an empty pool."""
-        s = self.scheduler
-        if s.num_running or not s.num_waiting:
-            return []
-        head = s.waiting.peek()
-        logger.error("request %s needs more blocks than the whole pool; aborting it",
-                     head.request_id)
-        s.finish_request(head.request_id, RequestStatus.FINISHED_LENGTH)
-        self.runner.drop_request(head.request_id)
-        return [EngineCoreOutput(head.request_id, [], finish_reason="length")]
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        return self.scheduler.update_from_output(out, sampled)

@@ -58,6 +58,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -110,6 +111,10 @@ class CoreStats(msgspec.Struct):
     num_forks: int = 0  # cumulative forked requests (parallel-sampling children, beams)
     num_checkpoints: int = 0  # state checkpoints cached now
     checkpoint_bytes: int = 0  # pool bytes those checkpoints occupy now
+    spec_num_drafts: int = 0  # cumulative verify rounds with drafts (speculative decoding)
+    spec_num_draft_tokens: int = 0  # cumulative drafted tokens
+    spec_num_accepted_tokens: int = 0  # cumulative accepted drafted tokens
+    num_aborted: int = 0  # cumulative requests the core aborted (disconnects, stop strings)
 
 
 class RequestError(msgspec.Struct):
@@ -183,7 +188,17 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         swaps_in=swap.swaps_in, swap_bytes_out=swap.bytes_out, swap_bytes_in=swap.bytes_in,
         recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
         num_forks=s.num_forks, num_checkpoints=num_ck,
-        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes)
+        checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes,
+        num_aborted=s.num_aborted, **_spec_stats(core))
+
+
+def _spec_stats(core) -> dict[str, int]:
+    spec = getattr(core, "spec", None)
+    if spec is None:
+        return {}
+    m = spec.metrics
+    return {"spec_num_drafts": m.num_drafts, "spec_num_draft_tokens": m.num_draft_tokens,
+            "spec_num_accepted_tokens": m.num_accepted_tokens}
 
 
 def _utility(core, method: str, num_steps: int) -> Any:
@@ -282,7 +297,7 @@ class _CoreLoop:
             if isinstance(msg, AddRequest):
                 try:
                     self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                          priority=msg.priority)
+                                          priority=msg.priority, cache_salt=msg.cache_salt)
                 except ValueError as e:
                     errors.append(RequestError(msg.request_id, str(e)))
             elif isinstance(msg, AbortRequests):
@@ -403,4 +418,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is sent and closed by now (the output socket lingers until delivered):
+    # skip the interpreter's slow teardown of torch & co (seconds), which would stretch a
+    # graceful shutdown past its deadline.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

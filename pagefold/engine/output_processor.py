@@ -43,6 +43,7 @@ class Family:
     params: SamplingParams
     seqs: list[SeqState]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +93,8 @@ class OutputProcessor:
                 continue  # aborted on this side already
             fam = self.families[st.family]
             fam.num_cached_tokens = max(fam.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and fam.prompt_logprobs is None:
+                fam.prompt_logprobs = [None] + [self._entry(*e) for e in out.prompt_logprobs]
             if self._update(st, out):
                 to_abort.append(out.request_id)
             touched[fam.request_id] = fam
@@ -101,6 +104,14 @@ class OutputProcessor:
             if fam.finished:
                 self.abort(fam.request_id)
         return results, to_abort
+
+    def _entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        """A position's logprob dict: the chosen token (its true rank), then the top-k."""
+        entry = {ids[0]: Logprob(lps[0], rank, self._decode_token(ids[0]))}
+        for j in range(1, len(ids)):
+            if ids[j] not in entry:
+                entry[ids[j]] = Logprob(lps[j], j, self._decode_token(ids[j]))
+        return entry
 
     def _update(self, st: SeqState, out: EngineCoreOutput) -> bool:
         """Apply one core output; True when a stop string ended a sequence the core still runs."""
@@ -146,4 +157,5 @@ class OutputProcessor:
         comps = [self._completion(s, i if ranked else s.index, with_cum)
                  for i, s in enumerate(seqs)]
         return RequestOutput(fam.request_id, fam.prompt, fam.prompt_token_ids, comps,
-                             finished=fam.finished, num_cached_tokens=fam.num_cached_tokens)
+                             finished=fam.finished, num_cached_tokens=fam.num_cached_tokens,
+                             prompt_logprobs=fam.prompt_logprobs)

@@ -8,121 +8,177 @@ import os
 import sys
 from pathlib import Path
 
-from pagefold.entrypoints import capacity_cmd
+from pagefold.entrypoints import capacity_cmd, chat_cmd, engine_args
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every subcommand that builds an engine."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16", "fp8"])
-    p.add_argument("--kv-cache-memory", default=None, help="pool bytes, e.g. 2GiB")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", default=True)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="how a preempted request gives its blocks back: recompute it later, "
-                        "swap its blocks to host memory, or pick the cheaper per request "
-                        "(swap needs --swap-space)")
-    p.add_argument("--swap-space", default="0",
-                   help="host memory for swapped-out blocks, e.g. 4GiB (default 0: no swap)")
-    p.add_argument("--state-checkpoint-interval", type=int, default=256,
-                   help="tokens between cached recurrent-state checkpoints of hybrid models "
-                        "(rounded down to a multiple of --block-size)")
+    """Engine flags shared by every subcommand that builds an engine: one per EngineConfig
+    field, generated (see :mod:`pagefold.entrypoints.engine_args`)."""
+    engine_args.add_engine_args(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy, seed=args.seed,
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        state_checkpoint_interval=args.state_checkpoint_interval)
+    return engine_args.engine_kwargs(args)
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("PAGEFOLD_CACHE", Path.home() / ".cache" / "pagefold"))
 
 
+DEMO_CHATS = ["What is the capital of France?",
+              "Name three primary colors.",
+              "Write a haiku about the sea."]
+
+
 def _generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pagefold import LLM, SamplingParams
 
-    model = args.model
-    if model is None:
-        from pagefold.testing.tiny_models import build_demo_model
-
-        model = str(build_demo_model(default_cache_dir()))
-        print(f"no model given: using the built-in demo model at {model} "
-              "(random weights: the text is noise, the engine is real)")
-    llm = LLM(model, **engine_kwargs(args))
+    model = chat_cmd.resolve_cli_model(args.model)
+    engine_args.log_ignored(args)
+    kw = engine_kwargs(args)
+    kw.pop("model", None)
+    llm = LLM(model, **kw)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
-    prompts = args.prompt or ["The quick brown fox", "def fibonacci(n):",
-                              "import os\nimport sys\n", "class Scheduler:"]
-    outs = llm.generate(prompts, params)
-    for o in outs:
-        c = o.outputs[0]
-        print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n({len(c.token_ids)} tokens, "
-              f"finish: {c.finish_reason})")
+    chats = args.chat or ([] if args.prompt else DEMO_CHATS)
+    if chats:  # one conversation per message, through the checkpoint's chat template
+        outs = llm.chat([[{"role": "user", "content": c}] for c in chats], params,
+                        use_tqdm=False)
+        for c, o in zip(chats, outs):
+            print(f"--- user: {c}\nassistant: {o.outputs[0].text}\n"
+                  f"({len(o.outputs[0].token_ids)} tokens, finish: "
+                  f"{o.outputs[0].finish_reason})")
+    if args.prompt:
+        outs = llm.generate(args.prompt, params)
+        for o in outs:
+            c = o.outputs[0]
+            print(f"--- prompt: {o.prompt!r}\n{c.text!r}\n({len(c.token_ids)} tokens, "
+                  f"finish: {c.finish_reason})")
     return 0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server flags of ``pagefold serve`` (engine flags come from :func:`add_engine_args`)."""
-    p.add_argument("model", help="local Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="model",
+                   help="local Hugging Face model directory or .gguf file, or give --model "
+                        "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None,
+                   help="local Hugging Face model directory (vLLM's spelling)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--api-key", default=os.environ.get("PAGEFOLD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes "
-                        "(default: $PAGEFOLD_API_KEY)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model path)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(and /metrics, see --metrics-require-key) (default: $PAGEFOLD_API_KEY)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="put /metrics behind the API key too (open by default for scrapers)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish (new ones "
+                        "get 503) before the rest are ended with 503 / an SSE error event")
+    p.add_argument("--max-request-output-tokens", type=int, default=2**18,
+                   help="most output a request may ask for, counted as samples (n or best_of) "
+                        "x max_tokens x (1 + logprobs): every sampled token and every logprob "
+                        "entry is held until the response is sent (default 262144)")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="largest request body accepted (413 above it, checked while reading, "
+                        "before parsing); 0 = no limit (default 32 MiB)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients send; none: the model path; the first is "
+                        "reported")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or template text) overriding the "
                         "tokenizer's")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level")
+    p.add_argument("--enable-log-requests", dest="log_requests", default=False,
+                   action=argparse.BooleanOptionalAction,
+                   help="log every request (id, prompt length, sampling params) on arrival "
+                        "and its outcome on completion")
+    p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="do not log requests (the default; vLLM's spelling)")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="most prompt characters/ids printed per logged request")
+    p.add_argument("--disable-log-stats", dest="log_stats", default=True, action="store_false",
+                   help="no periodic stats line")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines (throughput, running/waiting, KV usage, "
+                        "prefix-cache hit rate)")
+    p.add_argument("--access-log", dest="access_log", default=False,
+                   action=argparse.BooleanOptionalAction,
+                   help="uvicorn's per-HTTP-request access log")
+    p.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
+                   help="no access log (the default; vLLM's spelling)")
+    p.add_argument("--enable-auto-tool-choice", default=False,
+                   action=argparse.BooleanOptionalAction,
+                   help="allow tool_choice 'auto' (tool calls parsed from the model's text "
+                        "with --tool-call-parser)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from generated text: hermes (<tool_call> "
+                        "JSON, Qwen), pythonic ([f(a=1)]), json (a bare JSON object/list)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split <think>...</think> into reasoning_content: deepseek_r1, qwen3 "
+                        "or think")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores (each with its own pool and scheduler) behind this "
+                        "server; requests go to the least loaded, prefix-aware")
 
 
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: fastapi/uvicorn are only needed by the server.
     from pagefold.entrypoints.openai.server import run_server
 
-    return run_server(args, engine_kwargs(args))
+    if args.model_tag and args.model_flag and args.model_tag != args.model_flag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model_flag!r}")
+    args.model = chat_cmd.resolve_cli_model(args.model_tag or args.model_flag)
+    engine_args.log_ignored(args)
+    kw = engine_kwargs(args)
+    kw.pop("model", None)
+    kw.pop("tokenizer", None)
+    code = run_server(args, kw)
+    # The engine core is gone and every response is written: skip the interpreter's slow
+    # teardown of torch & co (seconds), so a SIGTERM exits within --shutdown-timeout + 2 s.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagefold", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    from pagefold import __version__
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="pagefold", description=__doc__, formatter_class=fmt)
+    parser.add_argument("--version", "-V", action="version",
+                        version=f"pagefold {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text offline from prompts")
+    g = sub.add_parser("generate", help="generate text offline from prompts",
+                       formatter_class=fmt)
     g.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model directory (default: built-in demo model)")
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+                   help="local Hugging Face model directory or .gguf file "
+                        "(default: SmolLM2-135M-Instruct)")
+    g.add_argument("--prompt", action="append", help="a raw text prompt (repeatable)")
+    g.add_argument("--chat", action="append",
+                   help="a user message answered through the chat template (repeatable); "
+                        "with neither --prompt nor --chat a few demo questions are asked")
+    g.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     add_engine_args(g)
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine in its own process)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine in its own process)",
+                       formatter_class=fmt)
     add_serve_args(s)
     add_engine_args(s)
     s.set_defaults(func=_serve)
 
     capacity_cmd.add_parser(sub)
+    chat_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

@@ -17,6 +17,7 @@ import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, is_attention
+from pagefold.layers.attention.kv_quant import KVScales
 
 
 def wide_rows(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,8 @@ class CacheTensors:
         self.attn: dict[str, torch.Tensor] = {}
         self.state: dict[str, StateView] = {}
         self.layer_group: dict[str, int] = {}
+        # FP8 attention layers' encodings, set on the first real batch (or from a checkpoint).
+        self.kv_scales: dict[str, KVScales] = {}
         for gi, group in enumerate(config.groups):
             for si, name in enumerate(group.layer_names):
                 raw = self.shared[si]
@@ -83,7 +86,7 @@ class CacheTensors:
                 spec = group.spec
                 if is_attention(spec):
                     self.attn[name] = raw.view(spec.dtype).view(
-                        config.num_blocks, config.block_size, 2, spec.num_kv_heads, spec.head_dim
+                        config.num_blocks, *spec.page_shape(config.block_size)
                     )
                 else:
                     self.state[name] = StateView(raw, spec, group.pages_per_state)

@@ -8,6 +8,7 @@ import torch
 
 from pagefold.executor.cache_tensors import CacheTensors, StateView
 from pagefold.layers.attention.backend import AttentionMetadata, paged_attention
+from pagefold.layers.attention.kv_quant import KVScales, is_fp8
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class StateMetadata:
     has_initial_state: torch.Tensor
     all_decode: bool
     any_initial_state: bool
+    # (N,) bool on a speculative verify step: the requests whose chunk is 1 + k decode tokens.
+    spec_rows: torch.Tensor | None = None
     capture_after: torch.Tensor | None = None
     capture_pages: torch.Tensor | None = None
 
@@ -37,11 +40,23 @@ class ForwardContext:
     cache: CacheTensors
     attn_meta: list[AttentionMetadata | None]
     state_meta: list[StateMetadata | None]
+    # False for warm-up's dummy tokens: FP8 scales are calibrated on the first real batch.
+    calibrate: bool = True
+    # Speculative verify step: state layers run their verify kernels and leave the state
+    # after *every* token here ({layer: {component: (T, ...)}}) instead of storing; the runner
+    # commits the state after each request's last accepted token (spec_decode.state_verify).
+    spec_states: dict[str, dict[str, torch.Tensor]] | None = None
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
         meta = self.attn_meta[self.cache.layer_group[layer]]
-        return paged_attention(q, k, v, self.cache.attn[layer], meta, scale)
+        cache = self.cache.attn[layer]
+        scales = None
+        if is_fp8(cache.dtype):
+            scales = self.cache.kv_scales.get(layer)
+            if scales is None and self.calibrate:
+                scales = self.cache.kv_scales[layer] = KVScales.calibrate(k, v, cache.dtype)
+        return paged_attention(q, k, v, cache, meta, scale, scales)
 
     def state(self, layer: str) -> tuple[StateView, StateMetadata]:
         return self.cache.state[layer], self.state_meta[self.cache.layer_group[layer]]
@@ -57,6 +72,16 @@ class ForwardContext:
             for t in states.values():
                 t[fresh] = 0
         return states
+
+    @property
+    def verify(self) -> bool:
+        """True on a speculative verify step (see ``spec_states``)."""
+        return self.spec_states is not None
+
+    def store_token_states(self, layer: str, states: dict[str, torch.Tensor]) -> None:
+        """Verify step: keep the per-token states of ``layer`` for the commit."""
+        assert self.spec_states is not None
+        self.spec_states[layer] = states
 
     def store_states(self, layer: str, states: dict[str, torch.Tensor]) -> None:
         view, meta = self.state(layer)

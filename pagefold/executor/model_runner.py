@@ -1,31 +1,36 @@
-"""Runs one scheduled step: flat inputs -> model forward -> logits of sampling rows -> sampler."""
+"""Runs one step message: page moves, flat inputs -> model forward -> logits -> sampler.
+
+The runner reads only the step message (``core/sched_output.py``) and its own request state
+(``executor/runner_state.py``); it never imports the scheduler's request module.
+"""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, cdiv
-from pagefold.core.managers import PageCopy, StateCapture
+from pagefold.core.managers import PageCopy
+from pagefold.core.sched_output import SampledToken, SchedulerOutput
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
+from pagefold.distributed.parallel_state import tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
+from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import build_inputs
-from pagefold.executor.sampler import Sampler, SamplingMetadata, make_generator
-from pagefold.request import Request
+from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
+from pagefold.executor.sampler import (
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    make_generator,
+)
 
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    # (token ids, logprobs) of the sampled token followed by the top-k alternatives; and rank.
-    logprobs: tuple[list[int], list[float], int] | None = None
-
+__all__ = ["ModelRunner", "SampledToken"]
 
 # A CPU step whose work (tokens x parameters) is below this runs on one thread: its ops are
 # too small for a parallel region to pay, and on a loaded machine every parallel region waits
@@ -63,9 +68,34 @@ class ModelRunner:
         self.host = [torch.zeros((num_host_blocks, kv_config.page_bytes), dtype=torch.uint8,
                                  pin_memory=pin)
                      for _ in range(kv_config.layers_per_group if num_host_blocks else 0)]
+        self.copier = CopyStream(device)  # swaps on a copy stream on CUDA
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.requests = RunnerRequests()
+        self._grammar: dict[str, bytes] = {}  # this step's structured-output rows
         self.num_forward_tokens = 0
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran (CUDA + Triton)
+
+    @property
+    def captures_in_kernel(self) -> bool:
+        """True when every state layer of the model takes state checkpoints inside its
+        kernels (a module with that ``layer_name`` whose own class declares
+        ``captures_checkpoints``: a subclass with its own ``forward`` does not inherit the
+        promise); with any other state layer the scheduler keeps cutting chunks at targets."""
+        state_layers = {name for g in self.kv_config.groups if isinstance(g.spec, StateSpec)
+                        for name in g.layer_names}
+        able = {getattr(m, "layer_name", None) for m in self.model.modules()
+                if type(m).__dict__.get("captures_checkpoints", False)}
+        return state_layers <= able
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int,
+                           capture: bool | None = None) -> None:
+        """Replay all-decode steps of up to ``max_batch`` rows from CUDA graphs over static
+        buffers (:mod:`pagefold.executor.cuda_graphs`); ``capture=False`` runs the same padded
+        static step eagerly (how CPU tests check it)."""
+        from pagefold.executor.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.cache, self.kv_config, max_batch,
+                                   max_model_len, self.device, capture=capture)
 
     def warm_up(self, num_tokens: int, seq_len: int) -> float:
         """One forward of ``num_tokens`` prompt tokens (sequences of at most ``seq_len``) and
@@ -95,7 +125,7 @@ class ModelRunner:
                 tokens = [[1] * n for n in counts]
                 inp = build_inputs(self.kv_config, tokens, [0] * len(counts), counts, counts,
                                    per_group, self.device)
-                ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+                ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, calibrate=False)
                 hidden = self.model(inp.input_ids, inp.positions, ctx)
                 self.model.compute_logits(hidden[inp.logits_rows])
         finally:
@@ -103,26 +133,38 @@ class ModelRunner:
                 t_[0].copy_(row)
         return time.perf_counter() - t
 
-    def drop_request(self, req_id: str) -> None:
-        self._generators.pop(req_id, None)
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.is_greedy:
+    def _generator(self, st: CachedRequestState) -> torch.Generator | None:
+        seed = st.sampling_params.seed
+        if seed is None or st.sampling_params.is_greedy:
             return None
-        g = self._generators.get(req.request_id)
+        gens = self.requests.generators
+        g = gens.get(st.req_id)
         if g is None:
-            g = self._generators[req.request_id] = make_generator(seed, self.device)
+            g = gens[st.req_id] = make_generator(seed, self.device)
         return g
 
     @torch.inference_mode()
     def copy_pages(self, copies: list[PageCopy]) -> None:
-        """Copy whole pages within the pool, in every layer of each copy's group."""
-        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        """Copy whole pages within the pool, in every layer of each copy's group, with the
+        effect of running the copies one after another in list order.
+
+        Copies are batched into runs in which no copy touches a page an earlier copy of the
+        run writes (a checkpoint saved last step may be restored by a hit this step); each run
+        is one gather and one scatter per group and layer."""
+        run: dict[int, tuple[list[int], list[int]]] = {}
+        written: set[int] = set()
         for c in copies:
-            src, dst = by_group.setdefault(c.group, ([], []))
+            if written and (not written.isdisjoint(c.src) or not written.isdisjoint(c.dst)):
+                self._copy_run(run)
+                run, written = {}, set()
+            src, dst = run.setdefault(c.group, ([], []))
             src.extend(c.src)
             dst.extend(c.dst)
+            written.update(c.dst)
+        if run:
+            self._copy_run(run)
+
+    def _copy_run(self, by_group: dict[int, tuple[list[int], list[int]]]) -> None:
         for g, (src, dst) in by_group.items():
             s = torch.tensor(src, dtype=torch.int64, device=self.device)
             d = torch.tensor(dst, dtype=torch.int64, device=self.device)
@@ -139,53 +181,65 @@ class ModelRunner:
             for si in range(len(self.kv_config.groups[op.group].layer_names)):
                 pool, hpool = wide_rows(self.cache.shared[si]), wide_rows(self.host[si])
                 if op.to_host:
-                    hpool.index_copy_(0, host, pool.index_select(0, dev).to("cpu"))
+                    self.copier.to_host(pool, hpool, dev, host)
                 else:
-                    pool.index_copy_(0, dev, hpool.index_select(0, host).to(self.device))
+                    self.copier.to_device(pool, hpool, dev, host)
 
-    def execute(self, reqs: list[Request], counts: list[int], block_ids: list[list[list[int]]],
-                copies: list[PageCopy] | None = None,
-                swaps: list[SwapOp] | None = None,
-                captures: list[StateCapture] | None = None) -> dict[str, SampledToken]:
-        """``block_ids[i][g]``: request i's table in group g. Returns tokens of sampled rows.
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step message; returns the tokens of the rows that reached the end of their
+        request's tokens.
 
         Before the forward: swap-outs (their device pages may be reused this step), then page
-        copies (prefix-hit restores, forks, copy-on-write), then swap-ins. ``captures``: state
-        checkpoints the state layers write during the forward.
+        copies (prefix-hit restores, forks, copy-on-write, last step's checkpoint saves), then
+        swap-ins.
 
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
-        with _threads_for(self.device, sum(counts) * self.num_params):
-            return self._execute(reqs, counts, block_ids, copies, swaps, captures)
+        batch = self.requests.apply(out)
+        self._grammar = out.grammar_bitmask
+        with _threads_for(self.device, batch.num_tokens * self.num_params):
+            self.move_pages(out)
+            if not batch.reqs:
+                return {}
+            if out.spec_token_ids:  # speculative verify step (pagefold.spec_decode)
+                from pagefold.spec_decode.runner import execute_verify
+                return execute_verify(self, batch, out.spec_token_ids)
+            return self._execute(batch)
+
+    def move_pages(self, out: SchedulerOutput) -> None:
+        self.swap([op for op in out.swaps if op.to_host])
+        if out.copies:
+            self.copy_pages(out.copies)
+        self.swap([op for op in out.swaps if not op.to_host])
 
     @torch.inference_mode()
-    def _execute(self, reqs: list[Request], counts: list[int],
-                 block_ids: list[list[list[int]]], copies: list[PageCopy] | None,
-                 swaps: list[SwapOp] | None,
-                 captures: list[StateCapture] | None = None) -> dict[str, SampledToken]:
-        swaps = swaps or []
-        self.swap([op for op in swaps if op.to_host])
-        if copies:
-            self.copy_pages(copies)
-        self.swap([op for op in swaps if not op.to_host])
-        starts = [r.num_computed_tokens for r in reqs]
-        tokens = [r.all_token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
-        per_group = [[b[g] for b in block_ids] for g in range(len(self.kv_config.groups))]
-        by_group: dict[int, list[tuple[int, int, list[int]]]] = {}
-        if captures:
-            index = {r.request_id: i for i, r in enumerate(reqs)}
-            for c in captures:
-                by_group.setdefault(c.group, []).append((index[c.request_id], c.num_tokens,
-                                                         c.pages))
+    def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        reqs, starts, counts = batch.reqs, batch.starts, batch.counts
+        tokens = [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
+        nt = len(self.kv_config.groups)
+        per_group = [[r.block_ids[g] for r in reqs] for g in range(nt)]
         inp = build_inputs(self.kv_config, tokens, starts, counts,
-                           [r.num_tokens for r in reqs], per_group, self.device, by_group)
+                           [len(r.token_ids) for r in reqs], per_group, self.device,
+                           batch.captures)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
-        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta,
+                                     inp.state_meta)
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, ctx)
+        self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             return {}
-        logits = self.model.compute_logits(hidden[inp.logits_rows])
+        logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
+        if tp_rank() != 0:
+            return {}  # sampling happens once, on rank 0
         sreqs = [reqs[i] for i in inp.sample_req_idx]
+        return self.sample(logits, sreqs)
+
+    def sample(self, logits: torch.Tensor,
+               sreqs: list[CachedRequestState]) -> dict[str, SampledToken]:
         gens = {}
         for row, r in enumerate(sreqs):
             g = self._generator(r)
@@ -199,6 +253,8 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_id for r in sreqs],
             device=self.device,
         )
+        if self._grammar:
+            meta.token_bitmask = self._bitmask(self._grammar, sreqs, logits.shape[1])
         out = self.sampler(logits, meta)
         ids = out.sampled_token_ids.tolist()
         result = {}
@@ -210,5 +266,42 @@ class ModelRunner:
             k = r.sampling_params.logprobs
             if k is not None and lp_ids is not None:
                 lp = (lp_ids[row][: 1 + k], lps[row][: 1 + k], ranks[row])
-            result[r.request_id] = SampledToken(ids[row], lp)
+            result[r.req_id] = SampledToken(ids[row], lp)
+            k = r.sampling_params.prompt_logprobs
+            if (k is not None and not r.output_token_ids
+                    and len(r.prompt_logprobs) == len(r.prompt_token_ids) - 1):
+                result[r.req_id].prompt_logprobs = r.prompt_logprobs
         return result
+
+    @staticmethod
+    def _bitmask(grammar: dict[str, bytes], sreqs: list[CachedRequestState],
+                 vocab: int) -> torch.Tensor:
+        """The step's packed allowed-token rows in sampling-row order (unconstrained rows
+        allow everything)."""
+        mask = torch.full((len(sreqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        for row, r in enumerate(sreqs):
+            b = grammar.get(r.req_id)
+            if b is not None:
+                mask[row] = torch.frombuffer(bytearray(b), dtype=torch.int32)
+        return mask
+
+    def _prompt_logprobs(self, reqs: list[CachedRequestState], starts: list[int],
+                         counts: list[int], hidden: torch.Tensor) -> None:
+        """Append to ``state.prompt_logprobs`` the entries of the prompt positions this step
+        computed, for requests that ask for them and have no output yet (positions already
+        recorded are skipped; a request that resumes mid-prompt records nothing)."""
+        offset = 0
+        for r, start, n in zip(reqs, starts, counts):
+            k = r.sampling_params.prompt_logprobs
+            first = max(start, len(r.prompt_logprobs))
+            end = min(start + n, len(r.prompt_token_ids) - 1)
+            if (k is not None and not r.output_token_ids and start <= len(r.prompt_logprobs)
+                    and first < end):
+                rows = torch.arange(offset + first - start, offset + end - start,
+                                    device=hidden.device)
+                logits = self.model.compute_logits(hidden[rows]).float()
+                targets = torch.tensor(r.token_ids[first + 1:end + 1], dtype=torch.int64,
+                                       device=logits.device)
+                ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=1), targets, k)
+                r.prompt_logprobs.extend(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
+            offset += n

@@ -8,6 +8,9 @@ Order of operations (as vLLM):
 
 1. logprobs source: ``log_softmax`` of the **raw** logits (before any processing), so reported
    logprobs are the model's own distribution;
+1b. token controls: the structured-output bitmask (disallowed tokens ``-inf``),
+   ``allowed_token_ids``, bad words (the last token of a bad word whose other tokens were
+   just generated is banned) and ``logit_bias`` (added);
 2. min_tokens: EOS / stop ids of rows that have not produced ``min_tokens`` tokens get ``-inf``;
 3. penalties: repetition (tokens in prompt or output), then presence and frequency (output);
 4. greedy rows take the argmax of the processed logits;
@@ -65,6 +68,11 @@ class SamplingMetadata:
         stop_ids_to_mask: row -> token ids banned this step because the row has not reached
             its ``min_tokens`` yet.
         max_num_logprobs: the largest ``logprobs`` asked for by any row, or ``None``.
+        token_bitmask: ``(B, ceil(V/32))`` int32 packed allowed tokens (structured output),
+            or None; set by the model runner from the structured-output manager.
+        logit_bias: row -> (token ids, values) added to the logits.
+        allowed_token_ids: row -> the only token ids that row may sample.
+        banned_token_ids: row -> token ids banned this step (bad words).
     """
 
     temperature: torch.Tensor
@@ -83,6 +91,15 @@ class SamplingMetadata:
     prompt_token_ids: Sequence[Sequence[int]] | None = None
     stop_ids_to_mask: dict[int, set[int]] = field(default_factory=dict)
     max_num_logprobs: int | None = None
+    token_bitmask: torch.Tensor | None = None
+    logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    banned_token_ids: dict[int, set[int]] = field(default_factory=dict)
+
+    @property
+    def has_token_controls(self) -> bool:
+        return bool(self.token_bitmask is not None or self.logit_bias
+                    or self.allowed_token_ids or self.banned_token_ids)
 
     @property
     def num_rows(self) -> int:
@@ -134,6 +151,7 @@ class SamplingMetadata:
         any_penalty = any_rep = False
         stop_ids_to_mask: dict[int, set[int]] = {}
         max_lp: int | None = None
+        controls: tuple[dict, dict, dict] = ({}, {}, {})
         for i, sp in enumerate(params_list):
             greedy = sp.is_greedy
             n_greedy += greedy
@@ -151,6 +169,8 @@ class SamplingMetadata:
                     stop_ids_to_mask[i] = banned
             if sp.logprobs is not None:
                 max_lp = sp.logprobs if max_lp is None else max(max_lp, sp.logprobs)
+            if sp.uses_token_controls:
+                _token_controls(i, sp, output_ids_list[i], controls)
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -172,6 +192,9 @@ class SamplingMetadata:
             output_token_ids=output_ids_list,
             stop_ids_to_mask=stop_ids_to_mask,
             max_num_logprobs=max_lp,
+            logit_bias=controls[0],
+            allowed_token_ids=controls[1],
+            banned_token_ids=controls[2],
         )
         if any_penalty:
             meta.presence_penalties = f32([sp.presence_penalty for sp in params_list])
@@ -182,6 +205,48 @@ class SamplingMetadata:
                     raise ValueError("repetition_penalty needs prompt_ids_list for every row")
                 meta.prompt_token_ids = prompt_ids_list
         return meta
+
+
+def _token_controls(row: int, sp: SamplingParams, output_ids: Sequence[int],
+                    controls: tuple[dict, dict, dict]) -> None:
+    """Record row ``row``'s logit_bias / allowed_token_ids / bad-word bans for this step."""
+    bias, allowed, banned = controls
+    if sp.logit_bias:
+        bias[row] = (list(sp.logit_bias), list(sp.logit_bias.values()))
+    if sp.allowed_token_ids:
+        allowed[row] = sp.allowed_token_ids
+    for word in sp.bad_words_token_ids or ():
+        prefix = word[:-1]
+        if not prefix or (len(output_ids) >= len(prefix)
+                          and list(output_ids[len(output_ids) - len(prefix):]) == prefix):
+            banned.setdefault(row, set()).add(word[-1])
+
+
+def apply_token_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Apply the bitmask, allowed ids, bans and biases (in place on ``logits``, which the
+    caller owns). Ids beyond the logits width are ignored (they can never be sampled)."""
+    b, v = logits.shape
+    dev = logits.device
+    if meta.token_bitmask is not None:
+        from pagefold.structured_output.manager import apply_token_bitmask
+
+        apply_token_bitmask(logits, meta.token_bitmask)
+    if meta.allowed_token_ids:
+        keep = torch.zeros((b, v), dtype=torch.bool, device=dev)
+        keep[[r for r in range(b) if r not in meta.allowed_token_ids]] = True
+        for r, ids in meta.allowed_token_ids.items():
+            keep[r, torch.tensor([t for t in ids if t < v], dtype=torch.int64, device=dev)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    for r, ids in meta.banned_token_ids.items():
+        logits[r, torch.tensor([t for t in ids if t < v], dtype=torch.int64, device=dev)] = (
+            float("-inf"))
+    for r, (ids, values) in meta.logit_bias.items():
+        pairs = [(t, x) for t, x in zip(ids, values) if t < v]
+        if pairs:
+            idx = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=dev)
+            logits[r, idx] += torch.tensor([x for _, x in pairs], dtype=logits.dtype,
+                                           device=dev)
+    return logits
 
 
 @dataclass
@@ -330,6 +395,10 @@ class Sampler:
         raw = logits
         logits = logits.float()
         # Everything below writes in place only on tensors this method created.
+        if meta.has_token_controls:
+            if logits.data_ptr() == raw.data_ptr():
+                logits = logits.clone()
+            logits = apply_token_controls(logits, meta)
         if meta.stop_ids_to_mask:
             if logits.data_ptr() == raw.data_ptr():
                 logits = logits.clone()

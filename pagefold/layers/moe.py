@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefold.models.llama import GatedMLP
+from pagefold.layers.mlp import GatedMLP
 
 __all__ = ["ExpertWeightRouter", "MoEExperts", "SparseMoeBlock"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagefold.csrc import cpu_ops
+from pagefold.kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -18,8 +18,9 @@ class RMSNorm(nn.Module):
     add would (decoder layers carry the residual this way so the add and the norm are one
     pass); the sum may be written into ``residual``'s storage.
 
-    On the CPU a compiled kernel (:mod:`pagefold.csrc.cpu_ops`) does the whole row in one pass
-    with the same roundings; :meth:`reference` is the torch formulation, used elsewhere.
+    A fused kernel (C++ on the CPU, Triton on CUDA; :mod:`pagefold.kernels.dispatch`) does the
+    whole row in one pass with the same roundings; :meth:`reference` is the torch formulation,
+    used elsewhere.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
@@ -30,9 +31,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            out = cpu_ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
+            out = dispatch.rms_norm(x, self.weight, self.eps, self.zero_centered)
             return out if out is not None else self.reference(x)
-        out = cpu_ops.rms_norm(x, self.weight, self.eps, self.zero_centered, residual=residual)
+        out = dispatch.rms_norm(x, self.weight, self.eps, self.zero_centered, residual=residual)
         if out is not None:
             return out, residual
         residual = x + residual

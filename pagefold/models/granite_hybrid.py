@@ -26,76 +26,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.core.layer_kinds import FULL, layer_kinds
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.activations import get_activation
+from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.lm_head import CausalLMHead
+from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.norm import RMSNorm
-from pagefold.layers.rotary import RotaryEmbedding
-from pagefold.models.llama import GatedMLP
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
-from pagefold.models.weights import fuse, load_into
+from pagefold.models.weights import load_into
 
 __all__ = ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "hybrid_layer_kinds"]
 
 _ATTN, _MAMBA = "attention", "mamba"
-_TYPES = {"attention": _ATTN, "full_attention": _ATTN, "mamba": _MAMBA,
-          "linear_attention": _MAMBA}
 
 
 def hybrid_layer_kinds(cfg) -> list[str]:
-    """``"attention"`` or ``"mamba"`` per layer (config ``layers_block_type`` / ``layer_types``,
-    or Bamba's ``attn_layer_indices``; all-Mamba when none is given, as transformers does)."""
+    """``"attention"`` or ``"mamba"`` per layer, read by the same parser that sizes the cache
+    (``core/layer_kinds.py``): Granite's ``layer_types`` / ``layers_block_type``, Bamba's
+    ``attn_layer_indices``; all-Mamba when none is given, as transformers does."""
+    family = "bamba" if getattr(cfg, "model_type", None) == "bamba" else "granite"
+    kinds = layer_kinds(cfg, family)
     n = cfg.num_hidden_layers
-    types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
-    if types is None:
-        attn = set(getattr(cfg, "attn_layer_indices", None) or [])
-        return [_ATTN if i in attn else _MAMBA for i in range(n)]
-    if len(types) != n:
-        raise ValueError(f"config lists {len(types)} layer types for {n} layers")
-    bad = [t for t in types if t not in _TYPES]
-    if bad:
-        raise ValueError(f"unknown layer type(s) {sorted(set(bad))}; expected one of "
-                         f"{sorted(_TYPES)}")
-    return [_TYPES[t] for t in types]
+    if len(kinds) != n:
+        raise ValueError(f"config lists {len(kinds)} layer types for {n} layers")
+    return [_ATTN if k == FULL else _MAMBA for k in kinds]
 
 
 def _activation(name: str):
-    if name in ("silu", "swish"):
-        return F.silu
-    if name in ("gelu", "gelu_pytorch_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh" if "tanh" in name else "none")
-    raise ValueError(f"unsupported hidden_act {name!r}")
+    return get_activation(name, ("silu", "swish", "gelu", "gelu_pytorch_tanh"), "hidden_act")
 
 
-class HybridAttention(nn.Module):
+class HybridAttention(GQAAttention):
     """GQA attention; RoPE on the first ``rotary_dim`` channels (None: no positional encoding)."""
 
     def __init__(self, cfg, layer_idx: int, *, scale: float, rotary_dim: int | None,
                  max_positions: int) -> None:
-        super().__init__()
-        self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q, kv, kv]
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
-                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
-        self.scale = scale
-        self.rotary = (RotaryEmbedding(cfg, self.head_dim, max_positions, rotary_dim=rotary_dim)
-                       if rotary_dim is not None else None)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q, k = self.rotary(positions, q, k)
-        o = ctx.attention(self.layer_name, q, k, v.view(t, self.num_kv_heads, self.head_dim),
-                          self.scale)
-        return self.o_proj(o.reshape(t, self.sizes[0]))
+        super().__init__(cfg, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm=False,
+                         max_positions=max_positions, rotary_dim=rotary_dim, scale=scale)
 
 
 class _Stacked(nn.Module):
@@ -218,7 +188,7 @@ class _HybridModel(nn.Module):
     def __init__(self, cfg, layer_cls, attn_kw: dict, final_norm: str,
                  embedding_multiplier: float) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_cls(cfg, i, kind, attn_kw)
                                     for i, kind in enumerate(hybrid_layer_kinds(cfg)))
         self.final_norm_name = final_norm
@@ -234,7 +204,7 @@ class _HybridModel(nn.Module):
         return getattr(self, self.final_norm_name)(x)
 
 
-class _HybridCausalLM(nn.Module):
+class _HybridCausalLM(CausalLMHead):
     fused_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
     # transformers' in-memory names (a checkpoint it re-saved) -> the original checkpoint's.
@@ -244,21 +214,12 @@ class _HybridCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = model
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_head(cfg, self.model.embed_tokens)
         self.logits_divisor = logits_divisor
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.logits_divisor != 1.0:
-            logits = logits / self.logits_divisor
-        return logits.float()
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in weights:
@@ -269,14 +230,8 @@ class _HybridCausalLM(nn.Module):
             yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skip = ("lm_head.",) if self.tied else ()
-        loaded = load_into(self, self._renamed(weights), rename=self.fused_names,
-                           skip_prefixes=skip)
-        got = {n.split(":")[0] for n in loaded}
-        expected = {n for n, _ in self.named_parameters()}
-        missing = sorted(expected - got)
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+        self.check_loaded(load_into(self, self._renamed(weights), rename=self.fused_names,
+                                    skip_prefixes=self.head_skip_prefixes))
 
 
 class GraniteMoeHybridForCausalLM(_HybridCausalLM):

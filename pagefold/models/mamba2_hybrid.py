@@ -18,6 +18,7 @@ stores the states back (conv in the model dtype, ssm in the cache's SSM dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,14 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
+from pagefold.kernels import dispatch
 from pagefold.layers.causal_conv1d import (
     causal_conv1d_state_at,
     causal_conv1d_update,
     causal_conv1d_varlen,
 )
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
+from pagefold.spec_decode.state_verify import causal_conv1d_verify, ssd_verify
 
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
 
@@ -112,7 +117,8 @@ class Mamba2Config:
         )
 
 
-def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.device) -> torch.Tensor:
+def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.device,
+                        verify: bool = False) -> torch.Tensor:
     """(T,) bool: True for tokens on transformers' prompt path (dt clamped).
 
     transformers takes its single-token recurrent path -- which does not clamp dt -- exactly
@@ -123,6 +129,9 @@ def _clamped_token_mask(meta: StateMetadata, num_tokens: int, device: torch.devi
     cu = meta.cu_seqlens
     counts = (cu[1:] - cu[:-1]).to(device)
     decode = (counts == 1) & meta.has_initial_state.to(device)
+    if verify and meta.spec_rows is not None:
+        # A verify chunk stands for 1 + k single-token decode steps (no clamp in transformers).
+        decode = decode | meta.spec_rows.to(device)
     return torch.repeat_interleave(~decode, counts, output_size=num_tokens)
 
 
@@ -144,10 +153,21 @@ class Mamba2Mixer(nn.Module):
         if mcfg.num_heads % mcfg.n_groups:
             raise ValueError(f"mamba heads {mcfg.num_heads} not divisible by groups "
                              f"{mcfg.n_groups}")
+        # Tensor parallelism: this rank's heads and B/C groups (a group's heads stay together).
+        tp = tp_size()
+        for field, n in (("mamba heads", mcfg.num_heads), ("n_groups", mcfg.n_groups)):
+            if n % tp:
+                raise ValueError(f"{field} ({n}) is not divisible by tensor_parallel_size {tp}")
+        full = mcfg
+        mcfg = dataclasses.replace(mcfg, num_heads=mcfg.num_heads // tp,
+                                   n_groups=mcfg.n_groups // tp)
         self.cfg = mcfg
         self.layer_name = layer_name
         inter, conv_dim, heads = mcfg.intermediate, mcfg.conv_dim, mcfg.num_heads
-        self.in_proj = nn.Linear(mcfg.hidden_size, inter + conv_dim + heads, bias=mcfg.proj_bias)
+        fi, fgn, fh = full.intermediate, full.n_groups * full.state_size, full.num_heads
+        # The checkpoint's in_proj rows: z | x | B | C | dt, each block cut over the ranks.
+        self.in_proj = column_linear(mcfg.hidden_size, [fi, fi, fgn, fgn, fh],
+                                     bias=mcfg.proj_bias, what="Mamba-2 in_proj")
         # Depthwise conv kept as an nn.Conv1d so the checkpoint's (C, 1, K) weight loads by name;
         # the varlen kernels read it as (C, K).
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, mcfg.conv_kernel, groups=conv_dim,
@@ -156,9 +176,16 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.D = nn.Parameter(torch.ones(heads))
         self.norm = GatedRMSNorm(inter, eps=mcfg.eps, group_size=inter // mcfg.n_groups)
-        self.out_proj = nn.Linear(inter, mcfg.hidden_size, bias=mcfg.proj_bias)
+        self.out_proj = row_linear(fi, mcfg.hidden_size, bias=mcfg.proj_bias,
+                                   what="Mamba-2 out_proj")
+        shard_rows(self.conv1d.weight, [fi, fgn, fgn], "Mamba-2 conv channels")
+        if self.conv1d.bias is not None:
+            shard_rows(self.conv1d.bias, [fi, fgn, fgn], "Mamba-2 conv channels")
+        for p in (self.dt_bias, self.A_log, self.D):
+            shard_rows(p, [fh], "mamba heads")
+        shard_rows(self.norm.weight, [fi], "Mamba-2 norm")
 
-    def _dt(self, dt: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    def _dt(self, dt: torch.Tensor, meta: StateMetadata, verify: bool = False) -> torch.Tensor:
         """(T, H) discretised float32 time step, clamped the way transformers clamps it.
 
         transformers' single-token decode path (``selective_state_update``) applies no dt limit
@@ -172,7 +199,7 @@ class Mamba2Mixer(nn.Module):
         if (lo <= 0.0 and hi == math.inf) or meta.all_decode:
             return out
         clamped = out.clamp(min=lo, max=hi)
-        mask = _clamped_token_mask(meta, out.shape[0], out.device)
+        mask = _clamped_token_mask(meta, out.shape[0], out.device, verify)
         return torch.where(mask[:, None], clamped, out)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -181,15 +208,33 @@ class Mamba2Mixer(nn.Module):
         inter, gn = c.intermediate, c.n_groups * c.state_size
         z, xbc, dt = self.in_proj(x).split([inter, c.conv_dim, c.num_heads], dim=-1)
 
-        _, meta = ctx.state(self.layer_name)
-        states = ctx.load_states(self.layer_name)
+        view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
-        after, capture, conv_ck = meta.capture_after, None, None
+        A = -torch.exp(self.A_log.float())
+        # Triton path (CUDA by default): conv and scan read and write the states in their
+        # pages; y in the dtype the torch path gives it (see below).
+        after = meta.capture_after  # checkpoints inside this step: the torch path takes them
+        if dispatch.use_triton(x.device) and not ctx.verify and after is None:
+            y = dispatch.mamba_scan(view, meta.page_ids, meta.has_initial_state,
+                                    meta.cu_seqlens, xbc, weight, self.conv1d.bias,
+                                    self._dt(dt, meta), A, self.D, num_heads=c.num_heads,
+                                    head_dim=c.head_dim, n_groups=c.n_groups,
+                                    state_size=c.state_size,
+                                    y_dtype=x.dtype if meta.all_decode else torch.float32)
+            if y is not None:
+                y = self.norm(y.reshape(t, inter), z)
+                return self.out_proj(y.to(x.dtype))
+        states = ctx.load_states(self.layer_name)
+        capture, conv_ck, extra = None, None, {}
         if after is not None:
             conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
             capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
                                           dtype=torch.float32, device=x.device))
-        if meta.all_decode:
+            extra["capture"] = capture
+        if ctx.verify:  # state after every token: the commit selects the accepted one
+            xbc, conv_state = causal_conv1d_verify(xbc, weight, self.conv1d.bias, states["conv"],
+                                                   meta.cu_seqlens, activation="silu")
+        elif meta.all_decode:
             xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
                                                    activation="silu")
         else:
@@ -197,22 +242,24 @@ class Mamba2Mixer(nn.Module):
                                                    meta.cu_seqlens, activation="silu")
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
 
-        A = -torch.exp(self.A_log.float())
-        dt = self._dt(dt, meta)
-        kernel = ssd_recurrent if meta.all_decode else ssd_chunked
+        dt = self._dt(dt, meta, ctx.verify)
+        kernel = ssd_verify if ctx.verify else ssd_recurrent if meta.all_decode else ssd_chunked
         # transformers' chunked scan keeps y in float32 up to the gated norm, while its decode
         # update rounds y to the model dtype first; feeding x in the matching dtype makes the
         # kernels return y the same way (a no-op in float32).
         xs = xs.reshape(t, c.num_heads, c.head_dim)
-        if not meta.all_decode:
+        if not meta.all_decode and not ctx.verify:
             xs = xs.float()
         y, ssm_state = kernel(
             xs, dt, A,
             b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
             self.D, states["ssm"].float(), meta.cu_seqlens,
-            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, capture=capture,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, **extra,
         )
-        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        if ctx.verify:
+            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        else:
+            ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         if capture is not None:
             ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
         y = self.norm(y.reshape(t, inter), z)

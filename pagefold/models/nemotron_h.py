@@ -16,36 +16,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.core.layer_kinds import FULL, MAMBA2, MLP, MOE, layer_kinds
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.activations import get_activation
+from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.lm_head import CausalLMHead
+from pagefold.layers.mlp import UngatedMLP
 from pagefold.layers.norm import RMSNorm
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
-from pagefold.models.weights import fuse, load_into
+from pagefold.models.weights import load_into
 
 __all__ = ["NemotronHForCausalLM", "nemotron_h_block_kinds"]
 
-_KIND_NAMES = {
-    "M": "mamba", "mamba": "mamba", "linear_attention": "mamba",
-    "*": "attention", "attention": "attention", "full_attention": "attention",
-    "-": "mlp", "mlp": "mlp",
-    "E": "moe", "moe": "moe",
-}  # fmt: skip
+_KIND_NAMES = {MAMBA2: "mamba", FULL: "attention", MLP: "mlp", MOE: "moe"}
 
 
 def nemotron_h_block_kinds(cfg) -> list[str]:
-    """Per-block kind (``mamba``, ``attention``, ``mlp``, ``moe``) from a Nemotron-H config."""
-    types = getattr(cfg, "layers_block_type", None)
-    if types is None:
-        types = getattr(cfg, "hybrid_override_pattern", None)
-    if types is None:
-        raise ValueError("Nemotron-H config has neither layers_block_type nor "
-                         "hybrid_override_pattern")
-    kinds = []
-    for i, t in enumerate(types):
-        if t not in _KIND_NAMES:
-            raise ValueError(f"Nemotron-H block {i} has unknown type {t!r}; expected one of "
-                             f"{sorted(_KIND_NAMES)}")
-        kinds.append(_KIND_NAMES[t])
-    return kinds
+    """Per-block kind (``mamba``, ``attention``, ``mlp``, ``moe``) from a Nemotron-H config,
+    read by the same parser that sizes the cache (``core/layer_kinds.py``)."""
+    return [_KIND_NAMES[k] for k in layer_kinds(cfg, "nemotron_h")]
 
 
 class NemotronHRMSNorm(RMSNorm):
@@ -59,52 +49,22 @@ class NemotronHRMSNorm(RMSNorm):
 
 
 def _act(name: str):
-    if name == "relu2":
-        return lambda x: F.relu(x).square()
-    if name in ("silu", "swish"):
-        return F.silu
-    if name == "relu":
-        return F.relu
-    raise ValueError(f"unsupported Nemotron-H MLP activation {name!r}")
+    return get_activation(name, ("relu2", "silu", "swish", "relu"), "Nemotron-H MLP activation")
 
 
-class NemotronHMLP(nn.Module):
-    """Ungated MLP: ``down_proj(act(up_proj(x)))``."""
-
-    def __init__(self, hidden: int, inter: int, bias: bool, act: str) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.act = _act(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+NemotronHMLP = UngatedMLP
 
 
-class NemotronHAttention(nn.Module):
+class NemotronHAttention(GQAAttention):
     """GQA attention without RoPE; q/k/v fused into ``qkv_proj`` at load time."""
 
     def __init__(self, cfg, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q, kv, kv]
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
-                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
-        self.scale = self.head_dim**-0.5
+        super().__init__(cfg, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm=False,
+                         max_positions=0, rotary_dim=None)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        o = ctx.attention(self.layer_name, q.view(t, self.num_heads, self.head_dim),
-                          k.view(t, self.num_kv_heads, self.head_dim),
-                          v.view(t, self.num_kv_heads, self.head_dim), self.scale)
-        return self.o_proj(o.reshape(t, self.sizes[0]))
+        return super().forward(None, x, ctx)
 
 
 class NemotronHRouter(nn.Module):
@@ -209,7 +169,7 @@ class NemotronHBlock(nn.Module):
 class NemotronHModel(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embeddings = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i, kind)
                                     for i, kind in enumerate(nemotron_h_block_kinds(cfg)))
         self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
@@ -221,7 +181,7 @@ class NemotronHModel(nn.Module):
         return self.norm_f(x)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLMHead):
     """``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)``; positions are unused
     (no RoPE). ``compute_logits(hidden) -> (T, vocab)`` float32."""
 
@@ -232,17 +192,11 @@ class NemotronHForCausalLM(nn.Module):
         del max_positions  # no positional encoding
         self.config = cfg
         self.backbone = NemotronHModel(cfg)
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if self.tied:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        self.init_head(cfg, self.backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         return self.backbone(input_ids, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Checkpoint names -> ours: ``model.`` -> ``backbone.``, stacked expert tensors (as
@@ -261,12 +215,5 @@ class NemotronHForCausalLM(nn.Module):
             yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skip = ("lm_head.",) if self.tied else ()
-        loaded = load_into(self, self._renamed(weights), rename=self.fused_names,
-                           skip_prefixes=skip)
-        got = {n.split(":")[0] for n in loaded}
-        expected = {n for n, _ in self.named_parameters()} - ({"lm_head.weight"} if self.tied
-                                                                else set())
-        missing = sorted(expected - got)
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+        self.check_loaded(load_into(self, self._renamed(weights), rename=self.fused_names,
+                                    skip_prefixes=self.head_skip_prefixes))

@@ -26,19 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefold.csrc import cpu_ops
+from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.kernels import dispatch
+from pagefold.layers.attention_block import split_heads
 from pagefold.layers.causal_conv1d import (
     causal_conv1d_state_at,
     causal_conv1d_update,
     causal_conv1d_varlen,
 )
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
 from pagefold.layers.moe import ExpertWeightRouter
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM, GatedMLP, head_dim_of
-from pagefold.models.weights import fuse, load_into
+from pagefold.models.weights import load_into
+from pagefold.spec_decode.state_verify import causal_conv1d_verify, gdn_verify
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # (tokens, heads, dim) on the CPU: the compiled kernel, same roundings.
-        out = cpu_ops.rms_norm_gated(x, gate, self.weight, self.eps)
+        out = dispatch.rms_norm_gated(x, gate, self.weight, self.eps)
         return out if out is not None else self.reference(x, gate)
 
     def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -99,16 +104,18 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(cfg)
-        self.q_size = 2 * self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.num_heads, self.num_kv_heads, kv_parts = split_heads(heads, kv_heads)
+        self.head_dim = d = head_dim_of(cfg)
+        self.q_size = 2 * self.num_heads * d  # this rank's heads, [query | gate] each
+        self.kv_size = self.num_kv_heads * d
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias),
-                             {"q_proj": self.q_size, "k_proj": self.kv_size,
-                              "v_proj": self.kv_size})
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.qkv_proj = column_linear(
+            cfg.hidden_size, {"q_proj": 2 * heads * d, "k_proj": kv_heads * d,
+                              "v_proj": kv_heads * d},
+            bias=bias, parts={"k_proj": kv_parts, "v_proj": kv_parts}, what="attention")
+        self.o_proj = row_linear(heads * d, cfg.hidden_size, bias=bias, what="attention output")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions,
@@ -149,13 +156,18 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_k_heads = cfg.linear_num_key_heads
-        self.num_v_heads = cfg.linear_num_value_heads
-        self.head_k_dim = cfg.linear_key_head_dim
-        self.head_v_dim = cfg.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
-                             f"linear_num_key_heads {self.num_k_heads}")
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if nv % nk:
+            raise ValueError(f"linear_num_value_heads {nv} is not a multiple of "
+                             f"linear_num_key_heads {nk}")
+        tp = tp_size()
+        for field, n in (("linear_num_key_heads", nk), ("linear_num_value_heads", nv)):
+            if n % tp:
+                raise ValueError(f"{field} ({n}) is not divisible by tensor_parallel_size {tp}")
+        # This rank's heads (key heads and the value heads they serve stay together).
+        self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
+        self.head_k_dim, self.head_v_dim = dk, dv
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported Gated DeltaNet conv activation {act!r} (only silu)")
@@ -164,16 +176,21 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         self.splits = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-        self.in_proj = fuse(nn.Linear(cfg.hidden_size, sum(self.splits), bias=False),
-                            {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
-                             "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
+        qkv_blocks = [nk * dk, nk * dk, nv * dv]  # the checkpoint's q | k | v channel blocks
+        self.in_proj = column_linear(
+            cfg.hidden_size, {"in_proj_qkv": qkv_blocks, "in_proj_z": nv * dv, "in_proj_b": nv,
+                              "in_proj_a": nv}, bias=False, what="Gated DeltaNet")
         # Kept as nn.Conv1d so the checkpoint's (C, 1, K) weight loads by name; never called.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, bias=False,
                                 groups=self.conv_dim, padding=self.kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        shard_rows(self.conv1d.weight, qkv_blocks, "Gated DeltaNet conv channels")
+        shard_rows(self.dt_bias, [nv], "linear_num_value_heads")
+        shard_rows(self.A_log, [nv], "linear_num_value_heads")
         self.norm = RMSNormGated(self.head_v_dim, eps=cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = row_linear(nv * dv, cfg.hidden_size, bias=False,
+                                   what="Gated DeltaNet output")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); reads and writes this layer's states in ``ctx``."""
@@ -183,11 +200,12 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
         # Compiled path (prefill and decode): states read from and written to their pages.
         after = meta.capture_after
-        o = cpu_ops.gdn(view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a,
-                        b, weight, self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
-                        num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
-                        head_v_dim=self.head_v_dim,
-                        capture=None if after is None else (after, meta.capture_pages))
+        o = None if ctx.verify else dispatch.gdn(
+            view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a, b, weight,
+            self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
+            num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim,
+            capture=None if after is None else (after, meta.capture_pages))
         if o is not None:
             o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
             return self.out_proj(o.reshape(t, self.value_dim))
@@ -197,7 +215,10 @@ class GatedDeltaNet(nn.Module):
             conv_ck = causal_conv1d_state_at(mixed, states["conv"], meta.cu_seqlens, after)
             capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
                                           dtype=torch.float32, device=x.device))
-        if meta.all_decode:
+        if ctx.verify:  # state after every token: the commit selects the accepted one
+            mixed, conv_state = causal_conv1d_verify(mixed, weight, None, states["conv"],
+                                                     meta.cu_seqlens, "silu")
+        elif meta.all_decode:
             mixed, conv_state = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
         else:
             mixed, conv_state = causal_conv1d_varlen(mixed, weight, None, states["conv"],
@@ -212,6 +233,12 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         # float32 like transformers: in half precision exp(A_log) could overflow.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if ctx.verify:
+            o, ssm_state = gdn_verify(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
+                                      use_qk_l2norm=True)
+            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+            o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
+            return self.out_proj(o.reshape(t, self.value_dim))
         if meta.all_decode:
             o, ssm_state = gdn_recurrent(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
                                          use_qk_l2norm=True, capture=capture)
@@ -279,7 +306,7 @@ class HybridModel(nn.Module):
         if len(cfg.layer_types) < cfg.num_hidden_layers:
             raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for "
                              f"{cfg.num_hidden_layers} layers")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(cfg, i, max_positions, make_mlp(cfg, i))
             for i in range(cfg.num_hidden_layers)
@@ -335,25 +362,8 @@ class HybridCausalLM(CausalLM):
                            rename=self.fused_names)
         if not self.tied and "lm_head.weight" not in seen:
             logger.info("checkpoint has no lm_head.weight: tying it to the input embeddings")
-            self.tied = True
-            self.lm_head.weight = self.model.embed_tokens.weight
-        got = {n for n in loaded if ":" not in n} | experts.complete()
-        shards: dict[str, set[str]] = {}
-        for n in loaded:
-            if ":" in n:
-                target, shard = n.split(":")
-                shards.setdefault(target, set()).add(shard)
-        missing = []
-        for name, p in self.named_parameters():
-            if name == "lm_head.weight" and self.tied:
-                continue
-            fused = getattr(p, "fused", None)
-            if fused is not None and name in shards:
-                missing += [f"{name}:{s}" for s in fused.shards if s not in shards[name]]
-            elif name not in got:
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+            self.tie_head(self.model.embed_tokens)
+        self.check_loaded(loaded, experts.complete())
 
 
 class Qwen3_5ForCausalLM(HybridCausalLM):

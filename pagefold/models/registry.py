@@ -24,6 +24,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("pagefold.models.qwen3_5",
                                         "Qwen3_5ForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("pagefold.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Mamba2ForCausalLM": ("pagefold.models.mamba2", "Mamba2ForCausalLM"),
+    "Gemma3ForCausalLM": ("pagefold.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("pagefold.models.gpt_oss", "GptOssForCausalLM"),
+    "Lfm2ForCausalLM": ("pagefold.models.lfm2", "Lfm2ForCausalLM"),
+    "FalconH1ForCausalLM": ("pagefold.models.falcon_h1", "FalconH1ForCausalLM"),
+    "Zamba2ForCausalLM": ("pagefold.models.zamba2", "Zamba2ForCausalLM"),
+    "JambaForCausalLM": ("pagefold.models.jamba", "JambaForCausalLM"),
+    "MiniMaxForCausalLM": ("pagefold.models.minimax", "MiniMaxForCausalLM"),
+    "KimiLinearForCausalLM": ("pagefold.models.kimi_linear", "KimiLinearForCausalLM"),
 }
 
 
@@ -42,7 +51,11 @@ def read_config_dict(model_dir: Path) -> dict:
                          "model directory (config.json, *.safetensors, tokenizer files)")
     if not cfg.exists():
         raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
-    return json.loads(cfg.read_text())
+    try:
+        return json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg} is not valid JSON ({e}); the model's config file is corrupt or "
+                         "truncated") from None
 
 
 def resolve_architecture(config: dict) -> str:

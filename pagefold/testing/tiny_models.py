@@ -256,6 +256,118 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    # Mamba-2 only (no attention): 3 layers, hidden 40, 10 heads x 8 (= 2 * 40), 2 groups,
+    # state 12, conv kernel 3, chunk 16. Untied.
+    "mamba2": dict(
+        hidden_size=40, num_hidden_layers=3, num_heads=10, head_dim=8, n_groups=2, state_size=12,
+        expand=2, conv_kernel=3, chunk_size=16, use_bias=False, use_conv_bias=True,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+    ),
+    # Gemma 3 text: 7 layers, sliding 5:1 (layers 0-4 and 6 sliding, 5 full), window 11 (prompts
+    # cross it), local/global RoPE thetas, the global one linearly scaled; 3 heads x 24, 1 kv
+    # head, query_pre_attn_scalar 20, final logit soft cap 30. Tied.
+    "gemma3": dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=20, sliding_window=11,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+        ),
+    ),
+    # gpt-oss: 4 layers alternating sliding (window 9) and full attention, attention sinks,
+    # biases; MoE of 5 experts, top-2, width 40, clamped SwiGLU; YaRN RoPE. 3 heads x 20, 1 kv
+    # head. Untied.
+    "gpt_oss": dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=20, sliding_window=9, num_local_experts=5,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=1024),
+    ),
+    # LFM2: conv, conv, attention, conv, attention; short conv kernel 3 with biases; 4 heads x
+    # 12, 2 kv heads; MLP width auto-adjusted from 96 to 72 (2/3, rounded up to 24). Tied.
+    "lfm2": dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=True, block_multiple_of=24,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, norm_eps=1e-5,
+        layer_types=["conv", "conv", "full_attention", "conv", "full_attention"],
+        max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+    # Falcon-H1: 3 layers, each attention (3 heads x 16, 1 kv head) and Mamba-2 in parallel;
+    # Mamba-2 width 60 given by mamba_d_ssm = 5 heads x 12, 1 group, state 12, conv 3, chunk 16,
+    # gated grouped RMSNorm; every multiplier set to a distinct non-trivial value. Untied.
+    "falcon_h1": dict(
+        hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=1, mamba_d_ssm=60, mamba_n_heads=5, mamba_d_head=12,
+        mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=3, mamba_chunk_size=16,
+        mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_conv_bias=True,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
+        embedding_multiplier=1.5, lm_head_multiplier=0.8, mlp_multipliers=[0.9, 1.2],
+        key_multiplier=0.7, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.85,
+        ssm_out_multiplier=1.15,
+        rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+    ),
+    # Zamba2: 5 Mamba-2 layers, of which 1, 3 and 4 also run a shared attention block (2 blocks
+    # alternating: uses 1 and 4 share block 0's weights) with per-use LoRA adapters (rank 6) and
+    # a per-layer linear; attention sees [hidden | embeddings] (2 x 40), 4 heads x 20 (the
+    # adapters need as many kv heads), RoPE. Mamba-2: 5 heads x 16, 1 group, state 12, conv
+    # 3, chunk 16. Tied.
+    "zamba2": dict(
+        hidden_size=40, intermediate_size=72, num_hidden_layers=5,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=5, mamba_d_state=12,
+        mamba_d_conv=3, mamba_expand=2, mamba_ngroups=1, chunk_size=16, num_mem_blocks=2,
+        use_shared_attention_adapter=True, adapter_rank=6, use_mem_rope=True,
+        hidden_act="gelu", rms_norm_eps=1e-5, max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
+    # Jamba: 6 layers, attention (no positional encoding) at 1 and 4, Mamba-1 elsewhere; MoE
+    # (5 experts, top-2, width 56) at odd layers, dense SwiGLU at even ones. Mamba-1: width 80
+    # (expand 2), state 12, conv 3, dt rank 3; 4 heads x 10, 2 kv heads. Untied.
+    "jamba": dict(
+        hidden_size=40, intermediate_size=56, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=5, num_experts_per_tok=2, mamba_d_state=12,
+        mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=3, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
+    ),
+    # MiniMax-Text-01 style: lightning (linear) attention at 0, 2, 3, full attention (GQA 4:2,
+    # RoPE) at 1; lightning blocks of 16 tokens (prompts span several); 4 heads x 12; MoE of 4
+    # experts, top-2, width 40, in every layer; distinct alpha/beta residual factors. Untied.
+    "minimax": dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention"],
+        block_size=16, full_attn_alpha_factor=1.2, full_attn_beta_factor=0.9,
+        linear_attn_alpha_factor=0.8, linear_attn_beta_factor=1.1, mlp_alpha_factor=1.05,
+        mlp_beta_factor=0.95, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
+    # Kimi Linear: KDA at 0, 1, 3 (3 heads x 10, conv 3), MLA at 2 (3 heads, q LoRA rank 20,
+    # KV latent 24 + shared rope key 8, nope 12, v 10; no positional encoding); dense MLP at 0,
+    # MoE elsewhere (4 experts in 2 groups, 1 group kept, top-2, width 24, sigmoid router with
+    # scaling 1.5, one shared expert). Untied.
+    "kimi_linear": dict(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=3,
+        num_key_value_heads=3, q_lora_rank=20, kv_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=12, v_head_dim=10,
+        layer_types=["linear_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        linear_num_heads=3, linear_head_dim=10, linear_conv_kernel_dim=3,
+        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        n_shared_experts=1, routed_scaling_factor=1.5, n_group=2, topk_group=1,
+        norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS,
+    ),
 }  # fmt: skip
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_CONFIGS)
@@ -270,6 +382,15 @@ _CONFIG_CLASSES: dict[str, str] = {
     "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "bamba": "BambaConfig",
+    "mamba2": "Mamba2Config",
+    "gemma3": "Gemma3TextConfig",
+    "gpt_oss": "GptOssConfig",
+    "lfm2": "Lfm2Config",
+    "falcon_h1": "FalconH1Config",
+    "zamba2": "Zamba2Config",
+    "jamba": "JambaConfig",
+    "minimax": "MiniMaxConfig",
+    "kimi_linear": "KimiLinearConfig",
 }
 
 # Keys whose default is derived from the layer count: dropped when the caller changes the layer

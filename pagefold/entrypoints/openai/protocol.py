@@ -12,7 +12,7 @@ import asyncio
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
 # --------------------------------------------------------------------------- errors
@@ -67,7 +67,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(body, strict=True)
+        req = model.model_validate_json(body, strict=True)
     except ValidationError as e:
         if any(err.get("type") == "json_invalid" for err in e.errors()):
             msg = e.errors()[0].get("msg", "invalid JSON")
@@ -77,6 +77,10 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
             raise bad_request("the request body must be a JSON object",
                               code="invalid_json") from None
         raise validation_error(e) from None
+    from pagefold.entrypoints.openai.validation import check_numbers  # imports this module
+
+    check_numbers(req)  # NaN / Infinity / integers past 64 bits: 400 naming the field
+    return req
 
 
 # --------------------------------------------------------------------------- requests
@@ -89,12 +93,46 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Lenient):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``; vLLM's
+    ``structural_tag`` too."""
+
     type: str
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
+
+
+class StructuredOutputsBody(_Lenient):
+    """vLLM's ``structured_outputs`` body field (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
 
 
 class SamplingRequest(_Lenient):
-    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras).
+
+    Every field of vLLM's request models is declared here or in a subclass, so none is
+    silently dropped: each is honoured, or refused with a 400 naming it when set to a value
+    pagefold cannot honour (see ``fields.py``)."""
 
     model: str | None = None
     temperature: float | None = None
@@ -119,14 +157,54 @@ class SamplingRequest(_Lenient):
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
     priority: int = 0
+    # vLLM extras, honoured
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    spaces_between_special_tokens: bool = True
+    length_penalty: float = 1.0
+    use_beam_search: bool = False
+    # Tenants that must not share prefix-cache entries send different salts (vLLM's field).
+    cache_salt: str | None = None
+    # vLLM extras refused unless neutral (fields.py says why)
+    watermarking: Any = None
+    logprob_token_ids: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    return_prompt_text: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    stream_interval: Any = None
+    thinking_token_budget: Any = None
+    logits_processors: Any = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    prompt_embeds: Any = None
 
 
 class ContentPart(_Lenient):
@@ -153,6 +231,14 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    reasoning_effort: str | None = None
+    echo: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class TokenizeRequest(_Lenient):
@@ -162,6 +248,9 @@ class TokenizeRequest(_Lenient):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(_Lenient):

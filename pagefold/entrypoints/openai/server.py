@@ -11,8 +11,10 @@ the port, so ``/health`` answers only once the engine is ready; uvicorn's lifesp
 (SIGINT / SIGTERM) stops the core, and a last-resort kill runs on any other exit.
 
 Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed JSON and invalid fields, 401 for a missing/wrong API key on ``/v1/`` routes, 404 for
-an unknown model or route, 503 while the engine core is dead.
+malformed JSON and invalid fields, 401 for a missing/wrong API key (every route but ``/health``,
+and ``/metrics`` unless ``--metrics-require-key``), 404 for an unknown model or route, 413 for
+a body over ``--max-request-bytes``, 503 while the engine core is dead or the server drains.
+Tokenizing and detokenizing run in a thread pool (``tokenizing``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -21,20 +23,24 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
+import socket
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.entrypoints.openai.memory import MemoryTrimmer
+from pagefold.entrypoints.openai.middleware import GateMiddleware, InFlight
+from pagefold.entrypoints.openai.options import ServeOptions, serve_options, stats_loop
 from pagefold.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -47,12 +53,19 @@ from pagefold.entrypoints.openai.protocol import (
 )
 from pagefold.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagefold.entrypoints.openai.serving_completion import (
+    DEFAULT_MAX_REQUEST_OUTPUT_TOKENS,
     ClientDisconnected,
     OpenAIServingCompletion,
 )
+from pagefold.entrypoints.openai.tokenizing import TokenizerPool
+from pagefold.generation_defaults import generation_defaults, log_generation_defaults
 from pagefold.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagefold.server")
+
+# Default --max-request-bytes: room for any prompt that fits a long context as text or ids.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
 @dataclass
@@ -68,17 +81,40 @@ class ServerState:
     chat: OpenAIServingChat
     api_key: str | None = None
     created: int = 0
+    options: ServeOptions = field(default_factory=ServeOptions)
+    # 0 = no limit. Checked by GateMiddleware while the body is read (413).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # /metrics behind the API key too (it is open by default, for scrapers).
+    metrics_require_key: bool = False
+    tokens: TokenizerPool | None = None
+    # Seconds in-flight requests get to finish after SIGTERM (see ``shutdown``).
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    inflight: InFlight = field(default_factory=InFlight)
+    trimmer: MemoryTrimmer = field(default_factory=MemoryTrimmer)
+
+    def __post_init__(self) -> None:
+        self.inflight.on_idle = self.trimmer.idle  # RSS back down after a burst
 
 
-def build_state(config: EngineConfig, *, served_model_name: str | None = None,
+def build_state(config: EngineConfig, *, served_model_name: str | list[str] | None = None,
                 api_key: str | None = None, chat_template: str | None = None,
-                log_level: str = "INFO", client: AsyncEngineClient | None = None
+                log_level: str = "INFO", client: AsyncEngineClient | None = None,
+                options: ServeOptions | None = None,
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                metrics_require_key: bool = False,
+                max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
                 ) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
     from pagefold.llm import generation_eos_ids, load_tokenizer
 
-    name = served_model_name or config.model
+    names = ([served_model_name] if isinstance(served_model_name, str)
+             else list(served_model_name or []))
+    name = names[0] if names else config.model
+    options = options or ServeOptions()
+    options.served_model_names = names or [name]
+    options.default_sampling = generation_defaults(config.model, config.generation_config)
+    log_generation_defaults(options.default_sampling, config.generation_config)
     metrics = ServerMetrics(name)
     if client is None:
         client = AsyncEngineClient(config, log_level=log_level)
@@ -86,41 +122,20 @@ def build_state(config: EngineConfig, *, served_model_name: str | None = None,
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     client.tokenizer = tokenizer
     extra = generation_eos_ids(config.model)
-    common = dict(extra_eos_ids=extra)
+    tokens = TokenizerPool(tokenizer)
+    common = dict(extra_eos_ids=extra, options=options, tokens=tokens,
+                  max_request_output_tokens=max_request_output_tokens)
     template = None
     if chat_template is not None:
         p = Path(chat_template)
         template = p.read_text() if p.is_file() else chat_template
     return ServerState(
         client=client, tokenizer=tokenizer, served_model_name=name, model_path=config.model,
-        metrics=metrics, api_key=api_key, created=int(time.time()),
+        metrics=metrics, api_key=api_key, created=int(time.time()), options=options,
+        tokens=tokens, max_request_bytes=max_request_bytes,
+        metrics_require_key=metrics_require_key,
         completion=OpenAIServingCompletion(client, tokenizer, name, **common),
         chat=OpenAIServingChat(client, tokenizer, name, chat_template=template, **common))
-
-
-def _unauthorized() -> JSONResponse:
-    return JSONResponse(error_body("Incorrect or missing API key: send 'Authorization: Bearer "
-                                   "<key>'.", "invalid_request_error", None, "invalid_api_key"),
-                        status_code=401)
-
-
-class APIKeyMiddleware:
-    """Plain ASGI middleware (no body buffering, streams untouched): every ``/v1`` route needs
-    ``Authorization: Bearer <api_key>``, else 401 with an OpenAI error body."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(),
-                                                                        self.key):
-                await _unauthorized()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -134,13 +149,18 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             await state.client.shutdown()
 
-    app = FastAPI(title="pagefold", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    from pagefold import __version__
+
+    app = FastAPI(title="pagefold", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url="/openapi.json")
     app.state.pagefold = state
     client = state.client
 
-    if state.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    app.add_middleware(GateMiddleware, api_key=state.api_key,
+                       max_request_bytes=state.max_request_bytes,
+                       metrics_require_key=state.metrics_require_key,
+                       inflight=state.inflight)
+    tokens = state.tokens or state.completion.tokens
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -156,6 +176,11 @@ def build_app(state: ServerState) -> FastAPI:
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
         return APIError(exc.status_code, msg, code=f"http_{exc.status_code}").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        # The client left while its body was being read: nobody to answer, nothing to log.
+        return Response(status_code=499)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError):
@@ -174,6 +199,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         info = {"engine_core_pid": client.core_pid, "num_in_flight": client.num_in_flight}
+        if state.inflight.draining:
+            return JSONResponse(dict(error_body("the server is shutting down", "server_error",
+                                                None, "server_shutting_down"),
+                                     status="draining", **info), status_code=503)
         if client.is_alive:
             return JSONResponse(dict(status="ok", **info))
         reason = client.dead_reason or "the engine core is not running"
@@ -228,14 +257,19 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            _, ids = state.chat.render(req.messages,
-                                       add_generation_prompt=req.add_generation_prompt)
-        out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids}
+            add_gen = req.add_generation_prompt and not req.continue_final_message
+            _, ids = await state.chat.render_async(
+                req.messages, add_generation_prompt=add_gen,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+        out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids,
+               "token_strs": None}
         if req.return_token_strs:
-            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
-        return JSONResponse(out)
+            out["token_strs"] = await tokens.run(state.tokenizer.convert_ids_to_tokens, ids)
+        return Response(await tokens.run(msgspec.json.encode, out),
+                        media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -245,28 +279,57 @@ def build_app(state: ServerState) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+        text = await tokens.decode(req.tokens)
+        return Response(await tokens.run(msgspec.json.encode, {"prompt": text}),
+                        media_type="application/json")
 
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a busy port fails in milliseconds, before any model
+    loads (uvicorn then serves on this socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another "
+                         "server running there? pick another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 async def serve(state: ServerState, host: str, port: int, *,
-                uvicorn_log_level: str = "info", graceful_timeout: float = 5.0) -> None:
-    """Start the engine, then serve until SIGINT/SIGTERM; the engine is always stopped."""
+                uvicorn_log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Start the engine, then serve until SIGINT/SIGTERM (a graceful drain, see
+    ``shutdown``); the engine is always stopped."""
     import uvicorn
+
+    from pagefold.entrypoints.openai.shutdown import UVICORN_GRACE, Drain, DrainingServer
 
     await state.client.start()
     info = state.client.info
     logger.info("engine core %d ready: max_model_len %d, %d usable blocks", info.pid,
                 info.max_model_len, info.num_usable_blocks)
     app = build_app(state)
+    opts = state.options
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                            timeout_graceful_shutdown=graceful_timeout, access_log=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=UVICORN_GRACE,
+                            access_log=opts.access_log)
+    server = DrainingServer(config, Drain(state.inflight, state.client, state.shutdown_timeout))
+    stats = (asyncio.ensure_future(stats_loop(state.metrics, opts.log_stats_interval))
+             if opts.log_stats and opts.log_stats_interval > 0 else None)
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
+        if stats is not None:
+            stats.cancel()
         await state.client.shutdown()
+        if state.tokens is not None:
+            state.tokens.shutdown()
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -274,16 +337,33 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
-    client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
+    from pagefold.models.registry import read_config_dict, resolve_architecture
+
+    # Cheap checks first, each naming what is wrong: the model's config, then the port.
+    resolve_architecture(read_config_dict(Path(args.model)))
+    sock = bind_socket(args.host, args.port)  # before the model loads: fail fast on a busy port
+    options = serve_options(args)
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    if dp > 1:
+        from pagefold.engine.dp_client import DPEngineClient
+
+        client = DPEngineClient(config, dp, log_level=getattr(args, "log_level", "INFO"))
+    else:
+        client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
     client.spawn()  # the core loads the model while this process loads the tokenizer
     try:
         state = build_state(config, served_model_name=args.served_model_name,
                             api_key=args.api_key, chat_template=args.chat_template,
-                            client=client)
+                            client=client, options=options,
+                            max_request_bytes=args.max_request_bytes,
+                            metrics_require_key=args.metrics_require_key,
+                            max_request_output_tokens=args.max_request_output_tokens)
+        state.shutdown_timeout = args.shutdown_timeout
         asyncio.run(serve(state, args.host, args.port,
-                          uvicorn_log_level=args.uvicorn_log_level))
+                          uvicorn_log_level=args.uvicorn_log_level, sock=sock))
     except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it handled; the engine is already stopped
+        pass  # a second SIGINT during the drain is re-raised by uvicorn; the engine is stopped
     finally:
         client.kill_now()  # no-op after a clean shutdown; never leave the core behind
+        sock.close()
     return 0

@@ -16,8 +16,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from pagefold.entrypoints.openai.chat_parsing import (
+    ToolCall,
+    named_choice,
+    parse_required,
+    parse_tool_calls,
+    partial_suffix,
+    split_reasoning,
+    template_messages,
+    tool_constraint,
+    tool_function,
+    tool_start_marker,
+)
+from pagefold.entrypoints.openai.fields import refuse_unsupported
+from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -32,6 +46,7 @@ from pagefold.entrypoints.openai.serving_completion import (
     StreamCursor,
     _clamp,
     completion_tokens,
+    prompt_logprobs_json,
     ranked,
 )
 from pagefold.outputs import CompletionOutput, RequestOutput
@@ -53,10 +68,13 @@ class OpenAIServingChat(OpenAIServing):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content: only text content parts are "
-                                      f"supported, got type {part.type!r}", "messages")
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise bad_request(f"messages[{i}].content[{j}]: only text content parts "
+                                      f"are supported, got type {part.type!r}", "messages")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: a content part of type "
+                                      "'text' needs a 'text' string", "messages")
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
         elif m.content is None:
@@ -65,43 +83,102 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False,
-               chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """``(prompt text, prompt token ids)`` of a conversation (400 on template errors)."""
+               chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+               documents: list[dict] | None = None, chat_template: str | None = None,
+               add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """``(prompt text, prompt token ids)`` of a conversation (400 on template errors).
+        ``tools`` and ``documents`` are handed to the template, as vLLM does."""
         if not messages:
             raise bad_request("messages is empty; give at least one message", "messages")
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
                               "be true", "continue_final_message")
-        conv = [self._message_dict(i, m) for i, m in enumerate(messages)]
+        conv = template_messages([self._message_dict(i, m) for i, m in enumerate(messages)])
         kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        if tools:
+            kwargs["tools"] = tools
+        if documents:
+            kwargs["documents"] = documents
+        template = chat_template or self.chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; start the server "
                               "with --chat-template FILE or use /v1/completions", "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                conv, chat_template=self.chat_template, tokenize=False,
+                conv, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja errors, template raise_exception
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokens.encode_sync(text, add_special_tokens=add_special_tokens)
         return text, ids
 
+    async def render_async(self, messages: list[ChatMessage], **kwargs: Any
+                           ) -> tuple[str, list[int]]:
+        """:meth:`render` in the tokenizer pool (templates and tokenizing are slow on long
+        conversations; the event loop must stay free)."""
+        return await self.tokens.run(self.render, messages, **kwargs)
+
+    @staticmethod
+    def content_chars(messages: list[ChatMessage]) -> int:
+        """Characters of every message's text: the rendered prompt has at least these."""
+        total = 0
+        for m in messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif isinstance(m.content, list):
+                total += sum(len(p.text or "") for p in m.content)
+        return total
+
     # ------------------------------------------------------------------ request
+    def _tool_mode(self, req: ChatCompletionRequest) -> tuple[str, str | None]:
+        """``(mode, named function)``: mode none / auto / required / named."""
+        if not req.tools:
+            if req.tool_choice not in (None, "none", "auto"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return "none", None
+        try:
+            for t in req.tools:
+                tool_function(t)
+            name = named_choice(req.tool_choice)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+        if name is not None:
+            return "named", name
+        choice = req.tool_choice or "auto"
+        if choice not in ("none", "auto", "required"):
+            raise bad_request(f"tool_choice must be none, auto, required or a named function, "
+                              f"got {choice!r}", "tool_choice")
+        if choice == "auto":
+            opts = self.options
+            if not (opts.enable_auto_tool_choice and opts.tool_call_parser):
+                raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
+                                  '--tool-call-parser to be set', "tool_choice")
+        return choice, None
+
     async def create(self, raw: Request, req: ChatCompletionRequest) -> Response:
         self.check_model(req.model)
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported yet; omit tools or set "
-                              "tool_choice to 'none'", "tools")
+        refuse_unsupported(req)
+        mode, _ = self._tool_mode(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of is only available on /v1/completions; use n for "
                               "several chat choices", "best_of")
-        text, ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                continue_final_message=req.continue_final_message,
-                                chat_template_kwargs=req.chat_template_kwargs)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        self.check_text_fits(self.content_chars(req.messages), "messages")
+        text, ids = await self.render_async(
+            req.messages, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=kwargs, tools=req.tools,
+            documents=req.documents, chat_template=req.chat_template,
+            add_special_tokens=bool(req.add_special_tokens))
+        ids2 = self.prepare_prompt(req, ids)
+        if ids2 != ids:
+            text, ids = None, ids2
         self.check_ids(ids, "messages")
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
@@ -111,15 +188,30 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=param,
                                       logprobs=num_lp, prompt_len=len(ids),
                                       logprobs_param="top_logprobs")
-        rid = self.new_id("chatcmpl")
+        if mode in ("named", "required"):
+            if params.structured_outputs is not None:
+                raise bad_request("tool_choice required / named cannot be combined with "
+                                  "another output constraint", "tool_choice")
+            try:
+                params.structured_outputs = tool_constraint(
+                    req.tools, req.tool_choice, req.parallel_tool_calls is not False)
+            except ValueError as e:
+                raise bad_request(str(e), "tool_choice") from None
+        rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")
         created = int(time.time())
-        stream = self.start([rid], [(text, ids)], [params], req.priority)
+        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
-            body = self._stream(req, rid, created, params, first, stream)
+            body = self._stream(req, rid, created, params, first, stream, mode)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         (final,) = await self.collect(raw, stream, 1)
-        return JSONResponse(self._response(req, rid, created, final))
+        return json_response(self._response(req, rid, created, final, mode))
+
+    def _echo_prefix(self, req: ChatCompletionRequest) -> str:
+        """vLLM's chat ``echo``: the last message's content when it is the assistant's."""
+        if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+            return ""
+        return self._message_dict(len(req.messages) - 1, req.messages[-1])["content"]
 
     def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int) -> dict:
         content = []
@@ -131,63 +223,109 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item)
         return {"content": content}
 
+    def _message(self, req: ChatCompletionRequest, text: str, mode: str
+                 ) -> tuple[dict, bool]:
+        """The assistant message of a finished output and whether it called tools."""
+        reasoning = None
+        if self.options.reasoning_parser:
+            reasoning, text = split_reasoning(text, self.options.reasoning_parser, final=True)
+        content: str | None = text
+        calls: list[ToolCall] = []
+        if mode == "named":
+            calls, content = [ToolCall(named_choice(req.tool_choice) or "", text)], None
+        elif mode == "required":
+            calls = parse_required(text)
+            content = None if calls else text
+        elif mode == "auto":
+            content, calls = parse_tool_calls(text, self.options.tool_call_parser or "hermes")
+        if calls and req.parallel_tool_calls is False:
+            calls = calls[:1]
+        msg: dict[str, Any] = {"role": "assistant", "content": content,
+                               "tool_calls": [c.to_json() for c in calls]}
+        if self.options.reasoning_parser and req.include_reasoning:
+            msg["reasoning_content"] = reasoning
+        return msg, bool(calls) and mode != "named"
+
     def _response(self, req: ChatCompletionRequest, rid: str, created: int,
-                  out: RequestOutput) -> dict:
+                  out: RequestOutput, mode: str = "none") -> dict:
         choices = []
+        echo = self._echo_prefix(req)
         for comp in out.outputs:
             lps = None
             if req.logprobs:
                 lps = self._logprobs(comp, 0, len(comp.token_ids), req.top_logprobs or 0)
-            choices.append({"index": comp.index,
-                            "message": {"role": "assistant", "content": comp.text},
-                            "logprobs": lps, "finish_reason": comp.finish_reason,
-                            "stop_reason": comp.stop_reason})
-        return {
+            msg, called = self._message(req, comp.text, mode)
+            if echo and msg["content"] is not None:
+                msg["content"] = echo + msg["content"]
+            choice = {"index": comp.index, "message": msg, "logprobs": lps,
+                      "finish_reason": "tool_calls" if called else comp.finish_reason,
+                      "stop_reason": comp.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(comp.token_ids)
+            choices.append(choice)
+        body = {
             "id": rid, "object": "chat.completion", "created": created,
             "model": self.served_model_name, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion_tokens([out]),
                            out.num_cached_tokens),
         }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
+        return body
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, created: int,
                       params: SamplingParams, first: tuple[int, RequestOutput],
-                      stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      stream: AsyncIterator[tuple[int, RequestOutput]],
+                      mode: str = "none") -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
+        prompt_len = [0]
 
         def chunk(index: int, delta: dict, lps: dict | None = None, finish: str | None = None,
-                  stop_reason: Any = None) -> str:
+                  stop_reason: Any = None, num_tokens: int = 0) -> str:
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
             data = dict(head, choices=[choice])
-            if include_usage:
+            if continuous:
+                data["usage"] = usage(prompt_len[0], num_tokens, 0)
+            elif include_usage:
                 data["usage"] = None
             return sse(data)
 
         cursors = [StreamCursor() for _ in range(params.n)]
+        views = [ChatStreamView(self.options, mode, named_choice(req.tool_choice)
+                                if mode == "named" else None, req)
+                 for _ in range(params.n)]
         final: RequestOutput | None = None
         try:
+            echo = self._echo_prefix(req)
             for j in range(params.n):
-                yield chunk(j, {"role": "assistant", "content": ""})
+                yield chunk(j, {"role": "assistant", "content": echo})
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
                 out = item[1]
+                prompt_len[0] = len(out.prompt_token_ids)
                 if out.finished:
                     final = out
                 for comp in out.outputs:
                     cur = cursors[comp.index]
                     if cur.finished:
                         continue  # this choice ended earlier; its siblings go on
-                    delta, t0, t1 = cur.advance(comp, params.stop)
+                    delta_text, t0, t1 = cur.advance(comp, params.stop)
                     lps = (self._logprobs(comp, t0, t1, req.top_logprobs or 0)
                            if req.logprobs else None)
+                    delta, called = views[comp.index].feed(delta_text, cur.finished)
+                    n_tok = len(comp.token_ids)
                     if cur.finished:
-                        yield chunk(comp.index, {"content": delta} if delta else {}, lps,
-                                    comp.finish_reason, comp.stop_reason)
+                        reason = "tool_calls" if called else comp.finish_reason
+                        yield chunk(comp.index, delta, lps, reason, comp.stop_reason, n_tok)
                     elif delta or t1 > t0:
-                        yield chunk(comp.index, {"content": delta}, lps)
+                        yield chunk(comp.index, delta, lps, num_tokens=n_tok)
                 item = await anext(stream, None)
             if include_usage and final is not None:
                 yield sse(dict(head, choices=[], usage=usage(
@@ -199,3 +337,81 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         finally:
             await stream.aclose()
+
+
+class ChatStreamView:
+    """Turns one choice's stream of text deltas into chat deltas: ``reasoning_content``
+    (with a reasoning parser), ``content``, and ``tool_calls`` as OpenAI streams them (the
+    first delta of a call carries its id, type and name, later ones argument text).
+
+    Named tool choice streams the arguments as they are generated; ``required`` and ``auto``
+    send the calls once the output is complete (``auto`` streams the content before the first
+    call marker as content)."""
+
+    def __init__(self, options, mode: str, name: str | None, req) -> None:
+        self.options = options
+        self.mode = mode
+        self.name = name
+        self.req = req
+        self.text = ""
+        self.sent_reasoning = 0
+        self.sent_content = 0
+        self.call: ToolCall | None = None
+
+    def feed(self, delta_text: str, finished: bool) -> tuple[dict, bool]:
+        self.text += delta_text
+        out: dict[str, Any] = {}
+        reasoning, content = None, self.text
+        parser = self.options.reasoning_parser
+        if parser:
+            reasoning, content = split_reasoning(self.text, parser, final=finished)
+            if reasoning is not None and len(reasoning) > self.sent_reasoning:
+                if self.req.include_reasoning:
+                    out["reasoning_content"] = reasoning[self.sent_reasoning:]
+                self.sent_reasoning = len(reasoning)
+        called = False
+        if self.mode == "named":
+            new = content[self.sent_content:]
+            self.sent_content = len(content)
+            if self.call is None:
+                self.call = ToolCall(self.name or "", "")
+                out["tool_calls"] = [{"index": 0, "id": self.call.id, "type": "function",
+                                      "function": {"name": self.call.name,
+                                                   "arguments": new}}]
+            elif new:
+                out["tool_calls"] = [{"index": 0, "function": {"arguments": new}}]
+        elif self.mode in ("required", "auto"):
+            visible = ""
+            if self.mode == "auto":
+                marker = tool_start_marker(self.options.tool_call_parser or "hermes")
+                cut = content.find(marker)
+                visible = content if cut < 0 else content[:cut]
+                if cut < 0 and not finished:
+                    visible = visible[:len(visible) - partial_suffix(visible, marker)]
+                if marker in ("[", "{") and not content.lstrip()[:1] == marker:
+                    visible = content  # no call at the start: plain content
+            if finished:
+                if self.mode == "required":
+                    calls, rest = parse_required(content), None
+                else:
+                    rest, calls = parse_tool_calls(
+                        content, self.options.tool_call_parser or "hermes")
+                if calls and self.req.parallel_tool_calls is False:
+                    calls = calls[:1]
+                if calls:
+                    called = True
+                    out["tool_calls"] = [dict(c.to_json(), index=i)
+                                         for i, c in enumerate(calls)]
+                    visible = (rest or "") if self.mode == "auto" else ""
+                    visible = visible if visible.startswith(
+                        content[:self.sent_content]) else content[:self.sent_content]
+                else:
+                    visible = content
+            if len(visible) > self.sent_content:
+                out["content"] = visible[self.sent_content:]
+                self.sent_content = len(visible)
+        else:
+            if len(content) > self.sent_content:
+                out["content"] = content[self.sent_content:]
+                self.sent_content = len(content)
+        return out, called

@@ -27,9 +27,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
+from pagefold.entrypoints.openai.fields import refuse_unsupported, structured_outputs
+from pagefold.entrypoints.openai.memory import json_response
+from pagefold.entrypoints.openai.options import ServeOptions, log_request
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -42,6 +45,7 @@ from pagefold.entrypoints.openai.protocol import (
     sse,
     usage,
 )
+from pagefold.entrypoints.openai.tokenizing import TokenizerPool
 from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -50,6 +54,8 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 # Most samples one prompt may ask for (n and best_of): each is a running engine request.
 MAX_SAMPLES = 128
+# Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
+DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
 
 
 class ClientDisconnected(Exception):
@@ -117,7 +123,9 @@ async def merge_generations(
 def engine_error(e: Exception) -> APIError:
     """Map engine-side failures to HTTP errors (400 rejected, 503 dead)."""
     if isinstance(e, RequestRejectedError):
-        return bad_request(str(e), "prompt")
+        msg = str(e)
+        return bad_request(msg, "structured_outputs" if "structured output" in msg
+                           else "prompt")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
     if isinstance(e, APIError):
@@ -138,21 +146,41 @@ class OpenAIServing:
     """What both endpoints need: engine handle, tokenizer, model name and validation."""
 
     def __init__(self, client: AsyncEngineClient, tokenizer, served_model_name: str, *,
-                 extra_eos_ids: list[int] | None = None) -> None:
+                 extra_eos_ids: list[int] | None = None,
+                 options: ServeOptions | None = None,
+                 tokens: TokenizerPool | None = None,
+                 max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        # Tokenizer work runs here, off the event loop (shared by every endpoint).
+        self.tokens = tokens if tokens is not None else TokenizerPool(tokenizer)
+        self.max_request_output_tokens = max_request_output_tokens
         self.served_model_name = served_model_name
         self.extra_eos_ids = list(extra_eos_ids or [])
+        self.options = options or ServeOptions()
+        # Sampling fields a request leaves out take these (generation_config.json defaults).
+        self.defaults: dict[str, Any] = dict(self.options.default_sampling)
 
     @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        """An unknown model is a 404; no model (or ``""``) means the served one, as vLLM."""
+        names = self.options.served_model_names or [self.served_model_name]
+        if model and model != self.served_model_name and model not in names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`.", param="model",
                            code="model_not_found")
+
+    def check_text_fits(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long to ever fit (see ``tokenizing``)."""
+        if self.tokens.cannot_fit(num_chars, self.max_model_len - 1):
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; a text "
+                f"of {num_chars} characters cannot fit (no token is longer than "
+                f"{self.tokens.max_token_chars} characters). Please reduce the {param}.",
+                param, code="context_length_exceeded")
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """Reject what the core would: empty, too long, ids outside the vocabulary."""
@@ -175,44 +203,132 @@ class OpenAIServing:
                         prompt_len: int, logprobs_param: str = "logprobs") -> SamplingParams:
         """SamplingParams for one prompt; every problem is a 400 naming the field."""
         self._check_samples(req)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(
-                f"response_format type {req.response_format.type!r}: structured output is not "
-                "supported yet; only {'type': 'text'} is accepted", "response_format")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported yet", "logit_bias")
+        refuse_unsupported(req)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              "stream_options")
+        constraint = structured_outputs(req)
         room = self.max_model_len - prompt_len
+        if max_tokens is None and "max_tokens" in self.defaults:
+            max_tokens = min(int(self.defaults["max_tokens"]), room)
         if max_tokens is not None and max_tokens > room:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or "
                 f"{max_tokens_param}.", max_tokens_param, code="context_length_exceeded")
+        max_tokens = self.bound_output(req, max_tokens, room, logprobs, max_tokens_param,
+                                       logprobs_param)
         stop_ids = list(req.stop_token_ids or [])
         if self.extra_eos_ids and not req.ignore_eos:
             stop_ids = sorted(set(stop_ids) | set(self.extra_eos_ids))
+        d = self.defaults
+
+        def pick(name: str, neutral: Any) -> Any:
+            value = getattr(req, name)
+            return d.get(name, neutral) if value is None else value
+
         kw: dict[str, Any] = dict(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if req.repetition_penalty is None
-                                else req.repetition_penalty),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-            max_tokens=room if max_tokens is None else max_tokens, min_tokens=req.min_tokens,
+            max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=constraint, logit_bias=self._logit_bias(req.logit_bias),
+            allowed_token_ids=self._token_ids(req.allowed_token_ids, "allowed_token_ids"),
+            bad_words=req.bad_words or None, prompt_logprobs=req.prompt_logprobs)
         try:
-            return SamplingParams(**kw)
+            sp = SamplingParams(**kw)
+            sp.update_from_tokenizer(self.tokenizer)
+            self._check_logprobs(sp)
+            return sp
         except ValueError as e:
             # SamplingParams' messages start with the field name: point ``param`` at it.
             field = str(e).split(" ", 1)[0]
             renamed = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
             param = renamed.get(field, field if field in kw else None)
             raise bad_request(str(e), param) from None
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        out = {}
+        for k, v in bias.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {k!r}",
+                                  "logit_bias") from None
+            out[tid] = v
+        self._token_ids(list(out), "logit_bias")
+        return out
+
+    def _token_ids(self, ids: list[int] | None, param: str) -> list[int] | None:
+        if ids is None:
+            return None
+        vocab = self.client.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
+        return ids
+
+    def _check_logprobs(self, sp: SamplingParams) -> None:
+        limit = self.client.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sp, name)
+            if k is not None and k > limit:
+                raise ValueError(f"{name} must be at most {limit} (--max-logprobs), got {k}")
+
+    def prepare_prompt(self, req: SamplingRequest, ids: list[int]) -> list[int]:
+        """Apply ``truncate_prompt_tokens`` / ``truncation_side`` to a tokenized prompt."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k < -1 or k == 0:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {k}",
+                              "truncate_prompt_tokens")
+        keep = self.max_model_len - 1 if k == -1 else k
+        if len(ids) <= keep:
+            return ids
+        return list(ids[:keep]) if req.truncation_side == "right" else list(ids[-keep:])
+
+    def bound_output(self, req: SamplingRequest, max_tokens: int | None, room: int,
+                     logprobs: int | None, max_tokens_param: str, logprobs_param: str) -> int:
+        """The max_tokens to run with, within the output memory bounds of one request.
+
+        Everything a non-streaming request generates is held until the response goes out:
+        each sampled token and each logprob entry. So ``logprobs`` is at most the engine's
+        ``max_logprobs``, and samples x max_tokens x (1 + logprobs) at most
+        ``max_request_output_tokens``: over it is a 400 naming the limit; an unset
+        max_tokens (up to the context) is lowered to fit instead."""
+        limit = self.client.config.max_logprobs
+        if logprobs is not None and logprobs > limit:
+            raise bad_request(f"{logprobs_param} must be at most {limit} on this server "
+                              f"(--max-logprobs), got {logprobs}", logprobs_param)
+        samples = max(req.n or 1, req.best_of or 1, 1)
+        per_token = samples * (1 + (logprobs or 0))
+        cap = self.max_request_output_tokens
+        if max_tokens is None:
+            fit = cap // per_token
+            if fit < 1:
+                raise bad_request(f"n={samples} with logprobs={logprobs} exceeds this server's "
+                                  f"limit of {cap} output tokens per request "
+                                  "(--max-request-output-tokens)", "n")
+            return min(room, fit)
+        if max_tokens * per_token > cap:
+            what = f"{samples} sample(s) x {max_tokens_param}={max_tokens}"
+            if logprobs:
+                what += f" x (1 + {logprobs_param}={logprobs})"
+            raise bad_request(
+                f"{what} = {max_tokens * per_token} exceeds this server's limit of {cap} output "
+                f"tokens per request (--max-request-output-tokens); lower {max_tokens_param}, "
+                f"n or {logprobs_param}", max_tokens_param, code="output_too_large")
+        return max_tokens
 
     def _check_samples(self, req: SamplingRequest) -> None:
         """``n`` / ``best_of`` bounds the API enforces (SamplingParams checks ``>= 1`` and
@@ -235,11 +351,16 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def start(self, ids: list[str], prompts: list[tuple[str | None, list[int]]],
-              params: list[SamplingParams], priority: int
+              params: list[SamplingParams], priority: int, cache_salt: str | None = None
               ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Generations of every prompt, merged as ``(index, output)``."""
+        if cache_salt is not None and not cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         self.client.check_alive()
-        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority)
+        for rid, (text, pids), sp in zip(ids, prompts, params):
+            log_request(self.options, rid, text, pids, sp)
+        gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority,
+                                     cache_salt=cache_salt)
                 for rid, (text, pids), sp in zip(ids, prompts, params)]
         return merge_generations(gens)
 
@@ -307,6 +428,16 @@ class StreamCursor:
         return delta, t0, self.tokens
 
 
+def prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None or {id: {logprob, rank,
+    decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": _clamp(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
+        for t, x in e.items()} for e in out.prompt_logprobs]
+
+
 def choice_outputs(out: RequestOutput, n: int, prompt_index: int = 0
                    ) -> list[tuple[int, CompletionOutput]]:
     """``(choice index, output)`` of every sample of one prompt's output."""
@@ -321,32 +452,37 @@ def completion_tokens(outs: list[RequestOutput]) -> int:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, raw: Request, req: CompletionRequest) -> Response:
         self.check_model(req.model)
-        if req.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs needs prompt logprobs, which are "
-                              "not supported yet; drop one of them", "echo")
-        prompts = self._prompts(req.prompt)
+        refuse_unsupported(req)
+        if req.prompt is None:
+            raise bad_request("prompt is required", "prompt")
+        prompts = await self._prompts(req.prompt, req)
         params = [self.sampling_params(req, max_tokens=req.max_tokens,
                                        max_tokens_param="max_tokens", logprobs=req.logprobs,
                                        prompt_len=len(ids)) for _, ids in prompts]
+        if req.echo and req.logprobs is not None:
+            # echo + logprobs scores the prompt too (lm-eval's log-likelihood): the prompt's
+            # logprobs come with the output, as many alternatives as the output's.
+            for sp in params:
+                sp.prompt_logprobs = max(sp.prompt_logprobs or 0, req.logprobs)
         if req.stream and params[0].best_of > params[0].n:
             raise bad_request(f"best_of={req.best_of} with n={params[0].n} cannot be streamed "
                               "(the best samples are only known at the end); drop stream or "
                               "best_of", "best_of")
-        base = self.new_id("cmpl")
+        base = f"cmpl-{req.request_id}" if req.request_id else self.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
-        stream = self.start(ids, prompts, params, req.priority)
+        stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self._stream(req, base, created, prompts, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         finals = await self.collect(raw, stream, len(prompts))
-        return JSONResponse(self._response(req, base, created, prompts, params[0].n, finals))
+        return json_response(self._response(req, base, created, prompts, params[0].n, finals))
 
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        """``(text or None, token ids)`` per prompt of a string / list / token-id batch."""
+    async def _prompts(self, prompt, req: CompletionRequest | None = None
+                       ) -> list[tuple[str | None, list[int]]]:
+        """``(text or None, token ids)`` per prompt of a string / list / token-id batch;
+        every text is bounded first, then tokenized off the event loop."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -355,12 +491,22 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise bad_request("prompt is an empty list; give at least one prompt", "prompt")
+        for p in items:
+            if isinstance(p, str):
+                self.check_text_fits(len(p))
         out = []
         for p in items:
             if isinstance(p, str):
-                out.append((p, self.check_ids(self.tokenizer.encode(p, add_special_tokens=True))))
+                add = True if req is None or req.add_special_tokens is None else (
+                    req.add_special_tokens)
+                ids = await self.tokens.encode(p, add_special_tokens=add)
+                if req is not None and req.truncate_prompt_tokens is not None:
+                    ids2 = self.prepare_prompt(req, ids)
+                    p, ids = (p if ids2 == ids else None), ids2
+                out.append((p, self.check_ids(ids)))
             else:
-                out.append((None, self.check_ids(list(p))))
+                ids = list(p) if req is None else self.prepare_prompt(req, list(p))
+                out.append((None, self.check_ids(ids)))
         return out
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
@@ -382,6 +528,32 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def _echo_logprobs(self, out: RequestOutput, num: int, after: dict | None) -> dict:
+        """Completions logprobs of the prompt (first token: None, as OpenAI), then ``after``
+        (the output's, whose text offsets already start after the prompt)."""
+        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        for tid, entry in zip(out.prompt_token_ids, entries):
+            s = self.tokenizer.decode([tid])
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if entry is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            lp = entry[tid]
+            token_lps.append(_clamp(lp.logprob))
+            top = {(x.decoded_token or ""): _clamp(x.logprob) for x in ranked(entry, num)}
+            top.setdefault(s, _clamp(lp.logprob))
+            tops.append(top)
+        after = after or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                          "text_offset": []}
+        return {"tokens": tokens + after["tokens"],
+                "token_logprobs": token_lps + after["token_logprobs"],
+                "top_logprobs": tops + after["top_logprobs"],
+                "text_offset": offsets + after["text_offset"]}
+
     def _response(self, req: CompletionRequest, rid: str, created: int,
                   prompts: list, n: int, finals: list[RequestOutput]) -> dict:
         choices, n_prompt, n_cached = [], 0, 0
@@ -392,9 +564,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.logprobs is not None:
                     lps = self._logprobs(comp, 0, len(comp.token_ids), req.logprobs,
                                          len(prefix))
-                choices.append({"index": index, "text": prefix + comp.text, "logprobs": lps,
-                                "finish_reason": comp.finish_reason,
-                                "stop_reason": comp.stop_reason})
+                    if req.echo:
+                        lps = self._echo_logprobs(out, req.logprobs, lps)
+                choice = {"index": index, "text": prefix + comp.text, "logprobs": lps,
+                          "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out)
+                if req.return_token_ids:
+                    choice["token_ids"] = list(comp.token_ids)
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choices.append(choice)
             n_prompt += len(ids)
             n_cached += out.num_cached_tokens
         choices.sort(key=lambda c: c["index"])
@@ -406,6 +585,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       params: list[SamplingParams], first: tuple[int, RequestOutput],
                       stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         n = params[0].n
         cursors: dict[int, StreamCursor] = {}
         finals: dict[int, RequestOutput] = {}
@@ -427,18 +607,24 @@ class OpenAIServingCompletion(OpenAIServing):
             lps = None
             if req.logprobs is not None:
                 lps = self._logprobs(comp, t0, t1, req.logprobs, cur.offset)
+                if prefix:
+                    lps = self._echo_logprobs(out_of[i], req.logprobs, lps)
             cur.offset += len(delta)
             data = dict(head, choices=[{
                 "index": index, "text": prefix + delta, "logprobs": lps,
                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}])
-            if include_usage:
+            if continuous:
+                data["usage"] = usage(len(prompts[i][1]), t1, 0)
+            elif include_usage:
                 data["usage"] = None
             return sse(data)
 
         try:
             item: tuple[int, RequestOutput] | None = first
+            out_of: dict[int, RequestOutput] = {}
             while item is not None:
                 i, out = item
+                out_of[i] = out
                 if out.finished:
                     finals[i] = out
                 for index, comp in choice_outputs(out, n, i):

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
+from pagefold.kernels import dispatch
+from pagefold.layers.attention.kv_quant import KVScales, is_fp8
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class AttentionMetadata:
     all_decode: bool = False  # every row of the batch is a decode row (decode_tok = arange)
     _blockwise: tuple | None = None
     _prefill_pack: tuple | None = None
+    _triton_pack: tuple | None = None  # the Triton prefill kernel's rows/slots/tiles
 
     def prefill_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled prefill kernel's view of :attr:`prefills`, built once per step:
@@ -130,23 +133,42 @@ def _blockwise_map(tables: torch.Tensor, seq_len: torch.Tensor, kv_start: torch.
     return blocks, row, mask, row_blocks
 
 
-def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if cpu_ops.write_kv(cache, slots, k, v):
+def _fp8_scales(cache: torch.Tensor, kv_scales: KVScales | None) -> KVScales:
+    if kv_scales is not None:
+        return kv_scales
+    return KVScales.unit(cache.shape[3], cache.shape[4], cache.device)
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kv_scales: KVScales | None = None) -> None:
+    """Store k, v (N, KVH, D) at flat ``slots``; an FP8 cache stores them encoded by
+    ``kv_scales`` (unit scales when None) with a saturating cast."""
+    if is_fp8(cache.dtype):
+        k, v = _fp8_scales(cache, kv_scales).quantize(k, v, cache.dtype)
+    elif cpu_ops.write_kv(cache, slots, k, v):
         return
     flat = cache.view(-1, *cache.shape[2:])  # (num_slots, 2, kvh, d)
     flat[slots] = torch.stack((k, v), dim=1).to(cache.dtype)
 
 
-def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
+            kv_scales: KVScales | None = None) -> torch.Tensor:
     flat = cache.view(-1, *cache.shape[2:])
+    if is_fp8(cache.dtype):
+        return _fp8_scales(cache, kv_scales).dequantize(flat[slots], dtype)
     return flat[slots].to(dtype)  # (n, 2, kvh, d)
 
 
-def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float):
-    """Blockwise attention for single-token queries, in torch. q (B, H, D) -> (B, H, D) f32."""
+def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            kv_scales: KVScales | None = None):
+    """Blockwise attention for single-token queries, in torch. q (B, H, D) -> (B, H, D) f32.
+    An FP8 cache is dequantized by ``kv_scales`` and the whole row computed in float32."""
     b, h, d = q.shape
     blocks_ids, row, block_mask, rb = meta.blockwise()
     blocks = cache[blocks_ids]  # (Nb, bs, 2, KVH, D)
+    if is_fp8(cache.dtype):
+        blocks = _fp8_scales(cache, kv_scales).dequantize(blocks, torch.float32)
+        q = q.float()
     kvh = blocks.shape[3]
     g = h // kvh
     dev = q.device
@@ -189,22 +211,33 @@ def paged_attention(
     cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
-    """q (T, H, D), k/v (T, KVH, D) -> (T, H, D). Writes k/v into the cache first."""
-    write_kv(cache, meta.slot_mapping, k, v)
+    """q (T, H, D), k/v (T, KVH, D) -> (T, H, D). Writes k/v into the cache first.
+
+    ``kv_scales``: the layer's FP8 encoding (an FP8 cache only). Every path reads what the
+    cache holds (a chunk's own keys included), so a prefix-cache hit computes what a fresh
+    prefill would; FP8 attention runs in float32 on the dequantized values."""
+    if kv_scales is None and not is_fp8(cache.dtype):
+        out = dispatch.paged_attention(q, k, v, cache, meta, scale)  # Triton (CUDA by default)
+        if out is not None:
+            return out
+    write_kv(cache, meta.slot_mapping, k, v, kv_scales)
     out = torch.empty_like(q)
+    fp8 = is_fp8(cache.dtype)
     if meta.decode_tok.numel():
         rows = None if meta.all_decode else meta.decode_tok
-        if not cpu_ops.decode_attention(q, rows, cache, meta.decode_tables,
-                                        meta.decode_seq_lens, meta.decode_kv_start, scale, out):
+        if fp8 or not cpu_ops.decode_attention(q, rows, cache, meta.decode_tables,
+                                                meta.decode_seq_lens, meta.decode_kv_start,
+                                                scale, out):
             qd = q if rows is None else q[rows]
-            od = _decode(qd, cache, meta, scale).to(q.dtype)
+            od = _decode(qd, cache, meta, scale, kv_scales).to(q.dtype)
             if rows is None:
                 out = od
             else:
                 out[rows] = od
     h, kvh = q.shape[1], k.shape[1]
-    if meta.prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    if meta.prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16 and not fp8:
         rows, slots = meta.prefill_pack()
         if cpu_ops.prefill_attention(q, cache, rows, slots, meta.sliding_window, scale, out):
             return out
@@ -212,6 +245,10 @@ def paged_attention(
         qs = q[row.tok_start : row.tok_end]
         if row.ctx_len == 0 and cache.dtype == q.dtype:
             keys, vals = k[row.tok_start : row.tok_end], v[row.tok_start : row.tok_end]
+        elif fp8:
+            qs = qs.float()
+            kv = read_kv(cache, row.kv_slots, torch.float32, kv_scales)
+            keys, vals = kv[:, 0], kv[:, 1]
         else:
             kv = read_kv(cache, row.kv_slots, q.dtype)
             keys, vals = kv[:, 0], kv[:, 1]
@@ -231,5 +268,5 @@ def paged_attention(
             scale=scale,
             enable_gqa=h != kvh,
         )
-        out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1)
+        out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1).to(out.dtype)
     return out

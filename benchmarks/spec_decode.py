@@ -1,0 +1,133 @@
+"""N-gram speculative decoding on the real SmolLM2-135M-Instruct: speculation ON vs OFF.
+
+    python -m benchmarks.spec_decode [--model DIR] [--max-tokens 160] [--repeats 2]
+
+Workloads (greedy, chat template, ``ignore_eos`` so ON and OFF emit the same token counts):
+  * ``edit b1``: one request, "repeat this code with one change" (the prompt holds most of
+    the answer: what prompt lookup is for);
+  * ``none accepted b1``: the same request with a drafter whose every draft is wrong (the
+    worst case: each verify round costs 1 + k tokens and gains nothing; the per-request
+    back-off then keeps the loss small);
+  * ``free b1``: an open question (little to look up);
+  * ``edit b32``: 32 editing requests at once (above the automatic cut-off, so speculation
+    stays off: it must not be slower).
+
+Both engines live side by side; every workload runs OFF then ON (alternating order per
+repeat, best of ``--repeats``), with identical prompts. Columns: output tokens/s of each, the
+ON/OFF ratio, acceptance rate and mean accepted length of the ON run, and whether ON's tokens
+equal OFF's. The machine is shared and noisy: compare ratios, not absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of values over a sliding window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+'''
+EDIT = f"Repeat this Python code exactly, but rename the variable total to running_sum:\n\n{CODE}"
+FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}
+
+
+def default_model() -> Path:
+    root = Path.home() / ".cache" / "pagefold" / "gguf"
+    found = sorted(root.glob("SmolLM2-135M-Instruct*/config.json"))
+    if not found:
+        raise SystemExit("no converted SmolLM2-135M-Instruct under ~/.cache/pagefold/gguf; "
+                         "pass --model DIR")
+    return found[0].parent
+
+
+def _chat_ids(tok, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
+def _wrong_drafts(req, k: int) -> list[int]:
+    # Ids the model never emits after text (a few rarely used byte tokens): all rejected.
+    return [(req.all_token_ids[-1] * 7 + 13 + j) % 200 + 10 for j in range(k)]
+
+
+def _run(llm, prompts, params, wrong: bool = False):
+    from pagefold.spec_decode.engine import SpecMetrics
+
+    spec = llm.engine.spec
+    if spec is not None:
+        spec.metrics = SpecMetrics()
+        spec.propose_fn = _wrong_drafts if wrong else spec._ngram
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    secs = time.perf_counter() - t
+    toks = [o.outputs[0].token_ids for o in outs]
+    return sum(len(x) for x in toks) / secs, toks, (spec.metrics if spec else None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--cases", default="edit b1,none accepted b1,free b1,edit b32",
+                    help="comma-separated workload names to run")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from pagefold import LLM, SamplingParams
+
+    model = str(args.model or default_model())
+    tok = AutoTokenizer.from_pretrained(model)
+    edit, free = _chat_ids(tok, EDIT), _chat_ids(tok, FREE)
+    kw = dict(max_model_len=2048, max_num_batched_tokens=512, warm_up=False)
+    off = LLM(model, **kw)
+    on = LLM(model, speculative_config=SPEC, **kw)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    cases = [("edit b1", [edit], False), ("none accepted b1", [edit], True),
+             ("free b1", [free], False), ("edit b32", [edit] * 32, False)]
+    wanted = [c.strip() for c in args.cases.split(",")]
+    cases = [c for c in cases if c[0] in wanted]
+    print(f"model {model}\nspeculative_config {SPEC}\n", flush=True)
+    head = (f"{'workload':18} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
+            f"{'accept':>7} {'mean len':>8} {'same':>5}")
+    print(head)
+    print("-" * len(head))
+    for name, prompts, wrong in cases:
+        best_off = best_on = 0.0
+        m = same = None
+        for rep in range(args.repeats):
+            order = [("off", off), ("on", on)] if rep % 2 == 0 else [("on", on), ("off", off)]
+            res = {}
+            for label, llm in order:
+                res[label] = _run(llm, prompts, params, wrong and label == "on")
+            best_off = max(best_off, res["off"][0])
+            best_on = max(best_on, res["on"][0])
+            m = res["on"][2]
+            same = res["on"][1] == res["off"][1]
+        print(f"{name:18} {best_off:10.1f} {best_on:10.1f} {best_on / best_off:7.2f} "
+              f"{100 * m.acceptance_rate:6.1f}% {m.mean_accepted_length:8.2f} {str(same):>5}")
+        for llm in (off, on):
+            llm.engine.kv.check_whole()
+
+
+if __name__ == "__main__":
+    main()

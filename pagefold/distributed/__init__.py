@@ -1,0 +1,1 @@
+"""Tensor parallelism: rank state and collectives, parallel layers' loaders, worker ranks."""

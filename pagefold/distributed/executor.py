@@ -1,0 +1,166 @@
+"""The engine side of tensor parallelism: N worker ranks driven by the step message.
+
+``TPExecutor`` stands where the single-process ``ModelRunner`` stands in ``EngineCore``: the
+scheduler (in the engine process) makes each step's message, the executor sends the same
+bytes to every rank and returns rank 0's sampled tokens. Ranks rendezvous over ``env://``
+(``MASTER_ADDR`` / ``MASTER_PORT``; a free local port by default).
+
+Failure: while waiting, the executor watches every rank's process. A rank that exits or
+reports an error ends the engine with ``TPWorkerError`` naming the rank (its peers, blocked in
+a collective, are stopped), so a dead worker is an error within a second, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import Listener
+
+from pagefold.core.sched_output import SampledToken, SchedulerOutput
+from pagefold.distributed.worker import WorkerInit
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel rank died or failed; the engine cannot continue."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list, conns: list) -> None:
+    for c in conns:
+        try:
+            c.send_bytes(b"")
+        except Exception:  # noqa: BLE001
+            pass
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    for c in conns:
+        c.close()
+
+
+class TPExecutor:
+    POLL_S = 0.2
+
+    def __init__(self, init: WorkerInit, size: int, *, start_timeout_s: float = 600.0) -> None:
+        """Start ``size`` worker processes (``python -m pagefold.distributed.worker``: no
+        re-import of the caller's main module) and wait until every rank holds its shard."""
+        self.size = size
+        self._error: str | None = None
+        authkey = secrets.token_bytes(16)
+        self._dir = tempfile.TemporaryDirectory(prefix="pagefold-tp-")
+        address = os.path.join(self._dir.name, "engine.sock")
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        env = dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+                   WORLD_SIZE=str(size), PAGEFOLD_TP_AUTHKEY=authkey.hex())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
+            os.path.dirname(os.path.abspath(__file__)))), env.get("PYTHONPATH", "")] if p)
+        self.procs: list[subprocess.Popen] = [
+            subprocess.Popen([sys.executable, "-m", "pagefold.distributed.worker", address,
+                              str(rank), str(size)], env=dict(env, RANK=str(rank)))
+            for rank in range(size)]
+        self.conns: list = [None] * size
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        try:
+            self._accept_all(listener, start_timeout_s)
+        finally:
+            listener.close()
+        for c in self.conns:
+            c.send(init)
+        self.num_forward_tokens = 0
+        replies = self._collect(start_timeout_s)
+        self.num_params = sum(r[1] for r in replies)  # shards (replicated norms count twice)
+        self.rank_pools: list[dict] = [r[2] for r in replies]  # per rank: blocks, pool bytes
+        # Every rank's state layers take checkpoints inside their kernels (see ModelRunner).
+        self.captures_in_kernel = all(r[3] for r in replies)
+
+    def _accept_all(self, listener: Listener, timeout_s: float) -> None:
+        """Each rank connects and names itself; a rank that exits first fails the start."""
+        sock = listener._listener._socket  # accept in short waits to watch the processes
+        sock.settimeout(0.5)
+        deadline = time.monotonic() + timeout_s
+        while any(c is None for c in self.conns):
+            try:
+                conn = listener.accept()
+                self.conns[conn.recv()] = conn
+            except TimeoutError:
+                pass
+            for rank, p in enumerate(self.procs):
+                if self.conns[rank] is None and p.poll() is not None:
+                    self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with "
+                               f"code {p.returncode} before connecting")
+            if time.monotonic() > deadline:
+                self._fail(f"tensor-parallel workers did not connect within {timeout_s:.0f} s")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _fail(self, msg: str) -> None:
+        self._error = msg
+        self.close()
+        raise TPWorkerError(msg)
+
+    def _collect(self, timeout_s: float | None = None) -> list[tuple]:
+        """One reply per rank, in rank order; raises ``TPWorkerError`` when a rank dies or
+        reports an error (or, with ``timeout_s``, stays silent that long)."""
+        replies: list[tuple | None] = [None] * self.size
+        start = time.monotonic()
+        while any(r is None for r in replies):
+            for rank, (p, c) in enumerate(zip(self.procs, self.conns)):
+                if replies[rank] is not None:
+                    continue
+                try:
+                    ready = c.poll(0 if rank else self.POLL_S)
+                    msg = c.recv() if ready else None
+                except (EOFError, OSError):
+                    msg = None
+                    ready = True
+                if msg is not None:
+                    if msg[0] == "error":
+                        self._fail(f"tensor-parallel worker {msg[1]}")
+                    replies[rank] = msg
+                elif ready or p.poll() is not None:
+                    try:
+                        code = p.wait(0.5)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with "
+                               f"code {code}; the engine cannot continue")
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                self._fail(f"tensor-parallel workers did not answer within {timeout_s:.0f} s")
+        return replies  # type: ignore[return-value]
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        if not self.procs:
+            raise TPWorkerError(self._error or "the tensor-parallel workers were shut down")
+        data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, c in enumerate(self.conns):
+            try:
+                c.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self._fail(f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
+                           f"is gone; the engine cannot continue")
+        replies = self._collect()
+        self.num_forward_tokens = replies[0][2]
+        return replies[0][1]
+
+    def close(self) -> None:
+        self._finalizer()
+        self.procs, self.conns = [], []

@@ -1,0 +1,110 @@
+"""One tensor-parallel rank: a model shard, its share of every cache page, and a runner.
+
+The engine process starts ``size`` of these (``executor.py``) and sends each the same step
+message; every rank applies it to its own request state and runs the forward, whose
+collectives (all-reduce after row-parallel layers, vocabulary gathers) go over
+``torch.distributed``. Rank 0 alone samples and answers with the tokens; the other ranks
+answer ``None``. A rank that fails answers with the error text and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagefold.core.kv_cache_planner import KVCacheConfig
+
+logger = logging.getLogger("pagefold")
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """Everything a rank needs to build its shard (plain data: it crosses a process start)."""
+
+    model: str
+    arch: str
+    dtype: torch.dtype
+    max_positions: int
+    device: str
+    kv_config: KVCacheConfig
+    cache_fill: float | None
+    num_host_blocks: int
+    threads: int
+    warm_up_tokens: int
+    warm_up_seq_len: int
+
+
+def build_runner(init: WorkerInit):
+    from pagefold.engine.core import load_hf_config
+    from pagefold.executor.model_runner import ModelRunner
+    from pagefold.models.registry import load_model
+
+    _, hf_config = load_hf_config(init.model)
+    device = torch.device(init.device)
+    model = load_model(Path(init.model), hf_config, init.arch, init.dtype, init.max_positions,
+                       device)
+    runner = ModelRunner(model, init.kv_config, device, cache_fill=init.cache_fill,
+                         num_host_blocks=init.num_host_blocks)
+    if init.warm_up_tokens:
+        runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
+    return runner
+
+
+def worker_main(rank: int, size: int, conn) -> None:
+    """Serve one rank: read the ``WorkerInit``, join the group, build the shard, then run the
+    step messages until an empty message (or the engine's end of the connection)."""
+    from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
+
+    try:
+        init: WorkerInit = conn.recv()
+        torch.set_num_threads(max(1, init.threads))
+        backend = "nccl" if init.device.startswith("cuda") else "gloo"
+        init_tensor_parallel(rank, size, backend)
+        runner = build_runner(init)
+        pool = {"num_blocks": runner.kv_config.num_blocks,
+                "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
+        conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel))
+        while True:
+            data = conn.recv_bytes()
+            if not data:
+                break
+            out = pickle.loads(data)
+            sampled = runner.execute(out)
+            conn.send(("ok", sampled if rank == 0 else None, runner.num_forward_tokens))
+    except EOFError:
+        pass  # the engine went away
+    except BaseException as e:  # noqa: BLE001 - report every failure to the engine, then exit
+        try:
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n"
+                                f"{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        try:
+            close_tensor_parallel()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def main() -> None:
+    """``python -m pagefold.distributed.worker ADDRESS RANK SIZE``; the authentication key
+    comes in ``PAGEFOLD_TP_AUTHKEY`` (hex), the rendezvous in the ``env://`` variables."""
+    import sys
+    from multiprocessing.connection import Client
+
+    address, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    logging.basicConfig(level=os.environ.get("PAGEFOLD_LOG_LEVEL", "WARNING"))
+    conn = Client(address, family="AF_UNIX",
+                  authkey=bytes.fromhex(os.environ.pop("PAGEFOLD_TP_AUTHKEY")))
+    conn.send(rank)
+    worker_main(rank, size, conn)
+
+
+if __name__ == "__main__":
+    main()

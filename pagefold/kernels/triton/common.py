@@ -1,0 +1,99 @@
+"""Shared helpers of the Triton kernels: interpreter detection, block sizes, dtype mapping,
+and the addressing of a state that lives in pages.
+
+A state component (e.g. a GDN layer's ``ssm`` state) of request ``n`` is the concatenation of
+its ``pages_per_state`` page rows, cut at the spec's byte offset. Viewed as elements of the
+component's dtype, element ``e`` of the component sits in page ``pages[n, (OFF + e) // PE]``
+at ``(OFF + e) % PE``, with ``PE`` elements per page and ``OFF`` the offset in elements. The
+kernels compute that address per element, so states are read and written in place, whatever
+the number of pages. A dense ``(N, ...)`` state is the special case of one page per request
+with ``pages = arange(N)`` and ``OFF = 0``: the dense-signature wrappers reuse the same
+kernels that way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pow2(n: int, lo: int = 1) -> int:
+    """Smallest power of two >= max(n, lo) (Triton block shapes are powers of two)."""
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+def dot_dtype(dtype: torch.dtype):
+    """Operand dtype of ``tl.dot``: bf16/fp16 operands on a GPU (the tensor-core path, exact
+    products, float32 sums); float32 everywhere under the interpreter, whose ``tl.dot`` is
+    wrong for bf16 operands (measured with Triton 3.9; bf16 products are exact in float32, so
+    the result is the same)."""
+    if INTERPRET or dtype == torch.float32:
+        return tl.float32
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+            torch.float16: tl.float16}[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class PagedState:
+    """One state component addressed in pages: ``base`` is the pool viewed as elements of the
+    component's dtype (flat), ``pages`` (N, pages_per_state) int64 page ids, ``page_elems``
+    elements per page and ``offset`` the component's first element within a state."""
+
+    base: torch.Tensor
+    pages: torch.Tensor
+    page_elems: int
+    offset: int
+
+    @staticmethod
+    def dense(state: torch.Tensor) -> PagedState:
+        """A dense (N, ...) contiguous state as N one-page states."""
+        n = state.shape[0]
+        per = state[0].numel() if n else 1
+        pages = torch.arange(n, dtype=torch.int64, device=state.device).view(n, 1)
+        return PagedState(state.reshape(-1), pages, max(per, 1), 0)
+
+    @staticmethod
+    def from_view(view, name: str, page_ids: torch.Tensor) -> PagedState | None:
+        """Component ``name`` of a :class:`~pagefold.executor.cache_tensors.StateView`, or
+        None when the pool cannot be viewed in its dtype (unaligned offset or page size)."""
+        spec = view.spec
+        comp = spec.component(name)
+        off = dict(zip((c.name for c in spec.components), spec.offsets))[name]
+        size = comp.dtype.itemsize
+        if view.page_bytes % size or off % size or not view.raw.is_contiguous():
+            return None
+        base = view.raw.view(comp.dtype).reshape(-1)
+        return PagedState(base, page_ids.to(torch.int64).contiguous(), view.page_bytes // size,
+                          off // size)
+
+
+@triton.jit
+def state_addr(pages_ptr, n, pages_per_state, page_elems, offset, e, mask):
+    """Flat element addresses of elements ``e`` (an int tensor; ``mask`` the valid ones) of
+    request ``n``'s state component."""
+    g = offset + e
+    page = tl.load(pages_ptr + n * pages_per_state + g // page_elems, mask=mask, other=0)
+    return page.to(tl.int64) * page_elems + (g % page_elems)
+
+
+@triton.jit
+def has_pages(pages_ptr, n, pages_per_state):
+    """False for a padding row (negative first page id: nothing is read or written)."""
+    return tl.load(pages_ptr + n * pages_per_state) >= 0
+
+
+@triton.jit
+def gate(mask, flag):
+    """``mask & flag`` for a block ``mask`` and a scalar bool ``flag`` (written as an int
+    comparison: Triton's interpreter rejects the bool mask a scalar-block ``&`` gives)."""
+    return mask & ((mask.to(tl.int32) * 0 + flag.to(tl.int32)) > 0)

@@ -1,0 +1,165 @@
+"""Gated DeltaNet in Triton with the recurrent state in its pages.
+
+One program per (sequence, value head, tile of ``BLOCK_V`` value channels) holds its slice
+``S[:, tile]`` (Dk x BLOCK_V, float32) of the state in registers and walks the sequence's tokens
+in order, the definition of :mod:`pagefold.layers.linear_attention.gdn`::
+
+    S <- exp(g) S;  d = beta (v - S^T k);  S <- S + k d^T;  o = S^T q
+
+with q/k L2-normalised and q scaled. The state is read from its pages once (zeros for a fresh
+sequence) and written back once, in place; the value tiles of a head are independent, so
+prefill chunks and decode tokens of any length take the same kernel (for long prompts on a GPU
+a chunked WY-form kernel would use the tensor cores better; see docs/ARCHITECTURE.md).
+
+``intermediate`` (optional, (T, H, Dk, Dv) float32) receives the state after every token: the
+per-position states that checkpoints and speculative verification roll back to.
+
+:func:`gdn_triton` has the signature of ``gdn_naive``; :func:`gdn_layer` that of
+:func:`pagefold.csrc.cpu_ops.gdn` (conv + delta rule over a layer's pages).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pagefold.kernels.triton.common import (
+    INTERPRET,
+    PagedState,
+    gate,
+    has_pages,
+    pow2,
+    state_addr,
+)
+from pagefold.kernels.triton.conv import conv_paged
+
+
+@triton.jit
+def _gdn_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta_ptr, gb_st, cu_ptr,
+                init_ptr, st_ptr, pages_ptr, pps, pe, off, o_ptr, o_st, o_sh, inter_ptr,
+                scale, H, REP, DK, DV,
+                HAS_INIT: tl.constexpr, L2NORM: tl.constexpr, STORE_INTER: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    vt = tl.program_id(2)
+    hk = h // REP
+    i = tl.arange(0, BLOCK_K)
+    j = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    im = i < DK
+    jm = j < DV
+    m2 = im[:, None] & jm[None, :]
+    live = has_pages(pages_ptr, s, pps)
+    use_state = live
+    if HAS_INIT:
+        use_state = use_state & (tl.load(init_ptr + s) != 0)
+    e = (h * DK + i[:, None]) * DV + j[None, :]
+    lm = gate(m2, use_state)
+    S = tl.load(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, lm), mask=lm,
+                other=0.0).to(tl.float32)
+    c0 = tl.load(cu_ptr + s)
+    c1 = tl.load(cu_ptr + s + 1)
+    for t in range(c0, c1):  # int64 bounds (cu is int64): 64-bit token offsets
+        q = tl.load(q_ptr + t * qk_st + hk * qk_sh + i, mask=im, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * qk_st + hk * qk_sh + i, mask=im, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * v_st + h * v_sh + j, mask=jm, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        q = q * scale
+        gt = tl.load(g_ptr + t * gb_st + h).to(tl.float32)
+        bt = tl.load(beta_ptr + t * gb_st + h).to(tl.float32)
+        S = S * tl.exp(gt)
+        delta = (v - tl.sum(S * k[:, None], 0)) * bt
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], 0)
+        tl.store(o_ptr + t * o_st + h * o_sh + j, o.to(o_ptr.dtype.element_ty), mask=jm)
+        if STORE_INTER:
+            tl.store(inter_ptr + (t * H + h) * DK * DV + i[:, None] * DV + j[None, :], S,
+                     mask=m2)
+    sm = gate(m2, live)
+    tl.store(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, sm),
+             S.to(st_ptr.dtype.element_ty), mask=sm)
+
+
+def gdn_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, state: PagedState, cu_seqlens: torch.Tensor,
+              has_initial_state: torch.Tensor | None, out: torch.Tensor, *, scale: float,
+              use_qk_l2norm: bool = True, intermediate: torch.Tensor | None = None) -> None:
+    """The delta rule over a varlen batch, states (H, Dk, Dv) in ``state`` updated in place.
+
+    q, k: (T, Hk, Dk) with Hk dividing H (value head ``h`` reads key head ``h // (H/Hk)``),
+    any token/head strides with contiguous channels; v (T, H, Dv) likewise; g, beta (T, H)
+    float32; ``out`` (T, H, Dv) receives o."""
+    t, hk, dk = q.shape
+    h, dv = v.shape[1], v.shape[2]
+    n = cu_seqlens.shape[0] - 1
+    if n == 0:
+        return
+    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
+    g = g.float().contiguous()
+    beta = beta.float().contiguous()
+    cu = cu_seqlens.to(q.device, torch.int).contiguous()
+    init = has_initial_state.to(q.device, torch.int8).contiguous() \
+        if has_initial_state is not None else cu
+    # Under the interpreter one tile per head: its cost is per program and per op.
+    block_v = pow2(dv) if INTERPRET else min(pow2(dv), 32)
+    _gdn_kernel[(n, h, triton.cdiv(dv, block_v))](
+        q, k, q.stride(0), q.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu,
+        init, state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset,
+        out, out.stride(0), out.stride(1), intermediate if intermediate is not None else g,
+        float(scale), h, h // hk, dk, dv, HAS_INIT=has_initial_state is not None,
+        L2NORM=bool(use_qk_l2norm), STORE_INTER=intermediate is not None,
+        BLOCK_K=pow2(dk), BLOCK_V=block_v)
+
+
+def gdn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+               scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+               intermediate: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signature of :func:`pagefold.layers.linear_attention.gdn.gdn_naive` (``chunk_size``
+    ignored): ``(o (T, H, Dv) in v's dtype, final_state (N, H, Dk, Dv) float32)``;
+    ``initial_state`` is not modified. ``intermediate``: see the module docstring."""
+    del chunk_size
+    from pagefold.layers.linear_attention.gdn import _prepare
+
+    _prepare(q[:0], k[:0], v[:0], g[:0], beta[:0], initial_state, cu_seqlens, scale, False)
+    if q.shape[0] != v.shape[0] or g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError("q, k, v, g, beta must share the token and head dimensions")
+    final = initial_state.float().contiguous().clone()
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    q, k = q.contiguous(), k.contiguous()
+    gdn_paged(q, k, v.contiguous(), g, beta, PagedState.dense(final), cu_seqlens, None, out,
+              scale=q.shape[2] ** -0.5 if scale is None else scale,
+              use_qk_l2norm=use_qk_l2norm, intermediate=intermediate)
+    return out, final
+
+
+def gdn_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
+              cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
+              num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+              scale: float | None = None) -> torch.Tensor | None:
+    """A GDN layer's conv and delta rule over its pages; the contract of
+    :func:`pagefold.csrc.cpu_ops.gdn` (o (T, Hv, Dv) in mixed's dtype, both states stored in
+    place, None when the pool cannot be addressed in the states' dtypes)."""
+    conv = PagedState.from_view(view, "conv", page_ids)
+    ssm = PagedState.from_view(view, "ssm", page_ids)
+    if conv is None or ssm is None or view.spec.component("conv").dtype != mixed.dtype:
+        return None
+    t = mixed.shape[0]
+    y = conv_paged(mixed, conv_weight, None, conv, cu_seqlens, has_initial_state, "silu")
+    kd = num_k_heads * head_k_dim
+    q = y[:, :kd].view(t, num_k_heads, head_k_dim)
+    k = y[:, kd : 2 * kd].view(t, num_k_heads, head_k_dim)
+    v = y[:, 2 * kd :].view(t, num_v_heads, head_v_dim)
+    # As the torch path: beta rounded to the model dtype, g in float32.
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype, device=mixed.device)
+    gdn_paged(q, k, v, g, beta, ssm, cu_seqlens, has_initial_state, out,
+              scale=head_k_dim**-0.5 if scale is None else scale)
+    return out

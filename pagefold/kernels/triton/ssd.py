@@ -1,0 +1,152 @@
+"""Mamba-2 SSD scan in Triton with the SSM state in its pages.
+
+One program per (sequence, head, tile of ``BLOCK_P`` head channels) keeps ``h[tile, :]``
+(BLOCK_P x N, float32) in registers and walks the sequence's tokens, the definition of
+:mod:`pagefold.layers.mamba.ssd`::
+
+    h <- exp(dt A) h + dt x B^T;   y = h C + D x
+
+(``dt`` already discretised). B and C of group ``head // (H/G)`` are loaded per token; the
+state is read from its pages once (zeros for a fresh sequence) and written back once.
+``intermediate`` (optional, (T, H, P, N) float32) receives the state after every token.
+
+:func:`ssd_triton` has the signature of ``ssd_naive``; :func:`mamba_scan_layer` runs a Mamba-2
+mixer's conv and scan over its pages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagefold.kernels.triton.common import (
+    INTERPRET,
+    PagedState,
+    gate,
+    has_pages,
+    pow2,
+    state_addr,
+)
+from pagefold.kernels.triton.conv import conv_paged
+
+
+@triton.jit
+def _ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc_sg, d_ptr,
+                cu_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off, y_ptr, y_st, y_sh,
+                inter_ptr, H, HG, P, N,
+                HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, STORE_INTER: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    pt = tl.program_id(2)
+    grp = h // HG
+    p = pt * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n < N
+    m2 = pm[:, None] & nm[None, :]
+    live = has_pages(pages_ptr, s, pps)
+    use_state = live
+    if HAS_INIT:
+        use_state = use_state & (tl.load(init_ptr + s) != 0)
+    e = (h * P + p[:, None]) * N + n[None, :]
+    lm = gate(m2, use_state)
+    S = tl.load(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, lm), mask=lm,
+                other=0.0).to(tl.float32)
+    A = tl.load(a_ptr + h).to(tl.float32)
+    if HAS_D:
+        Dh = tl.load(d_ptr + h).to(tl.float32)
+    c0 = tl.load(cu_ptr + s)
+    c1 = tl.load(cu_ptr + s + 1)
+    for t in range(c0, c1):  # int64 bounds (cu is int64): 64-bit token offsets
+        x = tl.load(x_ptr + t * x_st + h * x_sh + p, mask=pm, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + t * dt_st + h).to(tl.float32)
+        B = tl.load(b_ptr + t * bc_st + grp * bc_sg + n, mask=nm, other=0.0).to(tl.float32)
+        C = tl.load(c_ptr + t * bc_st + grp * bc_sg + n, mask=nm, other=0.0).to(tl.float32)
+        S = S * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
+        y = tl.sum(S * C[None, :], 1)
+        if HAS_D:
+            y = y + Dh * x
+        tl.store(y_ptr + t * y_st + h * y_sh + p, y.to(y_ptr.dtype.element_ty), mask=pm)
+        if STORE_INTER:
+            tl.store(inter_ptr + (t * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=m2)
+    sm = gate(m2, live)
+    tl.store(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, sm),
+             S.to(st_ptr.dtype.element_ty), mask=sm)
+
+
+def ssd_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+              C: torch.Tensor, D: torch.Tensor | None, state: PagedState,
+              cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor | None,
+              out: torch.Tensor, intermediate: torch.Tensor | None = None) -> None:
+    """The scan over a varlen batch, states (H, P, N) in ``state`` updated in place.
+
+    x (T, H, P), B/C (T, G, N) with one shared stride layout, contiguous last dims (any token
+    and head strides); dt (T, H) discretised; A, D (H,); ``out`` (T, H, P) receives y."""
+    t, h, p = x.shape
+    g, nst = B.shape[1], B.shape[2]
+    ns = cu_seqlens.shape[0] - 1
+    if ns == 0:
+        return
+    assert B.stride() == C.stride() and B.stride(2) == 1 and x.stride(2) == 1
+    dt = dt.float().contiguous()
+    cu = cu_seqlens.to(x.device, torch.int64).contiguous()
+    init = has_initial_state.to(x.device, torch.int8).contiguous() \
+        if has_initial_state is not None else cu
+    block_p = pow2(p) if INTERPRET else min(pow2(p), 32)  # interpreter: fewer programs
+    _ssd_kernel[(ns, h, triton.cdiv(p, block_p))](
+        x, x.stride(0), x.stride(1), dt, dt.stride(0), A.float().contiguous(), B, C,
+        B.stride(0), B.stride(1), D.contiguous() if D is not None else dt, cu, init,
+        state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset, out,
+        out.stride(0), out.stride(1), intermediate if intermediate is not None else dt, h,
+        h // g, p, nst, HAS_D=D is not None, HAS_INIT=has_initial_state is not None,
+        STORE_INTER=intermediate is not None, BLOCK_P=block_p, BLOCK_N=pow2(nst))
+
+
+def ssd_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+               cu_seqlens: torch.Tensor, *, dt_bias: torch.Tensor | None,
+               dt_softplus: bool = True, dt_min: float = 0.0, dt_max: float = math.inf,
+               chunk_size: int = 64, intermediate: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signature of :func:`pagefold.layers.mamba.ssd.ssd_naive` (``chunk_size``
+    ignored): ``(y (T, H, P) in x's dtype, final_state (S, H, P, N) float32)``;
+    ``initial_state`` is not modified."""
+    del chunk_size
+    from pagefold.layers.mamba.ssd import _check_inputs, _discretize_dt, _seq_bounds
+
+    T = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)[0]
+    _seq_bounds(cu_seqlens, T)
+    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    final = initial_state.float().contiguous().clone()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ssd_paged(x.contiguous(), dtf, A, B.contiguous(), C.contiguous(), D,
+              PagedState.dense(final), cu_seqlens, None, y, intermediate)
+    return y, final
+
+
+def mamba_scan_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
+                     cu_seqlens: torch.Tensor, xbc: torch.Tensor, conv_weight: torch.Tensor,
+                     conv_bias: torch.Tensor | None, dt: torch.Tensor, A: torch.Tensor,
+                     D: torch.Tensor | None, *, num_heads: int, head_dim: int, n_groups: int,
+                     state_size: int, y_dtype: torch.dtype) -> torch.Tensor | None:
+    """A Mamba-2 mixer's conv (SiLU) and SSD scan over its pages: ``xbc`` (T, conv_dim) is
+    ``[x | B | C]`` before the conv, ``dt`` (T, H) discretised. Returns y (T, H, P) in
+    ``y_dtype`` (states stored in place), or None when the pool cannot be addressed."""
+    conv = PagedState.from_view(view, "conv", page_ids)
+    ssm = PagedState.from_view(view, "ssm", page_ids)
+    if conv is None or ssm is None or view.spec.component("conv").dtype != xbc.dtype:
+        return None
+    t = xbc.shape[0]
+    y = conv_paged(xbc, conv_weight, conv_bias, conv, cu_seqlens, has_initial_state, "silu")
+    inter = num_heads * head_dim
+    gn = n_groups * state_size
+    xs = y[:, :inter].view(t, num_heads, head_dim)
+    B = y[:, inter : inter + gn].view(t, n_groups, state_size)
+    C = y[:, inter + gn : inter + 2 * gn].view(t, n_groups, state_size)
+    out = torch.empty((t, num_heads, head_dim), dtype=y_dtype, device=xbc.device)
+    ssd_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out)
+    return out

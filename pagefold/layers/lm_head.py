@@ -1,0 +1,63 @@
+"""The causal-LM top every model shares: lm_head (tied to the input embeddings or its own),
+logits in float32 (optionally divided, Granite's ``logits_scaling``), and the check that a
+checkpoint filled every parameter."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagefold.layers.vocab import gather_logits, lm_head_linear
+
+
+class CausalLMHead(nn.Module):
+    """Base of the ``*ForCausalLM`` classes: call ``init_head`` once the embeddings exist."""
+
+    logits_divisor: float = 1.0
+
+    def init_head(self, cfg, embed: nn.Embedding) -> None:
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.vocab_size = cfg.vocab_size
+        self.lm_head = lm_head_linear(cfg.hidden_size, cfg.vocab_size)
+        if self.tied:
+            self.lm_head.weight = embed.weight
+
+    def tie_head(self, embed: nn.Embedding) -> None:
+        """Tie after all (a checkpoint without ``lm_head.weight``)."""
+        self.tied = True
+        self.lm_head.weight = embed.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = gather_logits(self.lm_head(hidden), self.vocab_size)
+        if self.logits_divisor != 1.0:
+            logits = logits / self.logits_divisor
+        return logits.float()
+
+    @property
+    def head_skip_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint prefixes to skip while loading (a tied head has no weight of its own)."""
+        return ("lm_head.",) if self.tied else ()
+
+    def check_loaded(self, loaded: set[str], complete: set[str] | frozenset = frozenset()
+                     ) -> None:
+        """Raise naming the parameters (or fused shards) no checkpoint tensor filled.
+
+        ``loaded`` as ``load_into`` returns it (``name`` or ``name:shard``); ``complete``:
+        parameters filled another way (stacked experts assembled from per-expert tensors)."""
+        got = {n for n in loaded if ":" not in n} | set(complete)
+        shards: dict[str, set[str]] = {}
+        for n in loaded:
+            if ":" in n:
+                target, shard = n.split(":")
+                shards.setdefault(target, set()).add(shard)
+        missing = []
+        for name, p in self.named_parameters():
+            if name == "lm_head.weight" and self.tied:
+                continue
+            fused = getattr(p, "fused", None)
+            if fused is not None and name in shards:
+                missing += [f"{name}:{s}" for s in fused.shards if s not in shards[name]]
+            elif name not in got:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")

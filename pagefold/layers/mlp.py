@@ -1,0 +1,49 @@
+"""Feed-forward blocks shared by the models: gated (SwiGLU / GeGLU) and ungated MLPs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagefold.distributed.parallel_state import tp_size
+from pagefold.kernels import dispatch
+from pagefold.layers.activations import get_activation
+from pagefold.layers.linear import column_linear, row_linear
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; gate and up are one fused ``gate_up_proj`` (checkpoint
+    ``gate_proj`` / ``up_proj`` rows)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, act: str = "silu") -> None:
+        super().__init__()
+        if inter % tp_size():
+            raise ValueError(f"intermediate_size ({inter}) is not divisible by "
+                             f"tensor_parallel_size {tp_size()}")
+        self.inter = inter // tp_size()  # this rank's share
+        self.gate_up_proj = column_linear(hidden, {"gate_proj": inter, "up_proj": inter},
+                                          bias=bias, what="intermediate_size")
+        self.down_proj = row_linear(inter, hidden, bias=bias, what="intermediate_size")
+        self.act = get_activation(act, ("silu", "gelu", "gelu_pytorch_tanh"), "MLP activation")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        h = dispatch.silu_and_mul(gate_up) if self.act is F.silu else None
+        if h is None:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = self.act(gate) * up
+        return self.down_proj(h)
+
+
+class UngatedMLP(nn.Module):
+    """``down_proj(act(up_proj(x)))`` (Nemotron-H's relu^2 MLP)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.up_proj = column_linear(hidden, inter, bias=bias, what="intermediate_size")
+        self.down_proj = row_linear(inter, hidden, bias=bias, what="intermediate_size")
+        self.act = get_activation(act, ("relu2", "silu", "swish", "relu"), "MLP activation")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))

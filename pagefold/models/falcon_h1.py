@@ -1,0 +1,209 @@
+"""Falcon-H1 (FalconH1ForCausalLM): attention and Mamba-2 side by side in every layer.
+
+Per layer (transformers' FalconH1DecoderLayer)::
+
+    h = input_norm(x)
+    x = x + ssm_out_mult * mamba(h) + attn_out_mult * attn(attn_in_mult * h)
+    y = x + mlp(pre_ff_norm(x))            mlp = down_mult * down(up(x) * silu(gate_mult * gate(x)))
+
+Embeddings are scaled by ``embedding_multiplier``, logits by ``lm_head_multiplier``; attention
+scales its keys by ``key_multiplier`` before RoPE. The Mamba-2 mixer multiplies its input by
+``ssm_in_multiplier`` and its projection ``zxbcdt`` piecewise by ``ssm_multipliers`` (the "mup
+vector", one factor each for z, x, B, C and dt); its intermediate width may be given
+(``mamba_d_ssm``); the output is ``y * silu(z)``, or a grouped gated RMSNorm when
+``mamba_rms_norm`` (gate before or after the norm per ``mamba_norm_before_gate``).
+
+Every layer keeps two caches: its K/V pages under ``layers.{i}`` and its Mamba-2 state under
+``layers.{i}.mamba`` -- two groups in the one pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.mamba.gated_norm import GatedRMSNorm
+from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
+from pagefold.layers.norm import RMSNorm
+from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.models.llama import CausalLM
+from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
+from pagefold.models.weights import fuse
+
+__all__ = ["FalconH1ForCausalLM", "falcon_h1_mamba_dims", "mup_vector"]
+
+
+def falcon_h1_mamba_dims(cfg) -> tuple[int, int, int]:
+    """(intermediate, heads, head_dim) of the Falcon-H1 mixer."""
+    inter = cfg.mamba_d_ssm if cfg.mamba_d_ssm is not None else int(cfg.mamba_expand
+                                                                    * cfg.hidden_size)
+    heads = cfg.mamba_n_heads
+    head_dim = cfg.mamba_d_head
+    if head_dim in (None, "auto"):
+        head_dim = inter // heads
+    return inter, heads, int(head_dim)
+
+
+def mup_vector(cfg) -> torch.Tensor:
+    """Per-channel factors of the projection ``[z (I) | x (I) | B (GN) | C (GN) | dt (H)]``."""
+    inter, heads, _ = falcon_h1_mamba_dims(cfg)
+    gn = cfg.mamba_n_groups * cfg.mamba_d_state
+    mult = list(cfg.ssm_multipliers or [1.0] * 5)
+    sizes = [inter, inter, gn, gn, heads]
+    return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, mult, strict=True)])
+
+
+class FalconH1Mixer(Mamba2Mixer):
+    """The shared Mamba-2 mixer with Falcon-H1's multipliers and optional gated norm."""
+
+    def __init__(self, cfg, layer_name: str) -> None:
+        inter, heads, head_dim = falcon_h1_mamba_dims(cfg)
+        limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
+        mcfg = Mamba2Config(
+            hidden_size=cfg.hidden_size, num_heads=heads, head_dim=head_dim,
+            n_groups=cfg.mamba_n_groups, state_size=cfg.mamba_d_state,
+            conv_kernel=cfg.mamba_d_conv, chunk_size=cfg.mamba_chunk_size, eps=cfg.rms_norm_eps,
+            dt_limit=(float(limit[0]), float(limit[1])), proj_bias=bool(cfg.mamba_proj_bias),
+            conv_bias=bool(cfg.mamba_conv_bias), activation=cfg.hidden_act)
+        super().__init__(mcfg, layer_name)
+        self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=bool(cfg.projectors_bias))
+        if cfg.mamba_rms_norm:
+            self.norm = GatedRMSNorm(inter, eps=cfg.rms_norm_eps,
+                                     group_size=inter // cfg.mamba_n_groups,
+                                     norm_before_gate=bool(cfg.mamba_norm_before_gate))
+        else:
+            self.norm = None
+        self.ssm_in_multiplier = float(cfg.ssm_in_multiplier)
+        self.register_buffer("mup_vector", mup_vector(cfg), persistent=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        c = self.cfg
+        t = x.shape[0]
+        inter, gn = c.intermediate, c.n_groups * c.state_size
+        zxbcdt = self.in_proj(x * self.ssm_in_multiplier) * self.mup_vector.to(x.dtype)
+        z, xbc, dt = zxbcdt.split([inter, c.conv_dim, c.num_heads], dim=-1)
+
+        _, meta = ctx.state(self.layer_name)
+        states = ctx.load_states(self.layer_name)
+        weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
+        if meta.all_decode:
+            xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
+                                                   activation="silu")
+        else:
+            xbc, conv_state = causal_conv1d_varlen(xbc, weight, self.conv1d.bias, states["conv"],
+                                                   meta.cu_seqlens, activation="silu")
+        xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        dt = self._dt(dt, meta)
+        kernel = ssd_recurrent if meta.all_decode else ssd_chunked
+        xs = xs.reshape(t, c.num_heads, c.head_dim)
+        if not meta.all_decode:
+            xs = xs.float()
+        y, ssm_state = kernel(
+            xs, dt, A,
+            b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
+            self.D, states["ssm"].float(), meta.cu_seqlens,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
+        )
+        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        y = y.reshape(t, inter)
+        if self.norm is not None:
+            y = self.norm(y, z)
+        else:
+            y = y * F.silu(z.to(y.dtype))
+        return self.out_proj(y.to(x.dtype))
+
+
+class FalconH1Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = [q, kv, kv]
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
+                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions)
+        self.key_multiplier = float(cfg.key_multiplier)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim) * self.key_multiplier
+        q, k = self.rotary(positions, q, k)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        o = ctx.attention(self.layer_name, q.contiguous(), k.contiguous(), v, self.scale)
+        return self.o_proj(o.reshape(t, self.sizes[0]))
+
+
+class FalconH1MLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        inter, bias = cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False))
+        self.inter = inter
+        self.gate_up_proj = fuse(nn.Linear(cfg.hidden_size, 2 * inter, bias=bias),
+                                 {"gate_proj": inter, "up_proj": inter})
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+        self.gate_mult, self.down_mult = (float(m) for m in cfg.mlp_multipliers)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported Falcon-H1 MLP activation {cfg.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(up * F.silu(gate * self.gate_mult)) * self.down_mult
+
+
+class FalconH1DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        self.mamba = FalconH1Mixer(cfg, f"layers.{layer_idx}.mamba")
+        self.self_attn = FalconH1Attention(cfg, layer_idx, max_positions)
+        self.feed_forward = FalconH1MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_in = float(cfg.attention_in_multiplier)
+        self.attn_out = float(cfg.attention_out_multiplier)
+        self.ssm_out = float(cfg.ssm_out_multiplier)
+
+    def forward(self, positions, x, ctx):
+        h = self.input_layernorm(x)
+        m = self.mamba(h, ctx) * self.ssm_out
+        a = self.self_attn(positions, h * self.attn_in, ctx) * self.attn_out
+        x = x + (m + a)
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class FalconH1Model(nn.Module):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embedding_multiplier = float(cfg.embedding_multiplier)
+        self.layers = nn.ModuleList(FalconH1DecoderLayer(cfg, i, max_positions)
+                                    for i in range(cfg.num_hidden_layers))
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids) * self.embedding_multiplier
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.final_layernorm(x)
+
+
+class FalconH1ForCausalLM(CausalLM):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__(cfg, FalconH1Model(cfg, max_positions))
+        self.lm_head_multiplier = float(cfg.lm_head_multiplier)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head(hidden) * self.lm_head_multiplier).float()

@@ -1,0 +1,147 @@
+"""Gemma 3 text (Gemma3ForCausalLM): sliding-window and full attention layers (5:1 by default).
+
+Per layer (transformers' Gemma3DecoderLayer)::
+
+    h = x + post_attention_norm(attn(input_norm(x)))
+    y = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))
+
+* Norms are zero-centred RMSNorms (``x * (1 + w)``), also on q and k per head.
+* Embeddings are multiplied by ``sqrt(hidden_size)`` (rounded to the weight dtype).
+* Attention scale is ``query_pre_attn_scalar ** -0.5``; sliding layers attend to the last
+  ``sliding_window`` keys and use the local RoPE (``rope_parameters["sliding_attention"]``),
+  full layers the global one. The cache puts sliding layers in a sliding-window group, whose
+  old pages go back to the pool.
+* MLP: ``down(gelu_tanh(gate(x)) * up(x))``.
+* ``final_logit_softcapping`` c: ``logits = c * tanh(logits / c)``. transformers' Gemma 3 does
+  not apply ``attn_logit_softcapping`` (its attention never receives it), so neither do we.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagefold.core.spec_families import gemma3_layer_types
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import head_dim_of
+from pagefold.layers.mlp import GatedMLP
+from pagefold.layers.norm import RMSNorm
+from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.models.llama import CausalLM
+from pagefold.models.weights import fuse
+
+__all__ = ["Gemma3ForCausalLM", "LayerTypeRotary"]
+
+
+class LayerTypeRotary(RotaryEmbedding):
+    """RoPE whose parameters are ``cfg.rope_parameters[layer_type]`` (Gemma 3 nests them per
+    layer type); scaled types come from transformers' own initialisers, as in
+    :func:`pagefold.layers.rotary.inv_freq_from_config`."""
+
+    def __init__(self, cfg, head_dim: int, max_positions: int, layer_type: str) -> None:
+        nn.Module.__init__(self)
+        self.head_dim = self.rotary_dim = head_dim
+        params = (getattr(cfg, "rope_parameters", None) or {}).get(layer_type) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", 10000.0)
+            inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                   / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None, layer_type=layer_type)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * float(scaling), persistent=False)
+        self.register_buffer("sin", emb.sin() * float(scaling), persistent=False)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, layer_type: str, max_positions: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = [q, kv, kv]
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
+                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.rotary = LayerTypeRotary(cfg, self.head_dim, max_positions, layer_type)
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        o = ctx.attention(self.layer_name, q.contiguous(), k.contiguous(), v.contiguous(),
+                          self.scale)
+        return self.o_proj(o.reshape(t, self.sizes[0]))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, layer_type: str, max_positions: int) -> None:
+        super().__init__()
+        eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
+        self.self_attn = Gemma3Attention(cfg, layer_idx, layer_type, max_positions)
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size,
+                            act=getattr(cfg, "hidden_activation", "gelu_pytorch_tanh"))
+        self.input_layernorm = RMSNorm(hidden, eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered=True)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, zero_centered=True)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, zero_centered=True)
+
+    def forward(self, positions, x, ctx):
+        h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), ctx))
+        x = x + h
+        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + h
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        types = gemma3_layer_types(cfg)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, t, max_positions)
+                                    for i, t in enumerate(types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+
+    def forward(self, input_ids, positions, ctx):
+        w = self.embed_tokens.weight
+        x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3 text model; weights as transformers names them (``model.``, ``lm_head.``)."""
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__(cfg, Gemma3Model(cfg, max_positions))
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def load_weights(self, weights) -> None:
+        # Multimodal checkpoints keep the text model under model.language_model.
+        super().load_weights(
+            (n.replace("model.language_model.", "model."), t) for n, t in weights
+            if not n.startswith(("model.vision_tower.", "model.multi_modal_projector.")))

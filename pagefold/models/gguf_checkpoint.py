@@ -1,0 +1,178 @@
+"""GGUF checkpoints: dequantized once into an ordinary safetensors checkpoint in the cache.
+
+``LLM(model="x.gguf")`` (and the CLI) call :func:`resolve_model`, which turns a ``.gguf`` file
+into a Hugging Face model directory under ``<cache>/gguf/<stem>-<digest>``: config, tokenizer
+(with the chat template the GGUF carries), generation config and bf16 safetensors. The digest
+is the file's sha256, so a changed file converts again and the second load is instant.
+
+Invariants:
+
+* the directory is complete or absent: everything is written into a temporary sibling that is
+  renamed into place as the last step (a rename within one directory is atomic), and the
+  temporary is removed on any failure;
+* failures raise :class:`GGUFConversionError` with what went wrong and what to do.
+
+The GGUF parsing, tensor name mapping and dequantization are transformers' (it reads the
+metadata into a config and tokenizer, and undoes llama.cpp's Q/K row permutation); pagefold
+adds the caching, the atomic write and the messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagefold")
+
+GGUF_MAGIC = b"GGUF"
+_STALE_TMP_SECONDS = 3600.0
+
+
+class GGUFConversionError(RuntimeError):
+    """A GGUF file could not be turned into a checkpoint (message says why and what to do)."""
+
+
+def default_cache_dir() -> Path:
+    """pagefold's cache root: ``$PAGEFOLD_CACHE`` or ``~/.cache/pagefold``."""
+    return Path(os.environ.get("PAGEFOLD_CACHE", Path.home() / ".cache" / "pagefold"))
+
+
+def is_gguf(model: str | os.PathLike) -> bool:
+    return str(model).lower().endswith(".gguf")
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def converted_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
+    """Where the conversion of ``gguf_path`` lives (whether or not it exists yet)."""
+    root = (cache_root or default_cache_dir()) / "gguf"
+    return root / f"{gguf_path.stem}-{file_digest(gguf_path)[:16]}"
+
+
+def _require_gguf_package() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise GGUFConversionError(
+            "reading GGUF files needs the 'gguf' package: pip install 'pagefold[smollm2]' "
+            "(or pip install gguf)") from e
+
+
+def _check_header(path: Path) -> None:
+    if not path.is_file():
+        raise GGUFConversionError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFConversionError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); the file is "
+            "corrupt or of another format: download or reinstall it")
+
+
+def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype) -> None:
+    """Everything of the checkpoint into ``out`` (an empty directory)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):  # only for transformers' tensor name map: no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    # transformers shows a tqdm bar over the tensors while it dequantizes them.
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
+                                  torch_dtype=dtype)
+    tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
+    expected = {k for k in skeleton.state_dict()
+                if not (getattr(config, "tie_word_embeddings", False) and k == "lm_head.weight")}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise GGUFConversionError(
+            f"{path} lacks {len(missing)} tensors the {config.model_type} model needs "
+            f"(first: {missing[:3]}); the file is truncated or corrupt")
+    for k, v in tensors.items():
+        if not torch.isfinite(v.float()).all():
+            raise GGUFConversionError(f"{path}: tensor {k} has non-finite values; the file is "
+                                      "corrupt")
+    config.dtype = dtype
+    config.architectures = [type(skeleton).__name__]  # GGUF metadata names none
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "pagefold_source.json").write_text(json.dumps(
+        {"gguf": str(path), "sha256": file_digest(path), "dtype": str(dtype)}, indent=2) + "\n")
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Temporaries of a killed conversion (no exception handler ran) are removed later."""
+    now = time.time()
+    for p in root.glob(".tmp-*"):
+        try:
+            if now - p.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def convert_gguf(path: str | os.PathLike, *, cache_root: Path | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The converted checkpoint directory of ``path``; converts it on first use.
+
+    Raises :class:`GGUFConversionError` (nothing left in the cache) when the package is missing
+    or the file is not a readable GGUF of a supported architecture.
+    """
+    path = Path(path).expanduser().resolve()
+    _check_header(path)
+    final = converted_dir(path, cache_root)
+    if (final / "config.json").exists():
+        return final
+    _require_gguf_package()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    logger.info("converting %s into %s (once; later loads reuse it)", path, final)
+    print(f"pagefold: converting {path.name} to a {str(dtype).removeprefix('torch.')} "
+          f"checkpoint in {final} (once)", flush=True)
+    try:
+        try:
+            _write_checkpoint(path, tmp, dtype)
+        except GGUFConversionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds
+            raise GGUFConversionError(
+                f"cannot convert {path}: {type(e).__name__}: {e}. The file is corrupt or "
+                "truncated (download or reinstall it) or its architecture is not one "
+                "transformers reads from GGUF") from e
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / "config.json").exists():  # not a concurrent conversion's win
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(model: str, cache_root: Path | None = None) -> str:
+    """``model`` itself, or for a ``.gguf`` file the directory of its converted checkpoint."""
+    if is_gguf(model):
+        return str(convert_gguf(model, cache_root=cache_root))
+    return model

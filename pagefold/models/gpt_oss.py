@@ -1,0 +1,167 @@
+"""gpt-oss (GptOssForCausalLM): sliding and full attention with per-head sinks, sparse MoE.
+
+Per layer: ``h = x + attn(norm(x))``, ``y = h + moe(norm(h))`` (transformers' GptOssDecoderLayer).
+
+* Attention: q/k/v/o with biases, RoPE (YaRN in published configs), scale ``head_dim ** -0.5``,
+  and a learned logit per head (``sinks``) that joins every softmax and is dropped after it
+  (:func:`pagefold.layers.attention.extras.paged_attention_extras`). ``layer_types`` alternates
+  sliding-window (``sliding_window`` keys) and full layers; the cache gives each its own group.
+* MoE: router ``logits = x W^T + b``, top-k logits softmaxed; experts hold stacked
+  ``gate_up_proj (E, hidden, 2I)`` with gate and up interleaved column by column,
+  ``down_proj (E, I, hidden)`` and biases; the activation is the clamped SwiGLU
+  ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``.
+
+Checkpoints must hold unquantised expert tensors (as transformers saves them); the MXFP4
+``*_blocks`` / ``*_scales`` of the published weights are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.core.spec_families import gpt_oss_layer_types
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention.extras import paged_attention_extras
+from pagefold.layers.norm import RMSNorm
+from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.models.llama import CausalLM
+from pagefold.models.weights import fuse
+
+__all__ = ["GptOssExperts", "GptOssForCausalLM"]
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = [q, kv, kv]
+        bias = bool(getattr(cfg, "attention_bias", True))
+        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
+                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k = self.rotary(positions, q.reshape(t, self.num_heads, self.head_dim),
+                           k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        cache = ctx.cache.attn[self.layer_name]
+        meta = ctx.attn_meta[ctx.cache.layer_group[self.layer_name]]
+        o = paged_attention_extras(q, k, v, cache, meta, self.scale, sinks=self.sinks)
+        return self.o_proj(o.reshape(t, self.sizes[0]))
+
+
+class GptOssExperts(nn.Module):
+    """Stacked experts, parameters named and shaped as transformers' GptOssExperts."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+        self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(cfg, "swiglu_limit", 7.0))
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden), idx/w (T, k) -> (T, hidden): each token's chosen experts, weighted."""
+        out = torch.zeros_like(x)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            start += n
+            tok, slot = sel // idx.shape[1], sel % idx.shape[1]
+            h = self._glu(x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
+            y = h @ self.down_proj[e] + self.down_proj_bias[e]
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(x.dtype))
+        return out
+
+
+class GptOssRouter(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_local_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, idx = F.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return idx, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.router = GptOssRouter(cfg)
+        self.experts = GptOssExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w = self.router(x)
+        return self.experts(x, idx, w)
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        self.self_attn = GptOssAttention(cfg, layer_idx, max_positions)
+        self.mlp = GptOssMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, ctx):
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        gpt_oss_layer_types(cfg)  # validates the pattern the cache is built from
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, max_positions)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class GptOssForCausalLM(CausalLM):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__(cfg, GptOssModel(cfg, max_positions))
+
+    def load_weights(self, weights) -> None:
+        def checked():
+            for name, tensor in weights:
+                if name.endswith(("_blocks", "_scales")):
+                    raise ValueError(
+                        f"{name}: MXFP4-quantised gpt-oss experts are not supported; give a "
+                        "checkpoint with dequantised (bf16/fp32) expert weights")
+                yield name, tensor
+
+        super().load_weights(checked())

@@ -1,0 +1,134 @@
+"""Jamba (JambaForCausalLM): Mamba-1 and attention layers, dense or MoE feed-forwards.
+
+Layer ``i`` is attention when ``i % attn_layer_period == attn_layer_offset`` (no positional
+encoding), else a Mamba-1 mixer; its feed-forward is a softmax top-k MoE (no renormalisation)
+when ``i % expert_layer_period == expert_layer_offset`` and ``num_experts > 1``, else a SwiGLU
+MLP. Each layer: ``h = x + mixer(input_norm(x))``, ``y = h + ffn(pre_ff_norm(h))``.
+
+Mamba-1 mixer (transformers' JambaMambaMixer), for a flat batch::
+
+    xs, z = split(in_proj(x), 2)                      (T, I) each
+    xs = silu(causal_conv1d(xs))                      conv state (I, K - 1)
+    dt_r, B, C = split(x_proj(xs), [R, N, N]); RMS-normalise each (dt/b/c_layernorm)
+    dt = dt_proj.weight @ dt_r                        the bias goes inside the softplus
+    y = selective_scan(xs, dt, A = -exp(A_log), B, C, D, z)     ssm state (I, N) float32
+    out = out_proj(y)
+
+The state is ``StateSpec(kind="mamba1")``: ``conv (I, K - 1)``, ``ssm (I, N)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagefold.core.spec_families import jamba_layer_kinds
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.mamba.selective_scan import selective_scan_chunked, selective_scan_recurrent
+from pagefold.layers.mlp import GatedMLP
+from pagefold.layers.moe import SparseMoeBlock
+from pagefold.layers.norm import RMSNorm
+from pagefold.models.nemotron_h import NemotronHAttention
+from pagefold.models.qwen3_5 import HybridCausalLM
+
+__all__ = ["JambaForCausalLM", "Mamba1Mixer"]
+
+
+class Mamba1Mixer(nn.Module):
+    """Jamba's Mamba-1 mixer; ``layer_name`` is its state layer."""
+
+    def __init__(self, cfg, layer_name: str) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        h = cfg.hidden_size
+        self.inter = inter = cfg.mamba_expand * h
+        self.state_size = n = cfg.mamba_d_state
+        self.rank = r = int(cfg.mamba_dt_rank)
+        self.kernel = cfg.mamba_d_conv
+        bias = bool(cfg.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(inter, inter, self.kernel, groups=inter,
+                                bias=bool(cfg.mamba_conv_bias), padding=self.kernel - 1)
+        self.in_proj = nn.Linear(h, 2 * inter, bias=bias)
+        self.x_proj = nn.Linear(inter, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, inter, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(inter, n))
+        self.D = nn.Parameter(torch.ones(inter))
+        self.out_proj = nn.Linear(inter, h, bias=bias)
+        self.dt_layernorm = RMSNorm(r, cfg.rms_norm_eps)
+        self.b_layernorm = RMSNorm(n, cfg.rms_norm_eps)
+        self.c_layernorm = RMSNorm(n, cfg.rms_norm_eps)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"Jamba's Mamba activation {cfg.hidden_act!r} is not supported")
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        xs, z = self.in_proj(x).chunk(2, dim=-1)
+        _, meta = ctx.state(self.layer_name)
+        states = ctx.load_states(self.layer_name)
+        weight = self.conv1d.weight.view(self.inter, self.kernel)
+        if meta.all_decode:
+            xs, conv = causal_conv1d_update(xs, weight, self.conv1d.bias, states["conv"],
+                                            activation="silu")
+        else:
+            xs, conv = causal_conv1d_varlen(xs, weight, self.conv1d.bias, states["conv"],
+                                            meta.cu_seqlens, activation="silu")
+        dt, b, c = self.x_proj(xs).split([self.rank, self.state_size, self.state_size], dim=-1)
+        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
+        b, c = self.b_layernorm(b), self.c_layernorm(c)
+        kernel = selective_scan_recurrent if meta.all_decode else selective_scan_chunked
+        y, ssm = kernel(xs, dt, -torch.exp(self.A_log.float()), b, c, self.D, z,
+                        states["ssm"], meta.cu_seqlens, dt_bias=self.dt_proj.bias,
+                        dt_softplus=True)
+        ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
+        return self.out_proj(y.to(x.dtype))
+
+
+class JambaLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, mixer: str, moe: bool) -> None:
+        super().__init__()
+        self.is_attention = mixer == "attention"
+        if self.is_attention:
+            self.self_attn = NemotronHAttention(cfg, layer_idx)
+        else:
+            self.mamba = Mamba1Mixer(cfg, f"layers.{layer_idx}")
+        if moe:
+            self.feed_forward = SparseMoeBlock(
+                cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                cfg.intermediate_size, norm_topk_prob=False, act=cfg.hidden_act)
+        else:
+            self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                         act=cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, ctx):
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, ctx) if self.is_attention else self.mamba(h, ctx))
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class JambaModel(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(JambaLayer(cfg, i, mixer, moe)
+                                    for i, (mixer, moe) in enumerate(jamba_layer_kinds(cfg)))
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.final_layernorm(x)
+
+
+class JambaForCausalLM(HybridCausalLM):
+    """Loads per-expert (``experts.{e}.gate_proj``) or stacked expert weights; the router is
+    ``feed_forward.router`` in checkpoints (``gate`` here)."""
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        del max_positions  # no positional encoding
+        super().__init__(cfg, JambaModel(cfg))
+
+    def convert_weight(self, name: str, tensor: torch.Tensor):
+        yield name.replace(".feed_forward.router.", ".feed_forward.gate."), tensor

@@ -1,0 +1,100 @@
+"""Mamba-2 (Mamba2ForCausalLM): an SSM-only stack, no attention and no positional encoding.
+
+Each block is ``x + mixer(norm(x))`` with the Mamba-2 mixer shared with the hybrids
+(:class:`~pagefold.models.mamba2_hybrid.Mamba2Mixer`); a final RMSNorm and the LM head follow.
+The cache pool holds only states, so prefix caching works through state checkpoints alone.
+Weights live under ``backbone.`` (older checkpoints name the embedding ``backbone.embedding``).
+``residual_in_fp32`` keeps the residual stream in float32 between blocks, as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.norm import RMSNorm
+from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
+from pagefold.models.weights import load_into
+
+__all__ = ["Mamba2ForCausalLM", "mamba2_mixer_config"]
+
+
+def mamba2_mixer_config(cfg) -> Mamba2Config:
+    """Mamba2Config's field names -> the shared mixer's shapes."""
+    limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
+    return Mamba2Config(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+        n_groups=cfg.n_groups, state_size=cfg.state_size, conv_kernel=cfg.conv_kernel,
+        chunk_size=cfg.chunk_size, eps=cfg.layer_norm_epsilon,
+        dt_limit=(float(limit[0]), float(limit[1])), proj_bias=bool(cfg.use_bias),
+        conv_bias=bool(cfg.use_conv_bias), activation=getattr(cfg, "hidden_act", "silu"))
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__()
+        self.residual_in_fp32 = bool(getattr(cfg, "residual_in_fp32", True))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(mamba2_mixer_config(cfg), f"layers.{layer_idx}")
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.mixer(self.norm(x.to(self.norm.weight.dtype)), ctx)
+        residual = x.float() if self.residual_in_fp32 else x
+        return residual + h
+
+
+class Mamba2Model(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm_f(x.to(self.norm_f.weight.dtype))
+
+
+class Mamba2ForCausalLM(nn.Module):
+    """``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)`` (positions unused)."""
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        del max_positions
+        self.config = cfg
+        self.backbone = Mamba2Model(cfg)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.backbone(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @staticmethod
+    def _renamed(weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = "backbone." + name[len("model."):]
+            yield name.replace("backbone.embedding.", "backbone.embeddings."), tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("lm_head.",) if self.tied else ()
+        loaded = load_into(self, self._renamed(weights), skip_prefixes=skip)
+        got = {n.split(":")[0] for n in loaded}
+        expected = {n for n, _ in self.named_parameters()}
+        if self.tied:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - got)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")

@@ -1,0 +1,126 @@
+"""MiniMax-Text-01 / M1 (MiniMaxForCausalLM): lightning attention, full attention, MoE.
+
+Layer (transformers' MiniMaxDecoderLayer; note the residual is the *normed* input)::
+
+    h = input_norm(x);            h = alpha_a * h + beta_a * attn(h)
+    h = post_attention_norm(h);   y = alpha_m * h + beta_m * moe(h)
+
+with (alpha_a, beta_a) the linear- or full-attention factors of the layer's kind.
+
+* Lightning attention layer ``i``: ``q, k, v = split_per_head(silu(qkv_proj(x)))``, a decayed
+  linear attention (:mod:`pagefold.layers.linear_attention.lightning`) with per-head rate
+  ``s_h = base^(h+1) * (1 - i / (L - 1 + 1e-5) + 1e-5)``, ``base = 2^(-8/H)``; then
+  ``out_proj(sigmoid(output_gate(x)) * RMSNorm(o))``. Its state, ``StateSpec(kind="lightning")``
+  with one ``kv (H, D, D)`` component, lives in the pool like any state.
+* Full attention: GQA with RoPE (K/V pages); MoE: softmax top-k, renormalised, SwiGLU experts
+  (checkpoint names ``block_sparse_moe.experts.{e}.w1/w3/w2``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefold.core.spec_families import minimax_layer_types
+from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.linear_attention.lightning import lightning_chunked, lightning_recurrent
+from pagefold.layers.moe import SparseMoeBlock
+from pagefold.layers.norm import RMSNorm
+from pagefold.models.qwen3_5 import HybridCausalLM
+
+__all__ = ["LightningAttention", "MiniMaxForCausalLM", "lightning_slopes"]
+
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
+def lightning_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
+    """(H,) float32 decay rates of layer ``layer_idx``, as transformers computes them."""
+    base = 1 / (2 ** (8 / num_heads))
+    rate = base ** (torch.arange(num_heads) + 1)
+    return rate * (1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5)
+
+
+class LightningAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, chunk_size: int = 64) -> None:
+        super().__init__()
+        self.layer_name = f"layers.{layer_idx}"
+        self.num_heads = h = cfg.num_attention_heads
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+        self.chunk_size = chunk_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * h * d, bias=False)
+        self.output_gate = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.out_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.norm = RMSNorm(h * d, 1e-6)  # transformers leaves this norm's eps at its default
+        self.register_buffer("slope", lightning_slopes(h, layer_idx, cfg.num_hidden_layers),
+                             persistent=False)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported MiniMax activation {cfg.hidden_act!r}")
+
+    def forward(self, positions, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        q, k, v = F.silu(self.qkv_proj(x)).view(t, h, 3 * d).split(d, dim=-1)
+        _, meta = ctx.state(self.layer_name)
+        state = ctx.load_states(self.layer_name)["kv"]
+        kernel = lightning_recurrent if meta.all_decode else lightning_chunked
+        o, state = kernel(q, k, v, self.slope, state, meta.cu_seqlens,
+                          chunk_size=self.chunk_size)
+        ctx.store_states(self.layer_name, {"kv": state})
+        o = self.norm(o.to(x.dtype).reshape(t, h * d))
+        return self.out_proj(torch.sigmoid(self.output_gate(x)) * o)
+
+
+class MiniMaxDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, kind: str, max_positions: int) -> None:
+        super().__init__()
+        if kind == "linear_attention":
+            self.self_attn = LightningAttention(cfg, layer_idx)
+            self.alpha, self.beta = cfg.linear_attn_alpha_factor, cfg.linear_attn_beta_factor
+        else:
+            self.self_attn = GQAAttention(cfg, layer_idx, qkv_bias=False, o_bias=False,
+                                       qk_norm=False, max_positions=max_positions)
+            self.alpha, self.beta = cfg.full_attn_alpha_factor, cfg.full_attn_beta_factor
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_local_experts,
+                                  cfg.num_experts_per_tok, cfg.intermediate_size,
+                                  norm_topk_prob=True, act=cfg.hidden_act)
+        self.mlp_alpha, self.mlp_beta = cfg.mlp_alpha_factor, cfg.mlp_beta_factor
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, ctx):
+        h = self.input_layernorm(x)
+        h = h * self.alpha + self.self_attn(positions, h, ctx) * self.beta
+        h = self.post_attention_layernorm(h)
+        return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
+
+
+class MiniMaxModel(nn.Module):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MiniMaxDecoderLayer(cfg, i, kind, max_positions)
+                                    for i, kind in enumerate(minimax_layer_types(cfg)))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class MiniMaxForCausalLM(HybridCausalLM):
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__(cfg, MiniMaxModel(cfg, max_positions))
+
+    def convert_weight(self, name: str, tensor: torch.Tensor):
+        if name.rsplit(".", 1)[-1] in _DECAY_BUFFERS:
+            return  # recomputed from the config
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if len(parts) > 2 and parts[-3].isdigit() and parts[-2] in _EXPERT_PROJ:
+            parts[-2] = _EXPERT_PROJ[parts[-2]]
+            name = ".".join(parts)
+        yield name, tensor

@@ -1,0 +1,277 @@
+"""One-line mutation testing: does the test suite notice small bugs in the engine and server?
+
+Each :class:`Mutant` replaces one exact source line fragment (it must occur exactly once in
+its file) with a plausible bug. For each mutant the script copies the repository to a
+temporary directory, applies the mutant there (the working tree is never touched), runs the
+mutant's test files with ``pytest -x`` and records *killed* (a test failed) or *survived*
+(every selected test passed). The kill rate is printed as a table at the end.
+
+Selecting test files per mutant keeps a full run affordable on a small machine; ``--full``
+runs the whole suite for each mutant instead (slow, the most honest number).
+
+    python scripts/mutate.py                 # every mutant, its own test files
+    python scripts/mutate.py --list          # the mutants, nothing run
+    python scripts/mutate.py --only topp_boundary credit_plus_one   # in this order
+    python scripts/mutate.py --full --only abort_lost
+
+Exit status: 0 when every mutant run was killed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # exact fragment; must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # test files (or node ids) that should kill it
+    why: str = ""
+
+
+P = "pagefold/"
+SRV = "tests/test_server_hardening.py"
+MUT = "tests/test_mutant_killers.py"
+
+MUTANTS: list[Mutant] = [
+    # ---------------------------------------------------------------- issue 16's survivors
+    Mutant("ckpt_restore_short", P + "core/managers.py",
+           "key = self._key(hashes[num_computed // bs - 1])",
+           "key = self._key(hashes[min(num_computed // bs, len(hashes) - 1)])",
+           (MUT,), "a checkpoint filed one block late: restored, the state is a block short"),
+    Mutant("min_p_wrong_rows", P + "executor/sampler.py",
+           "thresh = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)",
+           "thresh = probs.amax(dim=1, keepdim=True) * min_p.roll(1).unsqueeze(1)",
+           (MUT,), "min_p applied to the neighbouring row"),
+    Mutant("topp_boundary", P + "executor/sampler.py",
+           "drop_sorted = (mass_before >= top_p.unsqueeze(1))",
+           "drop_sorted = (mass_before > top_p.unsqueeze(1))", (MUT,), "top-p at the threshold"),
+    Mutant("credit_plus_one", P + "core/kv_cache_manager.py",
+           "return self._find_hit(req, plan=False) * self.block_size",
+           "return (self._find_hit(req, plan=False) + 1) * self.block_size",
+           (MUT,), "recompute credit inflated by one block"),
+    Mutant("cached_tokens_last", P + "entrypoints/openai/serving_completion.py",
+           "n_cached += out.num_cached_tokens", "n_cached = out.num_cached_tokens",
+           (SRV + "::test_multi_prompt_usage_sums",), "multi-prompt cached_tokens = last"),
+    Mutant("stream_usage_last", P + "entrypoints/openai/serving_completion.py",
+           "sum(o.num_cached_tokens for o in outs)", "outs[-1].num_cached_tokens",
+           (SRV + "::test_multi_prompt_usage_sums",), "streamed cached_tokens = last"),
+    Mutant("abort_lost", P + "engine/client.py",
+           "self._send(AbortRequests([request_id]))", "pass",
+           (SRV + "::test_disconnect_reaches_the_core",), "a disconnect never aborts the core"),
+    # ---------------------------------------------------------------- issue 16's features
+    Mutant("route_open", P + "entrypoints/openai/middleware.py",
+           'OPEN_PATHS = ("/health",)', 'OPEN_PATHS = ("/health", "/tokenize")',
+           (SRV + "::test_every_route_needs_the_key",), "/tokenize without the key"),
+    Mutant("metrics_key_ignored", P + "entrypoints/openai/middleware.py",
+           'self.open_paths = OPEN_PATHS if metrics_require_key else OPEN_PATHS + ("/metrics",)',
+           'self.open_paths = OPEN_PATHS + ("/metrics",)',
+           (SRV + "::test_health_open_metrics_behind_key",),
+           "--metrics-require-key ignored"),
+    Mutant("body_count_reset", P + "entrypoints/openai/middleware.py",
+           'seen += len(message.get("body", b""))', 'seen = len(message.get("body", b""))',
+           (SRV + "::test_body_limit_413_before_parsing",), "chunked bodies never add up"),
+    Mutant("tokenize_on_loop", P + "entrypoints/openai/tokenizing.py",
+           "return await self.run(self.encode_sync, text, add_special_tokens)",
+           "return self.encode_sync(text, add_special_tokens)",
+           (SRV + "::test_health_answers_while_a_huge_tokenize_runs",),
+           "tokenizing blocks the event loop"),
+    Mutant("no_cheap_bound", P + "entrypoints/openai/tokenizing.py",
+           "return num_chars > max_tokens * self.max_token_chars", "return False",
+           (SRV + "::test_prompt_that_cannot_fit_refused_before_tokenizing",),
+           "huge prompts tokenized before refusal"),
+    Mutant("nan_allowed", P + "entrypoints/openai/validation.py",
+           "if not math.isfinite(value):", "if False:",
+           (SRV + "::test_nan_infinity_and_huge_integers_are_400",), "NaN in free-form fields"),
+    Mutant("bigint_allowed", P + "entrypoints/openai/validation.py",
+           "if not INT64_MIN <= value <= INT64_MAX:", "if False:",
+           (SRV + "::test_nan_infinity_and_huge_integers_are_400",), "2**64 reaches msgspec"),
+    Mutant("seed_unbounded", P + "sampling_params.py",
+           "if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:",
+           "if False:", ("tests/test_sampling_params.py",), "seed past 64 bits"),
+    Mutant("temp_nan", P + "sampling_params.py",
+           "if not math.isfinite(value):", "if False:", ("tests/test_sampling_params.py",),
+           "NaN temperature offline"),
+    Mutant("max_logprobs_off_by_one", P + "entrypoints/openai/serving_completion.py",
+           "if logprobs is not None and logprobs > limit:",
+           "if logprobs is not None and logprobs > limit + 1:",
+           (SRV + "::test_max_logprobs_and_output_cap",), "--max-logprobs + 1 accepted"),
+    Mutant("output_cap_ignores_logprobs", P + "entrypoints/openai/serving_completion.py",
+           "per_token = samples * (1 + (logprobs or 0))", "per_token = samples",
+           (SRV + "::test_max_logprobs_and_output_cap",), "logprob entries not counted"),
+    Mutant("core_max_logprobs", P + "engine/core.py",
+           "if value is not None and value > self.config.max_logprobs:",
+           "if value is not None and value > self.config.max_logprobs + 5:",
+           ("tests/test_engine_hardening.py::test_engine_max_logprobs",),
+           "engine ignores max_logprobs"),
+    Mutant("no_trim", P + "entrypoints/openai/memory.py", "self._trim(0)", "pass",
+           (SRV + "::test_trimmer_gives_freed_memory_back",), "freed memory kept"),
+    Mutant("long_len_accepted", P + "core/model_len.py",
+           "if limit is not None and requested > limit:",
+           "if limit is not None and requested > 2 * limit:",
+           ("tests/test_engine_hardening.py",), "max_model_len past the positions"),
+    Mutant("yarn_original_ignored", P + "core/model_len.py",
+           'max_pos = rope.get("original_max_position_embeddings") or max_pos', "pass",
+           ("tests/test_engine_hardening.py",), "yarn range from the wrong base"),
+    Mutant("drain_not_refusing", P + "entrypoints/openai/shutdown.py",
+           "self.inflight.draining = True", "self.inflight.draining = False",
+           ("tests/test_server_shutdown.py",), "new requests accepted while draining"),
+    Mutant("drain_no_wait", P + "entrypoints/openai/shutdown.py",
+           "while self.inflight.active > 0 and time.monotonic() - start < self.timeout:",
+           "while False:", ("tests/test_server_shutdown.py",), "in-flight not given time"),
+    Mutant("ctrl_c_leaks", P + "llm.py", "        except BaseException:\n            "
+           "self.abort(list(pending))", "        except Exception:\n            "
+           "self.abort(list(pending))", ("tests/test_engine_hardening.py",),
+           "Ctrl-C leaves requests holding blocks"),
+    Mutant("config_error_unnamed", P + "models/registry.py",
+           'raise ValueError(f"{cfg} is not valid JSON', 'raise ValueError(f"not valid JSON',
+           ("tests/test_engine_hardening.py",), "corrupt config.json not named"),
+    Mutant("preempt_log_info", P + "core/kv_cache_manager.py",
+           'logger.debug("preempting %s by %s', 'logger.info("preempting %s by %s',
+           ("tests/test_engine_hardening.py",), "an INFO line per preemption"),
+    Mutant("abort_prompt_uncounted", P + "engine/client.py",
+           "t.num_prompt_tokens if t.num_tokens == 0 else 0)", "0)",
+           ("tests/test_engine_hardening.py",), "aborted prompts not counted"),
+    Mutant("aborts_uncounted", P + "core/scheduler.py", "self.num_aborted += 1", "pass",
+           (SRV + "::test_disconnect_reaches_the_core",), "core abort counter"),
+    Mutant("salt_dropped", P + "engine/core.py",
+           'kw["extra_keys"] = ("cache_salt", cache_salt)', 'kw["extra_keys"] = ()',
+           ("tests/test_engine_hardening.py",), "cache_salt ignored"),
+    Mutant("salt_not_sent", P + "entrypoints/openai/serving_completion.py",
+           "cache_salt=cache_salt)\n", "cache_salt=None)\n",
+           (SRV + "::test_cache_salt_over_http",), "HTTP cache_salt ignored"),
+    # ---------------------------------------------------------------- engine core / executor
+    Mutant("max_tokens_off_by_one", P + "core/scheduler.py",
+           "if sp.max_tokens is not None and r.num_output_tokens >= sp.max_tokens:",
+           "if sp.max_tokens is not None and r.num_output_tokens > sp.max_tokens:",
+           ("tests/test_engine_dense.py",), "one token too many"),
+    Mutant("min_tokens_ignored", P + "core/scheduler.py",
+           "if r.num_output_tokens >= sp.min_tokens:", "if True:",
+           ("tests/test_engine_dense.py", "tests/test_sampler.py"), "EOS before min_tokens"),
+    Mutant("victim_head", P + "core/scheduler.py", "            return pool[-1]\n",
+           "            return pool[0]\n", ("tests/test_scheduler.py",
+                                        "tests/test_forks_preemption.py"),
+           "FCFS preempts the oldest request"),
+    Mutant("hash_skips_token", P + "core/prefix_cache.py",
+           'h.update(array("q", tokens).tobytes())', 'h.update(array("q", tokens[1:]).tobytes())',
+           ("tests/test_prefix_cache.py",), "blocks differing in their first token collide"),
+    Mutant("hit_reaches_last_token", P + "core/kv_cache_manager.py",
+           "max_blocks = (req.num_tokens - 1) // bs", "max_blocks = req.num_tokens // bs",
+           ("tests/test_prefix_cache.py",), "a full-prompt hit leaves nothing to compute"),
+    Mutant("topp_one_truncates", P + "executor/sampler.py",
+           "drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)",
+           "drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p <= 1.0).unsqueeze(1)",
+           ("tests/test_sampler.py", MUT), "top_p = 1 rows truncated by rounding"),
+    Mutant("stop_id_ignored", P + "core/scheduler.py",
+           "if sp.stop_token_ids and token in sp.stop_token_ids:",
+           "if sp.stop_token_ids and token in sp.stop_token_ids[1:]:",
+           ("tests/test_engine_dense.py", "tests/test_server.py"), "first stop id ignored"),
+    Mutant("abort_family_child_only", P + "engine/core.py",
+           "family = [rid] + [c for c, r in reqs.items() if r.parent_id == rid]",
+           "family = [rid]", ("tests/test_forks_preemption.py", "tests/test_server_n.py"),
+           "aborting a family leaves its children running"),
+    # ---------------------------------------------------------------- server plumbing
+    Mutant("choices_unsorted", P + "entrypoints/openai/serving_completion.py",
+           'choices.sort(key=lambda c: c["index"])', "pass", ("tests/test_server_n.py",),
+           "n > 1 choices out of order"),
+    Mutant("no_done_after_error", P + "entrypoints/openai/serving_completion.py",
+           "            yield self.stream_error_event(e)\n            yield SSE_DONE\n",
+           "            yield self.stream_error_event(e)\n",
+           ("tests/test_server_shutdown.py",), "a failed stream ends without [DONE]"),
+]
+
+
+def copy_repo(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".ruff_cache",
+                                    ".pytest_cache", "build", "dist")
+    for item in ROOT.iterdir():
+        if item.name in {".git", ".venv", "build", "dist"} or item.name.endswith(".egg-info"):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, dst / item.name, ignore=ignore)
+        elif item.is_file():
+            shutil.copy2(item, dst / item.name)
+
+
+def apply(root: Path, m: Mutant) -> None:
+    f = root / m.path
+    text = f.read_text()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(f"mutant {m.name}: the fragment occurs {count} times in {m.path} "
+                         "(must be exactly once); update the mutant list")
+    f.write_text(text.replace(m.old, m.new))
+
+
+def run_one(m: Mutant, *, full: bool, timeout: float) -> tuple[str, float, str]:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
+        root = Path(tmp)
+        copy_repo(root)
+        apply(root, m)
+        tests = ["tests"] if full else list(m.tests)
+        env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "killed (timeout)", time.monotonic() - t0, ""
+        took = time.monotonic() - t0
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        if proc.returncode == 0:
+            return "SURVIVED", took, tail[0]
+        if proc.returncode in (1, 3):  # tests failed / internal error
+            return "killed", took, tail[0]
+        return f"killed (pytest exit {proc.returncode})", took, tail[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--full", action="store_true", help="run the whole suite per mutant")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
+    args = p.parse_args(argv)
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = set(args.only or ()) - set(by_name)
+    if unknown:
+        raise SystemExit(f"unknown mutants: {sorted(unknown)}")
+    chosen = [by_name[n] for n in args.only] if args.only else list(MUTANTS)
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:30s} {m.path:45s} {m.why}")
+        return 0
+    for m in chosen:  # every fragment must still be found before anything runs
+        count = (ROOT / m.path).read_text().count(m.old)
+        if count != 1:
+            raise SystemExit(f"mutant {m.name}: fragment found {count} times in {m.path}")
+    rows = []
+    for m in chosen:
+        status, took, tail = run_one(m, full=args.full, timeout=args.timeout)
+        rows.append((m, status, took))
+        print(f"{m.name:30s} {status:22s} {took:6.1f} s  {tail[:70]}", flush=True)
+    killed = sum(1 for _, s, _ in rows if s.startswith("killed"))
+    print("\n| mutant | file | status | seconds |\n|---|---|---|---|")
+    for m, s, took in rows:
+        print(f"| {m.name} | {m.path} | {s} | {took:.0f} |")
+    print(f"\nkilled {killed} of {len(rows)} mutants ({100 * killed / max(len(rows), 1):.0f}%)")
+    return 0 if killed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

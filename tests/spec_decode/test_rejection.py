@@ -1,0 +1,160 @@
+"""Verification: greedy equals plain greedy; rejection sampling keeps the target distribution.
+
+The statistical tests compare the empirical distribution of the first three generated tokens
+(with speculation: drafts from the n-gram proposer, from a fixed deterministic guesser, or
+sampled from a draft distribution) against the *exact* distribution of plain sampling, computed
+by enumerating all continuations through the same processing (penalties, temperature, top-k).
+A chi-square goodness-of-fit test at p > 1e-4 over thousands of seeds; a mutant that accepts a
+draft too often (or resamples from p instead of the residual) fails it by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from pagefold.executor.sampler import SamplingMetadata
+from pagefold.sampling_params import SamplingParams
+from pagefold.spec_decode.ngram import ngram_propose
+from pagefold.spec_decode.rejection import (
+    expand_for_verify,
+    processed_logits,
+    rejection_sample,
+    target_probs,
+)
+
+V = 5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: torch's thread pool only adds waits on a loaded machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+TABLE = torch.randn(V * V, V, generator=torch.Generator().manual_seed(3)) * 1.5
+DRAFT_TABLE = torch.randn(V * V, V, generator=torch.Generator().manual_seed(4))
+PROMPT = [1, 2, 3, 1, 2, 4, 1, 2]
+
+
+def _chi2_sf(stat: float, df: int) -> float:
+    """Upper tail of the chi-square distribution (regularised upper incomplete gamma)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _logits(ctx: list[int]) -> torch.Tensor:
+    return TABLE[ctx[-2] * V + ctx[-1]]
+
+
+def _meta(params: list[SamplingParams], outs: list[list[int]]) -> SamplingMetadata:
+    return SamplingMetadata.build(params, outs, [PROMPT] * len(params), eos_token_ids=None)
+
+
+def _exact(sp: SamplingParams, n: int) -> dict[tuple[int, ...], float]:
+    dist = {}
+    for seq in itertools.product(range(V), repeat=n):
+        pr = 1.0
+        for j in range(n):
+            out = list(seq[:j])
+            meta = _meta([sp], [out])
+            x = processed_logits(_logits(PROMPT + out).unsqueeze(0), meta)
+            pr *= float(target_probs(x, meta)[0, seq[j]])
+        dist[seq] = pr
+    return dist
+
+
+def _generate_spec(sp: SamplingParams, n: int, seed: int, drafter: str, k: int = 3
+                   ) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while len(out) < n:
+        ctx = PROMPT + out
+        qs = None
+        if drafter == "ngram":
+            d = ngram_propose(np.array(ctx), k, 1, 3).tolist()
+        elif drafter == "guess":
+            d = [(ctx[-1] + 1 + j) % V for j in range(k)]
+        else:  # a draft distribution: sample drafts from q, pass q along
+            d, q_rows, c = [], [], list(ctx)
+            for _ in range(k):
+                q = DRAFT_TABLE[c[-2] * V + c[-1]].softmax(0)
+                t = int(torch.multinomial(q, 1, generator=gen))
+                d.append(t)
+                q_rows.append(q)
+                c.append(t)
+            qs = [torch.stack(q_rows)]
+        p_rows, o_rows = expand_for_verify([sp], [out], [d])
+        logits = torch.stack([_logits(ctx + d[:j]) for j in range(len(d) + 1)])
+        res = rejection_sample(logits, _meta(p_rows, o_rows), [d], {0: gen}, qs)
+        assert len(res.tokens[0]) == res.num_accepted[0] + 1
+        out += res.tokens[0]
+    return tuple(out[:n])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp, drafter", [
+    (SamplingParams(temperature=1.0), "ngram"),
+    (SamplingParams(temperature=1.0), "dist"),
+    (SamplingParams(temperature=0.7, top_k=3, frequency_penalty=0.8), "guess"),
+    (SamplingParams(temperature=0.7, top_k=3, frequency_penalty=0.8), "dist"),
+])
+def test_distribution_matches_plain_sampling(sp: SamplingParams, drafter: str) -> None:
+    n, runs = 3, 2500
+    exact = _exact(sp, n)
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(runs):
+        counts[_generate_spec(sp, n, seed, drafter)] += 1
+    keys = [s for s in exact if exact[s] > 0]
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0
+    obs = np.array([counts[s] for s in keys], dtype=float)
+    exp = np.array([exact[s] for s in keys]) * runs
+    exp *= obs.sum() / exp.sum()
+    # Pool the rare outcomes so chi-square's expected counts are >= 5.
+    rare = exp < 5
+    obs = np.append(obs[~rare], obs[rare].sum())
+    exp = np.append(exp[~rare], exp[rare].sum())
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    p = _chi2_sf(stat, len(obs) - 1)
+    tv = 0.5 * np.abs(obs / runs - exp / runs).sum()
+    assert p > 1e-4, (p, tv)
+    assert tv < 0.06
+
+
+def test_greedy_verification_equals_greedy_steps() -> None:
+    sp = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        out: list[int] = []
+        plain: list[int] = []
+        while len(plain) < 6:
+            meta = _meta([sp], [plain])
+            x = processed_logits(_logits(PROMPT + plain).unsqueeze(0), meta)
+            plain.append(int(x.argmax()))
+        while len(out) < 6:
+            ctx = PROMPT + out
+            d = rng.integers(0, V, size=int(rng.integers(0, 4))).tolist()
+            if rng.random() < 0.5:  # often a correct prefix
+                d = plain[len(out) : len(out) + len(d)]
+            p_rows, o_rows = expand_for_verify([sp], [out], [d])
+            logits = torch.stack([_logits(ctx + d[:j]) for j in range(len(d) + 1)])
+            res = rejection_sample(logits, _meta(p_rows, o_rows), [d])
+            assert res.tokens[0][: res.num_accepted[0]] == d[: res.num_accepted[0]]
+            out += res.tokens[0]
+        assert out[:6] == plain
+
+
+def test_batch_rows_and_errors() -> None:
+    sps = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)]
+    drafts = [[1, 2], []]
+    p_rows, o_rows = expand_for_verify(sps, [[], [3]], drafts)
+    logits = torch.randn(4, V)
+    res = rejection_sample(logits, _meta(p_rows, o_rows), drafts)
+    assert res.rows[1] == [3] and res.rows[0][0] == 0
+    with pytest.raises(ValueError, match="logits rows"):
+        rejection_sample(logits[:3], _meta(p_rows[:3], o_rows[:3]), drafts)

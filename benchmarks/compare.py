@@ -2,6 +2,7 @@
 
     python -m benchmarks.compare                                   # pagefold + transformers
     python -m benchmarks.compare --vllm-python /tmp/vllm-venv/bin/python   # + vLLM
+    python -m benchmarks.compare --sweep --vllm-python /tmp/vllm-venv/bin/python   # the grid
 
 Each (system, model) runs in its own subprocess, one after the other, so no two systems share
 the cores; vLLM runs under its own interpreter (its venv), never imported here. The workloads
@@ -72,10 +73,15 @@ KV_BYTES = 2 << 30
 
 
 # ----------------------------------------------------------------------------- workers
-def _drive(add, step, work: list[dict], sequential: bool) -> dict:
-    """Submit ``work`` (all at once, or one at a time) and step until done; per-request times."""
+def _drive(add, step, work, sequential: bool | str) -> dict:
+    """Submit ``work`` and step until done; per-request times. ``sequential``: True (one at a
+    time), False (all at once), ``"lead"`` (the first alone, then the rest at once: a shared
+    prefix computed once, then reused) or ``"conv"`` (``work`` is ``{"first": prompts,
+    "msgs": [per turn: messages], "out": n}``: every conversation's turn at once; the next
+    turn's prompt is the last prompt + this system's own answer + the next message)."""
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
+    answers: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     submit: dict[str, float] = {}
 
@@ -85,20 +91,33 @@ def _drive(add, step, work: list[dict], sequential: bool) -> dict:
             add(rid, w)
         pending = {rid for rid, _ in batch}
         while pending:
-            for rid, n_tok, finished in step():
+            for rid, n_tok, finished, *ids in step():
                 now = time.perf_counter()
                 if n_tok and rid not in first:
                     first[rid] = now
                 if finished and rid in pending:
                     done[rid] = (now, n_tok)
+                    answers[rid] = ids[0] if ids else []
                     pending.discard(rid)
 
-    items = [(str(i), w) for i, w in enumerate(work)]
-    if sequential:
-        for it in items:
-            run([it])
+    if sequential == "conv":
+        prompts = work["first"]
+        for t in range(len(work["msgs"]) + 1):
+            rids = [f"{t}-{i}" for i in range(len(prompts))]
+            run([(r, {"ids": p, "out": work["out"]}) for r, p in zip(rids, prompts)])
+            if t < len(work["msgs"]):
+                prompts = [p + list(answers[r]) + m
+                           for p, r, m in zip(prompts, rids, work["msgs"][t])]
     else:
-        run(items)
+        items = [(str(i), w) for i, w in enumerate(work)]
+        if sequential is True:
+            for it in items:
+                run([it])
+        elif sequential == "lead":
+            run(items[:1])
+            run(items[1:])
+        else:
+            run(items)
     total = time.perf_counter() - t0
     ttft = [first[r] - submit[r] for r in submit]
     tpot = [(done[r][0] - first[r]) / (done[r][1] - 1) for r in submit if done[r][1] > 1]
@@ -106,12 +125,25 @@ def _drive(add, step, work: list[dict], sequential: bool) -> dict:
             "ttft": sum(ttft) / len(ttft), "tpot": sum(tpot) / len(tpot) if tpot else None}
 
 
+def _run_all(add, step, spec: dict) -> dict:
+    """Every workload of ``spec`` in order; one that raises (an engine that died) is
+    reported and ends the run, keeping the results before it."""
+    res = {}
+    for name, (work, seq) in spec["work"].items():
+        try:
+            res[name] = _drive(add, step, work, seq)
+        except Exception as e:  # noqa: BLE001 - report any engine failure, keep the rest
+            print(f"workload {name} failed: {e!r}", flush=True)
+            break
+    return res
+
+
 def worker_pagefold(spec: dict) -> dict:
     import torch
 
     from pagefold import LLM, SamplingParams
 
-    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=spec.get("max_len", MAX_MODEL_LEN),
               kv_cache_memory=KV_BYTES, max_num_seqs=256)
     warm = [{"prompt_token_ids": [5, 6, 7, 8]}] * 2
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -123,19 +155,23 @@ def worker_pagefold(spec: dict) -> dict:
         ids[llm.add_request({"prompt_token_ids": w["ids"]}, sp)] = rid
 
     def step():
-        return [(ids[o.request_id], len(o.outputs[0].token_ids), o.finished)
-                for o in llm.step()]
+        return [(ids[o.request_id], len(o.outputs[0].token_ids), o.finished,
+                 o.outputs[0].token_ids if o.finished else None) for o in llm.step()]
 
-    res = {name: _drive(add, step, work, seq) for name, (work, seq) in spec["work"].items()}
-    return {"threads": torch.get_num_threads(), "results": res}
+    return {"threads": torch.get_num_threads(), "results": _run_all(add, step, spec)}
 
 
 def worker_vllm(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+    kw = dict(dtype="bfloat16", max_model_len=spec.get("max_len", MAX_MODEL_LEN),
               kv_cache_memory_bytes=KV_BYTES, max_num_seqs=256, seed=0)
+    try:  # prefix caching on, as in pagefold (refused for some hybrids: then its default)
+        llm = LLM(spec["model"], enable_prefix_caching=True, **kw)
+    except Exception as e:  # noqa: BLE001 - any refusal: fall back to vLLM's default
+        print(f"vLLM refused enable_prefix_caching=True ({e!r}); using its default", flush=True)
+        llm = LLM(spec["model"], **kw)
     llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])] * 2,
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine = llm.llm_engine
@@ -145,9 +181,10 @@ def worker_vllm(spec: dict) -> dict:
         engine.add_request(rid, TokensPrompt(prompt_token_ids=w["ids"]), sp)
 
     def step():
-        return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in engine.step()]
+        return [(o.request_id, len(o.outputs[0].token_ids), o.finished,
+                 list(o.outputs[0].token_ids) if o.finished else None) for o in engine.step()]
 
-    res = {name: _drive(add, step, work, seq) for name, (work, seq) in spec["work"].items()}
+    res = _run_all(add, step, spec)
     reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     ncpu = os.cpu_count() or 1
     threads = ncpu - (int(reserved) if reserved is not None else (1 if ncpu > 1 else 0))
@@ -177,6 +214,8 @@ def worker_transformers(spec: dict) -> dict:
     generate([{"ids": [5, 6, 7, 8]}] * 2, 4)  # warm-up
     res = {}
     for name, (work, seq) in spec["work"].items():
+        if not isinstance(seq, bool):
+            continue  # prefix-reuse workloads: transformers has no prefix cache to compare
         batches = [[w] for w in work] if seq else [work]
         total = ttft = tpot = 0.0
         for b in batches:
@@ -431,8 +470,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="tiny random models, or smollm2 (the trained SmolLM2-135M-Instruct: "
                         "its own workloads, batch 1 and batch 32)")
     p.add_argument("--workloads", nargs="+", default=list(GROUPS), choices=list(GROUPS))
-    p.add_argument("--systems", nargs="+", default=["pagefold", "pagefold-t1", "transformers",
-                                                    "vllm", "vllm-r0"])
+    p.add_argument("--systems", nargs="+", default=None,
+                   help="default: pagefold pagefold-t1 transformers vllm vllm-r0 (--sweep: "
+                   "without pagefold-t1)")
+    p.add_argument("--sweep", action="store_true",
+                   help="the grid of model shapes (benchmarks/sweep.py) instead of the workloads")
+    p.add_argument("--quick", action="store_true", help="--sweep: 4 shapes, halved workloads")
+    p.add_argument("--shapes", nargs="+", default=None, help="--sweep: only these shapes")
+    p.add_argument("--sweep-workloads", nargs="+", default=None,
+                   help="--sweep: only these of tput b1 long sys conv")
+    p.add_argument("--real-model", default=None,
+                   help="--sweep: also this trained model directory (e.g. SmolLM2-135M)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--large-hidden", type=int, default=1024)
@@ -453,11 +501,27 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(REPO))
     from benchmarks.common import bench_model, print_table
 
+    if args.systems is None:
+        args.systems = ["pagefold", "pagefold-t1", "transformers", "vllm", "vllm-r0"]
+        if args.sweep:
+            args.systems.remove("pagefold-t1")
     systems = [s for s in args.systems if not s.startswith("vllm") or args.vllm_python]
     if args.llama_python and "smollm2" in args.archs:
         systems += ["llamacpp-bf16", "llamacpp-q4_1"]
     tmp = Path(tempfile.mkdtemp(prefix="pagefold-compare-"))
     log = Path(args.log) if args.log else tmp / "workers.log"
+    if args.sweep:
+        from benchmarks.sweep import run_sweep
+
+        def run_one(system: str, spec: dict) -> dict | None:
+            if system.startswith("vllm"):
+                env = _vllm_env(args.vllm_python, tmp, system == "vllm-r0")
+                return run_worker(system, args.vllm_python, spec, tmp, env, log)
+            return run_worker(system, sys.executable, spec, tmp, None, log)
+
+        run_sweep(args, systems, run_one, tmp)
+        print(f"workers' log: {log}")
+        return
     names = [w for g in args.workloads for w in GROUPS[g]]
     rows: list[dict] = []
     bw_rows: list[dict] = []

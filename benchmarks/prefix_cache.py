@@ -27,6 +27,11 @@ checkpoints held in the pool after the trace (hybrids), ``cpu s`` = this process
 wall time on a shared machine; above 1 = the cache cost compute), ``TTFT off/on`` = how many
 times shorter the mean TTFT is with the cache, ``match`` = fraction of requests whose greedy
 output is the same with the cache on and off.
+
+``--with-cut`` adds a third engine, ``cut``: the cache on with the old way of taking hybrid
+state checkpoints (prefill chunks cut at every checkpoint target,
+``state_checkpoints_in_kernel=False``), run interleaved with the other two, so the cost of
+the cuts and what capturing inside the kernels saves show side by side.
 """
 
 from __future__ import annotations
@@ -197,7 +202,7 @@ def run_trace(trace: Trace,
     """
     got: dict[str, tuple[list[Rec], float, float]] = {k: ([], 0.0, 0.0) for k in engines}
     for i, rnd in enumerate(trace.rounds):
-        order = ["off", "on"] if i % 2 == 0 else ["on", "off"]
+        order = list(engines) if i % 2 == 0 else list(reversed(engines))
         for key in order:
             t, c = time.perf_counter(), time.process_time()
             recs = rnd(engines[key])
@@ -210,7 +215,7 @@ def run_trace(trace: Trace,
 def summarize(name: str, key: str, recs: list[Rec], seconds: float, cpu: float, llm) -> dict:
     prompt_tok = sum(r.prompt_len for r in recs)
     ttft = [r.t_first - r.t_submit for r in recs]
-    n_ckpt = llm.engine.kv.pool.checkpoint_stats()[0] if key == "on" else None
+    n_ckpt = llm.engine.kv.pool.checkpoint_stats()[0] if key != "off" else None
     return {"trace": name, "cache": key, "reqs": len(recs), "prompt tok": prompt_tok,
             "hit rate": sum(r.cached for r in recs) / prompt_tok,
             "reqs hit": sum(r.cached > 0 for r in recs), "ckpts": n_ckpt,
@@ -230,11 +235,12 @@ def make_engines(model: str, args) -> dict[str, object]:
     from pagefold import LLM, SamplingParams
 
     engines = {}
-    for key in ("off", "on"):
+    for key in ("off", "on", "cut") if args.with_cut else ("off", "on"):
         llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                  enable_prefix_caching=key == "on", seed=args.seed)
+                  enable_prefix_caching=key != "off", seed=args.seed,
+                  state_checkpoints_in_kernel=key != "cut")
         # Warm-up on prompts no trace shares (token id 5 repeated never occurs by chance).
         llm.generate([{"prompt_token_ids": [5] * 40}, {"prompt_token_ids": [6] * 70}],
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -279,6 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for this run (restored after); 1 is far steadier on a "
                    "machine whose cores other processes share")
+    p.add_argument("--with-cut", action="store_true",
+                   help="also run the cache on with chunks cut at checkpoint targets")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no per-trace progress lines")
     args = p.parse_args(argv)
@@ -320,6 +328,10 @@ def _main(args: argparse.Namespace) -> list[dict]:
         on = summarize(trace.name, "on", *got["on"], engines["on"])
         compare(on, off, got["on"][0], got["off"][0])
         rows += [off, on]
+        if "cut" in got:
+            cut = summarize(trace.name, "cut", *got["cut"], engines["cut"])
+            compare(cut, off, got["cut"][0], got["off"][0])
+            rows.append(cut)
         if not args.quiet:
             print(f"[{time.perf_counter() - start:6.1f}s] {trace.name}: hit rate "
                   f"{on['hit rate']:.2f}, on/off tok/s {on['on/off tok/s']:.2f}", flush=True)

@@ -86,6 +86,9 @@ class EngineConfig:
     swap_space: int | str = 0
     # Hybrids: also checkpoint linear-layer states every this many tokens of long prefills.
     state_checkpoint_interval: int = 256
+    # Hybrids: take checkpoints inside the state layers' kernels instead of ending prefill
+    # chunks at checkpoint targets (same bytes, no extra steps); off only to compare.
+    state_checkpoints_in_kernel: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
     device: str = "auto"

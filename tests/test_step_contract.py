@@ -13,6 +13,7 @@ import inspect
 import pickle
 from pathlib import Path
 
+import pytest
 import torch
 
 import pagefold
@@ -39,12 +40,13 @@ STATE = StateSpec("gdn", (StateComponent("conv", (4, 2), torch.float32),
 ROOT = Path(pagefold.__file__).parent
 
 
-def _scheduler(num_blocks: int) -> Scheduler:
+def _scheduler(num_blocks: int, capture_in_kernel: bool = False) -> Scheduler:
     specs = {"l0": ATTN, "l1": SWA, "l2": STATE}
     page = ATTN.page_bytes(BS)
     probe = plan_pagefold(specs, BS, page)
     cfg = plan_pagefold(specs, BS, num_blocks * probe.layers_per_group * page)
-    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=8)
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=8,
+                        capture_in_kernel=capture_in_kernel)
     return Scheduler(kv, max_num_batched_tokens=11, max_num_seqs=8, max_model_len=200)
 
 
@@ -52,8 +54,11 @@ def _fake_sample(tokens: list[int]) -> int:
     return 10 + sum(tokens) % 37
 
 
-def test_runner_state_follows_the_scheduler_through_every_kind_of_step():
-    s = _scheduler(80)
+@pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
+def test_runner_state_follows_the_scheduler_through_every_kind_of_step(capture):
+    """With ``capture``: state checkpoints inside chunks travel in the message and reach the
+    runner's batch as (row, prefix length, pages) of the right request."""
+    s = _scheduler(80, capture_in_kernel=capture)
     system = list(range(20, 41))
     for i in range(6):
         prompt = system + [50 + i] * (3 + 2 * i)
@@ -62,6 +67,8 @@ def test_runner_state_follows_the_scheduler_through_every_kind_of_step():
                               arrival_time=float(i), **kw))
     runner = RunnerRequests()
     seen = {"new": 0, "cached": 0, "rewrite": 0, "copies": 0, "preempted": 0}
+    if capture:
+        seen["captures"] = 0
     for step in range(400):
         if not s.has_unfinished():
             break
@@ -75,6 +82,17 @@ def test_runner_state_follows_the_scheduler_through_every_kind_of_step():
         seen["copies"] += len(out.copies)
         seen["preempted"] += len(out.preempted_ids)
         batch = runner.apply(wire)
+        assert capture or not out.captures
+        if out.captures:
+            seen["captures"] += len(out.captures)
+            got = [(batch.reqs[i].req_id, p, pg) for caps in batch.captures.values()
+                   for i, p, pg in caps]
+            assert sorted(got) == sorted((c.request_id, c.num_tokens, c.pages)
+                                         for c in out.captures)
+            for c in out.captures:  # strictly inside the request's chunk, block-aligned
+                start = s.requests[c.request_id].num_computed_tokens
+                assert start < c.num_tokens < start + out.num_scheduled[c.request_id]
+                assert c.num_tokens % BS == 0
         sampled = {}
         for st, start, n in zip(batch.reqs, batch.starts, batch.counts):
             r = s.requests[st.req_id]

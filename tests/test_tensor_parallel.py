@@ -44,8 +44,9 @@ def _config(model_dir) -> dict:
 
 
 # Blocks above one request of MAX_LEN: enough that requests share the pool (and the prefix
-# cache keeps checkpoints), few enough that they get preempted. Bamba's large states need more.
-EXTRA_BLOCKS = {"bamba": 10}
+# cache keeps checkpoints), few enough that they get preempted. Bamba's large states need more;
+# Nemotron-H's (checkpoints captured inside chunks, no cuts) preempt at 4 (not at 3 or 5).
+EXTRA_BLOCKS = {"bamba": 10, "nemotron_h": 4}
 
 
 def _small_pool(cfg: dict, tp: int, extra: int = 3) -> int:
@@ -79,8 +80,20 @@ def test_tp2_greedy_matches_transformers(tiny_model_factory, arch: str):
     memory = _small_pool(cfg, 2, EXTRA_BLOCKS.get(arch, 3))
     llm = LLM(str(model_dir), tensor_parallel_size=2, max_model_len=MAX_LEN,
               kv_cache_memory=memory, max_num_batched_tokens=13, threads_per_rank=1)
+    captures = [0]
+    if arch in ("qwen3_5", "nemotron_h", "bamba"):
+        # State checkpoints inside chunks travel in the step message to every rank.
+        assert llm.engine.runner.captures_in_kernel and llm.engine.kv.capture_in_kernel
+        execute = llm.engine.runner.execute
+
+        def counting(out):
+            captures[0] += len(out.captures)
+            return execute(out)
+
+        llm.engine.runner.execute = counting
     try:
         _run(model_dir, llm)
+        assert (captures[0] > 0) == (arch in ("qwen3_5", "nemotron_h", "bamba"))
         if arch != "llama":
             return
         # Per-rank pools: exactly the planner's TP arithmetic (what `pagefold capacity

@@ -19,6 +19,11 @@
   checkpoint destinations) stay pinned until ``release_pins`` after that step. A checkpoint
   saved after step N is copied at the start of step N+1; its source pages are not written
   before then (forwards run after the copies, swap-ins after the copies too).
+* ``capture_in_kernel`` (every state layer of the model can capture): chunks are not cut at
+  targets; a target strictly inside a step's chunk becomes a ``StateCapture`` in the step's
+  message (pages taken after scheduling by ``plan_captures``, written by the layers' kernels
+  during the forward, registered as a cache entry by ``after_step``), so no prompt pays extra
+  steps for its checkpoints.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import KVCacheConfig
-from pagefold.core.managers import GroupManager, PageCopy, make_manager
+from pagefold.core.managers import GroupManager, PageCopy, StateCapture, make_manager
 from pagefold.core.prefix_cache import update_block_hashes
 from pagefold.core.swap import (
     HostPool,
@@ -57,7 +62,7 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, enable_prefix_caching: bool = False,
-                 checkpoint_interval: int = 256) -> None:
+                 checkpoint_interval: int = 256, capture_in_kernel: bool = False) -> None:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
@@ -74,6 +79,7 @@ class KVCacheManager:
         self._copies: list[PageCopy] = []
         self._pins: list[list[Block]] = []  # pins of the queued copies
         self._pins_in_flight: list[list[Block]] = []  # pins of the copies of the current step
+        self.capture_in_kernel = capture_in_kernel
         # Preemption by swap (off until ``attach_swap``).
         self.host: HostPool | None = None
         self.preemption_mode = "recompute"
@@ -135,7 +141,7 @@ class KVCacheManager:
     def cap_chunk(self, req: Request, start: int, num_new: int) -> int:
         """Shorten a chunk starting at ``start`` so it ends on the next checkpoint target."""
         targets = self._targets.get(req.request_id)
-        if not targets:
+        if not targets or self.capture_in_kernel:
             return num_new
         for t in targets:
             if start < t < start + num_new:
@@ -143,6 +149,28 @@ class KVCacheManager:
             if t >= start + num_new:
                 break
         return num_new
+
+    def plan_captures(self, reqs: list[Request], counts: list[int]) -> list[StateCapture]:
+        """After scheduling: checkpoint targets strictly inside this step's chunks become
+        captures for the step's message (the chunk's end is ``after_step``'s). A target is
+        skipped when the pool is short or the key is cached already. The pages stay held by
+        their manager until ``after_step`` registers them (or the request is freed)."""
+        caps: list[StateCapture] = []
+        if not (self.caching and self.has_state and self.capture_in_kernel):
+            return caps
+        for req, n in zip(reqs, counts):
+            targets = self._targets.get(req.request_id)
+            start = req.num_computed_tokens
+            if not targets or n < 2 or targets[-1] <= start:
+                continue
+            hashes = update_block_hashes(req, self.block_size)
+            for t in targets:
+                if start < t < start + n:
+                    for m in self.managers:
+                        cap = m.plan_capture(req.request_id, hashes, t)
+                        if cap is not None:
+                            caps.append(cap)
+        return caps
 
     def cap_spec_chunk(self, req: Request, num_new: int) -> int:
         """A verify chunk of a model with states ends at the next block boundary, so that when
@@ -389,6 +417,8 @@ class KVCacheManager:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
         assert not self._pins and not self._copies and not self._pins_in_flight, \
             "page copies still pending"
+        assert not any(getattr(m, "pending", None) for m in self.managers), \
+            "state captures still pending"
         assert not self._inflight, "in-flight prefix promises outlived their requests"
         assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"
         if self.host is not None:

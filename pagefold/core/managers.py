@@ -28,6 +28,17 @@ class PageCopy:
     dst: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class StateCapture:
+    """Save a request's state after its first ``num_tokens`` tokens into ``pages``, from inside
+    the step that computes that position (a checkpoint without ending the chunk there)."""
+
+    request_id: str
+    group: int
+    num_tokens: int
+    pages: list[int]
+
+
 class GroupManager(ABC):
     def __init__(self, pool: BlockPool, group: CacheGroup, index: int, block_size: int) -> None:
         self.pool = pool
@@ -76,6 +87,12 @@ class GroupManager(ABC):
     def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
         """Free blocks that taking a hit of ``n_blocks`` would consume (beyond new blocks)."""
         return 0
+
+    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int
+                     ) -> StateCapture | None:
+        """Pages for a checkpoint at ``num_tokens`` that the coming step writes in its kernels
+        (registered as a cache entry by ``after_step``); None: nothing to capture."""
+        return None
 
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
         return []
@@ -222,12 +239,43 @@ class StateManager(GroupManager):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.own_checkpoint: dict[str, list[Block]] = {}
+        # Captures planned for the running step: (num_tokens, cache key, pages held).
+        self.pending: dict[str, list[tuple[int, tuple, list[Block]]]] = {}
 
     def free(self, req_id: str) -> None:
         super().free(req_id)
         own = self.own_checkpoint.pop(req_id, None)
         if own:
             self.pool.free(own)
+        for _, _, dst in self.pending.pop(req_id, ()):
+            self.pool.free(dst)
+
+    def _keep_as_own(self, req_id: str, dst: list[Block]) -> None:
+        old = self.own_checkpoint.get(req_id)
+        self.own_checkpoint[req_id] = dst
+        if old:
+            self.pool.free(old)
+
+    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int
+                     ) -> StateCapture | None:
+        bs, pages = self.block_size, self.group.pages_per_state
+        if num_tokens % bs or not 0 < num_tokens // bs <= len(hashes):
+            return None
+        key = self._key(hashes[num_tokens // bs - 1])
+        if key in self.pool.entries or self.pool.num_free < pages or req_id not in self.req_blocks:
+            return None
+        dst = self.pool.allocate(pages)  # held (ref 1) until after_step registers it
+        self.pending.setdefault(req_id, []).append((num_tokens, key, dst))
+        return StateCapture(req_id, self.index, num_tokens, [b.block_id for b in dst])
+
+    def _register_captures(self, req_id: str) -> None:
+        """The step ran: its captured checkpoints become cache entries (first writer wins),
+        the newest one held by the request as its own."""
+        for num_tokens, key, dst in self.pending.pop(req_id, ()):
+            if self.pool.cache(key, dst, num_tokens, is_checkpoint=True):
+                self._keep_as_own(req_id, dst)
+            else:
+                self.pool.free(dst)
 
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         return 0 if req_id in self.req_blocks else self.group.pages_per_state
@@ -276,6 +324,7 @@ class StateManager(GroupManager):
 
     def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
                    is_checkpoint_target: bool) -> list[PageCopy]:
+        self._register_captures(req_id)
         bs = self.block_size
         if not is_checkpoint_target or num_computed % bs or num_computed // bs > len(hashes):
             return []
@@ -286,10 +335,7 @@ class StateManager(GroupManager):
         dst = self.pool.allocate(pages)  # pinned (ref 1) until the copy runs
         self.pool.cache(key, dst, num_computed, is_checkpoint=True)
         self.pool.touch(dst)  # ... and held by the request as its newest checkpoint
-        old = self.own_checkpoint.get(req_id)
-        self.own_checkpoint[req_id] = dst
-        if old:
-            self.pool.free(old)
+        self._keep_as_own(req_id, dst)
         return [PageCopy(self.index, self.block_ids(req_id), [b.block_id for b in dst])]
 
 

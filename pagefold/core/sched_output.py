@@ -23,6 +23,10 @@ seen (tokens, sampling parameters, block tables), built from the message alone:
 * ``copies`` then ``swaps``: page copies and host swaps to run before the forward (swap-outs,
   then copies in list order, then swap-ins). This is the step's only copy point; the cache
   manager keeps every copied page pinned until ``update_from_output``.
+* ``captures``: state checkpoints the state layers write from inside this step's forward (a
+  checkpoint target strictly inside a request's chunk: the state after its first
+  ``num_tokens`` tokens goes to ``pages``); the pages are held by the cache manager, which
+  registers them as cache entries in ``update_from_output``.
 * ``finished_ids`` / ``preempted_ids``: drop these requests' state first (a finished request's
   sampling generator too; a preempted one comes back later as a new request).
 
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pagefold.core.managers import PageCopy
+from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
 from pagefold.sampling_params import SamplingParams
 
@@ -77,6 +81,7 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     copies: list[PageCopy] = field(default_factory=list)
     swaps: list[SwapOp] = field(default_factory=list)
+    captures: list[StateCapture] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule
     # Structured output: request id -> its packed int32 allowed-token row (little-endian

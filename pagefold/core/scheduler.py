@@ -345,6 +345,11 @@ class Scheduler:
             if n is not None:
                 out.num_scheduled[req.request_id] = n
                 self._describe(req, n, out)
+        if out.num_scheduled and self.kv.capture_in_kernel:
+            # Checkpoint targets inside the chunks: taken by the kernels (no chunk was cut).
+            out.captures = self.kv.plan_captures(
+                [self.requests[rid] for rid in out.num_scheduled],
+                list(out.num_scheduled.values()))
         out.copies = self.kv.take_copies()
         out.swaps = self.kv.take_swaps()
         if not scheduled and not self.running and self.waiting and not out.copies:

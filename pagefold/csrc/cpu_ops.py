@@ -138,7 +138,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64, i64, p, p,  # conv_off, ssm_off, fresh, cu_seqlens
         p, i64, p, p, i64,  # x, x_stride, a, b, ab_stride
         p, p, p, p,  # conv_w, neg_exp_alog, dt_bias, out
-        i64, i32, i32, i32, i32, i32, i32, f32, i32,  # N, C, K, Hk, Hv, Dk, Dv, scale, threads
+        i64, i32, i32, i32, i32, i32, i32, f32,  # N, C, K, Hk, Hv, Dk, Dv, scale
+        p, p, p, i32,  # capture cu / offsets / pages, threads
     ]
     lib.pf_gdn.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
@@ -363,11 +364,31 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return out if rc == 0 else None
 
 
+# State spec -> (conv component, ssm component, offsets by name): fixed per spec.
+_GDN_LAYOUT: dict = {}
+
+
+def _neg_exp(a_log: torch.Tensor) -> torch.Tensor:
+    """``-exp(A_log)`` in float32, computed once per parameter and kept on it (recomputed
+    after an in-place change, seen by the tensor's version counter)."""
+    try:
+        version = a_log._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: no caching
+        return (-a_log.float().exp()).contiguous()
+    hit = getattr(a_log, "_pf_neg_exp", None)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    val = (-a_log.detach().float().exp()).contiguous()
+    a_log._pf_neg_exp = (version, val)
+    return val
+
+
 def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
         num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-        scale: float | None = None) -> torch.Tensor | None:
+        scale: float | None = None,
+        capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """A Gated DeltaNet layer's conv and delta rule over a flat varlen batch (prefill chunks
     and decode tokens alike), token-recurrent per sequence, reading each sequence's conv and
     SSM states from their pages once and writing them back once (no gather, no scatter).
@@ -378,17 +399,24 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     ``gdn_recurrent`` / ``gdn_chunked`` (L2 norm on q/k, ``scale`` default ``Dk ** -0.5``) +
     storing both states, up to float32 rounding. Returns ``o`` (T, Hv, Dv) in mixed's dtype,
     or None when not handled (nothing written).
+
+    ``capture=(after (M,), pages (M, pages_per_state))``: the states right after flat token
+    ``after[m]`` also go to ``pages[m]`` (a prefix-cache checkpoint inside the chunk), the
+    same bytes a call ending after that token leaves in the sequence's own pages.
     """
     lib = kernels()
     if lib is None:
         return None
-    spec = view.spec
-    try:
-        conv = spec.component("conv")
-        ssm = spec.component("ssm")
-    except KeyError:
-        return None
-    offs = dict(zip((c.name for c in spec.components), spec.offsets))
+    layout = _GDN_LAYOUT.get(view.spec)
+    if layout is None:
+        spec = view.spec
+        try:
+            layout = (spec.component("conv"), spec.component("ssm"),
+                      dict(zip((c.name for c in spec.components), spec.offsets)))
+        except KeyError:
+            return None
+        _GDN_LAYOUT[spec] = layout
+    conv, ssm, offs = layout
     t, c = mixed.shape
     k = conv_weight.shape[1]
     pb = view.page_bytes
@@ -407,15 +435,25 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     fresh = None
     if not bool(has_initial_state.all()):
         fresh = (~has_initial_state).to(torch.uint8).contiguous()
-    neg_exp_alog = (-A_log.float().exp()).contiguous()
+    neg_exp_alog = _neg_exp(A_log)
     out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype)
+    cap_cu = cap_off = cap_pages = None
+    if capture is not None:
+        after, cpages = capture
+        after, perm = after.to(torch.int64).sort()  # grouped by sequence, offsets ascending
+        cap_pages = cpages.to(torch.int64)[perm].contiguous()
+        cap_cu = torch.searchsorted(after, cu).contiguous()
+        seq = torch.searchsorted(cu[1:], after, right=True)
+        cap_off = (after - cu[seq]).contiguous()
     rc = lib.pf_gdn(
         code, ssm_code, _ptr(view.raw), pb, _ptr(pages), pages.shape[1], offs["conv"],
         offs["ssm"], _ptr(fresh) if fresh is not None else None, _ptr(cu), _ptr(mixed),
         mixed.stride(0), _ptr(a), _ptr(b), a.stride(0), _ptr(conv_weight), _ptr(neg_exp_alog),
         _ptr(dt_bias), _ptr(out), pages.shape[0], c, k, num_k_heads, num_v_heads, head_k_dim,
         head_v_dim, float(head_k_dim**-0.5 if scale is None else scale),
-        torch.get_num_threads())
+        _ptr(cap_cu) if cap_cu is not None else None,
+        _ptr(cap_off) if cap_off is not None else None,
+        _ptr(cap_pages) if cap_pages is not None else None, torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -444,9 +482,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if rc == 0 else None
 
 
+def _gemv_ready(mod: torch.nn.Linear) -> tuple | None:
+    """``(weight, bias)`` of ``mod`` when the GEMV takes them as they are (checked once per
+    weight object: the per-call checks of :func:`linear` cost more than a small GEMV)."""
+    w, b = mod.weight, mod.bias
+    if (_lib is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+            or not w.is_contiguous() or w.dim() != 2
+            or (b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()))):
+        return None
+    return (w, b)
+
+
 def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.dtype == torch.bfloat16:
         if x.shape[0] <= GEMV_MAX_ROWS:
+            ready = self.pf_gemv
+            w, b = self.weight, self.bias
+            if ready is not None and ready[0] is w and ready[1] is b and x.is_cpu \
+                    and x.stride(1) == 1 and x.shape[0] >= 1 and x.shape[1] == w.shape[1]:
+                # The checks of linear() done once (same weight objects): straight to the GEMV.
+                n, k = w.shape
+                m = x.shape[0]
+                y = torch.empty((m, n), dtype=torch.bfloat16)
+                if _lib.pf_linear_bf16(x.data_ptr(), x.stride(0), w.data_ptr(),
+                                       b.data_ptr() if b is not None else None, y.data_ptr(),
+                                       n, m, n, k, torch.get_num_threads()) == 0:
+                    return y
             y = linear(x, self.weight, self.bias)
             if y is not None:
                 return y
@@ -486,5 +547,6 @@ def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_
         w = mod.weight
         mod.pf_packed_weight = (_prepack(w.detach()) if pack and w.dtype == torch.bfloat16
                                 and w.device.type == "cpu" else None)
+        mod.pf_gemv = _gemv_ready(mod) if kernels() is not None else None
         mod.forward = _fast_linear_forward.__get__(mod)
     return len(linears)

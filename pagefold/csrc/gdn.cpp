@@ -17,6 +17,11 @@
 //      boundary go through scratch); a bf16 one is read into float32 scratch and rounded once
 //      on the way back, like the torch path's store.
 // fresh sequences read both states as zeros.
+//
+// Captures (prefix-cache checkpoints inside a chunk): for capture c of a sequence, after its
+// token off[c] the conv window (phase 1) and every state block (phase 2) are also written to
+// the capture's own pages, exactly the bytes a call ending after that token would leave in
+// the sequence's pages (phase 2 splits the token loop there; the recurrence is unchanged).
 
 #include <type_traits>
 #include <vector>
@@ -63,10 +68,21 @@ template <typename T>
 void gdn_prepare(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t conv_off,
                  bool fresh, const T* x, int64_t xs, const T* a, const T* b, int64_t abs_,
                  const float* wt, const float* neg_exp_alog, const T* dt_bias, float* buf,
-                 int64_t L, int K, Layout lay, float scale, float* cw) {
+                 int64_t L, int K, Layout lay, float scale, float* cw, int P,
+                 const int64_t* cap_off, const int64_t* cap_pages, int64_t ncap) {
   const int C = lay.C, W = K - 1;
   const int64_t es = static_cast<int64_t>(sizeof(T));
   const int64_t R = lay.row();
+  // The window (ring at r) to a state's pages, oldest first.
+  auto store_window = [&](const int64_t* pg, int r) {
+    PageCursor cc(raw, pg, page_bytes, conv_off);
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < W; ++j) {
+        store<T>(reinterpret_cast<T*>(cc.ptr()), 0, cw[static_cast<int64_t>((r + j) % W) * C + c]);
+        cc.advance(es);
+      }
+  };
+  int64_t ci = 0;
   // Window as (W, C) floats, oldest first; a ring: row (r + j) % W is the j-th oldest.
   {
     PageCursor cc(raw, pages, page_bytes, conv_off);
@@ -108,6 +124,7 @@ void gdn_prepare(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t
     }
 #endif
     r = (r + 1) % W;
+    for (; ci < ncap && cap_off[ci] == t; ++ci) store_window(cap_pages + ci * P, r);
     const int Dk = lay.Dk;
     for (int h = 0; h < lay.Hk; ++h) {
       float* q = y + h * Dk;
@@ -138,12 +155,7 @@ void gdn_prepare(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t
       y[lay.beta() + h] = rnd<T>(1.0f / (1.0f + std::exp(-load<T>(bt, h))));
     }
   }
-  PageCursor cc(raw, pages, page_bytes, conv_off);
-  for (int c = 0; c < C; ++c)
-    for (int j = 0; j < W; ++j) {
-      store<T>(reinterpret_cast<T*>(cc.ptr()), 0, cw[static_cast<int64_t>((r + j) % W) * C + c]);
-      cc.advance(es);
-    }
+  store_window(pages, r);
 }
 
 // Phase 2 for one block of n (<= kCols) state columns of one value head over L tokens. rows:
@@ -273,10 +285,27 @@ inline S* row_elem(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64
 // One phase-2 item: value head h, columns d0..d0+n of one sequence. S: the SSM element type.
 // A float32 block whose rows each lie inside one page is updated in place; otherwise (bf16, or
 // a row crossing a page boundary) it goes through float32 scratch.
+// Rows (float32, n wide) to the block of a state whose row i starts at byte offs[i].
+template <typename S>
+void store_rows(uint8_t* raw, int64_t page_bytes, const int64_t* pages, const int64_t* offs,
+                float* const* rows, int Dk, int n) {
+  const int64_t es = static_cast<int64_t>(sizeof(S));
+  for (int i = 0; i < Dk; ++i) {
+    if (offs[i] % page_bytes + n * es <= page_bytes) {
+      S* dst = row_elem<S>(raw, page_bytes, pages, offs[i], 0);
+      for (int d = 0; d < n; ++d) store<S>(dst, d, rows[i][d]);
+    } else {
+      for (int d = 0; d < n; ++d)
+        store<S>(row_elem<S>(raw, page_bytes, pages, offs[i], d), 0, rows[i][d]);
+    }
+  }
+}
+
 template <typename T, typename S>
 void gdn_item(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t ssm_off,
               bool fresh, const float* buf, int64_t L, Layout lay, int h, int d0, int n,
-              T* out, float* scratch) {
+              T* out, float* scratch, int P, const int64_t* cap_off, const int64_t* cap_pages,
+              int64_t ncap) {
   const int Dk = lay.Dk, Dv = lay.Dv;
   const int64_t es = static_cast<int64_t>(sizeof(S));
   int64_t offs[kMaxHeadDim];
@@ -308,8 +337,20 @@ void gdn_item(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int64_t ss
   const int kh = h / (lay.Hv / lay.Hk);
   const ColArgs g{buf, lay.row(), kh * Dk, lay.k() + kh * Dk, lay.v() + h * Dv + d0,
                   lay.decay() + h, lay.beta() + h, lay.qk() + kh};
-  gdn_cols_any<T>(rows, Dk, n, L, g, out + static_cast<int64_t>(h) * Dv + d0,
-                  static_cast<int64_t>(lay.Hv) * Dv);
+  T* o = out + static_cast<int64_t>(h) * Dv + d0;
+  const int64_t os = static_cast<int64_t>(lay.Hv) * Dv;
+  int64_t t0 = 0;
+  for (int64_t c = 0; c < ncap; ++c) {  // run up to each captured token, save, go on
+    const int64_t t1 = cap_off[c] + 1;
+    ColArgs gc = g;
+    gc.buf = g.buf + t0 * g.R;
+    gdn_cols_any<T>(rows, Dk, n, t1 - t0, gc, o + t0 * os, os);
+    store_rows<S>(raw, page_bytes, cap_pages + c * P, offs, rows, Dk, n);
+    t0 = t1;
+  }
+  ColArgs gc = g;
+  gc.buf = g.buf + t0 * g.R;
+  gdn_cols_any<T>(rows, Dk, n, L - t0, gc, o + t0 * os, os);
   if (inplace) return;
   for (int i = 0; i < Dk; ++i) {
     if (src[i]) {
@@ -331,7 +372,11 @@ void gdn_all(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int P, int6
              int64_t ssm_off, const uint8_t* fresh, const int64_t* cu, const T* x,
              int64_t x_stride, const T* a, const T* b, int64_t ab_stride, const T* conv_w,
              const float* neg_exp_alog, const T* dt_bias, T* out, int64_t N, int K, Layout lay,
-             float scale, int nthreads) {
+             float scale, const int64_t* cap_cu, const int64_t* cap_off,
+             const int64_t* cap_pages, int nthreads) {
+  auto ncap = [&](int64_t i) { return cap_cu ? cap_cu[i + 1] - cap_cu[i] : 0; };
+  auto coff = [&](int64_t i) { return cap_cu ? cap_off + cap_cu[i] : nullptr; };
+  auto cpg = [&](int64_t i) { return cap_cu ? cap_pages + cap_cu[i] * P : nullptr; };
   const int C = lay.C;
   const int64_t T_ = cu[N];
   const int64_t R = lay.row();
@@ -355,7 +400,7 @@ void gdn_all(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int P, int6
       gdn_prepare<T>(raw, page_bytes, pages + i * P, conv_off, fresh && fresh[i],
                      x + cu[i] * x_stride, x_stride, a + cu[i] * ab_stride, b + cu[i] * ab_stride,
                      ab_stride, wt, neg_exp_alog, dt_bias, buf + cu[i] * R, cu[i + 1] - cu[i], K,
-                     lay, scale, scratch.data());
+                     lay, scale, scratch.data(), P, coff(i), cpg(i), ncap(i));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t i = it / (lay.Hv * blocks);
@@ -364,7 +409,8 @@ void gdn_all(uint8_t* raw, int64_t page_bytes, const int64_t* pages, int P, int6
       const int n = lay.Dv - d0 < kCols ? lay.Dv - d0 : kCols;
       gdn_item<T, S>(raw, page_bytes, pages + i * P, ssm_off, fresh && fresh[i],
                      buf + cu[i] * R, cu[i + 1] - cu[i], lay, h, d0, n,
-                     out + cu[i] * lay.Hv * lay.Dv, scratch.data() + C * (K - 1));
+                     out + cu[i] * lay.Hv * lay.Dv, scratch.data() + C * (K - 1), P, coff(i),
+                     cpg(i), ncap(i));
     }
   }
 }
@@ -381,12 +427,16 @@ extern "C" {
 // out ((T, Hv, Dv) contiguous). raw: the layer's (num_blocks, page_bytes) bytes; pages (N, P)
 // int64; fresh (N,) uint8 or NULL; conv_w (C, K). conv state (C, K-1) in T, SSM state
 // (Hv, Dk, Dv) float32 (ssm_dtype 0) or bf16 (1); both may cross page boundaries anywhere.
+// Captures (cap_cu NULL for none): sequence i's are cap_cu[i]..cap_cu[i+1], with local token
+// offsets cap_off ascending and their own pages cap_pages (., P).
 // Returns -1 for shapes it does not handle.
 int pf_gdn(int dtype, int ssm_dtype, void* raw, int64_t page_bytes, const int64_t* pages, int P,
            int64_t conv_off, int64_t ssm_off, const uint8_t* fresh, const int64_t* cu,
            const void* x, int64_t x_stride, const void* a, const void* b, int64_t ab_stride,
            const void* conv_w, const float* neg_exp_alog, const void* dt_bias, void* out,
-           int64_t N, int C, int K, int Hk, int Hv, int Dk, int Dv, float scale, int nthreads) {
+           int64_t N, int C, int K, int Hk, int Hv, int Dk, int Dv, float scale,
+           const int64_t* cap_cu, const int64_t* cap_off, const int64_t* cap_pages,
+           int nthreads) {
   if ((dtype != 0 && dtype != 1) || (ssm_dtype != 0 && ssm_dtype != 1) || Dk > kMaxHeadDim ||
       Hk < 1 || Hv % Hk || K < 2 || C != 2 * Hk * Dk + Hv * Dv)
     return -1;
@@ -400,7 +450,7 @@ int pf_gdn(int dtype, int ssm_dtype, void* raw, int64_t page_bytes, const int64_
                         static_cast<const float*>(b), ab_stride,
                         static_cast<const float*>(conv_w), neg_exp_alog,
                         static_cast<const float*>(dt_bias), static_cast<float*>(out), N, K, lay,
-                        scale, nthreads);
+                        scale, cap_cu, cap_off, cap_pages, nthreads);
     };
     ssm_dtype == 0 ? run(float{}) : run(uint16_t{});
   } else {
@@ -411,7 +461,7 @@ int pf_gdn(int dtype, int ssm_dtype, void* raw, int64_t page_bytes, const int64_
                            static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b),
                            ab_stride, static_cast<const uint16_t*>(conv_w), neg_exp_alog,
                            static_cast<const uint16_t*>(dt_bias), static_cast<uint16_t*>(out), N,
-                           K, lay, scale, nthreads);
+                           K, lay, scale, cap_cu, cap_off, cap_pages, nthreads);
     };
     ssm_dtype == 0 ? run(float{}) : run(uint16_t{});
   }

@@ -69,7 +69,7 @@ def worker_main(rank: int, size: int, conn) -> None:
         runner = build_runner(init)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
-        conn.send(("ready", runner.num_params, pool))
+        conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel))
         while True:
             data = conn.recv_bytes()
             if not data:

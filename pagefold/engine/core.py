@@ -167,6 +167,10 @@ class EngineCore:
             n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
             logger.info("fp8 kv cache: %d layers take the checkpoint's k/v scales, the others "
                         "calibrate on the first batch", n)
+        # Checkpoints inside the state layers' kernels when every state layer can take them
+        # (on every rank); otherwise prefill chunks end at checkpoint targets.
+        self.kv.capture_in_kernel = (config.state_checkpoints_in_kernel
+                                     and self.runner.captures_in_kernel)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         if host_blocks:

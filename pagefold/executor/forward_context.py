@@ -19,6 +19,9 @@ class StateMetadata:
     ``cu_seqlens`` (N+1,) over the flat batch; ``has_initial_state`` (N,) bool: False for a
     request whose first token is in this step (its state starts from zeros).
     ``all_decode``: every request has exactly one token this step (the recurrent fast path).
+    ``capture_after`` (M,) / ``capture_pages`` (M, pages_per_state), or None: checkpoints to
+    take inside this step, the states right after flat token ``capture_after[m]`` written to
+    ``capture_pages[m]`` (see :mod:`pagefold.layers.state_capture`).
     """
 
     page_ids: torch.Tensor
@@ -28,6 +31,8 @@ class StateMetadata:
     any_initial_state: bool
     # (N,) bool on a speculative verify step: the requests whose chunk is 1 + k decode tokens.
     spec_rows: torch.Tensor | None = None
+    capture_after: torch.Tensor | None = None
+    capture_pages: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -81,3 +86,8 @@ class ForwardContext:
     def store_states(self, layer: str, states: dict[str, torch.Tensor]) -> None:
         view, meta = self.state(layer)
         view.scatter(meta.page_ids, states)
+
+    def store_checkpoints(self, layer: str, states: dict[str, torch.Tensor]) -> None:
+        """Write captured states (one per ``capture_pages`` row) to their checkpoint pages."""
+        view, meta = self.state(layer)
+        view.scatter(meta.capture_pages, states)

@@ -52,11 +52,13 @@ def build_inputs(
     totals: list[int],
     group_block_ids: list[list[list[int]]],
     device: torch.device | str | None = None,
+    captures: dict[int, list[tuple[int, int, list[int]]]] | None = None,
 ) -> StepInputs:
     """``token_lists[i]`` are request i's new tokens at positions ``starts[i]...``;
     ``totals[i]`` is the request's token count (a row is sampled when the step reaches it);
-    ``group_block_ids[g][i]`` is request i's block table in group g. Every tensor of the
-    result is on ``device`` (default CPU)."""
+    ``group_block_ids[g][i]`` is request i's block table in group g; ``captures[g]``: state
+    checkpoints ``(request index, prefix length, pages)`` to take inside this step. Every
+    tensor of the result is on ``device`` (default CPU)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     bs = kv_config.block_size
     n_req = len(counts)
@@ -93,10 +95,18 @@ def build_inputs(
             attn_meta.append(None)
             pages = np.fromiter(chain.from_iterable(group_block_ids[gi]), dtype=_i64,
                                 count=n_req * group.pages_per_state)
-            state_meta.append(StateMetadata(
+            meta = StateMetadata(
                 page_ids=put(pages.reshape(n_req, group.pages_per_state)), cu_seqlens=cu_t,
                 has_initial_state=put(has_init), all_decode=all_decode,
-                any_initial_state=bool(has_init.any())))
+                any_initial_state=bool(has_init.any()))
+            caps = captures.get(gi) if captures else None
+            if caps:
+                # The state after prefix length p is the one after flat token cu[i] + p - s - 1.
+                assert all(starts[i] < p < starts[i] + counts[i] for i, p, _ in caps)
+                meta.capture_after = put(np.array([cu[i] + p - starts[i] - 1 for i, p, _ in caps],
+                                                  dtype=_i64))
+                meta.capture_pages = put(np.array([pg for _, _, pg in caps], dtype=_i64))
+            state_meta.append(meta)
             continue
         state_meta.append(None)
         window = spec.window if isinstance(spec, SlidingWindowSpec) else None

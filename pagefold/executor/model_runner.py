@@ -75,6 +75,18 @@ class ModelRunner:
         self.num_forward_tokens = 0
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran (CUDA + Triton)
 
+    @property
+    def captures_in_kernel(self) -> bool:
+        """True when every state layer of the model takes state checkpoints inside its
+        kernels (a module with that ``layer_name`` whose own class declares
+        ``captures_checkpoints``: a subclass with its own ``forward`` does not inherit the
+        promise); with any other state layer the scheduler keeps cutting chunks at targets."""
+        state_layers = {name for g in self.kv_config.groups if isinstance(g.spec, StateSpec)
+                        for name in g.layer_names}
+        able = {getattr(m, "layer_name", None) for m in self.model.modules()
+                if type(m).__dict__.get("captures_checkpoints", False)}
+        return state_layers <= able
+
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int,
                            capture: bool | None = None) -> None:
         """Replay all-decode steps of up to ``max_batch`` rows from CUDA graphs over static
@@ -207,7 +219,8 @@ class ModelRunner:
         nt = len(self.kv_config.groups)
         per_group = [[r.block_ids[g] for r in reqs] for g in range(nt)]
         inp = build_inputs(self.kv_config, tokens, starts, counts,
-                           [len(r.token_ids) for r in reqs], per_group, self.device)
+                           [len(r.token_ids) for r in reqs], per_group, self.device,
+                           batch.captures)
         self.num_forward_tokens += int(inp.input_ids.numel())
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
         hidden = None

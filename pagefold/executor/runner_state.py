@@ -43,11 +43,14 @@ class CachedRequestState:
 
 @dataclass(slots=True)
 class StepBatch:
-    """One step's requests in layout order, with their first position and token count."""
+    """One step's requests in layout order, with their first position and token count;
+    ``captures[g]``: the step's state checkpoints in cache group ``g`` as ``(request index,
+    prefix length, pages)`` (see ``SchedulerOutput.captures``)."""
 
     reqs: list[CachedRequestState]
     starts: list[int]
     counts: list[int]
+    captures: dict[int, list[tuple[int, int, list[int]]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -84,5 +87,11 @@ class RunnerRequests:
                     table[i:] = ids
             starts[cr.req_id] = cr.num_computed_tokens
         rids = list(out.num_scheduled)
+        captures: dict[int, list[tuple[int, int, list[int]]]] = {}
+        if out.captures:
+            index = {r: i for i, r in enumerate(rids)}
+            for c in out.captures:
+                captures.setdefault(c.group, []).append((index[c.request_id], c.num_tokens,
+                                                         list(c.pages)))
         return StepBatch([self.states[r] for r in rids], [starts[r] for r in rids],
-                         list(out.num_scheduled.values()))
+                         list(out.num_scheduled.values()), captures)

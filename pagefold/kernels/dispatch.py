@@ -134,8 +134,13 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 
 def gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight, A_log,
         dt_bias, **kw) -> torch.Tensor | None:
-    """A Gated DeltaNet layer (conv + delta rule) over its pages; see ``cpu_ops.gdn``."""
+    """A Gated DeltaNet layer (conv + delta rule) over its pages; see ``cpu_ops.gdn``.
+    State captures (``capture=``, prefix-cache checkpoints inside the step) are the C++
+    kernel's and the torch path's only: the Triton kernel leaves such a step to torch."""
     if use_triton(mixed.device):
+        if kw.get("capture") is not None:
+            return None
+        kw.pop("capture", None)
         return _T.gdn_layer(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
                             conv_weight, A_log, dt_bias, **kw)
     return cpu_ops.gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,

@@ -28,8 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagefold.layers.state_capture import seq_of
+
 __all__ = [
     "causal_conv1d_naive",
+    "causal_conv1d_state_at",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
 ]
@@ -173,3 +176,21 @@ def causal_conv1d_update(
         out = out + bias.float()
     y = _activate(out, activation)
     return y.to(x.dtype), window[:, :, 1:].to(x.dtype).contiguous()
+
+
+def causal_conv1d_state_at(
+    x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor, after: torch.Tensor
+) -> torch.Tensor:
+    """The conv state right after flat token ``after[m]`` (a prefix-cache checkpoint taken
+    inside a chunk): its sequence's last ``K-1`` inputs up to and including that token, the
+    old state in front. x (T, C) the conv *input*, conv_state (N, C, K-1), after (M,).
+    Returns (M, C, K-1) in conv_state's dtype, equal to the state a
+    :func:`causal_conv1d_varlen` call ending after that token returns."""
+    hist = conv_state.shape[2]
+    cu = cu_seqlens.tolist()
+    out = conv_state.new_empty((after.numel(), conv_state.shape[1], hist))
+    for m, (s, off) in enumerate(seq_of(cu, [int(a) for a in after.tolist()])):
+        lo = max(cu[s], cu[s] + off + 1 - hist)
+        window = torch.cat([conv_state[s].t(), x[lo : cu[s] + off + 1].to(conv_state.dtype)])
+        out[m] = window[-hist:].t()
+    return out

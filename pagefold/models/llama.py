@@ -11,6 +11,7 @@ from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import GQAAttention, head_dim_of
+from pagefold.layers.decode_fast import DensePlan
 from pagefold.layers.linear import load_into
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import GatedMLP
@@ -59,14 +60,34 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    # Small CPU decode steps skip the modules (same kernels, same bits): see decode_fast.
+    fast_decode = True
+
     def forward(self, input_ids, positions, ctx):
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, ctx, residual)
+        plan = self._fast_plan() if self.fast_decode else None
+        if plan is not None and plan.usable(x, ctx):
+            x, residual = plan.forward(x, positions, ctx, residual)
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, ctx, residual)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
+
+
+    def _fast_plan(self) -> DensePlan | None:
+        """The fast decode plan, built on first use and again whenever a linear layer's GEMV
+        weight changed (``use_fast_linears`` ran again); None where it cannot apply."""
+        if not len(self.layers):
+            return None
+        first, last = self.layers[0].self_attn.qkv_proj, self.layers[-1].mlp.down_proj
+        key = (id(getattr(first, "pf_gemv", None)), id(getattr(last, "pf_gemv", None)))
+        plan = self.__dict__.get("_plan")
+        if plan is None or plan[0] != key:
+            plan = self.__dict__["_plan"] = (key, DensePlan(list(self.layers)))
+        return plan[1] if plan[1].ok else None
 
 
 class CausalLM(CausalLMHead):

@@ -29,7 +29,11 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
 from pagefold.kernels import dispatch
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.causal_conv1d import (
+    causal_conv1d_state_at,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+)
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
@@ -138,6 +142,9 @@ class Mamba2Mixer(nn.Module):
     cache layer name ``f"layers.{i}"`` (the state layer of that index).
     """
 
+    # Prefix-cache checkpoints requested in ``ctx`` are taken inside the kernels.
+    captures_checkpoints = True
+
     def __init__(self, mcfg: Mamba2Config, layer_name: str) -> None:
         super().__init__()
         if mcfg.activation not in ("silu", "swish"):
@@ -206,7 +213,8 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         # Triton path (CUDA by default): conv and scan read and write the states in their
         # pages; y in the dtype the torch path gives it (see below).
-        if dispatch.use_triton(x.device) and not ctx.verify:
+        after = meta.capture_after  # checkpoints inside this step: the torch path takes them
+        if dispatch.use_triton(x.device) and not ctx.verify and after is None:
             y = dispatch.mamba_scan(view, meta.page_ids, meta.has_initial_state,
                                     meta.cu_seqlens, xbc, weight, self.conv1d.bias,
                                     self._dt(dt, meta), A, self.D, num_heads=c.num_heads,
@@ -217,6 +225,12 @@ class Mamba2Mixer(nn.Module):
                 y = self.norm(y.reshape(t, inter), z)
                 return self.out_proj(y.to(x.dtype))
         states = ctx.load_states(self.layer_name)
+        capture, conv_ck, extra = None, None, {}
+        if after is not None:
+            conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
+            capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
+                                          dtype=torch.float32, device=x.device))
+            extra["capture"] = capture
         if ctx.verify:  # state after every token: the commit selects the accepted one
             xbc, conv_state = causal_conv1d_verify(xbc, weight, self.conv1d.bias, states["conv"],
                                                    meta.cu_seqlens, activation="silu")
@@ -240,11 +254,13 @@ class Mamba2Mixer(nn.Module):
             xs, dt, A,
             b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
             self.D, states["ssm"].float(), meta.cu_seqlens,
-            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, **extra,
         )
         if ctx.verify:
             ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         else:
             ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        if capture is not None:
+            ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
         y = self.norm(y.reshape(t, inter), z)
         return self.out_proj(y.to(x.dtype))

@@ -30,7 +30,11 @@ from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.causal_conv1d import (
+    causal_conv1d_state_at,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+)
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
 from pagefold.layers.moe import ExpertWeightRouter
@@ -142,7 +146,12 @@ class GatedDeltaNet(nn.Module):
     ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32), ``beta = sigmoid(b)`` -> gated delta
     rule (L2-normalised q/k, q scaled by Dk^-0.5) from each request's recurrent state ->
     ``RMSNormGated(o, z)`` per value head -> ``out_proj``.
+
+    Prefix-cache checkpoints requested in ``ctx`` are taken inside the kernels
+    (``captures_checkpoints``).
     """
+
+    captures_checkpoints = True
 
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
@@ -190,15 +199,22 @@ class GatedDeltaNet(nn.Module):
         view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
         # Compiled path (prefill and decode): states read from and written to their pages.
+        after = meta.capture_after
         o = None if ctx.verify else dispatch.gdn(
             view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a, b, weight,
             self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
             num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
-            head_v_dim=self.head_v_dim)
+            head_v_dim=self.head_v_dim,
+            capture=None if after is None else (after, meta.capture_pages))
         if o is not None:
             o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
             return self.out_proj(o.reshape(t, self.value_dim))
         states = ctx.load_states(self.layer_name)
+        capture, conv_ck = None, None
+        if after is not None:
+            conv_ck = causal_conv1d_state_at(mixed, states["conv"], meta.cu_seqlens, after)
+            capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
+                                          dtype=torch.float32, device=x.device))
         if ctx.verify:  # state after every token: the commit selects the accepted one
             mixed, conv_state = causal_conv1d_verify(mixed, weight, None, states["conv"],
                                                      meta.cu_seqlens, "silu")
@@ -225,11 +241,14 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(o.reshape(t, self.value_dim))
         if meta.all_decode:
             o, ssm_state = gdn_recurrent(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
-                                         use_qk_l2norm=True)
+                                         use_qk_l2norm=True, capture=capture)
         else:
             o, ssm_state = gdn_chunked(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
-                                       use_qk_l2norm=True, chunk_size=_chunk_size(meta.cu_seqlens))
+                                       use_qk_l2norm=True, chunk_size=_chunk_size(meta.cu_seqlens),
+                                       capture=capture)
         ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        if capture is not None:
+            ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
         o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))
 

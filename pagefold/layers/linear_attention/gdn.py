@@ -27,6 +27,9 @@ All three kernels share one signature::
 * Returns ``o`` ``(T, H, Dv)`` in ``v``'s dtype and ``final_state`` ``(N, H, Dk, Dv)`` float32.
   All arithmetic is float32, so feeding ``final_state`` into a later call over the next tokens
   equals one pass over the concatenation up to float32 rounding.
+* ``capture=(after, out)`` (optional; :mod:`pagefold.layers.state_capture`): ``out[m]``
+  (float32, ``(M, H, Dk, Dv)``) receives the state right after flat token ``after[m]``, as a
+  call ending there would return it (prefix-cache checkpoints without cutting the chunk).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from pagefold.layers.state_capture import Capture, capture_layout, check_capture, seq_of
 
 __all__ = ["GDN_KERNELS", "gdn_chunked", "gdn_naive", "gdn_recurrent", "l2norm"]
 
@@ -144,6 +149,7 @@ def gdn_naive(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition of the gated delta rule: loop over sequences, then over tokens.
 
@@ -153,6 +159,10 @@ def gdn_naive(
     qf, kf, vf, gf, bf, state0 = _prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
+    cap = check_capture(capture, q.shape[0], tuple(state0.shape[1:]))
+    at: dict[int, list[int]] = {}
+    for m, a in enumerate(cap[0] if cap else []):
+        at.setdefault(a, []).append(m)
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     final = torch.empty_like(state0)
     bounds = cu_seqlens.tolist()
@@ -162,6 +172,8 @@ def gdn_naive(
             tt = slice(t, t + 1)
             o_t, state = _step(state, qf[tt], kf[tt], vf[tt], gf[tt], bf[tt])
             out[t] = o_t[0]
+            for m in at.get(t, ()):
+                cap[1][m] = state[0]
         final[s] = state[0]
     return out.to(v.dtype), final
 
@@ -178,6 +190,7 @@ def gdn_recurrent(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-recurrent kernel, batched across sequences; the decode path.
 
@@ -194,9 +207,12 @@ def gdn_recurrent(
     device = v.device
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     lengths = cu[1:] - cu[:-1]
+    cap = check_capture(capture, total, tuple(state0.shape[1:]))
 
     if total == num_seqs and bool((lengths == 1).all()):
         out, final = _step_fused(state0, qf, kf, vf, gf, bf)
+        if cap:  # sequence i is token i: a capture is that sequence's final state
+            cap[1].copy_(final[torch.tensor(cap[0], dtype=torch.long, device=device)])
         return out.to(v.dtype), final
 
     out = torch.zeros(vf.shape, dtype=torch.float32, device=device)
@@ -204,18 +220,26 @@ def gdn_recurrent(
     sorted_lengths = lengths[order].tolist()
     starts = cu[:-1][order]
     state = state0[order]
+    at: dict[int, list[tuple[int, int]]] = {}  # offset -> (capture, rank in sorted order)
+    if cap:
+        rank = {s: r for r, s in enumerate(order.tolist())}
+        for m, (s, off) in enumerate(seq_of(cu.tolist(), cap[0])):
+            at.setdefault(off, []).append((m, rank[s]))
     for p, n_act in enumerate(_active_counts(sorted_lengths)):
         idx = starts[:n_act] + p
         o_t, new = _step_fused(state[:n_act], qf[idx], kf[idx], vf[idx], gf[idx], bf[idx])
         state = torch.cat([new, state[n_act:]], dim=0) if n_act < num_seqs else new
         out[idx] = o_t
+        for m, r in at.get(p, ()):
+            cap[1][m] = state[r]
     final = torch.empty_like(state)
     final[order] = state
     return out.to(v.dtype), final
 
 
 def _chunk_layout(
-    cu: torch.Tensor, total: int, chunk_size: int
+    cu: torch.Tensor, total: int, chunk_size: int, shift: torch.Tensor | None = None,
+    vlens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]:
     """Place every token in a padded buffer of chunks laid out step-major.
 
@@ -225,10 +249,14 @@ def _chunk_layout(
 
     Returns ``(flat_index (T,), order (N,), step_offsets, step_counts, num_chunks)`` where
     ``flat_index[t]`` is token ``t``'s row in the ``(num_chunks * chunk_size)`` padded buffer.
+    With ``shift``/``vlens`` (a :class:`~pagefold.layers.state_capture.CaptureLayout`), token
+    ``t`` sits ``shift[t]`` slots further into its sequence, whose length is ``vlens``.
     """
     device = cu.device
     num_seqs = cu.numel() - 1
     lengths = cu[1:] - cu[:-1]
+    if vlens is not None:
+        lengths = torch.tensor(vlens, dtype=torch.long, device=device)
     n_chunks = (lengths + chunk_size - 1) // chunk_size
     order = torch.argsort(n_chunks, descending=True, stable=True)
     rank = torch.empty_like(order)
@@ -244,6 +272,8 @@ def _chunk_layout(
     tok = torch.arange(total, device=device)
     seg = torch.searchsorted(cu[1:], tok, right=True)
     pos = tok - cu[seg]
+    if shift is not None:
+        pos = pos + shift
     offsets_t = torch.tensor(step_offsets, dtype=torch.long, device=device)
     chunk_id = offsets_t[pos // chunk_size] + rank[seg]
     flat_index = chunk_id * chunk_size + pos % chunk_size
@@ -262,6 +292,7 @@ def gdn_chunked(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel kernel (WY / UT-transform form); the prefill path.
 
@@ -278,7 +309,8 @@ def gdn_chunked(
 
     Everything except the ``Delta``/``O``/``S_C`` lines is computed for all chunks of all
     sequences at once; the scan over chunk steps then runs batched across sequences
-    (``max_chunks`` Python iterations, none over tokens).
+    (``max_chunks`` Python iterations, none over tokens). Captures pad their sequence so the
+    captured boundary ends a chunk (:func:`~pagefold.layers.state_capture.capture_layout`).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -289,7 +321,15 @@ def gdn_chunked(
     dv = vf.shape[2]
     device = v.device
     cu = cu_seqlens.to(device=device, dtype=torch.long)
-    flat, order, step_offsets, step_counts, num_chunks = _chunk_layout(cu, total, chunk_size)
+    cap = check_capture(capture, total, tuple(state0.shape[1:]))
+    lay = capture_layout(cu.tolist(), cap[0], chunk_size, device) if cap else None
+    flat, order, step_offsets, step_counts, num_chunks = _chunk_layout(
+        cu, total, chunk_size, lay.shift if lay else None, lay.vlens if lay else None)
+    at: dict[int, list[tuple[int, int]]] = {}  # scan step -> (capture, rank in sorted order)
+    if lay:
+        rank = {s: r for r, s in enumerate(order.tolist())}
+        for m, (s, j) in enumerate(lay.chunk_of):
+            at.setdefault(j, []).append((m, rank[s]))
     c = chunk_size
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:
@@ -323,13 +363,15 @@ def gdn_chunked(
 
     out = torch.empty(num_chunks, heads, c, dv, dtype=torch.float32, device=device)
     state = state0[order]  # sorted order: active sequences of each step are a prefix
-    for off, n_act in zip(step_offsets, step_counts):
+    for j, (off, n_act) in enumerate(zip(step_offsets, step_counts)):
         sl = slice(off, off + n_act)
         s_act = state[:n_act]
         delta = u[sl] - w[sl] @ s_act
         out[sl] = q_dec[sl] @ s_act + attn[sl] @ delta
         new = s_act * chunk_decay[sl] + k_dec_t[sl] @ delta
         state = torch.cat([new, state[n_act:]], dim=0) if n_act < state.shape[0] else new
+        for m, r in at.get(j, ()):
+            cap[1][m] = state[r]
 
     final = torch.empty_like(state)
     final[order] = state

@@ -30,6 +30,9 @@ Math (all in float32, as transformers' torch path for Mamba-2 does):
 for prefill; ``ssd_recurrent`` is the decode form (fully batched when every sequence has a
 single token). Splitting a sequence into pieces and carrying ``final_state`` into the next
 piece's ``initial_state`` gives the same result as one pass, up to float32 rounding.
+
+``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.layers.state_capture`):
+``out[m]`` (float32, (M, H, P, N)) receives the state right after flat token ``after[m]``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pagefold.layers.state_capture import Capture, capture_layout, check_capture, seq_of
 
 __all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent"]
 
@@ -154,6 +159,7 @@ def ssd_naive(
     dt_min: float = 0.0,
     dt_max: float = math.inf,
     chunk_size: int = 64,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference SSD: the literal per-token recurrence, one sequence and one token at a time.
 
@@ -168,12 +174,18 @@ def ssd_naive(
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     y = torch.empty_like(xf)
     final = initial_state.float().clone()
+    cap = check_capture(capture, T, tuple(final.shape[1:]))
+    at: dict[int, list[int]] = {}
+    for m, a in enumerate(cap[0] if cap else []):
+        at.setdefault(a, []).append(m)
     for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
         h = final[s]  # (H, P, N)
         for t in range(start, start + n):
             decay = torch.exp(dtf[t] * Af)  # (H,)
             h = decay[:, None, None] * h + (dtf[t][:, None] * xf[t])[..., None] * Bh[t][:, None, :]
             y[t] = (h * Ch[t][:, None, :]).sum(-1)
+            for m in at.get(t, ()):
+                cap[1][m] = h
         final[s] = h
     if D is not None:
         y = y + D.float()[:, None] * xf
@@ -195,6 +207,7 @@ def ssd_recurrent(
     dt_min: float = 0.0,
     dt_max: float = math.inf,
     chunk_size: int = 64,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent (decode) SSD, batched across sequences.
 
@@ -211,12 +224,15 @@ def ssd_recurrent(
     xf, Af = x.float(), A.float()
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     state0 = initial_state.float()
+    cap = check_capture(capture, T, tuple(state0.shape[1:]))
 
     if T == S:
         # T == S does not imply one token each (lengths [0, 2]): only the true single-token
         # layout may take the loop-free path.
         if S == 0 or bool(torch.all(cu_seqlens[1:] - cu_seqlens[:-1] == 1)):
             y, final = _step(state0, xf, dtf, Af, Bh, Ch)
+            if cap:  # sequence i is token i: a capture is that sequence's final state
+                cap[1].copy_(final[torch.tensor(cap[0], dtype=torch.long, device=x.device)])
             if D is not None:
                 y = y + D.float()[:, None] * xf
             return y.to(x.dtype), final
@@ -230,6 +246,11 @@ def ssd_recurrent(
     state = state0.index_select(0, order_t).clone() if S > 0 else state0.clone()
     y = torch.empty_like(xf)
     max_len = sorted_lens[0] if S > 0 else 0
+    at: dict[int, list[tuple[int, int]]] = {}  # offset -> (capture, rank in sorted order)
+    if cap:
+        rank = {s: r for r, s in enumerate(order)}
+        for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
+            at.setdefault(off, []).append((m, rank[s]))
     n_active = S
     for t in range(max_len):
         while n_active > 0 and sorted_lens[n_active - 1] <= t:
@@ -239,6 +260,8 @@ def ssd_recurrent(
             state[:n_active], xf[tok], dtf[tok], Af, Bh[tok], Ch[tok]
         )
         y[tok] = y_t
+        for m, r in at.get(t, ()):
+            cap[1][m] = state[r]
     final = torch.empty_like(state)
     if S > 0:
         final[order_t] = state
@@ -277,6 +300,7 @@ def ssd_chunked(
     dt_min: float = 0.0,
     dt_max: float = math.inf,
     chunk_size: int = 64,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel SSD (Mamba-2's "state space duality" form) over a varlen batch.
 
@@ -318,7 +342,9 @@ def ssd_chunked(
     if max_len == 0:
         return x.new_zeros((T, H, P)), initial_state.float().clone()
     L = min(chunk_size, max_len)
-    n_chunks = [-(-n // L) for n in lens]
+    cap = check_capture(capture, T, (H, P, N))
+    lay = capture_layout([*starts, T], cap[0], L, dev) if cap else None
+    n_chunks = [-(-n // L) for n in (lay.vlens if lay else lens)]
     # Sequences with the most chunks first: the ones still running at a chunk position are a
     # prefix, so the carried state is sliced, never scattered.
     order = sorted(range(S), key=lambda s: -n_chunks[s])
@@ -328,6 +354,20 @@ def ssd_chunked(
     s_lens = torch.tensor([lens[s] for s in order], dtype=torch.long, device=dev)
     s_chunks = [n_chunks[s] for s in order]
     offs = torch.arange(L, dtype=torch.long, device=dev)
+    at: dict[int, list[tuple[int, int]]] = {}  # chunk position -> (capture, rank)
+    vidx = None
+    if lay:
+        # Token rows by (rank, virtual position); T (the zero row) fills the padding.
+        rank = {s: r for r, s in enumerate(order)}
+        for m, (s, j) in enumerate(lay.chunk_of):
+            at.setdefault(j, []).append((m, rank[s]))
+        vidx = torch.full((S, s_chunks[0] * L), T, dtype=torch.long, device=dev)
+        tok = torch.arange(T, dtype=torch.long, device=dev)
+        cu_t = torch.tensor([*starts, T], dtype=torch.long, device=dev)
+        seg = torch.searchsorted(cu_t[1:], tok, right=True)
+        rank_t = torch.empty(S, dtype=torch.long, device=dev)
+        rank_t[order_t] = torch.arange(S, dtype=torch.long, device=dev)
+        vidx[rank_t[seg], tok - cu_t[seg] + lay.shift] = tok
 
     n_active = S
     for j in range(s_chunks[0]):
@@ -335,8 +375,11 @@ def ssd_chunked(
             n_active -= 1
         M = n_active
         pos = j * L + offs  # (L,) offsets of this chunk within each sequence
-        idx = s_starts[:M, None] + pos[None, :]  # (M, L)
-        idx = torch.where(pos[None, :] < s_lens[:M, None], idx, T)
+        if vidx is not None:
+            idx = vidx[:M, j * L : (j + 1) * L]
+        else:
+            idx = s_starts[:M, None] + pos[None, :]  # (M, L)
+            idx = torch.where(pos[None, :] < s_lens[:M, None], idx, T)
 
         xc = xdt[idx].permute(0, 2, 1, 3)  # (M, H, L, P)
         ac = adt[idx].transpose(1, 2)  # (M, H, L)
@@ -364,6 +407,8 @@ def ssd_chunked(
         upd = torch.matmul(w.reshape(M, G, Hg * P, L), Bc).view(M, H, P, N)
         chunk_decay = torch.exp(acum[..., -1])  # (M, H)
         state[:M] = state[:M] * chunk_decay[:, :, None, None] + upd
+        for m, r in at.get(j, ()):
+            cap[1][m] = state[r]
 
         out[idx.reshape(-1)] = y.permute(0, 2, 1, 3).reshape(M * L, H, P)
 

@@ -1,0 +1,194 @@
+"""``python -m benchmarks.compare --sweep``: pagefold vs vLLM vs transformers over a grid of
+model shapes, so that a change that helps one shape and hurts another shows.
+
+    python -m benchmarks.compare --sweep --vllm-python /tmp/vllm-venv/bin/python
+    python -m benchmarks.compare --sweep --quick ...           # 4 shapes, smaller workloads
+    python -m benchmarks.compare --sweep --real-model DIR ...  # + a trained checkpoint
+
+Shapes (random weights, bf16): hidden 256-1024, 4-24 layers, GQA ratios 1-8, head_dim 64 and
+128, dense (Qwen3), Gated DeltaNet hybrid (Qwen3.5), Mamba-2 hybrid (Nemotron-H) and MoE
+(Qwen3-Next: GDN hybrid with sparse experts); ``--real-model`` appends a trained model
+directory (SmolLM2-135M, once it is in the project). Workloads per shape (token ids generated
+once, the same for every system; greedy, ``ignore_eos``):
+
+* ``tput``: N prompts x 256 in, 64-128 out, all at once (output tok/s);
+* ``b1``: batch-1 decode, requests one after another, 256 in (TPOT; bandwidth table);
+* ``long``: 3,000+ token prompts, a few requests at once (output tok/s, TTFT dominated);
+* ``sys``: a 1,000-token system prompt + 20-60 token questions: the first request alone,
+  then the rest at once (wall time; prefix caching on in both engines);
+* ``conv``: conversations x turns, each turn = previous prompt + the system's own answer +
+  a new 20-60 token message (wall time; prefix caching on in both engines).
+
+Ratios are pagefold's speed-ups over the best vLLM row (``vllm`` / ``vllm-r0``, whichever was
+faster on that workload) and over transformers (``tput``, ``b1``, ``long``; it has no prefix
+cache), with the geometric mean of each column. The bandwidth table divides the bytes one
+batch-1 decode step reads by pagefold's TPOT, against a STREAM-like copy measured in the run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    arch: str
+    hidden: int
+    layers: int
+    overrides: dict = field(default_factory=dict)
+    big: bool = False  # smaller request counts for the slow shapes
+
+
+def _attn(heads: int, kv: int, head_dim: int) -> dict:
+    return dict(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
+
+
+# GQA ratio = heads / kv heads. Overrides go to benchmarks.common.bench_shape's config.
+SHAPES = [
+    Shape("dense-h256-l4-gqa2-d64", "qwen3", 256, 4),
+    Shape("dense-h512-l8-gqa4-d128", "qwen3", 512, 8, _attn(4, 1, 128)),
+    Shape("dense-h768-l12-gqa1-d64", "qwen3", 768, 12, _attn(12, 12, 64)),
+    Shape("dense-h1024-l24-gqa8-d128", "qwen3", 1024, 24, _attn(16, 2, 128), big=True),
+    Shape("dense-h1024-l16-gqa8-d64", "qwen3", 1024, 16, _attn(16, 2, 64), big=True),
+    Shape("gdn-h256-l4", "qwen3_5", 256, 4),
+    Shape("gdn-h512-l16-gqa4-d128", "qwen3_5", 512, 16, _attn(4, 1, 128)),
+    Shape("gdn-h1024-l12", "qwen3_5", 1024, 12, big=True),
+    Shape("mamba2-h512-l8", "nemotron_h", 512, 8),
+    Shape("mamba2-h1024-l12-gqa8", "nemotron_h", 1024, 12, _attn(16, 2, 64), big=True),
+    Shape("moe-h512-l8", "qwen3_next", 512, 8),
+]
+QUICK = ["dense-h512-l8-gqa4-d128", "gdn-h256-l4", "mamba2-h512-l8", "moe-h512-l8"]
+
+# workload -> (requests, (in lo, in hi), (out lo, out hi), mode) at full size
+WORK = {
+    "tput": (32, (256, 256), (64, 128), False),
+    "b1": (2, (256, 256), (96, 96), True),
+    "long": (4, (3000, 3200), (32, 32), False),
+    "sys": (16, (20, 60), (32, 32), "lead"),
+    "conv": (8, (20, 60), (32, 32), "conv"),
+}
+SYSTEM_PROMPT, CONV_TURNS, CONV_OPENING = 1000, 4, (150, 250)
+MAX_LEN = 4096
+
+
+def _scaled(n: int, quick: bool, big: bool) -> int:
+    return max(2, n // (2 if quick else 1) // (2 if big else 1))
+
+
+def make_sweep_work(vocab: int, seed: int, quick: bool, big: bool) -> dict:
+    """``{workload: (work, mode)}`` as ``benchmarks.compare._drive`` takes them."""
+    out = {}
+    for name, (n, (ilo, ihi), (olo, ohi), mode) in WORK.items():
+        rng = random.Random(f"{name}-{seed}")
+
+        def ids(k: int, rng: random.Random = rng) -> list[int]:
+            return [rng.randrange(5, vocab) for _ in range(k)]
+
+        n = n if name == "b1" else _scaled(n, quick, big)
+        if name == "conv":
+            work = {"first": [ids(rng.randint(*CONV_OPENING)) for _ in range(n)],
+                    "msgs": [[ids(rng.randint(ilo, ihi)) for _ in range(n)]
+                             for _ in range(CONV_TURNS - 1)],
+                    "out": olo}
+        elif name == "sys":
+            system = ids(SYSTEM_PROMPT)
+            work = [{"ids": system + ids(rng.randint(ilo, ihi)), "out": olo} for _ in range(n)]
+        else:
+            work = [{"ids": ids(rng.randint(ilo, ihi)), "out": rng.randint(olo, ohi)}
+                    for _ in range(n)]
+        out[name] = (work, mode)
+    return out
+
+
+def _gmean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
+    """``run_one(system, spec) -> worker result or None`` (compare.py's subprocess runner)."""
+    from transformers import AutoConfig
+
+    from benchmarks.common import bench_model, print_table
+    from benchmarks.compare import decode_step_bytes, stream_copy_gbps
+
+    wanted = QUICK if args.quick else [s.name for s in SHAPES]
+    if args.shapes:
+        wanted = args.shapes
+    shapes = [s for s in SHAPES if s.name in wanted]
+    models = [(s.name, str(bench_model(s.arch, s.hidden, s.layers, **s.overrides)), s.big)
+              for s in shapes]
+    if args.real_model:  # hook: a trained checkpoint (SmolLM2-135M when it lands)
+        models.append((f"real:{Path(args.real_model).name}", args.real_model, False))
+    rows, bw_rows = [], []
+    for name, model, big in models:
+        vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+        work = make_sweep_work(vocab, args.seed, args.quick, big)
+        if args.sweep_workloads:
+            work = {w: v for w, v in work.items() if w in args.sweep_workloads}
+        spec = {"model": model, "max_len": MAX_LEN, "work": work}
+        print(f"{name}: {model}", flush=True)
+        got: dict[str, dict] = {}
+        for _ in range(args.repeat):
+            for system in systems:
+                r = run_one(system, spec)
+                if r is None:
+                    continue
+                keep = got.setdefault(system, r)
+                for w, res in r["results"].items():
+                    old = keep["results"].get(w)
+                    if old is None or res["seconds"] < old["seconds"]:
+                        keep["results"][w] = res
+        row = {"shape": name}
+        for w in WORK:
+            res = {s: r["results"].get(w) for s, r in got.items() if w in r["results"]}
+            pf = res.get("pagefold")
+            vl = [v for s, v in res.items() if s.startswith("vllm")]
+            hf = res.get("transformers")
+            if pf is None:
+                continue
+            if w == "b1":  # decode speed: TPOT
+                best = min((v["tpot"] for v in vl if v["tpot"]), default=None)
+                row["b1 TPOT ms"] = pf["tpot"] * 1e3
+                row["b1 /vLLM"] = best / pf["tpot"] if best else None
+                row["b1 /HF"] = hf["tpot"] / pf["tpot"] if hf and hf["tpot"] else None
+                nbytes = decode_step_bytes(model, WORK["b1"][1][1] + WORK["b1"][2][1] // 2)
+                copy = stream_copy_gbps(got["pagefold"]["threads"])
+                ach = nbytes / pf["tpot"] / 1e9
+                bw_rows.append({"shape": name, "MB/step": nbytes / 1e6,
+                                "TPOT ms": pf["tpot"] * 1e3, "GB/s": ach, "copy GB/s": copy,
+                                "% of copy": 100 * ach / copy,
+                                "vLLM TPOT ms": best * 1e3 if best else None})
+            else:  # whole-workload wall time (same tokens for every system)
+                best = min((v["seconds"] for v in vl), default=None)
+                row[f"{w} /vLLM"] = best / pf["seconds"] if best else None
+                if w in ("tput", "long") and hf:
+                    row[f"{w} /HF"] = hf["seconds"] / pf["seconds"]
+        rows.append(row)
+    cols = ["shape", "tput /vLLM", "b1 /vLLM", "long /vLLM", "sys /vLLM", "conv /vLLM",
+            "tput /HF", "b1 /HF", "long /HF", "b1 TPOT ms"]
+    cols = [c for c in cols if any(r.get(c) for r in rows)]
+    gm = {"shape": "geometric mean"}
+    for c in cols[1:]:
+        if c != "b1 TPOT ms":
+            gm[c] = _gmean([r.get(c) for r in rows])
+    worst = {"shape": "worst cell"}
+    for c in cols[1:]:
+        if c != "b1 TPOT ms":
+            vals = [r[c] for r in rows if r.get(c)]
+            worst[c] = min(vals) if vals else None
+    print("\nsweep: pagefold's speed-up (> 1: faster) over the best vLLM row and transformers;"
+          " wall time of the same tokens (tput, long, sys, conv), TPOT (b1)")
+    print_table(rows + [gm, worst], cols)
+    print("\nbatch-1 decode: bytes per step / pagefold's TPOT vs a STREAM-like copy")
+    print_table(bw_rows, ["shape", "MB/step", "TPOT ms", "GB/s", "copy GB/s", "% of copy",
+                          "vLLM TPOT ms"])
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"sweep": rows, "geomean": gm,
+                                               "bandwidth": bw_rows}, indent=1))

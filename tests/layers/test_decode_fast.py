@@ -1,0 +1,49 @@
+"""The fast decode path of dense decoder layers (pagefold.layers.decode_fast) gives the module
+path's bits: same tokens and same logprobs (bf16, greedy) for Llama (plain), Qwen2 (qkv bias)
+and Qwen3 (q/k norm), at batch 1 and 2 (the GEMV sizes) and with a third request (3 decode
+rows: the module path) in between; the fast path must actually have run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefold import LLM, SamplingParams
+from pagefold.csrc import cpu_ops
+from pagefold.layers import decode_fast
+from pagefold.models.llama import DecoderModel
+from pagefold.testing.tiny_models import random_prompts
+
+SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+def _run(model_dir, prompts: list[list[int]]) -> list[tuple]:
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
+    out = []
+    for group in (prompts[:1], prompts[:2], prompts):  # 1, 2, then 3 concurrent requests
+        for o in llm.generate([{"prompt_token_ids": p} for p in group], SP, use_tqdm=False):
+            c = o.outputs[0]
+            out.append((c.token_ids, [sorted(d.items()) for d in c.logprobs]))
+    llm.engine.kv.check_whole()
+    return out
+
+
+@pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fast_decode_is_bitwise_the_module_path(arch, tiny_model_factory, monkeypatch):
+    model = tiny_model_factory(arch)
+    prompts = random_prompts(3, 5, 40, 400, seed=4)
+    calls = [0]
+    forward = decode_fast.DensePlan.forward
+
+    def counting(self, *args, **kw):
+        calls[0] += 1
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(decode_fast.DensePlan, "forward", counting)
+    fast = _run(model, prompts)
+    assert calls[0] > 0
+    monkeypatch.setattr(DecoderModel, "fast_decode", False)
+    n = calls[0]
+    slow = _run(model, prompts)
+    assert calls[0] == n  # the module path only
+    assert fast == slow

@@ -1,0 +1,66 @@
+"""benchmarks.compare --sweep: workload generation and the driver's submission modes, with a
+fake engine (no model, no subprocess)."""
+
+from __future__ import annotations
+
+from benchmarks.compare import _drive
+from benchmarks.sweep import CONV_TURNS, QUICK, SHAPES, SYSTEM_PROMPT, _gmean, make_sweep_work
+
+
+class FakeEngine:
+    """Answers every request with ``out`` copies of its prompt length (mod 100) in one step;
+    records what was submitted together."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict] = {}
+        self.batches: list[list[str]] = []
+        self.prompts: dict[str, list[int]] = {}
+
+    def add(self, rid: str, w: dict) -> None:
+        if not self.pending:
+            self.batches.append([])
+        self.batches[-1].append(rid)
+        self.pending[rid] = w
+        self.prompts[rid] = w["ids"]
+
+    def step(self):
+        out = [(rid, w["out"], True, [len(w["ids"]) % 100] * w["out"])
+               for rid, w in self.pending.items()]
+        self.pending = {}
+        return out
+
+
+def test_sweep_work_shapes_and_prefixes():
+    work = make_sweep_work(vocab=500, seed=0, quick=False, big=False)
+    assert set(work) == {"tput", "b1", "long", "sys", "conv"}
+    sys_work, mode = work["sys"]
+    assert mode == "lead" and len(sys_work) == 16
+    prefix = sys_work[0]["ids"][:SYSTEM_PROMPT]
+    assert all(w["ids"][:SYSTEM_PROMPT] == prefix for w in sys_work)
+    assert all(len(w["ids"]) >= 3000 for w in work["long"][0])
+    conv, mode = work["conv"]
+    assert mode == "conv" and len(conv["msgs"]) == CONV_TURNS - 1
+    quick = make_sweep_work(vocab=500, seed=0, quick=True, big=True)
+    assert len(quick["tput"][0]) == 8 and len(quick["b1"][0]) == 2  # b1 never shrinks
+    assert set(QUICK) <= {s.name for s in SHAPES}
+    assert {s.arch for s in SHAPES} == {"qwen3", "qwen3_5", "nemotron_h", "qwen3_next"}
+
+
+def test_drive_lead_and_conversation_modes():
+    eng = FakeEngine()
+    work = [{"ids": [1] * n, "out": 3} for n in (5, 6, 7)]
+    res = _drive(eng.add, eng.step, work, "lead")
+    assert eng.batches == [["0"], ["1", "2"]] and res["n_out"] == 9
+    eng = FakeEngine()
+    conv = {"first": [[1] * 10, [2] * 20], "msgs": [[[3], [4, 4]], [[5], [6]]], "out": 2}
+    res = _drive(eng.add, eng.step, conv, "conv")
+    assert eng.batches == [["0-0", "0-1"], ["1-0", "1-1"], ["2-0", "2-1"]]
+    # Turn 2 = turn 1 prompt + the engine's own answer + the next message.
+    assert eng.prompts["1-0"] == [1] * 10 + [10, 10] + [3]
+    assert eng.prompts["2-1"] == [2] * 20 + [20, 20] + [4, 4] + [24, 24] + [6]
+    assert res["n_out"] == 12
+
+
+def test_gmean_skips_missing_cells():
+    assert abs(_gmean([2.0, 0.5, None]) - 1.0) < 1e-12
+    assert _gmean([None]) is None

@@ -1,9 +1,14 @@
 """Tensor parallelism on the CPU (gloo, 2 worker ranks) against transformers in float32.
 
 Architectures with tensor-parallel shards: Llama, Qwen2, Qwen3 (attention + gated MLP),
-Qwen3.5 (Gated DeltaNet heads and their states, gated attention), Nemotron-H and Bamba
-(Mamba-2 heads and B/C groups with their states, NoPE / partial-RoPE attention, relu^2 or
-gated MLPs). MoE experts are not split yet: those configs are refused with a clear error.
+Qwen3.5 (Gated DeltaNet heads and their states, gated attention), Qwen3-Next (the same + sparse
+MoE with a gated shared expert), Nemotron-H (with and without its MoE blocks), Bamba and
+Granite-4.0-H (Mamba-2 heads and B/C groups with their states -- Granite's single group shared
+by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Granite experts),
+Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2 and Falcon-H1 (parallel
+attention + Mamba-2 with per-channel multipliers). MoE experts split their intermediate
+dimension over the ranks. The other architectures are refused naming the part that does not
+split; fields that do not divide are named.
 
 One engine per architecture runs prompts sharing a prefix under chunked prefill at an odd
 budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
@@ -44,8 +49,21 @@ def _config(model_dir) -> dict:
 
 
 # Blocks above one request of MAX_LEN: enough that requests share the pool (and the prefix
-# cache keeps checkpoints), few enough that they get preempted. Bamba's large states need more.
-EXTRA_BLOCKS = {"bamba": 10}
+# cache keeps checkpoints), few enough that they get preempted. Large states need more.
+EXTRA_BLOCKS = {"bamba": 10, "granitemoehybrid": 10, "mamba2": 6, "falcon_h1": 6}
+
+# Config overrides so heads divide by 2 (the tiny configs use 3 / 5 heads on purpose).
+NEMOTRON_MOE = dict(
+    layers_block_type=["linear_attention", "moe", "full_attention", "moe", "linear_attention",
+                       "mlp"],
+    n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+    moe_latent_size=24)
+OVERRIDES = {
+    "gemma3": dict(num_attention_heads=4),
+    "falcon_h1": dict(num_attention_heads=4, mamba_n_heads=6, mamba_d_head=10),
+    "nemotron_h_moe": NEMOTRON_MOE,
+}
 
 
 def _small_pool(cfg: dict, tp: int, extra: int = 3) -> int:
@@ -72,17 +90,17 @@ def _run(model_dir, llm: LLM) -> None:
     assert llm.engine.kv.stats.hits > 0  # the second pass (and shared prefixes) hit
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_5", "nemotron_h", "bamba"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next",
+                                  "nemotron_h", "nemotron_h_moe", "bamba", "granitemoehybrid",
+                                  "gemma3", "mamba2", "falcon_h1"])
 def test_tp2_greedy_matches_transformers(tiny_model_factory, arch: str):
-    model_dir = tiny_model_factory(arch)
+    model_dir = tiny_model_factory(arch.removesuffix("_moe"), **OVERRIDES.get(arch, {}))
     cfg = _config(model_dir)
     memory = _small_pool(cfg, 2, EXTRA_BLOCKS.get(arch, 3))
     llm = LLM(str(model_dir), tensor_parallel_size=2, max_model_len=MAX_LEN,
               kv_cache_memory=memory, max_num_batched_tokens=13, threads_per_rank=1)
     try:
         _run(model_dir, llm)
-        if arch != "llama":
-            return
         # Per-rank pools: exactly the planner's TP arithmetic (what `pagefold capacity
         # --tensor-parallel-size 2` reports), the same on every rank.
         import torch
@@ -93,6 +111,8 @@ def test_tp2_greedy_matches_transformers(tiny_model_factory, arch: str):
         want = {"num_blocks": rep["num_blocks"], "pool_bytes": rep["pool_bytes"]}
         assert llm.engine.runner.rank_pools == [want, want]
         assert llm.engine.kv_config.num_blocks == rep["num_blocks"]
+        if arch != "llama":
+            return
         # Killing one rank is an engine error naming it, well within the test's time.
         os.kill(llm.engine.runner.pids[1], signal.SIGKILL)
         t = time.monotonic()
@@ -110,7 +130,29 @@ def test_heads_not_dividing_name_the_field(tiny_model_factory):
             kv_cache_memory=1 << 22)
 
 
-def test_moe_is_refused_clearly(tiny_model_factory):
-    with pytest.raises(ValueError, match="not supported for GraniteMoeHybridForCausalLM"):
-        LLM(str(tiny_model_factory("granitemoehybrid")), tensor_parallel_size=2,
+@pytest.mark.parametrize(("arch", "overrides", "field"), [
+    ("qwen3_next", dict(moe_intermediate_size=30), "moe_intermediate_size"),
+    ("qwen3_next", dict(shared_expert_intermediate_size=45), "shared_expert_intermediate_size"),
+    ("granitemoehybrid", dict(shared_intermediate_size=45), "shared_intermediate_size"),
+    ("mamba2", dict(n_groups=5), "n_groups"),
+    ("falcon_h1", dict(num_attention_heads=4), "heads"),
+    ("gemma3", {}, "num_attention_heads"),
+])
+def test_fields_not_dividing_are_named_before_workers_start(tiny_model_factory, arch, overrides,
+                                                            field):
+    """The shard check runs in the engine process (rank 0's shard on the meta device), so the
+    error is a ValueError naming the field, and no worker starts."""
+    with pytest.raises(ValueError, match=rf"{field} \(\d+\) (is not divisible|must be 1)"):
+        LLM(str(tiny_model_factory(arch, **overrides)), tensor_parallel_size=2,
             max_model_len=MAX_LEN, kv_cache_memory=1 << 22)
+
+
+@pytest.mark.parametrize(("arch", "part"), [
+    ("jamba", "Mamba-1"), ("zamba2", "LoRA adapters"), ("lfm2", "short-convolution"),
+    ("gpt_oss", "attention sinks"), ("minimax", "lightning-attention"), ("kimi_linear", "MLA"),
+])
+def test_architectures_without_shards_are_refused_naming_the_part(tiny_model_factory, arch,
+                                                                   part):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2 is not supported for .*{part}"):
+        LLM(str(tiny_model_factory(arch)), tensor_parallel_size=2, max_model_len=MAX_LEN,
+            kv_cache_memory=1 << 22)

@@ -44,15 +44,10 @@ TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                     "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
                     "GraniteMoeHybridForCausalLM", "Gemma3ForCausalLM", "Mamba2ForCausalLM",
-                    "FalconH1ForCausalLM")
+                    "FalconH1ForCausalLM", "Lfm2ForCausalLM", "GptOssForCausalLM")
 
 # The others, with the part that has no tensor-parallel shard.
 TP_UNSUPPORTED = {
-    "GptOssForCausalLM": "gpt-oss's per-head attention sinks (self_attn.sinks) and biased, "
-                         "clamped-SwiGLU experts (experts.gate_up_proj_bias) have no "
-                         "tensor-parallel shards",
-    "Lfm2ForCausalLM": "LFM2's short-convolution layers (conv.in_proj / conv_L_cache state) "
-                       "have no tensor-parallel shards",
     "Zamba2ForCausalLM": "Zamba2's shared attention blocks with per-use LoRA adapters "
                          "(use_shared_attention_adapter, num_mem_blocks) do not split",
     "JambaForCausalLM": "Jamba's Mamba-1 mixers (x_proj reads every mamba_expand * hidden_size "

@@ -6,8 +6,9 @@ MoE with a gated shared expert), Nemotron-H (with and without its MoE blocks), B
 Granite-4.0-H (Mamba-2 heads and B/C groups with their states -- Granite's single group shared
 by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Granite experts),
 Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1 (parallel
-attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels) and gpt-oss
-(attention sinks per head, biased interleaved experts). MoE experts split their intermediate
+attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels) , gpt-oss
+(attention sinks per head, biased interleaved experts) and MiniMax (lightning heads and their
+states, an output norm spanning the ranks). MoE experts split their intermediate
 dimension over the ranks. The other architectures are refused naming the part that does not
 split; fields that do not divide are named.
 
@@ -94,7 +95,7 @@ def _run(model_dir, llm: LLM) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next",
                                   "nemotron_h", "nemotron_h_moe", "bamba", "granitemoehybrid",
-                                  "gemma3", "mamba2", "falcon_h1", "lfm2", "gpt_oss"])
+                                  "gemma3", "mamba2", "falcon_h1", "lfm2", "gpt_oss", "minimax"])
 def test_tp2_greedy_matches_transformers(tiny_model_factory, arch: str):
     model_dir = tiny_model_factory(arch.removesuffix("_moe"), **OVERRIDES.get(arch, {}))
     cfg = _config(model_dir)
@@ -151,7 +152,7 @@ def test_fields_not_dividing_are_named_before_workers_start(tiny_model_factory, 
 
 @pytest.mark.parametrize(("arch", "part"), [
     ("jamba", "Mamba-1"), ("zamba2", "LoRA adapters"),
-    ("minimax", "lightning-attention"), ("kimi_linear", "MLA"),
+    ("kimi_linear", "MLA"),
 ])
 def test_architectures_without_shards_are_refused_naming_the_part(tiny_model_factory, arch,
                                                                    part):

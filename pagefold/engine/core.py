@@ -44,7 +44,8 @@ TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                     "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
                     "GraniteMoeHybridForCausalLM", "Gemma3ForCausalLM", "Mamba2ForCausalLM",
-                    "FalconH1ForCausalLM", "Lfm2ForCausalLM", "GptOssForCausalLM")
+                    "FalconH1ForCausalLM", "Lfm2ForCausalLM", "GptOssForCausalLM",
+                    "MiniMaxForCausalLM")
 
 # The others, with the part that has no tensor-parallel shard.
 TP_UNSUPPORTED = {
@@ -52,8 +53,6 @@ TP_UNSUPPORTED = {
                          "(use_shared_attention_adapter, num_mem_blocks) do not split",
     "JambaForCausalLM": "Jamba's Mamba-1 mixers (x_proj reads every mamba_expand * hidden_size "
                         "channel to make dt/B/C) do not split",
-    "MiniMaxForCausalLM": "MiniMax's lightning-attention layers (block_size decay, "
-                          "linear_attention state) have no tensor-parallel shards",
     "KimiLinearForCausalLM": "Kimi Linear's MLA latent (kv_lora_rank) and KDA layers "
                              "(linear_num_heads state) have no tensor-parallel shards",
 }

@@ -45,14 +45,12 @@ TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
                     "GraniteMoeHybridForCausalLM", "Gemma3ForCausalLM", "Mamba2ForCausalLM",
                     "FalconH1ForCausalLM", "Lfm2ForCausalLM", "GptOssForCausalLM",
-                    "MiniMaxForCausalLM", "JambaForCausalLM")
+                    "MiniMaxForCausalLM", "JambaForCausalLM", "KimiLinearForCausalLM")
 
 # The others, with the part that has no tensor-parallel shard.
 TP_UNSUPPORTED = {
     "Zamba2ForCausalLM": "Zamba2's shared attention blocks with per-use LoRA adapters "
                          "(use_shared_attention_adapter, num_mem_blocks) do not split",
-    "KimiLinearForCausalLM": "Kimi Linear's MLA latent (kv_lora_rank) and KDA layers "
-                             "(linear_num_heads state) have no tensor-parallel shards",
 }
 
 

@@ -123,7 +123,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, *,
                  norm_topk_prob: bool, shared_inter: int = 0, shared_gate: bool = True,
-                 act: str = "silu") -> None:
+                 act: str = "silu", what: str = "moe_intermediate_size") -> None:
+        """``what``: the config field of ``moe_inter`` (named when it does not divide)."""
         super().__init__()
         if act != "silu":
             raise ValueError(f"unsupported MoE expert activation {act!r} (only silu)")
@@ -132,7 +133,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = MoEExperts(num_experts, hidden, moe_inter)
+        self.experts = MoEExperts(num_experts, hidden, moe_inter, what)
         # reduce=False: one all-reduce for routed + shared partial sums (see forward).
         self.shared_expert = (GatedMLP(hidden, shared_inter, act=act, reduce=False,
                                        what="shared_expert_intermediate_size")

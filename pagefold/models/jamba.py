@@ -105,7 +105,8 @@ class JambaLayer(nn.Module):
         if moe:
             self.feed_forward = SparseMoeBlock(
                 cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                cfg.intermediate_size, norm_topk_prob=False, act=cfg.hidden_act)
+                cfg.intermediate_size, norm_topk_prob=False, act=cfg.hidden_act,
+                what="intermediate_size")
         else:
             self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
                                          act=cfg.hidden_act)

@@ -118,7 +118,8 @@ class MiniMaxDecoderLayer(nn.Module):
             self.alpha, self.beta = cfg.full_attn_alpha_factor, cfg.full_attn_beta_factor
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_local_experts,
                                   cfg.num_experts_per_tok, cfg.intermediate_size,
-                                  norm_topk_prob=True, act=cfg.hidden_act)
+                                  norm_topk_prob=True, act=cfg.hidden_act,
+                                  what="intermediate_size")
         self.mlp_alpha, self.mlp_beta = cfg.mlp_alpha_factor, cfg.mlp_beta_factor
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -9,9 +9,9 @@ Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1 (
 attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels), gpt-oss
 (attention sinks per head, biased interleaved experts), MiniMax (lightning heads and their
 states, an output norm spanning the ranks), Jamba (Mamba-1 channels, row-parallel x_proj) and
-Kimi Linear (KDA heads, MLA query heads over a shared latent). MoE experts split their
-intermediate dimension over the ranks. Zamba2 is refused naming the part that does not split;
-fields that do not divide are named.
+Kimi Linear (KDA heads, MLA query heads over a shared latent) and Zamba2 (shared blocks with
+LoRA adapters cut like the projections they add to). MoE experts split their intermediate
+dimension over the ranks. Fields that do not divide are named before any worker starts.
 
 One engine per architecture runs prompts sharing a prefix under chunked prefill at an odd
 budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
@@ -65,6 +65,7 @@ NEMOTRON_MOE = dict(
 OVERRIDES = {
     "gemma3": dict(num_attention_heads=4),
     "gpt_oss": dict(num_attention_heads=4),
+    "zamba2": dict(n_mamba_heads=4),
     "kimi_linear": dict(num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4),
     "falcon_h1": dict(num_attention_heads=4, mamba_n_heads=6, mamba_d_head=10),
     "nemotron_h_moe": NEMOTRON_MOE,
@@ -97,7 +98,7 @@ def _run(model_dir, llm: LLM) -> None:
 
 TP_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next", "nemotron_h", "nemotron_h_moe",
             "bamba", "granitemoehybrid", "gemma3", "mamba2", "falcon_h1", "lfm2", "gpt_oss",
-            "minimax", "jamba", "kimi_linear"]
+            "minimax", "jamba", "kimi_linear", "zamba2"]
 
 
 @pytest.mark.parametrize("arch", TP_ARCHS)
@@ -155,9 +156,19 @@ def test_fields_not_dividing_are_named_before_workers_start(tiny_model_factory, 
             max_model_len=MAX_LEN, kv_cache_memory=1 << 22)
 
 
-def test_zamba2_is_refused_naming_the_part(tiny_model_factory):
-    """Zamba2's shared attention blocks (one weight set used at several depths, with per-use
-    LoRA adapters) have no shards: refused before anything is sized."""
-    with pytest.raises(ValueError, match="not supported for Zamba2ForCausalLM: .*LoRA adapters"):
-        LLM(str(tiny_model_factory("zamba2")), tensor_parallel_size=2, max_model_len=MAX_LEN,
-            kv_cache_memory=1 << 22)
+def test_architectures_without_shards_are_refused(monkeypatch):
+    """Every registered architecture has shards today; one without them is refused naming the
+    part that does not split (or as unknown), before anything is sized."""
+    from transformers import LlamaConfig
+
+    from pagefold.engine import core
+
+    cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    with pytest.raises(ValueError, match="not supported for FooForCausalLM yet"):
+        core.check_tensor_parallel("FooForCausalLM", cfg, 2)
+    monkeypatch.setitem(core.TP_UNSUPPORTED, "LlamaForCausalLM", "its widgets do not split")
+    with pytest.raises(ValueError, match="LlamaForCausalLM: its widgets do not split"):
+        core.check_tensor_parallel("LlamaForCausalLM", cfg, 2)
+    from pagefold.models.registry import supported_architectures
+
+    assert set(supported_architectures()) == set(core.TP_ARCHITECTURES)

@@ -140,7 +140,7 @@ def test_heads_not_dividing_name_the_field(tiny_model_factory):
 
 
 @pytest.mark.parametrize(("arch", "overrides", "field"), [
-    ("qwen3_next", dict(moe_intermediate_size=30), "moe_intermediate_size"),
+    ("qwen3_next", dict(moe_intermediate_size=33), "moe_intermediate_size"),
     ("qwen3_next", dict(shared_expert_intermediate_size=45), "shared_expert_intermediate_size"),
     ("granitemoehybrid", dict(shared_intermediate_size=45), "shared_intermediate_size"),
     ("mamba2", dict(n_groups=5), "n_groups"),

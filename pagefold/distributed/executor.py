@@ -134,6 +134,7 @@ class TPExecutor:
                     ready = True
                 if msg is not None:
                     if msg[0] == "error":
+                        self._blame_dead(exclude=rank, then=msg[1])
                         self._fail(f"tensor-parallel worker {msg[1]}")
                     replies[rank] = msg
                 elif ready or p.poll() is not None:
@@ -146,6 +147,21 @@ class TPExecutor:
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 self._fail(f"tensor-parallel workers did not answer within {timeout_s:.0f} s")
         return replies  # type: ignore[return-value]
+
+    def _blame_dead(self, exclude: int, then: str, wait_s: float = 1.0) -> None:
+        """A rank reported an error: when another rank died, that death is the cause (the
+        reporter's collective failed because its peer vanished), so name the dead rank."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs):
+                # A rank that reported an error itself exits with 0; a killed one does not.
+                if rank != exclude and p.poll() not in (None, 0):
+                    first = then.splitlines()[0] if then else ""
+                    self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with "
+                               f"code {p.returncode}; the engine cannot continue (then {first})")
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         if not self.procs:

@@ -39,10 +39,55 @@ from pagefold.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagefold")
 
-# Architectures whose layers have tensor-parallel shards so far.
+# Architectures whose layers have tensor-parallel shards (every registered one).
 TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                     "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                    "NemotronHForCausalLM", "BambaForCausalLM")
+                    "Qwen3NextForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
+                    "GraniteMoeHybridForCausalLM", "Gemma3ForCausalLM", "Mamba2ForCausalLM",
+                    "FalconH1ForCausalLM", "Lfm2ForCausalLM", "GptOssForCausalLM",
+                    "MiniMaxForCausalLM", "JambaForCausalLM", "KimiLinearForCausalLM",
+                    "Zamba2ForCausalLM")
+
+# Registered architectures without shards, with the part that does not split (none today;
+# a model added without shards goes here or is refused as unknown).
+TP_UNSUPPORTED: dict[str, str] = {}
+
+
+def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
+    """Raise a ValueError when ``arch`` cannot run on ``tp`` ranks: an architecture without
+    shards (naming the part), or a field that does not divide (naming the field).
+
+    Divisibility is checked the way the ranks will meet it: rank 0's shard of the model is
+    built on the meta device (no memory) in this process, so every layer's own check runs
+    here, before any worker starts."""
+    import torch
+
+    from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
+    from pagefold.layers.attention_block import split_heads
+    from pagefold.models.registry import model_class
+    from pagefold.models.registry import text_config as _text
+
+    if arch in TP_UNSUPPORTED:
+        raise ValueError(f"tensor_parallel_size {tp} is not supported for {arch}: "
+                         f"{TP_UNSUPPORTED[arch]}; use tensor_parallel_size 1")
+    if arch not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size {tp} is not supported for {arch} yet; "
+                         f"supported: {', '.join(TP_ARCHITECTURES)}")
+    tcfg = _text(hf_config)
+    heads = getattr(tcfg, "num_attention_heads", None)
+    if heads:
+        split_heads(heads, getattr(tcfg, "num_key_value_heads", None) or heads, tp)
+    prev = (tp_rank(), tp_size())
+    set_tensor_parallel(0, tp)
+    try:
+        with torch.device("meta"):
+            model_class(arch)(tcfg, max_positions=2)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - not a sharding error; the ranks will tell
+        logger.debug("meta-device shard check of %s skipped: %s", arch, e)
+    finally:
+        set_tensor_parallel(*prev)
 
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
@@ -53,27 +98,6 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
     from pagefold.distributed.executor import TPExecutor
     from pagefold.distributed.worker import WorkerInit
 
-    if arch not in TP_ARCHITECTURES:
-        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} is not supported "
-                         f"for {arch} yet; supported: {', '.join(TP_ARCHITECTURES)}")
-    from pagefold.layers.attention_block import split_heads
-    from pagefold.models.registry import text_config as _text
-
-    tcfg, tp = _text(load_hf_config(config.model)[1]), config.tensor_parallel_size
-    heads = tcfg.num_attention_heads
-    split_heads(heads, getattr(tcfg, "num_key_value_heads", None) or heads, tp)
-    experts = getattr(tcfg, "num_local_experts", 0) or getattr(tcfg, "num_experts", 0) or 0
-    if arch == "NemotronHForCausalLM":
-        from pagefold.core.layer_kinds import MOE, layer_kinds
-
-        experts = MOE in layer_kinds(tcfg, "nemotron_h")  # its config always names experts
-    if experts:
-        raise ValueError(f"tensor_parallel_size {tp} does not split MoE experts yet ({arch} "
-                         f"with experts); use tensor_parallel_size 1")
-    inter = getattr(tcfg, "intermediate_size", None)
-    if inter and inter % tp:
-        raise ValueError(f"intermediate_size ({inter}) is not divisible by "
-                         f"tensor_parallel_size {tp}")
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
@@ -125,6 +149,8 @@ class EngineCore:
         self.eos_token_id = self._eos_id(hf_config)
 
         self.tp = config.tensor_parallel_size
+        if self.tp > 1:  # before anything is sized: an unsplittable part or field is named
+            check_tensor_parallel(arch, hf_config, self.tp)
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)

@@ -97,15 +97,17 @@ def _split(full: int, parts: int, what: str) -> int:
 
 
 def column_linear(in_features: int, sizes: dict[str, int | list[int]] | int, *, bias: bool,
-                  parts: dict[str, int] | None = None, what: str = "output features"
+                  parts: dict[str, int | list[int]] | None = None,
+                  what: str = "output features"
                   ) -> nn.Linear:
     """A linear layer keeping this rank's rows of each shard of its output.
 
     ``sizes``: the full output rows of each fused shard (checkpoint sub-name -> rows), or one
     count for an unfused layer. A shard given as a list of row counts is several blocks (Gated
     DeltaNet's q | k | v), each cut separately. ``parts[name]`` (default: the rank count) is
-    how many equal parts the shard is cut into; rank ``r`` keeps part ``r * parts // ranks``,
-    so a shard cut in fewer parts than ranks is replicated (KV heads fewer than ranks)."""
+    how many equal parts the shard is cut into (a list: per block); rank ``r`` keeps part
+    ``r * parts // ranks``, so a shard cut in fewer parts than ranks is replicated (KV heads
+    fewer than ranks)."""
     fused = isinstance(sizes, dict)
     full = sizes if fused else {"": sizes}
     tp = tp_size()
@@ -140,35 +142,40 @@ def column_linear(in_features: int, sizes: dict[str, int | list[int]] | int, *, 
 
 
 class RowCut:
-    """This rank's rows of a tensor made of ``blocks`` row blocks, each cut in ``parts``."""
+    """This rank's rows of a tensor made of ``blocks`` row blocks, each cut in ``parts`` (one
+    count for every block, or one per block: a block cut in fewer parts than ranks is shared,
+    rank ``r`` keeping part ``r * parts // ranks``, as Mamba-2's single B/C group is)."""
 
-    def __init__(self, blocks: list[int], parts: int, what: str) -> None:
+    def __init__(self, blocks: list[int], parts: int | list[int], what: str) -> None:
         self.blocks = blocks
-        self.local = [_split(b, parts, what) for b in blocks]
-        self.pick = tp_rank() * parts // tp_size()
+        per_block = parts if isinstance(parts, list) else [parts] * len(blocks)
+        self.local = [_split(b, p, what) for b, p in zip(blocks, per_block, strict=True)]
+        self.picks = [tp_rank() * p // tp_size() for p in per_block]
 
     @property
     def local_rows(self) -> int:
         return sum(self.local)
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+    def take(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         out, start = [], 0
-        for full, n in zip(self.blocks, self.local):
-            out.append(tensor.narrow(0, start + self.pick * n, n))
+        for full, n, pick in zip(self.blocks, self.local, self.picks):
+            out.append(tensor.narrow(dim, start + pick * n, n))
             start += full
-        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        return out[0] if len(out) == 1 else torch.cat(out, dim=dim)
 
 
-def shard_rows(param: torch.Tensor, blocks: list[int], what: str) -> int:
+def shard_rows(param: torch.Tensor, blocks: list[int], what: str,
+               parts: list[int] | None = None, dim: int = 0) -> int:
     """Mark ``param`` (built with this rank's rows) to load its rows of a full checkpoint
-    tensor made of ``blocks`` row blocks, each cut evenly over the ranks. Returns the local
-    row count. With one rank nothing changes."""
+    tensor made of ``blocks`` row blocks along ``dim``, each cut evenly over the ranks (or in
+    ``parts[i]`` parts, see ``RowCut``). Returns the local row count. With one rank nothing
+    changes."""
     if tp_size() == 1:
         return sum(blocks)
-    cut = RowCut(blocks, tp_size(), what)
+    cut = RowCut(blocks, parts or tp_size(), what)
 
     def loader(p: torch.Tensor, tensor: torch.Tensor, shard: str | None) -> None:
-        p.data.copy_(cut.take(tensor))
+        p.data.copy_(cut.take(tensor, dim))
 
     param.tp_loader = loader  # type: ignore[attr-defined]
     return cut.local_rows
@@ -176,13 +183,16 @@ def shard_rows(param: torch.Tensor, blocks: list[int], what: str) -> int:
 
 class RowParallelLinear(nn.Linear):
     """``x`` holds this rank's slice of the input features; the output is the full sum over
-    ranks (one all-reduce), bias added once after it."""
+    ranks (one all-reduce), bias added once after it. With ``reduce=False`` the output is this
+    rank's partial sum (bias on rank 0 only) for a caller that sums several partials with one
+    all-reduce (an MoE block: every expert's and the shared expert's down projections)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool,
-                 what: str = "input features") -> None:
+                 what: str = "input features", reduce: bool = True) -> None:
         tp = tp_size()
         super().__init__(_split(in_features, tp, what), out_features, bias=bias)
         n, r = self.in_features, tp_rank()
+        self.reduce = reduce
 
         def weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard: str | None) -> None:
             param.data.copy_(tensor.narrow(1, r * n, n))
@@ -200,13 +210,16 @@ class RowParallelLinear(nn.Linear):
         y = cpu_ops.linear(x, self.weight, None) if x.dim() == 2 else None  # bf16 GEMV rows
         if y is None:
             y = gemm.linear(x, self.weight)  # bf16 GEMM rows via float32 where that is faster
-        y = all_reduce(F.linear(x, self.weight) if y is None else y)
+        y = F.linear(x, self.weight) if y is None else y
+        if not self.reduce:
+            return y if self.bias is None or tp_rank() else y + self.bias
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
 def row_linear(in_features: int, out_features: int, *, bias: bool,
-               what: str = "input features") -> nn.Linear:
-    """``nn.Linear`` with one rank, else a ``RowParallelLinear``."""
+               what: str = "input features", reduce: bool = True) -> nn.Linear:
+    """``nn.Linear`` with one rank, else a ``RowParallelLinear`` (``reduce``: see there)."""
     if tp_size() == 1:
         return nn.Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, bias=bias, what=what)
+    return RowParallelLinear(in_features, out_features, bias=bias, what=what, reduce=reduce)

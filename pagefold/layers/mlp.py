@@ -14,17 +14,19 @@ from pagefold.layers.linear import column_linear, row_linear
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``; gate and up are one fused ``gate_up_proj`` (checkpoint
-    ``gate_proj`` / ``up_proj`` rows)."""
+    ``gate_proj`` / ``up_proj`` rows). ``reduce=False``: under tensor parallelism return this
+    rank's partial sum (an MoE block sums its experts' partials with one all-reduce)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool = False, act: str = "silu") -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool = False, act: str = "silu",
+                 reduce: bool = True, what: str = "intermediate_size") -> None:
         super().__init__()
         if inter % tp_size():
-            raise ValueError(f"intermediate_size ({inter}) is not divisible by "
+            raise ValueError(f"{what} ({inter}) is not divisible by "
                              f"tensor_parallel_size {tp_size()}")
         self.inter = inter // tp_size()  # this rank's share
         self.gate_up_proj = column_linear(hidden, {"gate_proj": inter, "up_proj": inter},
-                                          bias=bias, what="intermediate_size")
-        self.down_proj = row_linear(inter, hidden, bias=bias, what="intermediate_size")
+                                          bias=bias, what=what)
+        self.down_proj = row_linear(inter, hidden, bias=bias, what=what, reduce=reduce)
         self.act = get_activation(act, ("silu", "gelu", "gelu_pytorch_tanh"), "MLP activation")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +39,13 @@ class GatedMLP(nn.Module):
 
 
 class UngatedMLP(nn.Module):
-    """``down_proj(act(up_proj(x)))`` (Nemotron-H's relu^2 MLP)."""
+    """``down_proj(act(up_proj(x)))`` (Nemotron-H's relu^2 MLP); ``reduce`` as in GatedMLP."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, act: str) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool, act: str, reduce: bool = True,
+                 what: str = "intermediate_size") -> None:
         super().__init__()
-        self.up_proj = column_linear(hidden, inter, bias=bias, what="intermediate_size")
-        self.down_proj = row_linear(inter, hidden, bias=bias, what="intermediate_size")
+        self.up_proj = column_linear(hidden, inter, bias=bias, what=what)
+        self.down_proj = row_linear(inter, hidden, bias=bias, what=what, reduce=reduce)
         self.act = get_activation(act, ("relu2", "silu", "swish", "relu"), "MLP activation")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

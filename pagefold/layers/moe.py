@@ -18,6 +18,12 @@ Expert weights are stacked like transformers' in-memory layout: ``experts.gate_u
 (E, 2 * inter, hidden) with the gate rows first, ``experts.down_proj`` (E, hidden, inter).
 Checkpoints store them either that way (loaded by name) or per expert
 (``experts.{e}.gate_proj.weight`` ...), which :class:`ExpertWeightRouter` copies in place.
+
+Tensor parallelism (vLLM's TP-for-MoE): every rank holds every expert, with its ``1/N`` of
+the intermediate dimension -- rows ``[gate_r | up_r]`` of ``gate_up_proj`` and the matching
+columns of ``down_proj`` -- so ``down_e`` gives a partial sum. The router is replicated (every
+rank routes the same tokens to the same experts), the shared expert is split the same way,
+and the block sums the partials of the routed and shared experts with one all-reduce.
 """
 
 from __future__ import annotations
@@ -30,20 +36,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.csrc.gemm import matmul_t
+from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from pagefold.layers.linear import shard_rows
 from pagefold.layers.mlp import GatedMLP
 
 __all__ = ["ExpertWeightRouter", "MoEExperts", "SparseMoeBlock"]
 
 
-class MoEExperts(nn.Module):
-    """``E`` SwiGLU experts with stacked weights; runs only the experts that receive tokens."""
+def split_expert_inter(inter: int, what: str = "moe_intermediate_size") -> int:
+    """This rank's share of an expert's intermediate size; a ValueError naming ``what`` when
+    it does not divide."""
+    if inter % tp_size():
+        raise ValueError(f"{what} ({inter}) is not divisible by tensor_parallel_size "
+                         f"{tp_size()} (MoE experts split their intermediate dimension)")
+    return inter // tp_size()
 
-    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+
+class MoEExperts(nn.Module):
+    """``E`` SwiGLU experts with stacked weights; runs only the experts that receive tokens.
+
+    Under tensor parallelism ``inter`` is this rank's share and the output a partial sum (the
+    owning block all-reduces)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int,
+                 what: str = "moe_intermediate_size") -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.inter = inter
+        self.full_inter = inter
+        self.inter = inter = split_expert_inter(inter, what)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        # Stacked checkpoint tensors (E, 2I, H) / (E, H, I): this rank's gate and up rows,
+        # its down columns.
+        shard_rows(self.gate_up_proj, [self.full_inter] * 2, what, dim=1)
+        shard_rows(self.down_proj, [self.full_inter], what, dim=2)
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), top_idx (T, k) int64, top_w (T, k) in x's dtype -> (T, hidden)."""
@@ -73,6 +99,9 @@ class MoEExperts(nn.Module):
         """Copy one per-expert checkpoint matrix (``gate_proj``/``up_proj``/``down_proj``)."""
         if not 0 <= e < self.num_experts:
             raise ValueError(f"expert index {e} out of range for {self.num_experts} experts")
+        if tp_size() > 1:  # the checkpoint's full matrix: this rank's slice of it
+            tensor = tensor.narrow(1 if proj == "down_proj" else 0, tp_rank() * self.inter,
+                                   self.inter)
         if proj == "down_proj":
             dst = self.down_proj.data[e]
         else:
@@ -95,7 +124,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, *,
                  norm_topk_prob: bool, shared_inter: int = 0, shared_gate: bool = True,
-                 act: str = "silu") -> None:
+                 act: str = "silu", what: str = "moe_intermediate_size") -> None:
+        """``what``: the config field of ``moe_inter`` (named when it does not divide)."""
         super().__init__()
         if act != "silu":
             raise ValueError(f"unsupported MoE expert activation {act!r} (only silu)")
@@ -104,8 +134,11 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = MoEExperts(num_experts, hidden, moe_inter)
-        self.shared_expert = GatedMLP(hidden, shared_inter, act=act) if shared_inter else None
+        self.experts = MoEExperts(num_experts, hidden, moe_inter, what)
+        # reduce=False: one all-reduce for routed + shared partial sums (see forward).
+        self.shared_expert = (GatedMLP(hidden, shared_inter, act=act, reduce=False,
+                                       what="shared_expert_intermediate_size")
+                              if shared_inter else None)
         self.shared_expert_gate = (nn.Linear(hidden, 1, bias=False)
                                    if shared_inter and shared_gate else None)
 
@@ -126,7 +159,7 @@ class SparseMoeBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return all_reduce(out)
 
 
 _PER_EXPERT = re.compile(r"^(?P<mod>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"

@@ -25,15 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import split_heads
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.linear import RowCut, column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import gather_logits, vocab_embedding
 from pagefold.models.llama import CausalLM
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
-from pagefold.models.weights import fuse
 
 __all__ = ["FalconH1ForCausalLM", "falcon_h1_mamba_dims", "mup_vector"]
 
@@ -71,15 +74,24 @@ class FalconH1Mixer(Mamba2Mixer):
             dt_limit=(float(limit[0]), float(limit[1])), proj_bias=bool(cfg.mamba_proj_bias),
             conv_bias=bool(cfg.mamba_conv_bias), activation=cfg.hidden_act)
         super().__init__(mcfg, layer_name)
-        self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=bool(cfg.projectors_bias))
+        # Tensor parallelism: as the shared mixer (this rank's heads, the one group shared),
+        # the multipliers cut like in_proj's rows.
+        local = self.cfg.intermediate
+        self.out_proj = row_linear(inter, cfg.hidden_size, bias=bool(cfg.projectors_bias),
+                                   what="Mamba-2 out_proj")
         if cfg.mamba_rms_norm:
-            self.norm = GatedRMSNorm(inter, eps=cfg.rms_norm_eps,
-                                     group_size=inter // cfg.mamba_n_groups,
-                                     norm_before_gate=bool(cfg.mamba_norm_before_gate))
+            self.norm = GatedRMSNorm(local, eps=cfg.rms_norm_eps,
+                                     group_size=local // self.cfg.n_groups,
+                                     norm_before_gate=bool(cfg.mamba_norm_before_gate),
+                                     spans_ranks=self.shared_group)
+            shard_rows(self.norm.weight, [inter], "Mamba-2 norm")
         else:
             self.norm = None
         self.ssm_in_multiplier = float(cfg.ssm_in_multiplier)
-        self.register_buffer("mup_vector", mup_vector(cfg), persistent=False)
+        mup = mup_vector(cfg)
+        if tp_size() > 1:
+            mup = RowCut(*self.tp_blocks, "Falcon-H1 ssm_multipliers").take(mup)
+        self.register_buffer("mup_vector", mup, persistent=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         c = self.cfg
@@ -123,15 +135,15 @@ class FalconH1Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q, kv, kv]
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads, kv_parts = split_heads(heads, kv_heads)
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
-                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.qkv_proj = column_linear(
+            cfg.hidden_size, {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d},
+            bias=bias, parts={"k_proj": kv_parts, "v_proj": kv_parts}, what="attention")
+        self.o_proj = row_linear(heads * d, cfg.hidden_size, bias=bias, what="attention output")
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions)
         self.key_multiplier = float(cfg.key_multiplier)
         self.scale = self.head_dim**-0.5
@@ -151,10 +163,13 @@ class FalconH1MLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         inter, bias = cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False))
-        self.inter = inter
-        self.gate_up_proj = fuse(nn.Linear(cfg.hidden_size, 2 * inter, bias=bias),
-                                 {"gate_proj": inter, "up_proj": inter})
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+        if inter % tp_size():
+            raise ValueError(f"intermediate_size ({inter}) is not divisible by "
+                             f"tensor_parallel_size {tp_size()}")
+        self.inter = inter // tp_size()  # this rank's share
+        self.gate_up_proj = column_linear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter},
+                                          bias=bias, what="intermediate_size")
+        self.down_proj = row_linear(inter, cfg.hidden_size, bias=bias, what="intermediate_size")
         self.gate_mult, self.down_mult = (float(m) for m in cfg.mlp_multipliers)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported Falcon-H1 MLP activation {cfg.hidden_act!r}")
@@ -187,7 +202,7 @@ class FalconH1DecoderLayer(nn.Module):
 class FalconH1Model(nn.Module):
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.embedding_multiplier = float(cfg.embedding_multiplier)
         self.layers = nn.ModuleList(FalconH1DecoderLayer(cfg, i, max_positions)
                                     for i in range(cfg.num_hidden_layers))
@@ -206,4 +221,5 @@ class FalconH1ForCausalLM(CausalLM):
         self.lm_head_multiplier = float(cfg.lm_head_multiplier)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head(hidden) * self.lm_head_multiplier).float()
+        logits = gather_logits(self.lm_head(hidden), self.vocab_size)
+        return (logits * self.lm_head_multiplier).float()

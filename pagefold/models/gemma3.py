@@ -25,12 +25,13 @@ from torch import nn
 
 from pagefold.core.spec_families import gemma3_layer_types
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers.attention_block import head_dim_of
+from pagefold.layers.attention_block import head_dim_of, split_heads
+from pagefold.layers.linear import column_linear, row_linear
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import gather_logits, vocab_embedding
 from pagefold.models.llama import CausalLM
-from pagefold.models.weights import fuse
 
 __all__ = ["Gemma3ForCausalLM", "LayerTypeRotary"]
 
@@ -64,15 +65,16 @@ class Gemma3Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int, layer_type: str, max_positions: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = head_dim_of(cfg)
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q, kv, kv]
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # This rank's heads (KV heads fewer than ranks are replicated).
+        self.num_heads, self.num_kv_heads, kv_parts = split_heads(heads, kv_heads)
+        self.head_dim = d = head_dim_of(cfg)
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
-                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.qkv_proj = column_linear(
+            cfg.hidden_size, {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d},
+            bias=bias, parts={"k_proj": kv_parts, "v_proj": kv_parts}, what="attention")
+        self.o_proj = row_linear(heads * d, cfg.hidden_size, bias=bias, what="attention output")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.rotary = LayerTypeRotary(cfg, self.head_dim, max_positions, layer_type)
@@ -112,7 +114,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = math.sqrt(cfg.hidden_size)
         types = gemma3_layer_types(cfg)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, t, max_positions)
@@ -135,7 +137,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = gather_logits(self.lm_head(hidden), self.vocab_size)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()

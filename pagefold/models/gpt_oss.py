@@ -13,6 +13,11 @@ Per layer: ``h = x + attn(norm(x))``, ``y = h + moe(norm(h))`` (transformers' Gp
 
 Checkpoints must hold unquantised expert tensors (as transformers saves them); the MXFP4
 ``*_blocks`` / ``*_scales`` of the published weights are refused with a clear error.
+
+Tensor parallelism: query heads (with their sinks) and KV heads split as in every GQA block;
+experts keep this rank's ``1/N`` of the intermediate dimension -- a contiguous run of the
+interleaved gate/up columns, the matching down rows -- the router is replicated, the down
+bias is added on rank 0 only and the layer's partial sums meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -22,12 +27,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.core.spec_families import gpt_oss_layer_types
+from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.extras import paged_attention_extras
+from pagefold.layers.attention_block import split_heads
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
+from pagefold.layers.moe import split_expert_inter
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM
-from pagefold.models.weights import fuse
 
 __all__ = ["GptOssExperts", "GptOssForCausalLM"]
 
@@ -36,16 +45,17 @@ class GptOssAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q, kv, kv]
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads, kv_parts = split_heads(heads, kv_heads)
+        self.head_dim = d = cfg.head_dim
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         bias = bool(getattr(cfg, "attention_bias", True))
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias),
-                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=bias)
+        self.qkv_proj = column_linear(
+            cfg.hidden_size, {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d},
+            bias=bias, parts={"k_proj": kv_parts, "v_proj": kv_parts}, what="attention")
+        self.o_proj = row_linear(heads * d, cfg.hidden_size, bias=bias, what="attention output")
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        shard_rows(self.sinks, [heads], "num_attention_heads")
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions)
         self.scale = self.head_dim**-0.5
 
@@ -66,11 +76,17 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        i = split_expert_inter(full, "intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj = nn.Parameter(torch.zeros(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+        # Interleaved gate/up columns: a run of intermediate channels is a run of columns.
+        shard_rows(self.gate_up_proj, [2 * full], "intermediate_size", dim=2)
+        shard_rows(self.gate_up_proj_bias, [2 * full], "intermediate_size", dim=1)
+        shard_rows(self.down_proj, [full], "intermediate_size", dim=1)
+        self.add_down_bias = tp_rank() == 0  # the ranks' partial sums carry it once
         self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
         self.limit = float(getattr(cfg, "swiglu_limit", 7.0))
 
@@ -94,7 +110,9 @@ class GptOssExperts(nn.Module):
             start += n
             tok, slot = sel // idx.shape[1], sel % idx.shape[1]
             h = self._glu(x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = h @ self.down_proj[e] + self.down_proj_bias[e]
+            y = h @ self.down_proj[e]
+            if self.add_down_bias:
+                y = y + self.down_proj_bias[e]
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(x.dtype))
         return out
 
@@ -119,7 +137,7 @@ class GptOssMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.router(x)
-        return self.experts(x, idx, w)
+        return all_reduce(self.experts(x, idx, w))
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -139,7 +157,7 @@ class GptOssModel(nn.Module):
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
         gpt_oss_layer_types(cfg)  # validates the pattern the cache is built from
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, max_positions)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -27,11 +27,14 @@ from torch import nn
 
 from pagefold.core.layer_kinds import FULL, layer_kinds
 from pagefold.csrc.gemm import matmul_t
+from pagefold.distributed.parallel_state import all_reduce, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.linear import row_linear, shard_rows
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import GatedMLP
+from pagefold.layers.moe import split_expert_inter
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
@@ -82,16 +85,23 @@ class GraniteMoE(nn.Module):
     Weights as in Granite checkpoints: ``router.layer.weight`` (E, H), ``input_linear.weight``
     (E, 2I, H) (gate rows first, then up), ``output_linear.weight`` (E, H, I).
     ``forward(x (T, H)) -> (T, H)`` in ``x.dtype``.
+
+    Tensor parallelism: each rank keeps every expert's ``1/N`` of the intermediate dimension
+    (its gate and up rows, its down columns) and returns a partial sum; the router is
+    replicated; the decoder layer all-reduces experts + shared MLP once.
     """
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        i = split_expert_inter(full, "intermediate_size")
         self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
         self.router = nn.Module()
         self.router.layer = nn.Linear(h, e, bias=False)
         self.input_linear = _Stacked(e, 2 * i, h)
         self.output_linear = _Stacked(e, h, i)
+        shard_rows(self.input_linear.weight, [full, full], "intermediate_size", dim=1)
+        shard_rows(self.output_linear.weight, [full], "intermediate_size", dim=2)
         self.act = _activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,13 +128,19 @@ class GraniteMoE(nn.Module):
 
 
 class GraniteSharedMLP(nn.Module):
-    """SwiGLU with fused ``input_linear`` (2S, H) (gate first) and ``output_linear`` (H, S)."""
+    """SwiGLU with fused ``input_linear`` (2S, H) (gate first) and ``output_linear`` (H, S).
+
+    Tensor parallelism: this rank's gate and up rows and down columns; the output is a partial
+    sum (the decoder layer all-reduces it with the experts')."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.inter = cfg.shared_intermediate_size
+        full = cfg.shared_intermediate_size
+        self.inter = split_expert_inter(full, "shared_intermediate_size")
         self.input_linear = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.output_linear = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        shard_rows(self.input_linear.weight, [full, full], "shared_intermediate_size")
+        self.output_linear = row_linear(full, cfg.hidden_size, bias=False,
+                                        what="shared_intermediate_size", reduce=False)
         self.act = _activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +176,8 @@ class GraniteDecoderLayer(nn.Module):
         ff = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             ff = self.block_sparse_moe(h) + ff
+        if tp_size() > 1:  # one all-reduce: experts' and shared MLP's partial sums
+            ff = all_reduce(ff)
         return x + ff * self.residual_multiplier
 
 

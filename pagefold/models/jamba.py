@@ -15,6 +15,11 @@ Mamba-1 mixer (transformers' JambaMambaMixer), for a flat batch::
     out = out_proj(y)
 
 The state is ``StateSpec(kind="mamba1")``: ``conv (I, K - 1)``, ``ssm (I, N)``.
+
+Tensor parallelism (as vLLM's Mamba-1): the I channels split over the ranks -- in_proj's xs
+and z rows, conv channels, ``A_log``, ``D``, ``dt_proj`` rows and the states --; ``x_proj``
+is row-parallel (its dt/B/C read every channel: one all-reduce), so the small dt/B/C norms
+see the full vectors on every rank; ``out_proj`` is row-parallel.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from torch import nn
 from pagefold.core.spec_families import jamba_layer_kinds
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.selective_scan import selective_scan_chunked, selective_scan_recurrent
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.nemotron_h import NemotronHAttention
 from pagefold.models.qwen3_5 import HybridCausalLM
 
@@ -42,19 +49,23 @@ class Mamba1Mixer(nn.Module):
         super().__init__()
         self.layer_name = layer_name
         h = cfg.hidden_size
-        self.inter = inter = cfg.mamba_expand * h
+        full = cfg.mamba_expand * h
         self.state_size = n = cfg.mamba_d_state
         self.rank = r = int(cfg.mamba_dt_rank)
         self.kernel = cfg.mamba_d_conv
         bias = bool(cfg.mamba_proj_bias)
+        what = "Mamba-1 channels (mamba_expand * hidden_size)"
+        self.in_proj = column_linear(h, [full, full], bias=bias, what=what)  # xs | z rows
+        self.inter = inter = self.in_proj.out_features // 2  # this rank's channels
         self.conv1d = nn.Conv1d(inter, inter, self.kernel, groups=inter,
                                 bias=bool(cfg.mamba_conv_bias), padding=self.kernel - 1)
-        self.in_proj = nn.Linear(h, 2 * inter, bias=bias)
-        self.x_proj = nn.Linear(inter, r + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(r, inter, bias=True)
+        self.x_proj = row_linear(full, r + 2 * n, bias=False, what=what)
+        self.dt_proj = column_linear(r, full, bias=True, what=what)
         self.A_log = nn.Parameter(torch.zeros(inter, n))
         self.D = nn.Parameter(torch.ones(inter))
-        self.out_proj = nn.Linear(inter, h, bias=bias)
+        for p in (*self.conv1d.parameters(), self.A_log, self.D):
+            shard_rows(p, [full], what)
+        self.out_proj = row_linear(full, h, bias=bias, what=what)
         self.dt_layernorm = RMSNorm(r, cfg.rms_norm_eps)
         self.b_layernorm = RMSNorm(n, cfg.rms_norm_eps)
         self.c_layernorm = RMSNorm(n, cfg.rms_norm_eps)
@@ -94,7 +105,8 @@ class JambaLayer(nn.Module):
         if moe:
             self.feed_forward = SparseMoeBlock(
                 cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                cfg.intermediate_size, norm_topk_prob=False, act=cfg.hidden_act)
+                cfg.intermediate_size, norm_topk_prob=False, act=cfg.hidden_act,
+                what="intermediate_size")
         else:
             self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
                                          act=cfg.hidden_act)
@@ -110,7 +122,7 @@ class JambaLayer(nn.Module):
 class JambaModel(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(JambaLayer(cfg, i, mixer, moe)
                                     for i, (mixer, moe) in enumerate(jamba_layer_kinds(cfg)))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

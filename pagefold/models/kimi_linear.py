@@ -15,6 +15,13 @@ Per layer: ``h = x + mixer(input_norm(x))``, ``y = h + ffn(post_attention_norm(h
 * FFN: dense SwiGLU, or a sigmoid-routed MoE (score-correction bias, group-limited top-k,
   renormalised, scaled) plus shared experts.
 
+Tensor parallelism: KDA heads split (q/k/v rows and their conv channels, the gate's and
+beta's per-head rows, ``A_log``, ``dt_bias``, the states); the low-rank ``f_a`` / ``g_a``
+projections are replicated. MLA splits query heads (``q_b_proj`` / ``kv_b_proj`` rows), while
+the latent (``kv_a_proj_with_mqa``) and its page are the same on every rank, as the planner
+sizes it. MoE experts (and the shared experts) split their intermediate dimension, one
+all-reduce for both.
+
 Checkpoint names are the original ones (``q_conv1d`` ..., ``f_a_proj`` under ``self_attn``,
 ``block_sparse_moe``, ``experts.{e}.w1/w3/w2``); transformers' in-memory names are mapped too.
 """
@@ -27,13 +34,16 @@ import torch
 from torch import nn
 
 from pagefold.core.spec_families import kimi_layer_types
+from pagefold.distributed.parallel_state import all_reduce, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.mla import paged_mla_attention
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.linear_attention.kda import kda_chunked, kda_recurrent
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import MoEExperts
 from pagefold.layers.norm import RMSNorm
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.nemotron_h import NemotronHRouter
 from pagefold.models.qwen3_5 import HybridCausalLM
 
@@ -46,24 +56,33 @@ class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        h, d, hidden = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size
+        full, d, hidden = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size
+        what = "linear_num_heads"
+        if full % tp_size():
+            raise ValueError(f"linear_num_heads ({full}) is not divisible by "
+                             f"tensor_parallel_size {tp_size()}")
+        h = full // tp_size()  # this rank's heads
         self.num_heads, self.head_dim, self.kernel = h, d, cfg.linear_conv_kernel_dim
         qkv = h * d
-        self.q_proj = nn.Linear(hidden, qkv, bias=False)
-        self.k_proj = nn.Linear(hidden, qkv, bias=False)
-        self.v_proj = nn.Linear(hidden, qkv, bias=False)
+        self.q_proj = column_linear(hidden, full * d, bias=False, what=what)
+        self.k_proj = column_linear(hidden, full * d, bias=False, what=what)
+        self.v_proj = column_linear(hidden, full * d, bias=False, what=what)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            setattr(self, name, nn.Conv1d(qkv, qkv, self.kernel, groups=qkv, bias=False,
-                                          padding=self.kernel - 1))
+            conv = nn.Conv1d(qkv, qkv, self.kernel, groups=qkv, bias=False,
+                             padding=self.kernel - 1)
+            shard_rows(conv.weight, [full * d], what)
+            setattr(self, name, conv)
         self.f_a_proj = nn.Linear(hidden, d, bias=False)
-        self.f_b_proj = nn.Linear(d, qkv, bias=False)
+        self.f_b_proj = column_linear(d, full * d, bias=False, what=what)
         self.dt_bias = nn.Parameter(torch.zeros(qkv, dtype=torch.float32))
+        shard_rows(self.dt_bias, [full * d], what)
         self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
-        self.b_proj = nn.Linear(hidden, h, bias=False)
+        shard_rows(self.A_log, [full], what, dim=2)
+        self.b_proj = column_linear(hidden, full, bias=False, what=what)
         self.g_a_proj = nn.Linear(hidden, d, bias=False)
-        self.g_b_proj = nn.Linear(d, qkv, bias=False)
+        self.g_b_proj = column_linear(d, full * d, bias=False, what=what)
         self.o_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(qkv, hidden, bias=False)
+        self.o_proj = row_linear(full * d, hidden, bias=False, what=what)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported Kimi activation {cfg.hidden_act!r}")
 
@@ -97,23 +116,28 @@ class KimiMLA(nn.Module):
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        h, hidden = cfg.num_attention_heads, cfg.hidden_size
-        self.num_heads = h
+        full, hidden = cfg.num_attention_heads, cfg.hidden_size
+        if full % tp_size():
+            raise ValueError(f"num_attention_heads ({full}) is not divisible by "
+                             f"tensor_parallel_size {tp_size()}")
+        self.num_heads = full // tp_size()  # this rank's heads; the latent is shared
         self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.v_dim = cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
         bias = bool(getattr(cfg, "attention_bias", False))
+        what = "num_attention_heads"
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, h * qk, bias=False)
+            self.q_proj = column_linear(hidden, full * qk, bias=False, what=what)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+            self.q_b_proj = column_linear(cfg.q_lora_rank, full * qk, bias=False, what=what)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = column_linear(self.rank, full * (self.nope + self.v_dim), bias=False,
+                                       what=what)
+        self.o_proj = row_linear(full * self.v_dim, hidden, bias=bias, what=what)
         self.scale = qk**-0.5
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,11 +174,12 @@ class KimiMoE(nn.Module):
                                   cfg.moe_intermediate_size)
         self.shared_experts = GatedMLP(cfg.hidden_size,
                                        cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                       act=cfg.hidden_act)
+                                       act=cfg.hidden_act, reduce=False,
+                                       what="moe_intermediate_size * n_shared_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)
-        return self.experts(x, idx, w.to(x.dtype)) + self.shared_experts(x)
+        return all_reduce(self.experts(x, idx, w.to(x.dtype)) + self.shared_experts(x))
 
 
 class KimiLayer(nn.Module):
@@ -177,7 +202,7 @@ class KimiModel(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         mlp_types = list(cfg.mlp_layer_types)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(KimiLayer(cfg, i, kind, mlp_types[i] == "sparse")
                                     for i, kind in enumerate(kimi_layer_types(cfg)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -10,6 +10,10 @@ The conv layer's whole per-request state is its last ``L - 1`` inputs ``B * x``:
 ``StateSpec(kind="shortconv")`` with one ``conv (hidden, L - 1)`` component, held in the one
 pool like any state (checkpoints, forks, swap and recompute copy its page). The final norm is
 called ``embedding_norm`` in checkpoints. The MLP width follows transformers' auto-adjust rule.
+
+Tensor parallelism: attention heads, MLP width and the short conv's channels split over the
+ranks (the conv is depthwise and B, C, x are per channel, so a rank's channels need nothing
+from the others: its state is ``conv (hidden / tp, L - 1)``, as the planner sizes it).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from torch import nn
 
 from pagefold.core.spec_families import lfm2_layer_types
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import split_heads
 from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM
-from pagefold.models.weights import fuse
 
 __all__ = ["Lfm2ForCausalLM", "Lfm2ShortConv", "lfm2_ffn_width"]
 
@@ -46,10 +52,10 @@ def lfm2_ffn_width(cfg) -> int:
 class Lfm2MLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        width = lfm2_ffn_width(cfg)
-        self.w1 = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.w3 = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.w2 = nn.Linear(width, cfg.hidden_size, bias=False)
+        width, what = lfm2_ffn_width(cfg), "LFM2 MLP width (intermediate_size, adjusted)"
+        self.w1 = column_linear(cfg.hidden_size, width, bias=False, what=what)
+        self.w3 = column_linear(cfg.hidden_size, width, bias=False, what=what)
+        self.w2 = row_linear(width, cfg.hidden_size, bias=False, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -59,14 +65,15 @@ class Lfm2Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q, kv, kv]
-        self.qkv_proj = fuse(nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False),
-                             {"q_proj": q, "k_proj": kv, "v_proj": kv})
-        self.out_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads, kv_parts = split_heads(heads, kv_heads)
+        self.head_dim = d = cfg.hidden_size // heads
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = column_linear(
+            cfg.hidden_size, {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d},
+            bias=False, parts={"k_proj": kv_parts, "v_proj": kv_parts}, what="attention")
+        self.out_proj = row_linear(heads * d, cfg.hidden_size, bias=False,
+                                   what="attention output")
         self.q_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_positions)
@@ -92,9 +99,13 @@ class Lfm2ShortConv(nn.Module):
         self.layer_name = f"layers.{layer_idx}"
         h, k, bias = cfg.hidden_size, cfg.conv_L_cache, bool(cfg.conv_bias)
         self.kernel = k
-        self.conv = nn.Conv1d(h, h, k, groups=h, bias=bias, padding=k - 1)
-        self.in_proj = nn.Linear(h, 3 * h, bias=bias)
-        self.out_proj = nn.Linear(h, h, bias=bias)
+        # in_proj rows B | C | x, each cut over the ranks; the conv's channels likewise.
+        self.in_proj = column_linear(h, [h, h, h], bias=bias, what="LFM2 conv channels")
+        local = self.in_proj.out_features // 3
+        self.conv = nn.Conv1d(local, local, k, groups=local, bias=bias, padding=k - 1)
+        for p in self.conv.parameters():
+            shard_rows(p, [h], "LFM2 conv channels")
+        self.out_proj = row_linear(h, h, bias=bias, what="LFM2 conv channels")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)
@@ -133,7 +144,7 @@ class Lfm2DecoderLayer(nn.Module):
 class Lfm2Model(nn.Module):
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Lfm2DecoderLayer(cfg, i, kind, max_positions)
                                     for i, kind in enumerate(lfm2_layer_types(cfg)))
         self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

@@ -17,6 +17,7 @@ from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.norm import RMSNorm
+from pagefold.layers.vocab import gather_logits, lm_head_linear, vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
 from pagefold.models.weights import load_into
 
@@ -50,7 +51,7 @@ class Mamba2Block(nn.Module):
 class Mamba2Model(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embeddings = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Mamba2Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
@@ -70,7 +71,8 @@ class Mamba2ForCausalLM(nn.Module):
         self.config = cfg
         self.backbone = Mamba2Model(cfg)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.vocab_size = cfg.vocab_size
+        self.lm_head = lm_head_linear(cfg.hidden_size, cfg.vocab_size)
         if self.tied:
             self.lm_head.weight = self.backbone.embeddings.weight
 
@@ -79,7 +81,7 @@ class Mamba2ForCausalLM(nn.Module):
         return self.backbone(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return gather_logits(self.lm_head(hidden), self.vocab_size).float()
 
     @staticmethod
     def _renamed(weights: Iterable[tuple[str, torch.Tensor]]):

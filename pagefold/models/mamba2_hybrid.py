@@ -154,20 +154,28 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"mamba heads {mcfg.num_heads} not divisible by groups "
                              f"{mcfg.n_groups}")
         # Tensor parallelism: this rank's heads and B/C groups (a group's heads stay together).
+        # A single group is shared: every rank keeps B and C whole and the gated norm, whose
+        # group then spans the ranks, sums its statistics over them.
         tp = tp_size()
-        for field, n in (("mamba heads", mcfg.num_heads), ("n_groups", mcfg.n_groups)):
-            if n % tp:
-                raise ValueError(f"{field} ({n}) is not divisible by tensor_parallel_size {tp}")
+        if mcfg.num_heads % tp:
+            raise ValueError(f"mamba heads ({mcfg.num_heads}) is not divisible by "
+                             f"tensor_parallel_size {tp}")
+        if mcfg.n_groups % tp and mcfg.n_groups != 1:
+            raise ValueError(f"n_groups ({mcfg.n_groups}) must be 1 or divisible by "
+                             f"tensor_parallel_size {tp}")
         full = mcfg
+        shared_group = tp > 1 and mcfg.n_groups == 1
+        gparts = 1 if shared_group else tp
         mcfg = dataclasses.replace(mcfg, num_heads=mcfg.num_heads // tp,
-                                   n_groups=mcfg.n_groups // tp)
+                                   n_groups=1 if shared_group else mcfg.n_groups // tp)
         self.cfg = mcfg
         self.layer_name = layer_name
         inter, conv_dim, heads = mcfg.intermediate, mcfg.conv_dim, mcfg.num_heads
         fi, fgn, fh = full.intermediate, full.n_groups * full.state_size, full.num_heads
         # The checkpoint's in_proj rows: z | x | B | C | dt, each block cut over the ranks.
         self.in_proj = column_linear(mcfg.hidden_size, [fi, fi, fgn, fgn, fh],
-                                     bias=mcfg.proj_bias, what="Mamba-2 in_proj")
+                                     bias=mcfg.proj_bias, what="Mamba-2 in_proj",
+                                     parts={"": [tp, tp, gparts, gparts, tp]})
         # Depthwise conv kept as an nn.Conv1d so the checkpoint's (C, 1, K) weight loads by name;
         # the varlen kernels read it as (C, K).
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, mcfg.conv_kernel, groups=conv_dim,
@@ -175,15 +183,21 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(heads))
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.D = nn.Parameter(torch.ones(heads))
-        self.norm = GatedRMSNorm(inter, eps=mcfg.eps, group_size=inter // mcfg.n_groups)
+        self.norm = GatedRMSNorm(inter, eps=mcfg.eps, group_size=inter // mcfg.n_groups,
+                                 spans_ranks=shared_group)
         self.out_proj = row_linear(fi, mcfg.hidden_size, bias=mcfg.proj_bias,
                                    what="Mamba-2 out_proj")
-        shard_rows(self.conv1d.weight, [fi, fgn, fgn], "Mamba-2 conv channels")
+        conv_parts = [tp, gparts, gparts]
+        shard_rows(self.conv1d.weight, [fi, fgn, fgn], "Mamba-2 conv channels", conv_parts)
         if self.conv1d.bias is not None:
-            shard_rows(self.conv1d.bias, [fi, fgn, fgn], "Mamba-2 conv channels")
+            shard_rows(self.conv1d.bias, [fi, fgn, fgn], "Mamba-2 conv channels", conv_parts)
         for p in (self.dt_bias, self.A_log, self.D):
             shard_rows(p, [fh], "mamba heads")
         shard_rows(self.norm.weight, [fi], "Mamba-2 norm")
+        # in_proj's checkpoint blocks and the parts each is cut in (Falcon-H1 cuts its per-channel
+        # multipliers the same way); whether the one B/C group is shared by the ranks.
+        self.tp_blocks = ([fi, fi, fgn, fgn, fh], [tp, tp, gparts, gparts, tp])
+        self.shared_group = shared_group
 
     def _dt(self, dt: torch.Tensor, meta: StateMetadata, verify: bool = False) -> torch.Tensor:
         """(T, H) discretised float32 time step, clamped the way transformers clamps it.

@@ -14,6 +14,11 @@ with (alpha_a, beta_a) the linear- or full-attention factors of the layer's kind
   with one ``kv (H, D, D)`` component, lives in the pool like any state.
 * Full attention: GQA with RoPE (K/V pages); MoE: softmax top-k, renormalised, SwiGLU experts
   (checkpoint names ``block_sparse_moe.experts.{e}.w1/w3/w2``).
+
+Tensor parallelism: lightning heads split (``qkv_proj`` rows are per head ``[q | k | v]``, so
+a rank's heads are one run of rows; its decay rates and ``kv`` states go with them); the
+output norm spans all heads, so its statistics are summed over the ranks (one all-reduce);
+MoE experts split their intermediate dimension (``layers/moe.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.core.spec_families import minimax_layer_types
+from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.linear_attention.lightning import lightning_chunked, lightning_recurrent
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.qwen3_5 import HybridCausalLM
 
 __all__ = ["LightningAttention", "MiniMaxForCausalLM", "lightning_slopes"]
@@ -43,18 +51,44 @@ def lightning_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.T
     return rate * (1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5)
 
 
+class _RankSpanningRMSNorm(RMSNorm):
+    """RMSNorm over a vector whose channels are split over the ranks: the squares are summed
+    over them (one all-reduce); this rank's weight slice scales its channels."""
+
+    def __init__(self, local_dim: int, full_dim: int, eps: float) -> None:
+        super().__init__(local_dim, eps)
+        self.full_dim = full_dim
+        shard_rows(self.weight, [full_dim], "num_attention_heads")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        assert residual is None
+        h = x.float()
+        sq = all_reduce(h.pow(2).sum(-1, keepdim=True))
+        return self.weight * (h * torch.rsqrt(sq / self.full_dim + self.eps)).to(x.dtype)
+
+
 class LightningAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, chunk_size: int = 64) -> None:
         super().__init__()
         self.layer_name = f"layers.{layer_idx}"
-        self.num_heads = h = cfg.num_attention_heads
-        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+        heads = cfg.num_attention_heads
+        if heads % tp_size():
+            raise ValueError(f"num_attention_heads ({heads}) is not divisible by "
+                             f"tensor_parallel_size {tp_size()}")
+        self.num_heads = h = heads // tp_size()  # this rank's heads
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.chunk_size = chunk_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * h * d, bias=False)
-        self.output_gate = nn.Linear(cfg.hidden_size, h * d, bias=False)
-        self.out_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
-        self.norm = RMSNorm(h * d, 1e-6)  # transformers leaves this norm's eps at its default
-        self.register_buffer("slope", lightning_slopes(h, layer_idx, cfg.num_hidden_layers),
+        self.qkv_proj = column_linear(cfg.hidden_size, 3 * heads * d, bias=False,
+                                      what="lightning attention")
+        self.output_gate = column_linear(cfg.hidden_size, heads * d, bias=False,
+                                         what="lightning attention")
+        self.out_proj = row_linear(heads * d, cfg.hidden_size, bias=False,
+                                   what="lightning attention output")
+        # transformers leaves this norm's eps at its default
+        self.norm = (RMSNorm(h * d, 1e-6) if tp_size() == 1
+                     else _RankSpanningRMSNorm(h * d, heads * d, 1e-6))
+        slope = lightning_slopes(heads, layer_idx, cfg.num_hidden_layers)
+        self.register_buffer("slope", slope[tp_rank() * h : (tp_rank() + 1) * h].clone(),
                              persistent=False)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported MiniMax activation {cfg.hidden_act!r}")
@@ -84,7 +118,8 @@ class MiniMaxDecoderLayer(nn.Module):
             self.alpha, self.beta = cfg.full_attn_alpha_factor, cfg.full_attn_beta_factor
         self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_local_experts,
                                   cfg.num_experts_per_tok, cfg.intermediate_size,
-                                  norm_topk_prob=True, act=cfg.hidden_act)
+                                  norm_topk_prob=True, act=cfg.hidden_act,
+                                  what="intermediate_size")
         self.mlp_alpha, self.mlp_beta = cfg.mlp_alpha_factor, cfg.mlp_beta_factor
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,7 +134,7 @@ class MiniMaxDecoderLayer(nn.Module):
 class MiniMaxModel(nn.Module):
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(MiniMaxDecoderLayer(cfg, i, kind, max_positions)
                                     for i, kind in enumerate(minimax_layer_types(cfg)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.core.layer_kinds import FULL, MAMBA2, MLP, MOE, layer_kinds
+from pagefold.distributed.parallel_state import all_reduce
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
@@ -104,7 +105,12 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
-    """Routed relu^2 experts (optionally in a latent space) plus an always-on shared expert."""
+    """Routed relu^2 experts (optionally in a latent space) plus an always-on shared expert.
+
+    Tensor parallelism: every expert (and the shared one) keeps this rank's ``1/N`` of its
+    intermediate dimension and returns a partial sum; router and latent projections are
+    replicated; the partials are summed with one all-reduce (two with a latent space, whose
+    up-projection must see the full sum)."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -112,10 +118,12 @@ class NemotronHMoE(nn.Module):
         latent = getattr(cfg, "moe_latent_size", None)
         dim = latent or cfg.hidden_size
         self.gate = NemotronHRouter(cfg)
-        self.experts = nn.ModuleList(NemotronHMLP(dim, cfg.moe_intermediate_size, False, act)
-                                     for _ in range(cfg.n_routed_experts))
-        self.shared_experts = NemotronHMLP(cfg.hidden_size,
-                                           cfg.moe_shared_expert_intermediate_size, bias, act)
+        self.experts = nn.ModuleList(
+            NemotronHMLP(dim, cfg.moe_intermediate_size, False, act, reduce=False,
+                         what="moe_intermediate_size") for _ in range(cfg.n_routed_experts))
+        self.shared_experts = NemotronHMLP(
+            cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, bias, act, reduce=False,
+            what="moe_shared_expert_intermediate_size")
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(cfg.hidden_size, latent, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent, cfg.hidden_size, bias=bias)
@@ -138,10 +146,10 @@ class NemotronHMoE(nn.Module):
             tok, slot = sel // idx.shape[1], sel % idx.shape[1]
             y = self.experts[e](h[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.float())
-        out = out.to(h.dtype)
-        if self.fc2_latent_proj is not None:
-            out = self.fc2_latent_proj(out)
-        return out + self.shared_experts(x)
+        if self.fc2_latent_proj is None:
+            return all_reduce(out.to(h.dtype) + self.shared_experts(x))
+        out = self.fc2_latent_proj(all_reduce(out).to(h.dtype))
+        return out + all_reduce(self.shared_experts(x))
 
 
 class NemotronHBlock(nn.Module):

@@ -14,6 +14,11 @@ The KV cache is per *use*, not per weight: each hybrid layer's attention has its
 (cache layer ``layers.{i}.attn``), while the Mamba-2 state of every layer is ``layers.{i}``.
 Checkpoints name a block's weights under the first hybrid layer that uses it
 (``layers.{i}.shared_transformer.``); later users repeat or omit them.
+
+Tensor parallelism: the shared blocks split like any attention + MLP (query/KV heads, the
+MLP's gate and up columns); a LoRA adapter's down-projection (``d_in -> rank``) is replicated
+and its up-projection cut exactly as the projection it adds to, so ``proj(h) + lora(h)``
+stays this rank's slice. The Mamba-2 layers split as in ``mamba2_hybrid.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from torch import nn
 
 from pagefold.core.spec_families import zamba2_hybrid_layers
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers.attention_block import split_heads
+from pagefold.layers.linear import column_linear, row_linear
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
 from pagefold.models.weights import load_into
@@ -33,33 +41,44 @@ from pagefold.models.weights import load_into
 __all__ = ["Zamba2ForCausalLM"]
 
 
-def _lora(d_in: int, rank: int, d_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=False))
+def _lora(d_in: int, rank: int, d_out, parts: int | None, what: str) -> nn.Sequential:
+    """``d_out``: the full output rows (an int, or a list of row blocks) cut like the layer
+    the adapter adds to (``parts``: the parts its rows are cut in; None: the rank count)."""
+    up = column_linear(rank, d_out, bias=False, what=what,
+                       parts=None if parts is None else {"": parts})
+    return nn.Sequential(nn.Linear(d_in, rank, bias=False), up)
 
 
-def _adapters(cfg, block_id: int, uses: int, d_in: int, d_out: int) -> nn.ModuleList:
+def _adapters(cfg, block_id: int, uses: int, d_in: int, d_out, what: str,
+              parts: int | None = None) -> nn.ModuleList:
     """One slot per hybrid use; the slots this block serves hold a LoRA pair (as transformers
     lays them out, so checkpoint names match), the others an Identity placeholder."""
-    return nn.ModuleList(_lora(d_in, cfg.adapter_rank, d_out) if j % cfg.num_mem_blocks == block_id
-                         else nn.Identity() for j in range(uses))
+    return nn.ModuleList(_lora(d_in, cfg.adapter_rank, d_out, parts, what)
+                         if j % cfg.num_mem_blocks == block_id else nn.Identity()
+                         for j in range(uses))
 
 
 class Zamba2Attention(nn.Module):
     def __init__(self, cfg, block_id: int, uses: int, max_positions: int) -> None:
         super().__init__()
         width = 2 * cfg.hidden_size
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = width // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(width, q, bias=False)
-        self.k_proj = nn.Linear(width, kv, bias=False)
-        self.v_proj = nn.Linear(width, kv, bias=False)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads, kv_parts = split_heads(heads, kv_heads)
+        self.head_dim = d = width // heads
+        q, kv = heads * d, kv_heads * d
+        self.q_proj = column_linear(width, q, bias=False, what="attention")
+        self.k_proj = column_linear(width, kv, bias=False, what="attention",
+                                    parts={"": kv_parts})
+        self.v_proj = column_linear(width, kv, bias=False, what="attention",
+                                    parts={"": kv_parts})
+        self.o_proj = row_linear(q, cfg.hidden_size, bias=False, what="attention output")
         self.adapt = bool(cfg.use_shared_attention_adapter)
-        if self.adapt:
-            self.linear_q_adapter_list = _adapters(cfg, block_id, uses, width, width)
-            self.linear_k_adapter_list = _adapters(cfg, block_id, uses, width, width)
-            self.linear_v_adapter_list = _adapters(cfg, block_id, uses, width, width)
+        if self.adapt:  # transformers' adapters are width -> width (q, k and v alike)
+            self.linear_q_adapter_list = _adapters(cfg, block_id, uses, width, q, "attention")
+            self.linear_k_adapter_list = _adapters(cfg, block_id, uses, width, kv, "attention",
+                                                   kv_parts)
+            self.linear_v_adapter_list = _adapters(cfg, block_id, uses, width, kv, "attention",
+                                                   kv_parts)
         self.rotary = (RotaryEmbedding(cfg, self.head_dim, max_positions)
                        if cfg.use_mem_rope else None)
         self.scale = (self.head_dim / 2) ** -0.5
@@ -85,9 +104,11 @@ class Zamba2MLP(nn.Module):
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         bias = bool(cfg.add_bias_linear)
-        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, h, bias=bias)
-        self.gate_up_proj_adapter_list = _adapters(cfg, block_id, uses, h, 2 * inter)
+        # gate | up row blocks, each cut over the ranks (so chunk(2) splits this rank's rows).
+        self.gate_up_proj = column_linear(h, [inter, inter], bias=bias, what="intermediate_size")
+        self.down_proj = row_linear(inter, h, bias=bias, what="intermediate_size")
+        self.gate_up_proj_adapter_list = _adapters(cfg, block_id, uses, h, [inter, inter],
+                                                   "intermediate_size")
         act = cfg.hidden_act
         if act not in ("gelu", "gelu_pytorch_tanh", "silu"):
             raise ValueError(f"unsupported Zamba2 MLP activation {act!r}")
@@ -147,7 +168,7 @@ class Zamba2Model(nn.Module):
         hybrid = zamba2_hybrid_layers(cfg)
         self.use_of = {layer: j for j, layer in enumerate(hybrid)}
         self.block_of = {layer: j % cfg.num_mem_blocks for j, layer in enumerate(hybrid)}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Zamba2HybridLayer(cfg, i) if i in self.use_of else Zamba2MambaLayer(cfg, i)
             for i in range(cfg.num_hidden_layers))

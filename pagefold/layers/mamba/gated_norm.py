@@ -12,6 +12,10 @@ hidden vector:
 
 ``norm_before_gate=True`` (the other mamba_ssm variant, unused by those three models) is
 ``y = weight * rmsnorm_grouped(x) * silu(gate)``.
+
+Tensor parallelism: with a group per rank or more, each rank normalises its own groups. A
+single group (``n_groups == 1``, Granite-4.0-H, Falcon-H1, Mamba-2) spans every rank's
+channels: ``spans_ranks`` sums the squares over ranks (one all-reduce) before the mean.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagefold.distributed.parallel_state import all_reduce, tp_size
 
 __all__ = ["GatedRMSNorm"]
 
@@ -38,8 +44,12 @@ class GatedRMSNorm(nn.Module):
         eps: float = 1e-6,
         group_size: int | None = None,
         norm_before_gate: bool = False,
+        spans_ranks: bool = False,
     ) -> None:
+        """``spans_ranks``: ``hidden_size`` is this rank's share of one group that all ranks
+        share (the statistics are taken over the whole group)."""
         super().__init__()
+        self.spans_ranks = spans_ranks and tp_size() > 1
         group_size = hidden_size if group_size is None else group_size
         if group_size <= 0 or hidden_size % group_size != 0:
             raise ValueError(f"hidden_size {hidden_size} not divisible by group_size {group_size}")
@@ -50,6 +60,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def _rms_grouped(self, z: torch.Tensor) -> torch.Tensor:
+        if self.spans_ranks:
+            sq = all_reduce(z.pow(2).sum(-1, keepdim=True))
+            return z * torch.rsqrt(sq / (self.hidden_size * tp_size()) + self.eps)
         *lead, d = z.shape
         zg = z.view(*lead, d // self.group_size, self.group_size)
         zg = zg * torch.rsqrt(zg.pow(2).mean(-1, keepdim=True) + self.eps)

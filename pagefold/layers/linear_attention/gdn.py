@@ -27,6 +27,9 @@ All three kernels share one signature::
 * Returns ``o`` ``(T, H, Dv)`` in ``v``'s dtype and ``final_state`` ``(N, H, Dk, Dv)`` float32.
   All arithmetic is float32, so feeding ``final_state`` into a later call over the next tokens
   equals one pass over the concatenation up to float32 rounding.
+* ``per_token_states=True`` (naive and recurrent; speculative verification): the second
+  result is the state after *every* token, ``(T, H, Dk, Dv)`` float32, instead of the final
+  states, so committing an accepted prefix is a select (``spec_decode``).
 """
 
 from __future__ import annotations
@@ -144,6 +147,7 @@ def gdn_naive(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition of the gated delta rule: loop over sequences, then over tokens.
 
@@ -155,6 +159,8 @@ def gdn_naive(
     )
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     final = torch.empty_like(state0)
+    states = (torch.empty((q.shape[0], *state0.shape[1:]), dtype=torch.float32,
+                          device=v.device) if per_token_states else None)
     bounds = cu_seqlens.tolist()
     for s in range(len(bounds) - 1):
         state = state0[s : s + 1]
@@ -162,8 +168,10 @@ def gdn_naive(
             tt = slice(t, t + 1)
             o_t, state = _step(state, qf[tt], kf[tt], vf[tt], gf[tt], bf[tt])
             out[t] = o_t[0]
+            if states is not None:
+                states[t] = state[0]
         final[s] = state[0]
-    return out.to(v.dtype), final
+    return out.to(v.dtype), final if states is None else states
 
 
 def gdn_recurrent(
@@ -178,6 +186,7 @@ def gdn_recurrent(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-recurrent kernel, batched across sequences; the decode path.
 
@@ -197,18 +206,24 @@ def gdn_recurrent(
 
     if total == num_seqs and bool((lengths == 1).all()):
         out, final = _step_fused(state0, qf, kf, vf, gf, bf)
-        return out.to(v.dtype), final
+        return out.to(v.dtype), final  # (per token: one token per sequence, the same rows)
 
     out = torch.zeros(vf.shape, dtype=torch.float32, device=device)
     order = torch.argsort(lengths, descending=True, stable=True)
     sorted_lengths = lengths[order].tolist()
     starts = cu[:-1][order]
     state = state0[order]
+    states = (torch.empty((total, *state0.shape[1:]), dtype=torch.float32, device=device)
+              if per_token_states else None)
     for p, n_act in enumerate(_active_counts(sorted_lengths)):
         idx = starts[:n_act] + p
         o_t, new = _step_fused(state[:n_act], qf[idx], kf[idx], vf[idx], gf[idx], bf[idx])
         state = torch.cat([new, state[n_act:]], dim=0) if n_act < num_seqs else new
         out[idx] = o_t
+        if states is not None:
+            states[idx] = new
+    if states is not None:
+        return out.to(v.dtype), states
     final = torch.empty_like(state)
     final[order] = state
     return out.to(v.dtype), final

@@ -30,6 +30,9 @@ Math (all in float32, as transformers' torch path for Mamba-2 does):
 for prefill; ``ssd_recurrent`` is the decode form (fully batched when every sequence has a
 single token). Splitting a sequence into pieces and carrying ``final_state`` into the next
 piece's ``initial_state`` gives the same result as one pass, up to float32 rounding.
+
+``per_token_states=True`` (naive and recurrent; speculative verification): the second result
+is the state after *every* token, (T, H, P, N) float32, instead of the final states.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def ssd_naive(
     dt_min: float = 0.0,
     dt_max: float = math.inf,
     chunk_size: int = 64,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference SSD: the literal per-token recurrence, one sequence and one token at a time.
 
@@ -168,16 +172,20 @@ def ssd_naive(
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     y = torch.empty_like(xf)
     final = initial_state.float().clone()
+    states = (torch.empty((T, *initial_state.shape[1:]), dtype=torch.float32, device=x.device)
+              if per_token_states else None)
     for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
         h = final[s]  # (H, P, N)
         for t in range(start, start + n):
             decay = torch.exp(dtf[t] * Af)  # (H,)
             h = decay[:, None, None] * h + (dtf[t][:, None] * xf[t])[..., None] * Bh[t][:, None, :]
             y[t] = (h * Ch[t][:, None, :]).sum(-1)
+            if states is not None:
+                states[t] = h
         final[s] = h
     if D is not None:
         y = y + D.float()[:, None] * xf
-    return y.to(x.dtype), final
+    return y.to(x.dtype), final if states is None else states
 
 
 def ssd_recurrent(
@@ -195,6 +203,7 @@ def ssd_recurrent(
     dt_min: float = 0.0,
     dt_max: float = math.inf,
     chunk_size: int = 64,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent (decode) SSD, batched across sequences.
 
@@ -231,6 +240,8 @@ def ssd_recurrent(
     y = torch.empty_like(xf)
     max_len = sorted_lens[0] if S > 0 else 0
     n_active = S
+    states = (torch.empty((T, *state0.shape[1:]), dtype=torch.float32, device=x.device)
+              if per_token_states else None)
     for t in range(max_len):
         while n_active > 0 and sorted_lens[n_active - 1] <= t:
             n_active -= 1
@@ -239,12 +250,14 @@ def ssd_recurrent(
             state[:n_active], xf[tok], dtf[tok], Af, Bh[tok], Ch[tok]
         )
         y[tok] = y_t
+        if states is not None:
+            states[tok] = state[:n_active]
     final = torch.empty_like(state)
     if S > 0:
         final[order_t] = state
     if D is not None:
         y = y + D.float()[:, None] * xf
-    return y.to(x.dtype), final
+    return y.to(x.dtype), final if states is None else states
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from pagefold.models.registry import (
 )
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
-from pagefold.spec_decode.config import check_model_supports
+from pagefold.spec_decode.config import check_model_supports, check_verify_support
 from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.structured_output.manager import StructuredOutputManager
 
@@ -156,6 +156,12 @@ class EngineCore:
             self.runner = ModelRunner(self.model, self.kv_config, self.device,
                                       cache_fill=cache_fill, num_host_blocks=host_blocks)
             self.runner.proposer = self._load_proposer(spec_specs, max_positions)
+            if config.speculative_config is not None:
+                state_layers = {n for n, s in specs.items() if isinstance(s, StateSpec)}
+                check_verify_support(self.model, state_layers)
+                draft = getattr(self.runner.proposer, "model", None)
+                if draft is not None:
+                    check_verify_support(draft, state_layers, "the draft model")
             if self.device.type == "cuda" and dispatch.use_triton(self.device):
                 # Decode steps replayed from CUDA graphs (captured per bucket on first use).
                 self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256),

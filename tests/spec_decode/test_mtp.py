@@ -35,7 +35,7 @@ def _gen(llm: LLM, prompts, **kw):
 
 
 @pytest.mark.parametrize("kw", [{"max_num_batched_tokens": 7},
-                                {"kv_cache_memory": 120_000, "preemption_mode": "auto",
+                                {"kv_cache_memory": 200_000, "preemption_mode": "auto",
                                  "swap_space": "8MiB", "max_num_batched_tokens": 29}],
                          ids=["chunk7", "preempt"])
 def test_mtp_greedy_equals_transformers(mtp_model, kw) -> None:

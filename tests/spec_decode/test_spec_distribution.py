@@ -42,7 +42,7 @@ def _chi2_sf(x: float, df: int) -> float:
 @pytest.mark.slow
 def test_draft_model_sampling_keeps_the_target_distribution(tiny_model_factory, tmp_path):
     target = tiny_model_factory("qwen3")
-    draft = perturbed_copy(target, tmp_path / "draft", 0.35, seed=1)
+    draft = perturbed_copy(target, tmp_path / "draft", 0.1, seed=1)
     prompt = [5, 17, 301, 42, 77, 9, 130]
     temp = 1.3  # flatter than the model: many categories, drafts often rejected
     exact = _exact_second_token(target, prompt, temp)

@@ -76,3 +76,39 @@ def test_mtp_needs_mtp_weights(tiny_model_factory, tmp_path) -> None:
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="lacks .* mtp"):
         LLM(str(dst), speculative_config=MTP)
+
+
+def _recorded_drafts(llm: LLM, prompts, one_by_one: bool) -> dict:
+    """(prompt, tokens so far) -> the drafts MTP proposed there (greedy: a function of the
+    token history alone, when the MTP caches are right)."""
+    prop = llm.engine.runner.proposer
+    llm.engine.spec.MAX_BACKOFF = 1  # random MTP weights: keep drafting after rejections
+    seen: dict = {}
+    inner = prop.propose
+
+    def propose(runner, batch, drafts):
+        res = inner(runner, batch, drafts)
+        for r, d, old in zip(batch.reqs, res.drafts, drafts):
+            if old and old[0] < 0:
+                seen[(tuple(r.prompt_token_ids), len(r.token_ids))] = tuple(d)
+        return res
+
+    prop.propose = propose
+    groups = [[p] for p in prompts] if one_by_one else [prompts]
+    for g in groups:
+        assert _gen(llm, g) == hf_greedy(llm.engine.config.model, g, NEW)
+    return seen
+
+
+def test_mtp_drafts_do_not_depend_on_batching(mtp_model) -> None:
+    """The MTP layer's own KV cache is written for exactly the target's positions: the drafts
+    made for a given token history are the same one request at a time and batched with a
+    7-token budget (a wrong MTP cache row would change them)."""
+    prompts = tiny_models.random_prompts(4, 5, 30, 512, seed=17)
+    alone = _recorded_drafts(LLM(str(mtp_model), max_model_len=96, speculative_config=MTP),
+                             prompts, True)
+    batched = _recorded_drafts(LLM(str(mtp_model), max_model_len=96, max_num_batched_tokens=7,
+                                   speculative_config=MTP), prompts, False)
+    common = alone.keys() & batched.keys()
+    assert len(common) >= 8, (len(alone), len(batched))
+    assert {k: alone[k] for k in common} == {k: batched[k] for k in common}

@@ -4,7 +4,9 @@ emits: an accepted draft or a draw from the residual) follows the exact marginal
 ``sum_t1 p(t1) p(t2 | t1)`` computed with transformers; a chi-square test decides.
 
 Seeds are fixed, so the test is deterministic; the bound (p < 1e-4 to fail) leaves room for
-float differences between the engine and the reference.
+float differences between the engine and the reference. It catches drafts that do not come
+from the ``q`` handed to the verifier (e.g. argmax drafts with softmax ``q``: p ~ 1e-18);
+the sampler's own arithmetic is tested with more power in ``test_rejection.py``.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def _chi2_sf(x: float, df: int) -> float:
 @pytest.mark.slow
 def test_draft_model_sampling_keeps_the_target_distribution(tiny_model_factory, tmp_path):
     target = tiny_model_factory("qwen3")
-    draft = perturbed_copy(target, tmp_path / "draft", 0.1, seed=1)
+    draft = perturbed_copy(target, tmp_path / "draft", 0.3, seed=1)
     prompt = [5, 17, 301, 42, 77, 9, 130]
-    temp = 1.3  # flatter than the model: many categories, drafts often rejected
+    temp = 0.5  # ~17 cells of >= 5 expected at N = 600; drafts partly rejected
     exact = _exact_second_token(target, prompt, temp)
     llm = LLM(str(target), max_model_len=64, max_num_seqs=32,
               speculative_config={"model": str(draft), "num_speculative_tokens": 2,

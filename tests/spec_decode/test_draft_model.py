@@ -67,6 +67,9 @@ def test_draft_model_greedy_equals_transformers(case, scenario: str) -> None:
     if scenario == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
     if scenario == "prefix_fork":
+        # The draft's layers are cache groups of the target's pool (capacity counts them).
+        names = [n for g in llm.engine.kv_config.groups for n in g.layer_names]
+        assert sum(n.startswith("draft.") for n in names) == len(names) // 2
         again = _gen(llm, prompts)
         assert [o.outputs[0].token_ids for o in again] == ref
         assert sum(o.num_cached_tokens for o in again) > 0
@@ -77,25 +80,12 @@ def test_draft_model_greedy_equals_transformers(case, scenario: str) -> None:
     llm.engine.kv.check_whole()
 
 
-def test_draft_caches_share_the_pool(case) -> None:
-    """The draft's layers are cache groups of the target's pool (capacity counts them)."""
-    arch, target, drafts, prompts, ref = case
-    plain = LLM(str(target), max_model_len=96, kv_cache_memory=400_000)
-    spec = LLM(str(target), max_model_len=96, kv_cache_memory=400_000,
-               speculative_config=_spec(drafts["self"]))
-    names = [n for g in spec.engine.kv_config.groups for n in g.layer_names]
-    assert any(n.startswith("draft.") for n in names)
-    assert spec.engine.kv.pool.num_usable < plain.engine.kv.pool.num_usable
-    assert [o.outputs[0].token_ids for o in _gen(spec, prompts[:2])] == ref[:2]
-    spec.engine.kv.check_whole()
-
-
 def test_hybrid_draft_for_a_dense_target(tiny_model_factory, random_prompts) -> None:
     """A GDN hybrid draft (random, so mostly rejected) for a dense target: exact, and the
     target alone (no state layers) still drafts only on steps without prefill."""
     target = tiny_model_factory("qwen3")
     draft = tiny_model_factory("qwen3_5", seed=3)
-    prompts = random_prompts(4, 5, 30, 512, seed=4)
+    prompts = random_prompts(2, 5, 30, 512, seed=4)
     llm = LLM(str(target), max_model_len=96, max_num_batched_tokens=9,
               speculative_config=_spec(draft))
     assert llm.engine.spec.has_state  # the draft's states count

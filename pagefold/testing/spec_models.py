@@ -51,9 +51,12 @@ def perturbed_copy(src: str | Path, dst: str | Path, noise: float, seed: int = 0
 
 def add_mtp_weights(model_dir: str | Path, num_layers: int = 1, seed: int = 0,
                     std: float = 0.1) -> Path:
-    """Add random ``mtp.*`` tensors for a tiny Qwen3.5 (dense MLP) model in place."""
+    """Add random ``mtp.*`` tensors for a tiny Qwen3.5 or Qwen3-Next model in place (the MTP
+    layer's MLP as the config makes the layer after the last one: Qwen3-Next's is MoE,
+    written with stacked experts as transformers holds them)."""
     from transformers import AutoConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.json"
@@ -70,7 +73,8 @@ def add_mtp_weights(model_dir: str | Path, num_layers: int = 1, seed: int = 0,
         return (std * torch.randn(*shape, generator=g)).contiguous()
 
     for i in range(num_layers):
-        layer = Qwen3_5DecoderLayer(text, n + i)
+        cls = Qwen3NextDecoderLayer if text.model_type == "qwen3_next" else Qwen3_5DecoderLayer
+        layer = cls(text, n + i)
         for name, p in layer.state_dict().items():
             tensors[f"mtp.layers.{i}.{name}"] = rand(*p.shape)
     tensors["mtp.fc.weight"] = rand(h, 2 * h)

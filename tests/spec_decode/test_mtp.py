@@ -113,3 +113,17 @@ def test_mtp_drafts_do_not_depend_on_batching(mtp_model) -> None:
     for k in common:  # (a token budget may cut a round's drafts short)
         n = min(len(alone[k]), len(batched[k]))
         assert alone[k][:n] == batched[k][:n], k
+
+
+@pytest.mark.slow
+def test_mtp_qwen3_next(tiny_model_factory, tmp_path) -> None:
+    """Qwen3-Next's MTP layer has an MoE feed-forward (stacked experts load as they are)."""
+    dst = tmp_path / "qwen3_next-mtp"
+    shutil.copytree(tiny_model_factory("qwen3_next"), dst)
+    add_mtp_weights(dst)
+    prompts = tiny_models.random_prompts(1, 5, 30, 512, seed=19)
+    llm = LLM(str(dst), max_model_len=96, speculative_config=MTP)
+    assert _gen(llm, prompts) == hf_greedy(dst, prompts, NEW)
+    assert llm.engine.spec.metrics.num_drafts > 0
+    assert (llm.engine.runner.proposer.mtp.layers[0].mlp.experts.down_proj != 0).any()
+    llm.engine.kv.check_whole()

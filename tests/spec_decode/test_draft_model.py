@@ -111,6 +111,17 @@ def test_sampling_with_a_draft_model(case) -> None:
     assert all(len(c.token_ids) == NEW and len(c.logprobs) == NEW
                for o in one for c in o.outputs)
     assert llm.engine.spec.metrics.num_accepted_tokens > 0
+    # Beam search (never speculated; the draft's caches are forked with the beams) and then
+    # greedy drafting again on the same engine.
+    from pagefold import BeamSearchParams
+
+    bp = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    plain = LLM(str(target), max_model_len=96)
+    beams = [[s.tokens for s in o.sequences]
+             for o in llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], bp)]
+    assert beams == [[s.tokens for s in o.sequences] for o in plain.beam_search(
+        [{"prompt_token_ids": p} for p in prompts[:2]], bp)]
+    assert [o.outputs[0].token_ids for o in _gen(llm, prompts[:2])] == ref[:2]
     llm.engine.kv.check_whole()
 
 

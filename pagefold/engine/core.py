@@ -33,7 +33,7 @@ from pagefold.models.registry import (
 )
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
-from pagefold.spec_decode.config import check_model_supports
+from pagefold.spec_decode.config import check_model_supports, check_verify_support
 from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.structured_output.manager import StructuredOutputManager
 
@@ -154,6 +154,8 @@ class EngineCore:
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)
+        spec_specs = self._speculative_specs(hf_config, specs)
+        specs = {**specs, **spec_specs}  # a draft model's / MTP's caches share the pool
         memory = pool_bytes(config, self.device, request_bytes=self._request_bytes(specs))
         if config.kv_cache_memory is None:
             logger.info("block pool: %.1f MiB (gpu_memory_utilization %s on %s)",
@@ -179,6 +181,13 @@ class EngineCore:
                                     max_positions, self.device)
             self.runner = ModelRunner(self.model, self.kv_config, self.device,
                                       cache_fill=cache_fill, num_host_blocks=host_blocks)
+            self.runner.proposer = self._load_proposer(spec_specs, max_positions)
+            if config.speculative_config is not None:
+                state_layers = {n for n, s in specs.items() if isinstance(s, StateSpec)}
+                check_verify_support(self.model, state_layers)
+                draft = getattr(self.runner.proposer, "model", None)
+                if draft is not None:
+                    check_verify_support(draft, state_layers, "the draft model")
             if self.device.type == "cuda" and dispatch.use_triton(self.device):
                 # Decode steps replayed from CUDA graphs (captured per bucket on first use).
                 self.runner.enable_cuda_graphs(min(config.max_num_seqs, 256),
@@ -206,7 +215,6 @@ class EngineCore:
         self._warn_if_caching_impossible(self.kv.min_blocks_for(self.max_model_len))
         self.spec = None
         if config.speculative_config is not None:
-            check_model_supports(config.speculative_config, hf_config)
             self.spec = SpecDecoder(
                 config.speculative_config, self.max_model_len,
                 has_state=any(isinstance(g.spec, StateSpec) for g in self.kv_config.groups))
@@ -221,6 +229,59 @@ class EngineCore:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
                         warm, secs)
+
+    def _speculative_specs(self, hf_config, specs) -> dict:
+        """The cache specs a draft model or MTP heads add to the pool (``{}`` for n-gram);
+        raises ``ValueError`` when the model cannot use the configured method."""
+        sc = self.config.speculative_config
+        if sc is None:
+            return {}
+        check_model_supports(sc, hf_config)
+        if sc.method == "ngram":
+            return {}
+        if self.tp > 1:
+            raise ValueError(f"speculative method {sc.method!r} needs tensor_parallel_size 1; "
+                             f"use {{\"method\": \"ngram\", ...}} with tensor parallelism")
+        if sc.method == "mtp":
+            from pagefold.spec_decode.mtp import mtp_layer_specs
+
+            return mtp_layer_specs(specs, text_config(hf_config))
+        from pagefold.spec_decode.draft_model import draft_layer_specs
+
+        if not Path(sc.model).is_dir():
+            raise ValueError(f"speculative_config 'model' {sc.model!r} is not a local model "
+                             f"folder")
+        _, draft_cfg = load_hf_config(sc.model)
+        check_model_supports(sc, hf_config, draft_cfg)
+        dspecs = layer_specs_from_config(
+            draft_cfg, model_dtype=self.dtype, kv_cache_dtype=self.config.kv_cache_dtype,
+            mamba_ssm_cache_dtype=self.config.mamba_ssm_cache_dtype)
+        return draft_layer_specs(specs, dspecs, self.config.block_size)
+
+    def _load_proposer(self, spec_specs: dict, max_positions: int):
+        """The runner-side proposer of a draft model / MTP heads (None otherwise)."""
+        sc = self.config.speculative_config
+        if sc is None or sc.method == "ngram":
+            return None
+        if sc.method == "mtp":
+            from pagefold.spec_decode.mtp import MtpProposer, load_mtp
+
+            mtp = load_mtp(self.config.model, text_config(self.hf_config), self.model,
+                           self.dtype, max_positions, self.device)
+            if self.device.type == "cpu":
+                from pagefold.csrc import cpu_ops
+
+                cpu_ops.use_fast_linears(mtp)
+            return MtpProposer(mtp, self.model)
+        from pagefold.spec_decode.draft_model import DraftModelProposer, load_draft_model
+
+        draft, _ = load_draft_model(sc.model, self.hf_config, self.dtype, max_positions,
+                                    self.device)
+        if self.device.type == "cpu":
+            from pagefold.csrc import cpu_ops
+
+            cpu_ops.use_fast_linears(draft)
+        return DraftModelProposer.for_specs(draft, spec_specs)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do in one process)."""

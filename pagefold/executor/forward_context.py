@@ -46,6 +46,10 @@ class ForwardContext:
     # after *every* token here ({layer: {component: (T, ...)}}) instead of storing; the runner
     # commits the state after each request's last accepted token (spec_decode.state_verify).
     spec_states: dict[str, dict[str, torch.Tensor]] | None = None
+    # A drafter's chained passes (spec_decode.draft_model): the initial states of state layers
+    # given directly ({layer: {component: (N, ...)}}, e.g. the state after the previous
+    # draft token) instead of read from their pages.
+    initial_states: dict[str, dict[str, torch.Tensor]] | None = None
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -63,6 +67,8 @@ class ForwardContext:
 
     def load_states(self, layer: str) -> dict[str, torch.Tensor]:
         """This step's initial states of ``layer`` (zeros for requests starting fresh)."""
+        if self.initial_states is not None and layer in self.initial_states:
+            return dict(self.initial_states[layer])
         view, meta = self.state(layer)
         if not meta.any_initial_state:
             return view.zeros(meta.page_ids.shape[0])

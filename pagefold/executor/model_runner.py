@@ -74,6 +74,9 @@ class ModelRunner:
         self._grammar: dict[str, bytes] = {}  # this step's structured-output rows
         self.num_forward_tokens = 0
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran (CUDA + Triton)
+        # Speculative decoding with a draft model or MTP heads: the runner-side proposer
+        # (spec_decode.drafting.Proposer); None for n-gram or no speculation.
+        self.proposer = None
 
     @property
     def captures_in_kernel(self) -> bool:
@@ -196,6 +199,8 @@ class ModelRunner:
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
         batch = self.requests.apply(out)
+        if self.proposer is not None:
+            self.proposer.forget(out.finished_ids + out.preempted_ids)
         self._grammar = out.grammar_bitmask
         with _threads_for(self.device, batch.num_tokens * self.num_params):
             self.move_pages(out)
@@ -231,12 +236,19 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions, ctx)
         self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
+            if self.proposer is not None:
+                self.proposer.sync(self, batch, inp, hidden, {})
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
         if tp_rank() != 0:
             return {}  # sampling happens once, on rank 0
         sreqs = [reqs[i] for i in inp.sample_req_idx]
-        return self.sample(logits, sreqs)
+        sampled = self.sample(logits, sreqs)
+        if self.proposer is not None:  # the draft model / MTP computes this step's tokens too
+            self.proposer.sync(self, batch, inp, hidden,
+                               {i: [sampled[reqs[i].req_id].token_id]
+                                for i in inp.sample_req_idx})
+        return sampled
 
     def sample(self, logits: torch.Tensor,
                sreqs: list[CachedRequestState]) -> dict[str, SampledToken]:

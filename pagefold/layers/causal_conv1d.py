@@ -21,6 +21,9 @@ Layout conventions shared by every function here:
   new tokens.
 * The arithmetic runs in float32; ``y`` is returned in ``x``'s dtype and the new state in
   ``x``'s dtype. Inputs are never modified in place.
+* ``per_token_states=True`` (speculative verification, ``spec_decode``): the second result is
+  the state after *every* token, ``(T, C, K-1)`` (row ``t``: the state right after token
+  ``t``), instead of each sequence's final state.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def causal_conv1d_naive(
     conv_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     activation: str | None = "silu",
+    *,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference implementation: explicit loop over sequences and tokens.
 
@@ -83,6 +88,8 @@ def causal_conv1d_naive(
     b = bias.float() if bias is not None else None
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     new_state = torch.empty(conv_state.shape, dtype=x.dtype, device=x.device)
+    states = (torch.empty((x.shape[0], *conv_state.shape[1:]), dtype=x.dtype, device=x.device)
+              if per_token_states else None)
     bounds = cu_seqlens.tolist()
     for s in range(len(bounds) - 1):
         start, end = bounds[s], bounds[s + 1]
@@ -95,8 +102,10 @@ def causal_conv1d_naive(
                 out = out + b
             y[t] = _activate(out, activation)
             history = window[:, 1:]
+            if states is not None:
+                states[t] = history.to(x.dtype)
         new_state[s] = history.to(x.dtype)
-    return y.to(x.dtype), new_state
+    return y.to(x.dtype), new_state if states is None else states
 
 
 def causal_conv1d_varlen(
@@ -106,6 +115,8 @@ def causal_conv1d_varlen(
     conv_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     activation: str | None = "silu",
+    *,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorized varlen causal conv: one ``F.conv1d`` over all sequences.
 
@@ -146,6 +157,10 @@ def causal_conv1d_varlen(
     ).squeeze(0)  # (C, ext_len - K + 1); column i is the window ext[:, i : i + K]
     # Token t's window ends at its own extended position, so it starts K-1 columns earlier.
     y = _activate(out[:, tok_pos - hist], activation).t()
+    if per_token_states:  # the K-1 columns ending at each token's own column
+        cols = tok_pos.unsqueeze(1) - hist + 1 + torch.arange(hist, device=device)  # (T, K-1)
+        states = ext[:, cols.reshape(-1)].reshape(channels, total, hist).permute(1, 0, 2)
+        return y.to(x.dtype).contiguous(), states.to(x.dtype).contiguous()
 
     # Last K-1 columns of each extended segment; its end is cu[s+1] + (s+1)*(K-1).
     ext_end = cu[1:] + (seq_ids + 1) * hist

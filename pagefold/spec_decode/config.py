@@ -8,8 +8,9 @@ Accepted forms (the same keys as vLLM)::
     {"method": "mtp", "num_speculative_tokens": 1}
 
 plus ``disable_by_batch_size`` (speculation is skipped on steps with at least that many running
-requests; vLLM's ``speculative_disable_by_batch_size``). A JSON string is accepted wherever a
-dict is (``pagefold serve --speculative-config JSON``).
+requests; vLLM's ``speculative_disable_by_batch_size``) and pagefold's ``adaptive_k`` (each
+request's k follows its acceptance history, at most ``num_speculative_tokens``). A JSON string
+is accepted wherever a dict is (``pagefold serve --speculative-config JSON``).
 
 Invariants of a built :class:`SpeculativeConfig`: ``num_speculative_tokens >= 1``;
 for n-gram, ``1 <= prompt_lookup_min <= prompt_lookup_max``; ``model`` is set exactly when the
@@ -23,14 +24,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["METHODS", "SpeculativeConfig", "check_model_supports"]
+__all__ = ["METHODS", "SpeculativeConfig", "check_model_supports", "check_verify_support"]
 
 METHODS = ("ngram", "draft_model", "mtp")
 # Aliases vLLM accepts for the same methods.
 _ALIASES = {"draft": "draft_model", "[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
 _KEYS = {
     "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-    "disable_by_batch_size", "draft_tensor_parallel_size",
+    "disable_by_batch_size", "draft_tensor_parallel_size", "adaptive_k",
 }
 # Families whose checkpoints may ship multi-token-prediction weights (``mtp.*`` tensors).
 MTP_FAMILIES = ("gdn",)
@@ -46,6 +47,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     model: str | None = None
     disable_by_batch_size: int | None = None
+    # pagefold's extension: each request's k follows its acceptance history (engine.py).
+    adaptive_k: bool = False
 
     @classmethod
     def from_user(cls, value: SpeculativeConfig | dict[str, Any] | str | None
@@ -115,7 +118,10 @@ class SpeculativeConfig:
         tp = value.get("draft_tensor_parallel_size")
         if tp not in (None, 1):
             raise ValueError("draft_tensor_parallel_size must be 1")
-        return cls(method, k, hi, lo, model, dbs)
+        adaptive = value.get("adaptive_k", False)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive_k must be true or false, got {adaptive!r}")
+        return cls(method, k, hi, lo, model, dbs, adaptive)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method,
@@ -127,6 +133,8 @@ class SpeculativeConfig:
             out["model"] = self.model
         if self.disable_by_batch_size is not None:
             out["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.adaptive_k:
+            out["adaptive_k"] = True
         return out
 
 
@@ -173,3 +181,23 @@ def check_model_supports(spec: SpeculativeConfig, hf_config: Any,
                 f"the draft model's vocab_size {dv} differs from the target's {tv}; a draft "
                 f"model must share the target's tokenizer"
             )
+
+
+def check_verify_support(model: Any, state_layers: set[str], what: str = "this model") -> None:
+    """Raise ``ValueError`` when a state layer of ``model`` (a module whose ``layer_name`` is
+    in ``state_layers``) cannot run a verify pass (return the state after every token instead
+    of storing it): speculating on it would leave rejected drafts in its recurrent state.
+    Gated DeltaNet (Qwen3.5 / Qwen3-Next) and the Mamba-2 mixer (Nemotron-H, Bamba,
+    Granite-4.0-H, Mamba-2) can; subclasses qualify only if they keep the verify forward."""
+    from pagefold.models.mamba2_hybrid import Mamba2Mixer
+    from pagefold.models.qwen3_5 import GatedDeltaNet
+
+    able = (GatedDeltaNet.forward, Mamba2Mixer.forward)
+    for m in model.modules():
+        name = getattr(m, "layer_name", None)
+        if name in state_layers and getattr(type(m), "forward", None) not in able:
+            raise ValueError(
+                f"speculative decoding cannot verify drafts on {what}'s "
+                f"{type(m).__name__} state layers yet (their states would absorb rejected "
+                f"drafts); supported state layers: Gated DeltaNet and Mamba-2. Turn "
+                f"speculative_config off for this model.")

@@ -8,10 +8,14 @@ runner runs the verify forward (``spec_decode.runner``) and
 appending the accepted drafts and the one sampled token (stopping at the first stop token,
 exactly as single-token steps would).
 
-Not speculated: requests driven token by token from outside (beam search: paused or forked
-through ``EngineCore.fork_request``), prefill chunks, every request on steps with at least
-``disable_by_batch_size`` running requests, and (hybrids) every request on steps that also
-carry prefill work.
+With a draft model or MTP heads the drafts are made in the runner
+(``spec_decode.drafting``): the scheduler sends ``k`` placeholders and the runner's proposer
+fills them before the verify forward.
+
+Not speculated: requests with structured output, requests driven token by token from outside
+(beam search: paused or forked through ``EngineCore.fork_request``), prefill chunks, every
+request on steps with at least ``disable_by_batch_size`` running requests, and (models with
+state layers, the draft's included) every request on steps that also carry prefill work.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 from pagefold.core.sched_output import SchedulerOutput, VerifiedTokens
 from pagefold.core.scheduler import Scheduler
 from pagefold.spec_decode.config import SpeculativeConfig
+from pagefold.spec_decode.drafting import PLACEHOLDER
 from pagefold.spec_decode.ngram import ngram_propose
 
 __all__ = ["SpecDecoder", "SpecMetrics"]
@@ -75,11 +80,6 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  has_state: bool = False) -> None:
-        if config.method != "ngram":
-            raise ValueError(
-                f"speculative method {config.method!r} is not implemented by this engine yet; "
-                f"use {{\"method\": \"ngram\", ...}}"
-            )
         self.config = config
         self.max_model_len = max_model_len
         # State layers run a verify step token by token for *every* request in it; a prefill
@@ -90,10 +90,12 @@ class SpecDecoder:
         self.excluded: set[str] = set()
         self.disable_by_batch_size = config.disable_by_batch_size or AUTO_DISABLE_BY_BATCH_SIZE
         # (request, k) -> up to k drafted ids; tests swap in drafters with known acceptance.
-        self.propose_fn = self._ngram
+        # A draft model or MTP heads draft in the runner: the scheduler sends placeholders.
+        self.propose_fn = self._ngram if config.method == "ngram" else self._in_runner
         self._step = 0
         self._last_log = time.monotonic()
         self._backoff: dict[str, tuple[int, int]] = {}  # id -> (no drafts before step, fails)
+        self._k: dict[str, int] = {}  # adaptive_k: each request's k for its next round
 
     def observe(self, out: SchedulerOutput, sampled: dict) -> None:
         """Count a verify step's drafted and accepted tokens and update each request's
@@ -108,6 +110,8 @@ class SpecDecoder:
             v = sampled.get(rid)
             if isinstance(v, VerifiedTokens):
                 self.metrics.observe(len(d), v.num_accepted)
+                if self.config.adaptive_k:
+                    self._k[rid] = self.next_k(len(d), v.num_accepted)
                 if v.num_accepted:
                     self._backoff.pop(rid, None)
                 else:
@@ -123,6 +127,14 @@ class SpecDecoder:
 
     MAX_BACKOFF = 16
 
+    def next_k(self, drafted: int, accepted: int) -> int:
+        """adaptive_k: after a round that accepted every draft, one more (up to the configured
+        k); else one more than were accepted (the drafts past the first rejection were wasted
+        verify work). A round accepting nothing also starts the back-off."""
+        if accepted >= drafted:
+            return min(self.config.num_speculative_tokens, drafted + 1)
+        return max(1, accepted + 1)
+
     def propose(self, scheduler: Scheduler) -> None:
         """Fill ``scheduler.spec_token_ids`` for this step."""
         drafts: dict[str, list[int]] = {}
@@ -131,6 +143,7 @@ class SpecDecoder:
         if len(self.excluded) + len(self._backoff) > 4 * len(scheduler.requests) + 64:
             self.excluded &= scheduler.requests.keys()
             self._backoff = {k: v for k, v in self._backoff.items() if k in scheduler.requests}
+            self._k = {k: v for k, v in self._k.items() if k in scheduler.requests}
         running = scheduler.running
         if not running or len(running) >= self.disable_by_batch_size:
             return
@@ -139,8 +152,9 @@ class SpecDecoder:
             return
         c = self.config
         for r in running:
-            if r.paused or r.request_id in self.excluded:
-                continue
+            if (r.paused or r.request_id in self.excluded
+                    or r.sampling_params.structured_outputs is not None):
+                continue  # (grammar rows are not applied to verify rows)
             wait = self._backoff.get(r.request_id)
             if wait is not None and self._step < wait[0]:
                 continue
@@ -151,7 +165,7 @@ class SpecDecoder:
             mt = r.sampling_params.max_tokens
             if mt is not None:
                 room = min(room, mt - r.num_output_tokens - 1)
-            k = min(c.num_speculative_tokens, room)
+            k = min(self._k.get(r.request_id, c.num_speculative_tokens), room)
             if k <= 0:
                 continue
             d = self.propose_fn(r, k)
@@ -162,3 +176,7 @@ class SpecDecoder:
         c = self.config
         return ngram_propose(np.asarray(r.all_token_ids, dtype=np.int64), k,
                              c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+
+    @staticmethod
+    def _in_runner(r, k: int) -> list[int]:
+        return [PLACEHOLDER] * k

@@ -49,6 +49,13 @@ def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]
     """
     reqs, starts, counts = batch.reqs, batch.starts, batch.counts
     drafts = [spec_token_ids.get(r.req_id, []) for r in reqs]
+    proposer = runner.proposer
+    drafted = None
+    if proposer is not None:  # a draft model / MTP fills the placeholders (spec_decode.drafting)
+        drafted = proposer.propose(runner, batch, drafts)
+        drafts = drafted.drafts
+    elif any(t < 0 for d in drafts for t in d):
+        raise ValueError("drafts to fill in the runner, but the runner has no proposer")
     tokens = []
     for r, s, n, d in zip(reqs, starts, counts, drafts, strict=True):
         if d:
@@ -75,6 +82,8 @@ def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]
     keep = list(counts)  # tokens whose state is committed, per request
     if not sample:
         commit_states(ctx, _cu_tensor(cu, runner.device), keep)
+        if proposer is not None:
+            proposer.commit(runner, batch, drafted, keep, inp, hidden, {})
         return {}
     rows = np.concatenate([np.arange(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1]) for i in sample])
     logits = runner.model.compute_logits(hidden[torch.from_numpy(rows).to(runner.device)])
@@ -93,7 +102,10 @@ def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]
     eos_rows = [r.eos_token_id for r, n in zip(sreqs, reps, strict=True) for _ in range(n)]
     meta = SamplingMetadata.build(p_rows, o_rows, prompt_rows, eos_token_ids=eos_rows,
                                   device=runner.device)
-    res = rejection_sample(logits, meta, sdrafts, gens)
+    qprobs = None
+    if drafted is not None and any(drafted.probs[i] is not None for i in sample):
+        qprobs = [drafted.probs[i] for i in sample]
+    res = rejection_sample(logits, meta, sdrafts, gens, qprobs)
     for j, i in enumerate(sample):
         if drafts[i]:
             a = res.num_accepted[j]
@@ -101,6 +113,9 @@ def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]
             # Accepted drafts are computed tokens the scheduler will not send again.
             reqs[i].write(starts[i] + 1, list(drafts[i][:a]))
     commit_states(ctx, _cu_tensor(cu, runner.device), keep)
+    if proposer is not None:
+        proposer.commit(runner, batch, drafted, keep, inp, hidden,
+                        {i: res.tokens[j] for j, i in enumerate(sample)})
 
     lp_rows = None
     if meta.max_num_logprobs is not None:

@@ -30,6 +30,9 @@ All three kernels share one signature::
 * ``capture=(after, out)`` (optional; :mod:`pagefold.layers.state_capture`): ``out[m]``
   (float32, ``(M, H, Dk, Dv)``) receives the state right after flat token ``after[m]``, as a
   call ending there would return it (prefix-cache checkpoints without cutting the chunk).
+* ``per_token_states=True`` (naive and recurrent; speculative verification): the second
+  result is the state after *every* token, ``(T, H, Dk, Dv)`` float32, instead of the final
+  states, so committing an accepted prefix is a select (``spec_decode``).
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ def gdn_naive(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     capture: Capture | None = None,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition of the gated delta rule: loop over sequences, then over tokens.
 
@@ -165,6 +169,8 @@ def gdn_naive(
         at.setdefault(a, []).append(m)
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     final = torch.empty_like(state0)
+    states = (torch.empty((q.shape[0], *state0.shape[1:]), dtype=torch.float32,
+                          device=v.device) if per_token_states else None)
     bounds = cu_seqlens.tolist()
     for s in range(len(bounds) - 1):
         state = state0[s : s + 1]
@@ -174,8 +180,10 @@ def gdn_naive(
             out[t] = o_t[0]
             for m in at.get(t, ()):
                 cap[1][m] = state[0]
+            if states is not None:
+                states[t] = state[0]
         final[s] = state[0]
-    return out.to(v.dtype), final
+    return out.to(v.dtype), final if states is None else states
 
 
 def gdn_recurrent(
@@ -191,6 +199,7 @@ def gdn_recurrent(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     capture: Capture | None = None,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-recurrent kernel, batched across sequences; the decode path.
 
@@ -225,6 +234,8 @@ def gdn_recurrent(
         rank = {s: r for r, s in enumerate(order.tolist())}
         for m, (s, off) in enumerate(seq_of(cu.tolist(), cap[0])):
             at.setdefault(off, []).append((m, rank[s]))
+    states = (torch.empty((total, *state0.shape[1:]), dtype=torch.float32, device=device)
+              if per_token_states else None)
     for p, n_act in enumerate(_active_counts(sorted_lengths)):
         idx = starts[:n_act] + p
         o_t, new = _step_fused(state[:n_act], qf[idx], kf[idx], vf[idx], gf[idx], bf[idx])
@@ -232,6 +243,10 @@ def gdn_recurrent(
         out[idx] = o_t
         for m, r in at.get(p, ()):
             cap[1][m] = state[r]
+        if states is not None:
+            states[idx] = new
+    if states is not None:
+        return out.to(v.dtype), states
     final = torch.empty_like(state)
     final[order] = state
     return out.to(v.dtype), final

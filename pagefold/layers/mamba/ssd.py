@@ -33,6 +33,8 @@ piece's ``initial_state`` gives the same result as one pass, up to float32 round
 
 ``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.layers.state_capture`):
 ``out[m]`` (float32, (M, H, P, N)) receives the state right after flat token ``after[m]``.
+``per_token_states=True`` (naive and recurrent; speculative verification): the second result
+is the state after *every* token, (T, H, P, N) float32, instead of the final states.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def ssd_naive(
     dt_max: float = math.inf,
     chunk_size: int = 64,
     capture: Capture | None = None,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference SSD: the literal per-token recurrence, one sequence and one token at a time.
 
@@ -178,6 +181,8 @@ def ssd_naive(
     at: dict[int, list[int]] = {}
     for m, a in enumerate(cap[0] if cap else []):
         at.setdefault(a, []).append(m)
+    states = (torch.empty((T, *initial_state.shape[1:]), dtype=torch.float32, device=x.device)
+              if per_token_states else None)
     for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
         h = final[s]  # (H, P, N)
         for t in range(start, start + n):
@@ -186,10 +191,12 @@ def ssd_naive(
             y[t] = (h * Ch[t][:, None, :]).sum(-1)
             for m in at.get(t, ()):
                 cap[1][m] = h
+            if states is not None:
+                states[t] = h
         final[s] = h
     if D is not None:
         y = y + D.float()[:, None] * xf
-    return y.to(x.dtype), final
+    return y.to(x.dtype), final if states is None else states
 
 
 def ssd_recurrent(
@@ -208,6 +215,7 @@ def ssd_recurrent(
     dt_max: float = math.inf,
     chunk_size: int = 64,
     capture: Capture | None = None,
+    per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent (decode) SSD, batched across sequences.
 
@@ -252,6 +260,8 @@ def ssd_recurrent(
         for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
             at.setdefault(off, []).append((m, rank[s]))
     n_active = S
+    states = (torch.empty((T, *state0.shape[1:]), dtype=torch.float32, device=x.device)
+              if per_token_states else None)
     for t in range(max_len):
         while n_active > 0 and sorted_lens[n_active - 1] <= t:
             n_active -= 1
@@ -262,12 +272,14 @@ def ssd_recurrent(
         y[tok] = y_t
         for m, r in at.get(t, ()):
             cap[1][m] = state[r]
+        if states is not None:
+            states[tok] = state[:n_active]
     final = torch.empty_like(state)
     if S > 0:
         final[order_t] = state
     if D is not None:
         y = y + D.float()[:, None] * xf
-    return y.to(x.dtype), final
+    return y.to(x.dtype), final if states is None else states
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:

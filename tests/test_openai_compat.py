@@ -233,16 +233,23 @@ def test_required_tool_choice(client):
             calls = r.choices[0].message.tool_calls
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
         else:
-            got = {}
+            got, pieces = {}, 0
             for ch in chat(client, "call something", tools=tools, tool_choice="required",
                            max_tokens=150, temperature=1.0, seed=5, stream=True,
                            parallel_tool_calls=False):
                 for c in ch.choices:
                     for tc in c.delta.tool_calls or ():
-                        got[tc.index] = tc
+                        if tc.index not in got:  # the header: id, type, name, no arguments
+                            assert tc.id and tc.function.name
+                            assert tc.function.arguments == ""
+                            got[tc.index] = tc
+                        else:  # argument pieces while they are generated
+                            got[tc.index].function.arguments += tc.function.arguments
+                            pieces += 1
                     if c.finish_reason:
                         assert c.finish_reason == "tool_calls"
             calls = [got[i] for i in sorted(got)]
+            assert pieces > 2
         assert len(calls) == 1
         for call in calls:
             _validate_call(call, tools)

@@ -1,0 +1,207 @@
+"""Structured output and tool calls on the trained model: ``pagefold serve`` on
+SmolLM2-135M-Instruct, driven by the official ``openai`` client, every answer checked with
+``jsonschema``.
+
+* 20 ``response_format: json_schema`` (strict) requests, each its own schema and prompt, sent
+  at once (one batch): every content parses and validates, every finish reason is ``stop``;
+* a named-function ``tool_choice`` and ``required``, streamed and not: the arguments parse
+  and validate against the tool's schema; streamed, the calls arrive as OpenAI sends them
+  (a header delta with id, type, name and arguments ``""``, then argument pieces) and the
+  client's own stream accumulation (``chat.completions.stream``) rebuilds them;
+* SmolLM2's chat template does not render ``tools``: the tools reach the prompt through the
+  system-message fallback (``tool_prompt.py``), which the test reads back via ``/tokenize``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.test_server import KEY, MODEL, Server
+
+pytestmark = pytest.mark.slow
+
+S = {"type": "string"}
+INT = {"type": "integer"}
+NUM = {"type": "number"}
+BOOL = {"type": "boolean"}
+
+
+def _obj(required: list[str] | None = None, **props) -> dict:
+    return {"type": "object", "properties": props, "required": required or list(props),
+            "additionalProperties": False}
+
+
+POINT = _obj(lat=NUM, lon=NUM)
+# (prompt, schema): 20 different shapes -- objects, nesting, arrays, enums, const, anyOf /
+# null, $ref, patterns, bounds, top-level scalars.
+CASES: list[tuple[str, dict]] = [
+    ("Invent a person and give their name and age.", _obj(name=S, age=INT)),
+    ("Describe today's weather in Paris.",
+     _obj(city=S, temperature_c=NUM,
+          condition={"enum": ["sunny", "cloudy", "rainy", "snowy"]})),
+    ("What is the capital of France?", _obj(country=S, capital=S)),
+    ("Is the sky blue?", _obj(answer=BOOL)),
+    ("Name the three primary colors.",
+     _obj(colors={"type": "array", "items": S, "minItems": 1, "maxItems": 5})),
+    ("What is 2 + 3?", _obj(expression=S, result=INT)),
+    ("Recommend a classic novel.", _obj(title=S, author=S, year=INT)),
+    ("Classify the sentiment of: I love this movie!",
+     _obj(sentiment={"enum": ["positive", "negative", "neutral"]},
+          confidence={"type": "number", "minimum": 0, "maximum": 1})),
+    ("Give a simple pancake recipe.",
+     _obj(dish=S, ingredients={"type": "array", "items": S, "maxItems": 6})),
+    ("List the first five even numbers.",
+     {"type": "array", "items": INT, "minItems": 5, "maxItems": 5}),
+    ("Create a user account for Alice.", _obj(user=_obj(name=S, email=S))),
+    ("When did the first moon landing happen?",
+     _obj(event=S, date={"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"})),
+    ("Answer yes or no: is water wet?", {"type": "string", "enum": ["yes", "no"]}),
+    ("Describe a dog.",
+     _obj(animal=S, legs={"type": "integer", "minimum": 0, "maximum": 100}, can_fly=BOOL)),
+    ("Translate 'hello' to French.", _obj(english=S, french=S)),
+    ("Invent a product for a shop.",
+     _obj(name=S, price={"type": "number", "minimum": 0}, in_stock=BOOL)),
+    ("Where is the Eiffel Tower?",
+     _obj(["city", "zip"], city=S, zip={"anyOf": [S, {"type": "null"}]})),
+    ("Give coordinates for a trip from Paris to Berlin.",
+     {"$defs": {"point": POINT}, "type": "object",
+      "properties": {"origin": {"$ref": "#/$defs/point"},
+                     "destination": {"$ref": "#/$defs/point"}},
+      "required": ["origin", "destination"], "additionalProperties": False}),
+    ("Create a to-do item for buying milk.",
+     _obj(title=S, priority={"enum": ["low", "medium", "high"]}, done=BOOL,
+          kind={"const": "todo"})),
+    ("Which month number is March?", {"type": "integer", "minimum": 1, "maximum": 12}),
+]
+MAX_TOKENS = 96
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.", "strict": True,
+    "parameters": _obj(city=S, unit={"type": "string", "enum": ["celsius", "fahrenheit"]})}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a time zone.", "strict": True,
+    "parameters": _obj(timezone=S)}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("smollm2_openai") / "server.log"
+    srv = Server.launch(smollm2_dir, log, kv_cache_memory="64MiB",
+                        extra_args=("--max-model-len", "1024", "--max-num-seqs", "32",
+                                    "--enable-auto-tool-choice", "--tool-call-parser",
+                                    "hermes"))
+    try:
+        yield srv.ready(timeout=180)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_20_json_schemas_validate_on_smollm2(client, server):
+    def ask(case):
+        k, (prompt, schema) = case
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt + " Reply in JSON."}],
+            max_tokens=MAX_TOKENS, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": f"case{k}", "schema": schema, "strict": True}})
+        return r.choices[0]
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        choices = list(pool.map(ask, enumerate(CASES)))
+    secs = time.monotonic() - t0
+    for (prompt, schema), c in zip(CASES, choices):
+        assert c.finish_reason == "stop", (prompt, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), schema)
+    print(f"\n20/20 schemas valid in {secs:.1f} s; answers:")
+    for (prompt, _), c in zip(CASES, choices):
+        print(f"  {prompt[:40]:40s} {c.message.content}")
+    server.wait_pool_whole()
+
+
+def _check_call(name: str, arguments: str) -> dict:
+    fns = {t["function"]["name"]: t["function"] for t in TOOLS}
+    args = json.loads(arguments)
+    jsonschema.validate(args, fns[name]["parameters"])
+    return args
+
+
+def _raw_tool_deltas(client, **kw) -> tuple[list, list[str]]:
+    """The tool-call deltas of a raw stream, and its finish reasons."""
+    deltas, reasons = [], []
+    for ch in client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
+                                             max_tokens=MAX_TOKENS, temperature=0, **kw):
+        for c in ch.choices:
+            deltas += c.delta.tool_calls or []
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return deltas, reasons
+
+
+def _check_openai_shape(deltas) -> None:
+    """Per call: first delta index, id, type, name, arguments ""; then argument pieces only."""
+    seen: set[int] = set()
+    pieces = 0
+    for d in deltas:
+        if d.index not in seen:
+            seen.add(d.index)
+            assert d.id and d.type == "function" and d.function.name, d
+            assert d.function.arguments == "", d
+        else:
+            assert d.id is None and d.function.name is None and d.function.arguments, d
+            pieces += 1
+    assert pieces >= 2 * len(seen), "arguments must stream in pieces, not one lump"
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_tool_choice_streamed_and_not_on_smollm2(client, choice):
+    tool_choice = ({"type": "function", "function": {"name": "get_weather"}}
+                   if choice == "named" else "required")
+    kw = dict(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=MAX_TOKENS,
+                                       temperature=0, **kw)
+    c = r.choices[0]
+    assert c.finish_reason == ("stop" if choice == "named" else "tool_calls"), c
+    (call,) = c.message.tool_calls
+    if choice == "named":
+        assert call.function.name == "get_weather"
+    args = _check_call(call.function.name, call.function.arguments)
+
+    # Raw stream: the OpenAI delta shapes.
+    deltas, reasons = _raw_tool_deltas(client, **kw)
+    _check_openai_shape(deltas)
+    assert reasons == [c.finish_reason]
+    # The client's own accumulation (strict tools: it also parses the arguments).
+    with client.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=MAX_TOKENS,
+                                        temperature=0, **kw) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_completion()
+    assert events.count("tool_calls.function.arguments.delta") >= 2
+    (scall,) = final.choices[0].message.tool_calls
+    assert scall.function.name == call.function.name and scall.id
+    assert _check_call(scall.function.name, scall.function.arguments) == args  # greedy
+    assert scall.function.parsed_arguments == args
+
+
+def test_tools_reach_smollm2_through_the_fallback(server):
+    """SmolLM2's template never reads ``tools``: the system message carries them."""
+    base = {"model": MODEL, "messages": ASK}
+    plain = server.post("/tokenize", base).json()["count"]
+    with_tools = server.post("/tokenize", dict(base, tools=TOOLS)).json()
+    assert with_tools["count"] > plain + 40
+    r = server.post("/detokenize", {"model": MODEL, "tokens": with_tools["tokens"]})
+    text = r.json()["prompt"]
+    assert "get_weather" in text and "Get the current time" in text and "<tool_call>" in text

@@ -96,7 +96,7 @@ def test_auto_hermes_streams_content_then_calls(step):
     assert json.loads(calls[1]["arguments"]) == {"timezone": "CET"}
     assert calls[0]["pieces"] > 2
     # No piece of markup leaks into content or arguments.
-    assert "tool_call" not in json.dumps(deltas)
+    assert "<tool_call" not in json.dumps(deltas) and "</" not in json.dumps(deltas)
 
 
 def test_auto_json_parser_and_text_without_calls():

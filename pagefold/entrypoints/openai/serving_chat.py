@@ -294,7 +294,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
-        prompt_len = [0]
+        prompt_len = [len(first[1].prompt_token_ids)]  # the role chunks' usage too
 
         def chunk(index: int, delta: dict, lps: dict | None = None, finish: str | None = None,
                   stop_reason: Any = None, num_tokens: int = 0) -> str:

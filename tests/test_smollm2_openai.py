@@ -100,7 +100,7 @@ ASK = [{"role": "user", "content": "What's the weather like in Paris right now?"
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("smollm2_openai") / "server.log"
-    srv = Server.launch(smollm2_dir, log, kv_cache_memory="64MiB",
+    srv = Server.launch(smollm2_dir, log, kv_cache_memory="192MiB",  # 20 at once, float32
                         extra_args=("--max-model-len", "1024", "--max-num-seqs", "32",
                                     "--max-num-batched-tokens", "512", "--dtype", "float32",
                                     "--no-warm-up", "--enable-auto-tool-choice",
@@ -205,6 +205,8 @@ def test_tool_choice_streamed_and_not_on_smollm2(client, choice):
     assert scall.function.name == call.function.name and scall.id
     assert _check_call(scall.function.name, scall.function.arguments) == args  # greedy
     assert scall.function.parsed_arguments == args
+    print(f"\n{choice}: {call.function.name}({call.function.arguments}); streamed in "
+          f"{len(deltas)} deltas")
 
 
 def test_tools_reach_smollm2_through_the_fallback(server):

@@ -19,7 +19,9 @@ Invariants of the loop:
 * an ``add`` whose structured-output grammar is not compiled yet waits in a one-thread
   compile pool (xgrammar releases the GIL while it compiles) and enters the scheduler at the
   first loop iteration after its grammar is cached: a slow schema never stalls the steps of
-  the requests already running; an abort of a waiting request drops it;
+  the requests already running; an abort of a waiting request drops it. The grammar
+  compiler itself (tokenizer, vocabulary tables) is built in that thread right after the
+  handshake;
 * any other exception is fatal: it is reported as :class:`Fatal` and the process exits 1;
 * the process exits when its parent dies (``PR_SET_PDEATHSIG`` sends SIGTERM on Linux, plus
   a ``getppid`` check at least once a second) and on SIGTERM (after the current step);
@@ -334,9 +336,30 @@ class _CoreLoop:
         if so is None or structured is None or structured.is_compiled(so):
             self._add_now(msg, errors)
             return
+        self._pending.append((self._pool().submit(structured.check, msg.params), msg))
+
+    def _pool(self) -> ThreadPoolExecutor:
         if self._compile_pool is None:
             self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="pagefold-grammar")
-        self._pending.append((self._compile_pool.submit(structured.check, msg.params), msg))
+        return self._compile_pool
+
+    def warm_structured(self) -> None:
+        """Build the grammar compiler now, in the compile thread, while the core is idle
+        after start-up: loading the tokenizer and xgrammar's vocabulary tables is ~1 s of
+        mostly Python work (it holds the GIL), which would otherwise stall the steps of the
+        requests running when the first structured request arrives."""
+        structured = getattr(self.core, "structured", None)
+        if structured is None:
+            return
+
+        def build() -> None:
+            structured.compiler.json_safe_mask()
+
+        def report(fut: Future) -> None:
+            if fut.exception() is not None:  # the first structured request raises it again
+                logger.warning("structured output unavailable: %s", fut.exception())
+
+        self._pool().submit(build).add_done_callback(report)
 
     def admit_compiled(self, errors: list[RequestError]) -> bool:
         """Queue the waiting requests whose grammar is ready (a compile error is that
@@ -440,6 +463,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             max_num_batched_tokens=core.max_num_batched_tokens,
             groups=[type(m.group.spec).__name__ for m in kv.managers])))
         loop = _CoreLoop(core, in_sock, out_sock, parent_pid)
+        loop.warm_structured()
         signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             loop.run()

@@ -563,7 +563,8 @@ def test_vllm_launch_line_starts(model_dir, tmp_path):
 def test_vllm_behaviours_on_chat(server, client):
     """The same vLLM behaviours on /v1/chat/completions: model "" is the served model,
     stream_options needs stream, every streamed chunk carries usage with
-    continuous_usage_stats, prompt_logprobs -1 and use_beam_search are refused by name."""
+    continuous_usage_stats, guided_choice constrains, prompt_logprobs -1 and use_beam_search
+    are refused by name."""
     msgs = [{"role": "user", "content": "hi"}]
     r = server.post("/v1/chat/completions", {"model": "", "messages": msgs, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
@@ -575,6 +576,11 @@ def test_vllm_behaviours_on_chat(server, client):
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
     assert [c.usage.completion_tokens for c in chunks if c.choices][-1] == 4
+    # guided_choice (the older vLLM name) is honoured, not ignored.
+    for seed in range(3):
+        r = chat(client, max_tokens=10, temperature=1.0, seed=seed,
+                 extra_body={"guided_choice": ["alpha", "beta"]})
+        assert r.choices[0].message.content in ("alpha", "beta")
     for body, name in (({"prompt_logprobs": -1}, "prompt_logprobs"),
                        ({"use_beam_search": True}, "use_beam_search")):
         r = server.post("/v1/chat/completions", dict(

@@ -233,16 +233,23 @@ def test_required_tool_choice(client):
             calls = r.choices[0].message.tool_calls
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
         else:
-            got = {}
+            got, pieces = {}, 0
             for ch in chat(client, "call something", tools=tools, tool_choice="required",
                            max_tokens=150, temperature=1.0, seed=5, stream=True,
                            parallel_tool_calls=False):
                 for c in ch.choices:
                     for tc in c.delta.tool_calls or ():
-                        got[tc.index] = tc
+                        if tc.index not in got:  # the header: id, type, name, no arguments
+                            assert tc.id and tc.function.name
+                            assert tc.function.arguments == ""
+                            got[tc.index] = tc
+                        else:  # argument pieces while they are generated
+                            got[tc.index].function.arguments += tc.function.arguments
+                            pieces += 1
                     if c.finish_reason:
                         assert c.finish_reason == "tool_calls"
             calls = [got[i] for i in sorted(got)]
+            assert pieces > 2
         assert len(calls) == 1
         for call in calls:
             _validate_call(call, tools)
@@ -263,13 +270,18 @@ def test_auto_tool_choice_hermes_parser(client):
     assert m.content == "I will check."
     assert [c.function.name for c in m.tool_calls] == ["get_weather"]
     assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Oslo", "unit": "C"}
-    content, calls = "", []
+    content, calls, reasons = "", {}, []
     for ch in chat(client, "weather in Oslo?", stream=True, **kw):
         for c in ch.choices:
             content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-    assert content == "I will check." and len(calls) == 1
-    assert json.loads(calls[0].function.arguments) == {"city": "Oslo", "unit": "C"}
+            for tc in c.delta.tool_calls or ():
+                if tc.index not in calls:
+                    assert tc.function.name == "get_weather" and tc.function.arguments == ""
+                    calls[tc.index] = ""
+                calls[tc.index] += tc.function.arguments
+            reasons += [c.finish_reason] if c.finish_reason else []
+    assert content == "I will check." and list(calls) == [0] and reasons == ["tool_calls"]
+    assert json.loads(calls[0]) == {"city": "Oslo", "unit": "C"}
     # No call in the text: plain content, finish "stop"-like.
     r = chat(client, "hi", tools=[WEATHER], max_tokens=10,
              extra_body={"structured_outputs": {"choice": ["just text"]}})
@@ -546,3 +558,32 @@ def test_vllm_launch_line_starts(model_dir, tmp_path):
     text = log.read_text()
     assert "--enforce-eager accepted and ignored" in text
     assert "gpu_memory_utilization 0.9" in text
+
+
+def test_vllm_behaviours_on_chat(server, client):
+    """The same vLLM behaviours on /v1/chat/completions: model "" is the served model,
+    stream_options needs stream, every streamed chunk carries usage with
+    continuous_usage_stats, guided_choice constrains, prompt_logprobs -1 and use_beam_search
+    are refused by name."""
+    msgs = [{"role": "user", "content": "hi"}]
+    r = server.post("/v1/chat/completions", {"model": "", "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=4, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks if c.choices][-1] == 4
+    # guided_choice (the older vLLM name) is honoured, not ignored.
+    for seed in range(3):
+        r = chat(client, max_tokens=10, temperature=1.0, seed=seed,
+                 extra_body={"guided_choice": ["alpha", "beta"]})
+        assert r.choices[0].message.content in ("alpha", "beta")
+    for body, name in (({"prompt_logprobs": -1}, "prompt_logprobs"),
+                       ({"use_beam_search": True}, "use_beam_search")):
+        r = server.post("/v1/chat/completions", dict(
+            {"model": MODEL, "messages": msgs, "max_tokens": 2}, **body))
+        assert r.status_code == 400 and name in json.dumps(r.json()["error"]), r.text
+    server.wait_pool_whole()

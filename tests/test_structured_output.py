@@ -177,3 +177,104 @@ def test_truncate_and_bad_words_offline(llm):
                                                        bad_words=[word]),
                              use_tqdm=False)[0].outputs[0]
         assert again.token_ids != base.token_ids
+
+
+def _inproc_loop(core, name: str):
+    """An EngineCore-process loop over inproc sockets: (loop, send, sockets, context)."""
+    import os
+
+    import msgspec
+    import zmq
+
+    from pagefold.engine.core_proc import _CoreLoop
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(t) for t in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL)]
+    socks[0].bind(f"inproc://{name}-in")
+    socks[1].connect(f"inproc://{name}-in")
+    socks[2].bind(f"inproc://{name}-out")
+    socks[3].connect(f"inproc://{name}-out")
+    enc = msgspec.msgpack.Encoder()
+    return _CoreLoop(core, socks[1], socks[2], os.getppid()), \
+        (lambda msg: socks[0].send(enc.encode(msg))), socks, ctx
+
+
+def test_grammar_compiles_off_the_step_loop(tiny_model_factory):
+    """In the EngineCore process a request whose grammar is not cached waits in the compile
+    thread while the running requests keep stepping: here the compile is held until a plain
+    request has finished all its tokens. Then it joins (cached: its twin is added at once); a
+    compile error is that request's error; an abort drops a request still compiling."""
+    import threading
+
+    from pagefold.engine.core_proc import AbortRequests, AddRequest
+
+    llm = LLM(str(tiny_model_factory("qwen3")), max_model_len=256, kv_cache_memory="8MiB")
+    core = llm.engine
+    compiler = core.structured.compiler
+    release, entered = threading.Event(), threading.Event()
+    original = compiler.compile
+
+    def held_compile(so):
+        if so.kind == "json" and "held" in json.dumps(so.json):
+            entered.set()
+            assert release.wait(30)
+        return original(so)
+
+    compiler.compile = held_compile
+    held = {"type": "object", "properties": {"held": {"type": "integer", "minimum": 0,
+                                                      "maximum": 99}}, "required": ["held"]}
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=30, temperature=0,
+                                 structured_outputs=S(json=held))
+    loop, send, socks, ctx = _inproc_loop(core, "compile")
+    try:
+        send(AddRequest("plain", [5, 6, 7], plain))
+        send(AddRequest("json", [5, 6, 8], constrained))
+        errors: list = []
+        loop.handle_inputs(2000)
+        assert set(core.scheduler.requests) == {"plain"} and len(loop._pending) == 1
+        assert entered.wait(10)
+        tokens = 0
+        while core.has_unfinished():  # the loop's steps, with the grammar still compiling
+            tokens += sum(len(o.new_token_ids) for o in core.step())
+            assert not loop.admit_compiled(errors)
+        assert tokens == 8 and "json" not in core.scheduler.requests
+        release.set()
+        loop._pending[0][0].result(30)
+        assert loop.admit_compiled(errors) and not errors
+        assert set(core.scheduler.requests) == {"json"} and not loop._pending
+        send(AddRequest("json2", [5, 6, 9], constrained))  # cached now: no wait
+        loop.handle_inputs(2000)
+        assert "json2" in core.scheduler.requests and not loop._pending
+        texts = {}
+        while core.has_unfinished():
+            for o in core.step():
+                texts[o.request_id] = texts.get(o.request_id, []) + list(o.new_token_ids)
+        tok = llm.get_tokenizer()
+        for rid in ("json", "json2"):
+            jsonschema.validate(json.loads(tok.decode(texts[rid], skip_special_tokens=True)),
+                                held)
+        # A compile error through the thread: the request's error, nothing queued.
+        send(AddRequest("bad", [5, 6], SamplingParams(
+            structured_outputs=S(grammar="root ::= undefined_rule"))))
+        loop.handle_inputs(2000)
+        loop._pending[0][0].exception(30)
+        assert loop.admit_compiled(errors)
+        assert [e.request_id for e in errors] == ["bad"] and "undefined_rule" in errors[0].message
+        # An abort while compiling drops the request.
+        release.clear()
+        send(AddRequest("gone", [5, 6], SamplingParams(structured_outputs=S(json=dict(
+            held, title="other")))))
+        send(AbortRequests(["gone"]))
+        loop.handle_inputs(2000)
+        assert not loop._pending and not core.has_unfinished()
+        release.set()
+        core.flush()
+        core.kv.check_whole()
+    finally:
+        release.set()
+        loop.close()
+        compiler.compile = original
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()

@@ -16,6 +16,12 @@ Invariants of the loop:
   request's blocks before the step after it arrives;
 * an ``add`` that the core rejects (``ValueError``) queues nothing and comes back as a
   :class:`RequestError` for that request id, never as a crash;
+* an ``add`` whose structured-output grammar is not compiled yet waits in a one-thread
+  compile pool (xgrammar releases the GIL while it compiles) and enters the scheduler at the
+  first loop iteration after its grammar is cached: a slow schema never stalls the steps of
+  the requests already running; an abort of a waiting request drops it. The grammar
+  compiler itself (tokenizer, vocabulary tables) is built in that thread right after the
+  handshake;
 * any other exception is fatal: it is reported as :class:`Fatal` and the process exits 1;
 * the process exits when its parent dies (``PR_SET_PDEATHSIG`` sends SIGTERM on Linux, plus
   a ``getppid`` check at least once a second) and on SIGTERM (after the current step);
@@ -33,6 +39,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -50,6 +57,8 @@ PARENT_CHECK_INTERVAL = 1.0
 IDLE_POLL_MS = 250
 # Scheduler/pool stats ride on outputs at most this often while busy (seconds).
 STATS_INTERVAL = 0.1
+# How long an otherwise idle core waits for input while a grammar compiles (ms).
+COMPILE_POLL_MS = 5
 
 
 # ---------------------------------------------------------------------- API -> core messages
@@ -260,6 +269,8 @@ class _CoreLoop:
         self.num_steps = 0
         self._last_parent_check = time.monotonic()
         self._last_stats = 0.0
+        self._compile_pool: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[Future, AddRequest]] = []  # grammars compiling, in order
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
@@ -295,12 +306,10 @@ class _CoreLoop:
             handled = True
             msg = self._decode(frame, errors)
             if isinstance(msg, AddRequest):
-                try:
-                    self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                          priority=msg.priority, cache_salt=msg.cache_salt)
-                except ValueError as e:
-                    errors.append(RequestError(msg.request_id, str(e)))
+                self._add(msg, errors)
             elif isinstance(msg, AbortRequests):
+                gone = set(msg.request_ids)
+                self._pending = [(f, m) for f, m in self._pending if m.request_id not in gone]
                 self.core.abort(msg.request_ids)
             elif isinstance(msg, UtilityCall):
                 try:
@@ -311,6 +320,70 @@ class _CoreLoop:
             elif isinstance(msg, Shutdown):
                 stop = True
         return handled, stop, errors, utility
+
+    # ------------------------------------------------------------------ adding requests
+    def _add_now(self, msg: AddRequest, errors: list[RequestError]) -> None:
+        try:
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                  priority=msg.priority, cache_salt=msg.cache_salt)
+        except ValueError as e:
+            errors.append(RequestError(msg.request_id, str(e)))
+
+    def _add(self, msg: AddRequest, errors: list[RequestError]) -> None:
+        """Queue ``msg`` now, or once its grammar is compiled (off this thread)."""
+        structured = getattr(self.core, "structured", None)
+        so = msg.params.structured_outputs
+        if so is None or structured is None or structured.is_compiled(so):
+            self._add_now(msg, errors)
+            return
+        self._pending.append((self._pool().submit(structured.check, msg.params), msg))
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="pagefold-grammar")
+        return self._compile_pool
+
+    def warm_structured(self) -> None:
+        """Build the grammar compiler now, in the compile thread, while the core is idle
+        after start-up: loading the tokenizer and xgrammar's vocabulary tables is ~1 s of
+        mostly Python work (it holds the GIL), which would otherwise stall the steps of the
+        requests running when the first structured request arrives."""
+        structured = getattr(self.core, "structured", None)
+        if structured is None:
+            return
+
+        def build() -> None:
+            structured.compiler.json_safe_mask()
+
+        def report(fut: Future) -> None:
+            if fut.exception() is not None:  # the first structured request raises it again
+                logger.warning("structured output unavailable: %s", fut.exception())
+
+        self._pool().submit(build).add_done_callback(report)
+
+    def admit_compiled(self, errors: list[RequestError]) -> bool:
+        """Queue the waiting requests whose grammar is ready (a compile error is that
+        request's :class:`RequestError`); True when any was handled."""
+        if not self._pending or not any(f.done() for f, _ in self._pending):
+            return False
+        still = []
+        for fut, msg in self._pending:
+            if not fut.done():
+                still.append((fut, msg))
+                continue
+            exc = fut.exception()
+            if exc is None:
+                self._add_now(msg, errors)
+            elif isinstance(exc, ValueError):
+                errors.append(RequestError(msg.request_id, str(exc)))
+            else:
+                raise exc
+        self._pending = still
+        return True
+
+    def close(self) -> None:
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     def send(self, outputs: list[EngineCoreOutput], errors, utility, *,
              with_stats: bool = True) -> None:
@@ -325,10 +398,12 @@ class _CoreLoop:
     def run(self) -> None:
         while not _stop_requested:
             busy = self.core.has_unfinished()
-            handled, stop, errors, utility = self.handle_inputs(0 if busy else IDLE_POLL_MS)
+            wait = 0 if busy else COMPILE_POLL_MS if self._pending else IDLE_POLL_MS
+            handled, stop, errors, utility = self.handle_inputs(wait)
             if stop:
                 logger.info("shutdown requested")
                 return
+            handled = self.admit_compiled(errors) or handled
             outputs: list[EngineCoreOutput] = []
             stepped = False
             if self.core.has_unfinished():
@@ -388,9 +463,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             max_num_batched_tokens=core.max_num_batched_tokens,
             groups=[type(m.group.spec).__name__ for m in kv.managers])))
         loop = _CoreLoop(core, in_sock, out_sock, parent_pid)
+        loop.warm_structured()
         signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             loop.run()
+            loop.close()
         except Exception as e:  # noqa: BLE001 - a crash is reported, never silent
             tb = traceback.format_exc()
             logger.error("engine core failed:\n%s", tb)

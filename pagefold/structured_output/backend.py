@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 
 from pagefold.structured_output.params import StructuredOutputsParams
@@ -25,7 +26,11 @@ class GrammarCompiler:
 
     ``tokenizer``: the model's Hugging Face tokenizer; ``vocab_size``: the model's logits
     width (may exceed the tokenizer's length: padded rows are never allowed).
-    ``num_compiles`` counts real compilations (cache misses), for tests."""
+    ``num_compiles`` counts real compilations (cache misses), for tests.
+
+    Thread-safe: the cache is guarded by a lock, which is not held while xgrammar compiles
+    (it releases the GIL), so cached constraints stay available to the step loop meanwhile.
+    """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         import xgrammar as xgr
@@ -36,8 +41,13 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
         self.num_compiles = 0
         self._json_safe = None
+
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        with self._lock:
+            return params.key() in self._cache
 
     def json_safe_mask(self):
         """Packed int32 bitmask ``(ceil(V/32),)`` of tokens without raw control characters
@@ -62,10 +72,11 @@ class GrammarCompiler:
         """The compiled grammar of ``params`` (cached). Raises ValueError naming the field
         and xgrammar's reason when it cannot be compiled."""
         key = params.key()
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
         kind, value, compact = key
         c = self._compiler
         try:
@@ -91,8 +102,9 @@ class GrammarCompiler:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", reason)  # xgrammar's log prefix
             raise ValueError(f"structured output ({kind}) cannot be compiled: {reason}") from None
-        self.num_compiles += 1
-        self._cache[key] = compiled
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.num_compiles += 1
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled

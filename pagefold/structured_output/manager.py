@@ -4,7 +4,10 @@ Invariants:
 
 * a request with ``sampling_params.structured_outputs`` has its constraint compiled when it
   is added (:meth:`StructuredOutputManager.check`), so a bad constraint rejects the request
-  before anything is queued;
+  before anything is queued; the engine-core process calls :meth:`check` in a worker thread
+  before ``add_request`` (:meth:`is_compiled` says whether it must), so compiling never runs
+  on the step loop -- :meth:`check` and :meth:`is_compiled` are thread-safe, everything else
+  runs on the loop's thread;
 * its matcher is created on first use and fed every output token the request already has,
   so children of a parallel-sampling family, forked beams and preempted requests all get the
   right state without any hand-over (the matcher depends on the output tokens only);
@@ -18,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -60,20 +64,33 @@ class StructuredOutputManager:
         self.stop_token_ids = list(stop_token_ids)
         self.max_rollback_tokens = max_rollback_tokens
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self._matchers: dict[str, object] = {}
 
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler(self._loader(), self.vocab_size,
-                                             self.stop_token_ids)
+            with self._compiler_lock:  # the first structured request may come from a thread
+                if self._compiler is None:
+                    self._compiler = GrammarCompiler(self._loader(), self.vocab_size,
+                                                     self.stop_token_ids)
         return self._compiler
 
     # ------------------------------------------------------------------ lifecycle
     def check(self, params) -> None:
-        """Compile (or find cached) the request's constraint; ValueError when impossible."""
-        if params.structured_outputs is not None:
-            self.compiler.compile(params.structured_outputs)
+        """Compile (or find cached) the request's constraint; ValueError when impossible.
+        Also builds what the first step of the request needs (the JSON control-character
+        mask), so nothing slow is left for the step loop."""
+        so = params.structured_outputs
+        if so is not None:
+            self.compiler.compile(so)
+            kind, _, compact = so.key()
+            if compact and kind in ("json", "json_object"):
+                self.compiler.json_safe_mask()
+
+    def is_compiled(self, so) -> bool:
+        """Whether ``so``'s grammar is cached (adding its request costs no compile)."""
+        return self._compiler is not None and self._compiler.is_cached(so)
 
     def _matcher(self, req):
         m = self._matchers.get(req.request_id)

@@ -72,8 +72,8 @@ class StructuredOutputsParams:
         kind = self.kind
         value: Any = getattr(self, kind)
         if kind == "json":
-            value = json.dumps(json.loads(value) if isinstance(value, str) else value,
-                               sort_keys=True)
+            # Key order kept: it is the order of the generated properties (as OpenAI's).
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value)
         elif kind == "choice":
             value = json.dumps(value)
         elif kind == "json_object":

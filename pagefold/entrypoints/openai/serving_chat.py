@@ -49,6 +49,8 @@ from pagefold.entrypoints.openai.serving_completion import (
     prompt_logprobs_json,
     ranked,
 )
+from pagefold.entrypoints.openai.tool_prompt import template_takes_tools, with_tools_fallback
+from pagefold.entrypoints.openai.tool_stream import ToolCallStream
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -85,9 +87,13 @@ class OpenAIServingChat(OpenAIServing):
                continue_final_message: bool = False,
                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
                documents: list[dict] | None = None, chat_template: str | None = None,
-               add_special_tokens: bool = False) -> tuple[str, list[int]]:
+               add_special_tokens: bool = False, tool_mode: str = "auto",
+               tool_name: str | None = None) -> tuple[str, list[int]]:
         """``(prompt text, prompt token ids)`` of a conversation (400 on template errors).
-        ``tools`` and ``documents`` are handed to the template, as vLLM does."""
+        ``tools`` and ``documents`` are handed to the template, as vLLM does; a template
+        that does not render ``tools`` gets them in the system message instead
+        (:mod:`~pagefold.entrypoints.openai.tool_prompt`; ``tool_mode`` / ``tool_name``
+        say how the model is asked to call)."""
         if not messages:
             raise bad_request("messages is empty; give at least one message", "messages")
         if continue_final_message and add_generation_prompt:
@@ -105,6 +111,10 @@ class OpenAIServingChat(OpenAIServing):
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; start the server "
                               "with --chat-template FILE or use /v1/completions", "messages")
+        if not template_takes_tools(template or self.tokenizer.chat_template):
+            conv = with_tools_fallback(conv, tools, tool_mode, tool_name,
+                                       self.options.tool_call_parser)
+            kwargs.pop("tools", None)
         try:
             text = self.tokenizer.apply_chat_template(
                 conv, chat_template=template, tokenize=False,
@@ -160,7 +170,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, raw: Request, req: ChatCompletionRequest) -> Response:
         self.check_model(req.model)
         refuse_unsupported(req)
-        mode, _ = self._tool_mode(req)
+        mode, tool_name = self._tool_mode(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if req.best_of is not None and req.best_of != (req.n or 1):
@@ -175,7 +185,8 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=kwargs, tools=req.tools,
             documents=req.documents, chat_template=req.chat_template,
-            add_special_tokens=bool(req.add_special_tokens))
+            add_special_tokens=bool(req.add_special_tokens), tool_mode=mode,
+            tool_name=tool_name)
         ids2 = self.prepare_prompt(req, ids)
         if ids2 != ids:
             text, ids = None, ids2
@@ -283,7 +294,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
-        prompt_len = [0]
+        prompt_len = [len(first[1].prompt_token_ids)]  # the role chunks' usage too
 
         def chunk(index: int, delta: dict, lps: dict | None = None, finish: str | None = None,
                   stop_reason: Any = None, num_tokens: int = 0) -> str:
@@ -319,13 +330,19 @@ class OpenAIServingChat(OpenAIServing):
                     delta_text, t0, t1 = cur.advance(comp, params.stop)
                     lps = (self._logprobs(comp, t0, t1, req.top_logprobs or 0)
                            if req.logprobs else None)
-                    delta, called = views[comp.index].feed(delta_text, cur.finished)
+                    deltas, called = views[comp.index].feed(delta_text, cur.finished)
                     n_tok = len(comp.token_ids)
                     if cur.finished:
                         reason = "tool_calls" if called else comp.finish_reason
-                        yield chunk(comp.index, delta, lps, reason, comp.stop_reason, n_tok)
-                    elif delta or t1 > t0:
-                        yield chunk(comp.index, delta, lps, num_tokens=n_tok)
+                        for d in deltas[:-1]:
+                            yield chunk(comp.index, d, lps, num_tokens=n_tok)
+                            lps = None
+                        yield chunk(comp.index, deltas[-1] if deltas else {}, lps, reason,
+                                    comp.stop_reason, n_tok)
+                    elif deltas or t1 > t0:
+                        for d in deltas or [{}]:
+                            yield chunk(comp.index, d, lps, num_tokens=n_tok)
+                            lps = None
                 item = await anext(stream, None)
             if include_usage and final is not None:
                 yield sse(dict(head, choices=[], usage=usage(
@@ -341,12 +358,15 @@ class OpenAIServingChat(OpenAIServing):
 
 class ChatStreamView:
     """Turns one choice's stream of text deltas into chat deltas: ``reasoning_content``
-    (with a reasoning parser), ``content``, and ``tool_calls`` as OpenAI streams them (the
-    first delta of a call carries its id, type and name, later ones argument text).
+    (with a reasoning parser), ``content``, and ``tool_calls`` as OpenAI streams them (see
+    :mod:`~pagefold.entrypoints.openai.tool_stream`: a header delta with id, type, name and
+    arguments ``""`` per call, then argument pieces).
 
-    Named tool choice streams the arguments as they are generated; ``required`` and ``auto``
-    send the calls once the output is complete (``auto`` streams the content before the first
-    call marker as content)."""
+    Named tool choice: the whole output is the arguments. ``required``: the output is a JSON
+    array of ``{"name", "parameters"}`` objects, streamed call by call as it is generated.
+    ``auto``: the content before the parser's first call marker streams as content; calls
+    stream as they are generated for the ``hermes`` / ``qwen`` (``<tool_call>`` blocks) and
+    ``json`` parsers, and arrive whole at the end for ``pythonic``."""
 
     def __init__(self, options, mode: str, name: str | None, req) -> None:
         self.options = options
@@ -356,9 +376,21 @@ class ChatStreamView:
         self.text = ""
         self.sent_reasoning = 0
         self.sent_content = 0
-        self.call: ToolCall | None = None
+        self.tools = ToolCallStream(1 if req.parallel_tool_calls is False else None)
 
-    def feed(self, delta_text: str, finished: bool) -> tuple[dict, bool]:
+    def _blocks(self, content: str, parser: str) -> list[str]:
+        """The call blocks of an ``auto`` output so far (each one JSON value)."""
+        if parser in ("hermes", "qwen"):
+            parts = content.split("<tool_call>")[1:]
+            return [p.split("</tool_call>")[0] for p in parts]
+        if parser == "pythonic":
+            return []
+        s = content.lstrip()
+        return [s] if s[:1] in ("{", "[") else []
+
+    def feed(self, delta_text: str, finished: bool) -> tuple[list[dict], bool]:
+        """The deltas to send for ``delta_text`` (in order; each one chunk) and whether the
+        choice called tools (its finish reason is then ``tool_calls``)."""
         self.text += delta_text
         out: dict[str, Any] = {}
         reasoning, content = None, self.text
@@ -369,40 +401,31 @@ class ChatStreamView:
                 if self.req.include_reasoning:
                     out["reasoning_content"] = reasoning[self.sent_reasoning:]
                 self.sent_reasoning = len(reasoning)
-        called = False
+        calls: list[dict] = []
         if self.mode == "named":
-            new = content[self.sent_content:]
-            self.sent_content = len(content)
-            if self.call is None:
-                self.call = ToolCall(self.name or "", "")
-                out["tool_calls"] = [{"index": 0, "id": self.call.id, "type": "function",
-                                      "function": {"name": self.call.name,
-                                                   "arguments": new}}]
-            elif new:
-                out["tool_calls"] = [{"index": 0, "function": {"arguments": new}}]
+            calls = self.tools.named(self.name or "", content)
         elif self.mode in ("required", "auto"):
-            visible = ""
-            if self.mode == "auto":
-                marker = tool_start_marker(self.options.tool_call_parser or "hermes")
+            visible, rest, final = "", None, []
+            tool_parser = self.options.tool_call_parser or "hermes"
+            if self.mode == "required":
+                calls = self.tools.feed([content])
+                if finished:
+                    final = parse_required(content)
+            else:
+                marker = tool_start_marker(tool_parser)
                 cut = content.find(marker)
                 visible = content if cut < 0 else content[:cut]
                 if cut < 0 and not finished:
                     visible = visible[:len(visible) - partial_suffix(visible, marker)]
                 if marker in ("[", "{") and not content.lstrip()[:1] == marker:
                     visible = content  # no call at the start: plain content
+                calls = self.tools.feed(self._blocks(content, tool_parser))
+                if finished:
+                    rest, final = parse_tool_calls(content, tool_parser)
             if finished:
-                if self.mode == "required":
-                    calls, rest = parse_required(content), None
-                else:
-                    rest, calls = parse_tool_calls(
-                        content, self.options.tool_call_parser or "hermes")
-                if calls and self.req.parallel_tool_calls is False:
-                    calls = calls[:1]
-                if calls:
-                    called = True
-                    out["tool_calls"] = [dict(c.to_json(), index=i)
-                                         for i, c in enumerate(calls)]
-                    visible = (rest or "") if self.mode == "auto" else ""
+                calls += self.tools.finish(final)
+                if self.tools.started:
+                    visible = (rest or "") if final else content[:self.sent_content]
                     visible = visible if visible.startswith(
                         content[:self.sent_content]) else content[:self.sent_content]
                 else:
@@ -414,4 +437,5 @@ class ChatStreamView:
             if len(content) > self.sent_content:
                 out["content"] = content[self.sent_content:]
                 self.sent_content = len(content)
-        return out, called
+        deltas = ([out] if out else []) + [{"tool_calls": [c]} for c in calls]
+        return deltas, self.tools.started and self.mode != "named"

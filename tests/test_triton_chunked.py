@@ -24,6 +24,7 @@ from pagefold.executor.cache_tensors import StateView  # noqa: E402
 from pagefold.kernels.triton.common import PagedState  # noqa: E402
 from pagefold.kernels.triton.gdn import gdn_layer, prefill_chunk_size  # noqa: E402
 from pagefold.kernels.triton.gdn_chunked import (  # noqa: E402
+    block_chunk,
     chunk_layout,
     gdn_chunked_paged,
     gdn_chunked_triton,
@@ -79,7 +80,7 @@ def test_gdn_chunked_matches_naive_with_captures(chunk, l2, pos):
     q, k, v, gl, beta, s0 = _gdn_inputs(1)
     t, h, dk, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[2]
     start = torch.tensor(pos, device=DEV) if pos else None
-    c = max(chunk, 16)
+    c = block_chunk(chunk)
     offs, m = chunk_layout(_cu(), c, start)
     chunks = torch.full((m, h, dk, dv), float("nan"), device=DEV)
     inter = torch.full((t, h, dk, dv), float("nan"), device=DEV)
@@ -146,7 +147,7 @@ def test_ssd_chunked_matches_naive_with_captures(chunk, with_d, pos):
     D = D if with_d else None
     t, h, p, nst = x.shape[0], x.shape[1], x.shape[2], B.shape[2]
     start = torch.tensor(pos, device=DEV) if pos else None
-    c = max(chunk, 16)
+    c = block_chunk(chunk)
     offs, m = chunk_layout(_cu(), c, start)
     chunks = torch.full((m, h, p, nst), float("nan"), device=DEV)
     inter = torch.full((t, h, p, nst), float("nan"), device=DEV)

@@ -13,11 +13,12 @@ chunk with entry state ``S0``, cumulative log-decay ``G_i = g_1 + .. + g_i`` and
     S_end = exp(G_C) S0 + (K * exp(G_C - G))^T Delta
 
 Every product above is a ``tl.dot`` over the chunk (tensor cores on a GPU); ``X`` comes from
-a forward substitution over the chunk's rows (``X_i = e_i - A_i X``, stable for a unit
-triangular system). Padded rows (past the sequence, or before it when the chunk grid is
-shifted, see ``start_pos``) load ``k = v = q = 0``, ``beta = g = 0``: they neither write nor
-decay, so padding never changes a state or an output. No ``exp`` of a positive number is
-taken (``D`` is masked before ``exp``, ``G`` is non-increasing), so long chunks cannot overflow.
+a forward substitution within 16-row blocks joined by products (:func:`_inv_unit_lower`);
+chunks are at most 64 tokens (the join covers 4 blocks). Padded rows (past the sequence, or
+before it when the chunk grid is shifted, see ``start_pos``) load ``k = v = q = 0`` and
+``beta = g = 0``: they neither write nor decay, so padding never changes a state or an
+output. No ``exp`` of a positive number is taken (``D`` is masked before ``exp``, ``G`` is
+non-increasing), so long chunks cannot overflow.
 
 Captures, for prefix-cache checkpoints and speculative verification:
 
@@ -56,6 +57,31 @@ def _row(M, r, i):
     """Row ``i`` of a (BLOCK_C, X) register tile whose row indices are ``r`` (no slicing in
     Triton: a masked reduction)."""
     return tl.sum(tl.where(r[:, None] == i, M, 0.0), 0)
+
+
+@triton.jit
+def _inv_unit_lower(A, r, eye, PREC: tl.constexpr, BLOCK_C: tl.constexpr, SUB: tl.constexpr):
+    """``(I + A)^-1`` for a strictly lower triangular (BLOCK_C, BLOCK_C) ``A``.
+
+    Diagonal SUB x SUB blocks by forward substitution, all blocks at once (step ``m`` sets row
+    ``m`` of every block from the rows above it: ``X_i = e_i - A_i X``), then the blocks are
+    joined: with ``A = Ad + Ao`` (block diagonal + strictly block lower) and ``Xd = (I +
+    Ad)^-1``, ``(I + A)^-1 = (I + N)^-1 Xd`` for ``N = Xd Ao``, which is nilpotent (``N^b = 0``
+    for ``b`` blocks): ``(I + N)^-1 = (I - N)(I + N^2)`` for up to 4 blocks. SUB - 1 serial
+    steps instead of BLOCK_C - 1, every step and join a ``tl.dot``."""
+    inblk = (r // SUB)[:, None] == (r // SUB)[None, :]
+    Ad = tl.where(inblk, A, 0.0)
+    X = eye
+    for m in range(1, SUB):
+        sel = (r % SUB) == m
+        X = X - tl.dot(tl.where(sel[:, None], Ad, 0.0), X, input_precision=PREC)
+    if BLOCK_C > SUB:
+        N = tl.dot(X, A - Ad, input_precision=PREC)
+        X = X - tl.dot(N, X, input_precision=PREC)
+        if BLOCK_C > 2 * SUB:
+            N2 = tl.dot(N, N, input_precision=PREC)
+            X = X + tl.dot(N2, X, input_precision=PREC)
+    return X
 
 
 @triton.jit
@@ -116,11 +142,7 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
         Dm = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
         KK = tl.dot(K, tl.trans(K), input_precision=PREC)
         A = tl.where(strict, KK * Dm * bc[:, None], 0.0)
-        # X = (I + A)^-1 by forward substitution: row m needs rows < m only.
-        X = eye
-        for m in range(1, BLOCK_C):
-            a_m = _row(A, r, m)
-            X = X - tl.where(r[:, None] == m, tl.sum(a_m[:, None] * X, 0)[None, :], 0.0)
+        X = _inv_unit_lower(A, r, eye, PREC, BLOCK_C, 16)
         eG = tl.exp(G)
         U = tl.dot(X, V * bc[:, None], input_precision=PREC)
         W = tl.dot(X, K * (bc * eG)[:, None], input_precision=PREC)
@@ -164,6 +186,11 @@ def chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int,
     return offs, int(n.sum())
 
 
+def block_chunk(chunk_size: int) -> int:
+    """The chunk length the kernels use for ``chunk_size``: a power of two in [16, 64]."""
+    return pow2(min(chunk_size, 64), 16)
+
+
 def _prec(dtype: torch.dtype) -> str:
     # float32 models: exact float32 products (greedy exactness); half models on a GPU: tf32
     # tensor cores on the float32 tiles (the WY inverse loses too much in bf16).
@@ -182,9 +209,9 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
     Layouts as :func:`pagefold.kernels.triton.gdn.gdn_paged` (q, k (T, Hk, Dk); v (T, H, Dv);
     g, beta (T, H); any token/head strides, contiguous channels). ``chunk_size`` is rounded
-    up to a power of two >= 16 (``tl.dot``'s smallest tile). ``chunk_states`` needs
-    ``chunk_offsets`` from :func:`chunk_layout` with the same ``chunk_size`` and
-    ``start_pos``."""
+    up to a power of two in [16, 64] (:func:`block_chunk`: ``tl.dot``'s smallest tile; the
+    inverse's join). ``chunk_states`` needs ``chunk_offsets`` from :func:`chunk_layout` with
+    that chunk length and the same ``start_pos``."""
     t, hk, dk = q.shape
     h, dv = v.shape[1], v.shape[2]
     n = cu_seqlens.shape[0] - 1
@@ -195,7 +222,7 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if chunk_states is not None and chunk_offsets is None:
         raise ValueError("chunk_states needs chunk_offsets (see chunk_layout)")
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
-    block_c = pow2(chunk_size, 16)
+    block_c = block_chunk(chunk_size)
     g = g.float().contiguous()
     beta = beta.float().contiguous()
     cu = cu_seqlens.to(q.device, torch.int64).contiguous()
@@ -228,7 +255,7 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """The signature of :func:`pagefold.layers.linear_attention.gdn.gdn_naive`:
     ``(o (T, H, Dv) in v's dtype, final_state (N, H, Dk, Dv) float32)``; ``initial_state``
     is not modified. Captures as the module docstring (``chunk_states`` rows as
-    :func:`chunk_layout` with ``pow2(chunk_size, 16)``)."""
+    :func:`chunk_layout` with :func:`block_chunk` of ``chunk_size``)."""
     from pagefold.layers.linear_attention.gdn import _prepare
 
     if chunk_size < 1:
@@ -240,7 +267,7 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     coff = None
     if chunk_states is not None:
-        coff, m = chunk_layout(cu_seqlens, pow2(chunk_size, 16), start_pos)
+        coff, m = chunk_layout(cu_seqlens, block_chunk(chunk_size), start_pos)
         if chunk_states.shape[0] < m:
             raise ValueError(f"chunk_states needs {m} rows, has {chunk_states.shape[0]}")
     gdn_chunked_paged(q.contiguous(), k.contiguous(), v.contiguous(), g, beta,

@@ -37,7 +37,7 @@ from pagefold.kernels.triton.common import (
     pow2,
     state_addr,
 )
-from pagefold.kernels.triton.gdn_chunked import _prec, _row, chunk_layout
+from pagefold.kernels.triton.gdn_chunked import _prec, _row, block_chunk, chunk_layout
 
 
 @triton.jit
@@ -134,8 +134,9 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     """The scan over a varlen batch in chunks, states (H, P, N) updated in place.
 
     Layouts as :func:`pagefold.kernels.triton.ssd.ssd_paged` (x (T, H, P); B/C (T, G, N) with
-    one stride layout; dt (T, H) discretised; A, D (H,)). ``chunk_size`` is rounded up to a
-    power of two >= 16; ``chunk_states`` needs ``chunk_offsets`` (``chunk_layout``)."""
+    one stride layout; dt (T, H) discretised; A, D (H,)). ``chunk_size`` becomes
+    ``block_chunk(chunk_size)`` (a power of two in [16, 64]); ``chunk_states`` needs
+    ``chunk_offsets`` (``chunk_layout``)."""
     t, h, p = x.shape
     g, nst = B.shape[1], B.shape[2]
     ns = cu_seqlens.shape[0] - 1
@@ -163,7 +164,7 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         HAS_D=D is not None, HAS_INIT=has_initial_state is not None,
         HAS_POS=start_pos is not None, STORE_INTER=intermediate is not None,
         STORE_CHUNKS=chunk_states is not None, PREC=_prec(x.dtype),
-        BLOCK_C=pow2(chunk_size, 16), BLOCK_P=block_p, BLOCK_N=pow2(nst, 16),
+        BLOCK_C=block_chunk(chunk_size), BLOCK_P=block_p, BLOCK_N=pow2(nst, 16),
         num_warps=4 if INTERPRET else 8)
 
 
@@ -189,7 +190,7 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     coff = None
     if chunk_states is not None:
-        coff, m = chunk_layout(cu_seqlens, pow2(chunk_size, 16), start_pos)
+        coff, m = chunk_layout(cu_seqlens, block_chunk(chunk_size), start_pos)
         if chunk_states.shape[0] < m:
             raise ValueError(f"chunk_states needs {m} rows, has {chunk_states.shape[0]}")
     ssd_chunked_paged(x.contiguous(), dtf, A, B.contiguous(), C.contiguous(), D,

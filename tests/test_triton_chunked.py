@@ -47,7 +47,7 @@ def _cu(lst=CU):
     return torch.tensor(lst, dtype=torch.int64, device=DEV)
 
 
-def _gdn_inputs(seed, h=3, dk=12, dv=20, t=CU[-1], n=NSEQ, hk=None):
+def _gdn_inputs(seed, h=2, dk=12, dv=20, t=CU[-1], n=NSEQ, hk=None):
     g = torch.Generator().manual_seed(seed)
     hk = hk or h
     q, k = (torch.randn(t, hk, dk, generator=g).to(DEV) for _ in range(2))
@@ -75,22 +75,27 @@ def _chunk_states_want(per_tok, offs, m, pos, c):
     return torch.stack(want)
 
 
+# Per-token captures only with 16-token chunks: the interpreter's time is per op, and the
+# replay is one step a row (the code is the same for any chunk length).
 @pytest.mark.parametrize("chunk,l2,pos", [(64, True, None), (16, False, [5, 0, 3, 30, 16])])
 def test_gdn_chunked_matches_naive_with_captures(chunk, l2, pos):
     q, k, v, gl, beta, s0 = _gdn_inputs(1)
+    if not l2:  # unit keys: without the norm the delta rule diverges (|k|^2 beta > 2)
+        k = k / k.norm(dim=-1, keepdim=True)
     t, h, dk, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[2]
     start = torch.tensor(pos, device=DEV) if pos else None
     c = block_chunk(chunk)
     offs, m = chunk_layout(_cu(), c, start)
     chunks = torch.full((m, h, dk, dv), float("nan"), device=DEV)
-    inter = torch.full((t, h, dk, dv), float("nan"), device=DEV)
+    inter = torch.full((t, h, dk, dv), float("nan"), device=DEV) if c == 16 else None
     o, f = gdn_chunked_triton(q, k, v, gl, beta, s0, _cu(), use_qk_l2norm=l2, chunk_size=chunk,
                               start_pos=start, intermediate=inter, chunk_states=chunks)
     o0, f0 = gdn_naive(q, k, v, gl, beta, s0, _cu(), use_qk_l2norm=l2)
     torch.testing.assert_close(o, o0, **TOL)
     torch.testing.assert_close(f, f0, **TOL)
     _, per_tok = gdn_verify_naive(q, k, v, gl, beta, s0, _cu(), use_qk_l2norm=l2)
-    torch.testing.assert_close(inter, per_tok, **TOL)
+    if inter is not None:
+        torch.testing.assert_close(inter, per_tok, **TOL)
     torch.testing.assert_close(chunks, _chunk_states_want(per_tok, offs, m, pos, c), **TOL)
 
 
@@ -129,7 +134,7 @@ def test_gdn_chunked_gqa_paged_fresh_and_continued():
     torch.testing.assert_close(st2, f0, **TOL)
 
 
-def _ssd_inputs(seed, h=4, p=6, gr=2, nst=12, t=CU[-1], n=NSEQ):
+def _ssd_inputs(seed, h=2, p=6, gr=1, nst=12, t=CU[-1], n=NSEQ):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, p, generator=g).to(DEV)
     dt = torch.randn(t, h, generator=g).to(DEV)
@@ -150,7 +155,7 @@ def test_ssd_chunked_matches_naive_with_captures(chunk, with_d, pos):
     c = block_chunk(chunk)
     offs, m = chunk_layout(_cu(), c, start)
     chunks = torch.full((m, h, p, nst), float("nan"), device=DEV)
-    inter = torch.full((t, h, p, nst), float("nan"), device=DEV)
+    inter = torch.full((t, h, p, nst), float("nan"), device=DEV) if c == 16 else None
     kw = dict(dt_bias=bias, dt_min=0.01, dt_max=3.0)
     y, f = ssd_chunked_triton(x, dt, A, B, C, D, s0, _cu(), chunk_size=chunk, start_pos=start,
                               intermediate=inter, chunk_states=chunks, **kw)
@@ -158,7 +163,8 @@ def test_ssd_chunked_matches_naive_with_captures(chunk, with_d, pos):
     torch.testing.assert_close(y, y0, **TOL)
     torch.testing.assert_close(f, f0, **TOL)
     _, per_tok = ssd_verify_naive(x, dt, A, B, C, D, s0, _cu(), **kw)
-    torch.testing.assert_close(inter, per_tok, **TOL)
+    if inter is not None:
+        torch.testing.assert_close(inter, per_tok, **TOL)
     torch.testing.assert_close(chunks, _chunk_states_want(per_tok, offs, m, pos, c), **TOL)
 
 

@@ -192,9 +192,12 @@ def block_chunk(chunk_size: int) -> int:
 
 
 def _prec(dtype: torch.dtype) -> str:
-    # float32 models: exact float32 products (greedy exactness); half models on a GPU: tf32
-    # tensor cores on the float32 tiles (the WY inverse loses too much in bf16).
-    return "ieee" if dtype == torch.float32 or INTERPRET else "tf32"
+    # Tiles stay float32 (the WY inverse loses too much in bf16). Half models on a GPU: tf32
+    # tensor cores; float32 models: 3xTF32 (float32-level products on tensor cores; "ieee"
+    # compiles these 64-row dots to FMA loops: minutes of ptxas, measured 205 s for sm_90).
+    if INTERPRET:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

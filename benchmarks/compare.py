@@ -522,11 +522,11 @@ def main(argv: list[str] | None = None) -> None:
                 best_v = max(vl, key=lambda b: b["out tok/s"]) if vl else None
                 hf = next((b for b in block if b["system"] == "transformers"), None)
                 for pf in (b for b in block if b["system"].startswith("pagefold")):
-                    for tag, other in (("vLLM", best_v), ("HF", hf)):
+                    for ref, other in (("vLLM", best_v), ("HF", hf)):
                         if other is None:
                             continue
-                        pf[f"tok/s /{tag}"] = _ratio(pf["out tok/s"], other["out tok/s"])
-                        pf[f"TPOT x{tag}"] = _ratio(other["TPOT ms"], pf["TPOT ms"])
+                        pf[f"tok/s /{ref}"] = _ratio(pf["out tok/s"], other["out tok/s"])
+                        pf[f"TPOT x{ref}"] = _ratio(other["TPOT ms"], pf["TPOT ms"])
                 rows.extend(block)
                 if w in BANDWIDTH_WORKLOADS:
                     ctx = WORKLOADS[w][2][1] + WORKLOADS[w][3][1] // 2

@@ -226,3 +226,22 @@ def test_schedule_is_deterministic(policy: str):
         return [list(o.num_scheduled.items()) for o in outs]
 
     assert trace() == trace()
+
+
+@pytest.mark.parametrize("stop", ["eos", "stop_id"])
+def test_stop_tokens_wait_for_min_tokens(stop: str):
+    """The runner's token is checked against min_tokens too: a stop id (or eos) sampled before
+    ``min_tokens`` outputs exist does not finish the request (the sampler bans them, but the
+    scheduler's rule must hold for any runner, e.g. accepted drafts)."""
+    s = _scheduler(num_blocks=16, budget=64)
+    sp = SamplingParams(max_tokens=10, min_tokens=3,
+                        stop_token_ids=[7] if stop == "stop_id" else None)
+    s.add_request(Request("a", list(range(10, 15)), sp, eos_token_id=7 if stop == "eos" else 2))
+    finished_at = None
+    for step in range(12):
+        out = s.schedule()
+        if _advance(s, out):
+            finished_at = step
+            break
+    assert finished_at == 2, finished_at  # outputs 1 and 2 continue; the third stops
+    s.kv.check_whole()

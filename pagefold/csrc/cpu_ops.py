@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from pagefold.csrc import gemm
+
 logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
@@ -448,6 +450,9 @@ def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
             y = linear(x, self.weight, self.bias)
             if y is not None:
                 return y
+        y = gemm.linear(x, self.weight, self.bias)  # no native bf16 GEMM on this CPU
+        if y is not None:
+            return y
         packed = self.pf_packed_weight
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
@@ -465,13 +470,18 @@ def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_
     """Route this model's ``nn.Linear`` layers (the instances, not the class) through the
     fastest CPU path for bf16 inputs: :func:`linear` for up to ``GEMV_MAX_ROWS`` rows, else
     oneDNN with the weight reordered once into its blocked layout (``F.linear`` reorders it
-    on every call, which for decode-sized batches costs more than the product). Results are
-    the same bits as ``F.linear``. The reordered copies double the linear weights' memory, so
-    they are made only when those weights total at most ``prepack_limit`` bytes. Call again
-    after changing weights. Returns how many layers were routed."""
+    on every call, which for decode-sized batches costs more than the product); on CPUs with
+    no native bf16 GEMM, :func:`pagefold.csrc.gemm.linear` for ``gemm.MIN_ROWS`` rows or more
+    (float32 sums and one rounding, as oneDNN; the packed copies are then not made). The
+    oneDNN results are the same bits as ``F.linear``. The reordered copies double the linear
+    weights' memory, so they are made only when those weights total at most
+    ``prepack_limit`` bytes. Call again after changing weights. Returns how many layers were
+    routed."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    pack = total <= prepack_limit
+    # Where bf16 products go through float32 (gemm.py), a packed bf16 copy would only cost
+    # memory.
+    pack = total <= prepack_limit and not gemm.upcast_enabled()
     for mod in linears:
         w = mod.weight
         mod.pf_packed_weight = (_prepack(w.detach()) if pack and w.dtype == torch.bfloat16

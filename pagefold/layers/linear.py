@@ -195,9 +195,11 @@ class RowParallelLinear(nn.Linear):
             self.bias.tp_loader = bias_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pagefold.csrc import cpu_ops
+        from pagefold.csrc import cpu_ops, gemm
 
         y = cpu_ops.linear(x, self.weight, None) if x.dim() == 2 else None  # bf16 GEMV rows
+        if y is None:
+            y = gemm.linear(x, self.weight)  # bf16 GEMM rows via float32 where that is faster
         y = all_reduce(F.linear(x, self.weight) if y is None else y)
         return y if self.bias is None else y + self.bias
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.csrc.gemm import matmul_t
 from pagefold.layers.mlp import GatedMLP
 
 __all__ = ["ExpertWeightRouter", "MoEExperts", "SparseMoeBlock"]
@@ -62,8 +63,8 @@ class MoEExperts(nn.Module):
                 continue
             rows = tokens[start : start + n]
             h = x.index_select(0, rows)
-            gate, up = F.linear(h, self.gate_up_proj[e]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            gate, up = matmul_t(h, self.gate_up_proj[e]).split(self.inter, dim=-1)
+            y = matmul_t(F.silu(gate) * up, self.down_proj[e])
             out.index_add_(0, rows, y * weights[start : start + n, None])
             start += n
         return out

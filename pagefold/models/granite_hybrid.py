@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagefold.core.layer_kinds import FULL, layer_kinds
+from pagefold.csrc.gemm import matmul_t
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
@@ -111,8 +111,8 @@ class GraniteMoE(nn.Module):
             sel = order[start : start + n]
             start += n
             tok, slot = sel // self.top_k, sel % self.top_k
-            gate, up = F.linear(x[tok], w_in[e]).split(self.inter, dim=-1)
-            y = F.linear(self.act(gate) * up, w_out[e]) * weights[tok, slot, None]
+            gate, up = matmul_t(x[tok], w_in[e]).split(self.inter, dim=-1)
+            y = matmul_t(self.act(gate) * up, w_out[e]) * weights[tok, slot, None]
             out.index_add_(0, tok, y)
         return out
 

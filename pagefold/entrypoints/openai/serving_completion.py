@@ -278,11 +278,11 @@ class OpenAIServing:
         return ids
 
     def _check_logprobs(self, sp: SamplingParams) -> None:
-        limit = self.client.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(sp, name)
-            if k is not None and k > limit:
-                raise ValueError(f"{name} must be at most {limit} (--max-logprobs), got {k}")
+        """``prompt_logprobs`` within ``--max-logprobs`` (``logprobs`` is bounded with the
+        output in :meth:`bound_output`)."""
+        limit, k = self.client.config.max_logprobs, sp.prompt_logprobs
+        if k is not None and k > limit:
+            raise ValueError(f"prompt_logprobs must be at most {limit} (--max-logprobs), got {k}")
 
     def prepare_prompt(self, req: SamplingRequest, ids: list[int]) -> list[int]:
         """Apply ``truncate_prompt_tokens`` / ``truncation_side`` to a tokenized prompt."""

@@ -1,0 +1,88 @@
+"""bf16 matrix products on CPUs whose GEMM library has no native bf16 dot product.
+
+oneDNN multiplies bf16 matrices fast only with AVX512-BF16 or AMX. Elsewhere (AVX2 parts,
+AVX512 parts without BF16) torch's bf16 GEMM converts inside its inner loop and runs several
+times slower than float32: measured on a 2-core AVX2 EPYC, ~20 GFLOP/s bf16 against ~165
+GFLOP/s float32 for ``256 x 576 @ 576 x 1536``. There :func:`linear` converts the weight to
+float32 one slice at a time (a reused scratch buffer of at most ``SLICE_ELEMS`` elements, so
+the extra memory is a few MiB however large the weight), multiplies in float32 and rounds the
+result to bf16 once: float32 sums and one rounding, the same arithmetic contract as oneDNN's
+bf16 matmul (only the summation order differs).
+
+Converting costs one pass over the weight, so it pays only when enough rows share it:
+``MIN_ROWS`` (prefill chunks, large decode batches); decode steps of a few rows keep the bf16
+GEMV / GEMM. ``PAGEFOLD_BF16_UPCAST=0`` turns the path off, ``=1`` forces it on (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import torch
+
+MIN_ROWS = 16
+SLICE_ELEMS = 1 << 20  # 4 MiB of float32 weight per slice: stays in the last-level cache
+
+_scratch = threading.local()
+
+
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    cpu = torch.cpu
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(cpu, probe, None)
+        if fn is not None and fn():
+            return True
+    return False
+
+
+def upcast_enabled() -> bool:
+    """Whether bf16 products of ``MIN_ROWS`` or more rows go through float32 here."""
+    flag = os.environ.get("PAGEFOLD_BF16_UPCAST", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return not _cpu_has_fast_bf16()
+
+
+def _buffer(n: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=torch.float32)
+        _scratch.buf = buf
+    return buf[:n]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for 2-D bf16 ``x`` of at least ``MIN_ROWS`` rows on the CPU,
+    through float32 weight slices; ``None`` when the inputs or this CPU call for the plain
+    path (another dtype or device, few rows, native bf16 GEMM, the path turned off)."""
+    if (x.dim() != 2 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or x.shape[0] < MIN_ROWS or x.device.type != "cpu" or weight.device.type != "cpu"
+            or weight.dim() != 2 or not upcast_enabled()):
+        return None
+    n, k = weight.shape
+    xf = x.float()
+    step = max(1, SLICE_ELEMS // max(k, 1))
+    if step >= n:  # one slice: the product lands straight in the output
+        wf = _buffer(n * k).view(n, k)
+        wf.copy_(weight)
+        y = torch.addmm(bias.float(), xf, wf.t()) if bias is not None else xf @ wf.t()
+        return y.to(torch.bfloat16)
+    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        wf = _buffer((n1 - n0) * k).view(n1 - n0, k)
+        wf.copy_(weight[n0:n1])
+        p = torch.addmm(bias[n0:n1].float(), xf, wf.t()) if bias is not None else xf @ wf.t()
+        out[:, n0:n1].copy_(p)
+    return out
+
+
+def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) through :func:`linear` where it applies; for expert
+    weights and other matrices that are not ``nn.Linear`` modules."""
+    y = linear(x, weight) if x.dim() == 2 else None
+    return torch.nn.functional.linear(x, weight) if y is None else y

@@ -46,6 +46,18 @@ def triton_mode(monkeypatch):
         return on
 
     monkeypatch.setattr(dispatch, "use_triton", counting)
+    # Prefill chunks of the state layers must reach the chunked kernels.
+    from pagefold.kernels.triton import gdn_chunked, ssd_chunked
+
+    for mod, name in ((gdn_chunked, "gdn_chunked_paged"), (ssd_chunked, "ssd_chunked_paged")):
+        calls[name] = 0
+        real_fn = getattr(mod, name)
+
+        def chunked(*a, _real=real_fn, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, chunked)
     yield calls
     dispatch.set_mode(before)
 
@@ -77,6 +89,8 @@ def test_triton_greedy_matches_transformers(arch, request, random_prompts, trito
     assert _ids(_run(llm, prompts)) == ref
     assert llm.engine.scheduler.num_preemptions > 0
     assert triton_mode["n"] > 0
+    chunked = {"qwen3_5": "gdn_chunked_paged", "nemotron_h": "ssd_chunked_paged"}.get(arch)
+    assert chunked is None or triton_mode[chunked] > 0
     again = _run(llm, prompts[2:])
     assert _ids(again) == ref[2:]
     assert all(o.num_cached_tokens >= 16 for o in again)

@@ -134,9 +134,11 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 
 def gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight, A_log,
         dt_bias, **kw) -> torch.Tensor | None:
-    """A Gated DeltaNet layer (conv + delta rule) over its pages; see ``cpu_ops.gdn``.
-    State captures (``capture=``, prefix-cache checkpoints inside the step) are the C++
-    kernel's and the torch path's only: the Triton kernel leaves such a step to torch."""
+    """A Gated DeltaNet layer (conv + delta rule) over its pages; see ``cpu_ops.gdn``. On
+    Triton: the chunked (WY) kernel when the batch holds a prefill chunk, the token loop for
+    all-decode batches (``kernels.triton.gdn.gdn_layer``). State captures (``capture=``,
+    prefix-cache checkpoints inside the step) are the C++ kernel's and the torch path's only:
+    the Triton path leaves such a step to torch."""
     if use_triton(mixed.device):
         if kw.get("capture") is not None:
             return None
@@ -149,7 +151,8 @@ def gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight,
 
 def mamba_scan(view, page_ids, has_initial_state, cu_seqlens, xbc, conv_weight, conv_bias,
                dt, A, D, **kw) -> torch.Tensor | None:
-    """A Mamba-2 mixer's conv + SSD scan over its pages (Triton only; None: torch path)."""
+    """A Mamba-2 mixer's conv + SSD scan over its pages (Triton only; None: torch path):
+    the chunked SSD kernel for batches with a prefill chunk, the token loop for decode."""
     if use_triton(xbc.device):
         return _T.mamba_scan_layer(view, page_ids, has_initial_state, cu_seqlens, xbc,
                                    conv_weight, conv_bias, dt, A, D, **kw)

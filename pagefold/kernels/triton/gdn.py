@@ -8,8 +8,9 @@ in order, the definition of :mod:`pagefold.layers.linear_attention.gdn`::
 
 with q/k L2-normalised and q scaled. The state is read from its pages once (zeros for a fresh
 sequence) and written back once, in place; the value tiles of a head are independent, so
-prefill chunks and decode tokens of any length take the same kernel (for long prompts on a GPU
-a chunked WY-form kernel would use the tensor cores better; see docs/ARCHITECTURE.md).
+the kernel is right for any lengths. :func:`gdn_layer` runs it for decode batches and sends
+batches with a prefill chunk to the chunked WY-form kernel of
+:mod:`pagefold.kernels.triton.gdn_chunked` (tensor cores).
 
 ``intermediate`` (optional, (T, H, Dk, Dv) float32) receives the state after every token: the
 per-position states that checkpoints and speculative verification roll back to.
@@ -160,6 +161,22 @@ def gdn_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype, device=mixed.device)
-    gdn_paged(q, k, v, g, beta, ssm, cu_seqlens, has_initial_state, out,
-              scale=head_k_dim**-0.5 if scale is None else scale)
+    scale = head_k_dim**-0.5 if scale is None else scale
+    n = cu_seqlens.shape[0] - 1
+    if t > n:  # a prefill chunk in the batch: the chunked (tensor-core) form
+        # Looked up at call time: tests count the calls on the module.
+        from pagefold.kernels.triton.gdn_chunked import gdn_chunked_paged
+
+        gdn_chunked_paged(q, k, v, g, beta, ssm, cu_seqlens, has_initial_state, out,
+                          scale=scale, chunk_size=prefill_chunk_size(t, n))
+    else:  # decode: one token per sequence, the token loop
+        gdn_paged(q, k, v, g, beta, ssm, cu_seqlens, has_initial_state, out, scale=scale)
     return out
+
+
+def prefill_chunk_size(t: int, n: int, largest: int = 64) -> int:
+    """Chunk length of the chunked kernels for ``t`` tokens over ``n`` sequences: the
+    longest a sequence can be (``t - n + 1``, known without a host sync) rounded up to a power
+    of two, between 16 (``tl.dot``'s smallest tile) and ``largest``: chunked prefill steps of
+    a few tokens per request do not pay for 64-row chunks of padding."""
+    return min(largest, pow2(t - n + 1, 16))

@@ -7,7 +7,9 @@ One program per (sequence, head, tile of ``BLOCK_P`` head channels) keeps ``h[ti
     h <- exp(dt A) h + dt x B^T;   y = h C + D x
 
 (``dt`` already discretised). B and C of group ``head // (H/G)`` are loaded per token; the
-state is read from its pages once (zeros for a fresh sequence) and written back once.
+state is read from its pages once (zeros for a fresh sequence) and written back once. Decode
+batches take this kernel; :func:`mamba_scan_layer` sends batches with a prefill chunk to the
+chunked kernel of :mod:`pagefold.kernels.triton.ssd_chunked`.
 ``intermediate`` (optional, (T, H, P, N) float32) receives the state after every token.
 
 :func:`ssd_triton` has the signature of ``ssd_naive``; :func:`mamba_scan_layer` runs a Mamba-2
@@ -148,5 +150,13 @@ def mamba_scan_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tens
     B = y[:, inter : inter + gn].view(t, n_groups, state_size)
     C = y[:, inter + gn : inter + 2 * gn].view(t, n_groups, state_size)
     out = torch.empty((t, num_heads, head_dim), dtype=y_dtype, device=xbc.device)
-    ssd_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out)
+    n = cu_seqlens.shape[0] - 1
+    if t > n:  # a prefill chunk in the batch: the chunked (tensor-core) form
+        from pagefold.kernels.triton.gdn import prefill_chunk_size
+        from pagefold.kernels.triton.ssd_chunked import ssd_chunked_paged
+
+        ssd_chunked_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out,
+                          chunk_size=prefill_chunk_size(t, n))
+    else:  # decode: one token per sequence, the token loop
+        ssd_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out)
     return out

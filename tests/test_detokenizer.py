@@ -292,3 +292,12 @@ def test_backend_fast_path_equals_transformers_decode(bytelevel, metaspace, skip
     custom = Custom(tokenizer_object=bytelevel._tokenizer)
     assert _plain_backend(custom) is None
     assert _make_decode(custom, skip)([5, 6]) == "custom"
+
+
+@pytest.mark.parametrize("stops", [["b!", "ab"], ["ab", "b!"]])
+def test_two_stops_completed_by_one_token_earliest_wins(stops: list[str]) -> None:
+    """One token can complete two stop strings at once: the one that starts first cuts."""
+    tok = CharTokenizer(["x", "ab!", "tail"])
+    det = IncrementalDetokenizer(tok, [], stop=stops)
+    assert det.update([0, 1, 2]) == "ab"
+    assert det.output_text == "x" and det.token_ids == [0, 1]

@@ -183,3 +183,22 @@ def test_family_larger_than_the_pool_still_completes(qwen3_5_dir):
                                                  ignore_eos=True), use_tqdm=False)[0]
     assert fam.outputs[5].token_ids == solo.outputs[0].token_ids
     llm.engine.kv.check_whole()
+
+
+def test_forked_children_cache_their_own_blocks(family_llm, random_prompts):
+    """Children of one prompt grow different tokens into their blocks: each block must be
+    cached under its own child's hash chain. A follow-up turn on each child's conversation
+    hits those blocks and must still continue exactly as transformers does."""
+    model, llm = family_llm
+    llm.engine.kv.pool.reset_prefix_cache()
+    prompts = random_prompts(2, 18, 22, 512, seed=21)
+    fam = llm.generate(_prompts(prompts), SamplingParams(n=3, temperature=1.0, seed=5,
+                                                         max_tokens=40, ignore_eos=True),
+                       use_tqdm=False)
+    follow = [p + list(c.token_ids) + [7, 8, 9] for p, o in zip(prompts, fam) for c in o.outputs]
+    assert len({tuple(f) for f in follow}) == len(follow)  # the children differ
+    got = llm.generate(_prompts(follow), SamplingParams(temperature=0, max_tokens=4,
+                                                        ignore_eos=True), use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in got)  # the children's blocks were hit
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(model, follow, 4)
+    llm.engine.kv.check_whole()

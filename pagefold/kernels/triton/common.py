@@ -97,3 +97,28 @@ def gate(mask, flag):
     """``mask & flag`` for a block ``mask`` and a scalar bool ``flag`` (written as an int
     comparison: Triton's interpreter rejects the bool mask a scalar-block ``&`` gives)."""
     return mask & ((mask.to(tl.int32) * 0 + flag.to(tl.int32)) > 0)
+
+
+@triton.jit
+def load_state(st_ptr, pages_ptr, init_ptr, n, pages_per_state, page_elems, offset, e, mask,
+               HAS_INIT: tl.constexpr):
+    """Request ``n``'s state tile (elements ``e``) from its pages as float32, zeros for a fresh
+    sequence (``init_ptr[n] == 0`` with ``HAS_INIT``) or a padding row; also whether the row
+    is live (has pages: its final state is written back with :func:`store_state`)."""
+    live = has_pages(pages_ptr, n, pages_per_state)
+    use_state = live
+    if HAS_INIT:
+        use_state = use_state & (tl.load(init_ptr + n) != 0)
+    lm = gate(mask, use_state)
+    state = tl.load(st_ptr + state_addr(pages_ptr, n, pages_per_state, page_elems, offset, e,
+                                        lm), mask=lm, other=0.0).to(tl.float32)
+    return state, live
+
+
+@triton.jit
+def store_state(st_ptr, pages_ptr, n, pages_per_state, page_elems, offset, e, mask, live,
+                state):
+    """Write a live row's state tile back into its pages (in the pool's dtype)."""
+    sm = gate(mask, live)
+    tl.store(st_ptr + state_addr(pages_ptr, n, pages_per_state, page_elems, offset, e, sm),
+             state.to(st_ptr.dtype.element_ty), mask=sm)

@@ -46,9 +46,9 @@ from pagefold.kernels.triton.common import (
     INTERPRET,
     PagedState,
     gate,
-    has_pages,
+    load_state,
     pow2,
-    state_addr,
+    store_state,
 )
 
 
@@ -102,14 +102,8 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
     im = i < DK
     jm = j < DV
     m2 = im[:, None] & jm[None, :]
-    live = has_pages(pages_ptr, s, pps)
-    use_state = live
-    if HAS_INIT:
-        use_state = use_state & (tl.load(init_ptr + s) != 0)
     e = (h * DK + i[:, None]) * DV + j[None, :]
-    lm = gate(m2, use_state)
-    S = tl.load(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, lm), mask=lm,
-                other=0.0).to(tl.float32)
+    S, live = load_state(st_ptr, pages_ptr, init_ptr, s, pps, pe, off, e, m2, HAS_INIT)
     c0 = tl.load(cu_ptr + s)
     c1 = tl.load(cu_ptr + s + 1)
     shift = 0
@@ -169,9 +163,7 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
         if STORE_CHUNKS:
             tl.store(cst_ptr + ((crow + ci) * H + h) * DK * DV + i[:, None] * DV + j[None, :],
                      S, mask=m2)
-    sm = gate(m2, live)
-    tl.store(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, sm),
-             S.to(st_ptr.dtype.element_ty), mask=sm)
+    store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
 
 
 def chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int,

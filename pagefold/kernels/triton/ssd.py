@@ -27,10 +27,9 @@ import triton.language as tl
 from pagefold.kernels.triton.common import (
     INTERPRET,
     PagedState,
-    gate,
-    has_pages,
+    load_state,
     pow2,
-    state_addr,
+    store_state,
 )
 from pagefold.kernels.triton.conv import conv_paged
 
@@ -50,14 +49,8 @@ def _ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc
     pm = p < P
     nm = n < N
     m2 = pm[:, None] & nm[None, :]
-    live = has_pages(pages_ptr, s, pps)
-    use_state = live
-    if HAS_INIT:
-        use_state = use_state & (tl.load(init_ptr + s) != 0)
     e = (h * P + p[:, None]) * N + n[None, :]
-    lm = gate(m2, use_state)
-    S = tl.load(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, lm), mask=lm,
-                other=0.0).to(tl.float32)
+    S, live = load_state(st_ptr, pages_ptr, init_ptr, s, pps, pe, off, e, m2, HAS_INIT)
     A = tl.load(a_ptr + h).to(tl.float32)
     if HAS_D:
         Dh = tl.load(d_ptr + h).to(tl.float32)
@@ -75,9 +68,7 @@ def _ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc
         tl.store(y_ptr + t * y_st + h * y_sh + p, y.to(y_ptr.dtype.element_ty), mask=pm)
         if STORE_INTER:
             tl.store(inter_ptr + (t * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=m2)
-    sm = gate(m2, live)
-    tl.store(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, sm),
-             S.to(st_ptr.dtype.element_ty), mask=sm)
+    store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
 
 
 def ssd_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

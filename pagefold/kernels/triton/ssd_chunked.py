@@ -33,9 +33,9 @@ from pagefold.kernels.triton.common import (
     INTERPRET,
     PagedState,
     gate,
-    has_pages,
+    load_state,
     pow2,
-    state_addr,
+    store_state,
 )
 from pagefold.kernels.triton.gdn_chunked import _prec, _row, block_chunk, chunk_layout
 
@@ -58,14 +58,8 @@ def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_
     pm = p < P
     nm = n < N
     m2 = pm[:, None] & nm[None, :]
-    live = has_pages(pages_ptr, s, pps)
-    use_state = live
-    if HAS_INIT:
-        use_state = use_state & (tl.load(init_ptr + s) != 0)
     e = (h * P + p[:, None]) * N + n[None, :]
-    lm = gate(m2, use_state)
-    S = tl.load(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, lm), mask=lm,
-                other=0.0).to(tl.float32)
+    S, live = load_state(st_ptr, pages_ptr, init_ptr, s, pps, pe, off, e, m2, HAS_INIT)
     A = tl.load(a_ptr + h).to(tl.float32)
     if HAS_D:
         Dh = tl.load(d_ptr + h).to(tl.float32)
@@ -118,9 +112,7 @@ def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_
         if STORE_CHUNKS:
             tl.store(cst_ptr + ((crow + ci) * H + h) * P * N + p[:, None] * N + n[None, :], S,
                      mask=m2)
-    sm = gate(m2, live)
-    tl.store(st_ptr + state_addr(pages_ptr, s, pps, pe, off, e, sm),
-             S.to(st_ptr.dtype.element_ty), mask=sm)
+    store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
 
 
 def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

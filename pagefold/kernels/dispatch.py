@@ -135,27 +135,45 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 def gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight, A_log,
         dt_bias, **kw) -> torch.Tensor | None:
     """A Gated DeltaNet layer (conv + delta rule) over its pages; see ``cpu_ops.gdn``. On
-    Triton: the chunked (WY) kernel when the batch holds a prefill chunk, the token loop for
-    all-decode batches (``kernels.triton.gdn.gdn_layer``). State captures (``capture=``,
-    prefix-cache checkpoints inside the step) are the C++ kernel's and the torch path's only:
-    the Triton path leaves such a step to torch."""
+    Triton: the chunked (WY) kernel when the batch holds a prefill chunk or state captures
+    (``capture=``, prefix-cache checkpoints inside the step; ``kernels.triton.state_steps``),
+    the token loop for all-decode batches (``kernels.triton.gdn.gdn_layer``)."""
     if use_triton(mixed.device):
-        if kw.get("capture") is not None:
-            return None
-        kw.pop("capture", None)
         return _T.gdn_layer(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
                             conv_weight, A_log, dt_bias, **kw)
     return cpu_ops.gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
                        conv_weight, A_log, dt_bias, **kw)
 
 
+def gdn_verify(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight, A_log,
+               dt_bias, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """A GDN layer's speculative verify pass (Triton only; None: the torch path):
+    ``(o, {"conv": (T, C, K-1), "ssm": (T, H, Dk, Dv)})``, the states after every token, as
+    ``spec_decode.state_verify``'s kernels give them; nothing is stored in the pages."""
+    if use_triton(mixed.device):
+        return _T.gdn_verify_layer(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
+                                   conv_weight, A_log, dt_bias, **kw)
+    return None
+
+
 def mamba_scan(view, page_ids, has_initial_state, cu_seqlens, xbc, conv_weight, conv_bias,
                dt, A, D, **kw) -> torch.Tensor | None:
     """A Mamba-2 mixer's conv + SSD scan over its pages (Triton only; None: torch path):
-    the chunked SSD kernel for batches with a prefill chunk, the token loop for decode."""
+    the chunked SSD kernel for batches with a prefill chunk or state captures (``capture=``),
+    the token loop for decode."""
     if use_triton(xbc.device):
         return _T.mamba_scan_layer(view, page_ids, has_initial_state, cu_seqlens, xbc,
                                    conv_weight, conv_bias, dt, A, D, **kw)
+    return None
+
+
+def mamba_verify(view, page_ids, has_initial_state, cu_seqlens, xbc, conv_weight, conv_bias,
+                 dt, A, D, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """A Mamba-2 mixer's speculative verify pass (Triton only; None: the torch path); see
+    :func:`gdn_verify`."""
+    if use_triton(xbc.device):
+        return _T.mamba_verify_layer(view, page_ids, has_initial_state, cu_seqlens, xbc,
+                                     conv_weight, conv_bias, dt, A, D, **kw)
     return None
 
 

@@ -226,15 +226,28 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
         A = -torch.exp(self.A_log.float())
         # Triton path (CUDA by default): conv and scan read and write the states in their
-        # pages; y in the dtype the torch path gives it (see below).
-        after = meta.capture_after  # checkpoints inside this step: the torch path takes them
-        if dispatch.use_triton(x.device) and not ctx.verify and after is None:
+        # pages, checkpoints inside the step included; y in the dtype the torch path gives it
+        # (see below). A verify step reads the pages and keeps the state after every token.
+        after = meta.capture_after
+        heads = dict(num_heads=c.num_heads, head_dim=c.head_dim, n_groups=c.n_groups,
+                     state_size=c.state_size)
+        if ctx.verify and dispatch.use_triton(x.device):
+            initial = (ctx.initial_states or {}).get(self.layer_name)
+            res = dispatch.mamba_verify(
+                view, meta.page_ids, None if initial is not None else meta.has_initial_state,
+                meta.cu_seqlens, xbc, weight, self.conv1d.bias, self._dt(dt, meta, True), A,
+                self.D, **heads, initial=initial)
+            if res is not None:
+                ctx.store_token_states(self.layer_name, res[1])
+                y = self.norm(res[0].reshape(t, inter), z)
+                return self.out_proj(y.to(x.dtype))
+        elif dispatch.use_triton(x.device):
             y = dispatch.mamba_scan(view, meta.page_ids, meta.has_initial_state,
                                     meta.cu_seqlens, xbc, weight, self.conv1d.bias,
-                                    self._dt(dt, meta), A, self.D, num_heads=c.num_heads,
-                                    head_dim=c.head_dim, n_groups=c.n_groups,
-                                    state_size=c.state_size,
-                                    y_dtype=x.dtype if meta.all_decode else torch.float32)
+                                    self._dt(dt, meta), A, self.D, **heads,
+                                    y_dtype=x.dtype if meta.all_decode else torch.float32,
+                                    capture=None if after is None else
+                                    (after, meta.capture_pages))
             if y is not None:
                 y = self.norm(y.reshape(t, inter), z)
                 return self.out_proj(y.to(x.dtype))

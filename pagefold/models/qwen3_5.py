@@ -198,14 +198,25 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         view, meta = ctx.state(self.layer_name)
         weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
-        # Compiled path (prefill and decode): states read from and written to their pages.
+        heads = dict(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
+                     head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
         after = meta.capture_after
-        o = None if ctx.verify else dispatch.gdn(
-            view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a, b, weight,
-            self.A_log, self.dt_bias, num_k_heads=self.num_k_heads,
-            num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
-            head_v_dim=self.head_v_dim,
-            capture=None if after is None else (after, meta.capture_pages))
+        if ctx.verify:  # Triton: the states after every token, the pages only read
+            initial = (ctx.initial_states or {}).get(self.layer_name)
+            res = dispatch.gdn_verify(
+                view, meta.page_ids, None if initial is not None else meta.has_initial_state,
+                meta.cu_seqlens, mixed, a, b, weight, self.A_log, self.dt_bias, **heads,
+                initial=initial)
+            if res is not None:
+                ctx.store_token_states(self.layer_name, res[1])
+                o = self.norm(res[0], z.reshape(t, self.num_v_heads, self.head_v_dim))
+                return self.out_proj(o.reshape(t, self.value_dim))
+            o = None
+        else:  # compiled paths: states (and captures) read from and written to their pages
+            o = dispatch.gdn(
+                view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a, b,
+                weight, self.A_log, self.dt_bias, **heads,
+                capture=None if after is None else (after, meta.capture_pages))
         if o is not None:
             o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
             return self.out_proj(o.reshape(t, self.value_dim))

@@ -122,3 +122,53 @@ def store_state(st_ptr, pages_ptr, n, pages_per_state, page_elems, offset, e, ma
     sm = gate(mask, live)
     tl.store(st_ptr + state_addr(pages_ptr, n, pages_per_state, page_elems, offset, e, sm),
              state.to(st_ptr.dtype.element_ty), mask=sm)
+
+
+@dataclass(frozen=True, slots=True)
+class Captures:
+    """States to capture inside a chunked kernel (prefix-cache checkpoints within a step).
+
+    ``after`` (M,) int64: flat token indices, ascending (so each sequence's captures are a
+    run); ``cu`` (N+1,) int64: sequence ``s`` owns captures ``cu[s]:cu[s+1]``; ``seq`` (M,)
+    their sequences; ``target``: capture ``m``'s state goes to row ``m`` of it (the
+    checkpoint's pages in the pool, or a dense (M, ...) tensor)."""
+
+    after: torch.Tensor
+    cu: torch.Tensor
+    seq: torch.Tensor
+    target: PagedState
+
+    @staticmethod
+    def build(cu_seqlens: torch.Tensor, after: torch.Tensor, target: PagedState) -> Captures:
+        """Sort ``after`` (any order; ``target.pages`` row ``m`` belongs to ``after[m]``)."""
+        cu = cu_seqlens.to(after.device, torch.int64)
+        srt, perm = after.to(torch.int64).sort()
+        pages = target.pages[perm].contiguous()
+        seq = torch.searchsorted(cu[1:], srt, right=True)
+        return Captures(srt.contiguous(), torch.searchsorted(srt, cu).contiguous(),
+                        seq.contiguous(),
+                        PagedState(target.base, pages, target.page_elems, target.offset))
+
+    @staticmethod
+    def dense(cu_seqlens: torch.Tensor, capture: tuple[torch.Tensor, torch.Tensor] | None,
+              final: torch.Tensor) -> Captures | None:
+        """The dense-signature kernels' ``capture=(after, out)`` (``out`` (M, ...) float32,
+        shaped as one state of ``final``; see :mod:`pagefold.layers.state_capture`)."""
+        if capture is None:
+            return None
+        from pagefold.layers.state_capture import check_capture
+
+        after, out = capture
+        check_capture(capture, int(cu_seqlens[-1]), tuple(final.shape[1:]))
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("capture out must be a contiguous float32 tensor")
+        return Captures.build(cu_seqlens, after.to(out.device), PagedState.dense(out))
+
+    @staticmethod
+    def args(caps: Captures | None, dummy: torch.Tensor) -> tuple:
+        """The kernels' capture arguments (``cap, cap_cu, base, pages, pps, page_elems,
+        offset``); ``dummy`` pointers when there is nothing to capture."""
+        if caps is None:
+            return dummy, dummy, dummy, dummy, 1, 1, 0
+        t = caps.target
+        return caps.after, caps.cu, t.base, t.pages, t.pages.shape[1], t.page_elems, t.offset

@@ -89,10 +89,11 @@ def _conv_state_kernel(x_ptr, x_st, cu_ptr, init_ptr, st_ptr, pages_ptr, pps, pe
 
 def conv_paged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                state: PagedState, cu_seqlens: torch.Tensor,
-               has_initial_state: torch.Tensor | None, activation: str | None = "silu"
-               ) -> torch.Tensor:
+               has_initial_state: torch.Tensor | None, activation: str | None = "silu",
+               store_state: bool = True) -> torch.Tensor:
     """``y`` (T, C) in x's dtype; each sequence's conv state (C, K-1) in ``state`` is read
-    (zeros where ``has_initial_state`` is False) and replaced by the new one, in place."""
+    (zeros where ``has_initial_state`` is False) and replaced by the new one, in place
+    (unless ``store_state`` is False: a verify pass only reads it)."""
     t, c = x.shape
     k = weight.shape[1]
     if x.stride(1) != 1:
@@ -111,7 +112,7 @@ def conv_paged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             init, state.base, state.pages, pps, pe, off, y, y.stride(0), c, k,
             HAS_BIAS=bias is not None, SILU=activation is not None,
             HAS_INIT=has_initial_state is not None, BLOCK_C=block_c)
-    if n:
+    if n and store_state:
         _conv_state_kernel[(n, triton.cdiv(c, block_c))](
             x, x.stride(0), cu, init, state.base, state.pages, pps, pe, off, c, k,
             HAS_INIT=has_initial_state is not None, BLOCK_C=block_c, BLOCK_K=pow2(k - 1))

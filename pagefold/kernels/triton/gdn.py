@@ -41,7 +41,7 @@ def _gdn_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta_ptr, 
                 init_ptr, st_ptr, pages_ptr, pps, pe, off, o_ptr, o_st, o_sh, inter_ptr,
                 scale, H, REP, DK, DV,
                 HAS_INIT: tl.constexpr, L2NORM: tl.constexpr, STORE_INTER: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                STORE_FINAL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)
     vt = tl.program_id(2)
@@ -73,14 +73,17 @@ def _gdn_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta_ptr, 
         if STORE_INTER:
             tl.store(inter_ptr + (t * H + h) * DK * DV + i[:, None] * DV + j[None, :], S,
                      mask=m2)
-    store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
+    if STORE_FINAL:
+        store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
 
 
 def gdn_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, state: PagedState, cu_seqlens: torch.Tensor,
               has_initial_state: torch.Tensor | None, out: torch.Tensor, *, scale: float,
-              use_qk_l2norm: bool = True, intermediate: torch.Tensor | None = None) -> None:
-    """The delta rule over a varlen batch, states (H, Dk, Dv) in ``state`` updated in place.
+              use_qk_l2norm: bool = True, intermediate: torch.Tensor | None = None,
+              store_final: bool = True) -> None:
+    """The delta rule over a varlen batch, states (H, Dk, Dv) in ``state`` updated in place
+    (read only with ``store_final=False``: a verify pass keeps ``intermediate`` instead).
 
     q, k: (T, Hk, Dk) with Hk dividing H (value head ``h`` reads key head ``h // (H/Hk)``),
     any token/head strides with contiguous channels; v (T, H, Dv) likewise; g, beta (T, H)
@@ -104,7 +107,7 @@ def gdn_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         out, out.stride(0), out.stride(1), intermediate if intermediate is not None else g,
         float(scale), h, h // hk, dk, dv, HAS_INIT=has_initial_state is not None,
         L2NORM=bool(use_qk_l2norm), STORE_INTER=intermediate is not None,
-        BLOCK_K=pow2(dk), BLOCK_V=block_v)
+        STORE_FINAL=bool(store_final), BLOCK_K=pow2(dk), BLOCK_V=block_v)
 
 
 def gdn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -134,15 +137,26 @@ def gdn_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
               cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
               num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-              scale: float | None = None) -> torch.Tensor | None:
+              scale: float | None = None,
+              capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """A GDN layer's conv and delta rule over its pages; the contract of
     :func:`pagefold.csrc.cpu_ops.gdn` (o (T, Hv, Dv) in mixed's dtype, both states stored in
-    place, None when the pool cannot be addressed in the states' dtypes)."""
+    place, None when the pool cannot be addressed in the states' dtypes), ``capture=(after,
+    pages)`` included (:mod:`pagefold.kernels.triton.state_steps`; such a step takes the
+    chunked kernel, whatever its lengths)."""
     conv = PagedState.from_view(view, "conv", page_ids)
     ssm = PagedState.from_view(view, "ssm", page_ids)
     if conv is None or ssm is None or view.spec.component("conv").dtype != mixed.dtype:
         return None
     t = mixed.shape[0]
+    caps = None
+    if capture is not None:
+        from pagefold.kernels.triton.state_steps import capture_conv_and_plan
+
+        caps = capture_conv_and_plan(view, mixed, conv, cu_seqlens, has_initial_state, capture,
+                                     conv_weight.shape[1])
+        if caps is None:
+            return None
     y = conv_paged(mixed, conv_weight, None, conv, cu_seqlens, has_initial_state, "silu")
     kd = num_k_heads * head_k_dim
     q = y[:, :kd].view(t, num_k_heads, head_k_dim)
@@ -154,12 +168,12 @@ def gdn_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype, device=mixed.device)
     scale = head_k_dim**-0.5 if scale is None else scale
     n = cu_seqlens.shape[0] - 1
-    if t > n:  # a prefill chunk in the batch: the chunked (tensor-core) form
+    if t > n or caps is not None:  # a prefill chunk in the batch: the chunked form
         # Looked up at call time: tests count the calls on the module.
         from pagefold.kernels.triton.gdn_chunked import gdn_chunked_paged
 
         gdn_chunked_paged(q, k, v, g, beta, ssm, cu_seqlens, has_initial_state, out,
-                          scale=scale, chunk_size=prefill_chunk_size(t, n))
+                          scale=scale, chunk_size=prefill_chunk_size(t, n), captures=caps)
     else:  # decode: one token per sequence, the token loop
         gdn_paged(q, k, v, g, beta, ssm, cu_seqlens, has_initial_state, out, scale=scale)
     return out

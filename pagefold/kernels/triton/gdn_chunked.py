@@ -44,6 +44,7 @@ import triton.language as tl
 
 from pagefold.kernels.triton.common import (
     INTERPRET,
+    Captures,
     PagedState,
     gate,
     load_state,
@@ -87,9 +88,11 @@ def _inv_unit_lower(A, r, eye, PREC: tl.constexpr, BLOCK_C: tl.constexpr, SUB: t
 @triton.jit
 def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta_ptr, gb_st,
                       cu_ptr, pos_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off,
-                      o_ptr, o_st, o_sh, inter_ptr, cst_ptr, coff_ptr, scale, H, REP, DK, DV,
+                      o_ptr, o_st, o_sh, inter_ptr, cst_ptr, coff_ptr, cap_ptr, capcu_ptr,
+                      cb_ptr, cpages_ptr, cpps, cpe, coffs, scale, H, REP, DK, DV,
                       HAS_INIT: tl.constexpr, HAS_POS: tl.constexpr, L2NORM: tl.constexpr,
                       STORE_INTER: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+                      CAPTURE: tl.constexpr,
                       PREC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_V: tl.constexpr):
     s = tl.program_id(0)
@@ -116,6 +119,9 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
     eye = (r[:, None] == r[None, :]).to(tl.float32)
     if STORE_CHUNKS:
         crow = tl.load(coff_ptr + s)
+    if CAPTURE:
+        cap_lo = tl.load(capcu_ptr + s)
+        cap_hi = tl.load(capcu_ptr + s + 1)
     for ci in range(0, n_chunks):
         t = base + ci * BLOCK_C + r
         tm = (t >= c0) & (t < c1)
@@ -157,6 +163,17 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
                 ok = (tt >= c0) & (tt < c1)
                 tl.store(inter_ptr + (tt * H + h) * DK * DV + i[:, None] * DV + j[None, :], Si,
                          mask=gate(m2, ok))
+        if CAPTURE:
+            # The state after row m of this chunk: S_end's formula cut at m (rows j <= m),
+            # one more product per capture; the carried state is not touched.
+            for mi in range(cap_lo, cap_hi):
+                m = tl.load(cap_ptr + mi) - (base + ci * BLOCK_C)
+                if (m >= 0) & (m < BLOCK_C):
+                    upto = r <= m
+                    g_m = tl.sum(tl.where(r == m, G, 0.0), 0)
+                    Km = K * tl.where(upto, tl.exp(tl.where(upto, g_m - G, 0.0)), 0.0)[:, None]
+                    Sm = S * tl.exp(g_m) + tl.dot(tl.trans(Km), Delta, input_precision=PREC)
+                    store_state(cb_ptr, cpages_ptr, mi, cpps, cpe, coffs, e, m2, live, Sm)
         g_end = tl.sum(gc, 0)
         Kd = K * tl.exp(g_end - G)[:, None]
         S = S * tl.exp(g_end) + tl.dot(tl.trans(Kd), Delta, input_precision=PREC)
@@ -199,14 +216,16 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       start_pos: torch.Tensor | None = None,
                       intermediate: torch.Tensor | None = None,
                       chunk_states: torch.Tensor | None = None,
-                      chunk_offsets: torch.Tensor | None = None) -> None:
+                      chunk_offsets: torch.Tensor | None = None,
+                      captures: Captures | None = None) -> None:
     """The delta rule over a varlen batch in chunks, states (H, Dk, Dv) updated in place.
 
     Layouts as :func:`pagefold.kernels.triton.gdn.gdn_paged` (q, k (T, Hk, Dk); v (T, H, Dv);
     g, beta (T, H); any token/head strides, contiguous channels). ``chunk_size`` is rounded
     up to a power of two in [16, 64] (:func:`block_chunk`: ``tl.dot``'s smallest tile; the
     inverse's join). ``chunk_states`` needs ``chunk_offsets`` from :func:`chunk_layout` with
-    that chunk length and the same ``start_pos``."""
+    that chunk length and the same ``start_pos``. ``captures``: the state right after each
+    capture token is written to its row of ``captures.target`` (in the target's dtype)."""
     t, hk, dk = q.shape
     h, dv = v.shape[1], v.shape[2]
     n = cu_seqlens.shape[0] - 1
@@ -232,10 +251,11 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         pos, init, state.base, state.pages, state.pages.shape[1], state.page_elems,
         state.offset, out, out.stride(0), out.stride(1),
         intermediate if intermediate is not None else g,
-        chunk_states if chunk_states is not None else g, coff, float(scale), h, h // hk, dk,
-        dv, HAS_INIT=has_initial_state is not None, HAS_POS=start_pos is not None,
-        L2NORM=bool(use_qk_l2norm), STORE_INTER=intermediate is not None,
-        STORE_CHUNKS=chunk_states is not None, PREC=_prec(v.dtype), BLOCK_C=block_c,
+        chunk_states if chunk_states is not None else g, coff, *Captures.args(captures, cu),
+        float(scale), h, h // hk, dk, dv, HAS_INIT=has_initial_state is not None,
+        HAS_POS=start_pos is not None, L2NORM=bool(use_qk_l2norm),
+        STORE_INTER=intermediate is not None, STORE_CHUNKS=chunk_states is not None,
+        CAPTURE=captures is not None, PREC=_prec(v.dtype), BLOCK_C=block_c,
         BLOCK_K=pow2(dk, 16), BLOCK_V=block_v, num_warps=4 if INTERPRET else 8)
 
 
@@ -245,7 +265,8 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        use_qk_l2norm: bool = True, chunk_size: int = 64,
                        start_pos: torch.Tensor | None = None,
                        intermediate: torch.Tensor | None = None,
-                       chunk_states: torch.Tensor | None = None
+                       chunk_states: torch.Tensor | None = None,
+                       capture: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The signature of :func:`pagefold.layers.linear_attention.gdn.gdn_naive`:
     ``(o (T, H, Dv) in v's dtype, final_state (N, H, Dk, Dv) float32)``; ``initial_state``
@@ -270,5 +291,6 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                       scale=q.shape[2] ** -0.5 if scale is None else scale,
                       use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                       start_pos=start_pos, intermediate=intermediate,
-                      chunk_states=chunk_states, chunk_offsets=coff)
+                      chunk_states=chunk_states, chunk_offsets=coff,
+                      captures=Captures.dense(cu_seqlens, capture, final))
     return out, final

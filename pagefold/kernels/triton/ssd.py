@@ -39,7 +39,7 @@ def _ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc
                 cu_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off, y_ptr, y_st, y_sh,
                 inter_ptr, H, HG, P, N,
                 HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, STORE_INTER: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                STORE_FINAL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)
     pt = tl.program_id(2)
@@ -68,14 +68,17 @@ def _ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc
         tl.store(y_ptr + t * y_st + h * y_sh + p, y.to(y_ptr.dtype.element_ty), mask=pm)
         if STORE_INTER:
             tl.store(inter_ptr + (t * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=m2)
-    store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
+    if STORE_FINAL:
+        store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
 
 
 def ssd_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
               C: torch.Tensor, D: torch.Tensor | None, state: PagedState,
               cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor | None,
-              out: torch.Tensor, intermediate: torch.Tensor | None = None) -> None:
-    """The scan over a varlen batch, states (H, P, N) in ``state`` updated in place.
+              out: torch.Tensor, intermediate: torch.Tensor | None = None,
+              store_final: bool = True) -> None:
+    """The scan over a varlen batch, states (H, P, N) in ``state`` updated in place (read
+    only with ``store_final=False``: a verify pass keeps ``intermediate`` instead).
 
     x (T, H, P), B/C (T, G, N) with one shared stride layout, contiguous last dims (any token
     and head strides); dt (T, H) discretised; A, D (H,); ``out`` (T, H, P) receives y."""
@@ -96,7 +99,8 @@ def ssd_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset, out,
         out.stride(0), out.stride(1), intermediate if intermediate is not None else dt, h,
         h // g, p, nst, HAS_D=D is not None, HAS_INIT=has_initial_state is not None,
-        STORE_INTER=intermediate is not None, BLOCK_P=block_p, BLOCK_N=pow2(nst))
+        STORE_INTER=intermediate is not None, STORE_FINAL=bool(store_final), BLOCK_P=block_p,
+        BLOCK_N=pow2(nst))
 
 
 def ssd_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -125,15 +129,26 @@ def mamba_scan_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tens
                      cu_seqlens: torch.Tensor, xbc: torch.Tensor, conv_weight: torch.Tensor,
                      conv_bias: torch.Tensor | None, dt: torch.Tensor, A: torch.Tensor,
                      D: torch.Tensor | None, *, num_heads: int, head_dim: int, n_groups: int,
-                     state_size: int, y_dtype: torch.dtype) -> torch.Tensor | None:
+                     state_size: int, y_dtype: torch.dtype,
+                     capture: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor | None:
     """A Mamba-2 mixer's conv (SiLU) and SSD scan over its pages: ``xbc`` (T, conv_dim) is
     ``[x | B | C]`` before the conv, ``dt`` (T, H) discretised. Returns y (T, H, P) in
-    ``y_dtype`` (states stored in place), or None when the pool cannot be addressed."""
+    ``y_dtype`` (states stored in place), or None when the pool cannot be addressed.
+    ``capture=(after, pages)``: checkpoints inside the step, as ``gdn_layer``'s."""
     conv = PagedState.from_view(view, "conv", page_ids)
     ssm = PagedState.from_view(view, "ssm", page_ids)
     if conv is None or ssm is None or view.spec.component("conv").dtype != xbc.dtype:
         return None
     t = xbc.shape[0]
+    caps = None
+    if capture is not None:
+        from pagefold.kernels.triton.state_steps import capture_conv_and_plan
+
+        caps = capture_conv_and_plan(view, xbc, conv, cu_seqlens, has_initial_state, capture,
+                                     conv_weight.shape[1])
+        if caps is None:
+            return None
     y = conv_paged(xbc, conv_weight, conv_bias, conv, cu_seqlens, has_initial_state, "silu")
     inter = num_heads * head_dim
     gn = n_groups * state_size
@@ -142,12 +157,12 @@ def mamba_scan_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tens
     C = y[:, inter + gn : inter + 2 * gn].view(t, n_groups, state_size)
     out = torch.empty((t, num_heads, head_dim), dtype=y_dtype, device=xbc.device)
     n = cu_seqlens.shape[0] - 1
-    if t > n:  # a prefill chunk in the batch: the chunked (tensor-core) form
+    if t > n or caps is not None:  # a prefill chunk in the batch: the chunked form
         from pagefold.kernels.triton.gdn import prefill_chunk_size
         from pagefold.kernels.triton.ssd_chunked import ssd_chunked_paged
 
         ssd_chunked_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out,
-                          chunk_size=prefill_chunk_size(t, n))
+                          chunk_size=prefill_chunk_size(t, n), captures=caps)
     else:  # decode: one token per sequence, the token loop
         ssd_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out)
     return out

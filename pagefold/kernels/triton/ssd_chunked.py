@@ -31,6 +31,7 @@ import triton.language as tl
 
 from pagefold.kernels.triton.common import (
     INTERPRET,
+    Captures,
     PagedState,
     gate,
     load_state,
@@ -43,9 +44,11 @@ from pagefold.kernels.triton.gdn_chunked import _prec, _row, block_chunk, chunk_
 @triton.jit
 def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc_sg,
                       d_ptr, cu_ptr, pos_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off,
-                      y_ptr, y_st, y_sh, inter_ptr, cst_ptr, coff_ptr, H, HG, P, N,
+                      y_ptr, y_st, y_sh, inter_ptr, cst_ptr, coff_ptr, cap_ptr, capcu_ptr,
+                      cb_ptr, cpages_ptr, cpps, cpe, coffs, H, HG, P, N,
                       HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, HAS_POS: tl.constexpr,
                       STORE_INTER: tl.constexpr, STORE_CHUNKS: tl.constexpr,
+                      CAPTURE: tl.constexpr,
                       PREC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
@@ -73,6 +76,9 @@ def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_
     causal = r[:, None] >= r[None, :]
     if STORE_CHUNKS:
         crow = tl.load(coff_ptr + s)
+    if CAPTURE:
+        cap_lo = tl.load(capcu_ptr + s)
+        cap_hi = tl.load(capcu_ptr + s + 1)
     for ci in range(0, n_chunks):
         t = base + ci * BLOCK_C + r
         tm = (t >= c0) & (t < c1)
@@ -106,6 +112,17 @@ def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_
                 ok = (tt >= c0) & (tt < c1)
                 tl.store(inter_ptr + (tt * H + h) * P * N + p[:, None] * N + n[None, :], Si,
                          mask=gate(m2, ok))
+        if CAPTURE:
+            # The state after row m of this chunk: h_end's formula cut at m (rows l <= m).
+            for mi in range(cap_lo, cap_hi):
+                m = tl.load(cap_ptr + mi) - (base + ci * BLOCK_C)
+                if (m >= 0) & (m < BLOCK_C):
+                    upto = r <= m
+                    a_m = tl.sum(tl.where(r == m, Acum, 0.0), 0)
+                    Xm = Xdt * tl.where(upto, tl.exp(tl.where(upto, a_m - Acum, 0.0)),
+                                        0.0)[:, None]
+                    Sm = S * tl.exp(a_m) + tl.dot(tl.trans(Xm), Bc, input_precision=PREC)
+                    store_state(cb_ptr, cpages_ptr, mi, cpps, cpe, coffs, e, m2, live, Sm)
         a_end = tl.sum(a, 0)
         Xd = Xdt * tl.exp(a_end - Acum)[:, None]
         S = S * tl.exp(a_end) + tl.dot(tl.trans(Xd), Bc, input_precision=PREC)
@@ -122,13 +139,14 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
                       start_pos: torch.Tensor | None = None,
                       intermediate: torch.Tensor | None = None,
                       chunk_states: torch.Tensor | None = None,
-                      chunk_offsets: torch.Tensor | None = None) -> None:
+                      chunk_offsets: torch.Tensor | None = None,
+                      captures: Captures | None = None) -> None:
     """The scan over a varlen batch in chunks, states (H, P, N) updated in place.
 
     Layouts as :func:`pagefold.kernels.triton.ssd.ssd_paged` (x (T, H, P); B/C (T, G, N) with
     one stride layout; dt (T, H) discretised; A, D (H,)). ``chunk_size`` becomes
     ``block_chunk(chunk_size)`` (a power of two in [16, 64]); ``chunk_states`` needs
-    ``chunk_offsets`` (``chunk_layout``)."""
+    ``chunk_offsets`` (``chunk_layout``); ``captures`` as in ``gdn_chunked_paged``."""
     t, h, p = x.shape
     g, nst = B.shape[1], B.shape[2]
     ns = cu_seqlens.shape[0] - 1
@@ -152,10 +170,10 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         B.stride(0), B.stride(1), D.contiguous() if D is not None else dt, cu, pos, init,
         state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset, out,
         out.stride(0), out.stride(1), intermediate if intermediate is not None else dt,
-        chunk_states if chunk_states is not None else dt, coff, h, h // g, p, nst,
-        HAS_D=D is not None, HAS_INIT=has_initial_state is not None,
+        chunk_states if chunk_states is not None else dt, coff, *Captures.args(captures, cu),
+        h, h // g, p, nst, HAS_D=D is not None, HAS_INIT=has_initial_state is not None,
         HAS_POS=start_pos is not None, STORE_INTER=intermediate is not None,
-        STORE_CHUNKS=chunk_states is not None, PREC=_prec(x.dtype),
+        STORE_CHUNKS=chunk_states is not None, CAPTURE=captures is not None, PREC=_prec(x.dtype),
         BLOCK_C=block_chunk(chunk_size), BLOCK_P=block_p, BLOCK_N=pow2(nst, 16),
         num_warps=4 if INTERPRET else 8)
 
@@ -166,7 +184,8 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
                        dt_softplus: bool = True, dt_min: float = 0.0, dt_max: float = math.inf,
                        chunk_size: int = 64, start_pos: torch.Tensor | None = None,
                        intermediate: torch.Tensor | None = None,
-                       chunk_states: torch.Tensor | None = None
+                       chunk_states: torch.Tensor | None = None,
+                       capture: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The signature of :func:`pagefold.layers.mamba.ssd.ssd_naive`: ``(y (T, H, P) in x's
     dtype, final_state (S, H, P, N) float32)``; ``initial_state`` is not modified. Captures
@@ -188,5 +207,6 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     ssd_chunked_paged(x.contiguous(), dtf, A, B.contiguous(), C.contiguous(), D,
                       PagedState.dense(final), cu_seqlens, None, y, chunk_size=chunk_size,
                       start_pos=start_pos, intermediate=intermediate,
-                      chunk_states=chunk_states, chunk_offsets=coff)
+                      chunk_states=chunk_states, chunk_offsets=coff,
+                      captures=Captures.dense(cu_seqlens, capture, final))
     return y, final

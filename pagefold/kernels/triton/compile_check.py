@@ -17,7 +17,8 @@ import sys
 import time
 
 _IDX = {"slots_ptr", "tables_ptr", "seq_lens_ptr", "kv_start_ptr", "rows_ptr", "tiles_ptr",
-        "seg_ptr", "cu_ptr", "pages_ptr", "pos_ptr", "coff_ptr"}
+        "seg_ptr", "cu_ptr", "pages_ptr", "pos_ptr", "coff_ptr", "cap_ptr", "capcu_ptr",
+        "cpages_ptr", "tok_ptr", "seq_ptr", "opages_ptr"}
 _F32 = {"g_ptr", "beta_ptr", "dt_ptr", "a_ptr", "cos_ptr", "sin_ptr", "inter_ptr", "d_ptr",
         "cst_ptr"}
 
@@ -49,7 +50,7 @@ def cases():
     import triton.language as tl
 
     from pagefold.kernels.triton import attention as at
-    from pagefold.kernels.triton import conv, gdn, gdn_chunked, ssd, ssd_chunked
+    from pagefold.kernels.triton import conv, gdn, gdn_chunked, ssd, ssd_chunked, state_steps
     from pagefold.kernels.triton import elementwise as ew
 
     f32, bf16 = tl.float32, tl.bfloat16
@@ -65,19 +66,23 @@ def cases():
          dict(HAS_BIAS=True, SILU=True, HAS_INIT=True, BLOCK_C=256), "bf16", {}),
         ("conv_state", conv._conv_state_kernel, dict(HAS_INIT=True, BLOCK_C=256, BLOCK_K=4),
          "bf16", {}),
+        ("conv_window", state_steps._conv_window_kernel,
+         dict(HAS_INIT=True, BLOCK_C=256, BLOCK_K=4), "bf16", {}),
+        # The verify pass's form (per-token states, the pages only read).
         ("gdn", gdn._gdn_kernel,
-         dict(HAS_INIT=True, L2NORM=True, STORE_INTER=True, BLOCK_K=128, BLOCK_V=32), "bf16",
-         {"st_ptr": "*fp32"}),
+         dict(HAS_INIT=True, L2NORM=True, STORE_INTER=True, STORE_FINAL=False, BLOCK_K=128,
+              BLOCK_V=32), "bf16", {"st_ptr": "*fp32"}),
         ("ssd", ssd._ssd_kernel,
-         dict(HAS_D=True, HAS_INIT=True, STORE_INTER=False, BLOCK_P=32, BLOCK_N=128), "bf16",
-         {"st_ptr": "*fp32", "y_ptr": "*fp32"}),
+         dict(HAS_D=True, HAS_INIT=True, STORE_INTER=False, STORE_FINAL=True, BLOCK_P=32,
+              BLOCK_N=128), "bf16", {"st_ptr": "*fp32", "y_ptr": "*fp32"}),
         ("gdn_chunk", gdn_chunked._gdn_chunk_kernel,
          dict(HAS_INIT=True, HAS_POS=True, L2NORM=True, STORE_INTER=True, STORE_CHUNKS=True,
-              PREC="tf32", BLOCK_C=64, BLOCK_K=128, BLOCK_V=32), "bf16", {"st_ptr": "*fp32"}),
+              CAPTURE=True, PREC="tf32", BLOCK_C=64, BLOCK_K=128, BLOCK_V=32), "bf16",
+         {"st_ptr": "*fp32", "cb_ptr": "*fp32"}),
         ("ssd_chunk", ssd_chunked._ssd_chunk_kernel,
          dict(HAS_D=True, HAS_INIT=True, HAS_POS=True, STORE_INTER=True, STORE_CHUNKS=True,
-              PREC="tf32", BLOCK_C=64, BLOCK_P=32, BLOCK_N=128), "bf16",
-         {"st_ptr": "*fp32", "y_ptr": "*fp32"}),
+              CAPTURE=True, PREC="tf32", BLOCK_C=64, BLOCK_P=32, BLOCK_N=128), "bf16",
+         {"st_ptr": "*fp32", "y_ptr": "*fp32", "cb_ptr": "*fp32"}),
     ]
     for name, dt, prec, el in (("bf16", bf16, "tf32", "bf16"), ("fp32", f32, "ieee", "fp32")):
         out.append((f"decode_{name}", at._decode_kernel,

@@ -164,13 +164,13 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
                 tl.store(inter_ptr + (tt * H + h) * DK * DV + i[:, None] * DV + j[None, :], Si,
                          mask=gate(m2, ok))
         if CAPTURE:
-            # The state after row m of this chunk: S_end's formula cut at m (rows j <= m),
+            # The state after row ``row`` of this chunk: S_end's formula cut there (rows j <= row),
             # one more product per capture; the carried state is not touched.
             for mi in range(cap_lo, cap_hi):
-                m = tl.load(cap_ptr + mi) - (base + ci * BLOCK_C)
-                if (m >= 0) & (m < BLOCK_C):
-                    upto = r <= m
-                    g_m = tl.sum(tl.where(r == m, G, 0.0), 0)
+                row = tl.load(cap_ptr + mi) - (base + ci * BLOCK_C)
+                if (row >= 0) & (row < BLOCK_C):
+                    upto = r <= row
+                    g_m = tl.sum(tl.where(r == row, G, 0.0), 0)
                     Km = K * tl.where(upto, tl.exp(tl.where(upto, g_m - G, 0.0)), 0.0)[:, None]
                     Sm = S * tl.exp(g_m) + tl.dot(tl.trans(Km), Delta, input_precision=PREC)
                     store_state(cb_ptr, cpages_ptr, mi, cpps, cpe, coffs, e, m2, live, Sm)

@@ -113,12 +113,12 @@ def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_
                 tl.store(inter_ptr + (tt * H + h) * P * N + p[:, None] * N + n[None, :], Si,
                          mask=gate(m2, ok))
         if CAPTURE:
-            # The state after row m of this chunk: h_end's formula cut at m (rows l <= m).
+            # The state after row ``row`` of this chunk: h_end's formula cut there (rows l <= row).
             for mi in range(cap_lo, cap_hi):
-                m = tl.load(cap_ptr + mi) - (base + ci * BLOCK_C)
-                if (m >= 0) & (m < BLOCK_C):
-                    upto = r <= m
-                    a_m = tl.sum(tl.where(r == m, Acum, 0.0), 0)
+                row = tl.load(cap_ptr + mi) - (base + ci * BLOCK_C)
+                if (row >= 0) & (row < BLOCK_C):
+                    upto = r <= row
+                    a_m = tl.sum(tl.where(r == row, Acum, 0.0), 0)
                     Xm = Xdt * tl.where(upto, tl.exp(tl.where(upto, a_m - Acum, 0.0)),
                                         0.0)[:, None]
                     Sm = S * tl.exp(a_m) + tl.dot(tl.trans(Xm), Bc, input_precision=PREC)

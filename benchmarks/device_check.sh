@@ -3,8 +3,9 @@
 # tool:   run(command="bash benchmarks/device_check.sh", carry=[".whl"], timeout_s=590)
 #
 # 1. the exactness suite on CUDA (float32 tiny models; Triton kernels compiled, CUDA graphs on)
-#    against transformers: the Triton kernel tests, the Triton/CUDA-graph engine tests and the
-#    model suites (dense, Gated DeltaNet, Mamba-2);
+#    against transformers: the Triton kernel tests (state captures and verify passes
+#    included), the Triton/CUDA-graph engine tests and the model suites (dense, Gated
+#    DeltaNet, Mamba-2);
 # 2. python -m benchmarks.chunked_kernels: prefill tokens/s and TFLOP/s of the chunked (WY /
 #    SSD) Triton GDN and Mamba-2 kernels against their token loops (Qwen3-Next / Nemotron-H
 #    layer shapes, 4 x 4096 tokens);
@@ -36,7 +37,7 @@ torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers._
 
 timeout 250 python3 -m pytest -q -p no:cacheprovider -x --durations=10 \
   tests/test_triton_kernels.py tests/test_triton_chunked.py tests/test_triton_models.py \
-  tests/test_cuda_graphs.py \
+  tests/test_triton_steps.py tests/test_triton_steps_engine.py tests/test_cuda_graphs.py \
   tests/test_engine_dense.py tests/test_models_gdn.py tests/test_models_mamba2.py \
   2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"

@@ -103,10 +103,13 @@ def test_triton_captures_and_verify_match_transformers(arch, tiny_model_factory,
     # Captures: 2 prompts of 40 tokens, prefilled in one step each (targets 16 and 32).
     prompts = random_prompts(2, 40, 40, 512, seed=31)
     ref = hf_greedy(model, prompts, NEW)
-    torch_ck = _capture_pass(model, prompts, ref)  # the torch path (CPU: C++ / torch)
-
     verify = "gdn_verify_layer" if arch == "qwen3_5" else "mamba_verify_layer"
     before = dispatch.mode()
+    dispatch.set_mode("torch")
+    try:
+        torch_ck = _capture_pass(model, prompts, ref)  # the reference: the torch path
+    finally:
+        dispatch.set_mode(before)
     with pytest.MonkeyPatch.context() as mp:
         calls = _triton_steps(mp)
         try:

@@ -30,6 +30,10 @@ Captures, for prefix-cache checkpoints and speculative verification:
   :func:`chunk_layout` gives the offsets and ``M``.
 * ``intermediate`` (T, H, Dk, Dv) float32: the state after every token, replayed from
   ``Delta`` as rank-1 updates within each chunk (``S_t = exp(g_t) S_{t-1} + k_t d_t^T``).
+* ``captures`` (:class:`~pagefold.kernels.triton.common.Captures`): the state right after
+  given tokens, written to their rows of a target (a checkpoint's pages): for a capture at
+  row ``m`` of a chunk, ``S_m = exp(G_m) S0 + (K * exp(G_m - G) [j <= m])^T Delta``, the
+  exit-state formula cut at ``m`` (one more ``tl.dot``; the carried state is untouched).
 
 :func:`gdn_chunked_triton` has the signature of ``gdn_naive`` (plus the captures);
 :func:`gdn_chunked_paged` is the in-place form over a :class:`PagedState`, GQA included

@@ -15,7 +15,8 @@ group. Padded rows (past the sequence, or before it when the grid is shifted by
 Captures as :mod:`pagefold.kernels.triton.gdn_chunked`: ``chunk_states`` (M, H, P, N) rows
 ``chunk_offsets[s] + c`` (:func:`~pagefold.kernels.triton.gdn_chunked.chunk_layout`), the
 state after each chunk; ``intermediate`` (T, H, P, N), the state after every token (rank-1
-replay within the chunk).
+replay within the chunk); ``captures``, the state after given tokens (``h_end``'s formula cut
+at the capture row).
 
 :func:`ssd_chunked_triton` has the signature of ``ssd_naive`` (plus the captures);
 :func:`ssd_chunked_paged` is the in-place form the layer uses.

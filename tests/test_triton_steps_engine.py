@@ -123,7 +123,8 @@ def test_triton_captures_and_verify_match_transformers(arch, tiny_model_factory,
             # Speculative decoding: prompts that repeat themselves, drafts from an oracle.
             sprompts = [p + p[:8] for p in random_prompts(2, 12, 20, 512, seed=32)]
             sref = hf_greedy(model, sprompts, NEW)
-            llm = LLM(str(model), max_model_len=64, enable_prefix_caching=False,
+            # Prefix caching on: verify chunks end on block boundaries (decode checkpoints).
+            llm = LLM(str(model), max_model_len=64,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
             table = {tuple(p): r for p, r in zip(sprompts, sref, strict=True)}

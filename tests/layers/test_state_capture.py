@@ -75,8 +75,8 @@ def test_capture_equals_a_call_cut_there(family, kernel, chunk_size):
     out = torch.full((len(AFTER), *args[-1].shape[1:]), float("nan"))
     y, final = fn(*args, cu, chunk_size=chunk_size, capture=(after, out), **kw)
     y0, final0 = fn(*args, cu, chunk_size=chunk_size, **kw)
-    # Captures change nothing else: same outputs and final states (to rounding: the chunked
-    # kernels re-chunk the padded sequences).
+    # Captures change nothing else: same outputs and final states (to rounding: GDN's chunked
+    # kernel re-chunks the padded sequences).
     torch.testing.assert_close(y, y0, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(final, final0, atol=2e-5, rtol=1e-5)
     for m, a in enumerate(AFTER):
@@ -94,6 +94,32 @@ def test_chunked_capture_at_chunk_boundary_is_bitwise_the_cut_call():
     for m, a in enumerate(after.tolist()):
         cut = GDN_KERNELS["chunked"](*_cut(args, a), chunk_size=32)[1][0]
         assert torch.equal(out[m], cut)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_ssd_chunked_captures_without_padding(chunk_size):
+    """SSD chunked captures inside a chunk: the chunking is untouched (outputs and final states
+    bitwise those of the call without captures), and a capture is the final state of a chunked
+    call cut there: bitwise where the target ends a chunk of a call that chunks alike, else to
+    float32 rounding (a shorter call lands other elements in vectorised loops' scalar tails)."""
+    args, kw = _ssd_inputs(5)
+    cu = _cu(LENGTHS)
+    after = torch.tensor(AFTER)
+    out = torch.full((len(AFTER), *args[-1].shape[1:]), float("nan"))
+    y, final = SSD_KERNELS["chunked"](*args, cu, chunk_size=chunk_size, capture=(after, out),
+                                      **kw)
+    y0, final0 = SSD_KERNELS["chunked"](*args, cu, chunk_size=chunk_size, **kw)
+    assert torch.equal(y, y0) and torch.equal(final, final0)
+    starts = cu.tolist()
+    bitwise = 0
+    for m, a in enumerate(AFTER):
+        cut = SSD_KERNELS["chunked"](*_cut(args, a), chunk_size=chunk_size, **kw)[1][0]
+        n = a + 1 - starts[_seq(a)]
+        if n >= chunk_size and n % chunk_size == 0:
+            assert torch.equal(out[m], cut), f"capture {m}"
+            bitwise += 1
+        torch.testing.assert_close(out[m], cut, atol=1e-6, rtol=1e-6, msg=f"capture {m}")
+    assert bitwise >= 1
 
 
 def test_layout_pads_each_boundary_to_the_chunk_grid():

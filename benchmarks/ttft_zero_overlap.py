@@ -1,0 +1,183 @@
+"""Time to first token with prefix caching ON vs OFF on zero-overlap traffic (hybrids).
+
+    python -m benchmarks.ttft_zero_overlap                       # GDN + Mamba-2 hybrids, bf16
+    python -m benchmarks.ttft_zero_overlap --archs nemotron_h --prompts 8 --profile
+
+With no shared prefix the cache can only cost: the hybrids still take state checkpoints at
+their targets (the last block boundary of the prompt, 3 blocks before it, every
+``state_checkpoint_interval`` tokens), captured inside the state layers' kernels during the
+prefill step. This measures what that costs in TTFT.
+
+Per model (``--archs``: ``qwen3_5`` = Qwen3.5-style Gated DeltaNet hybrid, ``nemotron_h`` =
+Nemotron-H-style Mamba-2 hybrid; random weights, ``--hidden`` / ``--layers``, CPU default
+kernels) two engines live side by side, ``off`` and ``on``. ``--prompts`` distinct random
+prompts of ``--in-len`` MIN MAX tokens are sent one at a time (batch 1) to both engines,
+alternating which engine goes first; the first ``--long-out`` of them ask for ``--out-len``
+tokens, the rest for 1. Every prompt is new to both engines (token ids drawn at random).
+
+Columns: ``TTFT ms`` = mean wall time from submission to the step that returned the first
+token, ``CPU ms`` = this process's CPU time over the same span (steadier than wall time on a
+machine other processes load), ``off/on`` ratios of those means (1.0 = caching costs nothing
+in TTFT; the issue's target is >= 0.97), ``e2e off/on`` = the same for the whole request,
+``ckpts`` = state checkpoints the ON engine held after the run, ``hits`` = requests that found
+any cached token (0 here by construction), ``match`` = fraction of requests whose greedy
+tokens are equal ON and OFF.
+
+``--profile``: also a cProfile of the ON engine over the prompts (top functions by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.common import bench_model, print_table
+
+COLUMNS = ["model", "reqs", "prompt tok", "TTFT ms off", "TTFT ms on", "TTFT off/on",
+           "CPU ms off", "CPU ms on", "CPU off/on", "e2e off/on", "ckpts", "hits", "match"]
+
+
+@dataclass
+class Timing:
+    """One request on one engine: wall and CPU seconds to the first token and to the end."""
+
+    ttft: float = 0.0
+    ttft_cpu: float = 0.0
+    e2e: float = 0.0
+    cached: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+def one_request(llm, prompt: list[int], max_tokens: int) -> Timing:
+    """Submit one prompt and step the engine until it finishes (batch 1)."""
+    from pagefold import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    rec = Timing()
+    t0, c0 = time.perf_counter(), time.process_time()
+    rid = llm.add_request({"prompt_token_ids": prompt}, sp)
+    first = False
+    while True:
+        outs = llm.step()
+        now, cnow = time.perf_counter(), time.process_time()
+        if not outs and not llm.engine.has_unfinished():
+            raise RuntimeError("engine went idle before the request finished")
+        for o in outs:
+            if o.request_id != rid:
+                continue
+            if not first and o.outputs[0].token_ids:
+                first = True
+                rec.ttft, rec.ttft_cpu = now - t0, cnow - c0
+            if o.finished:
+                rec.e2e, rec.cached = now - t0, o.num_cached_tokens
+                rec.tokens = list(o.outputs[0].token_ids)
+                return rec
+
+
+def make_engine(model: str, args: argparse.Namespace, caching: bool):
+    from pagefold import LLM, SamplingParams
+
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=caching,
+              seed=args.seed)
+    # Warm-up on a prompt no request shares (token id 5 repeated never occurs by chance), as
+    # long as the longest request so that no first-use cost lands on a measured one.
+    llm.generate([{"prompt_token_ids": [5] * args.in_len[1]}],
+                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def run_model(arch: str, args: argparse.Namespace) -> dict:
+    from transformers import AutoConfig
+
+    model = str(bench_model(arch, args.hidden, args.layers))
+    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(6, vocab) for _ in range(rng.randint(*args.in_len))]
+               for _ in range(args.prompts)]
+    outs = [args.out_len if i < args.long_out else 1 for i in range(args.prompts)]
+    engines = {"off": make_engine(model, args, False), "on": make_engine(model, args, True)}
+    got: dict[str, list[Timing]] = {"off": [], "on": []}
+    for i, (p, m) in enumerate(zip(prompts, outs, strict=True)):
+        for key in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            got[key].append(one_request(engines[key], p, m))
+    if args.profile:
+        profile_engine(engines["on"], prompts, outs, args.profile_top)
+
+    def mean(key: str, attr: str) -> float:
+        return sum(getattr(r, attr) for r in got[key]) / len(got[key])
+
+    off_t, on_t = mean("off", "ttft"), mean("on", "ttft")
+    off_c, on_c = mean("off", "ttft_cpu"), mean("on", "ttft_cpu")
+    row = {"model": f"{arch}-h{args.hidden}-l{args.layers}", "reqs": len(prompts),
+           "prompt tok": sum(map(len, prompts)),
+           "TTFT ms off": 1000 * off_t, "TTFT ms on": 1000 * on_t, "TTFT off/on": off_t / on_t,
+           "CPU ms off": 1000 * off_c, "CPU ms on": 1000 * on_c, "CPU off/on": off_c / on_c,
+           "e2e off/on": mean("off", "e2e") / mean("on", "e2e"),
+           "ckpts": engines["on"].engine.kv.pool.checkpoint_stats()[0],
+           "hits": sum(r.cached > 0 for r in got["on"]),
+           "match": sum(a.tokens == b.tokens for a, b in zip(got["on"], got["off"], strict=True))
+           / len(prompts)}
+    del engines
+    return row
+
+
+def profile_engine(llm, prompts: list[list[int]], outs: list[int], top: int) -> None:
+    """cProfile the engine over fresh copies of the prompts (one token changed, so no hits)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for p, m in zip(prompts, outs, strict=True):
+        one_request(llm, [5, *p[1:]], m)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--archs", nargs="+", default=["qwen3_5", "nemotron_h"])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--in-len", type=int, nargs=2, default=[1000, 2000], metavar=("MIN", "MAX"))
+    p.add_argument("--long-out", type=int, default=4, help="requests that decode --out-len")
+    p.add_argument("--out-len", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", default="256MiB", help="per engine (two are alive)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 is far steadier on a machine other processes share)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-top", type=int, default=30)
+    args = p.parse_args(argv)
+    if args.in_len[0] < 1 or args.in_len[1] < args.in_len[0]:
+        p.error("--in-len needs 1 <= MIN <= MAX")
+    if args.prompts < 1:
+        p.error("--prompts must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every model; prints and returns the table rows (one per model)."""
+    import torch
+
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        rows = [run_model(arch, args) for arch in args.archs]
+    finally:
+        torch.set_num_threads(threads)
+    print_table(rows, COLUMNS)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

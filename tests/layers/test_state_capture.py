@@ -119,7 +119,10 @@ def test_ssd_chunked_captures_without_padding(chunk_size):
             assert torch.equal(out[m], cut), f"capture {m}"
             bitwise += 1
         torch.testing.assert_close(out[m], cut, atol=1e-6, rtol=1e-6, msg=f"capture {m}")
-    assert bitwise >= 1
+        if a + 1 == starts[_seq(a) + 1]:  # a sequence's last token: its final state
+            assert torch.equal(out[m], final[_seq(a)]), f"capture {m}"
+            bitwise += 1
+    assert bitwise >= 3
 
 
 def test_layout_pads_each_boundary_to_the_chunk_grid():

@@ -298,18 +298,20 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 
 def _capture_row(out: torch.Tensor, h0: torch.Tensor, xc: torch.Tensor, decay_row: torch.Tensor,
-                 acum_row: torch.Tensor, Bc: torch.Tensor) -> None:
-    """The state after row ``l`` of one sequence's chunk, written into ``out`` (H, P, N).
+                 acum_row: torch.Tensor, Bc: torch.Tensor, row: int) -> None:
+    """The state after row ``row`` of one sequence's chunk, written into ``out`` (H, P, N).
 
     h0 (H, P, N) the chunk-start state, xc (H, L, P) ``dt x``, decay_row (H, L) =
-    ``exp(segsum)[:, l, :]`` (zero past ``l``), acum_row (H,) the log-decay from the chunk
-    start through ``l``, Bc (G, L, N). The same float operations as the chunk-end state
-    passing in :func:`ssd_chunked` (whose row is ``L - 1``), one sequence wide.
+    ``exp(segsum)[:, row, :]`` (zero past ``row``), acum_row (H,) the log-decay from the
+    chunk start through ``row``, Bc (G, L, N). The chunk-end state passing of
+    :func:`ssd_chunked` with row ``row`` for ``L - 1``, summed over the ``row + 1`` tokens
+    that contribute (the rest have zero weight).
     """
-    H, L, P = xc.shape
+    H, _, P = xc.shape
     G, N = Bc.shape[0], Bc.shape[-1]
-    w = (xc * decay_row.unsqueeze(-1)).transpose(-1, -2)  # (H, P, L)
-    upd = torch.matmul(w.reshape(G, (H // G) * P, L), Bc).view(H, P, N)
+    n = row + 1
+    w = (xc[:, :n] * decay_row[:, :n].unsqueeze(-1)).transpose(-1, -2)  # (H, P, n)
+    upd = torch.matmul(w.reshape(G, (H // G) * P, n), Bc[:, :n]).view(H, P, N)
     out.copy_(h0 * torch.exp(acum_row)[:, None, None] + upd)
 
 
@@ -346,11 +348,12 @@ def ssd_chunked(
     the per-chunk states are not all materialised at once.
 
     Captures never change the chunking (so ``y`` and the final states are bitwise those of the
-    call without them): the state after token ``l`` of a chunk is computed directly from the
-    chunk-start state, ``exp(acum_l) h_start + sum_{s <= l} exp(segsum[l, s]) dt_s x_s B_s^T``
-    -- row ``l`` of the same decay matrix the state passing uses with row ``L - 1``. A call cut
-    right after that token runs the same float operations on its last (padded) chunk, so the
-    captured state is bitwise its final state whenever both calls chunk alike (same ``L``).
+    call without them). A capture at the last real token of a chunk is the chunk-end state
+    (bitwise a call cut there, when both chunk alike: same ``L``); one at row ``l`` inside a
+    chunk is computed directly from the chunk-start state,
+    ``exp(acum_l) h_start + sum_{s <= l} exp(segsum[l, s]) dt_s x_s B_s^T`` -- row ``l`` of
+    the decay matrix the state passing uses with row ``L - 1`` (equal to a cut call up to
+    float32 rounding).
     """
     T, H, P, G, N = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     if chunk_size < 1:
@@ -388,11 +391,18 @@ def ssd_chunked(
     s_lens = torch.tensor([lens[s] for s in order], dtype=torch.long, device=dev)
     s_chunks = [n_chunks[s] for s in order]
     offs = torch.arange(L, dtype=torch.long, device=dev)
-    at: dict[int, list[tuple[int, int, int]]] = {}  # chunk position -> (capture, rank, row)
+    # Chunk position -> (capture, rank, row in the chunk); ``at_end``: captures whose token is
+    # the last of its chunk's real ones, which are the chunk-end state itself (copied after the
+    # state passing; the interval targets are multiples of the block size, mostly of L).
+    at: dict[int, list[tuple[int, int, int]]] = {}
+    at_end: dict[int, list[tuple[int, int]]] = {}
     if cap:
         rank = {s: r for r, s in enumerate(order)}
         for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
-            at.setdefault(off // L, []).append((m, rank[s], off % L))
+            if off % L == L - 1 or off == lens[s] - 1:
+                at_end.setdefault(off // L, []).append((m, rank[s]))
+            else:
+                at.setdefault(off // L, []).append((m, rank[s], off % L))
 
     n_active = S
     for j in range(s_chunks[0]):
@@ -428,9 +438,12 @@ def ssd_chunked(
         w = (xc * decay[..., L - 1, :].unsqueeze(-1)).transpose(-1, -2)  # (M, H, P, L)
         upd = torch.matmul(w.reshape(M, G, Hg * P, L), Bc).view(M, H, P, N)
         for m, r, row in at.get(j, ()):  # from the chunk-start state, before it moves on
-            _capture_row(cap[1][m], state[r], xc[r], decay[r, :, row], acum[r, :, row], Bc[r])
+            _capture_row(cap[1][m], state[r], xc[r], decay[r, :, row], acum[r, :, row], Bc[r],
+                         row)
         chunk_decay = torch.exp(acum[..., -1])  # (M, H)
         state[:M] = state[:M] * chunk_decay[:, :, None, None] + upd
+        for m, r in at_end.get(j, ()):
+            cap[1][m] = state[r]
 
         out[idx.reshape(-1)] = y.permute(0, 2, 1, 3).reshape(M * L, H, P)
 

@@ -171,14 +171,19 @@ class BlockPool:
     def cache(self, key: Hashable, blocks: list[Block], saved_tokens: int,
               is_checkpoint: bool = False) -> bool:
         """Register held blocks' content under ``key`` (first writer wins). Returns success."""
-        if key in self.entries or any(b.entry_key is not None for b in blocks):
+        if key in self.entries:
             return False
+        for b in blocks:  # plain loops: this runs once per full block of every prompt
+            if b.entry_key is not None:
+                return False
         e = CacheEntry(key, list(blocks), saved_tokens, last_used=self.tick,
                        is_checkpoint=is_checkpoint)
         self.entries[key] = e
+        idle = True
         for b in blocks:
             b.entry_key = key
-        if all(b.ref_cnt == 0 for b in blocks):
+            idle = idle and b.ref_cnt == 0
+        if idle:
             self._mark_evictable(e)
         if is_checkpoint:
             self.stats.checkpoints_saved += 1

@@ -37,6 +37,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from benchmarks.common import bench_model, print_table
 
@@ -95,10 +96,12 @@ def make_engine(model: str, args: argparse.Namespace, caching: bool):
     return llm
 
 
-def run_model(arch: str, args: argparse.Namespace) -> dict:
+def run_model(arch: str, args: argparse.Namespace, model: str | None = None) -> dict:
+    """Both engines over one model (built from ``arch`` unless ``model`` is a directory)."""
     from transformers import AutoConfig
 
-    model = str(bench_model(arch, args.hidden, args.layers))
+    label = Path(model).name if model else f"{arch}-h{args.hidden}-l{args.layers}"
+    model = model or str(bench_model(arch, args.hidden, args.layers))
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(6, vocab) for _ in range(rng.randint(*args.in_len))]
@@ -122,7 +125,7 @@ def run_model(arch: str, args: argparse.Namespace) -> dict:
 
     off_t, on_t = mean("off", "ttft"), mean("on", "ttft")
     off_c, on_c = mean("off", "ttft_cpu"), mean("on", "ttft_cpu")
-    row = {"model": f"{arch}-h{args.hidden}-l{args.layers}", "reqs": len(prompts),
+    row = {"model": label, "reqs": len(prompts),
            "prompt tok": sum(map(len, prompts)),
            "TTFT ms off": 1000 * off_t, "TTFT ms on": 1000 * on_t, "TTFT off/on": off_t / on_t,
            "CPU ms off": 1000 * off_c, "CPU ms on": 1000 * on_c, "CPU off/on": off_c / on_c,
@@ -154,6 +157,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", nargs="+", default=["qwen3_5", "nemotron_h"])
+    p.add_argument("--models", nargs="+", default=None,
+                   help="model directories to run instead of building --archs")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        rows = [run_model(arch, args) for arch in args.archs]
+        rows = ([run_model("", args, m) for m in args.models] if args.models
+                else [run_model(arch, args) for arch in args.archs])
     finally:
         torch.set_num_threads(threads)
     print_table(rows, COLUMNS)

@@ -14,8 +14,6 @@ prefill rows, more than ``GEMV_MAX_ROWS`` rows, kernels off) takes the module pa
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -92,26 +90,6 @@ class DensePlan:
                        and all(_layer_ok(la, lib) for la in layers))
         self.layers = [_Layer(la) for la in layers] if self.ok else []
         self.max_block = lib.pf_max_block() if lib is not None else 0
-        # Per row count: every layer's intermediates as contiguous views of one storage per
-        # role, made once and reused by every step (each is consumed within its layer; the
-        # last layer's output is fresh, as callers may keep it past the step).
-        self._scratch: dict[int, list[tuple[torch.Tensor, ...]]] = {}
-
-    def _buffers(self, t: int, d_model: int) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer: (h, qkv, q, k, o, attn out, gate_up, act, layer out or None) for ``t``
-        rows, each shaped exactly as the module path's own ``torch.empty`` would be."""
-        bufs = self._scratch.get(t)
-        if bufs is not None:
-            return bufs
-        shapes = [((d_model,), (la.qkv[2],), (la.H, la.D), (la.KVH, la.D), (la.H, la.D),
-                   (la.o[2],), (la.gu[2],), (la.inter,), (la.down[2],)) for la in self.layers]
-        store = [torch.empty(t * max(math.prod(sh[r]) for sh in shapes), dtype=torch.bfloat16)
-                 for r in range(len(shapes[0]))]
-        bufs = [tuple(store[r][: t * math.prod(sh[r])].view(t, *sh[r]) for r in range(len(sh)))
-                for sh in shapes]
-        bufs[-1] = (*bufs[-1][:-1], None)
-        self._scratch[t] = bufs
-        return bufs
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -139,9 +117,8 @@ class DensePlan:
         pos = positions.data_ptr()
         steps: dict[int, tuple] = {}  # per attention group: this step's metadata pointers
         cache = ctx.cache
-        d_model = x.shape[1]
-        for la, bufs in zip(self.layers, self._buffers(t, d_model), strict=True):
-            h, qkv, q, kk, o, a_out, gu, act, x_out = bufs
+        empty, bf16 = torch.empty, torch.bfloat16
+        for la in self.layers:
             gi = cache.layer_group[la.name]
             g = steps.get(gi)
             if g is None:
@@ -156,7 +133,9 @@ class DensePlan:
                                  kvs.data_ptr() if kvs is not None else None,
                                  slots.data_ptr(), seq_lens.shape[0])
             kv_cache = cache.attn[la.name]
+            d_model = x.shape[1]
             # input norm (with the residual add after the first layer)
+            h = empty((t, d_model), dtype=bf16)
             if residual is None:
                 residual = x
                 rc = rms(_BF16, x.data_ptr(), x.stride(0), None, 0, la.in_w, h.data_ptr(),
@@ -167,30 +146,37 @@ class DensePlan:
                          la.in_eps, 0, nt)
             # qkv, q/k norm + RoPE, K/V write, attention
             w, b, n, k = la.qkv
+            qkv = empty((t, n), dtype=bf16)
             rc |= gemv(h.data_ptr(), h.stride(0), w, b, qkv.data_ptr(), n, t, n, k, nt)
+            q = empty((t, la.H, la.D), dtype=bf16)
+            kk = empty((t, la.KVH, la.D), dtype=bf16)
             rc |= rope(_BF16, qkv.data_ptr(), qkv.stride(0), 0, la.D, la.q_size, pos, la.cos,
                        la.sin, la.rot, la.qw, la.kw, la.qk_eps, 0, q.data_ptr(),
                        kk.data_ptr(), t, la.H, la.KVH, la.D, nt)
             v = qkv[:, la.q_size + la.kv_size:]
             rc |= lib.pf_write_kv(_BF16, kk.data_ptr(), v.data_ptr(), kk.stride(0),
                                   v.stride(0), g[8], kv_cache.data_ptr(), t, la.KVH, la.D)
+            o = empty((t, la.H, la.D), dtype=bf16)
             rc |= lib.pf_decode_attention(
                 _BF16, q.data_ptr(), q.stride(0), None, kv_cache.data_ptr(), g[4], g[5], g[6],
                 g[7], o.data_ptr(), o.stride(0), g[9], la.H, la.KVH, la.D, kv_cache.shape[1],
                 la.scale, nt)
             w, b, n, k = la.o
+            a_out = empty((t, n), dtype=bf16)
             rc |= gemv(o.data_ptr(), la.H * la.D, w, b, a_out.data_ptr(), n, t, n, k, nt)
             # post-attention norm with the residual add, gated MLP
+            h = empty((t, d_model), dtype=bf16)
             rc |= rms(_BF16, a_out.data_ptr(), a_out.stride(0), residual.data_ptr(),
                       residual.stride(0), la.post_w, h.data_ptr(), d_model, t, d_model,
                       la.post_eps, 0, nt)
             w, b, n, k = la.gu
+            gu = empty((t, n), dtype=bf16)
             rc |= gemv(h.data_ptr(), h.stride(0), w, b, gu.data_ptr(), n, t, n, k, nt)
+            act = empty((t, la.inter), dtype=bf16)
             rc |= lib.pf_silu_mul(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), t,
                                   la.inter, nt)
             w, b, n, k = la.down
-            # The next layer reads x before its own output overwrites it.
-            x = torch.empty((t, n), dtype=torch.bfloat16) if x_out is None else x_out
+            x = empty((t, n), dtype=bf16)
             rc |= gemv(act.data_ptr(), act.stride(0), w, b, x.data_ptr(), n, t, n, k, nt)
             if rc:
                 raise RuntimeError(f"a CPU kernel refused checked inputs in {la.name}")

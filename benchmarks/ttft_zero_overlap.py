@@ -28,11 +28,14 @@ any cached token (0 here by construction), ``match`` = fraction of requests whos
 tokens are equal ON and OFF.
 
 ``--profile``: also a cProfile of the ON engine over the prompts (top functions by own time).
+``--kernels``: instead, the capture cost inside the torch chunked SSD / GDN kernels alone
+(``captures/plain`` = CPU time with the ON engine's captures over without, one sequence).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -153,6 +156,55 @@ def profile_engine(llm, prompts: list[list[int]], outs: list[int], top: int) -> 
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def kernel_overhead(args: argparse.Namespace) -> list[dict]:
+    """The capture cost inside the torch chunked kernels alone: one ``--kernel-len``-token
+    sequence (bf16 inputs, float32 states, Nemotron-H / Qwen3.5-like head sizes) through
+    ``ssd_chunked`` and ``gdn_chunked`` with and without the captures an ON engine asks for
+    (every 256 tokens, the last block boundary and 3 blocks before it); interleaved repeats,
+    best CPU time of each."""
+    import torch
+
+    from pagefold.layers.linear_attention.gdn import gdn_chunked
+    from pagefold.layers.mamba.ssd import ssd_chunked
+
+    n, g = args.kernel_len, torch.Generator().manual_seed(args.seed)
+    last = (n - 1) // 16 * 16
+    after = torch.tensor(sorted({*range(256, n, 256), last, last - 48})) - 1
+    h, p, grp, st = 16, 64, 2, 64  # SSD: heads, head dim, groups, state size
+    ssd_in = (torch.randn(n, h, p, generator=g).bfloat16(), torch.randn(n, h, generator=g),
+              -(torch.rand(h, generator=g) + 0.05),
+              torch.randn(n, grp, st, generator=g).bfloat16(),
+              torch.randn(n, grp, st, generator=g).bfloat16(), torch.randn(h, generator=g),
+              torch.zeros(1, h, p, st), torch.tensor([0, n]))
+    hv, dk = 8, 64  # GDN: value heads (key heads alike here), head dims
+    gdn_in = (torch.randn(n, hv, dk, generator=g).bfloat16(),
+              torch.randn(n, hv, dk, generator=g).bfloat16(),
+              torch.randn(n, hv, dk, generator=g).bfloat16(),
+              -torch.rand(n, hv, generator=g) * 0.1, torch.rand(n, hv, generator=g),
+              torch.zeros(1, hv, dk, dk), torch.tensor([0, n]))
+
+    def ssd(cap: bool) -> None:
+        out = torch.empty(len(after), h, p, st)
+        ssd_chunked(*ssd_in, dt_bias=None, capture=(after, out) if cap else None)
+
+    def gdn(cap: bool) -> None:
+        out = torch.empty(len(after), hv, dk, dk)
+        gdn_chunked(*gdn_in, capture=(after, out) if cap else None)
+
+    rows = []
+    for name, fn in (("ssd_chunked", ssd), ("gdn_chunked", gdn)):
+        best = {False: math.inf, True: math.inf}
+        for _ in range(args.kernel_repeats):
+            for cap in (False, True):
+                c = time.process_time()
+                fn(cap)
+                best[cap] = min(best[cap], time.process_time() - c)
+        rows.append({"kernel": name, "tokens": n, "captures": len(after),
+                     "ms plain": 1000 * best[False], "ms captures": 1000 * best[True],
+                     "captures/plain": best[True] / best[False]})
+    return rows
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,6 +224,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch threads (1 is far steadier on a machine other processes share)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: the capture cost of the torch chunked SSD / GDN kernels")
+    p.add_argument("--kernel-len", type=int, default=1500)
+    p.add_argument("--kernel-repeats", type=int, default=15)
     p.add_argument("--profile-top", type=int, default=30)
     args = p.parse_args(argv)
     if args.in_len[0] < 1 or args.in_len[1] < args.in_len[0]:
@@ -190,6 +246,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        if args.kernels:
+            rows = kernel_overhead(args)
+            print_table(rows, list(rows[0]))
+            return rows
         rows = ([run_model("", args, m) for m in args.models] if args.models
                 else [run_model(arch, args) for arch in args.archs])
     finally:

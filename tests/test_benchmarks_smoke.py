@@ -57,6 +57,28 @@ def test_prefix_cache_benchmark_tiny(prefix_cache, qwen3_5_dir, capsys):
         assert sum(line.strip().startswith(n) for line in table.splitlines()) == 2
 
 
+def test_ttft_zero_overlap_benchmark_tiny(monkeypatch, qwen3_5_dir, nemotron_h_dir, capsys):
+    monkeypatch.syspath_prepend(REPO)
+    from benchmarks import ttft_zero_overlap
+
+    rows = ttft_zero_overlap.main([
+        "--models", str(qwen3_5_dir), str(nemotron_h_dir), "--prompts", "3",
+        "--in-len", "40", "70", "--long-out", "1", "--out-len", "3", "--dtype", "float32",
+        "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+    ])  # fmt: skip
+    assert [r["model"] for r in rows] == [qwen3_5_dir.name, nemotron_h_dir.name]
+    for r in rows:
+        assert r["reqs"] == 3 and 120 <= r["prompt tok"] <= 210
+        assert r["hits"] == 0  # zero overlap: nothing to reuse
+        assert r["ckpts"] > 0  # but the ON engine took checkpoints (inside the kernels)
+        assert r["match"] == 1.0  # float32 greedy: caching never changes an answer
+        assert r["TTFT off/on"] > 0 and r["CPU off/on"] > 0 and r["pair med"] > 0
+    assert "TTFT off/on" in capsys.readouterr().out
+    kern = ttft_zero_overlap.main(["--kernels", "--kernel-len", "300", "--kernel-repeats", "1"])
+    assert [r["kernel"] for r in kern] == ["ssd_chunked", "gdn_chunked"]
+    assert all(r["captures"] == 3 and r["captures/plain"] > 0 for r in kern)  # 240, 256, 288
+
+
 def test_serve_compare_pagefold_only(monkeypatch, tmp_path, capsys):
     """The serving comparison starts a real ``pagefold serve``, drives it with the streaming
     client, stops it, and reports what the client measured (vLLM is left out here)."""

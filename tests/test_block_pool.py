@@ -107,6 +107,32 @@ def test_cached_blocks_stay_free_until_evicted():
     pool.check_whole()
 
 
+def test_multi_page_entries_become_evictable_at_their_last_release():
+    """Two checkpoints' pages released in one call, interleaved: each entry turns evictable
+    once, when its last page is released, and (scores equal) entries are evicted in the order
+    they turned evictable; a page still held keeps its whole entry out of eviction."""
+    pool = BlockPool(10)
+    a, b = pool.allocate(3), pool.allocate(3)
+    pool.cache(("ckpt", "a"), a, 48, is_checkpoint=True)
+    pool.cache(("ckpt", "b"), b, 48, is_checkpoint=True)
+    pool.free([a[0], b[0], b[1], b[2], a[1], a[2]])  # "b" complete before "a"
+    assert pool.entry(("ckpt", "a")).evictable and pool.entry(("ckpt", "b")).evictable
+    assert pool.num_free == 9
+    pool.check_whole()
+    taken = pool.allocate(3 + 1)  # the plain blocks, then one whole entry: "b", evictable first
+    assert pool.entry(("ckpt", "b")) is None and pool.entry(("ckpt", "a")) is not None
+
+    c = pool.allocate(2)  # evicts "a" (b's pages left over first)
+    pool.cache(("ckpt", "c"), c, 32, is_checkpoint=True)
+    pool.touch(c[:1])
+    pool.free(c)
+    assert not pool.entry(("ckpt", "c")).evictable  # c[0] still held
+    pool.free(c[:1])
+    assert pool.entry(("ckpt", "c")).evictable
+    pool.free(taken)
+    pool.check_whole()
+
+
 def test_cache_block_first_writer_wins_and_reset():
     pool = BlockPool(4)
     a, b = pool.allocate(2)

@@ -53,6 +53,14 @@ def test_groups_never_write_into_each_others_pages():
         back = view.gather(pages)
         assert torch.equal(back["ssm"], state["ssm"])
         assert torch.equal(back["conv"], state["conv"].to(torch.bfloat16))
+        # Every byte of the state's pages is written: components, and zeros between and after
+        # them (the 0xA5 fill must not survive anywhere, so pages are deterministic).
+        want = torch.zeros(n_pages * view.page_bytes, dtype=torch.uint8)
+        for comp, off in zip(view.spec.components, view.spec.offsets):
+            src = state[comp.name].to(comp.dtype).reshape(-1).view(torch.uint8)
+            want[off : off + comp.nbytes] = src
+        assert view.gaps  # this layout has padding to zero
+        assert torch.equal(view.raw[owned["layers.0"]].reshape(-1), want)
         touched = set(owned["layers.3"]) | set(owned["layers.0"])
         for t, b in zip(cache.shared, before):
             for row in range(cfg.num_blocks):

@@ -143,7 +143,14 @@ class BlockPool:
             blk.ref_cnt += 1
 
     def free(self, blocks: list[Block]) -> None:
-        """Drop one reference from each block, in order; released blocks become free."""
+        """Drop one reference from each block, in order; released blocks become free.
+
+        An entry becomes evictable once none of its blocks is held. References only drop
+        here, so that moment is the last release of one of its blocks in this call: entries
+        are checked once each, after the loop, in the order of their last release (a
+        check per released block made freeing a P-page checkpoint O(P^2)).
+        """
+        released: dict[Hashable, None] = {}  # entry keys, ordered by their last release
         for blk in blocks:
             if blk is self.null_block:
                 continue
@@ -153,22 +160,30 @@ class BlockPool:
                 if blk.entry_key is None:
                     self._plain[blk.block_id] = None
                 else:
-                    e = self.entries[blk.entry_key]
-                    if all(b.ref_cnt == 0 for b in e.blocks):
-                        self._mark_evictable(e)
+                    released.pop(blk.entry_key, None)
+                    released[blk.entry_key] = None
+        for key in released:
+            e = self.entries[key]
+            if all(b.ref_cnt == 0 for b in e.blocks):
+                self._mark_evictable(e)
 
     # ------------------------------------------------------------------ cache entries
     def cache(self, key: Hashable, blocks: list[Block], saved_tokens: int,
               is_checkpoint: bool = False) -> bool:
         """Register held blocks' content under ``key`` (first writer wins). Returns success."""
-        if key in self.entries or any(b.entry_key is not None for b in blocks):
+        if key in self.entries:
             return False
+        for b in blocks:  # plain loops: this runs once per full block of every prompt
+            if b.entry_key is not None:
+                return False
         e = CacheEntry(key, list(blocks), saved_tokens, last_used=self.tick,
                        is_checkpoint=is_checkpoint)
         self.entries[key] = e
+        idle = True
         for b in blocks:
             b.entry_key = key
-        if all(b.ref_cnt == 0 for b in blocks):
+            idle = idle and b.ref_cnt == 0
+        if idle:
             self._mark_evictable(e)
         if is_checkpoint:
             self.stats.checkpoints_saved += 1

@@ -71,6 +71,7 @@ class KVCacheManager:
         ]
         self.caching = enable_prefix_caching
         self.has_state = any(m.wants_checkpoints() for m in self.managers)
+        self._hit_order = sorted(self.managers, key=lambda m: m.wants_checkpoints())
         bs = self.block_size
         self.checkpoint_interval = max(bs, (checkpoint_interval // bs) * bs)
         self.stats = PrefixCacheStats()
@@ -112,8 +113,10 @@ class KVCacheManager:
         hashes = update_block_hashes(req, bs)
         max_blocks = (req.num_tokens - 1) // bs
         cap, sets = max_blocks, []
-        for m in self.managers:
-            r = m.hit_lengths(hashes, max_blocks)
+        # Checkpointing (state) managers last, asked only up to the others' common hit: their
+        # answer is a set of lengths looked up block by block, and no hit can exceed ``cap``.
+        for m in self._hit_order:
+            r = m.hit_lengths(hashes, cap)
             if isinstance(r, int):
                 cap = min(cap, r)
             else:

@@ -37,6 +37,16 @@ class StateView:
         self.spec = spec
         self.pages = pages_per_state
         self.page_bytes = raw.shape[1]
+        # Byte ranges of a state's pages no component covers (alignment, the last page's
+        # tail): scatter zeroes just these, so pages stay deterministic without a full memset.
+        self.gaps: list[tuple[int, int]] = []
+        pos = 0
+        for comp, off in sorted(zip(spec.components, spec.offsets), key=lambda co: co[1]):
+            if off > pos:
+                self.gaps.append((pos, off))
+            pos = max(pos, off + comp.nbytes)
+        if pos < self.pages * self.page_bytes:
+            self.gaps.append((pos, self.pages * self.page_bytes))
 
     def gather(self, page_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """page_ids (N, pages_per_state) -> {component: (N, *shape)} (fresh tensors)."""
@@ -52,8 +62,10 @@ class StateView:
     def scatter(self, page_ids: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
         """Write whole states back to their pages (every component must be given)."""
         n = page_ids.shape[0]
-        flat = torch.zeros((n, self.pages * self.page_bytes), dtype=torch.uint8,
+        flat = torch.empty((n, self.pages * self.page_bytes), dtype=torch.uint8,
                            device=self.raw.device)
+        for lo, hi in self.gaps:
+            flat[:, lo:hi] = 0
         for comp, off in zip(self.spec.components, self.spec.offsets):
             src = states[comp.name].to(comp.dtype).reshape(n, -1).contiguous()
             flat[:, off : off + comp.nbytes] = src.view(torch.uint8)

@@ -203,9 +203,23 @@ def causal_conv1d_state_at(
     :func:`causal_conv1d_varlen` call ending after that token returns."""
     hist = conv_state.shape[2]
     cu = cu_seqlens.tolist()
-    out = conv_state.new_empty((after.numel(), conv_state.shape[1], hist))
-    for m, (s, off) in enumerate(seq_of(cu, [int(a) for a in after.tolist()])):
-        lo = max(cu[s], cu[s] + off + 1 - hist)
-        window = torch.cat([conv_state[s].t(), x[lo : cu[s] + off + 1].to(conv_state.dtype)])
+    after_l = [int(a) for a in after.tolist()]
+    out = conv_state.new_empty((len(after_l), conv_state.shape[1], hist))
+    # Captures with a full window of new tokens (the usual case: targets lie blocks into the
+    # chunk) are one gather of their last ``hist`` inputs; the rest mix in the old state.
+    full = []
+    for m, (s, off) in enumerate(seq_of(cu, after_l)):
+        if off + 1 >= hist:
+            full.append(m)
+            continue
+        window = torch.cat([conv_state[s].t(), x[cu[s] : cu[s] + off + 1].to(conv_state.dtype)])
         out[m] = window[-hist:].t()
+    if full and hist > 0:
+        rows = torch.tensor([[after_l[m] - hist + 1 + i for i in range(hist)] for m in full],
+                            dtype=torch.long, device=x.device)
+        win = x[rows].to(conv_state.dtype).transpose(1, 2)  # (F, C, hist)
+        if len(full) == len(after_l):
+            out.copy_(win)
+        else:
+            out[torch.tensor(full, dtype=torch.long, device=x.device)] = win
     return out

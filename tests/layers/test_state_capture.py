@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from pagefold.layers.causal_conv1d import causal_conv1d_state_at, causal_conv1d_varlen
 from pagefold.layers.linear_attention.gdn import GDN_KERNELS
 from pagefold.layers.mamba.ssd import SSD_KERNELS
-from pagefold.layers.state_capture import capture_layout
 
 LENGTHS = [1, 7, 33, 64, 0, 65, 130, 40]
 # Flat indices: first/last token of sequences, chunk-aligned and unaligned boundaries,
@@ -75,8 +74,8 @@ def test_capture_equals_a_call_cut_there(family, kernel, chunk_size):
     out = torch.full((len(AFTER), *args[-1].shape[1:]), float("nan"))
     y, final = fn(*args, cu, chunk_size=chunk_size, capture=(after, out), **kw)
     y0, final0 = fn(*args, cu, chunk_size=chunk_size, **kw)
-    # Captures change nothing else: same outputs and final states (to rounding: the chunked
-    # kernels re-chunk the padded sequences).
+    # Captures change nothing else: same outputs and final states (to rounding: GDN's chunked
+    # kernel re-chunks the padded sequences).
     torch.testing.assert_close(y, y0, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(final, final0, atol=2e-5, rtol=1e-5)
     for m, a in enumerate(AFTER):
@@ -96,12 +95,35 @@ def test_chunked_capture_at_chunk_boundary_is_bitwise_the_cut_call():
         assert torch.equal(out[m], cut)
 
 
-def test_layout_pads_each_boundary_to_the_chunk_grid():
-    lay = capture_layout([0, 10, 50], [3, 10 + 19, 10 + 39], chunk=8)
-    # Sequence 0: boundary 4 -> pad 4, tokens 4..9 shifted by 4; vlen 10 + 4.
-    assert lay.shift[:10].tolist() == [0] * 4 + [4] * 6
-    assert lay.vlens == [14, 40 + 4 + 4]  # boundary 20 pads 4, then 40 + 4 pads 4 (the end)
-    assert lay.chunk_of == [(0, 0), (1, 2), (1, 5)]
+@pytest.mark.parametrize("family", ["gdn", "ssd"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunked_captures_leave_the_chunking_alone(family, chunk_size):
+    """Chunked captures (GDN and SSD) inside a chunk: the chunking is untouched (outputs and
+    final states bitwise those of the call without captures), and a capture is the final
+    state of a chunked call cut there: bitwise at a sequence's last token and where the target
+    ends a chunk of a call that chunks alike, else to float32 rounding (a shorter call lands
+    other elements in vectorised loops' scalar tails)."""
+    kernels, make = FAMILIES[family]
+    args, kw = make(5)
+    cu = _cu(LENGTHS)
+    after = torch.tensor(AFTER)
+    out = torch.full((len(AFTER), *args[-1].shape[1:]), float("nan"))
+    y, final = kernels["chunked"](*args, cu, chunk_size=chunk_size, capture=(after, out), **kw)
+    y0, final0 = kernels["chunked"](*args, cu, chunk_size=chunk_size, **kw)
+    assert torch.equal(y, y0) and torch.equal(final, final0)
+    starts = cu.tolist()
+    bitwise = 0
+    for m, a in enumerate(AFTER):
+        cut = kernels["chunked"](*_cut(args, a), chunk_size=chunk_size, **kw)[1][0]
+        n = a + 1 - starts[_seq(a)]
+        if family == "ssd" and n >= chunk_size and n % chunk_size == 0:
+            assert torch.equal(out[m], cut), f"capture {m}"
+            bitwise += 1
+        torch.testing.assert_close(out[m], cut, atol=2e-6, rtol=2e-6, msg=f"capture {m}")
+        if a + 1 == starts[_seq(a) + 1]:  # a sequence's last token: its final state
+            assert torch.equal(out[m], final[_seq(a)]), f"capture {m}"
+            bitwise += 1
+    assert bitwise >= 2
 
 
 def test_capture_rejects_bad_positions():

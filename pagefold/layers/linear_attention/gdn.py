@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagefold.layers.state_capture import Capture, capture_layout, check_capture, seq_of
+from pagefold.layers.state_capture import Capture, check_capture, seq_of
 
 __all__ = ["GDN_KERNELS", "gdn_chunked", "gdn_naive", "gdn_recurrent", "l2norm"]
 
@@ -253,8 +253,7 @@ def gdn_recurrent(
 
 
 def _chunk_layout(
-    cu: torch.Tensor, total: int, chunk_size: int, shift: torch.Tensor | None = None,
-    vlens: list[int] | None = None,
+    cu: torch.Tensor, total: int, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]:
     """Place every token in a padded buffer of chunks laid out step-major.
 
@@ -264,14 +263,10 @@ def _chunk_layout(
 
     Returns ``(flat_index (T,), order (N,), step_offsets, step_counts, num_chunks)`` where
     ``flat_index[t]`` is token ``t``'s row in the ``(num_chunks * chunk_size)`` padded buffer.
-    With ``shift``/``vlens`` (a :class:`~pagefold.layers.state_capture.CaptureLayout`), token
-    ``t`` sits ``shift[t]`` slots further into its sequence, whose length is ``vlens``.
     """
     device = cu.device
     num_seqs = cu.numel() - 1
     lengths = cu[1:] - cu[:-1]
-    if vlens is not None:
-        lengths = torch.tensor(vlens, dtype=torch.long, device=device)
     n_chunks = (lengths + chunk_size - 1) // chunk_size
     order = torch.argsort(n_chunks, descending=True, stable=True)
     rank = torch.empty_like(order)
@@ -287,8 +282,6 @@ def _chunk_layout(
     tok = torch.arange(total, device=device)
     seg = torch.searchsorted(cu[1:], tok, right=True)
     pos = tok - cu[seg]
-    if shift is not None:
-        pos = pos + shift
     offsets_t = torch.tensor(step_offsets, dtype=torch.long, device=device)
     chunk_id = offsets_t[pos // chunk_size] + rank[seg]
     flat_index = chunk_id * chunk_size + pos % chunk_size
@@ -324,8 +317,11 @@ def gdn_chunked(
 
     Everything except the ``Delta``/``O``/``S_C`` lines is computed for all chunks of all
     sequences at once; the scan over chunk steps then runs batched across sequences
-    (``max_chunks`` Python iterations, none over tokens). Captures pad their sequence so the
-    captured boundary ends a chunk (:func:`~pagefold.layers.state_capture.capture_layout`).
+    (``max_chunks`` Python iterations, none over tokens). Captures never change the chunking
+    (outputs and final states are bitwise those of the call without them): one at the last
+    real token of a chunk is that chunk's exit state; one after row ``l`` inside a chunk is
+    the exit-state line with the chunk cut there, ``exp(G_l) S0 + (K_{<=l} *
+    exp(G_l - G))^T Delta_{<=l}``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -337,15 +333,21 @@ def gdn_chunked(
     device = v.device
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     cap = check_capture(capture, total, tuple(state0.shape[1:]))
-    lay = capture_layout(cu.tolist(), cap[0], chunk_size, device) if cap else None
-    flat, order, step_offsets, step_counts, num_chunks = _chunk_layout(
-        cu, total, chunk_size, lay.shift if lay else None, lay.vlens if lay else None)
-    at: dict[int, list[tuple[int, int]]] = {}  # scan step -> (capture, rank in sorted order)
-    if lay:
-        rank = {s: r for r, s in enumerate(order.tolist())}
-        for m, (s, j) in enumerate(lay.chunk_of):
-            at.setdefault(j, []).append((m, rank[s]))
+    flat, order, step_offsets, step_counts, num_chunks = _chunk_layout(cu, total, chunk_size)
     c = chunk_size
+    # Scan step -> captures: ``at_end`` (capture, rank) at the last real token of their chunk
+    # (the chunk's exit state, copied); ``at`` (capture, rank, row) inside a chunk (computed
+    # from the chunk's entry state, see below).
+    at: dict[int, list[tuple[int, int, int]]] = {}
+    at_end: dict[int, list[tuple[int, int]]] = {}
+    if cap:
+        cu_l = cu.tolist()
+        rank = {s: r for r, s in enumerate(order.tolist())}
+        for m, (s, off) in enumerate(seq_of(cu_l, cap[0])):
+            if off % c == c - 1 or off == cu_l[s + 1] - cu_l[s] - 1:
+                at_end.setdefault(off // c, []).append((m, rank[s]))
+            else:
+                at.setdefault(off // c, []).append((m, rank[s], off % c))
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:
         # (T, H, ...) -> zero-padded (M, H, C, ...) in the step-major chunk layout.
@@ -374,6 +376,7 @@ def gdn_chunked(
     q_dec = qc * cum_exp
     k_dec_t = (kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)  # (M,H,Dk,C)
     chunk_decay = cum[..., -1].exp()[..., None, None]  # (M, H, 1, 1)
+    k_rows = kc if at else None  # captures inside a chunk need the raw keys
     del qc, kc, vc, gc, bc, decay, k_beta, kt, system, eye, inv, cum_exp
 
     out = torch.empty(num_chunks, heads, c, dv, dtype=torch.float32, device=device)
@@ -383,9 +386,16 @@ def gdn_chunked(
         s_act = state[:n_act]
         delta = u[sl] - w[sl] @ s_act
         out[sl] = q_dec[sl] @ s_act + attn[sl] @ delta
+        for m, r, row in at.get(j, ()):
+            # The exit-state line with the chunk ending after ``row``: Delta_i depends only on
+            # tokens <= i (the system is lower triangular), so its first rows are the cut's.
+            i, n = off + r, row + 1
+            k_dec = k_rows[i, :, :n] * (cum[i, :, row:n] - cum[i, :, :n]).exp().unsqueeze(-1)
+            cap[1][m] = (s_act[r] * cum[i, :, row].exp()[:, None, None]
+                         + k_dec.transpose(-1, -2) @ delta[r, :, :n])
         new = s_act * chunk_decay[sl] + k_dec_t[sl] @ delta
         state = torch.cat([new, state[n_act:]], dim=0) if n_act < state.shape[0] else new
-        for m, r in at.get(j, ()):
+        for m, r in at_end.get(j, ()):
             cap[1][m] = state[r]
 
     final = torch.empty_like(state)

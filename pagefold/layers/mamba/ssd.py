@@ -45,7 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.state_capture import Capture, capture_layout, check_capture, seq_of
+from pagefold.layers.state_capture import Capture, check_capture, seq_of
 
 __all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent"]
 
@@ -297,6 +297,24 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return seg.masked_fill(~lower, -math.inf)
 
 
+def _capture_row(out: torch.Tensor, h0: torch.Tensor, xc: torch.Tensor, decay_row: torch.Tensor,
+                 acum_row: torch.Tensor, Bc: torch.Tensor, row: int) -> None:
+    """The state after row ``row`` of one sequence's chunk, written into ``out`` (H, P, N).
+
+    h0 (H, P, N) the chunk-start state, xc (H, L, P) ``dt x``, decay_row (H, L) =
+    ``exp(segsum)[:, row, :]`` (zero past ``row``), acum_row (H,) the log-decay from the
+    chunk start through ``row``, Bc (G, L, N). The chunk-end state passing of
+    :func:`ssd_chunked` with row ``row`` for ``L - 1``, summed over the ``row + 1`` tokens
+    that contribute (the rest have zero weight).
+    """
+    H, _, P = xc.shape
+    G, N = Bc.shape[0], Bc.shape[-1]
+    n = row + 1
+    w = (xc[:, :n] * decay_row[:, :n].unsqueeze(-1)).transpose(-1, -2)  # (H, P, n)
+    upd = torch.matmul(w.reshape(G, (H // G) * P, n), Bc[:, :n]).view(H, P, N)
+    out.copy_(h0 * torch.exp(acum_row)[:, None, None] + upd)
+
+
 def ssd_chunked(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -328,6 +346,14 @@ def ssd_chunked(
     Short chunks are padded with dt = 0, x = B = C = 0 tokens, which decay by exp(0) = 1 and add
     nothing, so padding never changes a state. Memory is O(S H P N + active chunks * H L^2);
     the per-chunk states are not all materialised at once.
+
+    Captures never change the chunking (so ``y`` and the final states are bitwise those of the
+    call without them). A capture at the last real token of a chunk is the chunk-end state
+    (bitwise a call cut there, when both chunk alike: same ``L``); one at row ``l`` inside a
+    chunk is computed directly from the chunk-start state,
+    ``exp(acum_l) h_start + sum_{s <= l} exp(segsum[l, s]) dt_s x_s B_s^T`` -- row ``l`` of
+    the decay matrix the state passing uses with row ``L - 1`` (equal to a cut call up to
+    float32 rounding).
     """
     T, H, P, G, N = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     if chunk_size < 1:
@@ -355,8 +381,7 @@ def ssd_chunked(
         return x.new_zeros((T, H, P)), initial_state.float().clone()
     L = min(chunk_size, max_len)
     cap = check_capture(capture, T, (H, P, N))
-    lay = capture_layout([*starts, T], cap[0], L, dev) if cap else None
-    n_chunks = [-(-n // L) for n in (lay.vlens if lay else lens)]
+    n_chunks = [-(-n // L) for n in lens]
     # Sequences with the most chunks first: the ones still running at a chunk position are a
     # prefix, so the carried state is sliced, never scattered.
     order = sorted(range(S), key=lambda s: -n_chunks[s])
@@ -366,20 +391,18 @@ def ssd_chunked(
     s_lens = torch.tensor([lens[s] for s in order], dtype=torch.long, device=dev)
     s_chunks = [n_chunks[s] for s in order]
     offs = torch.arange(L, dtype=torch.long, device=dev)
-    at: dict[int, list[tuple[int, int]]] = {}  # chunk position -> (capture, rank)
-    vidx = None
-    if lay:
-        # Token rows by (rank, virtual position); T (the zero row) fills the padding.
+    # Chunk position -> (capture, rank, row in the chunk); ``at_end``: captures whose token is
+    # the last of its chunk's real ones, which are the chunk-end state itself (copied after the
+    # state passing; the interval targets are multiples of the block size, mostly of L).
+    at: dict[int, list[tuple[int, int, int]]] = {}
+    at_end: dict[int, list[tuple[int, int]]] = {}
+    if cap:
         rank = {s: r for r, s in enumerate(order)}
-        for m, (s, j) in enumerate(lay.chunk_of):
-            at.setdefault(j, []).append((m, rank[s]))
-        vidx = torch.full((S, s_chunks[0] * L), T, dtype=torch.long, device=dev)
-        tok = torch.arange(T, dtype=torch.long, device=dev)
-        cu_t = torch.tensor([*starts, T], dtype=torch.long, device=dev)
-        seg = torch.searchsorted(cu_t[1:], tok, right=True)
-        rank_t = torch.empty(S, dtype=torch.long, device=dev)
-        rank_t[order_t] = torch.arange(S, dtype=torch.long, device=dev)
-        vidx[rank_t[seg], tok - cu_t[seg] + lay.shift] = tok
+        for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
+            if off % L == L - 1 or off == lens[s] - 1:
+                at_end.setdefault(off // L, []).append((m, rank[s]))
+            else:
+                at.setdefault(off // L, []).append((m, rank[s], off % L))
 
     n_active = S
     for j in range(s_chunks[0]):
@@ -387,11 +410,8 @@ def ssd_chunked(
             n_active -= 1
         M = n_active
         pos = j * L + offs  # (L,) offsets of this chunk within each sequence
-        if vidx is not None:
-            idx = vidx[:M, j * L : (j + 1) * L]
-        else:
-            idx = s_starts[:M, None] + pos[None, :]  # (M, L)
-            idx = torch.where(pos[None, :] < s_lens[:M, None], idx, T)
+        idx = s_starts[:M, None] + pos[None, :]  # (M, L)
+        idx = torch.where(pos[None, :] < s_lens[:M, None], idx, T)
 
         xc = xdt[idx].permute(0, 2, 1, 3)  # (M, H, L, P)
         ac = adt[idx].transpose(1, 2)  # (M, H, L)
@@ -417,9 +437,12 @@ def ssd_chunked(
         # State passing: decay[..., L-1, s] is the stable log-decay from token s to chunk end.
         w = (xc * decay[..., L - 1, :].unsqueeze(-1)).transpose(-1, -2)  # (M, H, P, L)
         upd = torch.matmul(w.reshape(M, G, Hg * P, L), Bc).view(M, H, P, N)
+        for m, r, row in at.get(j, ()):  # from the chunk-start state, before it moves on
+            _capture_row(cap[1][m], state[r], xc[r], decay[r, :, row], acum[r, :, row], Bc[r],
+                         row)
         chunk_decay = torch.exp(acum[..., -1])  # (M, H)
         state[:M] = state[:M] * chunk_decay[:, :, None, None] + upd
-        for m, r in at.get(j, ()):
+        for m, r in at_end.get(j, ()):
             cap[1][m] = state[r]
 
         out[idx.reshape(-1)] = y.permute(0, 2, 1, 3).reshape(M * L, H, P)

@@ -23,7 +23,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1.0, 1, None), "it only applies to beam search"),
     "spaces_between_special_tokens": (
         (True, None), "special tokens are always joined as the tokenizer decodes them"),
-    "return_tokens_as_token_ids": ((False, None), "not implemented"),
     "watermarking": ((False, None), "no watermarking"),
     "logprob_token_ids": ((None, []), "not implemented; use logprobs / top_logprobs"),
     "routed_experts_prompt_start": ((0, None), "no expert routing export"),
@@ -42,6 +41,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "mm_processor_kwargs": ((None, {}), "no multimodal input"),
     "prompt_embeds": ((None, [], b""), "prompt embeddings are not supported"),
     "suffix": ((None, ""), "fill-in-the-middle is not supported"),
+    "prompt_logprobs_temperature": ((None, 1.0, 1), "prompt logprobs are always taken at "
+                                                    "temperature 1"),
     "guided_whitespace_pattern": ((None,), "the xgrammar backend takes no whitespace pattern"),
 }
 

@@ -196,6 +196,7 @@ class SamplingRequest(_Lenient):
     stream_interval: Any = None
     thinking_token_budget: Any = None
     logits_processors: Any = None
+    prompt_logprobs_temperature: Any = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -237,6 +238,8 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
+    # vLLM's token-in chat: these ids are the prompt (messages must then be empty).
+    prompt_token_ids: list[int] | None = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
 

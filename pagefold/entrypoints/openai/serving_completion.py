@@ -32,7 +32,7 @@ from starlette.responses import Response
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
 from pagefold.entrypoints.openai.fields import refuse_unsupported, structured_outputs
 from pagefold.entrypoints.openai.memory import json_response
-from pagefold.entrypoints.openai.options import ServeOptions, log_request
+from pagefold.entrypoints.openai.options import ServeOptions, log_request, stream_usage
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -139,7 +139,18 @@ def _clamp(lp: float) -> float:
 
 def ranked(entry: dict[int, Logprob], n: int) -> list[Logprob]:
     """The ``n`` most likely of a position's logprob entries, best first."""
-    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
+    return [lp for _, lp in ranked_ids(entry, n)]
+
+
+def ranked_ids(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """:func:`ranked` with each entry's token id."""
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:n]
+
+
+def token_name(tid: int, text: str | None, as_ids: bool) -> str:
+    """How a logprobs entry names its token: the text, or ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``, for tokens whose text is not unique or not valid UTF-8)."""
+    return f"token_id:{tid}" if as_ids else (text or "")
 
 
 class OpenAIServing:
@@ -219,7 +230,7 @@ class OpenAIServing:
                 f"{max_tokens_param}.", max_tokens_param, code="context_length_exceeded")
         max_tokens = self.bound_output(req, max_tokens, room, logprobs, max_tokens_param,
                                        logprobs_param)
-        stop_ids = list(req.stop_token_ids or [])
+        stop_ids = self._token_ids(list(req.stop_token_ids or []), "stop_token_ids") or []
         if self.extra_eos_ids and not req.ignore_eos:
             stop_ids = sorted(set(stop_ids) | set(self.extra_eos_ids))
         d = self.defaults
@@ -276,6 +287,12 @@ class OpenAIServing:
         if bad:
             raise bad_request(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
         return ids
+
+    def as_token_ids(self, req: SamplingRequest) -> bool:
+        """Whether logprobs name tokens ``token_id:N`` (the request, else the server flag)."""
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids
 
     def _check_logprobs(self, sp: SamplingParams) -> None:
         """``prompt_logprobs`` within ``--max-logprobs`` (``logprobs`` is bounded with the
@@ -513,29 +530,34 @@ class OpenAIServingCompletion(OpenAIServing):
         return text if text is not None else self.tokenizer.decode(ids)
 
     def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int,
-                  offset: int) -> dict:
+                  offset: int, as_ids: bool = False) -> dict:
+        """Completions logprobs of output tokens ``t0:t1``; text offsets count characters
+        of the text even when tokens are named by id (``as_ids``)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
             lp = entry[tid]
             s = lp.decoded_token or ""
-            tokens.append(s)
+            name = token_name(tid, s, as_ids)
+            tokens.append(name)
             token_lps.append(_clamp(lp.logprob))
             offsets.append(offset)
             offset += len(s)
-            top = {(x.decoded_token or ""): _clamp(x.logprob) for x in ranked(entry, num)}
-            top.setdefault(s, _clamp(lp.logprob))
+            top = {token_name(t, x.decoded_token, as_ids): _clamp(x.logprob)
+                   for t, x in ranked_ids(entry, num)}
+            top.setdefault(name, _clamp(lp.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _echo_logprobs(self, out: RequestOutput, num: int, after: dict | None) -> dict:
+    def _echo_logprobs(self, out: RequestOutput, num: int, after: dict | None,
+                       as_ids: bool = False) -> dict:
         """Completions logprobs of the prompt (first token: None, as OpenAI), then ``after``
         (the output's, whose text offsets already start after the prompt)."""
         tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
         entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         for tid, entry in zip(out.prompt_token_ids, entries):
             s = self.tokenizer.decode([tid])
-            tokens.append(s)
+            tokens.append(token_name(tid, s, as_ids))
             offsets.append(offset)
             offset += len(s)
             if entry is None:
@@ -544,8 +566,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             lp = entry[tid]
             token_lps.append(_clamp(lp.logprob))
-            top = {(x.decoded_token or ""): _clamp(x.logprob) for x in ranked(entry, num)}
-            top.setdefault(s, _clamp(lp.logprob))
+            top = {token_name(t, x.decoded_token, as_ids): _clamp(x.logprob)
+                   for t, x in ranked_ids(entry, num)}
+            top.setdefault(tokens[-1], _clamp(lp.logprob))
             tops.append(top)
         after = after or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                           "text_offset": []}
@@ -557,17 +580,20 @@ class OpenAIServingCompletion(OpenAIServing):
     def _response(self, req: CompletionRequest, rid: str, created: int,
                   prompts: list, n: int, finals: list[RequestOutput]) -> dict:
         choices, n_prompt, n_cached = [], 0, 0
+        as_ids = self.as_token_ids(req)
         for i, ((text, ids), out) in enumerate(zip(prompts, finals)):
             prefix = self._prompt_text(text, ids) if req.echo else ""
             for index, comp in choice_outputs(out, n, i):
                 lps = None
                 if req.logprobs is not None:
                     lps = self._logprobs(comp, 0, len(comp.token_ids), req.logprobs,
-                                         len(prefix))
+                                         len(prefix), as_ids)
                     if req.echo:
-                        lps = self._echo_logprobs(out, req.logprobs, lps)
+                        lps = self._echo_logprobs(out, req.logprobs, lps, as_ids)
+                # vLLM's choice always has these keys (null unless asked for).
                 choice = {"index": index, "text": prefix + comp.text, "logprobs": lps,
-                          "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+                          "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                          "prompt_logprobs": None, "token_ids": None, "prompt_token_ids": None}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 if req.return_token_ids:
@@ -584,8 +610,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, rid: str, created: int, prompts: list,
                       params: list[SamplingParams], first: tuple[int, RequestOutput],
                       stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage, continuous = stream_usage(self.options, req.stream_options)
+        as_ids = self.as_token_ids(req)
         n = params[0].n
         cursors: dict[int, StreamCursor] = {}
         finals: dict[int, RequestOutput] = {}
@@ -597,6 +623,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if cur.finished:
                 return None  # this sample ended earlier; its siblings go on
             prefix = ""
+            first_of_choice = not cur.started
             if not cur.started and req.echo:
                 prefix = self._prompt_text(*prompts[i])
                 cur.offset = len(prefix)
@@ -606,13 +633,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 return None
             lps = None
             if req.logprobs is not None:
-                lps = self._logprobs(comp, t0, t1, req.logprobs, cur.offset)
+                lps = self._logprobs(comp, t0, t1, req.logprobs, cur.offset, as_ids)
                 if prefix:
-                    lps = self._echo_logprobs(out_of[i], req.logprobs, lps)
+                    lps = self._echo_logprobs(out_of[i], req.logprobs, lps, as_ids)
             cur.offset += len(delta)
-            data = dict(head, choices=[{
-                "index": index, "text": prefix + delta, "logprobs": lps,
-                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}])
+            choice = {"index": index, "text": prefix + delta, "logprobs": lps,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if req.return_token_ids:
+                # Each chunk: the ids it adds; a choice's first chunk: the prompt's too.
+                choice["token_ids"] = list(comp.token_ids[t0:t1])
+                if first_of_choice:
+                    choice["prompt_token_ids"] = list(out_of[i].prompt_token_ids)
+            data = dict(head, choices=[choice])
             if continuous:
                 data["usage"] = usage(len(prompts[i][1]), t1, 0)
             elif include_usage:

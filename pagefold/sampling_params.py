@@ -64,6 +64,8 @@ class SamplingParams:
         min_tokens: EOS and ``stop_token_ids`` are banned until this many tokens are produced.
         logprobs: number of top logprobs returned per output token (plus the sampled one).
         prompt_logprobs: number of top logprobs returned per prompt token.
+        prompt_logprobs_temperature: the prompt logprobs are of ``softmax(logits / t)``
+            (``> 0``; 1 = the raw distribution), as vLLM's field.
         skip_special_tokens: drop special tokens from the detokenized text.
         detokenize: produce text at all (token ids only when False).
         structured_outputs: constrain the output (JSON schema, regex, choice, grammar); see
@@ -96,6 +98,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_temperature: float = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -188,6 +191,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        t = self.prompt_logprobs_temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+            raise ValueError(f"prompt_logprobs_temperature must be a number > 0, got {t!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             self._check_int(name, value, allow_none=True)

@@ -494,7 +494,7 @@ ALWAYS_REFUSED = {"use_beam_search", "watermarking", "length_penalty",
                   "vllm_xargs", "repetition_detection", "stream_interval",
                   "thinking_token_budget", "media_io_kwargs", "mm_processor_kwargs",
                   "return_prompt_text", "suffix", "prompt_embeds", "logits_processors",
-                  "guided_whitespace_pattern", "prompt_logprobs_temperature"}
+                  "guided_whitespace_pattern"}
 
 
 def _declared(model) -> set[str]:

@@ -71,6 +71,10 @@ def test_tokenizer_info(server):
     info = r.json()
     assert info["tokenizer_class"] and isinstance(info["tokenizer_class"], str)
     assert all(not k.endswith("_file") for k in info)
+    assert all(isinstance(info[k], str) for k in ("eos_token", "pad_token") if info.get(k))
+    added = info["added_tokens_decoder"]
+    assert added and all(isinstance(t["content"], str) and isinstance(t["special"], bool)
+                         for t in added.values())
 
 
 def test_force_include_usage_every_chunk(client):
@@ -181,3 +185,36 @@ def test_vllm_metric_families(client, server):
         after["vllm:request_decode_time_seconds_sum"]) > 0
     assert any(k.startswith("vllm:cache_config_info") for k in after)
     assert "vllm:gpu_prefix_cache_queries_total" in after
+
+
+def test_prompt_logprobs_temperature(client, server):
+    seed = [5, 6, 7, 8, 9]
+    top = client.completions.create(model=MODEL, prompt=seed, max_tokens=1, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    prompt = seed + top.choices[0].token_ids  # its last token is the argmax there
+
+    def last(**extra) -> dict:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                      extra_body={"prompt_logprobs": 0, **extra})
+        return r.choices[0].prompt_logprobs[-1][str(prompt[-1])]
+
+    low, one, high = (last(prompt_logprobs_temperature=t) for t in (0.1, 1.0, 5.0))
+    assert low["logprob"] > one["logprob"] > high["logprob"]
+    assert one == last()  # 1 is the raw distribution
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                        "prompt_logprobs": 0,
+                                        "prompt_logprobs_temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == (
+        "prompt_logprobs_temperature"), r.text
+
+
+def test_tokenize_special_tokens_defaults():
+    """vLLM's defaults: a prompt gets the tokenizer's special tokens (BOS), messages do not
+    (the chat template writes them), so /tokenize of messages gives chat completion's ids."""
+    from pagefold.entrypoints.openai.protocol import TokenizeRequest
+
+    msgs = [{"role": "user", "content": "x"}]
+    assert TokenizeRequest(prompt="x").special_tokens() is True
+    assert TokenizeRequest(messages=msgs).special_tokens() is False
+    assert TokenizeRequest(messages=msgs, add_special_tokens=True).special_tokens() is True
+    assert TokenizeRequest(prompt="x", add_special_tokens=False).special_tokens() is False

@@ -312,6 +312,9 @@ class ModelRunner:
                 rows = torch.arange(offset + first - start, offset + end - start,
                                     device=hidden.device)
                 logits = self.model.compute_logits(hidden[rows]).float()
+                t = r.sampling_params.prompt_logprobs_temperature
+                if t != 1.0:
+                    logits = logits / t
                 targets = torch.tensor(r.token_ids[first + 1:end + 1], dtype=torch.int64,
                                        device=logits.device)
                 ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=1), targets, k)

@@ -41,8 +41,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "mm_processor_kwargs": ((None, {}), "no multimodal input"),
     "prompt_embeds": ((None, [], b""), "prompt embeddings are not supported"),
     "suffix": ((None, ""), "fill-in-the-middle is not supported"),
-    "prompt_logprobs_temperature": ((None, 1.0, 1), "prompt logprobs are always taken at "
-                                                    "temperature 1"),
     "guided_whitespace_pattern": ((None,), "the xgrammar backend takes no whitespace pattern"),
 }
 

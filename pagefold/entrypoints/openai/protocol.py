@@ -171,6 +171,7 @@ class SamplingRequest(_Lenient):
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_temperature: float | None = None
     add_special_tokens: bool | None = None
     request_id: str | None = None
     session_id: str | None = None
@@ -196,7 +197,6 @@ class SamplingRequest(_Lenient):
     stream_interval: Any = None
     thinking_token_budget: Any = None
     logits_processors: Any = None
-    prompt_logprobs_temperature: Any = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -248,12 +248,20 @@ class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: True for a prompt, False for messages (the chat template writes the special
+    # tokens; vLLM's defaults, so /tokenize of messages gives the ids chat completion uses).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: as asked, else for a prompt only."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
 
 class DetokenizeRequest(_Lenient):

@@ -271,13 +271,14 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = await tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await tokens.encode(req.prompt, add_special_tokens=req.special_tokens())
         else:
             add_gen = req.add_generation_prompt and not req.continue_final_message
             _, ids = await state.chat.render_async(
                 req.messages, add_generation_prompt=add_gen,
                 continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
+                add_special_tokens=req.special_tokens())
         out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids,
                "token_strs": None}
         if req.return_token_strs:
@@ -311,13 +312,17 @@ def describe_tokenizer(tokenizer) -> dict:
             return {str(k): plain(x) for k, x in v.items()}
         if isinstance(v, list | tuple):
             return [plain(x) for x in v]
-        content = getattr(v, "content", None)  # AddedToken
-        if isinstance(content, str):
-            return {"content": content, "special": bool(getattr(v, "special", False))}
-        return str(v)
+        content = getattr(v, "content", None)  # AddedToken: its text, as vLLM
+        return content if isinstance(content, str) else str(v)
+
+    def added(v) -> dict:
+        return {"content": str(getattr(v, "content", v)),
+                "special": bool(getattr(v, "special", False))}
 
     info = {k: plain(v) for k, v in getattr(tokenizer, "init_kwargs", {}).items()
-            if not k.endswith("_file") and k != "name_or_path"}
+            if not k.endswith("_file") and k not in ("name_or_path", "added_tokens_decoder")}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    info["added_tokens_decoder"] = {str(i): added(t) for i, t in decoder.items()}
     info["tokenizer_class"] = type(tokenizer).__name__
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):

@@ -253,6 +253,8 @@ class OpenAIServing:
             structured_outputs=constraint, logit_bias=self._logit_bias(req.logit_bias),
             allowed_token_ids=self._token_ids(req.allowed_token_ids, "allowed_token_ids"),
             bad_words=req.bad_words or None, prompt_logprobs=req.prompt_logprobs)
+        if req.prompt_logprobs_temperature is not None:
+            kw["prompt_logprobs_temperature"] = req.prompt_logprobs_temperature
         try:
             sp = SamplingParams(**kw)
             sp.update_from_tokenizer(self.tokenizer)

@@ -31,6 +31,12 @@ from pagefold.entrypoints.openai.chat_parsing import (
     tool_start_marker,
 )
 from pagefold.entrypoints.openai.fields import refuse_unsupported
+from pagefold.entrypoints.openai.logprobs import (
+    _clamp,
+    prompt_logprobs_json,
+    ranked_ids,
+    token_name,
+)
 from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.options import stream_usage
 from pagefold.entrypoints.openai.protocol import (
@@ -45,11 +51,7 @@ from pagefold.entrypoints.openai.protocol import (
 from pagefold.entrypoints.openai.serving_completion import (
     OpenAIServing,
     StreamCursor,
-    _clamp,
     completion_tokens,
-    prompt_logprobs_json,
-    ranked_ids,
-    token_name,
 )
 from pagefold.entrypoints.openai.tool_prompt import template_takes_tools, with_tools_fallback
 from pagefold.entrypoints.openai.tool_stream import ToolCallStream

@@ -31,6 +31,11 @@ from starlette.responses import Response
 
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
 from pagefold.entrypoints.openai.fields import refuse_unsupported, structured_outputs
+from pagefold.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_json,
+)
 from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.options import ServeOptions, log_request, stream_usage
 from pagefold.entrypoints.openai.protocol import (
@@ -46,12 +51,10 @@ from pagefold.entrypoints.openai.protocol import (
     usage,
 )
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
-from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
+from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 T = TypeVar("T")
-# Logprobs of -inf do not survive JSON; report them as this (as vLLM does).
-_MIN_LOGPROB = -9999.0
 # Most samples one prompt may ask for (n and best_of): each is a running engine request.
 MAX_SAMPLES = 128
 # Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
@@ -131,26 +134,6 @@ def engine_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     raise e
-
-
-def _clamp(lp: float) -> float:
-    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def ranked(entry: dict[int, Logprob], n: int) -> list[Logprob]:
-    """The ``n`` most likely of a position's logprob entries, best first."""
-    return [lp for _, lp in ranked_ids(entry, n)]
-
-
-def ranked_ids(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
-    """:func:`ranked` with each entry's token id."""
-    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:n]
-
-
-def token_name(tid: int, text: str | None, as_ids: bool) -> str:
-    """How a logprobs entry names its token: the text, or ``token_id:N`` (vLLM's
-    ``return_tokens_as_token_ids``, for tokens whose text is not unique or not valid UTF-8)."""
-    return f"token_id:{tid}" if as_ids else (text or "")
 
 
 class OpenAIServing:
@@ -447,16 +430,6 @@ class StreamCursor:
         return delta, t0, self.tokens
 
 
-def prompt_logprobs_json(out: RequestOutput) -> list | None:
-    """vLLM's ``prompt_logprobs`` field: per prompt token None or {id: {logprob, rank,
-    decoded_token}}."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if e is None else {
-        str(t): {"logprob": _clamp(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
-        for t, x in e.items()} for e in out.prompt_logprobs]
-
-
 def choice_outputs(out: RequestOutput, n: int, prompt_index: int = 0
                    ) -> list[tuple[int, CompletionOutput]]:
     """``(choice index, output)`` of every sample of one prompt's output."""
@@ -531,54 +504,6 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
 
-    def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int,
-                  offset: int, as_ids: bool = False) -> dict:
-        """Completions logprobs of output tokens ``t0:t1``; text offsets count characters
-        of the text even when tokens are named by id (``as_ids``)."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
-            lp = entry[tid]
-            s = lp.decoded_token or ""
-            name = token_name(tid, s, as_ids)
-            tokens.append(name)
-            token_lps.append(_clamp(lp.logprob))
-            offsets.append(offset)
-            offset += len(s)
-            top = {token_name(t, x.decoded_token, as_ids): _clamp(x.logprob)
-                   for t, x in ranked_ids(entry, num)}
-            top.setdefault(name, _clamp(lp.logprob))
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
-
-    def _echo_logprobs(self, out: RequestOutput, num: int, after: dict | None,
-                       as_ids: bool = False) -> dict:
-        """Completions logprobs of the prompt (first token: None, as OpenAI), then ``after``
-        (the output's, whose text offsets already start after the prompt)."""
-        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        for tid, entry in zip(out.prompt_token_ids, entries):
-            s = self.tokenizer.decode([tid])
-            tokens.append(token_name(tid, s, as_ids))
-            offsets.append(offset)
-            offset += len(s)
-            if entry is None:
-                token_lps.append(None)
-                tops.append(None)
-                continue
-            lp = entry[tid]
-            token_lps.append(_clamp(lp.logprob))
-            top = {token_name(t, x.decoded_token, as_ids): _clamp(x.logprob)
-                   for t, x in ranked_ids(entry, num)}
-            top.setdefault(tokens[-1], _clamp(lp.logprob))
-            tops.append(top)
-        after = after or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                          "text_offset": []}
-        return {"tokens": tokens + after["tokens"],
-                "token_logprobs": token_lps + after["token_logprobs"],
-                "top_logprobs": tops + after["top_logprobs"],
-                "text_offset": offsets + after["text_offset"]}
-
     def _response(self, req: CompletionRequest, rid: str, created: int,
                   prompts: list, n: int, finals: list[RequestOutput]) -> dict:
         choices, n_prompt, n_cached = [], 0, 0
@@ -588,10 +513,10 @@ class OpenAIServingCompletion(OpenAIServing):
             for index, comp in choice_outputs(out, n, i):
                 lps = None
                 if req.logprobs is not None:
-                    lps = self._logprobs(comp, 0, len(comp.token_ids), req.logprobs,
+                    lps = completion_logprobs(comp, 0, len(comp.token_ids), req.logprobs,
                                          len(prefix), as_ids)
                     if req.echo:
-                        lps = self._echo_logprobs(out, req.logprobs, lps, as_ids)
+                        lps = echo_logprobs(self.tokenizer, out, req.logprobs, lps, as_ids)
                 # vLLM's choice always has these keys (null unless asked for).
                 choice = {"index": index, "text": prefix + comp.text, "logprobs": lps,
                           "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
@@ -635,9 +560,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 return None
             lps = None
             if req.logprobs is not None:
-                lps = self._logprobs(comp, t0, t1, req.logprobs, cur.offset, as_ids)
+                lps = completion_logprobs(comp, t0, t1, req.logprobs, cur.offset, as_ids)
                 if prefix:
-                    lps = self._echo_logprobs(out_of[i], req.logprobs, lps, as_ids)
+                    lps = echo_logprobs(self.tokenizer, out_of[i], req.logprobs, lps, as_ids)
             cur.offset += len(delta)
             choice = {"index": index, "text": prefix + delta, "logprobs": lps,
                       "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}

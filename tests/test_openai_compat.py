@@ -488,7 +488,7 @@ COMPLETION_FIELDS = {
     "prompt_embeds": "AAAA",
 }
 ALWAYS_REFUSED = {"use_beam_search", "watermarking", "length_penalty",
-                  "spaces_between_special_tokens", "logprob_token_ids",
+                  "spaces_between_special_tokens",
                   "routed_experts_prompt_start", "return_token_offsets", "mm_payload",
                   "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",
                   "vllm_xargs", "repetition_detection", "stream_interval",

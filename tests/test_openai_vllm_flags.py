@@ -218,3 +218,36 @@ def test_tokenize_special_tokens_defaults():
     assert TokenizeRequest(messages=msgs).special_tokens() is False
     assert TokenizeRequest(messages=msgs, add_special_tokens=True).special_tokens() is True
     assert TokenizeRequest(prompt="x", add_special_tokens=False).special_tokens() is False
+
+
+def test_logprob_token_ids(client, server):
+    """The logprobs of the asked ids (plus the sampled token) instead of the top-k, equal to
+    their logprobs in a full top-k listing."""
+    asked, forced = [30, 7, 19], 42
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+              temperature=0, logprobs=True)
+    r = client.chat.completions.create(top_logprobs=2, extra_body={
+        "logprob_token_ids": asked, "allowed_token_ids": [forced]}, **kw)
+    pos = r.choices[0].logprobs.content[0]
+    assert pos.token == f"token_id:{forced}"
+    got = {int(e.token.removeprefix("token_id:")): e.logprob for e in pos.top_logprobs}
+    assert set(got) == {*asked, forced}
+    full = client.chat.completions.create(top_logprobs=20, extra_body={
+        "allowed_token_ids": [forced]}, **kw).choices[0].logprobs.content[0].top_logprobs
+    ref = {int(e.token.removeprefix("token_id:")): e.logprob for e in full}
+    for t in set(got) & set(ref):
+        assert abs(got[t] - ref[t]) < 1e-4, t
+    stream = client.chat.completions.create(stream=True, extra_body={
+        "logprob_token_ids": [5], "allowed_token_ids": [forced]}, **kw)
+    seen = {e.token for c in stream if c.choices and c.choices[0].logprobs
+            for p in c.choices[0].logprobs.content for e in p.top_logprobs}
+    assert seen == {"token_id:5", f"token_id:{forced}"}
+    comp = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=0,
+                                     extra_body={"logprob_token_ids": [5, 6]})
+    assert all({f"token_id:{t}" for t in (5, 6)} <= set(top)
+               for top in comp.choices[0].logprobs.top_logprobs)
+    for body, param in (({"logprob_token_ids": [5]}, "logprob_token_ids"),  # no logprobs
+                        ({"logprob_token_ids": [10**7], "logprobs": 1}, "logprob_token_ids")):
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                            **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -24,7 +24,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "spaces_between_special_tokens": (
         (True, None), "special tokens are always joined as the tokenizer decodes them"),
     "watermarking": ((False, None), "no watermarking"),
-    "logprob_token_ids": ((None, []), "not implemented; use logprobs / top_logprobs"),
     "routed_experts_prompt_start": ((0, None), "no expert routing export"),
     "return_token_offsets": ((False, None), "not implemented"),
     "return_prompt_text": ((False, None), "not implemented"),

@@ -172,6 +172,8 @@ class SamplingRequest(_Lenient):
     truncation_side: str | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_temperature: float | None = None
+    # Logprobs of these ids (and the sampled one) instead of the top-k; needs logprobs.
+    logprob_token_ids: list[int] | None = None
     add_special_tokens: bool | None = None
     request_id: str | None = None
     session_id: str | None = None
@@ -184,7 +186,6 @@ class SamplingRequest(_Lenient):
     cache_salt: str | None = None
     # vLLM extras refused unless neutral (fields.py says why)
     watermarking: Any = None
-    logprob_token_ids: Any = None
     routed_experts_prompt_start: Any = None
     return_token_offsets: Any = None
     return_prompt_text: Any = None

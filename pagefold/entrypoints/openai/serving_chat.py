@@ -292,8 +292,8 @@ class OpenAIServingChat(OpenAIServing):
         for comp in out.outputs:
             lps = None
             if req.logprobs:
-                lps = self._logprobs(comp, 0, len(comp.token_ids), req.top_logprobs or 0,
-                                     as_ids)
+                lps = self._logprobs(comp, 0, len(comp.token_ids),
+                                     self.shown_logprobs(req, req.top_logprobs or 0), as_ids)
             msg, called = self._message(req, comp.text, mode)
             if echo and msg["content"] is not None:
                 msg["content"] = echo + msg["content"]
@@ -365,7 +365,8 @@ class OpenAIServingChat(OpenAIServing):
                     if cur.finished:
                         continue  # this choice ended earlier; its siblings go on
                     delta_text, t0, t1 = cur.advance(comp, params.stop)
-                    lps = (self._logprobs(comp, t0, t1, req.top_logprobs or 0, as_ids)
+                    lps = (self._logprobs(comp, t0, t1,
+                                          self.shown_logprobs(req, req.top_logprobs or 0), as_ids)
                            if req.logprobs else None)
                     deltas, called = views[comp.index].feed(delta_text, cur.finished)
                     n_tok = len(comp.token_ids)

@@ -57,6 +57,8 @@ from pagefold.sampling_params import SamplingParams
 T = TypeVar("T")
 # Most samples one prompt may ask for (n and best_of): each is a running engine request.
 MAX_SAMPLES = 128
+# "Every entry" for logprobs display (logprob_token_ids).
+MAX_SHOWN = 1 << 30
 # Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
 DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
 
@@ -238,6 +240,12 @@ class OpenAIServing:
             bad_words=req.bad_words or None, prompt_logprobs=req.prompt_logprobs)
         if req.prompt_logprobs_temperature is not None:
             kw["prompt_logprobs_temperature"] = req.prompt_logprobs_temperature
+        if req.logprob_token_ids is not None:
+            if logprobs is None:
+                raise bad_request(f"logprob_token_ids needs {logprobs_param} (the ids' logprobs "
+                                  "are returned in its place)", "logprob_token_ids")
+            kw["logprob_token_ids"] = self._token_ids(req.logprob_token_ids,
+                                                      "logprob_token_ids")
         try:
             sp = SamplingParams(**kw)
             sp.update_from_tokenizer(self.tokenizer)
@@ -272,6 +280,12 @@ class OpenAIServing:
         if bad:
             raise bad_request(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
         return ids
+
+    @staticmethod
+    def shown_logprobs(req: SamplingRequest, num: int) -> int:
+        """Entries shown per token: the top ``num``, or every one with ``logprob_token_ids``
+        (the asked ids and the sampled token)."""
+        return MAX_SHOWN if req.logprob_token_ids else num
 
     def as_token_ids(self, req: SamplingRequest) -> bool:
         """Whether logprobs name tokens ``token_id:N`` (the request, else the server flag)."""
@@ -513,8 +527,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for index, comp in choice_outputs(out, n, i):
                 lps = None
                 if req.logprobs is not None:
-                    lps = completion_logprobs(comp, 0, len(comp.token_ids), req.logprobs,
-                                         len(prefix), as_ids)
+                    lps = completion_logprobs(comp, 0, len(comp.token_ids),
+                                              self.shown_logprobs(req, req.logprobs),
+                                              len(prefix), as_ids)
                     if req.echo:
                         lps = echo_logprobs(self.tokenizer, out, req.logprobs, lps, as_ids)
                 # vLLM's choice always has these keys (null unless asked for).
@@ -560,7 +575,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 return None
             lps = None
             if req.logprobs is not None:
-                lps = completion_logprobs(comp, t0, t1, req.logprobs, cur.offset, as_ids)
+                lps = completion_logprobs(comp, t0, t1, self.shown_logprobs(req, req.logprobs),
+                                          cur.offset, as_ids)
                 if prefix:
                     lps = echo_logprobs(self.tokenizer, out_of[i], req.logprobs, lps, as_ids)
             cur.offset += len(delta)

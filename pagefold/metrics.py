@@ -43,6 +43,8 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 60.0, 120.0, 240.0, 480.0)
 
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_STEP_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -138,6 +140,31 @@ class ServerMetrics:
             "pagefold:request_generation_tokens",
             "Generated tokens per finished request (all its samples).", m,
             buckets=_TOKEN_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            "pagefold:iteration_tokens_total",
+            "Tokens per engine step with outputs: generated tokens plus the prompts whose "
+            "prefill completed in it.", m, buckets=_STEP_BUCKETS, registry=r)
+        self.request_params_n = Histogram("pagefold:request_params_n",
+                                          "The n sampling parameter per finished request.", m,
+                                          buckets=_N_BUCKETS, registry=r)
+        self.request_params_max_tokens = Histogram(
+            "pagefold:request_params_max_tokens", "max_tokens per finished request.", m,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        # Request phases: arrival -> first scheduled (queue) -> first token (prefill) -> last
+        # token (decode); inference = prefill + decode.
+        self.queue_time = Histogram("pagefold:request_queue_time_seconds",
+                                    "Arrival to first scheduling.", m, buckets=_E2E_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram("pagefold:request_prefill_time_seconds",
+                                      "First scheduling to first token.", m,
+                                      buckets=_E2E_BUCKETS, registry=r)
+        self.decode_time = Histogram("pagefold:request_decode_time_seconds",
+                                     "First token to last token.", m, buckets=_E2E_BUCKETS,
+                                     registry=r)
+        self.inference_time = Histogram("pagefold:request_inference_time_seconds",
+                                        "First scheduling to last token.", m,
+                                        buckets=_E2E_BUCKETS, registry=r)
+        self.cache_config: Gauge | None = None  # set_cache_config (labels known at start)
         self.spec_drafts = Counter("pagefold:spec_decode_num_drafts",
                                    "Speculative verify rounds with drafts.", m, registry=r)
         self.spec_draft_tokens = Counter("pagefold:spec_decode_num_draft_tokens",
@@ -239,6 +266,30 @@ class ServerMetrics:
         self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
         self.request_generation_tokens.labels(self.model_name).observe(num_generated)
 
+    def record_iteration(self, num_tokens: int) -> None:
+        self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def record_request_params(self, n: int, max_tokens: int | None) -> None:
+        self.request_params_n.labels(self.model_name).observe(n)
+        if max_tokens is not None:
+            self.request_params_max_tokens.labels(self.model_name).observe(max_tokens)
+
+    def record_phases(self, *, queue_s: float, prefill_s: float, decode_s: float,
+                      inference_s: float) -> None:
+        name = self.model_name
+        self.queue_time.labels(name).observe(queue_s)
+        self.prefill_time.labels(name).observe(prefill_s)
+        self.decode_time.labels(name).observe(decode_s)
+        self.inference_time.labels(name).observe(inference_s)
+
+    def set_cache_config(self, info: dict[str, str]) -> None:
+        """vLLM's ``cache_config_info``: value 1, the cache configuration in its labels."""
+        if self.cache_config is None:
+            self.cache_config = Gauge("pagefold:cache_config_info",
+                                      "Information of the KV cache configuration.",
+                                      sorted(info), registry=self.registry)
+        self.cache_config.labels(**info).set(1)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, each vLLM knows also under its
         ``vllm:`` name (same labels, same values; see :data:`VLLM_NAMES`)."""
@@ -277,12 +328,22 @@ VLLM_NAMES = {
     "pagefold:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "pagefold:request_prompt_tokens": "vllm:request_prompt_tokens",
     "pagefold:request_generation_tokens": "vllm:request_generation_tokens",
+    "pagefold:iteration_tokens_total": "vllm:iteration_tokens_total",
+    "pagefold:request_params_n": "vllm:request_params_n",
+    "pagefold:request_params_max_tokens": "vllm:request_params_max_tokens",
+    "pagefold:request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "pagefold:request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "pagefold:request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "pagefold:request_inference_time_seconds": "vllm:request_inference_time_seconds",
+    "pagefold:cache_config_info": "vllm:cache_config_info",
 }
 # Older vLLM names some dashboards still use (same series again).
 VLLM_LEGACY_NAMES = {
     "pagefold:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
     "pagefold:prefix_cache_hit_rate": "vllm:gpu_prefix_cache_hit_rate",
     "pagefold:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+    "pagefold:prefix_cache_queries": "vllm:gpu_prefix_cache_queries",
+    "pagefold:prefix_cache_hits": "vllm:gpu_prefix_cache_hits",
 }
 
 

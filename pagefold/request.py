@@ -62,6 +62,8 @@ class Request:
     index: int = 0
     # Held by its driver (beam search) between steps: the scheduler skips it.
     paused: bool = False
+    # time.monotonic() when first scheduled (queue time ends, prefill starts); metrics only.
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -64,6 +64,11 @@ class SamplingParams:
         min_tokens: EOS and ``stop_token_ids`` are banned until this many tokens are produced.
         logprobs: number of top logprobs returned per output token (plus the sampled one).
         prompt_logprobs: number of top logprobs returned per prompt token.
+        logprob_token_ids: the logprobs of these token ids (and the sampled one) are
+            returned per output token, instead of the top ``logprobs`` (vLLM's field; their
+            entries rank by position among them).
+        prompt_logprobs_temperature: the prompt logprobs are of ``softmax(logits / t)``
+            (``> 0``; 1 = the raw distribution), as vLLM's field.
         skip_special_tokens: drop special tokens from the detokenized text.
         detokenize: produce text at all (token ids only when False).
         structured_outputs: constrain the output (JSON schema, regex, choice, grammar); see
@@ -96,6 +101,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_temperature: float = 1.0
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -188,6 +195,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        t = self.prompt_logprobs_temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+            raise ValueError(f"prompt_logprobs_temperature must be a number > 0, got {t!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             self._check_int(name, value, allow_none=True)
@@ -210,6 +220,12 @@ class SamplingParams:
                                      f"{k!r}: {v!r}")
                 bias[tid] = max(-100.0, min(100.0, float(v)))
             self.logit_bias = bias or None
+        if self.logprob_token_ids is not None:
+            ids = list(dict.fromkeys(self.logprob_token_ids))  # order kept, repeats dropped
+            if not ids or not all(_is_int(t) and 0 <= t <= TOKEN_ID_MAX for t in ids):
+                raise ValueError("logprob_token_ids must be a non-empty list of token ids >= 0, "
+                                 f"got {self.logprob_token_ids!r}")
+            self.logprob_token_ids = ids
         if self.allowed_token_ids is not None:
             ids = list(self.allowed_token_ids)
             if not ids or not all(_is_int(t) and t >= 0 for t in ids):

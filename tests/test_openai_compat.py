@@ -468,6 +468,7 @@ COMMON_FIELDS = {
     "return_mm_kwargs": True, "cache_salt": "salt", "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"a": 1},
     "stream_interval": 4, "thinking_token_budget": 5, "max_tokens": 3,
+    "prompt_logprobs_temperature": 0.5,
     # older vLLM names
     "guided_json": {"type": "object"}, "guided_regex": "[ab]", "guided_choice": ["a"],
     "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar",
@@ -480,20 +481,20 @@ CHAT_FIELDS = {
     "add_generation_prompt": False, "continue_final_message": True,
     "documents": [{"title": "t", "text": "x"}], "chat_template": TOOLS_TEMPLATE,
     "chat_template_kwargs": {"enable_thinking": False}, "media_io_kwargs": {"a": {}},
-    "mm_processor_kwargs": {"a": 1}, "return_prompt_text": True,
+    "mm_processor_kwargs": {"a": 1}, "return_prompt_text": True, "prompt_token_ids": [5, 6],
 }
 COMPLETION_FIELDS = {
     **COMMON_FIELDS, "echo": True, "logprobs": 2, "suffix": "s", "best_of": 2,
     "prompt_embeds": "AAAA",
 }
 ALWAYS_REFUSED = {"use_beam_search", "watermarking", "length_penalty",
-                  "spaces_between_special_tokens", "logprob_token_ids",
+                  "spaces_between_special_tokens",
                   "routed_experts_prompt_start", "return_token_offsets", "mm_payload",
                   "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",
                   "vllm_xargs", "repetition_detection", "stream_interval",
                   "thinking_token_budget", "media_io_kwargs", "mm_processor_kwargs",
                   "return_prompt_text", "suffix", "prompt_embeds", "logits_processors",
-                  "return_tokens_as_token_ids", "guided_whitespace_pattern"}
+                  "guided_whitespace_pattern"}
 
 
 def _declared(model) -> set[str]:

@@ -140,6 +140,9 @@ class EngineCoreOutput:
     index: int = 0  # the child's index in its family
     # On a request's first output only, when it asked for prompt logprobs.
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # On a request's first output only: time.monotonic() when it was first scheduled (the
+    # clock is system-wide, so the API process times queue vs prefill with it).
+    scheduled_time: float | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections import deque
 
 from pagefold.core.kv_cache_manager import KVCacheManager
@@ -333,6 +334,8 @@ class Scheduler:
                 self.kv.record_admission(req, hit * self.kv.block_size)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = req.num_computed_tokens
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 if n:
@@ -418,6 +421,8 @@ class Scheduler:
                                   parent_id=r.parent_id, index=r.index)
             if tok.prompt_logprobs is not None:
                 eo.prompt_logprobs = tok.prompt_logprobs
+            if len(r.output_token_ids) == 1:
+                eo.scheduled_time = r.first_scheduled_time
             if tok.logprobs is not None:
                 eo.new_logprobs.append(tok.logprobs)
                 r.cumulative_logprob += tok.logprobs[1][0]

@@ -80,6 +80,11 @@ class _Tracked:
     num_prompt_tokens: int
     num_tokens: int = 0
     last_token_time: float | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    # The core's first-scheduling time and the first token's arrival (request phases).
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 class AsyncEngineClient:
@@ -340,26 +345,40 @@ class AsyncEngineClient:
         # Tokens the core generated this round, per family (a child's parent_id is its
         # family's id; counted here because a best_of output drops the children it ranks out).
         new_tokens: dict[str, int] = {}
+        scheduled: dict[str, float] = {}
         for o in msg.outputs:
             fam = o.parent_id or o.request_id
             new_tokens[fam] = new_tokens.get(fam, 0) + len(o.new_token_ids)
+            if o.scheduled_time is not None:
+                scheduled[fam] = min(scheduled.get(fam, o.scheduled_time), o.scheduled_time)
         outs, to_abort = self._processor.process(msg.outputs)
         if to_abort and self.is_alive:
             self._send(AbortRequests(to_abort))  # stop strings: the core stops at once
+        # vLLM's iteration tokens: generated tokens, plus the prompt of each request whose
+        # first token came in this step (its prefill is counted when it completes).
+        step_tokens = 0
         for out in outs:
             t = self._reqs.get(out.request_id)
             if t is None:
                 continue
-            self._record(t, out, new_tokens.get(out.request_id, 0), now)
+            new = new_tokens.get(out.request_id, 0)
+            if new > 0:
+                step_tokens += new + (t.num_prompt_tokens if t.num_tokens == 0 else 0)
+            if t.scheduled_time is None:
+                t.scheduled_time = scheduled.get(out.request_id)
+            self._record(t, out, new, now)
             t.queue.put_nowait(out)
             if out.finished:
                 del self._reqs[out.request_id]
+        if step_tokens and self.metrics is not None:
+            self.metrics.record_iteration(step_tokens)
 
     def _record(self, t: _Tracked, out: RequestOutput, new: int, now: float) -> None:
         """Metrics of one output of a request that made ``new`` tokens (all its children)."""
         m = self.metrics
         if m is not None and new > 0:
             if t.num_tokens == 0:
+                t.first_token_time = now
                 m.record_first_token(now - t.arrival, t.num_prompt_tokens)
                 m.record_tokens(new, None)
             else:
@@ -369,6 +388,14 @@ class AsyncEngineClient:
         if m is not None and out.finished:
             m.record_finished(now - t.arrival, out.outputs[0].finish_reason)
             m.record_request_tokens(t.num_prompt_tokens, t.num_tokens)
+            m.record_request_params(t.n, t.max_tokens)
+            if t.first_token_time is not None:
+                # No scheduling time (a fork's family): no queue, prefill from arrival.
+                start = t.scheduled_time if t.scheduled_time is not None else t.arrival
+                start = min(max(start, t.arrival), t.first_token_time)
+                m.record_phases(queue_s=start - t.arrival,
+                                prefill_s=t.first_token_time - start,
+                                decode_s=now - t.first_token_time, inference_s=now - start)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
@@ -386,7 +413,8 @@ class AsyncEngineClient:
         self.check_alive()
         if request_id in self._reqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        t = _Tracked(asyncio.Queue(), time.monotonic(), len(prompt_token_ids))
+        t = _Tracked(asyncio.Queue(), time.monotonic(), len(prompt_token_ids), n=params.n,
+                     max_tokens=params.max_tokens)
         self._reqs[request_id] = t
         self._processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False

@@ -353,6 +353,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logprob_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logprob_token_ids out of range [0, {vocab}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:

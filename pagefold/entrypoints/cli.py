@@ -119,6 +119,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None,
                    help="split <think>...</think> into reasoning_content: deepseek_r1, qwen3 "
                         "or think")
+    p.add_argument("--enable-force-include-usage", default=False,
+                   action=argparse.BooleanOptionalAction,
+                   help="every streamed chunk carries usage so far and the stream ends with a "
+                        "usage chunk, whatever stream_options say")
+    p.add_argument("--return-tokens-as-token-ids", default=False,
+                   action=argparse.BooleanOptionalAction,
+                   help="logprobs name tokens 'token_id:N' (a request's "
+                        "return_tokens_as_token_ids overrides this)")
+    p.add_argument("--enable-tokenizer-info-endpoint", default=False,
+                   action=argparse.BooleanOptionalAction,
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
+                        "template)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores (each with its own pool and scheduler) behind this "
                         "server; requests go to the least loaded, prefix-aware")

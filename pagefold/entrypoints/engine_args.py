@@ -99,6 +99,17 @@ IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--max-seq-len-to-capture": (True, "no CUDA graphs"),
     "--compilation-config": (True, "no torch.compile here"),
     "-O": (True, "no torch.compile here"),
+    "--enable-chunked-prefill": (False, "prefills are always chunked to fit "
+                                        "--max-num-batched-tokens"),
+    "--no-enable-chunked-prefill": (False, "prefills are always chunked"),
+    "--enable-prompt-tokens-details": (False, "usage.prompt_tokens_details (cached tokens) is "
+                                              "always reported"),
+    "--enable-server-load-tracking": (False, "GET /load always reports the generation "
+                                             "requests in flight"),
+    "--skip-tokenizer-init": (False, "the tokenizer is always loaded (token-id prompts and "
+                                     "return_token_ids work with it too)"),
+    "--show-hidden-metrics-for-version": (True, "no metric is hidden: vLLM's older names are "
+                                                "always exported too"),
 }
 
 

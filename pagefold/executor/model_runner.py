@@ -276,7 +276,14 @@ class ModelRunner:
         for row, r in enumerate(sreqs):
             lp = None
             k = r.sampling_params.logprobs
-            if k is not None and lp_ids is not None:
+            chosen = out.chosen_logprobs.get(row)
+            if chosen is not None:
+                # The sampled token, then the asked ids (best first; each once).
+                pairs = sorted((p for p in zip(r.sampling_params.logprob_token_ids, chosen)
+                                if p[0] != ids[row]), key=lambda p: -p[1])
+                lp = ([ids[row]] + [t for t, _ in pairs], [lps[row][0]] + [v for _, v in pairs],
+                      ranks[row])
+            elif k is not None and lp_ids is not None:
                 lp = (lp_ids[row][: 1 + k], lps[row][: 1 + k], ranks[row])
             result[r.req_id] = SampledToken(ids[row], lp)
             k = r.sampling_params.prompt_logprobs
@@ -312,6 +319,9 @@ class ModelRunner:
                 rows = torch.arange(offset + first - start, offset + end - start,
                                     device=hidden.device)
                 logits = self.model.compute_logits(hidden[rows]).float()
+                t = r.sampling_params.prompt_logprobs_temperature
+                if t != 1.0:
+                    logits = logits / t
                 targets = torch.tensor(r.token_ids[first + 1:end + 1], dtype=torch.int64,
                                        device=logits.device)
                 ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=1), targets, k)

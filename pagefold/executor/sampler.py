@@ -73,6 +73,8 @@ class SamplingMetadata:
         logit_bias: row -> (token ids, values) added to the logits.
         allowed_token_ids: row -> the only token ids that row may sample.
         banned_token_ids: row -> token ids banned this step (bad words).
+        logprob_token_ids: row -> the token ids whose logprobs that row asks for instead of
+            its top-k (``SamplingParams.logprob_token_ids``).
     """
 
     temperature: torch.Tensor
@@ -95,6 +97,7 @@ class SamplingMetadata:
     logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
     banned_token_ids: dict[int, set[int]] = field(default_factory=dict)
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def has_token_controls(self) -> bool:
@@ -152,6 +155,7 @@ class SamplingMetadata:
         stop_ids_to_mask: dict[int, set[int]] = {}
         max_lp: int | None = None
         controls: tuple[dict, dict, dict] = ({}, {}, {})
+        chosen_lp: dict[int, list[int]] = {}
         for i, sp in enumerate(params_list):
             greedy = sp.is_greedy
             n_greedy += greedy
@@ -169,6 +173,9 @@ class SamplingMetadata:
                     stop_ids_to_mask[i] = banned
             if sp.logprobs is not None:
                 max_lp = sp.logprobs if max_lp is None else max(max_lp, sp.logprobs)
+            if sp.logprob_token_ids:
+                chosen_lp[i] = sp.logprob_token_ids
+                max_lp = max_lp or 0  # the raw logprobs are needed
             if sp.uses_token_controls:
                 _token_controls(i, sp, output_ids_list[i], controls)
 
@@ -195,6 +202,7 @@ class SamplingMetadata:
             logit_bias=controls[0],
             allowed_token_ids=controls[1],
             banned_token_ids=controls[2],
+            logprob_token_ids=chosen_lp,
         )
         if any_penalty:
             meta.presence_penalties = f32([sp.presence_penalty for sp in params_list])
@@ -259,12 +267,14 @@ class SamplerOutput:
             tokens of the raw distribution (``k = max_num_logprobs``); ``None`` if not asked.
         logprobs: ``(B, 1 + k)`` float32, the raw logprobs of those tokens.
         ranks: ``(B,)`` int64, rank of the sampled token in the raw distribution (1 = best).
+        chosen_logprobs: row -> raw logprobs of that row's ``logprob_token_ids`` (in order).
     """
 
     sampled_token_ids: torch.Tensor
     logprobs_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
+    chosen_logprobs: dict[int, list[float]] = field(default_factory=dict)
 
 
 def gather_logprobs(
@@ -419,7 +429,10 @@ class Sampler:
             return SamplerOutput(sampled_token_ids=sampled)
         raw_logprobs = torch.log_softmax(raw.float(), dim=1)
         ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled, logprobs_token_ids=ids, logprobs=lps, ranks=ranks)
+        chosen = {row: raw_logprobs[row, torch.tensor(tids, device=raw_logprobs.device)].tolist()
+                  for row, tids in meta.logprob_token_ids.items()}
+        return SamplerOutput(sampled, logprobs_token_ids=ids, logprobs=lps, ranks=ranks,
+                             chosen_logprobs=chosen)
 
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -23,9 +23,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1.0, 1, None), "it only applies to beam search"),
     "spaces_between_special_tokens": (
         (True, None), "special tokens are always joined as the tokenizer decodes them"),
-    "return_tokens_as_token_ids": ((False, None), "not implemented"),
     "watermarking": ((False, None), "no watermarking"),
-    "logprob_token_ids": ((None, []), "not implemented; use logprobs / top_logprobs"),
     "routed_experts_prompt_start": ((0, None), "no expert routing export"),
     "return_token_offsets": ((False, None), "not implemented"),
     "return_prompt_text": ((False, None), "not implemented"),

@@ -26,6 +26,8 @@ from pagefold.entrypoints.openai.protocol import APIError, error_body
 
 # Routes that answer without the key (``/metrics`` only unless metrics_require_key).
 OPEN_PATHS = ("/health",)
+# Routes whose requests count as server load (GET /load), as vLLM counts them.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class RequestTooLarge(APIError):
@@ -46,10 +48,12 @@ class InFlight:
     """What the gate shares with the shutdown drain: requests inside the app now (service
     routes excepted) and whether new ones are refused."""
 
-    __slots__ = ("active", "draining", "on_idle")
+    __slots__ = ("active", "draining", "generating", "on_idle")
 
     def __init__(self, on_idle=None) -> None:
         self.active = 0
+        # Generation requests (completions / chat) inside the app now: vLLM's server load.
+        self.generating = 0
         self.draining = False
         self.on_idle = on_idle  # called when ``active`` drops back to 0
 
@@ -102,8 +106,11 @@ class GateMiddleware:
                 started = True
             await send(message)
 
+        generation = path in GENERATION_PATHS
         if not service:
             self.inflight.active += 1
+        if generation:
+            self.inflight.generating += 1
         try:
             await self.app(scope, receive, send_tracked)
         except RequestTooLarge as e:
@@ -112,6 +119,8 @@ class GateMiddleware:
                 raise
             await e.response()(scope, receive, send)
         finally:
+            if generation:
+                self.inflight.generating -= 1
             if not service:
                 self.inflight.active -= 1
                 if self.inflight.active == 0 and self.inflight.on_idle is not None:

@@ -32,6 +32,11 @@ class ServeOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     default_sampling: dict = field(default_factory=dict)
+    # Usage in every stream chunk and a final usage chunk, whatever stream_options say.
+    force_include_usage: bool = False
+    # Logprob token strings as "token_id:N" unless the request says otherwise.
+    return_tokens_as_token_ids: bool = False
+    tokenizer_info: bool = False
 
 
 def serve_options(args) -> ServeOptions:
@@ -47,7 +52,10 @@ def serve_options(args) -> ServeOptions:
         access_log=getattr(args, "access_log", d.access_log),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
-        reasoning_parser=getattr(args, "reasoning_parser", None))
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        force_include_usage=bool(getattr(args, "enable_force_include_usage", False)),
+        return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", False)),
+        tokenizer_info=bool(getattr(args, "enable_tokenizer_info_endpoint", False)))
     if opts.tool_call_parser is not None and opts.tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
                          f"{opts.tool_call_parser!r}")
@@ -57,6 +65,15 @@ def serve_options(args) -> ServeOptions:
     if opts.enable_auto_tool_choice and not opts.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return opts
+
+
+def stream_usage(opts: ServeOptions, stream_options) -> tuple[bool, bool]:
+    """``(usage chunk at the end, usage in every chunk)`` of a stream: what
+    ``stream_options`` ask, or both with ``--enable-force-include-usage`` (as vLLM)."""
+    if opts.force_include_usage:
+        return True, True
+    include = bool(stream_options and stream_options.include_usage)
+    return include, include and bool(stream_options.continuous_usage_stats)
 
 
 def log_request(opts: ServeOptions, request_id: str, prompt: str | None, ids: list[int],

@@ -171,6 +171,9 @@ class SamplingRequest(_Lenient):
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_temperature: float | None = None
+    # Logprobs of these ids (and the sampled one) instead of the top-k; needs logprobs.
+    logprob_token_ids: list[int] | None = None
     add_special_tokens: bool | None = None
     request_id: str | None = None
     session_id: str | None = None
@@ -183,7 +186,6 @@ class SamplingRequest(_Lenient):
     cache_salt: str | None = None
     # vLLM extras refused unless neutral (fields.py says why)
     watermarking: Any = None
-    logprob_token_ids: Any = None
     routed_experts_prompt_start: Any = None
     return_token_offsets: Any = None
     return_prompt_text: Any = None
@@ -237,6 +239,8 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
+    # vLLM's token-in chat: these ids are the prompt (messages must then be empty).
+    prompt_token_ids: list[int] | None = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
 
@@ -245,12 +249,20 @@ class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: True for a prompt, False for messages (the chat template writes the special
+    # tokens; vLLM's defaults, so /tokenize of messages gives the ids chat completion uses).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: as asked, else for a prompt only."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
 
 class DetokenizeRequest(_Lenient):

@@ -1,8 +1,10 @@
 """``pagefold serve``: an OpenAI-compatible HTTP server over an EngineCore process.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``
-and ``GET /v1/admin/pool`` (pool and queue counters, for tests and operators).
+``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /load`` (generation requests in flight, vLLM's server load), ``GET /tokenizer_info``
+(with ``--enable-tokenizer-info-endpoint``) and ``GET /v1/admin/pool`` (pool and queue
+counters, for tests and operators).
 
 Process model: this (API) process tokenizes, renders chat templates, detokenizes and
 streams; the scheduler and the model run in the EngineCore child process
@@ -215,6 +217,18 @@ def build_app(state: ServerState) -> FastAPI:
 
         return JSONResponse({"version": __version__})
 
+    @app.get("/load")
+    async def load() -> Response:
+        # vLLM's server load: generation requests inside the app now (GateMiddleware).
+        return JSONResponse({"server_load": state.inflight.generating})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        if not state.options.tokenizer_info:
+            raise APIError(404, "GET /tokenizer_info is off; start the server with "
+                           "--enable-tokenizer-info-endpoint", code="http_404")
+        return JSONResponse(describe_tokenizer(state.tokenizer))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -257,13 +271,14 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = await tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await tokens.encode(req.prompt, add_special_tokens=req.special_tokens())
         else:
             add_gen = req.add_generation_prompt and not req.continue_final_message
             _, ids = await state.chat.render_async(
                 req.messages, add_generation_prompt=add_gen,
                 continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
+                add_special_tokens=req.special_tokens())
         out = {"count": len(ids), "max_model_len": client.info.max_model_len, "tokens": ids,
                "token_strs": None}
         if req.return_token_strs:
@@ -284,6 +299,35 @@ def build_app(state: ServerState) -> FastAPI:
                         media_type="application/json")
 
     return app
+
+
+def describe_tokenizer(tokenizer) -> dict:
+    """vLLM's ``/tokenizer_info``: the tokenizer's init configuration (JSON values only),
+    its class and chat template."""
+
+    def plain(v):
+        if v is None or isinstance(v, bool | int | float | str):
+            return v
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        content = getattr(v, "content", None)  # AddedToken: its text, as vLLM
+        return content if isinstance(content, str) else str(v)
+
+    def added(v) -> dict:
+        return {"content": str(getattr(v, "content", v)),
+                "special": bool(getattr(v, "special", False))}
+
+    info = {k: plain(v) for k, v in getattr(tokenizer, "init_kwargs", {}).items()
+            if not k.endswith("_file") and k not in ("name_or_path", "added_tokens_decoder")}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    info["added_tokens_decoder"] = {str(i): added(t) for i, t in decoder.items()}
+    info["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        info["chat_template"] = template
+    return info
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -314,6 +358,12 @@ async def serve(state: ServerState, host: str, port: int, *,
     info = state.client.info
     logger.info("engine core %d ready: max_model_len %d, %d usable blocks", info.pid,
                 info.max_model_len, info.num_usable_blocks)
+    cfg = state.client.config
+    state.metrics.set_cache_config({
+        "block_size": str(cfg.block_size), "cache_dtype": str(cfg.kv_cache_dtype),
+        "enable_prefix_caching": str(cfg.enable_prefix_caching),
+        "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+        "num_gpu_blocks": str(info.num_usable_blocks)})
     app = build_app(state)
     opts = state.options
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,

@@ -31,7 +31,14 @@ from pagefold.entrypoints.openai.chat_parsing import (
     tool_start_marker,
 )
 from pagefold.entrypoints.openai.fields import refuse_unsupported
+from pagefold.entrypoints.openai.logprobs import (
+    _clamp,
+    prompt_logprobs_json,
+    ranked_ids,
+    token_name,
+)
 from pagefold.entrypoints.openai.memory import json_response
+from pagefold.entrypoints.openai.options import stream_usage
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -44,10 +51,7 @@ from pagefold.entrypoints.openai.protocol import (
 from pagefold.entrypoints.openai.serving_completion import (
     OpenAIServing,
     StreamCursor,
-    _clamp,
     completion_tokens,
-    prompt_logprobs_json,
-    ranked,
 )
 from pagefold.entrypoints.openai.tool_prompt import template_takes_tools, with_tools_fallback
 from pagefold.entrypoints.openai.tool_stream import ToolCallStream
@@ -57,6 +61,11 @@ from pagefold.sampling_params import SamplingParams
 
 def _token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+# Fields that shape the chat template's rendering: meaningless with ``prompt_token_ids``.
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
+                   "chat_template_kwargs", "tools", "documents", "reasoning_effort")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -179,14 +188,17 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        self.check_text_fits(self.content_chars(req.messages), "messages")
-        text, ids = await self.render_async(
-            req.messages, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template_kwargs=kwargs, tools=req.tools,
-            documents=req.documents, chat_template=req.chat_template,
-            add_special_tokens=bool(req.add_special_tokens), tool_mode=mode,
-            tool_name=tool_name)
+        if req.prompt_token_ids is not None:
+            text, ids = None, self._token_in(req)
+        else:
+            self.check_text_fits(self.content_chars(req.messages), "messages")
+            text, ids = await self.render_async(
+                req.messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=kwargs, tools=req.tools,
+                documents=req.documents, chat_template=req.chat_template,
+                add_special_tokens=bool(req.add_special_tokens), tool_mode=mode,
+                tool_name=tool_name)
         ids2 = self.prepare_prompt(req, ids)
         if ids2 != ids:
             text, ids = None, ids2
@@ -218,19 +230,34 @@ class OpenAIServingChat(OpenAIServing):
         (final,) = await self.collect(raw, stream, 1)
         return json_response(self._response(req, rid, created, final, mode))
 
+    @staticmethod
+    def _token_in(req: ChatCompletionRequest) -> list[int]:
+        """vLLM's token-in chat: ``prompt_token_ids`` is the rendered prompt, so messages
+        must be empty and no template option may be sent (each would be ignored)."""
+        if req.messages:
+            raise bad_request("give messages or prompt_token_ids, not both (prompt_token_ids "
+                              "is an already rendered conversation)", "prompt_token_ids")
+        sent = [f for f in TEMPLATE_FIELDS if f in req.model_fields_set]
+        if sent:
+            raise bad_request(f"{sent[0]} shapes the chat template, which prompt_token_ids "
+                              "skips; leave it out", sent[0])
+        return list(req.prompt_token_ids or [])
+
     def _echo_prefix(self, req: ChatCompletionRequest) -> str:
         """vLLM's chat ``echo``: the last message's content when it is the assistant's."""
         if not req.echo or not req.messages or req.messages[-1].role != "assistant":
             return ""
         return self._message_dict(len(req.messages) - 1, req.messages[-1])["content"]
 
-    def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int) -> dict:
+    def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int,
+                  as_ids: bool = False) -> dict:
         content = []
         for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
             lp = entry[tid]
-            item = _token_entry(lp.decoded_token or "", lp.logprob)
-            item["top_logprobs"] = [_token_entry(x.decoded_token or "", x.logprob)
-                                    for x in ranked(entry, num)]
+            item = _token_entry(token_name(tid, lp.decoded_token, as_ids), lp.logprob)
+            item["top_logprobs"] = [_token_entry(token_name(t, x.decoded_token, as_ids),
+                                                 x.logprob)
+                                    for t, x in ranked_ids(entry, num)]
             content.append(item)
         return {"content": content}
 
@@ -261,16 +288,18 @@ class OpenAIServingChat(OpenAIServing):
                   out: RequestOutput, mode: str = "none") -> dict:
         choices = []
         echo = self._echo_prefix(req)
+        as_ids = self.as_token_ids(req)
         for comp in out.outputs:
             lps = None
             if req.logprobs:
-                lps = self._logprobs(comp, 0, len(comp.token_ids), req.top_logprobs or 0)
+                lps = self._logprobs(comp, 0, len(comp.token_ids),
+                                     self.shown_logprobs(req, req.top_logprobs or 0), as_ids)
             msg, called = self._message(req, comp.text, mode)
             if echo and msg["content"] is not None:
                 msg["content"] = echo + msg["content"]
             choice = {"index": comp.index, "message": msg, "logprobs": lps,
                       "finish_reason": "tool_calls" if called else comp.finish_reason,
-                      "stop_reason": comp.stop_reason}
+                      "stop_reason": comp.stop_reason, "token_ids": None}
             if req.return_token_ids:
                 choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
@@ -279,6 +308,7 @@ class OpenAIServingChat(OpenAIServing):
             "model": self.served_model_name, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion_tokens([out]),
                            out.num_cached_tokens),
+            "prompt_logprobs": None, "prompt_token_ids": None,  # vLLM's keys, null unless asked
         }
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(out)
@@ -290,18 +320,25 @@ class OpenAIServingChat(OpenAIServing):
                       params: SamplingParams, first: tuple[int, RequestOutput],
                       stream: AsyncIterator[tuple[int, RequestOutput]],
                       mode: str = "none") -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage, continuous = stream_usage(self.options, req.stream_options)
+        as_ids = self.as_token_ids(req)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
         prompt_len = [len(first[1].prompt_token_ids)]  # the role chunks' usage too
+        # return_token_ids: the first chunk carries the prompt ids, each chunk its new ids.
+        prompt_ids = [list(first[1].prompt_token_ids)] if req.return_token_ids else []
 
         def chunk(index: int, delta: dict, lps: dict | None = None, finish: str | None = None,
-                  stop_reason: Any = None, num_tokens: int = 0) -> str:
+                  stop_reason: Any = None, num_tokens: int = 0,
+                  ids: list[int] | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
+            if req.return_token_ids:
+                choice["token_ids"] = ids or []
             data = dict(head, choices=[choice])
+            if prompt_ids:
+                data["prompt_token_ids"] = prompt_ids.pop()
             if continuous:
                 data["usage"] = usage(prompt_len[0], num_tokens, 0)
             elif include_usage:
@@ -328,21 +365,23 @@ class OpenAIServingChat(OpenAIServing):
                     if cur.finished:
                         continue  # this choice ended earlier; its siblings go on
                     delta_text, t0, t1 = cur.advance(comp, params.stop)
-                    lps = (self._logprobs(comp, t0, t1, req.top_logprobs or 0)
+                    lps = (self._logprobs(comp, t0, t1,
+                                          self.shown_logprobs(req, req.top_logprobs or 0), as_ids)
                            if req.logprobs else None)
                     deltas, called = views[comp.index].feed(delta_text, cur.finished)
                     n_tok = len(comp.token_ids)
+                    ids = list(comp.token_ids[t0:t1])  # sent once, with the logprobs
                     if cur.finished:
                         reason = "tool_calls" if called else comp.finish_reason
                         for d in deltas[:-1]:
-                            yield chunk(comp.index, d, lps, num_tokens=n_tok)
-                            lps = None
+                            yield chunk(comp.index, d, lps, num_tokens=n_tok, ids=ids)
+                            lps, ids = None, None
                         yield chunk(comp.index, deltas[-1] if deltas else {}, lps, reason,
-                                    comp.stop_reason, n_tok)
+                                    comp.stop_reason, n_tok, ids)
                     elif deltas or t1 > t0:
                         for d in deltas or [{}]:
-                            yield chunk(comp.index, d, lps, num_tokens=n_tok)
-                            lps = None
+                            yield chunk(comp.index, d, lps, num_tokens=n_tok, ids=ids)
+                            lps, ids = None, None
                 item = await anext(stream, None)
             if include_usage and final is not None:
                 yield sse(dict(head, choices=[], usage=usage(

@@ -31,8 +31,13 @@ from starlette.responses import Response
 
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
 from pagefold.entrypoints.openai.fields import refuse_unsupported, structured_outputs
+from pagefold.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_json,
+)
 from pagefold.entrypoints.openai.memory import json_response
-from pagefold.entrypoints.openai.options import ServeOptions, log_request
+from pagefold.entrypoints.openai.options import ServeOptions, log_request, stream_usage
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
@@ -46,14 +51,14 @@ from pagefold.entrypoints.openai.protocol import (
     usage,
 )
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
-from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
+from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 T = TypeVar("T")
-# Logprobs of -inf do not survive JSON; report them as this (as vLLM does).
-_MIN_LOGPROB = -9999.0
 # Most samples one prompt may ask for (n and best_of): each is a running engine request.
 MAX_SAMPLES = 128
+# "Every entry" for logprobs display (logprob_token_ids).
+MAX_SHOWN = 1 << 30
 # Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
 DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
 
@@ -133,15 +138,6 @@ def engine_error(e: Exception) -> APIError:
     raise e
 
 
-def _clamp(lp: float) -> float:
-    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def ranked(entry: dict[int, Logprob], n: int) -> list[Logprob]:
-    """The ``n`` most likely of a position's logprob entries, best first."""
-    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
-
-
 class OpenAIServing:
     """What both endpoints need: engine handle, tokenizer, model name and validation."""
 
@@ -219,7 +215,7 @@ class OpenAIServing:
                 f"{max_tokens_param}.", max_tokens_param, code="context_length_exceeded")
         max_tokens = self.bound_output(req, max_tokens, room, logprobs, max_tokens_param,
                                        logprobs_param)
-        stop_ids = list(req.stop_token_ids or [])
+        stop_ids = self._token_ids(list(req.stop_token_ids or []), "stop_token_ids") or []
         if self.extra_eos_ids and not req.ignore_eos:
             stop_ids = sorted(set(stop_ids) | set(self.extra_eos_ids))
         d = self.defaults
@@ -242,6 +238,14 @@ class OpenAIServing:
             structured_outputs=constraint, logit_bias=self._logit_bias(req.logit_bias),
             allowed_token_ids=self._token_ids(req.allowed_token_ids, "allowed_token_ids"),
             bad_words=req.bad_words or None, prompt_logprobs=req.prompt_logprobs)
+        if req.prompt_logprobs_temperature is not None:
+            kw["prompt_logprobs_temperature"] = req.prompt_logprobs_temperature
+        if req.logprob_token_ids is not None:
+            if logprobs is None:
+                raise bad_request(f"logprob_token_ids needs {logprobs_param} (the ids' logprobs "
+                                  "are returned in its place)", "logprob_token_ids")
+            kw["logprob_token_ids"] = self._token_ids(req.logprob_token_ids,
+                                                      "logprob_token_ids")
         try:
             sp = SamplingParams(**kw)
             sp.update_from_tokenizer(self.tokenizer)
@@ -276,6 +280,18 @@ class OpenAIServing:
         if bad:
             raise bad_request(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
         return ids
+
+    @staticmethod
+    def shown_logprobs(req: SamplingRequest, num: int) -> int:
+        """Entries shown per token: the top ``num``, or every one with ``logprob_token_ids``
+        (the asked ids and the sampled token)."""
+        return MAX_SHOWN if req.logprob_token_ids else num
+
+    def as_token_ids(self, req: SamplingRequest) -> bool:
+        """Whether logprobs name tokens ``token_id:N`` (the request, else the server flag)."""
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids
 
     def _check_logprobs(self, sp: SamplingParams) -> None:
         """``prompt_logprobs`` within ``--max-logprobs`` (``logprobs`` is bounded with the
@@ -428,16 +444,6 @@ class StreamCursor:
         return delta, t0, self.tokens
 
 
-def prompt_logprobs_json(out: RequestOutput) -> list | None:
-    """vLLM's ``prompt_logprobs`` field: per prompt token None or {id: {logprob, rank,
-    decoded_token}}."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if e is None else {
-        str(t): {"logprob": _clamp(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
-        for t, x in e.items()} for e in out.prompt_logprobs]
-
-
 def choice_outputs(out: RequestOutput, n: int, prompt_index: int = 0
                    ) -> list[tuple[int, CompletionOutput]]:
     """``(choice index, output)`` of every sample of one prompt's output."""
@@ -512,62 +518,24 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
 
-    def _logprobs(self, comp: CompletionOutput, t0: int, t1: int, num: int,
-                  offset: int) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(comp.token_ids[t0:t1], (comp.logprobs or [])[t0:t1]):
-            lp = entry[tid]
-            s = lp.decoded_token or ""
-            tokens.append(s)
-            token_lps.append(_clamp(lp.logprob))
-            offsets.append(offset)
-            offset += len(s)
-            top = {(x.decoded_token or ""): _clamp(x.logprob) for x in ranked(entry, num)}
-            top.setdefault(s, _clamp(lp.logprob))
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
-
-    def _echo_logprobs(self, out: RequestOutput, num: int, after: dict | None) -> dict:
-        """Completions logprobs of the prompt (first token: None, as OpenAI), then ``after``
-        (the output's, whose text offsets already start after the prompt)."""
-        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        for tid, entry in zip(out.prompt_token_ids, entries):
-            s = self.tokenizer.decode([tid])
-            tokens.append(s)
-            offsets.append(offset)
-            offset += len(s)
-            if entry is None:
-                token_lps.append(None)
-                tops.append(None)
-                continue
-            lp = entry[tid]
-            token_lps.append(_clamp(lp.logprob))
-            top = {(x.decoded_token or ""): _clamp(x.logprob) for x in ranked(entry, num)}
-            top.setdefault(s, _clamp(lp.logprob))
-            tops.append(top)
-        after = after or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                          "text_offset": []}
-        return {"tokens": tokens + after["tokens"],
-                "token_logprobs": token_lps + after["token_logprobs"],
-                "top_logprobs": tops + after["top_logprobs"],
-                "text_offset": offsets + after["text_offset"]}
-
     def _response(self, req: CompletionRequest, rid: str, created: int,
                   prompts: list, n: int, finals: list[RequestOutput]) -> dict:
         choices, n_prompt, n_cached = [], 0, 0
+        as_ids = self.as_token_ids(req)
         for i, ((text, ids), out) in enumerate(zip(prompts, finals)):
             prefix = self._prompt_text(text, ids) if req.echo else ""
             for index, comp in choice_outputs(out, n, i):
                 lps = None
                 if req.logprobs is not None:
-                    lps = self._logprobs(comp, 0, len(comp.token_ids), req.logprobs,
-                                         len(prefix))
+                    lps = completion_logprobs(comp, 0, len(comp.token_ids),
+                                              self.shown_logprobs(req, req.logprobs),
+                                              len(prefix), as_ids)
                     if req.echo:
-                        lps = self._echo_logprobs(out, req.logprobs, lps)
+                        lps = echo_logprobs(self.tokenizer, out, req.logprobs, lps, as_ids)
+                # vLLM's choice always has these keys (null unless asked for).
                 choice = {"index": index, "text": prefix + comp.text, "logprobs": lps,
-                          "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+                          "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                          "prompt_logprobs": None, "token_ids": None, "prompt_token_ids": None}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 if req.return_token_ids:
@@ -584,8 +552,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, rid: str, created: int, prompts: list,
                       params: list[SamplingParams], first: tuple[int, RequestOutput],
                       stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        include_usage, continuous = stream_usage(self.options, req.stream_options)
+        as_ids = self.as_token_ids(req)
         n = params[0].n
         cursors: dict[int, StreamCursor] = {}
         finals: dict[int, RequestOutput] = {}
@@ -597,6 +565,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if cur.finished:
                 return None  # this sample ended earlier; its siblings go on
             prefix = ""
+            first_of_choice = not cur.started
             if not cur.started and req.echo:
                 prefix = self._prompt_text(*prompts[i])
                 cur.offset = len(prefix)
@@ -606,13 +575,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 return None
             lps = None
             if req.logprobs is not None:
-                lps = self._logprobs(comp, t0, t1, req.logprobs, cur.offset)
+                lps = completion_logprobs(comp, t0, t1, self.shown_logprobs(req, req.logprobs),
+                                          cur.offset, as_ids)
                 if prefix:
-                    lps = self._echo_logprobs(out_of[i], req.logprobs, lps)
+                    lps = echo_logprobs(self.tokenizer, out_of[i], req.logprobs, lps, as_ids)
             cur.offset += len(delta)
-            data = dict(head, choices=[{
-                "index": index, "text": prefix + delta, "logprobs": lps,
-                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}])
+            choice = {"index": index, "text": prefix + delta, "logprobs": lps,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if req.return_token_ids:
+                # Each chunk: the ids it adds; a choice's first chunk: the prompt's too.
+                choice["token_ids"] = list(comp.token_ids[t0:t1])
+                if first_of_choice:
+                    choice["prompt_token_ids"] = list(out_of[i].prompt_token_ids)
+            data = dict(head, choices=[choice])
             if continuous:
                 data["usage"] = usage(len(prompts[i][1]), t1, 0)
             elif include_usage:

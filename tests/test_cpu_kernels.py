@@ -393,6 +393,9 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
         cpu_ops.use_fast_linears(lin)
         with torch.no_grad():
             assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
+        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "1")  # the float32 GEMM takes over sooner
+        cpu_ops._choose_gemv(lib)
+        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
         monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS

@@ -466,11 +466,15 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
 # CPU multiplies bf16 natively (AVX512-BF16 / AMX) oneDNN's GEMM is as fast from 3 rows on, so
 # 2. Elsewhere oneDNN's bf16 GEMM costs about one weight pass per row (1536x576: ~47 us a row
 # with ONEDNN_MAX_CPU_ISA=AVX2 here) while the AVX2 kernel reads the weights once per call:
-# it stays ahead up to FMA_MAX_ROWS rows (benchmarks/bf16_gemv.py), which covers decode
-# batches, speculative verify steps and short prefill chunks.
+# it stays 3-4x ahead of that up to FMA_MAX_ROWS rows (benchmarks/bf16_gemv.py), which
+# covers decode batches, speculative verify steps and short prefill chunks. The opt-in
+# float32-upcast GEMM (gemm.py) catches up with it at about 20-24 rows, so with that on the
+# kernel stops at UPCAST_MAX_ROWS.
 FMA_MAX_ROWS = 32
+UPCAST_MAX_ROWS = 20
 NATIVE_MAX_ROWS = 2
-GEMV_MAX_ROWS = NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16() else FMA_MAX_ROWS
+GEMV_MAX_ROWS = (NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16()
+                 else UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS)
 PREPACK_LIMIT_BYTES = 2 << 30
 _gemv = None  # the C function linear() and the decode plans call (set with the library)
 
@@ -481,7 +485,8 @@ def _choose_gemv(lib: ctypes.CDLL) -> None:
     or a scalar loop: then only for ``NATIVE_MAX_ROWS`` rows)."""
     global _gemv, GEMV_MAX_ROWS
     if not gemm._cpu_has_fast_bf16() and lib.pf_gemv_kinds() & 2:
-        _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16_fma, FMA_MAX_ROWS
+        _gemv = lib.pf_linear_bf16_fma
+        GEMV_MAX_ROWS = UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS
     else:
         _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16, NATIVE_MAX_ROWS
 

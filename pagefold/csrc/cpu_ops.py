@@ -462,14 +462,11 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     return out if rc == 0 else None
 
 
-# Rows up to which bf16 linears take the compiled GEMV instead of the GEMM library. Where the
-# CPU multiplies bf16 natively (AVX512-BF16 / AMX) oneDNN's GEMM is as fast from 3 rows on, so
-# 2. Elsewhere oneDNN's bf16 GEMM costs about one weight pass per row (1536x576: ~47 us a row
-# with ONEDNN_MAX_CPU_ISA=AVX2 here) while the AVX2 kernel reads the weights once per call:
-# it stays 3-4x ahead of that up to FMA_MAX_ROWS rows (benchmarks/bf16_gemv.py), which
-# covers decode batches, speculative verify steps and short prefill chunks. The opt-in
-# float32-upcast GEMM (gemm.py) catches up with it at about 20-24 rows, so with that on the
-# kernel stops at UPCAST_MAX_ROWS.
+# Rows up to which bf16 linears take the compiled GEMV, not the GEMM library. With native bf16
+# (AVX512-BF16 / AMX) oneDNN is as fast from 3 rows on. Elsewhere its bf16 GEMM costs about a
+# weight pass per row, and the AVX2 kernel (weights read once per call) stays 3-4x ahead up to
+# FMA_MAX_ROWS (benchmarks/bf16_gemv.py: decode batches, verify steps, short prefill chunks);
+# the opt-in float32-upcast GEMM (gemm.py) catches up at ~20-24 rows: UPCAST_MAX_ROWS.
 FMA_MAX_ROWS = 32
 UPCAST_MAX_ROWS = 20
 NATIVE_MAX_ROWS = 2

@@ -1,9 +1,9 @@
 // Per-layer kernels: RMSNorm (optionally fused with the residual add), per-head q/k RMSNorm +
 // RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, and the bf16 few-row products (an
 // AVX512-BF16 GEMV, an AVX2 + FMA kernel for CPUs without bf16 dot products); the Gated
-// DeltaNet layer is in gdn.cpp. They round to the tensor dtype at the same points as the torch code they
-// replace, so a bf16 model sees the same intermediate roundings (only float32 summation order
-// differs). Called through ctypes (see cpu_ops.py).
+// DeltaNet layer is in gdn.cpp. They round to the tensor dtype at the same points as the torch
+// code they replace, so a bf16 model sees the same intermediate roundings (only float32
+// summation order differs). Called through ctypes (see cpu_ops.py).
 
 #include "common.h"
 

@@ -325,6 +325,85 @@ def test_linear_leaves_other_inputs_to_torch():
                                                                                  lin32.bias))
 
 
+def _fma_or_skip(x, w, b):
+    y = cpu_ops.linear_fma(x, w, b)
+    if y is None:
+        pytest.skip("no AVX2 + FMA kernel on this CPU")
+    return y
+
+
+@pytest.mark.parametrize("k,n,bias", [(100, 77, True), (19, 5, False), (579, 130, True),
+                                      (576, 64, False), (7, 3, True)],
+                         ids=["k-tail-bias", "tiny", "k-tail-wide", "k8x", "k-under-8"])
+def test_fma_kernel_matches_float32_product(k, n, bias):
+    """Every M from 1 to 33 (all tile shapes and tails): the float32 product rounded once."""
+    g = torch.Generator().manual_seed(k * 7 + n)
+    x_all = torch.randn(33, 2 * k, generator=g).bfloat16()[:, :k]  # strided rows
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    for m in range(1, 34):
+        x = x_all[:m]
+        ref = x.float() @ w.float().t() + (b.float() if b is not None else 0.0)
+        _close_bits(_fma_or_skip(x, w, b), ref.bfloat16(), max_frac=1e-2)
+
+
+def test_fma_kernel_rows_independent_of_batch():
+    """A row's output bits do not depend on M or on its place among the rows: a verify step
+    of M rows computes exactly the M decode steps it stands for."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 203, 41
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(33, k, generator=g).bfloat16()
+    singles = torch.cat([_fma_or_skip(x[i:i + 1], w, b) for i in range(33)])
+    for m in (2, 3, 4, 5, 7, 32, 33):
+        assert torch.equal(_fma_or_skip(x[:m], w, b), singles[:m])
+    perm = torch.randperm(33, generator=g)
+    assert torch.equal(_fma_or_skip(x[perm], w, b), singles[perm])
+
+
+def test_fma_kernel_bias_and_big_values():
+    """The bias is added once per output; products far from 1 keep their magnitude."""
+    w = torch.zeros(9, 13, dtype=torch.bfloat16)
+    w[:, 12] = 1.0  # only the last (tail) column counts
+    x = torch.arange(1, 40, dtype=torch.float32).view(3, 13).bfloat16() * 1024
+    b = torch.arange(9, dtype=torch.float32).bfloat16()
+    got = _fma_or_skip(x, w, b)
+    assert torch.equal(got, (x[:, 12:13].float() + b.float()).bfloat16())
+    assert torch.equal(_fma_or_skip(x, w, None), x[:, 12:13].expand(3, 9))
+
+
+def test_gemv_row_limit_follows_native_bf16(monkeypatch):
+    """Where the CPU lacks native bf16 GEMM, up to FMA_MAX_ROWS rows take the AVX2 kernel (a
+    speculative verify step included); with it, only NATIVE_MAX_ROWS take the GEMV."""
+    lib = cpu_ops.kernels()
+    if lib is None or not lib.pf_gemv_kinds() & 2:
+        pytest.skip("no AVX2 + FMA kernel on this CPU")
+    saved = (cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS)
+    w = (torch.randn(96, 40) * 0.2).bfloat16()
+    try:
+        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        cpu_ops._choose_gemv(lib)
+        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.FMA_MAX_ROWS >= 8
+        x = torch.randn(cpu_ops.FMA_MAX_ROWS + 1, 40).bfloat16()
+        m = cpu_ops.FMA_MAX_ROWS
+        assert torch.equal(cpu_ops.linear(x[:m], w, None), cpu_ops.linear_fma(x[:m], w, None))
+        assert cpu_ops.linear(x, w, None) is None
+        lin = torch.nn.Linear(40, 96, dtype=torch.bfloat16)
+        cpu_ops.use_fast_linears(lin)
+        with torch.no_grad():
+            assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
+        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "1")  # the float32 GEMM takes over sooner
+        cpu_ops._choose_gemv(lib)
+        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
+        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        cpu_ops._choose_gemv(lib)
+        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
+        assert cpu_ops.linear(x[:3], w, None) is None
+    finally:
+        cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS = saved
+
+
 def _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv):
     """The torch path's delta-rule inputs from the conv output ``y`` (T, C), as GatedDeltaNet
     builds them: q, k repeated to the value heads, v per value head, the float32 gate."""

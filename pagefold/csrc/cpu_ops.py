@@ -2,7 +2,8 @@
 
 ``attention.cpp`` (paged decode attention, the K/V write), ``prefill.cpp`` (prefill
 attention over the paged cache), ``layers.cpp`` (RMSNorm with the
-residual add, q/k norm + RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, a bf16 GEMV)
+residual add, q/k norm + RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, the bf16
+small-M products)
 and ``gdn.cpp`` (the Gated DeltaNet layer on paged states), with ``common.h``, use no torch or
 Python headers: one ``g++`` call builds them in a few seconds. The shared object is cached
 under ``$PAGEFOLD_CACHE/kernels`` (default ``~/.cache/pagefold/kernels``), keyed by the
@@ -144,6 +145,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_gdn.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.pf_linear_bf16.restype = i32
+    lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes
+    lib.pf_linear_bf16_fma.restype = i32
+    lib.pf_gemv_kinds.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
         getattr(lib, name).restype = i32
 
@@ -163,6 +167,7 @@ def kernels() -> ctypes.CDLL | None:
                     raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
                 lib = ctypes.CDLL(str(_build(cxx)))
                 _declare(lib)
+                _choose_gemv(lib)
                 _lib = lib
             except Exception as e:  # noqa: BLE001 - any failure means the torch fallback
                 logger.warning("pagefold CPU kernels unavailable, using the torch path: %s", e)
@@ -457,29 +462,74 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     return out if rc == 0 else None
 
 
-GEMV_MAX_ROWS = 2
+# Rows up to which bf16 linears take the compiled GEMV, not the GEMM library. With native bf16
+# (AVX512-BF16 / AMX) oneDNN is as fast from 3 rows on. Elsewhere its bf16 GEMM costs about a
+# weight pass per row, and the AVX2 kernel (weights read once per call) stays 3-4x ahead up to
+# FMA_MAX_ROWS (benchmarks/bf16_gemv.py: decode batches, verify steps, short prefill chunks);
+# the opt-in float32-upcast GEMM (gemm.py) catches up at ~20-24 rows: UPCAST_MAX_ROWS.
+FMA_MAX_ROWS = 32
+UPCAST_MAX_ROWS = 20
+NATIVE_MAX_ROWS = 2
+GEMV_MAX_ROWS = (NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16()
+                 else UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS)
 PREPACK_LIMIT_BYTES = 2 << 30
+_gemv = None  # the C function linear() and the decode plans call (set with the library)
+
+
+def _choose_gemv(lib: ctypes.CDLL) -> None:
+    """Pick the GEMV and its row limit for this CPU: the AVX2 + FMA kernel where the CPU has
+    no native bf16 GEMM and the build has the kernel, else ``pf_linear_bf16`` (AVX512-BF16,
+    or a scalar loop: then only for ``NATIVE_MAX_ROWS`` rows)."""
+    global _gemv, GEMV_MAX_ROWS
+    if not gemm._cpu_has_fast_bf16() and lib.pf_gemv_kinds() & 2:
+        _gemv = lib.pf_linear_bf16_fma
+        GEMV_MAX_ROWS = UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS
+    else:
+        _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16, NATIVE_MAX_ROWS
+
+
+def gemv_function():
+    """The ctypes function behind :func:`linear` (``pf_linear_bf16``'s arguments), or None
+    when the kernels are off."""
+    return _gemv if kernels() is not None else None
+
+
+def _linear_call(fn, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    if (weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 2
+            or x.shape[0] < 1 or x.device.type != "cpu" or weight.device.type != "cpu"
+            or weight.dim() != 2 or not weight.is_contiguous() or x.stride(1) != 1
+            or x.shape[1] != weight.shape[1]
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+                                      or bias.numel() != weight.shape[0]))):
+        return None
+    n, k = weight.shape
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    rc = fn(_ptr(x), x.stride(0), _ptr(weight), _ptr(bias) if bias is not None else None,
+            _ptr(y), n, m, n, k, torch.get_num_threads())
+    return y if rc == 0 else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
            ) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for bf16 inputs of at most ``GEMV_MAX_ROWS`` rows (decode steps
-    of small batches), float32 sums and one rounding, as oneDNN's bf16 matmul; None
-    otherwise (more rows: the GEMM library is the faster one)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+    of small batches, speculative verify steps), float32 sums and one rounding, as oneDNN's
+    bf16 matmul; None otherwise (more rows: the GEMM library is the faster one)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or kernels() is None \
+            or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         return None
+    return _linear_call(_gemv, x, weight, bias)
+
+
+def linear_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor | None:
+    """The AVX2 + FMA kernel itself for any number of rows, whatever this CPU's routing (for
+    tests and benchmarks); None where it is not compiled in or the inputs are not handled."""
     lib = kernels()
-    if (lib is None or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or weight.device.type != "cpu" or not weight.is_contiguous() or x.stride(1) != 1
-            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+    if lib is None or not lib.pf_gemv_kinds() & 2:
         return None
-    n, k = weight.shape
-    m = x.shape[0]
-    y = torch.empty((m, n), dtype=torch.bfloat16)
-    rc = lib.pf_linear_bf16(_ptr(x), x.stride(0), _ptr(weight),
-                            _ptr(bias) if bias is not None else None, _ptr(y), n, m, n, k,
-                            torch.get_num_threads())
-    return y if rc == 0 else None
+    return _linear_call(lib.pf_linear_bf16_fma, x, weight, bias)
 
 
 def _gemv_ready(mod: torch.nn.Linear) -> tuple | None:
@@ -504,7 +554,7 @@ def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
                 n, k = w.shape
                 m = x.shape[0]
                 y = torch.empty((m, n), dtype=torch.bfloat16)
-                if _lib.pf_linear_bf16(x.data_ptr(), x.stride(0), w.data_ptr(),
+                if _gemv(x.data_ptr(), x.stride(0), w.data_ptr(),
                                        b.data_ptr() if b is not None else None, y.data_ptr(),
                                        n, m, n, k, torch.get_num_threads()) == 0:
                     return y

@@ -37,6 +37,11 @@ _scratch = threading.local()
 
 @functools.cache
 def _cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX (torch's probes); ``PAGEFOLD_NATIVE_BF16=0``/``1`` overrides, e.g.
+    to measure with ``ONEDNN_MAX_CPU_ISA=AVX2`` how a CPU without them behaves."""
+    flag = os.environ.get("PAGEFOLD_NATIVE_BF16")
+    if flag in ("0", "1"):
+        return flag == "1"
     cpu = torch.cpu
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         fn = getattr(cpu, probe, None)

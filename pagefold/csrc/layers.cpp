@@ -1,10 +1,16 @@
 // Per-layer kernels: RMSNorm (optionally fused with the residual add), per-head q/k RMSNorm +
-// RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, and a bf16 GEMV for few-row products (the Gated DeltaNet layer is in
-// gdn.cpp). They round to the tensor dtype at the same points as the torch code they
-// replace, so a bf16 model sees the same intermediate roundings (only float32 summation order
-// differs). Called through ctypes (see cpu_ops.py).
+// RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, and the bf16 few-row products (an
+// AVX512-BF16 GEMV, an AVX2 + FMA kernel for CPUs without bf16 dot products); the Gated
+// DeltaNet layer is in gdn.cpp. They round to the tensor dtype at the same points as the torch
+// code they replace, so a bf16 model sees the same intermediate roundings (only float32
+// summation order differs). Called through ctypes (see cpu_ops.py).
 
 #include "common.h"
+
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace pf {
 namespace {
@@ -163,6 +169,103 @@ void gemv_bf16_rows(const uint16_t* x, int64_t xs, const uint16_t* w, const uint
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define PF_FMA_GEMV 1
+// The bf16 product for CPUs without a bf16 dot product (AVX2 + FMA): y (M, N) = x (M, K) W^T
+// (+ bias), float32 sums, one rounding at the end. oneDNN's bf16 GEMM there converts inside
+// its inner loop and costs about one weight pass per row of x; here x is converted to float32
+// once, and each group of kFmaRows weight rows is read from memory once per call, widened to
+// float32 in registers (a bf16 is the top half of a float: a 16-bit shift), and multiplied
+// into every row of x while it sits in L1. Threads split the output rows.
+//
+// Invariant (tested): output (m, n) is the same function of x row m and W row n whatever M is
+// and wherever the row falls in a tile: one 8-lane float32 accumulator per output, fed
+// fmadd(w, x, acc) over k in ascending chunks of 8 (the last chunk zero-padded), reduced in a
+// fixed order, then + bias, then rounded. So M rows in one call equal M one-row calls, bit for
+// bit, and a speculative verify step computes exactly what the decode steps it replaces would.
+constexpr int kFmaRows = 4;  // weight rows per tile
+
+inline __m256 widen_bf16x8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Fixed-order horizontal sum: high 128 + low 128, then the pairs, then the last two.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// MB rows of x (float32, kp apart, zero past K) times NB weight rows (bf16, K apart; tail:
+// each row's last K % 8 elements zero-padded to 8, or nullptr when K % 8 == 0).
+template <int MB, int NB>
+inline void fma_tile(const float* xf, int64_t kp, const uint16_t* w, int64_t K,
+                     const uint16_t (*tail)[8], const uint16_t* bias, uint16_t* y, int64_t ys) {
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NB; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t kmain = K / 8 * 8;
+  for (int64_t k = 0; k < kmain; k += 8) {
+    __m256 wv[NB];
+    for (int r = 0; r < NB; ++r) wv[r] = widen_bf16x8(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * kp + k);
+      for (int r = 0; r < NB; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  if (kmain < K) {
+    __m256 wv[NB];
+    for (int r = 0; r < NB; ++r) wv[r] = widen_bf16x8(tail[r]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * kp + kmain);
+      for (int r = 0; r < NB; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NB; ++r) {
+      float v = hsum8(acc[m][r]);
+      if (bias) v += bf16_to_f32(bias[r]);
+      y[m * ys + r] = f32_to_bf16(v);
+    }
+}
+
+// All M rows of x against weight rows n .. n+NB-1.
+template <int NB>
+void fma_rows(const float* xf, int64_t kp, const uint16_t* w, const uint16_t* bias,
+              uint16_t* y, int64_t ys, int M, int64_t n, int64_t K) {
+  alignas(16) uint16_t tail[NB][8] = {};
+  const int64_t kmain = K / 8 * 8;
+  if (kmain < K)
+    for (int r = 0; r < NB; ++r)
+      std::memcpy(tail[r], w + (n + r) * K + kmain, (K - kmain) * sizeof(uint16_t));
+  const uint16_t* wn = w + n * K;
+  const uint16_t* bn = bias ? bias + n : nullptr;
+  int m = 0;
+  // Three rows of x per pass keep 3 * NB + NB vector registers live (16 with NB = 4).
+  for (; m + 3 <= M; m += 3)
+    fma_tile<3, NB>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
+  if (M - m == 2) fma_tile<2, NB>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
+  if (M - m == 1) fma_tile<1, NB>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
+}
+
+void gemv_fma(const uint16_t* x, int64_t xs, const uint16_t* w, const uint16_t* bias,
+              uint16_t* y, int64_t ys, int M, int64_t N, int64_t K, int nthreads) {
+  const int64_t kp = (K + 7) / 8 * 8;
+  std::vector<float> xf(static_cast<size_t>(M) * kp, 0.f);
+  for (int m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * kp + k] = bf16_to_f32(x[m * xs + k]);
+  const int64_t groups = N / kFmaRows;
+  const bool par = nthreads > 1 && N * K >= (1 << 18);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+  for (int64_t g = 0; g < groups; ++g)
+    fma_rows<kFmaRows>(xf.data(), kp, w, bias, y, ys, M, g * kFmaRows, K);
+  for (int64_t n = groups * kFmaRows; n < N; ++n)
+    fma_rows<1>(xf.data(), kp, w, bias, y, ys, M, n, K);
+}
+#endif
+
 // Blocks of 64 output rows (64 x K weights stay in L2 while every block of up to 4 input rows
 // passes over them: the weights stream from memory once per call). Threads split the output
 // rows, and only when there is enough weight to stream.
@@ -291,10 +394,48 @@ int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N,
 int pf_linear_bf16(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
                    int64_t y_stride, int M, int64_t N, int64_t K, int nthreads) {
   if (M < 1) return -1;
+#if !defined(__AVX512BF16__) && defined(PF_FMA_GEMV)
+  // No bf16 dot product: the AVX2 kernel (converting x once, the weights in registers).
+  gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
+           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, M, N, K,
+           nthreads);
+#else
   gemv_bf16(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
             static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, M, N, K,
             nthreads);
+#endif
   return 0;
+}
+
+// Which products pf_linear_bf16 / pf_linear_bf16_fma have in this build: bit 0, the
+// AVX512-BF16 GEMV (pf_linear_bf16 uses it); bit 1, the AVX2 + FMA kernel.
+int pf_gemv_kinds() {
+  int kinds = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  kinds |= 1;
+#endif
+#if defined(PF_FMA_GEMV)
+  kinds |= 2;
+#endif
+  return kinds;
+}
+
+// The AVX2 + FMA small-M product (gemv_fma) with pf_linear_bf16's arguments, on any CPU that
+// has AVX2 and FMA (pf_linear_bf16 takes it only where there is no AVX512-BF16); -1 where
+// it was not compiled in.
+int pf_linear_bf16_fma(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
+                       int64_t y_stride, int M, int64_t N, int64_t K, int nthreads) {
+#if defined(PF_FMA_GEMV)
+  if (M < 1) return -1;
+  gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
+           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, M, N, K,
+           nthreads);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)M, (void)N;
+  (void)K, (void)nthreads;
+  return -1;
+#endif
 }
 
 }  // extern "C"

@@ -20,6 +20,12 @@ from pagefold.executor.forward_context import StateMetadata
 from pagefold.layers.attention.backend import AttentionMetadata, PrefillRow
 
 _i64 = np.int64
+# On the CPU, every row of a request's chunk of at most this many tokens (a speculative verify
+# step's 1 + k, a short prefill chunk) attends as a decode row: one query over the keys up to
+# its own position, already in the cache. The same kernel and arithmetic as the decode steps it
+# stands for, so with the row-independent bf16 linears a verify step computes bit for bit what
+# those steps would (greedy speculation keeps bf16 tokens), and the reads are theirs.
+SHORT_CHUNK_AS_DECODE = 16
 
 
 @dataclass(slots=True)
@@ -82,10 +88,13 @@ def build_inputs(
         return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 
     cu_t = put(cu)
-    is_decode = count == 1
-    dec_rows = np.flatnonzero(is_decode)
-    pre_rows = np.flatnonzero(~is_decode).tolist()
-    decode_tok = cu_t[:-1] if all_decode else put(cu[:-1][dec_rows])
+    per_token = count <= (SHORT_CHUNK_AS_DECODE if dev.type == "cpu" else 1)
+    pre_rows = np.flatnonzero(~per_token).tolist()
+    if all_decode:
+        decode_tok, dec_req, dec_pos = cu_t[:-1], None, start
+    else:
+        dtok = np.flatnonzero(per_token[req_of_tok])  # flat tokens attending as decode rows
+        decode_tok, dec_req, dec_pos = put(dtok), req_of_tok[dtok], positions[dtok]
     attn_meta: list[AttentionMetadata | None] = []
     state_meta: list[StateMetadata | None] = []
     has_init = start > 0
@@ -112,8 +121,8 @@ def build_inputs(
         window = spec.window if isinstance(spec, SlidingWindowSpec) else None
         tables = _tables(group_block_ids[gi])
         slots = tables[req_of_tok, positions // bs] * bs + positions % bs
-        dec_tables = tables if all_decode else tables[dec_rows]
-        seq_lens = start[dec_rows] + 1
+        dec_tables = tables if all_decode else tables[dec_req]
+        seq_lens = dec_pos + 1
         kv_start = np.maximum(seq_lens - window, 0) if window else None
         prefills = []
         for i in pre_rows:

@@ -58,7 +58,7 @@ class ModelRunner:
                  cache_fill: float | None = None, num_host_blocks: int = 0) -> None:
         self.model = model
         self.num_params = sum(p.numel() for p in model.parameters())
-        if device.type == "cpu":  # bf16 linears: GEMV for 1-2 rows, else pre-reordered oneDNN
+        if device.type == "cpu":  # bf16 linears: few-row GEMV (cpu_ops.GEMV_MAX_ROWS), else oneDNN
             cpu_ops.use_fast_linears(model)
         self.kv_config = kv_config
         self.device = device

@@ -111,7 +111,7 @@ class DensePlan:
         """Every layer on ``x`` (T, hidden); returns ``(mlp output, residual)`` as the
         layers' own forwards chain them. ``usable`` must hold."""
         lib, nt = self.lib, torch.get_num_threads()
-        rms, gemv, rope = lib.pf_rms_norm, lib.pf_linear_bf16, lib.pf_qk_norm_rope
+        rms, gemv, rope = lib.pf_rms_norm, cpu_ops.gemv_function(), lib.pf_qk_norm_rope
         t = x.shape[0]
         positions = positions.contiguous()
         pos = positions.data_ptr()

@@ -51,7 +51,7 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
-    decode_tok: torch.Tensor  # (Bd,) flat rows that are single-token queries
+    decode_tok: torch.Tensor  # (Bd,) flat rows attending as single-token queries
     decode_tables: torch.Tensor  # (Bd, W) block tables of the decode rows (W >= 1)
     decode_seq_lens: torch.Tensor  # (Bd,) keys per decode row, the new one included
     decode_kv_start: torch.Tensor | None  # (Bd,) first key read (sliding window) or None: 0

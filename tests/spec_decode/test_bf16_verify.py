@@ -1,0 +1,60 @@
+"""bf16 greedy speculation on the CPU computes, bit for bit, what the decode steps would.
+
+Where the bf16 linears take the row-independent AVX2 kernel for every few-row product (CPUs
+without native bf16 GEMM; forced here when this one has it), and a verify chunk's rows attend
+as decode rows (``input_batch.SHORT_CHUNK_AS_DECODE``), every logit of a verify step equals
+the one a plain decode step produces: tokens *and* logprobs with speculation on equal those
+with it off, in bf16, not only in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefold import LLM, SamplingParams
+from pagefold.csrc import cpu_ops
+from pagefold.testing import tiny_models
+
+
+@pytest.fixture
+def fma_routing(monkeypatch):
+    lib = cpu_ops.kernels()
+    if lib is None or not lib.pf_gemv_kinds() & 2:
+        pytest.skip("no AVX2 + FMA kernel on this CPU")
+    saved = (cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS)
+    monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.delenv("PAGEFOLD_BF16_UPCAST", raising=False)
+    cpu_ops._choose_gemv(lib)
+    yield
+    cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS = saved
+
+
+def _generate(llm: LLM, prompts):
+    """One request at a time (batch 1: OFF's decode steps are 1-row products)."""
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in prompts]
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
+                                      for step in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, fma_routing):
+    # Wide enough that summation order shows in the bf16 logits (at width 64 it rarely does).
+    model = str(tiny_model_factory("qwen3", hidden_size=512, intermediate_size=1024,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64))
+    prompts = tiny_models.random_prompts(3, 30, 90, 512, seed=11)
+    kw = dict(dtype="bfloat16", max_model_len=128, warm_up=False)
+    off = _generate(LLM(model, **kw), prompts)
+    table = {tuple(p): o[0] for p, o in zip(prompts, off)}
+    spec = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                          "disable_by_batch_size": 64}, **kw)
+
+    def propose(req, k):  # OFF's continuation, every third draft corrupted: partial accepts
+        n = req.num_output_tokens
+        d = list(table[tuple(req.prompt_token_ids)][n:n + k])
+        return [(t + 1) % 512 if (n + j) % 3 == 2 else t for j, t in enumerate(d)]
+
+    spec.engine.spec.propose_fn = propose
+    on = _generate(spec, prompts)
+    m = spec.engine.spec.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    assert on == off  # tokens and logprobs, exactly

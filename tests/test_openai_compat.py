@@ -487,7 +487,7 @@ COMPLETION_FIELDS = {
     **COMMON_FIELDS, "echo": True, "logprobs": 2, "suffix": "s", "best_of": 2,
     "prompt_embeds": "AAAA",
 }
-ALWAYS_REFUSED = {"use_beam_search", "watermarking", "length_penalty",
+ALWAYS_REFUSED = {"watermarking", "length_penalty",
                   "spaces_between_special_tokens",
                   "routed_experts_prompt_start", "return_token_offsets", "mm_payload",
                   "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",

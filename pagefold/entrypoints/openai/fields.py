@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagefold.entrypoints.openai.protocol import SamplingRequest, bad_request
+from pagefold.entrypoints.openai.protocol import CompletionRequest, SamplingRequest, bad_request
 from pagefold.structured_output import StructuredOutputsParams
 
 # field -> (values that mean "off", why a different value is refused)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False, None), "beam search runs offline only (LLM.beam_search)"),
-    "length_penalty": ((1.0, 1, None), "it only applies to beam search"),
+    "length_penalty": ((1.0, 1, None), "it only applies to beam search (use_beam_search)"),
     "spaces_between_special_tokens": (
         (True, None), "special tokens are always joined as the tokenizer decodes them"),
     "watermarking": ((False, None), "no watermarking"),
@@ -48,9 +47,12 @@ BACKENDS = (None, "auto", "xgrammar", "guidance", "outlines", "lm-format-enforce
 
 def refuse_unsupported(req: SamplingRequest) -> None:
     """400 naming the first field sent with a value pagefold cannot honour."""
+    if req.use_beam_search and not isinstance(req, CompletionRequest):
+        raise bad_request("use_beam_search is served on /v1/completions only (not chat)",
+                          "use_beam_search", code="unsupported_field")
     for name in sorted(req.model_fields_set):
         rule = REFUSED.get(name)
-        if rule is None:
+        if rule is None or (name == "length_penalty" and req.use_beam_search):
             continue
         value = getattr(req, name)
         if any(value == v and type(value) is type(v) for v in rule[0] if v is not None) or (

@@ -143,15 +143,36 @@ def test_bad_beam_requests_are_400_naming_the_field(server, body, param):
     assert err["param"] == param, err
 
 
-def test_beam_search_elsewhere_is_refused_by_name(server):
-    r = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
-                                             "messages": [{"role": "user", "content": "hi"}],
-                                             "use_beam_search": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
+def test_chat_beams_equal_offline_beam_search(server, client, setup):
+    """Chat with a rendered prompt (vLLM's ``prompt_token_ids``): the message contents are the
+    offline beams' texts, best first; streamed, each choice comes whole in one chunk."""
+    want = _expected(setup[1], 3, False)[1]
+    body = dict(model=MODEL, messages=[], n=3, max_tokens=STEPS,
+                extra_body={"use_beam_search": True, "prompt_token_ids": PROMPTS[1]})
+    r = client.chat.completions.create(**body)
+    assert [(c.index, c.message.content, c.finish_reason) for c in r.choices] == [
+        (k, t, f) for k, (_, t, f) in enumerate(want)]
+    assert r.usage.completion_tokens == sum(len(g) for g, _, _ in want)
+    text = {k: "" for k in range(3)}
+    finish = {}
+    for ch in client.chat.completions.create(stream=True, **body):
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [(text[k], finish[k]) for k in range(3)] == [(t, f) for _, t, f in want]
+    server.wait_pool_whole()
+
+
+def test_length_penalty_without_beam_search_is_refused(server):
     # length_penalty only means something with beam search.
     r = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2,
                                         "length_penalty": 0.5})
     assert r.status_code == 400 and "length_penalty" in json.dumps(r.json()["error"]), r.text
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 2,
+                                             "prompt_token_ids": PROMPTS[0],
+                                             "use_beam_search": True, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
 def test_disconnect_mid_beam_search_leaves_the_pool_whole(server):

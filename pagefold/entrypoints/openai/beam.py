@@ -1,4 +1,5 @@
-"""Beam search for ``POST /v1/completions`` (``use_beam_search``), driven from the API process.
+"""Beam search for ``/v1/completions`` and ``/v1/chat/completions`` (``use_beam_search``),
+driven from the API process.
 
 The engine core runs in another process behind :class:`AsyncEngineClient`, so the offline
 driver's forking (``pagefold/beam_search.py``) is not available here. As vLLM's server does,
@@ -33,17 +34,22 @@ from collections.abc import Awaitable, Callable
 
 from pagefold.beam_search import BeamSearchSequence, best_sequences, expand
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
-from pagefold.entrypoints.openai.protocol import CompletionRequest, bad_request
+from pagefold.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    bad_request,
+)
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 # Fields whose output a beam-search answer does not carry here: 400 instead of ignoring them.
 _NOT_WITH_BEAMS = ("logprobs", "prompt_logprobs", "best_of", "response_format",
                    "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                   "guided_grammar", "logprob_token_ids")
+                   "guided_grammar", "logprob_token_ids", "top_logprobs")
 
 
-def check_beam_request(req: CompletionRequest, max_logprobs: int) -> None:
+def check_beam_request(req: SamplingRequest, max_logprobs: int) -> None:
     """400 naming the field for what beam search cannot honour (see the module docstring)."""
     n = 1 if req.n is None else req.n
     if n < 1:
@@ -54,7 +60,7 @@ def check_beam_request(req: CompletionRequest, max_logprobs: int) -> None:
                           f"this server allows {max_logprobs} (--max-logprobs)", "n")
     for name in _NOT_WITH_BEAMS:
         value = getattr(req, name, None)
-        if value is not None and not (name == "best_of" and value == n) and not (
+        if value not in (None, False) and not (name == "best_of" and value == n) and not (
                 name == "response_format" and getattr(value, "type", None) == "text"):
             raise bad_request(f"{name} cannot be combined with use_beam_search on pagefold",
                               name)
@@ -136,13 +142,9 @@ async def run_beam_search(
     return results
 
 
-async def beam_completion(serving, raw, req: CompletionRequest, prompts: list, params: list,
-                          base: str, created: int):
-    """The ``/v1/completions`` answer of a ``use_beam_search`` request: JSON, or, streamed,
-    each choice whole in one chunk (its beams are only known at the end, as vLLM streams
-    them) followed by usage when asked and ``[DONE]``."""
-    from pagefold.entrypoints.openai.memory import json_response
-    from pagefold.entrypoints.openai.protocol import AbortingStreamingResponse
+async def _finals(serving, raw, req, prompts: list, params: list, base: str
+                  ) -> list[RequestOutput]:
+    """Run the beam search of every prompt, cancelled if the client disconnects."""
     from pagefold.entrypoints.openai.serving_completion import engine_error, race_disconnect
 
     check_beam_request(req, serving.client.config.max_logprobs)
@@ -154,16 +156,45 @@ async def beam_completion(serving, raw, req: CompletionRequest, prompts: list, p
         include_stop_str_in_output=req.include_stop_str_in_output, base_id=base,
         priority=req.priority, cache_salt=req.cache_salt)
     try:
-        finals = await race_disconnect(raw, run)
+        return await race_disconnect(raw, run)
     except (RequestRejectedError, EngineDeadError) as e:
         raise engine_error(e) from None
+
+
+async def _after(finals: list[RequestOutput]):
+    for item in enumerate(finals[1:], 1):
+        yield item
+
+
+async def beam_completion(serving, raw, req: CompletionRequest, prompts: list, params: list,
+                          base: str, created: int):
+    """The ``/v1/completions`` answer of a ``use_beam_search`` request: JSON, or, streamed,
+    each choice whole in one chunk (its beams are only known at the end, as vLLM streams
+    them) followed by usage when asked and ``[DONE]``."""
+    from pagefold.entrypoints.openai.memory import json_response
+    from pagefold.entrypoints.openai.protocol import AbortingStreamingResponse
+
+    finals = await _finals(serving, raw, req, prompts, params, base)
     if not req.stream:
         return json_response(serving._response(req, base, created, prompts, params[0].n,
                                                finals))
+    body = serving._stream(req, base, created, prompts, params, (0, finals[0]),
+                           _after(finals))
+    return AbortingStreamingResponse(body, media_type="text/event-stream")
 
-    async def rest():
-        for item in enumerate(finals[1:], 1):
-            yield item
 
-    body = serving._stream(req, base, created, prompts, params, (0, finals[0]), rest())
+async def beam_chat(serving, raw, req: ChatCompletionRequest, prompt: tuple, params,
+                    rid: str, created: int, mode: str):
+    """The ``/v1/chat/completions`` answer of a ``use_beam_search`` request (as completions:
+    the choices are the best beams; streamed, each whole in one chunk)."""
+    from pagefold.entrypoints.openai.memory import json_response
+    from pagefold.entrypoints.openai.protocol import AbortingStreamingResponse
+
+    if params.structured_outputs is not None:  # a tool_choice that forces a grammar
+        raise bad_request("tool_choice required / named cannot be combined with "
+                          "use_beam_search", "tool_choice")
+    (final,) = await _finals(serving, raw, req, [prompt], [params], rid)
+    if not req.stream:
+        return json_response(serving._response(req, rid, created, final, mode))
+    body = serving._stream(req, rid, created, params, (0, final), _after([final]), mode)
     return AbortingStreamingResponse(body, media_type="text/event-stream")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagefold.entrypoints.openai.protocol import CompletionRequest, SamplingRequest, bad_request
+from pagefold.entrypoints.openai.protocol import SamplingRequest, bad_request
 from pagefold.structured_output import StructuredOutputsParams
 
 # field -> (values that mean "off", why a different value is refused)
@@ -47,9 +47,6 @@ BACKENDS = (None, "auto", "xgrammar", "guidance", "outlines", "lm-format-enforce
 
 def refuse_unsupported(req: SamplingRequest) -> None:
     """400 naming the first field sent with a value pagefold cannot honour."""
-    if req.use_beam_search and not isinstance(req, CompletionRequest):
-        raise bad_request("use_beam_search is served on /v1/completions only (not chat)",
-                          "use_beam_search", code="unsupported_field")
     for name in sorted(req.model_fields_set):
         rule = REFUSED.get(name)
         if rule is None or (name == "length_penalty" and req.use_beam_search):

@@ -137,6 +137,7 @@ def test_streamed_beams_come_whole(server, client):
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"best_of": 3, "n": 2}, "best_of"),
     ({"guided_choice": ["a"]}, "guided_choice"),
+    ({"cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_beam_requests_are_400_naming_the_field(server, body, param):
     r = server.post("/v1/completions", dict({"model": MODEL, "prompt": PROMPTS[0],

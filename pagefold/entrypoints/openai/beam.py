@@ -145,10 +145,15 @@ async def run_beam_search(
 async def _finals(serving, raw, req, prompts: list, params: list, base: str
                   ) -> list[RequestOutput]:
     """Run the beam search of every prompt, cancelled if the client disconnects."""
+    from pagefold.entrypoints.openai.options import log_request
     from pagefold.entrypoints.openai.serving_completion import engine_error, race_disconnect
 
     check_beam_request(req, serving.client.config.max_logprobs)
+    if req.cache_salt is not None and not req.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
     serving.client.check_alive()
+    for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+        log_request(serving.options, f"{base}-{i}", text, ids, sp)
     run = run_beam_search(
         serving.client, serving.tokens.decode, [ids for _, ids in prompts],
         beam_width=params[0].n, max_tokens=[sp.max_tokens for sp in params],

@@ -34,7 +34,10 @@ from collections.abc import Awaitable, Callable
 
 from pagefold.beam_search import BeamSearchSequence, best_sequences, expand
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
+from pagefold.entrypoints.openai.memory import json_response
+from pagefold.entrypoints.openai.options import log_request
 from pagefold.entrypoints.openai.protocol import (
+    AbortingStreamingResponse,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
@@ -145,7 +148,6 @@ async def run_beam_search(
 async def _finals(serving, raw, req, prompts: list, params: list, base: str
                   ) -> list[RequestOutput]:
     """Run the beam search of every prompt, cancelled if the client disconnects."""
-    from pagefold.entrypoints.openai.options import log_request
     from pagefold.entrypoints.openai.serving_completion import engine_error, race_disconnect
 
     check_beam_request(req, serving.client.config.max_logprobs)
@@ -176,8 +178,6 @@ async def beam_completion(serving, raw, req: CompletionRequest, prompts: list, p
     """The ``/v1/completions`` answer of a ``use_beam_search`` request: JSON, or, streamed,
     each choice whole in one chunk (its beams are only known at the end, as vLLM streams
     them) followed by usage when asked and ``[DONE]``."""
-    from pagefold.entrypoints.openai.memory import json_response
-    from pagefold.entrypoints.openai.protocol import AbortingStreamingResponse
 
     finals = await _finals(serving, raw, req, prompts, params, base)
     if not req.stream:
@@ -192,8 +192,6 @@ async def beam_chat(serving, raw, req: ChatCompletionRequest, prompt: tuple, par
                     rid: str, created: int, mode: str):
     """The ``/v1/chat/completions`` answer of a ``use_beam_search`` request (as completions:
     the choices are the best beams; streamed, each whole in one chunk)."""
-    from pagefold.entrypoints.openai.memory import json_response
-    from pagefold.entrypoints.openai.protocol import AbortingStreamingResponse
 
     if params.structured_outputs is not None:  # a tool_choice that forces a grammar
         raise bad_request("tool_choice required / named cannot be combined with "

@@ -94,9 +94,7 @@ def beam_search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams
     outs = []
     for inst in instances:
         inst.completed.extend(b.seq for b in inst.beams)
-        best = sorted(inst.completed, reverse=True,
-                      key=lambda s: beam_score(s.tokens, s.cum_logprob, eos,
-                                               params.length_penalty))[:bw]
+        best = best_sequences(inst.completed, eos, bw, params.length_penalty)
         for s in best:
             s.text = tok.decode(s.tokens) if tok is not None else None
         outs.append(BeamSearchOutput(best))
@@ -118,23 +116,49 @@ def _step_until_all(engine, waiting: set[str]) -> dict[str, tuple]:
     return got
 
 
-def _select(engine, inst: _Instance, cands, eos, bw: int, params: BeamSearchParams, ids) -> None:
-    scored = []
-    for beam in inst.beams:
-        top, finish = cands[beam.engine_id]
+def expand(beams: list[BeamSearchSequence], cands: list[tuple[dict[int, float], str | None]],
+           eos: int | None, beam_width: int, ignore_eos: bool, length_penalty: float
+           ) -> tuple[list[BeamSearchSequence], list[tuple[int, BeamSearchSequence]]]:
+    """One beam step, shared by the offline driver and the server's (``openai/beam.py``).
+
+    ``cands[i]`` is beam ``i``'s next-token candidates (token -> raw logprob, in the engine's
+    order: the sampled token, then the top-k) and the finish reason of the step that made them.
+    Returns ``(completed, survivors)``: candidates ending in EOS (unless ``ignore_eos``) or cut
+    by the engine's length limit are completed; of the others the best ``beam_width`` by
+    :func:`beam_score` survive as ``(parent index, sequence)``, best first (ties keep the
+    candidates' order: parent order, then the engine's order).
+    """
+    completed: list[BeamSearchSequence] = []
+    scored: list[tuple[int, BeamSearchSequence]] = []
+    for i, (beam, (top, finish)) in enumerate(zip(beams, cands, strict=True)):
         for tok, lp in top.items():
-            seq = BeamSearchSequence(beam.seq.tokens + [tok], beam.seq.cum_logprob + lp)
-            if (tok == eos and not params.ignore_eos) or finish == "length":
-                seq.finish_reason = "stop" if tok == eos else "length"
-                inst.completed.append(seq)
+            seq = BeamSearchSequence(beam.tokens + [tok], beam.cum_logprob + lp)
+            if (tok == eos and not ignore_eos) or finish == "length":
+                seq.finish_reason = "stop" if tok == eos and not ignore_eos else "length"
+                completed.append(seq)
             else:
-                scored.append((beam, seq))
-    scored.sort(key=lambda x: beam_score(x[1].tokens, x[1].cum_logprob, eos,
-                                         params.length_penalty), reverse=True)
-    survivors = scored[:bw]
+                scored.append((i, seq))
+    scored.sort(key=lambda x: beam_score(x[1].tokens, x[1].cum_logprob, eos, length_penalty),
+                reverse=True)
+    return completed, scored[:beam_width]
+
+
+def best_sequences(completed: list[BeamSearchSequence], eos: int | None, beam_width: int,
+                   length_penalty: float) -> list[BeamSearchSequence]:
+    """The final answer: the best ``beam_width`` of the completed and still-live beams."""
+    return sorted(completed, reverse=True,
+                  key=lambda s: beam_score(s.tokens, s.cum_logprob, eos, length_penalty)
+                  )[:beam_width]
+
+
+def _select(engine, inst: _Instance, cands, eos, bw: int, params: BeamSearchParams, ids) -> None:
+    done, survivors = expand([b.seq for b in inst.beams],
+                             [cands[b.engine_id] for b in inst.beams], eos, bw,
+                             params.ignore_eos, params.length_penalty)
+    inst.completed.extend(done)
     by_parent: dict[str, list[BeamSearchSequence]] = {}
-    for beam, seq in survivors:
-        by_parent.setdefault(beam.engine_id, []).append(seq)
+    for parent, seq in survivors:
+        by_parent.setdefault(inst.beams[parent].engine_id, []).append(seq)
     new_beams = []
     for beam in inst.beams:
         kids = by_parent.get(beam.engine_id)

@@ -487,7 +487,7 @@ COMPLETION_FIELDS = {
     **COMMON_FIELDS, "echo": True, "logprobs": 2, "suffix": "s", "best_of": 2,
     "prompt_embeds": "AAAA",
 }
-ALWAYS_REFUSED = {"use_beam_search", "watermarking", "length_penalty",
+ALWAYS_REFUSED = {"watermarking", "length_penalty",
                   "spaces_between_special_tokens",
                   "routed_experts_prompt_start", "return_token_offsets", "mm_payload",
                   "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",
@@ -567,8 +567,7 @@ def test_vllm_launch_line_starts(model_dir, tmp_path):
 def test_vllm_behaviours_on_chat(server, client):
     """The same vLLM behaviours on /v1/chat/completions: model "" is the served model,
     stream_options needs stream, every streamed chunk carries usage with
-    continuous_usage_stats, guided_choice constrains, prompt_logprobs -1 and use_beam_search
-    are refused by name."""
+    continuous_usage_stats, guided_choice constrains, prompt_logprobs -1 is refused by name."""
     msgs = [{"role": "user", "content": "hi"}]
     r = server.post("/v1/chat/completions", {"model": "", "messages": msgs, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
@@ -585,8 +584,7 @@ def test_vllm_behaviours_on_chat(server, client):
         r = chat(client, max_tokens=10, temperature=1.0, seed=seed,
                  extra_body={"guided_choice": ["alpha", "beta"]})
         assert r.choices[0].message.content in ("alpha", "beta")
-    for body, name in (({"prompt_logprobs": -1}, "prompt_logprobs"),
-                       ({"use_beam_search": True}, "use_beam_search")):
+    for body, name in (({"prompt_logprobs": -1}, "prompt_logprobs"),):
         r = server.post("/v1/chat/completions", dict(
             {"model": MODEL, "messages": msgs, "max_tokens": 2}, **body))
         assert r.status_code == 400 and name in json.dumps(r.json()["error"]), r.text

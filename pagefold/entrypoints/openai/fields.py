@@ -19,8 +19,7 @@ from pagefold.structured_output import StructuredOutputsParams
 
 # field -> (values that mean "off", why a different value is refused)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False, None), "beam search runs offline only (LLM.beam_search)"),
-    "length_penalty": ((1.0, 1, None), "it only applies to beam search"),
+    "length_penalty": ((1.0, 1, None), "it only applies to beam search (use_beam_search)"),
     "spaces_between_special_tokens": (
         (True, None), "special tokens are always joined as the tokenizer decodes them"),
     "watermarking": ((False, None), "no watermarking"),
@@ -50,7 +49,7 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     """400 naming the first field sent with a value pagefold cannot honour."""
     for name in sorted(req.model_fields_set):
         rule = REFUSED.get(name)
-        if rule is None:
+        if rule is None or (name == "length_penalty" and req.use_beam_search):
             continue
         value = getattr(req, name)
         if any(value == v and type(value) is type(v) for v in rule[0] if v is not None) or (

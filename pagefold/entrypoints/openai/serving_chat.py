@@ -222,6 +222,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request(str(e), "tool_choice") from None
         rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")
         created = int(time.time())
+        if req.use_beam_search:
+            from pagefold.entrypoints.openai.beam import beam_chat
+            return await beam_chat(self, raw, req, (text, ids), params, rid, created, mode)
         stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)

@@ -477,6 +477,9 @@ class OpenAIServingCompletion(OpenAIServing):
         base = f"cmpl-{req.request_id}" if req.request_id else self.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
+        if req.use_beam_search:
+            from pagefold.entrypoints.openai.beam import beam_completion
+            return await beam_completion(self, raw, req, prompts, params, base, created)
         stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)

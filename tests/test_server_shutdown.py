@@ -22,13 +22,13 @@ TIMEOUT = 2.0
 
 
 def _long(stream: bool) -> dict:
-    return {"model": MODEL, "prompt": "to be continued", "max_tokens": 1900, "ignore_eos": True,
+    return {"model": MODEL, "prompt": "to be continued", "max_tokens": 4000, "ignore_eos": True,
             "stream": stream}
 
 
 def test_sigterm_drains_then_ends_everyone_properly(qwen3_dir, tmp_path):
     srv = Server.launch(qwen3_dir, tmp_path / "server.log", extra_args=(
-        "--shutdown-timeout", str(TIMEOUT), "--max-num-seqs", "1", "--max-model-len", "2048"))
+        "--shutdown-timeout", str(TIMEOUT), "--max-num-seqs", "1", "--max-model-len", "4096"))
     srv.ready(timeout=300)
 
     async def scenario() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -99,3 +100,18 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.2f}"
     return "" if v is None else str(v)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` (None or 0: left as they are) for the block, then
+    restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.common import bench_model, print_table
+from benchmarks.common import bench_model, print_table, torch_threads
 
 COLUMNS = ["trace", "cache", "reqs", "prompt tok", "hit rate", "reqs hit", "ckpts", "TTFT ms",
            "seconds", "cpu s", "out tok/s", "on/off tok/s", "on/off cpu", "TTFT off/on",
@@ -299,16 +299,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the traces; prints and returns the table rows (an OFF and an ON row per trace)."""
-    import torch
-
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _main(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _main(args: argparse.Namespace) -> list[dict]:

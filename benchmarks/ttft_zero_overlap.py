@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import bench_model, print_table
+from benchmarks.common import bench_model, print_table, torch_threads
 
 COLUMNS = ["model", "reqs", "prompt tok", "TTFT ms off", "TTFT ms on", "TTFT off/on",
            "CPU ms off", "CPU ms on", "CPU off/on", "pair med", "e2e off/on", "ckpts", "hits",
@@ -239,21 +239,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run every model; prints and returns the table rows (one per model)."""
-    import torch
-
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         if args.kernels:
             rows = kernel_overhead(args)
             print_table(rows, list(rows[0]))
             return rows
         rows = ([run_model("", args, m) for m in args.models] if args.models
                 else [run_model(arch, args) for arch in args.archs])
-    finally:
-        torch.set_num_threads(threads)
     print_table(rows, COLUMNS)
     return rows
 

@@ -1,16 +1,20 @@
 """N-gram speculative decoding on the real SmolLM2-135M-Instruct: speculation ON vs OFF.
 
-    python -m benchmarks.spec_decode [--model DIR] [--max-tokens 160] [--repeats 2]
+    python -m benchmarks.spec_decode [--model DIR] [--max-tokens 160] [--repeats 2] [--cases ...]
 
-Workloads (greedy, chat template, ``ignore_eos`` so ON and OFF emit the same token counts):
-  * ``edit b1``: one request, "repeat this code with one change" (the prompt holds most of
-    the answer: what prompt lookup is for);
+Workloads (greedy, chat template):
+  * ``edit b1``: the editing set ``EDITS``, six requests one after another, each stopping at
+    its EOS (cap ``--edit-max-tokens``): code to repeat with one change and a note to
+    rewrite, so the prompt holds most of the answer (what prompt lookup is for);
+  * ``edit b1 fixed``: one of them run to a fixed ``--max-tokens`` with ``ignore_eos`` (the
+    earlier row: past the answer's end the model wanders, and that tail has little to look
+    up);
   * ``none accepted b1``: the same request with a drafter whose every draft is wrong (the
     worst case: each verify round costs 1 + k tokens and gains nothing; the per-request
-    back-off then keeps the loss small);
-  * ``free b1``: an open question (little to look up);
-  * ``edit b32``: 32 editing requests at once (above the automatic cut-off, so speculation
-    stays off: it must not be slower).
+    back-off then keeps the loss small), fixed length;
+  * ``free b1``: an open question (little to look up), fixed length;
+  * ``edit b32``: the editing set cycled to 32 requests at once (above the automatic
+    cut-off, so speculation stays off: it must not be slower).
 
 Both engines live side by side; every workload runs OFF then ON (alternating order per
 repeat, best of ``--repeats``), with identical prompts. Columns: output tokens/s of each, the
@@ -42,7 +46,56 @@ CODE = '''def moving_average(values, window):
             result.append(total / window)
     return result
 '''
+STACK = '''class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1]
+
+    def is_empty(self):
+        return len(self.items) == 0
+'''
+CONFIG = '''import json
+
+def load_config(path):
+    with open(path) as f:
+        config = json.load(f)
+    if "name" not in config:
+        config["name"] = "default"
+    if "port" not in config:
+        config["port"] = 8080
+    return config
+'''
+NOTE = ("The meeting is scheduled for Monday at 10 am in room 4. Please bring your laptop, "
+        "the quarterly report and a list of questions for the team. Lunch will be served "
+        "after the meeting in the main hall.")
 EDIT = f"Repeat this Python code exactly, but rename the variable total to running_sum:\n\n{CODE}"
+# The editing set: six requests whose prompt holds most of the answer (code to repeat with
+# one change, a note to rewrite). The 135M model does not always make the edit, and some of
+# its answers wander off: the set is kept as it is (all six), not trimmed to the ones that
+# copy best.
+EDITS = [
+    f"Rename `total` to `running_sum` in the following code. Output the complete code."
+    f"\n\n```python\n{CODE}```",
+    f"Rename the method `peek` to `top` in the following code. Output the complete code."
+    f"\n\n```python\n{STACK}```",
+    f"Change the default port from 8080 to 9000 in the following code. Output the complete "
+    f"code.\n\n```python\n{CONFIG}```",
+    EDIT,
+    f"Rewrite the following text, changing Monday to Tuesday. Keep everything else the same."
+    f"\n\n{NOTE}",
+    f"Add a docstring to the `push` method in the following code. Output the complete code."
+    f"\n\n```python\n{STACK}```",
+]
 FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}
@@ -68,15 +121,17 @@ def _wrong_drafts(req, k: int) -> list[int]:
     return [(req.all_token_ids[-1] * 7 + 13 + j) % 200 + 10 for j in range(k)]
 
 
-def _run(llm, prompts, params, wrong: bool = False):
+def _run(llm, prompts, params, wrong: bool = False, one_by_one: bool = False):
     from pagefold.spec_decode.engine import SpecMetrics
 
     spec = llm.engine.spec
     if spec is not None:
         spec.metrics = SpecMetrics()
         spec.propose_fn = _wrong_drafts if wrong else spec._ngram
+    groups = [[p] for p in prompts] if one_by_one else [prompts]
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = [o for g in groups for o in llm.generate([{"prompt_token_ids": p} for p in g],
+                                                    params, use_tqdm=False)]
     secs = time.perf_counter() - t
     toks = [o.outputs[0].token_ids for o in outs]
     return sum(len(x) for x in toks) / secs, toks, (spec.metrics if spec else None)
@@ -85,9 +140,13 @@ def _run(llm, prompts, params, wrong: bool = False):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-tokens", type=int, default=160,
+                    help="output length of the fixed-length workloads (ignore_eos)")
+    ap.add_argument("--edit-max-tokens", type=int, default=400,
+                    help="cap of the editing set's answers (they stop at EOS)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--cases", default="edit b1,none accepted b1,free b1,edit b32",
+    ap.add_argument("--cases",
+                    default="edit b1,edit b1 fixed,none accepted b1,free b1,edit b32",
                     help="comma-separated workload names to run")
     args = ap.parse_args(argv)
 
@@ -98,12 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     model = str(args.model or default_model())
     tok = AutoTokenizer.from_pretrained(model)
     edit, free = _chat_ids(tok, EDIT), _chat_ids(tok, FREE)
+    edits = [_chat_ids(tok, e) for e in EDITS]
     kw = dict(max_model_len=2048, max_num_batched_tokens=512, warm_up=False)
     off = LLM(model, **kw)
     on = LLM(model, speculative_config=SPEC, **kw)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    cases = [("edit b1", [edit], False), ("none accepted b1", [edit], True),
-             ("free b1", [free], False), ("edit b32", [edit] * 32, False)]
+    fixed = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    natural = SamplingParams(temperature=0, max_tokens=args.edit_max_tokens)
+    b32 = [edits[i % len(edits)] for i in range(32)]
+    # (name, prompts, params, every draft wrong, one request at a time)
+    cases = [("edit b1", edits, natural, False, True),
+             ("edit b1 fixed", [edit], fixed, False, True),
+             ("none accepted b1", [edit], fixed, True, True),
+             ("free b1", [free], fixed, False, True),
+             ("edit b32", b32, natural, False, False)]
     wanted = [c.strip() for c in args.cases.split(",")]
     cases = [c for c in cases if c[0] in wanted]
     print(f"model {model}\nspeculative_config {SPEC}\n", flush=True)
@@ -111,14 +177,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{'accept':>7} {'mean len':>8} {'same':>5}")
     print(head)
     print("-" * len(head))
-    for name, prompts, wrong in cases:
+    for name, prompts, params, wrong, one_by_one in cases:
         best_off = best_on = 0.0
         m = same = None
         for rep in range(args.repeats):
             order = [("off", off), ("on", on)] if rep % 2 == 0 else [("on", on), ("off", off)]
             res = {}
             for label, llm in order:
-                res[label] = _run(llm, prompts, params, wrong and label == "on")
+                res[label] = _run(llm, prompts, params, wrong and label == "on", one_by_one)
             best_off = max(best_off, res["off"][0])
             best_on = max(best_on, res["on"][0])
             m = res["on"][2]

@@ -397,11 +397,57 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
         monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setenv("PAGEFOLD_AMX", "0")
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
         assert cpu_ops.linear(x[:3], w, None) is None
+        monkeypatch.setenv("PAGEFOLD_AMX", "1")  # with AMX, up to AMX_MAX_ROWS on the tiles
+        cpu_ops._choose_gemv(lib)
+        if lib.pf_amx_ready():
+            assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.AMX_MAX_ROWS
+            assert cpu_ops._gemv is lib.pf_linear_bf16_amx
+        else:
+            assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
     finally:
         cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS = saved
+
+
+def _amx(x, w, b):
+    lib = cpu_ops.kernels()
+    if lib is None or not lib.pf_amx_ready():
+        pytest.skip("no AMX on this CPU or in this build")
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    rc = lib.pf_linear_bf16_amx(x.data_ptr(), x.stride(0), w.data_ptr(),
+                                b.data_ptr() if b is not None else None, y.data_ptr(), n, m,
+                                n, k, 2)
+    return y if rc == 0 else None
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 100, 96), (16, 1200, 576), (3, 81, 32),
+                                   (7, 33, 40)])
+def test_amx_product_matches_float32_and_is_row_independent(m, n, k):
+    """The AMX tile product (gemv_amx.cpp): float32 sums rounded once (within bf16 rounding of
+    the exact product), bias added, weight rows past the last whole tile (n % 16) and K not a
+    multiple of 32 (the dot-product GEMV) included; every row's bits equal that row computed
+    alone, so a verify step equals its decode steps."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]  # rows strided
+    w = (torch.randn(n, k, generator=g) * 0.3).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    y = _amx(x, w, b)
+    ref = x.float() @ w.float().T + b.float()
+    assert torch.allclose(y.float(), ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+    for i in range(m):
+        assert torch.equal(_amx(x[i:i + 1].contiguous(), w, b)[0], y[i])
+    assert torch.equal(_amx(x, w, None), _amx(x, w, torch.zeros(n).bfloat16()))
+
+
+def test_amx_product_refuses_more_than_16_rows():
+    w = torch.randn(32, 64).bfloat16()
+    assert _amx(torch.randn(16, 64).bfloat16(), w, None) is not None
+    assert _amx(torch.randn(17, 64).bfloat16(), w, None) is None
 
 
 def _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv):

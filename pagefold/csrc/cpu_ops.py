@@ -38,7 +38,8 @@ from pagefold.csrc import gemm
 logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp"]
+_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp",
+            _DIR / "gemv_amx.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -147,6 +148,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_linear_bf16.restype = i32
     lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes
     lib.pf_linear_bf16_fma.restype = i32
+    lib.pf_linear_bf16_amx.argtypes = lib.pf_linear_bf16.argtypes
+    lib.pf_linear_bf16_amx.restype = i32
+    lib.pf_amx_ready.restype = i32
     lib.pf_gemv_kinds.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
         getattr(lib, name).restype = i32
@@ -466,8 +470,12 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
 # (AVX512-BF16 / AMX) oneDNN is as fast from 3 rows on. Elsewhere its bf16 GEMM costs about a
 # weight pass per row, and the AVX2 kernel (weights read once per call) stays 3-4x ahead up to
 # FMA_MAX_ROWS (benchmarks/bf16_gemv.py: decode batches, verify steps, short prefill chunks);
-# the opt-in float32-upcast GEMM (gemm.py) catches up at ~20-24 rows: UPCAST_MAX_ROWS.
+# the opt-in float32-upcast GEMM (gemm.py) catches up at ~20-24 rows: UPCAST_MAX_ROWS. With
+# AMX the tile kernel (gemv_amx.cpp) costs about one weight pass for 1 to 16 rows, below both
+# the AVX512-BF16 GEMV (compute bound from ~2 rows) and oneDNN (a fixed per-call cost):
+# AMX_MAX_ROWS (``PAGEFOLD_AMX=0`` keeps the AVX512-BF16 GEMV, for comparisons).
 FMA_MAX_ROWS = 32
+AMX_MAX_ROWS = 16
 UPCAST_MAX_ROWS = 20
 NATIVE_MAX_ROWS = 2
 GEMV_MAX_ROWS = (NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16()
@@ -478,12 +486,17 @@ _gemv = None  # the C function linear() and the decode plans call (set with the 
 
 def _choose_gemv(lib: ctypes.CDLL) -> None:
     """Pick the GEMV and its row limit for this CPU: the AVX2 + FMA kernel where the CPU has
-    no native bf16 GEMM and the build has the kernel, else ``pf_linear_bf16`` (AVX512-BF16,
-    or a scalar loop: then only for ``NATIVE_MAX_ROWS`` rows)."""
+    no native bf16 GEMM and the build has the kernel; the AMX tile kernel where the build has
+    it and the OS grants the tile state; else ``pf_linear_bf16`` (AVX512-BF16, or a scalar
+    loop: then only for ``NATIVE_MAX_ROWS`` rows). Each keeps a row's bits independent of how
+    many rows share a call, so verify steps compute what decode steps would."""
     global _gemv, GEMV_MAX_ROWS
     if not gemm._cpu_has_fast_bf16() and lib.pf_gemv_kinds() & 2:
         _gemv = lib.pf_linear_bf16_fma
         GEMV_MAX_ROWS = UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS
+    elif (gemm._cpu_has_fast_bf16() and os.environ.get("PAGEFOLD_AMX", "1") != "0"
+          and lib.pf_amx_ready()):
+        _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16_amx, AMX_MAX_ROWS
     else:
         _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16, NATIVE_MAX_ROWS
 

@@ -1,5 +1,5 @@
-"""Batch-1/2 decode of dense decoder layers (Llama / Qwen2 / Qwen3) straight through the
-compiled CPU kernels.
+"""Decode and speculative-verify steps of dense decoder layers (Llama / Qwen2 / Qwen3)
+straight through the compiled CPU kernels.
 
 A decode step of a small model spends as much time in Python as in its kernels: per layer
 about ten ``nn.Module`` calls, each kernel wrapper re-checking dtypes, strides and devices,
@@ -8,8 +8,13 @@ every row is a decode row on the CPU in bf16 with the C++ kernels on, :class:`De
 checks all of that once per model (and the per-step metadata once per step), then calls the
 same C functions with the same arguments the wrappers would pass, in the same order: the
 result is bit for bit the module path's (tested), with ~10 ctypes calls per layer and little
-else. Anything outside those conditions (float32, FP8 KV cache, tensor parallelism, Triton,
-prefill rows, more than ``GEMV_MAX_ROWS`` rows, kernels off) takes the module path.
+else. A step qualifies when every row attends as a decode row: plain decode steps, and the
+short chunks of speculative verify steps (``input_batch.SHORT_CHUNK_AS_DECODE``), whose rows
+each read their request's block table up to their own position. Linears of up to
+``GEMV_MAX_ROWS`` rows call the GEMV directly; larger steps call the layer's own ``forward``
+(the routing ``cpu_ops.use_fast_linears`` set up), so their bits are the module path's too.
+Anything outside those conditions (float32, FP8 KV cache, tensor parallelism, Triton,
+prefill rows, more than ``MAX_ROWS`` rows, kernels off) takes the module path.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from pagefold.distributed.parallel_state import tp_size
 from pagefold.kernels import dispatch
 
 _BF16 = 1  # cpu_ops' dtype code
+# Steps of more rows than this take the module path: by then the linears' time dwarfs the
+# Python the plan saves (and a plan step holds every layer's activations of one row set).
+MAX_ROWS = 256
 
 
 def _gemv_ready(lin) -> bool:
@@ -35,7 +43,7 @@ class _Layer:
 
     __slots__ = ("name", "in_w", "in_eps", "post_w", "post_eps", "qkv", "o", "gu", "down",
                  "H", "KVH", "D", "q_size", "kv_size", "qw", "kw", "qk_eps", "cos", "sin",
-                 "rot", "scale", "inter", "keep")
+                 "rot", "scale", "inter", "mods", "keep")
 
     def __init__(self, layer) -> None:
         a, m = layer.self_attn, layer.mlp
@@ -57,6 +65,7 @@ class _Layer:
         self.rot = a.rotary.cos.shape[1]
         self.scale = float(a.scale)
         self.inter = m.inter
+        self.mods = lins  # steps of more than GEMV_MAX_ROWS rows call their forwards
         # The tensors behind the pointers stay alive (and identical) while the plan is used.
         self.keep = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                      a.rotary.cos, a.rotary.sin,
@@ -94,7 +103,7 @@ class DensePlan:
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
         if (not self.ok or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or not 1 <= x.shape[0] <= cpu_ops.GEMV_MAX_ROWS or ctx.spec_states is not None
+                or not 1 <= x.shape[0] <= MAX_ROWS or ctx.spec_states is not None
                 or cpu_ops.kernels() is None or dispatch.use_triton(x.device)):
             return False
         cache = ctx.cache
@@ -102,7 +111,8 @@ class DensePlan:
             c = cache.attn.get(la.name)
             meta = ctx.attn_meta[cache.layer_group[la.name]]
             if (c is None or c.dtype != torch.bfloat16 or not c.is_contiguous()
-                    or not meta.all_decode or c.shape[1] > self.max_block):
+                    or meta.prefills or meta.decode_tok.numel() != x.shape[0]
+                    or c.shape[1] > self.max_block):
                 return False
         return True
 
@@ -113,6 +123,7 @@ class DensePlan:
         lib, nt = self.lib, torch.get_num_threads()
         rms, gemv, rope = lib.pf_rms_norm, cpu_ops.gemv_function(), lib.pf_qk_norm_rope
         t = x.shape[0]
+        small = t <= cpu_ops.GEMV_MAX_ROWS  # else each linear's own routing (same bits)
         positions = positions.contiguous()
         pos = positions.data_ptr()
         steps: dict[int, tuple] = {}  # per attention group: this step's metadata pointers
@@ -145,9 +156,12 @@ class DensePlan:
                          residual.stride(0), la.in_w, h.data_ptr(), d_model, t, d_model,
                          la.in_eps, 0, nt)
             # qkv, q/k norm + RoPE, K/V write, attention
-            w, b, n, k = la.qkv
-            qkv = empty((t, n), dtype=bf16)
-            rc |= gemv(h.data_ptr(), h.stride(0), w, b, qkv.data_ptr(), n, t, n, k, nt)
+            if small:
+                w, b, n, k = la.qkv
+                qkv = empty((t, n), dtype=bf16)
+                rc |= gemv(h.data_ptr(), h.stride(0), w, b, qkv.data_ptr(), n, t, n, k, nt)
+            else:
+                qkv = la.mods[0].forward(h)
             q = empty((t, la.H, la.D), dtype=bf16)
             kk = empty((t, la.KVH, la.D), dtype=bf16)
             rc |= rope(_BF16, qkv.data_ptr(), qkv.stride(0), 0, la.D, la.q_size, pos, la.cos,
@@ -161,23 +175,32 @@ class DensePlan:
                 _BF16, q.data_ptr(), q.stride(0), None, kv_cache.data_ptr(), g[4], g[5], g[6],
                 g[7], o.data_ptr(), o.stride(0), g[9], la.H, la.KVH, la.D, kv_cache.shape[1],
                 la.scale, nt)
-            w, b, n, k = la.o
-            a_out = empty((t, n), dtype=bf16)
-            rc |= gemv(o.data_ptr(), la.H * la.D, w, b, a_out.data_ptr(), n, t, n, k, nt)
+            if small:
+                w, b, n, k = la.o
+                a_out = empty((t, n), dtype=bf16)
+                rc |= gemv(o.data_ptr(), la.H * la.D, w, b, a_out.data_ptr(), n, t, n, k, nt)
+            else:
+                a_out = la.mods[1].forward(o.view(t, la.H * la.D))
             # post-attention norm with the residual add, gated MLP
             h = empty((t, d_model), dtype=bf16)
             rc |= rms(_BF16, a_out.data_ptr(), a_out.stride(0), residual.data_ptr(),
                       residual.stride(0), la.post_w, h.data_ptr(), d_model, t, d_model,
                       la.post_eps, 0, nt)
-            w, b, n, k = la.gu
-            gu = empty((t, n), dtype=bf16)
-            rc |= gemv(h.data_ptr(), h.stride(0), w, b, gu.data_ptr(), n, t, n, k, nt)
+            if small:
+                w, b, n, k = la.gu
+                gu = empty((t, n), dtype=bf16)
+                rc |= gemv(h.data_ptr(), h.stride(0), w, b, gu.data_ptr(), n, t, n, k, nt)
+            else:
+                gu = la.mods[2].forward(h)
             act = empty((t, la.inter), dtype=bf16)
             rc |= lib.pf_silu_mul(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), t,
                                   la.inter, nt)
-            w, b, n, k = la.down
-            x = empty((t, n), dtype=bf16)
-            rc |= gemv(act.data_ptr(), act.stride(0), w, b, x.data_ptr(), n, t, n, k, nt)
+            if small:
+                w, b, n, k = la.down
+                x = empty((t, n), dtype=bf16)
+                rc |= gemv(act.data_ptr(), act.stride(0), w, b, x.data_ptr(), n, t, n, k, nt)
+            else:
+                x = la.mods[3].forward(act)
             if rc:
                 raise RuntimeError(f"a CPU kernel refused checked inputs in {la.name}")
         return x, residual

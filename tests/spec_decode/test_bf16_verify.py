@@ -1,7 +1,8 @@
 """bf16 greedy speculation on the CPU computes, bit for bit, what the decode steps would.
 
-Where the bf16 linears take the row-independent AVX2 kernel for every few-row product (CPUs
-without native bf16 GEMM; forced here when this one has it), and a verify chunk's rows attend
+Where the bf16 linears take a row-independent kernel for every few-row product (the AVX2
+kernel on CPUs without native bf16 GEMM, forced here when this one has it; the AMX tile kernel
+where the CPU has AMX), and a verify chunk's rows attend
 as decode rows (``input_batch.SHORT_CHUNK_AS_DECODE``), every logit of a verify step equals
 the one a plain decode step produces: tokens *and* logprobs with speculation on equal those
 with it off, in bf16, not only in float32.
@@ -16,15 +17,22 @@ from pagefold.csrc import cpu_ops
 from pagefold.testing import tiny_models
 
 
-@pytest.fixture
-def fma_routing(monkeypatch):
+@pytest.fixture(params=["fma", "amx"])
+def row_independent_routing(request, monkeypatch):
     lib = cpu_ops.kernels()
-    if lib is None or not lib.pf_gemv_kinds() & 2:
-        pytest.skip("no AVX2 + FMA kernel on this CPU")
+    if request.param == "fma":
+        if lib is None or not lib.pf_gemv_kinds() & 2:
+            pytest.skip("no AVX2 + FMA kernel on this CPU")
+        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        monkeypatch.delenv("PAGEFOLD_BF16_UPCAST", raising=False)
+    else:
+        if lib is None or not lib.pf_amx_ready():
+            pytest.skip("no AMX on this CPU")
+        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setenv("PAGEFOLD_AMX", "1")
     saved = (cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS)
-    monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
-    monkeypatch.delenv("PAGEFOLD_BF16_UPCAST", raising=False)
     cpu_ops._choose_gemv(lib)
+    assert cpu_ops.GEMV_MAX_ROWS >= 5  # the verify steps (1 + 4 rows) take the kernel
     yield
     cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS = saved
 
@@ -37,7 +45,7 @@ def _generate(llm: LLM, prompts):
                                       for step in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, fma_routing):
+def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, row_independent_routing):
     # Wide enough that summation order shows in the bf16 logits (at width 64 it rarely does).
     model = str(tiny_model_factory("qwen3", hidden_size=512, intermediate_size=1024,
                                    num_attention_heads=8, num_key_value_heads=2, head_dim=64))

@@ -1,0 +1,204 @@
+// The bf16 few-row product on CPUs with AMX: y (M, N) = x (M, K) W^T (+ bias) for M <= 16,
+// float32 sums, one rounding at the end. Called through ctypes (see cpu_ops.py).
+//
+// Why: decode steps (one row per request) and speculative verify steps (1 + k rows) are
+// memory bound on the weights, but the AVX512-BF16 dot-product GEMV does 32 multiply-adds per
+// instruction per row, so from ~3 rows its compute outgrows the weight stream; oneDNN's GEMM
+// has a fixed per-call cost that dwarfs small layers. The AMX tile unit does a 16 x 16 x 32
+// block per instruction, so up to 16 rows cost about what one does.
+//
+// Layout trick: the weight needs no repacking. The tile product computes
+// C[i][j] += sum_p A[i][2p] B[p][2j] + A[i][2p+1] B[p][2j+1]; with A = 16 weight rows x 32 k
+// (W as stored, one row per tile row) and B = x's 32 k packed as 16 k-pairs x M columns
+// (built once per call, a few KiB), C[n][m] is y[m][n]. Each output element depends only on
+// its own x row and weight row, accumulated over k in the same order whatever M is: a row's
+// bits do not depend on how many rows share the call (a verify step computes what the decode
+// steps it replaces would).
+//
+// Tiles need K a multiple of 32 (every model width we know); other K go to pf_linear_bf16
+// (the AVX512-BF16 dot-product GEMV, also independent of M) for every M alike. Weight rows
+// past the last multiple of 16 go through a one-row AVX512-BF16 dot product.
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+namespace pf {
+namespace {
+
+constexpr int kTileRows = 16;     // weight rows per tile
+constexpr int kTileK = 32;        // k per tile (64 bytes of bf16)
+constexpr int kBlocks = 4;        // weight tiles in flight (independent accumulators)
+constexpr int kMaxRows = 16;      // x rows (tile columns of B and C)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asking twice is harmless. Called once, from pf_amx_ready.
+bool request_amx() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// tmm0..3: C of kBlocks weight tiles (16 x M float32); tmm4, tmm5: A (16 x 32 bf16 weights),
+// alternating; tmm6: B (16 k-pairs x M bf16 pairs of x).
+void configure(int M) {
+  TileConfig cfg;
+  for (int t = 0; t < kBlocks; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = static_cast<uint16_t>(M * 4);
+  }
+  for (int t = 4; t < 6; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = kTileK * 2;
+  }
+  cfg.rows[6] = kTileK / 2;
+  cfg.colsb[6] = static_cast<uint16_t>(M * 4);
+  _tile_loadconfig(&cfg);
+}
+
+inline void finish(const float* c, int M, const uint16_t* bias, int64_t n, uint16_t* y,
+                   int64_t ys) {
+  for (int i = 0; i < kTileRows; ++i) {
+    const float b = bias ? bf16_to_f32(bias[n + i]) : 0.f;
+    for (int m = 0; m < M; ++m) y[m * ys + n + i] = f32_to_bf16(c[i * M + m] + b);
+  }
+}
+
+// kBlocks x 16 weight rows from n: accumulate over all of K, then round into y.
+void tiles4(const uint16_t* xp, const uint16_t* w, int64_t K, int M, const uint16_t* bias,
+            int64_t n, uint16_t* y, int64_t ys) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t ws = K * 2;  // bytes between weight rows
+  const uint16_t* w0 = w + n * K;
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(6, xp + k * M, M * 4);
+    _tile_loadd(4, w0 + k, ws);
+    _tile_loadd(5, w0 + 16 * K + k, ws);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(4, w0 + 32 * K + k, ws);
+    _tile_loadd(5, w0 + 48 * K + k, ws);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 5, 6);
+  }
+  alignas(64) float c[kBlocks][kTileRows * kMaxRows];
+  _tile_stored(0, c[0], M * 4);
+  _tile_stored(1, c[1], M * 4);
+  _tile_stored(2, c[2], M * 4);
+  _tile_stored(3, c[3], M * 4);
+  for (int b = 0; b < kBlocks; ++b) finish(c[b], M, bias, n + b * kTileRows, y, ys);
+}
+
+// One 16-row weight tile from n (the blocks left after the groups of kBlocks).
+void tile1(const uint16_t* xp, const uint16_t* w, int64_t K, int M, const uint16_t* bias,
+           int64_t n, uint16_t* y, int64_t ys) {
+  _tile_zero(0);
+  const uint16_t* w0 = w + n * K;
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(6, xp + k * M, M * 4);
+    _tile_loadd(4, w0 + k, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  alignas(64) float c[kTileRows * kMaxRows];
+  _tile_stored(0, c, M * 4);
+  finish(c, M, bias, n, y, ys);
+}
+
+// Weight rows past the last whole tile: one row at a time (per-row arithmetic, so still
+// independent of M).
+void tail_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, int M,
+               const uint16_t* bias, int64_t n0, int64_t n1, uint16_t* y, int64_t ys) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < M; ++m) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += kTileK)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
+                               (__m512bh)_mm512_loadu_si512(x + m * xs + k));
+      float v = _mm512_reduce_add_ps(acc);
+      if (bias) v += bf16_to_f32(bias[n]);
+      y[m * ys + n] = f32_to_bf16(v);
+    }
+}
+
+}  // namespace
+}  // namespace pf
+
+using namespace pf;
+
+extern "C" {
+
+int pf_linear_bf16(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
+                   int64_t y_stride, int M, int64_t N, int64_t K, int nthreads);  // layers.cpp
+
+// 1 when this build has the AMX product and the OS granted this process the tile state.
+int pf_amx_ready() {
+  static const int ready = request_amx() ? 1 : 0;
+  return ready;
+}
+
+// pf_linear_bf16's arguments; -1 (nothing written) for M outside 1..16 or without AMX.
+int pf_linear_bf16_amx(const void* xv, int64_t xs, const void* wv, const void* biasv, void* yv,
+                       int64_t ys, int M, int64_t N, int64_t K, int nthreads) {
+  if (M < 1 || M > kMaxRows || K <= 0 || !pf_amx_ready()) return -1;
+  if (K % kTileK != 0) return pf_linear_bf16(xv, xs, wv, biasv, yv, ys, M, N, K, nthreads);
+  const auto* x = static_cast<const uint16_t*>(xv);
+  const auto* w = static_cast<const uint16_t*>(wv);
+  const auto* bias = static_cast<const uint16_t*>(biasv);
+  auto* y = static_cast<uint16_t*>(yv);
+  // B tiles: for each 32-k chunk, 16 rows of M (x[m][k + 2p], x[m][k + 2p + 1]) pairs.
+  std::vector<uint16_t> xp(static_cast<size_t>(K) * M);
+  for (int64_t k = 0; k < K; k += 2)
+    for (int m = 0; m < M; ++m) {
+      xp[(k / kTileK) * kTileK * M + ((k % kTileK) / 2) * 2 * M + 2 * m] = x[m * xs + k];
+      xp[(k / kTileK) * kTileK * M + ((k % kTileK) / 2) * 2 * M + 2 * m + 1] = x[m * xs + k + 1];
+    }
+  const int64_t groups = N / (kBlocks * kTileRows);
+  const int64_t tiles = N / kTileRows;
+  const int64_t units = groups + (tiles - groups * kBlocks);  // groups, then single tiles
+  const bool par = nthreads > 1 && N * K >= (1 << 18);
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    configure(M);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+      if (u < groups)
+        tiles4(xp.data(), w, K, M, bias, u * kBlocks * kTileRows, y, ys);
+      else
+        tile1(xp.data(), w, K, M, bias, (groups * kBlocks + (u - groups)) * kTileRows, y, ys);
+    }
+    _tile_release();
+  }
+  tail_rows(x, xs, w, K, M, bias, tiles * kTileRows, N, y, ys);
+  return 0;
+}
+
+}  // extern "C"
+
+#else  // no AMX in this build
+
+extern "C" {
+int pf_amx_ready() { return 0; }
+int pf_linear_bf16_amx(const void*, int64_t, const void*, const void*, void*, int64_t, int,
+                       int64_t, int64_t, int) {
+  return -1;
+}
+}  // extern "C"
+
+#endif

@@ -103,7 +103,7 @@ class DensePlan:
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
         if (not self.ok or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or not 1 <= x.shape[0] <= MAX_ROWS or ctx.spec_states is not None
+                or not 1 <= x.shape[0] <= MAX_ROWS
                 or cpu_ops.kernels() is None or dispatch.use_triton(x.device)):
             return False
         cache = ctx.cache

@@ -118,3 +118,21 @@ def test_serve_client_splits_sse_lines_at_newlines_only(monkeypatch):
 
     got = asyncio.run(lines())
     assert [x for x in got if x] == ['data: {"t": "a\u2028b\x85c"}', "data: [DONE]"]
+
+
+def test_model_pass_products_benchmark_tiny(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(REPO)
+    from benchmarks import model_pass_products
+    from pagefold.csrc import cpu_ops
+
+    if cpu_ops.kernels() is None:
+        pytest.skip("no C++ compiler")
+    model_pass_products.main(["--layers", "1", "--rows", "1", "17", "--reps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    names = lines[1].split()
+    assert names[0] == "M" and names[-2:] == ["onednn", "F.linear"]
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines[2:]}
+    assert set(rows) == {"1", "17"}
+    assert all(float(v) > 0 for v in rows["1"])  # every product times one row
+    if "amx" in names:  # the tile kernel stops at 16 rows
+        assert rows["17"][names.index("amx") - 1] == "-"

@@ -47,3 +47,38 @@ def test_fast_decode_is_bitwise_the_module_path(arch, tiny_model_factory, monkey
     slow = _run(model, prompts)
     assert calls[0] == n  # the module path only
     assert fast == slow
+
+
+@pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
+def test_verify_steps_take_the_plan_with_the_module_paths_bits(tiny_model_factory, monkeypatch):
+    """Speculative verify chunks (1 + k rows of one request, each attending as a decode row)
+    run through the plan, with the module path's tokens and logprobs."""
+    model = str(tiny_model_factory("qwen3"))
+    prompts = random_prompts(2, 20, 40, 400, seed=7)
+    rows = []
+    forward = decode_fast.DensePlan.forward
+
+    def counting(self, x, *args, **kw):
+        rows.append(x.shape[0])
+        return forward(self, x, *args, **kw)
+
+    monkeypatch.setattr(decode_fast.DensePlan, "forward", counting)
+
+    def run():
+        llm = LLM(model, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        # drafts: the last three tokens again (some accepted on repetitive greedy output)
+        llm.engine.spec.propose_fn = lambda req, k: list(req.all_token_ids[-k:])
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], SP,
+                            use_tqdm=False)
+        llm.engine.kv.check_whole()
+        c = outs[0].outputs[0]
+        return c.token_ids, [sorted(d.items()) for d in c.logprobs]
+
+    fast = run()
+    assert 4 in rows  # a verify step of 1 + 3 rows took the plan
+    monkeypatch.setattr(DecoderModel, "fast_decode", False)
+    n = len(rows)
+    slow = run()
+    assert len(rows) == n
+    assert fast == slow

@@ -21,7 +21,7 @@
 
 #include "common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(PF_AVX512)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -70,11 +70,17 @@ void configure(int M) {
   _tile_loadconfig(&cfg);
 }
 
+// C (16 weight rows x M, row-major) plus bias, rounded into y's columns n..n+15: column m
+// of C is row m of y (gathered 16 at a time; f32_to_bf16's rounding, vectorised).
 inline void finish(const float* c, int M, const uint16_t* bias, int64_t n, uint16_t* y,
                    int64_t ys) {
-  for (int i = 0; i < kTileRows; ++i) {
-    const float b = bias ? bf16_to_f32(bias[n + i]) : 0.f;
-    for (int m = 0; m < M; ++m) y[m * ys + n + i] = f32_to_bf16(c[i * M + m] + b);
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(M));
+  const __m512 b = bias ? vload<uint16_t>(bias + n) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) {
+    const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(m)), c, 4);
+    vstore<uint16_t>(y + m * ys + n, _mm512_add_ps(v, b));
   }
 }
 

@@ -1,4 +1,4 @@
-"""Batch-1/2 decode of dense decoder layers (Llama / Qwen2 / Qwen3) straight through the
+"""Decode steps of dense decoder layers (Llama / Qwen2 / Qwen3) straight through the
 compiled CPU kernels.
 
 A decode step of a small model spends as much time in Python as in its kernels: per layer
@@ -8,8 +8,11 @@ every row is a decode row on the CPU in bf16 with the C++ kernels on, :class:`De
 checks all of that once per model (and the per-step metadata once per step), then calls the
 same C functions with the same arguments the wrappers would pass, in the same order: the
 result is bit for bit the module path's (tested), with ~10 ctypes calls per layer and little
-else. Anything outside those conditions (float32, FP8 KV cache, tensor parallelism, Triton,
-prefill rows, more than ``GEMV_MAX_ROWS`` rows, kernels off) takes the module path.
+else. Steps of more than ``GEMV_MAX_ROWS`` rows (batched decode) call each linear's own forward
+(oneDNN with the prepacked weight, as the module path) and the other kernels directly: at 32
+rows of SmolLM2 on 2 cores the module path's Python was ~10% of a step. Anything outside
+those conditions (float32, FP8 KV cache, tensor parallelism, Triton, prefill rows, kernels off)
+takes the module path.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class _Layer:
 
     __slots__ = ("name", "in_w", "in_eps", "post_w", "post_eps", "qkv", "o", "gu", "down",
                  "H", "KVH", "D", "q_size", "kv_size", "qw", "kw", "qk_eps", "cos", "sin",
-                 "rot", "scale", "inter", "keep")
+                 "rot", "scale", "inter", "keep", "lins")
 
     def __init__(self, layer) -> None:
         a, m = layer.self_attn, layer.mlp
@@ -45,6 +48,7 @@ class _Layer:
         self.post_w = layer.post_attention_layernorm.weight.data_ptr()
         self.post_eps = float(layer.post_attention_layernorm.eps)
         lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        self.lins = lins  # for steps of more than GEMV_MAX_ROWS rows: their own forward
         self.qkv, self.o, self.gu, self.down = (
             (lin.weight.data_ptr(), lin.bias.data_ptr() if lin.bias is not None else None,
              lin.weight.shape[0], lin.weight.shape[1]) for lin in lins)
@@ -94,7 +98,7 @@ class DensePlan:
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
         if (not self.ok or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or not 1 <= x.shape[0] <= cpu_ops.GEMV_MAX_ROWS or ctx.spec_states is not None
+                or x.shape[0] < 1 or ctx.spec_states is not None
                 or cpu_ops.kernels() is None or dispatch.use_triton(x.device)):
             return False
         cache = ctx.cache
@@ -113,6 +117,9 @@ class DensePlan:
         lib, nt = self.lib, torch.get_num_threads()
         rms, gemv, rope = lib.pf_rms_norm, cpu_ops.gemv_function(), lib.pf_qk_norm_rope
         t = x.shape[0]
+        # More rows than the GEMV takes: each linear's own forward (the GEMM library, as the
+        # module path); the rest of the layer stays on the direct kernel calls.
+        big = t > cpu_ops.GEMV_MAX_ROWS
         positions = positions.contiguous()
         pos = positions.data_ptr()
         steps: dict[int, tuple] = {}  # per attention group: this step's metadata pointers
@@ -145,9 +152,12 @@ class DensePlan:
                          residual.stride(0), la.in_w, h.data_ptr(), d_model, t, d_model,
                          la.in_eps, 0, nt)
             # qkv, q/k norm + RoPE, K/V write, attention
-            w, b, n, k = la.qkv
-            qkv = empty((t, n), dtype=bf16)
-            rc |= gemv(h.data_ptr(), h.stride(0), w, b, qkv.data_ptr(), n, t, n, k, nt)
+            if big:
+                qkv = la.lins[0].forward(h)
+            else:
+                w, b, n, k = la.qkv
+                qkv = empty((t, n), dtype=bf16)
+                rc |= gemv(h.data_ptr(), h.stride(0), w, b, qkv.data_ptr(), n, t, n, k, nt)
             q = empty((t, la.H, la.D), dtype=bf16)
             kk = empty((t, la.KVH, la.D), dtype=bf16)
             rc |= rope(_BF16, qkv.data_ptr(), qkv.stride(0), 0, la.D, la.q_size, pos, la.cos,
@@ -161,23 +171,32 @@ class DensePlan:
                 _BF16, q.data_ptr(), q.stride(0), None, kv_cache.data_ptr(), g[4], g[5], g[6],
                 g[7], o.data_ptr(), o.stride(0), g[9], la.H, la.KVH, la.D, kv_cache.shape[1],
                 la.scale, nt)
-            w, b, n, k = la.o
-            a_out = empty((t, n), dtype=bf16)
-            rc |= gemv(o.data_ptr(), la.H * la.D, w, b, a_out.data_ptr(), n, t, n, k, nt)
+            if big:
+                a_out = la.lins[1].forward(o.view(t, la.H * la.D))
+            else:
+                w, b, n, k = la.o
+                a_out = empty((t, n), dtype=bf16)
+                rc |= gemv(o.data_ptr(), la.H * la.D, w, b, a_out.data_ptr(), n, t, n, k, nt)
             # post-attention norm with the residual add, gated MLP
             h = empty((t, d_model), dtype=bf16)
             rc |= rms(_BF16, a_out.data_ptr(), a_out.stride(0), residual.data_ptr(),
                       residual.stride(0), la.post_w, h.data_ptr(), d_model, t, d_model,
                       la.post_eps, 0, nt)
-            w, b, n, k = la.gu
-            gu = empty((t, n), dtype=bf16)
-            rc |= gemv(h.data_ptr(), h.stride(0), w, b, gu.data_ptr(), n, t, n, k, nt)
+            if big:
+                gu = la.lins[2].forward(h)
+            else:
+                w, b, n, k = la.gu
+                gu = empty((t, n), dtype=bf16)
+                rc |= gemv(h.data_ptr(), h.stride(0), w, b, gu.data_ptr(), n, t, n, k, nt)
             act = empty((t, la.inter), dtype=bf16)
             rc |= lib.pf_silu_mul(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), t,
                                   la.inter, nt)
-            w, b, n, k = la.down
-            x = empty((t, n), dtype=bf16)
-            rc |= gemv(act.data_ptr(), act.stride(0), w, b, x.data_ptr(), n, t, n, k, nt)
+            if big:
+                x = la.lins[3].forward(act)
+            else:
+                w, b, n, k = la.down
+                x = empty((t, n), dtype=bf16)
+                rc |= gemv(act.data_ptr(), act.stride(0), w, b, x.data_ptr(), n, t, n, k, nt)
             if rc:
                 raise RuntimeError(f"a CPU kernel refused checked inputs in {la.name}")
         return x, residual

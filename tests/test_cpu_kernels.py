@@ -77,9 +77,10 @@ def _dense(q, keys, lens, starts, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (6, 3, 32, 16), (8, 1, 128, 32),
-                                        (4, 4, 24, 4)],
-                         ids=["avx-gqa", "avx-d32-generic", "avx-mqa-d128", "generic-bs4"])
+@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (9, 3, 64, 16), (6, 3, 32, 16),
+                                        (8, 1, 128, 32), (4, 4, 24, 4)],
+                         ids=["avx-gqa", "avx-g3", "avx-d32-generic", "avx-mqa-d128",
+                              "generic-bs4"])
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
     q, cache, tables, lens, starts, keys = _paged_decode_case(5, h, kvh, d, bs, dtype, window,

@@ -16,6 +16,7 @@ import torch
 
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, cdiv
+from pagefold.executor import input_batch
 from pagefold.executor.cache_tensors import CacheTensors
 from pagefold.executor.input_batch import build_inputs
 from pagefold.layers.attention.backend import paged_attention, read_kv, write_kv
@@ -160,3 +161,28 @@ def test_decode_metadata_skips_dead_blocks():
     assert meta.decode_blocks.tolist() == [5, 9]
     assert 0 not in meta.decode_blocks.tolist()
     assert meta.slot_mapping.tolist() == [9 * BLOCK + ctx % BLOCK]
+
+
+def test_fresh_prefills_routed_to_sdpa(monkeypatch):
+    """With ``SDPA_MIN_TOKENS`` set (AMX CPUs), fresh bf16 chunks that long go to SDPA and only
+    the others reach the compiled kernel; the step's output still matches the reference."""
+    from pagefold.csrc import cpu_ops
+
+    seen = []
+    kernel = cpu_ops.prefill_attention
+
+    def spy(q, cache, rows, *args):
+        seen.append(rows[:, 1:3].tolist())  # (q_len, ctx_len) per row handed to the kernel
+        return kernel(q, cache, rows, *args)
+
+    monkeypatch.setattr(cpu_ops, "prefill_attention", spy)
+    monkeypatch.setattr(cpu_ops, "SDPA_MIN_TOKENS", 6)
+    monkeypatch.setattr(input_batch, "SHORT_CHUNK_AS_DECODE", 1)  # chunks > 1 are prefills
+    _, results = _run_step(2, torch.bfloat16, seed=22, q_dtype=torch.bfloat16)
+    for name, (out, ref, *_rest) in results.items():
+        assert not torch.isnan(out).any(), name
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=name)
+    # The full-attention group: the fresh 9-token chunk is SDPA's; the sliding group keeps
+    # every chunk on the kernel (its window is not SDPA's causal mask).
+    assert seen[0] == [[5, 7], [6, 13], [2, 5]]
+    assert seen[1] == [[9, 0], [5, 7], [6, 13], [2, 5]]

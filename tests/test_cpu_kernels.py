@@ -77,9 +77,10 @@ def _dense(q, keys, lens, starts, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (6, 3, 32, 16), (8, 1, 128, 32),
-                                        (4, 4, 24, 4)],
-                         ids=["avx-gqa", "avx-d32-generic", "avx-mqa-d128", "generic-bs4"])
+@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (9, 3, 64, 16), (6, 3, 32, 16),
+                                        (8, 1, 128, 32), (4, 4, 24, 4)],
+                         ids=["avx-gqa", "avx-g3", "avx-d32-generic", "avx-mqa-d128",
+                              "generic-bs4"])
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
     q, cache, tables, lens, starts, keys = _paged_decode_case(5, h, kvh, d, bs, dtype, window,
@@ -197,13 +198,14 @@ def test_write_kv(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_rms_norm_and_fused_residual(dtype, zero_centered):
+@pytest.mark.parametrize("width", [192, 200])  # 200: a partial 16-lane chunk at the end
+def test_rms_norm_and_fused_residual(dtype, zero_centered, width):
     g = torch.Generator().manual_seed(3)
-    norm = RMSNorm(192, 1e-6, zero_centered).to(dtype)
+    norm = RMSNorm(width, 1e-6, zero_centered).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(192, generator=g) * 0.2 + (0.0 if zero_centered else 1.0))
-    x = (torch.randn(33, 192, generator=g) * 3).to(dtype)
-    res = (torch.randn(33, 192, generator=g) * 3).to(dtype)
+        norm.weight.copy_(torch.randn(width, generator=g) * 0.2 + (0.0 if zero_centered else 1.0))
+    x = (torch.randn(33, width, generator=g) * 3).to(dtype)
+    res = (torch.randn(33, width, generator=g) * 3).to(dtype)
     check = _close_bits if dtype == torch.bfloat16 else (
         lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5))
     with torch.no_grad():
@@ -213,7 +215,7 @@ def test_rms_norm_and_fused_residual(dtype, zero_centered):
         assert torch.equal(new_res, summed)  # the add rounds exactly like torch's
         check(out, norm.reference(summed))
         # Per-head use (q/k norms): a 3-D input with strided rows.
-        heads = torch.randn(5, 8, 2 * 192, generator=g).to(dtype)[..., :192]
+        heads = torch.randn(5, 8, 2 * width, generator=g).to(dtype)[..., :width]
         check(norm(heads), norm.reference(heads))
 
 

@@ -194,4 +194,33 @@ void rms_row(const T* x, T* res, const T* w, T* out, int D, float eps, bool zc) 
   }
 }
 
+#if defined(PF_AVX512)
+// rms_row for bf16 on 16 lanes (the compiler leaves the generic loops scalar, ~2.5 cycles an
+// element): the same roundings at the same points; the float sum of squares in another order.
+template <>
+inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* w,
+                              uint16_t* out, int D, float eps, bool zc) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 16) {
+    const __mmask16 m = lanes(D - d);
+    __m512 v = vload<uint16_t>(x + d, m);
+    if (res) {
+      v = vrnd<uint16_t>(_mm512_add_ps(v, vload<uint16_t>(res + d, m)));
+      vstore<uint16_t>(res + d, v, m);
+    }
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + eps);
+  const __m512 vr = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+  const uint16_t* src = res ? res : x;
+  for (int d = 0; d < D; d += 16) {
+    const __mmask16 m = lanes(D - d);
+    const __m512 v = _mm512_mul_ps(vload<uint16_t>(src + d, m), vr);
+    const __m512 wv = vload<uint16_t>(w + d, m);
+    vstore<uint16_t>(out + d, zc ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
+                                 : _mm512_mul_ps(wv, vrnd<uint16_t>(v)), m);
+  }
+}
+#endif
+
 }  // namespace pf

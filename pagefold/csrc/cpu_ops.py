@@ -245,6 +245,27 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
     return rc == 0
 
 
+def _cpu_has_amx() -> bool:
+    fn = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(fn is not None and fn())
+
+
+def _sdpa_min_tokens() -> int | None:
+    flag = os.environ.get("PAGEFOLD_SDPA_MIN_TOKENS")
+    if flag is not None:
+        return int(flag) if int(flag) > 0 else None
+    return 64 if _cpu_has_amx() else None
+
+
+# Fresh bf16 prefill chunks (nothing cached before them, no sliding window) of at least this
+# many tokens go to torch's SDPA instead of :func:`prefill_attention` (None: never). Where the
+# CPU has AMX, ATen's flash attention runs its bf16 products on AMX tiles: one thread, 9 heads
+# over 3 kv heads of 64, SDPA per chunk takes 0.37x the kernel's time at 256 tokens and 0.19x
+# at 2048, but 1.6-3x it at 16-32 tokens (its fixed cost per call). Without AMX the kernel
+# stays (measured 1.1-1.6x SDPA there). ``PAGEFOLD_SDPA_MIN_TOKENS`` overrides (0: never).
+SDPA_MIN_TOKENS: int | None = _sdpa_min_tokens()
+
+
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Store k, v (N, KVH, D) at flat ``slots`` (N,) of cache; False when not handled."""
     lib = kernels()

@@ -7,6 +7,7 @@
 
 #include "common.h"
 
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -42,6 +43,25 @@ void qk_rope_all(const T* qkv, int64_t row_stride, int64_t q_off, int64_t q_head
       }
       // torch: x * cos + rotate_half(x) * sin, cos/sin rounded to T, each product and the sum
       // rounded to T; channels past rot pass through.
+#if defined(PF_AVX512)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (half % 16 == 0) {  // each 16-lane chunk lies in one half: whole-vector rotate
+          const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+          for (int d = 0; d < rot; d += 16) {
+            const __m512 rh = d < half
+                ? _mm512_castsi512_ps(_mm512_xor_si512(
+                      _mm512_castps_si512(_mm512_load_ps(n + d + half)), sign))
+                : _mm512_load_ps(n + d - half);
+            const __m512 a = vrnd<T>(_mm512_mul_ps(_mm512_load_ps(n + d),
+                                                   vrnd<T>(_mm512_loadu_ps(c + d))));
+            const __m512 b = vrnd<T>(_mm512_mul_ps(rh, vrnd<T>(_mm512_loadu_ps(s + d))));
+            vstore<T>(dst + d, _mm512_add_ps(a, b));
+          }
+          for (int d = rot; d < D; ++d) store<T>(dst, d, n[d]);
+          continue;
+        }
+      }
+#endif
 #pragma omp simd
       for (int d = 0; d < rot; ++d) {
         const float rh = d < half ? -n[d + half] : n[d - half];

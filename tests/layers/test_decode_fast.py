@@ -1,7 +1,8 @@
 """The fast decode path of dense decoder layers (pagefold.layers.decode_fast) gives the module
 path's bits: same tokens and same logprobs (bf16, greedy) for Llama (plain), Qwen2 (qkv bias)
-and Qwen3 (q/k norm), at batch 1 and 2 (the GEMV sizes) and with a third request (3 decode
-rows: the module path) in between; the fast path must actually have run."""
+and Qwen3 (q/k norm), at batch 1, 2 and 3; with the GEMV's row limit at 1, every batch above 1
+takes the plan's other branch (each linear's own forward, the GEMM library); the fast path
+must actually have run."""
 
 from __future__ import annotations
 
@@ -28,8 +29,12 @@ def _run(model_dir, prompts: list[list[int]]) -> list[tuple]:
 
 
 @pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fast_decode_is_bitwise_the_module_path(arch, tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("arch,gemv_rows", [("llama", None), ("qwen2", None), ("qwen3", None),
+                                             ("llama", 1), ("qwen3", 1)])
+def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_factory,
+                                                monkeypatch):
+    if gemv_rows is not None:
+        monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
     model = tiny_model_factory(arch)
     prompts = random_prompts(3, 5, 40, 400, seed=4)
     calls = [0]

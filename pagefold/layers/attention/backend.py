@@ -5,7 +5,8 @@ Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``;
 
 * Prefill chunks (bf16 on a CPU with AVX-512 BF16): the compiled kernel
   (:func:`pagefold.csrc.cpu_ops.prefill_attention`) reads their keys from the pages in place;
-  otherwise SDPA per chunk, as below.
+  otherwise SDPA per chunk, as below. On AMX CPUs fresh chunks of
+  ``cpu_ops.SDPA_MIN_TOKENS`` tokens or more take SDPA (its bf16 products on AMX tiles).
 * Decode rows (query length 1): the compiled kernel (:mod:`pagefold.csrc.cpu_ops`) walks each
   row's block table and reads K/V in place, one online softmax per (row, kv head) shared by the
   query heads of the group. Without it (no compiler, another device, other dtypes), a torch
@@ -204,6 +205,17 @@ def _prefill_mask(ctx_len: int, kv_start: int, q_len: int, window: int | None,
     return mask
 
 
+def _sdpa_prefills(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Which prefill chunks SDPA computes rather than the compiled kernel
+    (``cpu_ops.SDPA_MIN_TOKENS``: fresh chunks, no window, long enough), as a bool mask over
+    ``meta.prefills``; None when none does."""
+    least = cpu_ops.SDPA_MIN_TOKENS
+    if least is None or meta.sliding_window is not None:
+        return None
+    pick = [r.ctx_len == 0 and r.tok_end - r.tok_start >= least for r in meta.prefills]
+    return torch.tensor(pick) if any(pick) else None
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -237,11 +249,17 @@ def paged_attention(
             else:
                 out[rows] = od
     h, kvh = q.shape[1], k.shape[1]
-    if meta.prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16 and not fp8:
+    prefills = meta.prefills
+    if prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16 and not fp8:
         rows, slots = meta.prefill_pack()
-        if cpu_ops.prefill_attention(q, cache, rows, slots, meta.sliding_window, scale, out):
-            return out
-    for row in meta.prefills:
+        to_sdpa = _sdpa_prefills(meta) if cache.dtype == q.dtype else None
+        kernel_rows = rows if to_sdpa is None else rows[~to_sdpa]
+        if kernel_rows.shape[0] == 0 or cpu_ops.prefill_attention(
+                q, cache, kernel_rows, slots, meta.sliding_window, scale, out):
+            if to_sdpa is None:
+                return out
+            prefills = [r for r, s in zip(prefills, to_sdpa.tolist()) if s]
+    for row in prefills:
         qs = q[row.tok_start : row.tok_end]
         if row.ctx_len == 0 and cache.dtype == q.dtype:
             keys, vals = k[row.tok_start : row.tok_end], v[row.tok_start : row.tok_end]

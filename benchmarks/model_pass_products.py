@@ -9,7 +9,7 @@ the last-level cache (the single-shape ``benchmarks.bf16_gemv`` measures cache-r
 products). Per number of rows M, the best pass time in ms of each product this CPU has:
 
   * ``dpbf16``: the AVX512-BF16 dot-product GEMV (``pf_linear_bf16``);
-  * ``amx``: the AMX tile kernel (``pf_linear_bf16_amx``, gemv_amx.cpp; up to 16 rows);
+  * ``amx``: the AMX tile kernel (``pf_linear_bf16_amx``, gemv_amx.cpp; up to 32 rows);
   * ``fma``: the AVX2 + FMA kernel (``pf_linear_bf16_fma``);
   * ``onednn``: oneDNN with the weights reordered once (what linears of more rows take);
   * ``F.linear``: oneDNN as torch calls it (reordering the weight on every call).
@@ -49,7 +49,7 @@ def _run_f(ws, xs) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 5, 8, 16])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 5, 8, 16, 32])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if kinds & 1:
         fns["dpbf16"] = (lib.pf_linear_bf16, 1 << 30)
     if lib.pf_amx_ready():
-        fns["amx"] = (lib.pf_linear_bf16_amx, 16)
+        fns["amx"] = (lib.pf_linear_bf16_amx, 32)
     if kinds & 2:
         fns["fma"] = (lib.pf_linear_bf16_fma, 1 << 30)
     torch.manual_seed(0)

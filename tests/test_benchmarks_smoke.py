@@ -127,12 +127,12 @@ def test_model_pass_products_benchmark_tiny(monkeypatch, capsys):
 
     if cpu_ops.kernels() is None:
         pytest.skip("no C++ compiler")
-    model_pass_products.main(["--layers", "1", "--rows", "1", "17", "--reps", "1"])
+    model_pass_products.main(["--layers", "1", "--rows", "1", "33", "--reps", "1"])
     lines = capsys.readouterr().out.splitlines()
     names = lines[1].split()
     assert names[0] == "M" and names[-2:] == ["onednn", "F.linear"]
     rows = {ln.split()[0]: ln.split()[1:] for ln in lines[2:]}
-    assert set(rows) == {"1", "17"}
+    assert set(rows) == {"1", "33"}
     assert all(float(v) > 0 for v in rows["1"])  # every product times one row
-    if "amx" in names:  # the tile kernel stops at 16 rows
-        assert rows["17"][names.index("amx") - 1] == "-"
+    if "amx" in names:  # the tile kernel stops at 32 rows
+        assert rows["33"][names.index("amx") - 1] == "-"

@@ -428,12 +428,12 @@ def _amx(x, w, b):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 100, 96), (16, 1200, 576), (3, 81, 32),
-                                   (7, 33, 40)])
+                                   (7, 33, 40), (17, 100, 64), (24, 1200, 576), (32, 81, 96)])
 def test_amx_product_matches_float32_and_is_row_independent(m, n, k):
     """The AMX tile product (gemv_amx.cpp): float32 sums rounded once (within bf16 rounding of
-    the exact product), bias added, weight rows past the last whole tile (n % 16) and K not a
-    multiple of 32 (the dot-product GEMV) included; every row's bits equal that row computed
-    alone, so a verify step equals its decode steps."""
+    the exact product), bias added, weight rows past the last whole tile (n % 16), K not a
+    multiple of 32 (the dot-product GEMV) and 17-32 rows (two x tiles) included; every row's
+    bits equal that row computed alone, so a verify step equals its decode steps."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]  # rows strided
     w = (torch.randn(n, k, generator=g) * 0.3).bfloat16()
@@ -446,10 +446,10 @@ def test_amx_product_matches_float32_and_is_row_independent(m, n, k):
     assert torch.equal(_amx(x, w, None), _amx(x, w, torch.zeros(n).bfloat16()))
 
 
-def test_amx_product_refuses_more_than_16_rows():
+def test_amx_product_refuses_more_than_32_rows():
     w = torch.randn(32, 64).bfloat16()
-    assert _amx(torch.randn(16, 64).bfloat16(), w, None) is not None
-    assert _amx(torch.randn(17, 64).bfloat16(), w, None) is None
+    assert _amx(torch.randn(32, 64).bfloat16(), w, None) is not None
+    assert _amx(torch.randn(33, 64).bfloat16(), w, None) is None
 
 
 def _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv):

@@ -1,11 +1,12 @@
-// The bf16 few-row product on CPUs with AMX: y (M, N) = x (M, K) W^T (+ bias) for M <= 16,
+// The bf16 few-row product on CPUs with AMX: y (M, N) = x (M, K) W^T (+ bias) for M <= 32,
 // float32 sums, one rounding at the end. Called through ctypes (see cpu_ops.py).
 //
 // Why: decode steps (one row per request) and speculative verify steps (1 + k rows) are
 // memory bound on the weights, but the AVX512-BF16 dot-product GEMV does 32 multiply-adds per
 // instruction per row, so from ~3 rows its compute outgrows the weight stream; oneDNN's GEMM
 // has a fixed per-call cost that dwarfs small layers. The AMX tile unit does a 16 x 16 x 32
-// block per instruction, so up to 16 rows cost about what one does.
+// block per instruction, so up to 16 rows cost about what one does (17-32 rows: two B tiles,
+// each weight tile multiplied with both).
 //
 // Layout trick: the weight needs no repacking. The tile product computes
 // C[i][j] += sum_p A[i][2p] B[p][2j] + A[i][2p+1] B[p][2j+1]; with A = 16 weight rows x 32 k
@@ -36,6 +37,7 @@ constexpr int kTileRows = 16;     // weight rows per tile
 constexpr int kTileK = 32;        // k per tile (64 bytes of bf16)
 constexpr int kBlocks = 4;        // weight tiles in flight (independent accumulators)
 constexpr int kMaxRows = 16;      // x rows (tile columns of B and C)
+constexpr int kMaxRowsWide = 32;  // two B tiles: rows 0..15 and 16..M-1
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -127,6 +129,82 @@ void tile1(const uint16_t* xp, const uint16_t* w, int64_t K, int M, const uint16
   finish(c, M, bias, n, y, ys);
 }
 
+// 17..32 rows: x's rows 0..15 in B tmm6, rows 16..M-1 in B tmm7; C tmm0 / tmm1 = weight
+// tile 0 times either half, tmm2 / tmm3 = weight tile 1; A tmm4 / tmm5 = the two weight
+// tiles. Every output element is the same tile arithmetic as in the narrow kernels, so a
+// row's bits still do not depend on M.
+void configure_wide(int M1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows;
+  cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[6] = kTileRows * 4;
+  cfg.colsb[1] = cfg.colsb[3] = cfg.colsb[7] = static_cast<uint16_t>(M1 * 4);
+  cfg.colsb[4] = cfg.colsb[5] = kTileK * 2;
+  _tile_loadconfig(&cfg);
+}
+
+// Two 16-row weight tiles from n, all M = 16 + M1 rows.
+void tiles2_wide(const uint16_t* xp0, const uint16_t* xp1, const uint16_t* w, int64_t K, int M1,
+                 const uint16_t* bias, int64_t n, uint16_t* y, int64_t ys) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t ws = K * 2;
+  const uint16_t* w0 = w + n * K;
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(6, xp0 + k * kTileRows, kTileRows * 4);
+    _tile_loadd(7, xp1 + k * M1, M1 * 4);
+    _tile_loadd(4, w0 + k, ws);
+    _tile_loadd(5, w0 + 16 * K + k, ws);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[4][kTileRows * kMaxRows];
+  _tile_stored(0, c[0], kTileRows * 4);
+  _tile_stored(1, c[1], M1 * 4);
+  _tile_stored(2, c[2], kTileRows * 4);
+  _tile_stored(3, c[3], M1 * 4);
+  finish(c[0], kTileRows, bias, n, y, ys);
+  finish(c[1], M1, bias, n, y + kTileRows * ys, ys);
+  finish(c[2], kTileRows, bias, n + kTileRows, y, ys);
+  finish(c[3], M1, bias, n + kTileRows, y + kTileRows * ys, ys);
+}
+
+// One 16-row weight tile from n, all M = 16 + M1 rows.
+void tile1_wide(const uint16_t* xp0, const uint16_t* xp1, const uint16_t* w, int64_t K, int M1,
+                const uint16_t* bias, int64_t n, uint16_t* y, int64_t ys) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const uint16_t* w0 = w + n * K;
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(6, xp0 + k * kTileRows, kTileRows * 4);
+    _tile_loadd(7, xp1 + k * M1, M1 * 4);
+    _tile_loadd(4, w0 + k, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  alignas(64) float c[2][kTileRows * kMaxRows];
+  _tile_stored(0, c[0], kTileRows * 4);
+  _tile_stored(1, c[1], M1 * 4);
+  finish(c[0], kTileRows, bias, n, y, ys);
+  finish(c[1], M1, bias, n, y + kTileRows * ys, ys);
+}
+
+// B tiles of M rows of x: for each 32-k chunk, 16 rows of M (x[m][k + 2p], x[m][k + 2p + 1])
+// pairs.
+std::vector<uint16_t> pack_x(const uint16_t* x, int64_t xs, int M, int64_t K) {
+  std::vector<uint16_t> xp(static_cast<size_t>(K) * M);
+  for (int64_t k = 0; k < K; k += 2)
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (k / kTileK) * kTileK * M + ((k % kTileK) / 2) * 2 * M + 2 * m;
+      xp[at] = x[m * xs + k];
+      xp[at + 1] = x[m * xs + k + 1];
+    }
+  return xp;
+}
+
 // Weight rows past the last whole tile: one row at a time (per-row arithmetic, so still
 // independent of M).
 void tail_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, int M,
@@ -159,35 +237,43 @@ int pf_amx_ready() {
   return ready;
 }
 
-// pf_linear_bf16's arguments; -1 (nothing written) for M outside 1..16 or without AMX.
+// pf_linear_bf16's arguments; -1 (nothing written) for M outside 1..32 or without AMX.
 int pf_linear_bf16_amx(const void* xv, int64_t xs, const void* wv, const void* biasv, void* yv,
                        int64_t ys, int M, int64_t N, int64_t K, int nthreads) {
-  if (M < 1 || M > kMaxRows || K <= 0 || !pf_amx_ready()) return -1;
+  if (M < 1 || M > kMaxRowsWide || K <= 0 || !pf_amx_ready()) return -1;
   if (K % kTileK != 0) return pf_linear_bf16(xv, xs, wv, biasv, yv, ys, M, N, K, nthreads);
   const auto* x = static_cast<const uint16_t*>(xv);
   const auto* w = static_cast<const uint16_t*>(wv);
   const auto* bias = static_cast<const uint16_t*>(biasv);
   auto* y = static_cast<uint16_t*>(yv);
-  // B tiles: for each 32-k chunk, 16 rows of M (x[m][k + 2p], x[m][k + 2p + 1]) pairs.
-  std::vector<uint16_t> xp(static_cast<size_t>(K) * M);
-  for (int64_t k = 0; k < K; k += 2)
-    for (int m = 0; m < M; ++m) {
-      xp[(k / kTileK) * kTileK * M + ((k % kTileK) / 2) * 2 * M + 2 * m] = x[m * xs + k];
-      xp[(k / kTileK) * kTileK * M + ((k % kTileK) / 2) * 2 * M + 2 * m + 1] = x[m * xs + k + 1];
-    }
-  const int64_t groups = N / (kBlocks * kTileRows);
+  const bool wide = M > kMaxRows;
+  const int M1 = M - kMaxRows;  // rows in the second B tile (wide)
+  const std::vector<uint16_t> xp0 = pack_x(x, xs, wide ? kMaxRows : M, K);
+  const std::vector<uint16_t> xp1 = wide ? pack_x(x + kMaxRows * xs, xs, M1, K)
+                                         : std::vector<uint16_t>();
+  const int per_group = wide ? 2 : kBlocks;  // weight tiles per unit before the single tiles
   const int64_t tiles = N / kTileRows;
-  const int64_t units = groups + (tiles - groups * kBlocks);  // groups, then single tiles
+  const int64_t groups = tiles / per_group;
+  const int64_t units = groups + (tiles - groups * per_group);
   const bool par = nthreads > 1 && N * K >= (1 << 18);
 #pragma omp parallel num_threads(nthreads) if (par)
   {
-    configure(M);
+    if (wide)
+      configure_wide(M1);
+    else
+      configure(M);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
-      if (u < groups)
-        tiles4(xp.data(), w, K, M, bias, u * kBlocks * kTileRows, y, ys);
+      const int64_t n = u < groups ? u * per_group * kTileRows
+                                   : (groups * per_group + (u - groups)) * kTileRows;
+      if (wide && u < groups)
+        tiles2_wide(xp0.data(), xp1.data(), w, K, M1, bias, n, y, ys);
+      else if (wide)
+        tile1_wide(xp0.data(), xp1.data(), w, K, M1, bias, n, y, ys);
+      else if (u < groups)
+        tiles4(xp0.data(), w, K, M, bias, n, y, ys);
       else
-        tile1(xp.data(), w, K, M, bias, (groups * kBlocks + (u - groups)) * kTileRows, y, ys);
+        tile1(xp0.data(), w, K, M, bias, n, y, ys);
     }
     _tile_release();
   }

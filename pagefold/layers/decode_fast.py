@@ -72,6 +72,19 @@ class _Layer:
                      *(p for lin in lins for p in (lin.weight, lin.bias))]
 
 
+def _project(gemv, small: bool, spec: tuple, mod, inp: torch.Tensor, nt: int
+             ) -> tuple[torch.Tensor, int]:
+    """One linear of a plan step on ``inp`` (rows, in): the GEMV on the weight's pointers
+    (``spec`` = weight, bias, out, in) when the step is ``small`` enough for it, else the
+    layer's own forward (the routing ``use_fast_linears`` set up). Returns (output, rc)."""
+    if not small:
+        return mod.forward(inp), 0
+    w, b, n, k = spec
+    t = inp.shape[0]
+    out = torch.empty((t, n), dtype=torch.bfloat16)
+    return out, gemv(inp.data_ptr(), inp.stride(0), w, b, out.data_ptr(), n, t, n, k, nt)
+
+
 def _layer_ok(layer, lib) -> bool:
     a, m = layer.self_attn, layer.mlp
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -156,12 +169,8 @@ class DensePlan:
                          residual.stride(0), la.in_w, h.data_ptr(), d_model, t, d_model,
                          la.in_eps, 0, nt)
             # qkv, q/k norm + RoPE, K/V write, attention
-            if small:
-                w, b, n, k = la.qkv
-                qkv = empty((t, n), dtype=bf16)
-                rc |= gemv(h.data_ptr(), h.stride(0), w, b, qkv.data_ptr(), n, t, n, k, nt)
-            else:
-                qkv = la.mods[0].forward(h)
+            qkv, r = _project(gemv, small, la.qkv, la.mods[0], h, nt)
+            rc |= r
             q = empty((t, la.H, la.D), dtype=bf16)
             kk = empty((t, la.KVH, la.D), dtype=bf16)
             rc |= rope(_BF16, qkv.data_ptr(), qkv.stride(0), 0, la.D, la.q_size, pos, la.cos,
@@ -175,32 +184,20 @@ class DensePlan:
                 _BF16, q.data_ptr(), q.stride(0), None, kv_cache.data_ptr(), g[4], g[5], g[6],
                 g[7], o.data_ptr(), o.stride(0), g[9], la.H, la.KVH, la.D, kv_cache.shape[1],
                 la.scale, nt)
-            if small:
-                w, b, n, k = la.o
-                a_out = empty((t, n), dtype=bf16)
-                rc |= gemv(o.data_ptr(), la.H * la.D, w, b, a_out.data_ptr(), n, t, n, k, nt)
-            else:
-                a_out = la.mods[1].forward(o.view(t, la.H * la.D))
+            a_out, r = _project(gemv, small, la.o, la.mods[1], o.view(t, la.H * la.D), nt)
+            rc |= r
             # post-attention norm with the residual add, gated MLP
             h = empty((t, d_model), dtype=bf16)
             rc |= rms(_BF16, a_out.data_ptr(), a_out.stride(0), residual.data_ptr(),
                       residual.stride(0), la.post_w, h.data_ptr(), d_model, t, d_model,
                       la.post_eps, 0, nt)
-            if small:
-                w, b, n, k = la.gu
-                gu = empty((t, n), dtype=bf16)
-                rc |= gemv(h.data_ptr(), h.stride(0), w, b, gu.data_ptr(), n, t, n, k, nt)
-            else:
-                gu = la.mods[2].forward(h)
+            gu, r = _project(gemv, small, la.gu, la.mods[2], h, nt)
+            rc |= r
             act = empty((t, la.inter), dtype=bf16)
             rc |= lib.pf_silu_mul(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), t,
                                   la.inter, nt)
-            if small:
-                w, b, n, k = la.down
-                x = empty((t, n), dtype=bf16)
-                rc |= gemv(act.data_ptr(), act.stride(0), w, b, x.data_ptr(), n, t, n, k, nt)
-            else:
-                x = la.mods[3].forward(act)
+            x, r = _project(gemv, small, la.down, la.mods[3], act, nt)
+            rc |= r
             if rc:
                 raise RuntimeError(f"a CPU kernel refused checked inputs in {la.name}")
         return x, residual

@@ -427,13 +427,15 @@ def _amx(x, w, b):
     return y if rc == 0 else None
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 100, 96), (16, 1200, 576), (3, 81, 32),
-                                   (7, 33, 40), (17, 100, 64), (24, 1200, 576), (32, 81, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 64), (5, 2100, 128), (16, 1200, 576),
+                                   (3, 8209, 32), (7, 33, 40), (4, 64, 64), (17, 4100, 64),
+                                   (24, 1200, 576), (32, 2051, 128)])
 def test_amx_product_matches_float32_and_is_row_independent(m, n, k):
     """The AMX tile product (gemv_amx.cpp): float32 sums rounded once (within bf16 rounding of
     the exact product), bias added, weight rows past the last whole tile (n % 16), K not a
-    multiple of 32 (the dot-product GEMV) and 17-32 rows (two x tiles) included; every row's
-    bits equal that row computed alone, so a verify step equals its decode steps."""
+    multiple of 32 and weights under 2^18 elements (both the dot-product GEMV) and 17-32 rows
+    (two x tiles) included; every row's bits equal that row computed alone, so a verify step
+    equals its decode steps."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]  # rows strided
     w = (torch.randn(n, k, generator=g) * 0.3).bfloat16()

@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-workloads", nargs="+", default=None,
                    help="--sweep: only these of tput b1 long sys conv")
     p.add_argument("--real-model", default=None,
-                   help="--sweep: also this trained model directory (e.g. SmolLM2-135M)")
+                   help="--sweep: also this trained model directory, or smollm2 (SmolLM2-135M)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--large-hidden", type=int, default=1024)

@@ -113,7 +113,7 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
     """``run_one(system, spec) -> worker result or None`` (compare.py's subprocess runner)."""
     from transformers import AutoConfig
 
-    from benchmarks.common import bench_model, print_table
+    from benchmarks.common import bench_model
     from benchmarks.compare import decode_step_bytes, stream_copy_gbps
 
     wanted = QUICK if args.quick else [s.name for s in SHAPES]
@@ -122,8 +122,13 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
     shapes = [s for s in SHAPES if s.name in wanted]
     models = [(s.name, str(bench_model(s.arch, s.hidden, s.layers, **s.overrides)), s.big)
               for s in shapes]
-    if args.real_model:  # hook: a trained checkpoint (SmolLM2-135M when it lands)
-        models.append((f"real:{Path(args.real_model).name}", args.real_model, False))
+    if args.real_model:  # a trained checkpoint: a directory, or "smollm2" (the shipped one)
+        real = args.real_model
+        if real == "smollm2":
+            from pagefold.models.smollm2 import smollm2_checkpoint
+
+            real = str(smollm2_checkpoint())
+        models.append((f"real:{Path(real).name}", real, False))
     rows, bw_rows = [], []
     for name, model, big in models:
         vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
@@ -169,6 +174,17 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
                 if w in ("tput", "long") and hf:
                     row[f"{w} /HF"] = hf["seconds"] / pf["seconds"]
         rows.append(row)
+        # Each shape's row as soon as it is measured (a long sweep that stops keeps them).
+        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()), flush=True)
+        _report(args, rows, bw_rows, final=False)
+    _report(args, rows, bw_rows, final=True)
+
+
+def _report(args, rows: list[dict], bw_rows: list[dict], final: bool) -> None:
+    """The tables (``final``) and ``--json`` (after every shape)."""
+    from benchmarks.common import print_table
+
     cols = ["shape", "tput /vLLM", "b1 /vLLM", "long /vLLM", "sys /vLLM", "conv /vLLM",
             "tput /HF", "b1 /HF", "long /HF", "b1 TPOT ms"]
     cols = [c for c in cols if any(r.get(c) for r in rows)]
@@ -181,14 +197,16 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
         if c != "b1 TPOT ms":
             vals = [r[c] for r in rows if r.get(c)]
             worst[c] = min(vals) if vals else None
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"sweep": rows, "geomean": gm, "worst": worst,
+                                               "bandwidth": bw_rows}, indent=1))
+    if not final:
+        return
     print("\nsweep: pagefold's speed-up (> 1: faster) over the best vLLM row and transformers;"
           " wall time of the same tokens (tput, long, sys, conv), TPOT (b1)")
     print_table(rows + [gm, worst], cols)
     print("\nbatch-1 decode: bytes per step / pagefold's TPOT vs a STREAM-like copy")
     print_table(bw_rows, ["shape", "MB/step", "TPOT ms", "GB/s", "copy GB/s", "% of copy",
                           "vLLM TPOT ms"])
-    if args.json:
-        import json
-
-        Path(args.json).write_text(json.dumps({"sweep": rows, "geomean": gm,
-                                               "bandwidth": bw_rows}, indent=1))

@@ -19,6 +19,7 @@ from pagefold.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, cd
 from pagefold.executor import input_batch
 from pagefold.executor.cache_tensors import CacheTensors
 from pagefold.executor.input_batch import build_inputs
+from pagefold.layers.attention import backend
 from pagefold.layers.attention.backend import paged_attention, read_kv, write_kv
 
 BLOCK = 4
@@ -164,8 +165,10 @@ def test_decode_metadata_skips_dead_blocks():
 
 
 def test_fresh_prefills_routed_to_sdpa(monkeypatch):
-    """With ``SDPA_MIN_TOKENS`` set (AMX CPUs), fresh bf16 chunks that long go to SDPA and only
-    the others reach the compiled kernel; the step's output still matches the reference."""
+    """With ``SDPA_MIN_TOKENS`` set (AMX CPUs), fresh bf16 chunks that long and later chunks
+    with ``SDPA_MIN_PAIRS`` (query, key) pairs go to SDPA (a later chunk as two calls merged by
+    their log-sum-exps) and only the others reach the compiled kernel; the step's output still
+    matches the reference."""
     from pagefold.csrc import cpu_ops
 
     seen = []
@@ -177,12 +180,14 @@ def test_fresh_prefills_routed_to_sdpa(monkeypatch):
 
     monkeypatch.setattr(cpu_ops, "prefill_attention", spy)
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_TOKENS", 6)
+    # Later chunks by their (query, key) pairs: 6 x (13 + 3) = 96 in, 5 x (7 + 2) = 45 out.
+    monkeypatch.setattr(backend, "SDPA_MIN_PAIRS", 90)
     monkeypatch.setattr(input_batch, "SHORT_CHUNK_AS_DECODE", 1)  # chunks > 1 are prefills
     _, results = _run_step(2, torch.bfloat16, seed=22, q_dtype=torch.bfloat16)
     for name, (out, ref, *_rest) in results.items():
         assert not torch.isnan(out).any(), name
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=name)
-    # The full-attention group: the fresh 9-token chunk is SDPA's; the sliding group keeps
-    # every chunk on the kernel (its window is not SDPA's causal mask).
-    assert seen[0] == [[5, 7], [6, 13], [2, 5]]
+    # The full-attention group: the fresh 9 and the 6 after 13 are SDPA's;
+    # the sliding group keeps every chunk on the kernel (its window is not SDPA's causal mask).
+    assert seen[0] == [[5, 7], [2, 5]]
     assert seen[1] == [[9, 0], [5, 7], [6, 13], [2, 5]]

@@ -205,15 +205,43 @@ def _prefill_mask(ctx_len: int, kv_start: int, q_len: int, window: int | None,
     return mask
 
 
+# A later chunk of a prompt (keys cached before it) goes to SDPA when its (query, key) pairs
+# reach this many: SDPA's per-pair cost is ~0.3x the compiled kernel's on AMX, but the two
+# calls, the page gather and the merge cost a fixed ~0.2 ms per layer (SmolLM2, 2 threads:
+# 24 tokens after 2,000 break even, 128 after 160; 256 after 2,000 take 0.38x the kernel's).
+SDPA_MIN_PAIRS = 40_000
+
+
 def _sdpa_prefills(meta: AttentionMetadata) -> torch.Tensor | None:
     """Which prefill chunks SDPA computes rather than the compiled kernel
-    (``cpu_ops.SDPA_MIN_TOKENS``: fresh chunks, no window, long enough), as a bool mask over
-    ``meta.prefills``; None when none does."""
+    (``cpu_ops.SDPA_MIN_TOKENS``: no window, long enough; fresh chunks and later chunks of a
+    prompt alike, see :func:`_sdpa_after_prefix`), as a bool mask over ``meta.prefills``; None
+    when none does."""
     least = cpu_ops.SDPA_MIN_TOKENS
     if least is None or meta.sliding_window is not None:
         return None
-    pick = [r.ctx_len == 0 and r.tok_end - r.tok_start >= least for r in meta.prefills]
+    pick = [n >= least if not r.ctx_len else n * (r.ctx_len + n // 2) >= SDPA_MIN_PAIRS
+            for r in meta.prefills for n in (r.tok_end - r.tok_start,)]
     return torch.tensor(pick) if any(pick) else None
+
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _sdpa_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor,
+                       pv: torch.Tensor, scale: float) -> torch.Tensor:
+    """A later chunk of a prompt: q/k/v (1, H|KVH, L, D) the chunk's own, pk/pv (1, KVH, C, D)
+    the C keys cached before it -> (1, H, L, D) float32.
+
+    Every query sees the whole prefix and the chunk causally. One SDPA call with that mask
+    would compute (and then discard) the masked upper triangle and build an additive mask of
+    L x (C + L); instead the prefix (no mask) and the chunk (``is_causal``, square) are two
+    flash calls whose partial results merge by their log-sum-exps: ~L*C + L*L/2 products
+    instead of L*(C + L)."""
+    oa, la = _flash_cpu(q, pk, pv, 0.0, False, scale=scale)
+    ob, lb = _flash_cpu(q, k, v, 0.0, True, scale=scale)
+    # The prefix's share of each row's softmax mass: e^la / (e^la + e^lb) = sigmoid(la - lb).
+    return torch.lerp(ob.float(), oa.float(), torch.sigmoid(la - lb).unsqueeze(-1))
 
 
 def paged_attention(
@@ -250,6 +278,7 @@ def paged_attention(
                 out[rows] = od
     h, kvh = q.shape[1], k.shape[1]
     prefills = meta.prefills
+    to_sdpa = None
     if prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16 and not fp8:
         rows, slots = meta.prefill_pack()
         to_sdpa = _sdpa_prefills(meta) if cache.dtype == q.dtype else None
@@ -271,6 +300,16 @@ def paged_attention(
             kv = read_kv(cache, row.kv_slots, q.dtype)
             keys, vals = kv[:, 0], kv[:, 1]
         q_len = qs.shape[0]
+        if (row.ctx_len and to_sdpa is not None and _flash_cpu is not None
+                and meta.sliding_window is None and cache.dtype == q.dtype):
+            # The prefix fills whole pages from position 0: gather pages, not slots.
+            pages = row.kv_slots[: row.ctx_len : meta.block_size] // meta.block_size
+            kv = cache.index_select(0, pages).flatten(0, 1)[: row.ctx_len]
+            o = _sdpa_after_prefix(*(x.transpose(0, 1).unsqueeze(0) for x in (
+                qs, k[row.tok_start : row.tok_end], v[row.tok_start : row.tok_end],
+                kv[:, 0], kv[:, 1])), scale)
+            out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1).to(out.dtype)
+            continue
         if row.ctx_len == 0 and meta.sliding_window is None:
             mask, causal = None, True
         else:

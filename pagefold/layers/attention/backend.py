@@ -290,16 +290,6 @@ def paged_attention(
             prefills = [r for r, s in zip(prefills, to_sdpa.tolist()) if s]
     for row in prefills:
         qs = q[row.tok_start : row.tok_end]
-        if row.ctx_len == 0 and cache.dtype == q.dtype:
-            keys, vals = k[row.tok_start : row.tok_end], v[row.tok_start : row.tok_end]
-        elif fp8:
-            qs = qs.float()
-            kv = read_kv(cache, row.kv_slots, torch.float32, kv_scales)
-            keys, vals = kv[:, 0], kv[:, 1]
-        else:
-            kv = read_kv(cache, row.kv_slots, q.dtype)
-            keys, vals = kv[:, 0], kv[:, 1]
-        q_len = qs.shape[0]
         if (row.ctx_len and to_sdpa is not None and _flash_cpu is not None
                 and meta.sliding_window is None and cache.dtype == q.dtype):
             # The prefix fills whole pages from position 0: gather pages, not slots.
@@ -310,6 +300,16 @@ def paged_attention(
                 kv[:, 0], kv[:, 1])), scale)
             out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1).to(out.dtype)
             continue
+        if row.ctx_len == 0 and cache.dtype == q.dtype:
+            keys, vals = k[row.tok_start : row.tok_end], v[row.tok_start : row.tok_end]
+        elif fp8:
+            qs = qs.float()
+            kv = read_kv(cache, row.kv_slots, torch.float32, kv_scales)
+            keys, vals = kv[:, 0], kv[:, 1]
+        else:
+            kv = read_kv(cache, row.kv_slots, q.dtype)
+            keys, vals = kv[:, 0], kv[:, 1]
+        q_len = qs.shape[0]
         if row.ctx_len == 0 and meta.sliding_window is None:
             mask, causal = None, True
         else:

@@ -21,6 +21,7 @@ from pagefold.distributed.parallel_state import tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.executor.host_malloc import keep_freed_memory
 from pagefold.executor.input_batch import build_inputs
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
 from pagefold.executor.sampler import (
@@ -60,6 +61,7 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in model.parameters())
         if device.type == "cpu":  # bf16 linears: few-row GEMV (cpu_ops.GEMV_MAX_ROWS), else oneDNN
             cpu_ops.use_fast_linears(model)
+            keep_freed_memory()  # activations reuse faulted-in pages from step to step
         self.kv_config = kv_config
         self.device = device
         self.cache = CacheTensors(kv_config, device, fill=cache_fill)

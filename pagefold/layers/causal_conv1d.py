@@ -118,7 +118,7 @@ def causal_conv1d_varlen(
     *,
     per_token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorized varlen causal conv: one ``F.conv1d`` over all sequences.
+    """Vectorized varlen causal conv: one pass over all sequences.
 
     Shapes as in :func:`causal_conv1d_naive`. Each sequence's state is placed in front of its
     tokens in one extended buffer of length ``T + N*(K-1)``; a single unpadded depthwise conv
@@ -145,28 +145,31 @@ def causal_conv1d_varlen(
     state_pos = (ext_start.unsqueeze(1) + torch.arange(hist, device=device)).reshape(-1)
     ext_len = total + num_seqs * hist
 
-    ext = torch.empty(channels, ext_len, dtype=torch.float32, device=device)
-    ext[:, tok_pos] = x.float().t()
-    ext[:, state_pos] = conv_state.float().permute(1, 0, 2).reshape(channels, -1)
+    # Token-major (rows = positions): the scatters below move whole rows, and the conv is K
+    # shifted multiply-adds over contiguous rows. (A depthwise F.conv1d over a channel-major
+    # copy took ~10x as long on CPU: oneDNN's 1-D depthwise path plus column scatters.)
+    ext = torch.empty(ext_len, channels, dtype=torch.float32, device=device)
+    ext[tok_pos] = x.float()
+    ext[state_pos] = conv_state.float().transpose(1, 2).reshape(-1, channels)
+    w = weight.float()
+    n_out = ext_len - hist  # row i is the window ext[i : i + K]
+    out = ext[:n_out] * w[:, 0]
+    for j in range(1, kernel):
+        out.addcmul_(ext[j : j + n_out], w[:, j])
+    if bias is not None:
+        out += bias.float()
+    # Token t's window ends at its own extended position, so it starts K-1 rows earlier.
+    y = _activate(out[tok_pos - hist], activation)
+    if per_token_states:  # the K-1 rows ending at each token's own row
+        rows = tok_pos.unsqueeze(1) - hist + 1 + torch.arange(hist, device=device)  # (T, K-1)
+        states = ext[rows.reshape(-1)].view(total, hist, channels).transpose(1, 2)
+        return y.to(x.dtype), states.to(x.dtype).contiguous()
 
-    out = F.conv1d(
-        ext.unsqueeze(0),
-        weight.float().unsqueeze(1),
-        bias.float() if bias is not None else None,
-        groups=channels,
-    ).squeeze(0)  # (C, ext_len - K + 1); column i is the window ext[:, i : i + K]
-    # Token t's window ends at its own extended position, so it starts K-1 columns earlier.
-    y = _activate(out[:, tok_pos - hist], activation).t()
-    if per_token_states:  # the K-1 columns ending at each token's own column
-        cols = tok_pos.unsqueeze(1) - hist + 1 + torch.arange(hist, device=device)  # (T, K-1)
-        states = ext[:, cols.reshape(-1)].reshape(channels, total, hist).permute(1, 0, 2)
-        return y.to(x.dtype).contiguous(), states.to(x.dtype).contiguous()
-
-    # Last K-1 columns of each extended segment; its end is cu[s+1] + (s+1)*(K-1).
+    # Last K-1 rows of each extended segment; its end is cu[s+1] + (s+1)*(K-1).
     ext_end = cu[1:] + (seq_ids + 1) * hist
     last_pos = ext_end.unsqueeze(1) - hist + torch.arange(hist, device=device)  # (N, K-1)
-    new_state = ext[:, last_pos.reshape(-1)].reshape(channels, num_seqs, hist).permute(1, 0, 2)
-    return y.to(x.dtype).contiguous(), new_state.to(x.dtype).contiguous()
+    new_state = ext[last_pos.reshape(-1)].view(num_seqs, hist, channels).transpose(1, 2)
+    return y.to(x.dtype), new_state.to(x.dtype).contiguous()
 
 
 def causal_conv1d_update(

@@ -334,3 +334,29 @@ def test_gated_norm_groups_and_norm_before_gate() -> None:
     torch.testing.assert_close(after(x2, gate)[:, 4:], after(x, gate)[:, 4:])
     with pytest.raises(ValueError):
         GatedRMSNorm(16, 1e-6, 5)
+
+
+def test_chunked_groups_of_sequences_are_bitwise_one_group(monkeypatch) -> None:
+    """``ssd_chunked`` takes sequences through a chunk position in cache-sized groups; any
+    grouping (one sequence at a time, pairs, all) gives the same bits: outputs, final states
+    and captures, including captures inside and at the end of chunks of later groups."""
+    from pagefold.layers.mamba import ssd
+
+    lens = [37, 70, 5, 66, 32, 1]
+    inp = _inputs(lens, H=4, P=8, G=2, N=8, seed=11)
+    # Sequences run longest first (1, 3, 0, ...): captures inside chunks of the first, second
+    # and third (offsets 20, 40, 10), at a chunk end of sequence 3 (offset 63), at its last
+    # token and at the end of the short sequence 4.
+    after = torch.tensor([37 + 20, 112 + 40, 10, 112 + 63, 112 + 65, 178 + 31])
+    runs = []
+    for group_bytes in (1, 4 * 32 * 32 * 4 * 2, 1 << 30):  # 1, 2 and all sequences per group
+        monkeypatch.setattr(ssd, "GROUP_BYTES", group_bytes)
+        out = torch.empty(len(after), 4, 8, 8)
+        y, final = _call(ssd_chunked, inp, chunk_size=32, capture=(after, out))
+        runs.append((y, final, out))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    naive_y, naive_final = _call(ssd_naive, inp)
+    torch.testing.assert_close(runs[0][0], naive_y, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(runs[0][1], naive_final, atol=ATOL, rtol=ATOL)

@@ -517,7 +517,56 @@ def test_gdn_decode_in_place_matches_torch_path(dtype, ssm_dtype):
     _assert_gdn_matches(view, page_ids, o, o_ref, conv_new, ssm_new, ssm_dtype, tol)
 
 
-@pytest.mark.parametrize("model", ["qwen3_dir", "llama_dir", "qwen3_5_dir"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_decode_in_place_matches_torch_path(dtype):
+    """The compiled Mamba-2 decode step: y and the states it leaves in the pages equal the
+    torch path's (conv window exactly); a fresh row reads zeros; states span non-adjacent
+    pages and SSM rows (24 floats) cross page boundaries."""
+    from pagefold.layers.mamba.ssd import ssd_recurrent
+
+    g = torch.Generator().manual_seed(8)
+    n, heads, hd, groups, ns, kernel = 3, 4, 8, 2, 24, 4
+    inter = heads * hd
+    c = inter + 2 * groups * ns
+    spec = StateSpec("mamba", (StateComponent("conv", (c, kernel - 1), dtype),
+                               StateComponent("ssm", (heads, hd, ns), torch.float32)))
+    page_bytes = 1000
+    pages = -(-spec.state_bytes // page_bytes)
+    raw = torch.zeros(n * pages + 4, page_bytes, dtype=torch.uint8)
+    view = StateView(raw, spec, pages)
+    page_ids = (torch.randperm(raw.shape[0] - 1, generator=g)[: n * pages] + 1).view(n, pages)
+    view.scatter(page_ids, {"conv": torch.randn(n, c, kernel - 1, generator=g).to(dtype),
+                            "ssm": torch.randn(n, heads, hd, ns, generator=g) * 0.3})
+    fresh = torch.tensor([False, True, False])
+    proj = torch.randn(n, c + heads + 5, generator=g).to(dtype)  # rows strided, like a split
+    xbc, dt = proj[:, :c], proj[:, c : c + heads]
+    weight = (torch.randn(c, kernel, generator=g) * 0.5).to(dtype)
+    bias = torch.randn(c, generator=g).to(dtype)
+    a_log = torch.randn(heads, generator=g).to(dtype)
+    dt_bias = torch.randn(heads, generator=g).to(dtype)
+    d = torch.randn(heads, generator=g).to(dtype)
+
+    states = view.gather(page_ids)  # the torch path, as Mamba2Mixer runs a decode step
+    for t in states.values():
+        t[fresh] = 0
+    y_conv, conv_new = causal_conv1d_update(xbc, weight, bias, states["conv"], "silu")
+    xs, bm, cm = y_conv.split([inter, groups * ns, groups * ns], dim=-1)
+    y_ref, ssm_new = ssd_recurrent(
+        xs.reshape(n, heads, hd), F.softplus(dt.float() + dt_bias.float()),
+        -a_log.float().exp(), bm.reshape(n, groups, ns), cm.reshape(n, groups, ns), d,
+        states["ssm"], torch.arange(n + 1), dt_bias=None, dt_softplus=False)
+
+    y = cpu_ops.mamba2_decode(view, page_ids, ~fresh, xbc, dt, weight, bias, dt_bias, a_log,
+                              d, num_heads=heads, head_dim=hd, n_groups=groups, state_size=ns)
+    assert y is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    after = view.gather(page_ids)
+    torch.testing.assert_close(y.float(), y_ref.reshape(n, inter).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(after["conv"], conv_new, atol=0, rtol=0)
+    torch.testing.assert_close(after["ssm"], ssm_new, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["qwen3_dir", "llama_dir", "qwen3_5_dir", "nemotron_h_dir"])
 def test_engine_same_tokens_with_and_without_kernels(model, request, random_prompts):
     """End to end (float32, mixed prefill/decode steps, a fresh 1-token prompt): the torch
     fallback and the kernels give the same greedy tokens, and logprobs within float noise."""

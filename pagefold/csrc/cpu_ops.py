@@ -39,7 +39,7 @@ logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp",
-            _DIR / "gemv_amx.cpp"]
+            _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -144,6 +144,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, p, p, i32,  # capture cu / offsets / pages, threads
     ]
     lib.pf_gdn.restype = i32
+    lib.pf_mamba2_decode.argtypes = [
+        i32, p, i64, p, i32, i64, i64, p,  # dtype, raw, page_bytes, pages, P, offsets, fresh
+        p, i64, p, i64, p, p,  # xbc, x_stride, dt, dt_stride, conv_w, conv_b
+        p, p, p, p,  # dt_bias, A, D, y
+        i64, i32, i32, i32, i32, i32, i32, i32,  # N, C, K, H, Dh, G, Ns, threads
+    ]
+    lib.pf_mamba2_decode.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.pf_linear_bf16.restype = i32
     lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes
@@ -398,6 +405,21 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 _GDN_LAYOUT: dict = {}
 
 
+def _state_layout(view) -> tuple | None:
+    """(conv component, ssm component, {name: byte offset}) of a conv + SSM state spec, once
+    per spec; None for specs without both."""
+    layout = _GDN_LAYOUT.get(view.spec)
+    if layout is None:
+        spec = view.spec
+        try:
+            layout = (spec.component("conv"), spec.component("ssm"),
+                      dict(zip((c.name for c in spec.components), spec.offsets)))
+        except KeyError:
+            return None
+        _GDN_LAYOUT[spec] = layout
+    return layout
+
+
 def _neg_exp(a_log: torch.Tensor) -> torch.Tensor:
     """``-exp(A_log)`` in float32, computed once per parameter and kept on it (recomputed
     after an in-place change, seen by the tensor's version counter)."""
@@ -437,15 +459,9 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     lib = kernels()
     if lib is None:
         return None
-    layout = _GDN_LAYOUT.get(view.spec)
+    layout = _state_layout(view)
     if layout is None:
-        spec = view.spec
-        try:
-            layout = (spec.component("conv"), spec.component("ssm"),
-                      dict(zip((c.name for c in spec.components), spec.offsets)))
-        except KeyError:
-            return None
-        _GDN_LAYOUT[spec] = layout
+        return None
     conv, ssm, offs = layout
     t, c = mixed.shape
     k = conv_weight.shape[1]
@@ -485,6 +501,52 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         _ptr(cap_off) if cap_off is not None else None,
         _ptr(cap_pages) if cap_pages is not None else None, torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
+                  xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
+                  conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                  D: torch.Tensor, *, num_heads: int, head_dim: int, n_groups: int,
+                  state_size: int) -> torch.Tensor | None:
+    """A Mamba-2 mixer's decode step (one token per sequence): the conv and the SSM update on
+    the states in their pages (read once, written back in place: no gather, no scatter).
+
+    ``xbc`` (N, conv_dim) the conv input, ``dt`` (N, H) the raw time step, ``conv_weight``
+    (conv_dim, K); A = ``-exp(A_log)``. Equals ``causal_conv1d_update`` + softplus +
+    ``ssd_recurrent`` (with the D term) + storing both states, up to float32 rounding. Returns
+    ``y`` (N, H * head_dim) in xbc's dtype, or None when not handled (nothing written): other
+    dtypes, a conv window longer than K - 1 (speculative decoding), a non-float32 SSM state.
+    """
+    lib = kernels()
+    if lib is None:
+        return None
+    layout = _state_layout(view)
+    if layout is None:
+        return None
+    conv, ssm, offs = layout
+    n, c = xbc.shape
+    k = conv_weight.shape[1]
+    code = _usable(xbc, dt, conv_weight, *(() if conv_bias is None else (conv_bias,)))
+    if (code is None or conv.dtype != xbc.dtype or conv.shape != (c, k - 1)
+            or ssm.dtype != torch.float32
+            or ssm.shape != (num_heads, head_dim, state_size)
+            or not view.raw.is_contiguous() or not _rows_ok(xbc) or not _rows_ok(dt)
+            or not conv_weight.is_contiguous() or page_ids.shape[0] != n):
+        return None
+    pages = page_ids.contiguous()
+    fresh = None
+    if not bool(has_initial_state.all()):
+        fresh = (~has_initial_state).to(torch.uint8).contiguous()
+    small = [dt_bias.detach().float().contiguous(), _neg_exp(A_log),
+             D.detach().float().contiguous()]
+    y = torch.empty((n, num_heads * head_dim), dtype=xbc.dtype)
+    rc = lib.pf_mamba2_decode(
+        code, _ptr(view.raw), view.page_bytes, _ptr(pages), pages.shape[1], offs["conv"],
+        offs["ssm"], _ptr(fresh) if fresh is not None else None, _ptr(xbc), xbc.stride(0),
+        _ptr(dt), dt.stride(0), _ptr(conv_weight),
+        _ptr(conv_bias) if conv_bias is not None else None, *(_ptr(t) for t in small),
+        _ptr(y), n, c, k, num_heads, head_dim, n_groups, state_size, torch.get_num_threads())
+    return y if rc == 0 else None
 
 
 # Rows up to which bf16 linears take the compiled GEMV, not the GEMM library. With native bf16

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
 from pagefold.kernels import dispatch
@@ -251,6 +252,14 @@ class Mamba2Mixer(nn.Module):
             if y is not None:
                 y = self.norm(y.reshape(t, inter), z)
                 return self.out_proj(y.to(x.dtype))
+        if (meta.all_decode and not ctx.verify and after is None and x.device.type == "cpu"
+                and ctx.initial_states is None):
+            # Compiled decode step on the states in their pages (no gather / scatter).
+            y = cpu_ops.mamba2_decode(view, meta.page_ids, meta.has_initial_state, xbc, dt,
+                                      weight, self.conv1d.bias, self.dt_bias, self.A_log,
+                                      self.D, **heads)
+            if y is not None:
+                return self.out_proj(self.norm(y, z).to(x.dtype))
         states = ctx.load_states(self.layer_name)
         capture, conv_ck, extra = None, None, {}
         if after is not None:

@@ -57,6 +57,9 @@ def _no_gemv(*args: object) -> int:
     return 1  # the GEMV's "not handled" code: every product falls back to matmul_t
 
 
+_BF16 = cpu_ops._DTYPE_CODE[torch.bfloat16]  # the kernels' dtype code
+
+
 class MoEExperts(nn.Module):
     """``E`` SwiGLU experts with stacked weights; runs only the experts that receive tokens.
 
@@ -132,11 +135,13 @@ class MoEExperts(nn.Module):
         # Positions p = token * k + slot grouped by ascending expert, tokens ascending within
         # one (top-k ids of a token are distinct): forward's stable argsort order.
         order = sorted(range(t * k), key=lambda p: (flat[p], p))
-        w_flat = top_w.reshape(-1)
         hidden, inter = x.shape[1], self.inter
         gu_step = gu_w.stride(0) * gu_w.element_size()
         dn_step = dn_w.stride(0) * dn_w.element_size()
         threads = torch.get_num_threads()
+        lib = cpu_ops.kernels()
+        silu = lib.pf_silu_mul if lib is not None else None
+        w_col = top_w.reshape(-1, 1)
         out = torch.zeros_like(x)
         i = 0
         while i < len(order):
@@ -154,20 +159,22 @@ class MoEExperts(nn.Module):
             if gemv(h.data_ptr(), h.stride(0), gu_w.data_ptr() + e * gu_step, None,
                     gu.data_ptr(), 2 * inter, n, 2 * inter, hidden, threads) != 0:
                 gu = matmul_t(h, gu_w[e])
-            act = cpu_ops.silu_and_mul(gu)
-            if act is None:
+            # silu(gate) * up rounded like the torch ops (cpu_ops.silu_and_mul without its
+            # per-call checks: gu is a fresh contiguous bf16 (n, 2I) tensor).
+            act = torch.empty((n, inter), dtype=torch.bfloat16)
+            if silu is None or silu(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), n, inter,
+                                    threads) != 0:
                 gate, up = gu.split(inter, dim=-1)
                 act = F.silu(gate) * up
             y = torch.empty((n, hidden), dtype=torch.bfloat16)
             if gemv(act.data_ptr(), act.stride(0), dn_w.data_ptr() + e * dn_step, None,
                     y.data_ptr(), hidden, n, hidden, inter, threads) != 0:
                 y = matmul_t(act, dn_w[e])
-            w = (w_flat[ps[0] : ps[0] + 1] if n == 1
-                 else w_flat.index_select(0, torch.tensor(ps)))
+            w = w_col[ps[0] : ps[0] + 1] if n == 1 else w_col.index_select(0, torch.tensor(ps))
             if rows is None:
-                out.add_(y * w[:, None])
+                out.add_(y * w)
             else:
-                out.index_add_(0, rows, y * w[:, None])
+                out.index_add_(0, rows, y * w)
         return out
 
     def load_expert(self, e: int, proj: str, tensor: torch.Tensor) -> None:

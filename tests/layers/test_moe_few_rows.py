@@ -96,3 +96,35 @@ def test_few_rows_declines_float32_and_large_steps() -> None:
     x, idx, w = _routing(cpu_ops.GEMV_MAX_ROWS + 1, 0)
     assert m._few_rows(x, idx, w) is None
     assert torch.equal(m(x, idx, w), _general(m, x, idx, w))
+
+
+def _engine_run(model_dir, prompts):
+    from pagefold import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=64, kv_cache_memory=4 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def test_engine_decode_few_rows_is_module_path_bits(qwen3_next_dir, random_prompts,
+                                                    monkeypatch) -> None:
+    """bf16 Qwen3-Next: decode steps through the few-token path (F.linear products) give the
+    general path's tokens and logprobs exactly, and the path is really taken."""
+    prompts = random_prompts(4, 5, 24, 512, seed=3)
+    monkeypatch.setattr(MoEExperts, "use_gemv", False)
+    calls = []
+    few = MoEExperts._few_rows
+
+    def counting(self, *args):
+        out = few(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(MoEExperts, "_few_rows", counting)
+    fast = _engine_run(qwen3_next_dir, prompts)
+    assert sum(calls) > 0
+    monkeypatch.setattr(MoEExperts, "_few_rows", lambda self, *args: None)
+    assert fast == _engine_run(qwen3_next_dir, prompts)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.csrc import cpu_ops
 from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.layers.linear import shard_rows
@@ -52,11 +53,27 @@ def split_expert_inter(inter: int, what: str = "moe_intermediate_size") -> int:
     return inter // tp_size()
 
 
+def _no_gemv(*args: object) -> int:
+    return 1  # the GEMV's "not handled" code: every product falls back to matmul_t
+
+
+_BF16 = cpu_ops._DTYPE_CODE[torch.bfloat16]  # the kernels' dtype code
+
+
 class MoEExperts(nn.Module):
     """``E`` SwiGLU experts with stacked weights; runs only the experts that receive tokens.
 
     Under tensor parallelism ``inter`` is this rank's share and the output a partial sum (the
-    owning block all-reduces)."""
+    owning block all-reduces).
+
+    Steps of at most ``cpu_ops.GEMV_MAX_ROWS`` bf16 tokens (decode) take :meth:`_few_rows`.
+    With ``use_gemv`` (the default) their expert products are the GEMV's, whose float32 sums
+    can round the last bit of a rare output differently from oneDNN's ``F.linear`` (the same
+    contract as every ``nn.Linear`` of such steps under ``cpu_ops.use_fast_linears``); without
+    it they are ``F.linear``'s and the block's output is :meth:`forward`'s general path's bit
+    for bit. float32 never takes the GEMV."""
+
+    use_gemv: bool = True
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  what: str = "moe_intermediate_size") -> None:
@@ -74,9 +91,12 @@ class MoEExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), top_idx (T, k) int64, top_w (T, k) in x's dtype -> (T, hidden)."""
         t, k = top_idx.shape
-        out = torch.zeros_like(x)
         if t == 0:
+            return torch.zeros_like(x)
+        out = self._few_rows(x, top_idx, top_w)
+        if out is not None:
             return out
+        out = torch.zeros_like(x)
         flat = top_idx.reshape(-1)
         # Stable sort keeps each expert's tokens in ascending token order.
         order = torch.argsort(flat, stable=True)
@@ -93,6 +113,68 @@ class MoEExperts(nn.Module):
             y = matmul_t(F.silu(gate) * up, self.down_proj[e])
             out.index_add_(0, rows, y * weights[start : start + n, None])
             start += n
+        return out
+
+    def _few_rows(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
+                  ) -> torch.Tensor | None:
+        """:meth:`forward` for bf16 steps of at most ``cpu_ops.GEMV_MAX_ROWS`` tokens (decode):
+        the same experts, token order, products and summation order, but each expert's two
+        products call the GEMV on its weight slices' pointers (as ``nn.Linear`` layers do for
+        such steps under ``use_fast_linears``) and the grouping is done on the host from one
+        ``tolist`` instead of argsort / bincount / per-expert gathers. None when not handled."""
+        gemv = cpu_ops.gemv_function() if self.use_gemv else _no_gemv
+        gu_w, dn_w = self.gate_up_proj, self.down_proj
+        t, k = top_idx.shape
+        if (gemv is None or x.dtype != torch.bfloat16 or gu_w.dtype != torch.bfloat16
+                or dn_w.dtype != torch.bfloat16 or top_w.dtype != torch.bfloat16
+                or x.dim() != 2 or not x.is_cpu or not gu_w.is_cpu
+                or t > cpu_ops.GEMV_MAX_ROWS
+                or x.stride(1) != 1 or not gu_w.is_contiguous() or not dn_w.is_contiguous()):
+            return None
+        flat = top_idx.reshape(-1).tolist()  # one host sync, as bincount's in forward
+        # Positions p = token * k + slot grouped by ascending expert, tokens ascending within
+        # one (top-k ids of a token are distinct): forward's stable argsort order.
+        order = sorted(range(t * k), key=lambda p: (flat[p], p))
+        hidden, inter = x.shape[1], self.inter
+        gu_step = gu_w.stride(0) * gu_w.element_size()
+        dn_step = dn_w.stride(0) * dn_w.element_size()
+        threads = torch.get_num_threads()
+        lib = cpu_ops.kernels()
+        silu = lib.pf_silu_mul if lib is not None else None
+        w_col = top_w.reshape(-1, 1)
+        out = torch.zeros_like(x)
+        i = 0
+        while i < len(order):
+            e = flat[order[i]]
+            j = i + 1
+            while j < len(order) and flat[order[j]] == e:
+                j += 1
+            ps, n, i = order[i:j], j - i, j
+            if n == t:  # every token, in order: no gather, a plain add (index_add_'s bits)
+                h, rows = x, None
+            else:
+                rows = torch.tensor([p // k for p in ps])
+                h = x.index_select(0, rows)
+            gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
+            if gemv(h.data_ptr(), h.stride(0), gu_w.data_ptr() + e * gu_step, None,
+                    gu.data_ptr(), 2 * inter, n, 2 * inter, hidden, threads) != 0:
+                gu = matmul_t(h, gu_w[e])
+            # silu(gate) * up rounded like the torch ops (cpu_ops.silu_and_mul without its
+            # per-call checks: gu is a fresh contiguous bf16 (n, 2I) tensor).
+            act = torch.empty((n, inter), dtype=torch.bfloat16)
+            if silu is None or silu(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), n, inter,
+                                    threads) != 0:
+                gate, up = gu.split(inter, dim=-1)
+                act = F.silu(gate) * up
+            y = torch.empty((n, hidden), dtype=torch.bfloat16)
+            if gemv(act.data_ptr(), act.stride(0), dn_w.data_ptr() + e * dn_step, None,
+                    y.data_ptr(), hidden, n, hidden, inter, threads) != 0:
+                y = matmul_t(act, dn_w[e])
+            w = w_col[ps[0] : ps[0] + 1] if n == 1 else w_col.index_select(0, torch.tensor(ps))
+            if rows is None:
+                out.add_(y * w)
+            else:
+                out.index_add_(0, rows, y * w)
         return out
 
     def load_expert(self, e: int, proj: str, tensor: torch.Tensor) -> None:

@@ -1,0 +1,130 @@
+"""The MoE experts' few-token (decode) path against the general path and a per-token oracle.
+
+``MoEExperts._few_rows`` groups tokens by expert on the host and calls the GEMV on each
+expert's weight slices. With ``use_gemv`` off its products are ``F.linear``'s, so the block's
+output must be the general path's bit for bit; with it on, every output row must be a naive
+per-token loop over the token's experts (ascending) whose products are ``cpu_ops.linear`` (the
+GEMV's row bits do not depend on how many rows share a call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagefold.csrc import cpu_ops
+from pagefold.layers.moe import MoEExperts
+
+pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None, reason="C++ kernels unavailable")
+
+E, H, INTER, K = 6, 64, 16, 2
+
+
+def _experts() -> MoEExperts:
+    torch.manual_seed(0)
+    m = MoEExperts(E, H, INTER)
+    with torch.no_grad():
+        m.gate_up_proj.normal_(0, 0.2)
+        m.down_proj.normal_(0, 0.2)
+    return m.bfloat16()
+
+
+def _routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g).bfloat16()
+    p = torch.rand(t, E, generator=g).softmax(-1)
+    w, idx = p.topk(K, -1)
+    return x, idx, (w / w.sum(-1, keepdim=True)).bfloat16()
+
+
+def _general(m: MoEExperts, x, idx, w) -> torch.Tensor:
+    m._few_rows = lambda *a: None  # instance attribute: forward takes the general path
+    try:
+        return m(x, idx, w)
+    finally:
+        del m._few_rows
+
+
+def _oracle(m: MoEExperts, x, idx, w) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(K), key=lambda j: int(idx[t, j])):
+            e = int(idx[t, j])
+            gate, up = cpu_ops.linear(x[t : t + 1], m.gate_up_proj[e], None).split(INTER, -1)
+            y = cpu_ops.linear(F.silu(gate) * up, m.down_proj[e], None)
+            out[t : t + 1] += y * w[t, j]
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 5])
+def test_few_rows_without_gemv_is_the_general_path(t: int, monkeypatch) -> None:
+    m = _experts()
+    monkeypatch.setattr(MoEExperts, "use_gemv", False)
+    for seed in range(8):
+        x, idx, w = _routing(t, seed)
+        assert m._few_rows(x, idx, w) is not None
+        assert torch.equal(m(x, idx, w), _general(m, x, idx, w))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 5])
+def test_few_rows_gemv_matches_per_token_oracle(t: int) -> None:
+    m = _experts()
+    for seed in range(8):
+        x, idx, w = _routing(t, seed)
+        got = m._few_rows(x, idx, w)
+        assert got is not None
+        assert torch.equal(got, _oracle(m, x, idx, w))
+        # Same arithmetic contract as the general path: float32 sums, one rounding per op.
+        torch.testing.assert_close(got, _general(m, x, idx, w), rtol=2e-2, atol=2e-2)
+
+
+def test_few_rows_mutants_are_caught() -> None:
+    """A wrong expert row or a dropped routing weight must change the output."""
+    m = _experts()
+    x, idx, w = _routing(3, 1)
+    ref = _oracle(m, x, idx, w)
+    assert not torch.equal(m._few_rows(x, (idx + 1) % E, w), ref)
+    assert not torch.equal(m._few_rows(x, idx, torch.ones_like(w)), ref)
+
+
+def test_few_rows_declines_float32_and_large_steps() -> None:
+    m = _experts()
+    x, idx, w = _routing(2, 0)
+    assert m.float()._few_rows(x.float(), idx, w.float()) is None
+    m = _experts()
+    x, idx, w = _routing(cpu_ops.GEMV_MAX_ROWS + 1, 0)
+    assert m._few_rows(x, idx, w) is None
+    assert torch.equal(m(x, idx, w), _general(m, x, idx, w))
+
+
+def _engine_run(model_dir, prompts):
+    from pagefold import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=64, kv_cache_memory=4 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def test_engine_decode_few_rows_is_module_path_bits(qwen3_next_dir, random_prompts,
+                                                    monkeypatch) -> None:
+    """bf16 Qwen3-Next: decode steps through the few-token path (F.linear products) give the
+    general path's tokens and logprobs exactly, and the path is really taken."""
+    prompts = random_prompts(4, 5, 24, 512, seed=3)
+    monkeypatch.setattr(MoEExperts, "use_gemv", False)
+    calls = []
+    few = MoEExperts._few_rows
+
+    def counting(self, *args):
+        out = few(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(MoEExperts, "_few_rows", counting)
+    fast = _engine_run(qwen3_next_dir, prompts)
+    assert sum(calls) > 0
+    monkeypatch.setattr(MoEExperts, "_few_rows", lambda self, *args: None)
+    assert fast == _engine_run(qwen3_next_dir, prompts)

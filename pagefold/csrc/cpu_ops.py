@@ -405,9 +405,13 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 _GDN_LAYOUT: dict = {}
 
 
-def _state_layout(view) -> tuple | None:
-    """(conv component, ssm component, {name: byte offset}) of a conv + SSM state spec, once
-    per spec; None for specs without both."""
+def _state_kernel(view) -> tuple | None:
+    """(library, conv component, ssm component, {name: byte offset}) for a kernel on a conv +
+    SSM state (the layout found once per spec); None without the kernels or for specs without
+    both components."""
+    lib = kernels()
+    if lib is None:
+        return None
     layout = _GDN_LAYOUT.get(view.spec)
     if layout is None:
         spec = view.spec
@@ -417,7 +421,14 @@ def _state_layout(view) -> tuple | None:
         except KeyError:
             return None
         _GDN_LAYOUT[spec] = layout
-    return layout
+    return (lib, *layout)
+
+
+def _fresh_flags(has_initial_state: torch.Tensor) -> torch.Tensor | None:
+    """(N,) uint8 of the sequences starting fresh (their pages read as zeros), None if none."""
+    if bool(has_initial_state.all()):
+        return None
+    return (~has_initial_state).to(torch.uint8).contiguous()
 
 
 def _neg_exp(a_log: torch.Tensor) -> torch.Tensor:
@@ -456,13 +467,10 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     ``after[m]`` also go to ``pages[m]`` (a prefix-cache checkpoint inside the chunk), the
     same bytes a call ending after that token leaves in the sequence's own pages.
     """
-    lib = kernels()
-    if lib is None:
+    found = _state_kernel(view)
+    if found is None:
         return None
-    layout = _state_layout(view)
-    if layout is None:
-        return None
-    conv, ssm, offs = layout
+    lib, conv, ssm, offs = found
     t, c = mixed.shape
     k = conv_weight.shape[1]
     pb = view.page_bytes
@@ -478,9 +486,7 @@ def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         return None
     pages = page_ids.contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
-    fresh = None
-    if not bool(has_initial_state.all()):
-        fresh = (~has_initial_state).to(torch.uint8).contiguous()
+    fresh = _fresh_flags(has_initial_state)
     neg_exp_alog = _neg_exp(A_log)
     out = torch.empty((t, num_v_heads, head_v_dim), dtype=mixed.dtype)
     cap_cu = cap_off = cap_pages = None
@@ -517,13 +523,10 @@ def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
     ``y`` (N, H * head_dim) in xbc's dtype, or None when not handled (nothing written): other
     dtypes, a conv window longer than K - 1 (speculative decoding), a non-float32 SSM state.
     """
-    lib = kernels()
-    if lib is None:
+    found = _state_kernel(view)
+    if found is None:
         return None
-    layout = _state_layout(view)
-    if layout is None:
-        return None
-    conv, ssm, offs = layout
+    lib, conv, ssm, offs = found
     n, c = xbc.shape
     k = conv_weight.shape[1]
     code = _usable(xbc, dt, conv_weight, *(() if conv_bias is None else (conv_bias,)))
@@ -534,9 +537,7 @@ def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
             or not conv_weight.is_contiguous() or page_ids.shape[0] != n):
         return None
     pages = page_ids.contiguous()
-    fresh = None
-    if not bool(has_initial_state.all()):
-        fresh = (~has_initial_state).to(torch.uint8).contiguous()
+    fresh = _fresh_flags(has_initial_state)
     small = [dt_bias.detach().float().contiguous(), _neg_exp(A_log),
              D.detach().float().contiguous()]
     y = torch.empty((n, num_heads * head_dim), dtype=xbc.dtype)

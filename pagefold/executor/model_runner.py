@@ -35,8 +35,12 @@ __all__ = ["ModelRunner", "SampledToken"]
 
 # A CPU step whose work (tokens x parameters) is below this runs on one thread: its ops are
 # too small for a parallel region to pay, and on a loaded machine every parallel region waits
-# for a thread the OS may have descheduled (spinning, for milliseconds).
-SMALL_STEP_WORK = 1 << 26
+# for a thread the OS may have descheduled (spinning, for milliseconds). Kept small: the
+# compiled kernels decide per op whether a parallel region pays (e.g. the GEMV from 256K
+# weights), and above ~4M parameters a batch-1 decode step on one thread took up to twice the
+# time of two (2-core Xeon: a 25M-parameter dense model 4.84 -> 2.87 ms, a 56M GDN hybrid
+# 14.9 -> 7.4 ms; a 3.6M model level).
+SMALL_STEP_WORK = 1 << 22
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import GQAAttention, head_dim_of
-from pagefold.layers.decode_fast import DensePlan
+from pagefold.layers.decode_fast import DensePlan, cached_plan
 from pagefold.layers.linear import load_into
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import GatedMLP
@@ -78,16 +78,12 @@ class DecoderModel(nn.Module):
 
 
     def _fast_plan(self) -> DensePlan | None:
-        """The fast decode plan, built on first use and again whenever a linear layer's GEMV
-        weight changed (``use_fast_linears`` ran again); None where it cannot apply."""
+        """The fast decode plan (built on first use, rebuilt when the linears' GEMV weights
+        changed); None where it cannot apply."""
         if not len(self.layers):
             return None
-        first, last = self.layers[0].self_attn.qkv_proj, self.layers[-1].mlp.down_proj
-        key = (id(getattr(first, "pf_gemv", None)), id(getattr(last, "pf_gemv", None)))
-        plan = self.__dict__.get("_plan")
-        if plan is None or plan[0] != key:
-            plan = self.__dict__["_plan"] = (key, DensePlan(list(self.layers)))
-        return plan[1] if plan[1].ok else None
+        return cached_plan(self, self.layers[0].self_attn.qkv_proj,
+                           self.layers[-1].mlp.down_proj, lambda: DensePlan(list(self.layers)))
 
 
 class CausalLM(CausalLMHead):

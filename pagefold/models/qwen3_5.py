@@ -35,6 +35,8 @@ from pagefold.layers.causal_conv1d import (
     causal_conv1d_update,
     causal_conv1d_varlen,
 )
+from pagefold.layers.decode_fast import cached_plan
+from pagefold.layers.decode_fast_hybrid import HybridPlan
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
 from pagefold.layers.moe import ExpertWeightRouter
@@ -298,6 +300,12 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 zero_centered=True)
 
+    def mixer_linears(self) -> tuple[nn.Module, nn.Module]:
+        """The token mixer's input and output projections."""
+        if self.layer_type == "linear_attention":
+            return self.linear_attn.in_proj, self.linear_attn.out_proj
+        return self.self_attn.qkv_proj, self.self_attn.o_proj
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -324,12 +332,25 @@ class HybridModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
 
+    # Small CPU decode steps skip the modules (same kernels, same bits): decode_fast_hybrid.
+    fast_decode = True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        plan = self._fast_plan() if self.fast_decode else None
+        if plan is not None and plan.usable(x, ctx):
+            x, residual = plan.forward(x, positions, ctx)
+            return self.norm(x, residual)[0]
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
+
+    def _fast_plan(self) -> HybridPlan | None:
+        if not len(self.layers):
+            return None
+        first, last = (la.mixer_linears() for la in (self.layers[0], self.layers[-1]))
+        return cached_plan(self, first[0], last[1], lambda: HybridPlan(list(self.layers)))
 
 
 class HybridCausalLM(CausalLM):

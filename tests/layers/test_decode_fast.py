@@ -1,8 +1,9 @@
-"""The fast decode path of dense decoder layers (pagefold.layers.decode_fast) gives the module
-path's bits: same tokens and same logprobs (bf16, greedy) for Llama (plain), Qwen2 (qkv bias)
-and Qwen3 (q/k norm), at batch 1, 2 and 3; with the GEMV's row limit at 1, every batch above 1
-takes the plan's other branch (each linear's own forward, the GEMM library); the fast path
-must actually have run."""
+"""The fast decode paths (pagefold.layers.decode_fast, decode_fast_hybrid) give the module
+path's bits: same tokens and same logprobs (bf16, greedy) for Llama (plain), Qwen2 (qkv bias),
+Qwen3 (q/k norm), and the GDN hybrids Qwen3.5 (gated attention with partial RoPE, a dense MLP)
+and Qwen3-Next (a sparse MoE block through its own forward), at batch 1, 2 and 3; with the
+GEMV's row limit at 1, every batch above 1 takes the plan's other branch (each linear's own
+forward, the GEMM library); the fast path must actually have run."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 
 from pagefold import LLM, SamplingParams
 from pagefold.csrc import cpu_ops
-from pagefold.layers import decode_fast
+from pagefold.layers import decode_fast, decode_fast_hybrid
 from pagefold.models.llama import DecoderModel
+from pagefold.models.qwen3_5 import HybridModel
 from pagefold.testing.tiny_models import random_prompts
 
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -48,6 +50,32 @@ def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_fact
     fast = _run(model, prompts)
     assert calls[0] > 0
     monkeypatch.setattr(DecoderModel, "fast_decode", False)
+    n = calls[0]
+    slow = _run(model, prompts)
+    assert calls[0] == n  # the module path only
+    assert fast == slow
+
+
+@pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("arch,gemv_rows", [("qwen3_5", None), ("qwen3_next", None),
+                                             ("qwen3_5", 1)])
+def test_hybrid_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_factory,
+                                                       monkeypatch):
+    if gemv_rows is not None:
+        monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
+    model = tiny_model_factory(arch)
+    prompts = random_prompts(3, 5, 40, 400, seed=5)
+    calls = [0]
+    forward = decode_fast_hybrid.HybridPlan.forward
+
+    def counting(self, *args, **kw):
+        calls[0] += 1
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(decode_fast_hybrid.HybridPlan, "forward", counting)
+    fast = _run(model, prompts)
+    assert calls[0] > 0
+    monkeypatch.setattr(HybridModel, "fast_decode", False)
     n = calls[0]
     slow = _run(model, prompts)
     assert calls[0] == n  # the module path only

@@ -100,6 +100,59 @@ def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
                                rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,kvh,d", [(4, 1, 128), (6, 6, 64)], ids=["gqa4-d128", "mha-d64"])
+def test_decode_attention_shared_prefix_rows_are_each_rows_own(dtype, h, kvh, d):
+    """Rows whose tables start with the same blocks (a shared prompt) are attended together
+    over those blocks: each row's output is bit for bit what the kernel gives that row alone
+    (at 1 and 2 threads), and matches the float64 reference. Rows: a group of six sharing 300
+    keys (one diverging at key 160, so the group shares one 128-key tile less), rows with
+    their own blocks, and a pair sharing less than a tile."""
+    g = torch.Generator().manual_seed(3)
+    bs = 16
+    shared_blocks = 19  # 304 keys
+    lens = [310, 305, 700, 420, 303, 500, 90, 260, 150, 150]
+    firsts = [0, 0, 0, 0, 0, 0, None, None, 1, 1]  # None: own blocks; 1: a second pair
+    num_blocks = 1 + shared_blocks + 8 + sum(-(-n // bs) for n in lens) + 1
+    cache = torch.randn(num_blocks, bs, 2, kvh, d, generator=g).to(dtype)
+    free = iter(range(1 + shared_blocks + 8, num_blocks))
+    pair = list(range(1 + shared_blocks, 1 + shared_blocks + 8))  # the pair's 5 shared blocks
+    width = -(-max(lens) // bs)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, (n, first) in enumerate(zip(lens, firsts)):
+        own = [next(free) for _ in range(-(-n // bs))]
+        if first == 0:
+            own[:shared_blocks] = range(1, 1 + shared_blocks)
+            if i == 3:
+                own[10] = next(free)  # diverges at key 160
+        elif first == 1:
+            own[:5] = pair[:5]
+        tables[i, : len(own)] = torch.tensor(own)
+    lens_t = torch.tensor(lens)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    scale = d**-0.5
+    keys = []
+    for i, n in enumerate(lens):
+        slots = tables[i].repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
+        keys.append(cache.view(-1, 2, kvh, d)[slots])
+    ref = _dense(q, keys, lens_t, None, scale)
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            out = torch.full_like(q, float("nan"))
+            assert cpu_ops.decode_attention(q, None, cache, tables, lens_t, None, scale, out)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+            for i in range(len(lens)):
+                one = torch.full_like(q[i : i + 1], float("nan"))
+                assert cpu_ops.decode_attention(q[i : i + 1], None, cache, tables[i : i + 1],
+                                                lens_t[i : i + 1], None, scale, one)
+                assert torch.equal(one[0], out[i]), f"row {i} differs from itself alone"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _has_prefill_kernel() -> bool:
     """The prefill kernel needs AVX-512 BF16; elsewhere it declines (SDPA runs instead)."""
     q = torch.zeros(1, 1, 2, dtype=torch.bfloat16)

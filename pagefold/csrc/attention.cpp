@@ -4,10 +4,16 @@
 // Cache layout (one layer): (num_blocks, block_size, 2, kv_heads, head_dim), K at index 0 and
 // V at index 1 of the third axis; token t of block b sits at flat slot b * block_size + t.
 
+#include <algorithm>
+#include <vector>
+
 #include "common.h"
 
 namespace pf {
 namespace {
+
+// Rows of one shared-prefix group attended together (their running states side by side).
+constexpr int kMaxShareRows = 32;
 
 // One (decode row, kv head): the G query heads that share the kv head read each K/V row once.
 // Online softmax over the row's keys [kv_start, seq_len), block by block. DC is the head
@@ -114,140 +120,244 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Blocks read ahead. 32 rows of 290 keys, one thread: 2 is 10% slower than 4, 8 no faster.
-constexpr int64_t kPrefetch = 4;
+// Keys per softmax update: the scores of up to kTile keys (whole 16-key sub-blocks, from one
+// or more cache blocks) are computed first, then one max, one rescale of the running sums and
+// one pass of exponentials per head for all of them, then the value sums. Tiles start at
+// fixed key positions ((kv_start / 16) * 16 + i * kTile), whatever else the step holds, so a
+// row's result does not depend on the batch it is in.
+constexpr int kTile = 128;
+constexpr int kSub = kTile / 16;
 
-// acc[g] += sum over keys t in [lo, hi) of ps[g][t - sb] * V[t], for GC heads, keys in order:
-// each head's sums in registers (GC * D / 16 <= 16 vectors), so the GC * D / 16 FMA chains
-// run side by side and each V row is converted once and used by every head. The same
-// products added in the same order as the one-head-at-a-time loop: the same bits.
+// Running attention of one (decode row, kv head) over the keys seen so far, for its G query
+// heads: scaled queries qf (G, D), unnormalised sums acc (G, D), running max m and sum l (G).
+struct RowState {
+  float* qf;
+  float* acc;
+  float* m;
+  float* l;
+};
+
+// Where one kv head's keys and values live: the layer's cache, its geometry, the head.
+template <typename T>
+struct KvView {
+  const T* cache;
+  int64_t tok_stride, block_stride, k_off, v_off;
+  int bs;
+  const T* row(const int64_t* table, int64_t pos) const {  // key pos's K row of this head
+    return cache + table[pos / bs] * block_stride + (pos % bs) * tok_stride + k_off;
+  }
+};
+
+// acc[g] += sum over the tile's keys of ps[g][key] * V[key], for heads g0 .. g0 + GC - 1:
+// the GC heads' sums in registers (GC * D / 16 <= 16 vectors), each V row converted once per
+// group of heads. Keys in order within the tile.
 template <typename T, int D, int GC>
-inline void pv_regs(const T* vbase, int64_t tok_stride, int lo, int hi, int sb,
-                    const float (*ps)[16], float (*acc)[D]) {
+inline void pv_tile(const T* const* vb, const int* lo, const int* hi, int nsub,
+                    int64_t tok_stride, int g0, const float (*ps)[kTile], float* acc) {
   constexpr int C = D / 16;
   __m512 a[GC][C];
   for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
-  for (int t = lo; t < hi; ++t) {
-    const T* v = vbase + t * tok_stride;
-    __m512 vc[C];
-    for (int c = 0; c < C; ++c) vc[c] = vload<T>(v + 16 * c);
-    for (int g = 0; g < GC; ++g) {
-      const __m512 pb = _mm512_set1_ps(ps[g][t - sb]);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pb, vc[c], a[g][c]);
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_load_ps(acc + (g0 + g) * D + 16 * c);
+  for (int j = 0; j < nsub; ++j) {
+    for (int t = lo[j]; t < hi[j]; ++t) {
+      const T* v = vb[j] + t * tok_stride;
+      __m512 vc[C];
+      for (int c = 0; c < C; ++c) vc[c] = vload<T>(v + 16 * c);
+      for (int g = 0; g < GC; ++g) {
+        const __m512 pb = _mm512_set1_ps(ps[g0 + g][16 * j + t]);
+        for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pb, vc[c], a[g][c]);
+      }
     }
   }
   for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g] + 16 * c, a[g][c]);
+    for (int c = 0; c < C; ++c) _mm512_store_ps(acc + (g0 + g) * D + 16 * c, a[g][c]);
 }
 
+// One tile, keys [p0, p0 + kTile) clipped to [kv_start, seq_len), into st. ``prefetch``: also
+// start loading the next tile's rows of this head.
 template <typename T, int D>
-void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
-                       int64_t kv_start, T* out, int G, int KVH, int bs, int kvh, float scale) {
+void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* table,
+                 int64_t p0, int64_t kv_start, int64_t seq_len, bool prefetch) {
   constexpr int C = D / 16;
-  alignas(64) float qf[kMaxGroup][D];
-  alignas(64) float acc[kMaxGroup][D];
-  alignas(64) float ps[kMaxGroup][16];
-  alignas(64) float vt[16][D];
-  alignas(64) float sc[kMaxGroup][16];
+  constexpr int HG = 16 / C;  // heads whose value sums fit the registers together
+  alignas(64) float sc[kMaxGroup][kTile];
   __m512 part[kMaxGroup][16];
-  float m[kMaxGroup], l[kMaxGroup];
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const T* kb[kSub];
+  const T* vb[kSub];
+  int lo[kSub], hi[kSub];
+  __mmask16 mk[kSub];
+  const int64_t v_rel = kv.v_off - kv.k_off;
+  int nsub = 0;
+  for (int64_t sb = p0; sb < seq_len && sb < p0 + kTile; sb += 16, ++nsub) {
+    kb[nsub] = kv.row(table, sb);
+    vb[nsub] = kb[nsub] + v_rel;
+    lo[nsub] = kv_start > sb ? static_cast<int>(kv_start - sb) : 0;
+    hi[nsub] = seq_len < sb + 16 ? static_cast<int>(seq_len - sb) : 16;
+    mk[nsub] = static_cast<__mmask16>(((1u << hi[nsub]) - 1u) & ~((1u << lo[nsub]) - 1u));
+  }
+  if (prefetch) {
+    for (int64_t sb = p0 + kTile; sb < seq_len && sb < p0 + 2 * kTile; sb += 16) {
+      const char* r = reinterpret_cast<const char*>(kv.row(table, sb));
+      for (int t = 0; t < 16 && sb + t < seq_len; ++t)
+        for (int64_t off = 0; off < static_cast<int64_t>(D * sizeof(T)); off += 64) {
+          _mm_prefetch(r + t * kv.tok_stride * sizeof(T) + off, _MM_HINT_T0);
+          _mm_prefetch(r + (t * kv.tok_stride + v_rel) * sizeof(T) + off, _MM_HINT_T0);
+        }
+    }
+  }
+  // Scores: per key and head a 16-lane partial dot product (each key converted once, used by
+  // the G heads); a sub-block's 16 partials of a head are summed together (hsum16).
+  for (int j = 0; j < nsub; ++j) {
+    for (int t = 0; t < 16; ++t) {
+      if (t < lo[j] || t >= hi[j]) {
+        for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
+        continue;
+      }
+      const T* k = kb[j] + t * kv.tok_stride;
+      __m512 kc[C];
+      for (int c = 0; c < C; ++c) kc[c] = vload<T>(k + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = st.qf + g * D;
+        __m512 a = _mm512_mul_ps(_mm512_load_ps(qg), kc[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), kc[c], a);
+        part[g][t] = a;
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm512_store_ps(sc[g] + 16 * j, _mm512_mask_mov_ps(ninf, mk[j], hsum16(part[g])));
+  }
+  // One softmax update per head for the whole tile.
+  for (int g = 0; g < G; ++g) {
+    __m512 vmax = _mm512_load_ps(sc[g]);
+    for (int j = 1; j < nsub; ++j) vmax = _mm512_max_ps(vmax, _mm512_load_ps(sc[g] + 16 * j));
+    const float smax = _mm512_reduce_max_ps(vmax);
+    const float mnew = smax > st.m[g] ? smax : st.m[g];
+    const float alpha = std::exp(st.m[g] - mnew);  // exp(-inf) = 0 on the first keys
+    st.m[g] = mnew;
+    const __m512 vm = _mm512_set1_ps(mnew);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int j = 0; j < nsub; ++j) {
+      const __m512 p = _mm512_maskz_mov_ps(
+          mk[j], exp16_nonpos(_mm512_sub_ps(_mm512_load_ps(sc[g] + 16 * j), vm)));
+      _mm512_store_ps(sc[g] + 16 * j, p);
+      vsum = _mm512_add_ps(vsum, p);
+    }
+    st.l[g] = st.l[g] * alpha + _mm512_reduce_add_ps(vsum);
+    const __m512 va = _mm512_set1_ps(alpha);
+    float* ag = st.acc + g * D;
+    for (int c = 0; c < C; ++c)
+      _mm512_store_ps(ag + 16 * c, _mm512_mul_ps(_mm512_load_ps(ag + 16 * c), va));
+  }
+  for (int g0 = 0; g0 < G; g0 += HG) {  // value sums, HG heads at a time
+    switch (G - g0 < HG ? G - g0 : HG) {
+      case 1: pv_tile<T, D, 1>(vb, lo, hi, nsub, kv.tok_stride, g0, sc, st.acc); break;
+      case 2: pv_tile<T, D, 2>(vb, lo, hi, nsub, kv.tok_stride, g0, sc, st.acc); break;
+      case 3: pv_tile<T, D, 3>(vb, lo, hi, nsub, kv.tok_stride, g0, sc, st.acc); break;
+      default: pv_tile<T, D, 4>(vb, lo, hi, nsub, kv.tok_stride, g0, sc, st.acc); break;
+    }
+  }
+}
+
+// Rows idx[0 .. R) of the step for kv head kvh. Keys [0, shared) are in the same blocks for
+// all R rows (a shared prompt prefix; a multiple of kTile, 0 when none): each of those tiles
+// is read once and attended by every row while it is in cache, then each row goes on alone.
+// Each row sees the same tiles in the same order as alone: the same bits.
+template <typename T, int D>
+void decode_rows_avx512(const T* q, int64_t q_stride, const int64_t* rows, const int* idx, int R,
+                        const KvView<T>& kv, const int64_t* tables, int64_t table_stride,
+                        const int64_t* seq_lens, const int64_t* kv_starts, T* out,
+                        int64_t out_stride, int G, int kvh, float scale, int64_t shared,
+                        float* scratch) {
+  constexpr int C = D / 16;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int g = 0; g < G; ++g) {
-    const T* qg = q + static_cast<int64_t>(kvh * G + g) * D;
-    for (int c = 0; c < C; ++c) {
-      _mm512_store_ps(qf[g] + 16 * c, _mm512_mul_ps(vload<T>(qg + 16 * c), vscale));
-      _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-  }
-  const int64_t tok_stride = 2LL * KVH * D;
-  const int64_t block_stride = bs * tok_stride;
-  const int64_t first_blk = kv_start / bs;
-  const int64_t last_blk = (seq_len - 1) / bs;
-  for (int64_t jb = first_blk; jb <= last_blk; ++jb) {
-    const T* blk = cache + table[jb] * block_stride;
-    if (kvh == 0) {  // blocks ahead, all heads, while this one computes
-      for (int64_t ahead = jb == first_blk ? 1 : kPrefetch; ahead <= kPrefetch; ++ahead) {
-        if (jb + ahead > last_blk) break;
-        const char* nb = reinterpret_cast<const char*>(cache + table[jb + ahead] * block_stride);
-        for (int64_t off = 0; off < static_cast<int64_t>(block_stride * sizeof(T)); off += 64)
-          _mm_prefetch(nb + off, _MM_HINT_T0);
+  RowState st[kMaxShareRows];
+  for (int r = 0; r < R; ++r) {
+    float* base = scratch + static_cast<int64_t>(r) * (2 * G * D + 2 * kMaxGroup);
+    st[r] = RowState{base, base + G * D, base + 2 * G * D, base + 2 * G * D + kMaxGroup};
+    const int64_t row = rows ? rows[idx[r]] : idx[r];
+    const T* qb = q + row * q_stride + static_cast<int64_t>(kvh) * G * D;
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) {
+        _mm512_store_ps(st[r].qf + g * D + 16 * c,
+                        _mm512_mul_ps(vload<T>(qb + g * D + 16 * c), vscale));
+        _mm512_store_ps(st[r].acc + g * D + 16 * c, _mm512_setzero_ps());
       }
-    }
-    const int t0 = jb == first_blk ? static_cast<int>(kv_start - jb * bs) : 0;
-    const int t1 = jb == last_blk ? static_cast<int>(seq_len - jb * bs) : bs;
-    for (int sb = (t0 / 16) * 16; sb < t1; sb += 16) {
-      const int lo = t0 > sb ? t0 : sb;
-      const int hi = t1 < sb + 16 ? t1 : sb + 16;
-      const __mmask16 mask = static_cast<__mmask16>(
-          ((1u << (hi - sb)) - 1u) & ~((1u << (lo - sb)) - 1u));
-      // Per key and head a 16-lane partial dot product; the 16 keys' partials of a head are
-      // then summed together (hsum16), not one horizontal reduction per key.
-      for (int t = lo; t < hi; ++t) {  // each key converted once, used by the G heads
-        const T* k = blk + t * tok_stride + static_cast<int64_t>(kvh) * D;
-        __m512 kc[C];
-        for (int c = 0; c < C; ++c) kc[c] = vload<T>(k + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          __m512 a = _mm512_mul_ps(_mm512_load_ps(qf[g]), kc[0]);
-          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + 16 * c), kc[c], a);
-          part[g][t - sb] = a;
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        for (int t = sb; t < lo; ++t) part[g][t - sb] = _mm512_setzero_ps();
-        for (int t = hi; t < sb + 16; ++t) part[g][t - sb] = _mm512_setzero_ps();
-        _mm512_store_ps(sc[g], hsum16(part[g]));
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512 sv = _mm512_mask_load_ps(
-            _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, sc[g]);
-        const float smax = _mm512_mask_reduce_max_ps(mask, sv);
-        const float mnew = smax > m[g] ? smax : m[g];
-        const float alpha = std::exp(m[g] - mnew);  // exp(-inf) = 0 on the first keys
-        m[g] = mnew;
-        const __m512 p = _mm512_maskz_mov_ps(mask, exp16_nonpos(
-            _mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-        l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
-        _mm512_store_ps(ps[g], p);
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int c = 0; c < C; ++c)
-          _mm512_store_ps(acc[g] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), va));
-      }
-      const T* vbase = blk + static_cast<int64_t>(KVH + kvh) * D;
-      if (G * C <= 16) {  // all G heads' sums in registers: each V row read once, as loaded
-        switch (G) {
-          case 1: pv_regs<T, D, 1>(vbase, tok_stride, lo, hi, sb, ps, acc); continue;
-          case 2: pv_regs<T, D, 2>(vbase, tok_stride, lo, hi, sb, ps, acc); continue;
-          case 3: pv_regs<T, D, 3>(vbase, tok_stride, lo, hi, sb, ps, acc); continue;
-          case 4: pv_regs<T, D, 4>(vbase, tok_stride, lo, hi, sb, ps, acc); continue;
-          default: break;
-        }
-      }
-      for (int t = lo; t < hi; ++t) {
-        const T* v = vbase + t * tok_stride;
-        for (int c = 0; c < C; ++c) _mm512_store_ps(vt[t - sb] + 16 * c, vload<T>(v + 16 * c));
-      }
-      for (int g = 0; g < G; ++g) {
-        __m512 a[C];
-        for (int c = 0; c < C; ++c) a[c] = _mm512_load_ps(acc[g] + 16 * c);
-        for (int t = lo; t < hi; ++t) {
-          const __m512 pb = _mm512_set1_ps(ps[g][t - sb]);
-          for (int c = 0; c < C; ++c)
-            a[c] = _mm512_fmadd_ps(pb, _mm512_load_ps(vt[t - sb] + 16 * c), a[c]);
-        }
-        for (int c = 0; c < C; ++c) _mm512_store_ps(acc[g] + 16 * c, a[c]);
-      }
+      st[r].m[g] = -std::numeric_limits<float>::infinity();
+      st[r].l[g] = 0.f;
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const float inv = 1.f / l[g];
-    T* o = out + static_cast<int64_t>(kvh * G + g) * D;
-    for (int d = 0; d < D; ++d) store<T>(o, d, acc[g][d] * inv);
+  const int64_t* t0 = tables + static_cast<int64_t>(idx[0]) * table_stride;
+  for (int64_t p0 = 0; p0 < shared; p0 += kTile)
+    for (int r = 0; r < R; ++r)
+      attend_tile<T, D>(st[r], G, kv, t0, p0, 0, seq_lens[idx[r]], r == 0);
+  for (int r = 0; r < R; ++r) {
+    const int b = idx[r];
+    const int64_t start = kv_starts ? kv_starts[b] : 0;
+    const int64_t* tb = tables + static_cast<int64_t>(b) * table_stride;
+    for (int64_t p0 = shared > 0 ? shared : (start / 16) * 16; p0 < seq_lens[b]; p0 += kTile)
+      attend_tile<T, D>(st[r], G, kv, tb, p0, start, seq_lens[b], true);
+    const int64_t row = rows ? rows[b] : b;
+    for (int g = 0; g < G; ++g) {
+      const float inv = 1.f / st[r].l[g];
+      T* o = out + row * out_stride + static_cast<int64_t>(kvh * G + g) * D;
+      for (int d = 0; d < D; ++d) store<T>(o, d, st[r].acc[g * D + d] * inv);
+    }
   }
 }
 #endif
+
+// Work items of a decode step: rows idx[first .. first + count) of the order, for one kv
+// head, with their shared leading keys.
+struct Item {
+  int first, count, kvh;
+  int64_t shared;
+};
+
+// Rows with the same first block are grouped (up to kMaxShareRows, and split so that every
+// thread has work), with the leading keys in blocks common to all of them, whole tiles only,
+// as their shared part; other rows are items of one. Sliding windows (kv_starts) never group.
+inline void plan_items(const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
+                       const int64_t* kv_starts, int B, int KVH, int bs, int nthreads,
+                       std::vector<int>& order, std::vector<Item>& items) {
+  order.resize(B);
+  for (int b = 0; b < B; ++b) order[b] = b;
+  items.clear();
+  if (kv_starts == nullptr && B > 1)
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+      return tables[x * table_stride] < tables[y * table_stride];
+    });
+  for (int i = 0; i < B;) {
+    int j = i + 1;
+    int64_t shared = 0;
+    if (kv_starts == nullptr) {
+      const int64_t* ti = tables + order[i] * table_stride;
+      int64_t lim = seq_lens[order[i]];
+      while (j < B && tables[order[j] * table_stride] == ti[0]) ++j;
+      for (int r = i + 1; r < j; ++r) lim = std::min(lim, seq_lens[order[r]]);
+      shared = (lim / kTile) * kTile;
+      for (int r = i + 1; r < j && shared > 0; ++r) {
+        const int64_t* tr = tables + order[r] * table_stride;
+        int64_t blk = 0;
+        const int64_t nblk = (shared + bs - 1) / bs;
+        while (blk < nblk && tr[blk] == ti[blk]) ++blk;
+        shared = std::min(shared, (blk * bs / kTile) * kTile);
+      }
+      if (shared == 0) j = i + 1;
+    }
+    const int n = j - i;
+    // Enough pieces for the threads; each piece re-reads the shared keys once.
+    int pieces = std::max((nthreads + KVH - 1) / KVH, (n + kMaxShareRows - 1) / kMaxShareRows);
+    pieces = std::min(pieces, n);
+    for (int k = 0; k < pieces; ++k) {
+      const int a = i + static_cast<int>(static_cast<int64_t>(n) * k / pieces);
+      const int e = i + static_cast<int>(static_cast<int64_t>(n) * (k + 1) / pieces);
+      for (int h = 0; h < KVH; ++h)
+        items.push_back(Item{a, e - a, h, e - a > 1 ? shared : 0});
+    }
+    i = j;
+  }
+}
 
 template <typename T>
 void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cache,
@@ -256,6 +366,44 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
                 int64_t out_stride, int B, int H, int KVH, int D, int bs, float scale,
                 int nthreads) {
   const int G = H / KVH;
+#if defined(PF_AVX512)
+  if (bs % 16 == 0 && (D == 64 || D == 128 || D == 256)) {
+    std::vector<int> order;
+    std::vector<Item> items;
+    plan_items(tables, table_stride, seq_lens, kv_starts, B, KVH, bs, nthreads, order, items);
+    const KvView<T> kv0{cache, 2LL * KVH * D, bs * 2LL * KVH * D, 0, static_cast<int64_t>(KVH) * D,
+                        bs};
+    const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n > 1)
+    {
+      std::vector<float> buf(static_cast<size_t>(kMaxShareRows) * (2 * G * D + 2 * kMaxGroup) +
+                             16);
+      float* scratch = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~static_cast<uintptr_t>(63));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i) {
+        const Item& it = items[i];
+        KvView<T> kv = kv0;
+        kv.k_off = static_cast<int64_t>(it.kvh) * D;
+        kv.v_off = static_cast<int64_t>(KVH + it.kvh) * D;
+        const int* idx = order.data() + it.first;
+        if (D == 64)
+          decode_rows_avx512<T, 64>(q, q_stride, rows, idx, it.count, kv, tables, table_stride,
+                                    seq_lens, kv_starts, out, out_stride, G, it.kvh, scale,
+                                    it.shared, scratch);
+        else if (D == 128)
+          decode_rows_avx512<T, 128>(q, q_stride, rows, idx, it.count, kv, tables, table_stride,
+                                     seq_lens, kv_starts, out, out_stride, G, it.kvh, scale,
+                                     it.shared, scratch);
+        else
+          decode_rows_avx512<T, 256>(q, q_stride, rows, idx, it.count, kv, tables, table_stride,
+                                     seq_lens, kv_starts, out, out_stride, G, it.kvh, scale,
+                                     it.shared, scratch);
+      }
+    }
+    return;
+  }
+#endif
   const int64_t items = static_cast<int64_t>(B) * KVH;
   // One chunk = one row's kv heads, so a thread reads a row's blocks while they are hot.
 #pragma omp parallel for schedule(dynamic, KVH) num_threads(nthreads) if (nthreads > 1 && items > 1)
@@ -267,17 +415,6 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
     const int64_t* tb = tables + b * table_stride;
     const int64_t start = kv_starts ? kv_starts[b] : 0;
     T* ob = out + r * out_stride;
-#if defined(PF_AVX512)
-    if (bs % 16 == 0 && (D == 64 || D == 128 || D == 256)) {
-      if (D == 64)
-        decode_one_avx512<T, 64>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      else if (D == 128)
-        decode_one_avx512<T, 128>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      else
-        decode_one_avx512<T, 256>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      continue;
-    }
-#endif
     switch (D) {
       case 64:
         decode_one<T, 64>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, D, bs, kvh, scale);

@@ -259,64 +259,82 @@ void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* 
   }
 }
 
-// Rows idx[0 .. R) of the step for kv head kvh. Keys [0, shared) are in the same blocks for
-// all R rows (a shared prompt prefix; a multiple of kTile, 0 when none): each of those tiles
-// is read once and attended by every row while it is in cache, then each row goes on alone.
-// Each row sees the same tiles in the same order as alone: the same bits.
+// Rows idx[0 .. R) of the step for kv heads [h0, h1). Keys [0, shared) are in the same blocks
+// for all R rows (a shared prompt prefix; a multiple of kTile, 0 when none): each of those
+// tiles is read once and attended by every row while it is in cache, then each row goes on
+// alone; the heads of a row take each tile in turn (a tile's rows of all heads are near each
+// other in the token-major cache). Each (row, head) sees the same tiles in the same order as
+// alone: the same bits.
 template <typename T, int D>
 void decode_rows_avx512(const T* q, int64_t q_stride, const int64_t* rows, const int* idx, int R,
-                        const KvView<T>& kv, const int64_t* tables, int64_t table_stride,
-                        const int64_t* seq_lens, const int64_t* kv_starts, T* out,
-                        int64_t out_stride, int G, int kvh, float scale, int64_t shared,
+                        int h0, int h1, const T* cache, int KVH, int bs, const int64_t* tables,
+                        int64_t table_stride, const int64_t* seq_lens, const int64_t* kv_starts,
+                        T* out, int64_t out_stride, int G, float scale, int64_t shared,
                         float* scratch) {
   constexpr int C = D / 16;
   const __m512 vscale = _mm512_set1_ps(scale);
-  RowState st[kMaxShareRows];
+  const int nh = h1 - h0;
+  std::vector<RowState> st(static_cast<size_t>(R) * nh);
+  std::vector<KvView<T>> kv(nh);
+  const int64_t tok_stride = 2LL * KVH * D;
+  for (int h = 0; h < nh; ++h)
+    kv[h] = KvView<T>{cache, tok_stride, bs * tok_stride, static_cast<int64_t>(h0 + h) * D,
+                      static_cast<int64_t>(KVH + h0 + h) * D, bs};
   for (int r = 0; r < R; ++r) {
-    float* base = scratch + static_cast<int64_t>(r) * (2 * G * D + 2 * kMaxGroup);
-    st[r] = RowState{base, base + G * D, base + 2 * G * D, base + 2 * G * D + kMaxGroup};
     const int64_t row = rows ? rows[idx[r]] : idx[r];
-    const T* qb = q + row * q_stride + static_cast<int64_t>(kvh) * G * D;
-    for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < C; ++c) {
-        _mm512_store_ps(st[r].qf + g * D + 16 * c,
-                        _mm512_mul_ps(vload<T>(qb + g * D + 16 * c), vscale));
-        _mm512_store_ps(st[r].acc + g * D + 16 * c, _mm512_setzero_ps());
+    for (int h = 0; h < nh; ++h) {
+      RowState& s = st[r * nh + h];
+      float* base = scratch + static_cast<int64_t>(r * nh + h) * (2 * G * D + 2 * kMaxGroup);
+      s = RowState{base, base + G * D, base + 2 * G * D, base + 2 * G * D + kMaxGroup};
+      const T* qb = q + row * q_stride + static_cast<int64_t>(h0 + h) * G * D;
+      for (int g = 0; g < G; ++g) {
+        for (int c = 0; c < C; ++c) {
+          _mm512_store_ps(s.qf + g * D + 16 * c,
+                          _mm512_mul_ps(vload<T>(qb + g * D + 16 * c), vscale));
+          _mm512_store_ps(s.acc + g * D + 16 * c, _mm512_setzero_ps());
+        }
+        s.m[g] = -std::numeric_limits<float>::infinity();
+        s.l[g] = 0.f;
       }
-      st[r].m[g] = -std::numeric_limits<float>::infinity();
-      st[r].l[g] = 0.f;
     }
   }
   const int64_t* t0 = tables + static_cast<int64_t>(idx[0]) * table_stride;
   for (int64_t p0 = 0; p0 < shared; p0 += kTile)
     for (int r = 0; r < R; ++r)
-      attend_tile<T, D>(st[r], G, kv, t0, p0, 0, seq_lens[idx[r]], r == 0);
+      for (int h = 0; h < nh; ++h)
+        attend_tile<T, D>(st[r * nh + h], G, kv[h], t0, p0, 0, seq_lens[idx[r]], r == 0);
   for (int r = 0; r < R; ++r) {
     const int b = idx[r];
     const int64_t start = kv_starts ? kv_starts[b] : 0;
     const int64_t* tb = tables + static_cast<int64_t>(b) * table_stride;
     for (int64_t p0 = shared > 0 ? shared : (start / 16) * 16; p0 < seq_lens[b]; p0 += kTile)
-      attend_tile<T, D>(st[r], G, kv, tb, p0, start, seq_lens[b], true);
+      for (int h = 0; h < nh; ++h)
+        attend_tile<T, D>(st[r * nh + h], G, kv[h], tb, p0, start, seq_lens[b], true);
     const int64_t row = rows ? rows[b] : b;
-    for (int g = 0; g < G; ++g) {
-      const float inv = 1.f / st[r].l[g];
-      T* o = out + row * out_stride + static_cast<int64_t>(kvh * G + g) * D;
-      for (int d = 0; d < D; ++d) store<T>(o, d, st[r].acc[g * D + d] * inv);
+    for (int h = 0; h < nh; ++h) {
+      const RowState& s = st[r * nh + h];
+      for (int g = 0; g < G; ++g) {
+        const float inv = 1.f / s.l[g];
+        T* o = out + row * out_stride + static_cast<int64_t>((h0 + h) * G + g) * D;
+        for (int d = 0; d < D; ++d) store<T>(o, d, s.acc[g * D + d] * inv);
+      }
     }
   }
 }
 #endif
 
-// Work items of a decode step: rows idx[first .. first + count) of the order, for one kv
-// head, with their shared leading keys.
+// Work items of a decode step: rows order[first .. first + count) for kv heads [h0, h1),
+// with their shared leading keys.
 struct Item {
-  int first, count, kvh;
+  int first, count, h0, h1;
   int64_t shared;
 };
 
 // Rows with the same first block are grouped (up to kMaxShareRows, and split so that every
 // thread has work), with the leading keys in blocks common to all of them, whole tiles only,
 // as their shared part; other rows are items of one. Sliding windows (kv_starts) never group.
+// Each piece of rows covers all kv heads when there are pieces enough for the threads, else
+// the heads are split among items.
 inline void plan_items(const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
                        const int64_t* kv_starts, int B, int KVH, int bs, int nthreads,
                        std::vector<int>& order, std::vector<Item>& items) {
@@ -327,6 +345,11 @@ inline void plan_items(const int64_t* tables, int64_t table_stride, const int64_
     std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
       return tables[x * table_stride] < tables[y * table_stride];
     });
+  struct Piece {
+    int first, count;
+    int64_t shared;
+  };
+  std::vector<Piece> pieces;
   for (int i = 0; i < B;) {
     int j = i + 1;
     int64_t shared = 0;
@@ -347,16 +370,22 @@ inline void plan_items(const int64_t* tables, int64_t table_stride, const int64_
     }
     const int n = j - i;
     // Enough pieces for the threads; each piece re-reads the shared keys once.
-    int pieces = std::max((nthreads + KVH - 1) / KVH, (n + kMaxShareRows - 1) / kMaxShareRows);
-    pieces = std::min(pieces, n);
-    for (int k = 0; k < pieces; ++k) {
-      const int a = i + static_cast<int>(static_cast<int64_t>(n) * k / pieces);
-      const int e = i + static_cast<int>(static_cast<int64_t>(n) * (k + 1) / pieces);
-      for (int h = 0; h < KVH; ++h)
-        items.push_back(Item{a, e - a, h, e - a > 1 ? shared : 0});
+    int np = std::max(n > 1 ? (nthreads + KVH - 1) / KVH : 1,
+                      (n + kMaxShareRows - 1) / kMaxShareRows);
+    np = std::min(np, n);
+    for (int k = 0; k < np; ++k) {
+      const int a = i + static_cast<int>(static_cast<int64_t>(n) * k / np);
+      const int e = i + static_cast<int>(static_cast<int64_t>(n) * (k + 1) / np);
+      pieces.push_back(Piece{a, e - a, e - a > 1 ? shared : 0});
     }
     i = j;
   }
+  const int np = static_cast<int>(pieces.size());
+  const int splits = std::min(KVH, std::max(1, (2 * nthreads + np - 1) / np));
+  for (const Piece& p : pieces)
+    for (int k = 0; k < splits; ++k)
+      items.push_back(Item{p.first, p.count, KVH * k / splits, KVH * (k + 1) / splits,
+                           p.shared});
 }
 
 template <typename T>
@@ -371,34 +400,30 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
     std::vector<int> order;
     std::vector<Item> items;
     plan_items(tables, table_stride, seq_lens, kv_starts, B, KVH, bs, nthreads, order, items);
-    const KvView<T> kv0{cache, 2LL * KVH * D, bs * 2LL * KVH * D, 0, static_cast<int64_t>(KVH) * D,
-                        bs};
+    int most = 1;  // the largest item's (rows x heads): its states' scratch
+    for (const Item& it : items) most = std::max(most, it.count * (it.h1 - it.h0));
     const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n > 1)
     {
-      std::vector<float> buf(static_cast<size_t>(kMaxShareRows) * (2 * G * D + 2 * kMaxGroup) +
-                             16);
+      std::vector<float> buf(static_cast<size_t>(most) * (2 * G * D + 2 * kMaxGroup) + 16);
       float* scratch = reinterpret_cast<float*>(
           (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~static_cast<uintptr_t>(63));
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) {
         const Item& it = items[i];
-        KvView<T> kv = kv0;
-        kv.k_off = static_cast<int64_t>(it.kvh) * D;
-        kv.v_off = static_cast<int64_t>(KVH + it.kvh) * D;
         const int* idx = order.data() + it.first;
         if (D == 64)
-          decode_rows_avx512<T, 64>(q, q_stride, rows, idx, it.count, kv, tables, table_stride,
-                                    seq_lens, kv_starts, out, out_stride, G, it.kvh, scale,
-                                    it.shared, scratch);
+          decode_rows_avx512<T, 64>(q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH,
+                                    bs, tables, table_stride, seq_lens, kv_starts, out,
+                                    out_stride, G, scale, it.shared, scratch);
         else if (D == 128)
-          decode_rows_avx512<T, 128>(q, q_stride, rows, idx, it.count, kv, tables, table_stride,
-                                     seq_lens, kv_starts, out, out_stride, G, it.kvh, scale,
-                                     it.shared, scratch);
+          decode_rows_avx512<T, 128>(q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH,
+                                     bs, tables, table_stride, seq_lens, kv_starts, out,
+                                     out_stride, G, scale, it.shared, scratch);
         else
-          decode_rows_avx512<T, 256>(q, q_stride, rows, idx, it.count, kv, tables, table_stride,
-                                     seq_lens, kv_starts, out, out_stride, G, it.kvh, scale,
-                                     it.shared, scratch);
+          decode_rows_avx512<T, 256>(q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH,
+                                     bs, tables, table_stride, seq_lens, kv_starts, out,
+                                     out_stride, G, scale, it.shared, scratch);
       }
     }
     return;

@@ -22,6 +22,7 @@ from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.host_malloc import keep_freed_memory
+from pagefold.executor.huge_pages import weights_on_huge_pages
 from pagefold.executor.input_batch import build_inputs
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
 from pagefold.executor.sampler import (
@@ -64,6 +65,7 @@ class ModelRunner:
         self.model = model
         self.num_params = sum(p.numel() for p in model.parameters())
         if device.type == "cpu":  # bf16 linears: few-row GEMV (cpu_ops.GEMV_MAX_ROWS), else oneDNN
+            weights_on_huge_pages(model)  # before any weight pointer is cached
             cpu_ops.use_fast_linears(model)
             keep_freed_memory()  # activations reuse faulted-in pages from step to step
         self.kv_config = kv_config

@@ -105,3 +105,16 @@ def test_engine_tokens_unchanged_with_every_weight_moved(tiny_model_factory, mon
     moved_run = run()
     assert moved and moved[-1] > 0
     assert moved_run == plain
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
+def test_cache_bytes_zeroed_on_huge_pages(monkeypatch):
+    monkeypatch.delenv("PAGEFOLD_HUGE_PAGES", raising=False)
+    t = huge_pages.zeros(8, 1 << 20)
+    assert t.shape == (8, 1 << 20) and t.dtype == torch.uint8 and not t.any()
+    smaps = _smaps_entry(t.data_ptr())
+    if _thp_mode() in ("always", "madvise") and "THPeligible" in smaps:
+        assert smaps["THPeligible"] == "1"
+    monkeypatch.setenv("PAGEFOLD_HUGE_PAGES", "0")
+    small = huge_pages.zeros(8, 1 << 20)
+    assert not small.any() and small.shape == (8, 1 << 20)

@@ -17,6 +17,7 @@ import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, is_attention
+from pagefold.executor import huge_pages
 from pagefold.layers.attention.kv_quant import KVScales
 
 
@@ -83,7 +84,9 @@ class CacheTensors:
     def __init__(self, config: KVCacheConfig, device: torch.device, fill: float | None = None):
         self.config = config
         self.shared = [
-            torch.zeros((config.num_blocks, config.page_bytes), dtype=torch.uint8, device=device)
+            huge_pages.zeros(config.num_blocks, config.page_bytes) if device.type == "cpu"
+            else torch.zeros((config.num_blocks, config.page_bytes), dtype=torch.uint8,
+                             device=device)
             for _ in range(config.layers_per_group)
         ]
         self.attn: dict[str, torch.Tensor] = {}

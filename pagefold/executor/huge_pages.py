@@ -12,7 +12,9 @@ private anonymous mapping advised ``MADV_HUGEPAGE`` (the kernel backs it with 2 
 where transparent huge pages are ``always`` or ``madvise``; under ``never`` it is ordinary
 memory) and points the parameters at their copies (``param.data``): the same values, the
 same parameter objects (tied weights stay tied). Call it before anything caches weight
-pointers (``cpu_ops.use_fast_linears``). ``PAGEFOLD_HUGE_PAGES=0`` turns it off.
+pointers (``cpu_ops.use_fast_linears``). The paged cache's byte tensors come from
+:func:`zeros` (decode attention streams them the same way). ``PAGEFOLD_HUGE_PAGES=0`` turns
+both off.
 """
 
 from __future__ import annotations
@@ -44,10 +46,46 @@ def _madvise():
     return fn
 
 
+def _enabled() -> bool:
+    return os.environ.get("PAGEFOLD_HUGE_PAGES", "1") != "0" and sys.platform.startswith("linux")
+
+
+def _arena(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of zeroed uint8 memory starting on a huge-page boundary of a private anonymous
+    mapping advised ``MADV_HUGEPAGE`` (kept alive by the tensor), or None when refused."""
+    madvise = _madvise()
+    if madvise is None:
+        return None
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError) as e:
+        logger.info("ordinary pages: %s", e)
+        return None
+    anchor = ctypes.c_char.from_buffer(region)
+    addr = ctypes.addressof(anchor)
+    del anchor  # only its address was needed (a live export would pin the mapping)
+    skip = (-addr) % HUGE_PAGE
+    if madvise(addr + skip, nbytes, _MADV_HUGEPAGE) != 0:
+        logger.info("ordinary pages: madvise(MADV_HUGEPAGE) failed (errno %d)",
+                    ctypes.get_errno())
+        return None
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=skip)
+
+
+def zeros(rows: int, cols: int) -> torch.Tensor:
+    """A zero-filled (rows, cols) uint8 CPU tensor on huge pages where they are on (the paged
+    cache's byte tensors), else ``torch.zeros``. Every page is touched here, as
+    ``torch.zeros`` does, so no step pays the first-touch faults."""
+    out = _arena(rows * cols) if _enabled() and rows * cols >= HUGE_PAGE else None
+    if out is None:
+        return torch.zeros((rows, cols), dtype=torch.uint8)
+    return out.view(rows, cols).zero_()
+
+
 def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     """Move ``model``'s CPU parameters of ``min_bytes`` or more onto one huge-page mapping;
     returns the bytes moved (0 when off, not Linux, nothing that large, or refused)."""
-    if os.environ.get("PAGEFOLD_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+    if not _enabled():
         return 0
     params, seen = [], set()
     for p in model.parameters():
@@ -62,23 +100,9 @@ def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) ->
     for p in params:
         offsets.append(total)
         total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-    madvise = _madvise()
-    if madvise is None:
+    arena = _arena(total)
+    if arena is None:
         return 0
-    try:
-        region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError) as e:
-        logger.info("weights stay on ordinary pages: %s", e)
-        return 0
-    anchor = ctypes.c_char.from_buffer(region)
-    addr = ctypes.addressof(anchor)
-    del anchor  # only its address was needed (a live export would pin the mapping)
-    skip = (-addr) % HUGE_PAGE  # the weights start on a huge-page boundary
-    if madvise(addr + skip, total, _MADV_HUGEPAGE) != 0:
-        logger.info("weights stay on ordinary pages: madvise(MADV_HUGEPAGE) failed (errno %d)",
-                    ctypes.get_errno())
-        return 0
-    arena = torch.frombuffer(region, dtype=torch.uint8, count=total, offset=skip)
     with torch.no_grad():
         for p, off in zip(params, offsets):
             n = p.numel() * p.element_size()

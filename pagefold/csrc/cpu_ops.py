@@ -152,7 +152,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.pf_mamba2_decode.restype = i32
     lib.pf_ssd_chunked.argtypes = [
-        i32, p, i64, p, p, i64, p, i64,  # dtype, x, x_stride, B, C, bc_stride, dt, dt_stride
+        i32, i32, p, i64, p, p, i64,  # x / B,C dtypes, x, x_stride, B, C, bc_stride
+        p, i64,  # dt, dt_stride
         p, p, p, p, p, i64, p,  # A, D, init, final, cu, S, y
         i32, i32, i32, i32, i32, p, p, i64, i32,  # H, P, G, N, L, captures (tok, out, M), thr
     ]

@@ -7,7 +7,8 @@
 //   the masked cumsum does), decay = exp(seg) for s <= l;
 //   X_s = dt_s x_s;  Y_l = sum_{s<=l} (C_l . B_s) decay[l][s] X_s + exp(acum_l) (C_l h_start);
 //   h_end = exp(acum_last) h_start + sum_s decay[last][s] X_s B_s^T;  y = Y + D x.
-// Sums run in another order than torch's matmuls, so results agree up to float32 rounding.
+// Sums run in another order than torch's matmuls, so results agree up to float32 rounding;
+// values below FLT_MIN (~1e-38) are flushed to zero.
 //
 // Two parallel phases: C_l . B_s of every chunk and group (shared by the group's heads), then
 // the recurrence over chunks per (sequence, head) with the state held transposed, (N, P), so
@@ -20,6 +21,10 @@
 #include <vector>
 
 #include "common.h"
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace pf {
 namespace {
@@ -91,8 +96,8 @@ inline void rows_gemm(float* out, int R, float beta, const float* w, int ldw, co
   }
 }
 
-template <typename T>
-void ssd_chunked(const T* x, int64_t x_stride, const T* B, const T* C, int64_t bc_stride,
+template <typename TX, typename T>
+void ssd_chunked(const TX* x, int64_t x_stride, const T* B, const T* C, int64_t bc_stride,
                  const float* dt, int64_t dt_stride, const float* A, const float* D,
                  const float* init, float* final_state, const int64_t* cu, int64_t S, float* y,
                  int H, int P, int G, int N, int L, const int64_t* cap_tok, float* cap_out,
@@ -119,6 +124,12 @@ void ssd_chunked(const T* x, int64_t x_stride, const T* B, const T* C, int64_t b
 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
+#if defined(__SSE__)
+    // Strong decays drive terms and states below FLT_MIN; subnormal arithmetic is ~100x
+    // slower on x86, so this thread flushes them to zero (restored at the end).
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);  // FTZ | DAZ
+#endif
     std::vector<float> bf(static_cast<size_t>(L) * N), cf(static_cast<size_t>(L) * N);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < nc * G; ++item) {
@@ -165,9 +176,9 @@ void ssd_chunked(const T* x, int64_t x_stride, const T* B, const T* C, int64_t b
           a[l] = d * Ah;
           run += a[l];
           eac[l] = std::exp(run);
-          const T* xr = x + t * x_stride + static_cast<int64_t>(h) * P;
+          const TX* xr = x + t * x_stride + static_cast<int64_t>(h) * P;
 #pragma omp simd
-          for (int p = 0; p < P; ++p) X[l * P + p] = load<T>(xr, p) * d;
+          for (int p = 0; p < P; ++p) X[l * P + p] = load<TX>(xr, p) * d;
           const int64_t bc = t * bc_stride + static_cast<int64_t>(g) * N;
           float* wr = wy.data() + static_cast<int64_t>(l) * K;
           to_float<T>(C + bc, wr, N);
@@ -206,10 +217,10 @@ void ssd_chunked(const T* x, int64_t x_stride, const T* B, const T* C, int64_t b
         }
         for (int l = 0; l < n_tok; ++l) {
           const int64_t t = ch.t0 + l;
-          const T* xr = x + t * x_stride + static_cast<int64_t>(h) * P;
+          const TX* xr = x + t * x_stride + static_cast<int64_t>(h) * P;
           float* yo = y + (t * H + h) * P;
 #pragma omp simd
-          for (int p = 0; p < P; ++p) yo[p] = Y[l * P + p] + load<T>(xr, p) * Dh;
+          for (int p = 0; p < P; ++p) yo[p] = Y[l * P + p] + load<TX>(xr, p) * Dh;
         }
         // State passing with row r for the last: exp(acum_r) h + sum_{j<=r} decay[r][j] X_j B_j^T
         // (captures inside the chunk from the chunk-start state, then the chunk end).
@@ -239,6 +250,9 @@ void ssd_chunked(const T* x, int64_t x_stride, const T* B, const T* C, int64_t b
       for (int p = 0; p < P; ++p)
         for (int n = 0; n < N; ++n) fo[p * N + n] = hT[n * P + p];
     }
+#if defined(__SSE__)
+    _mm_setcsr(csr);
+#endif
   }
 }
 
@@ -250,28 +264,32 @@ using namespace pf;
 extern "C" {
 
 // Chunked SSD over S sequences (cu: (S+1,) int64 token bounds of the T = cu[S] tokens).
-// Row t of x (H*P), B and C (G*N each; the same row stride bc_stride) in dtype (0 float32,
-// 1 bf16), of dt (H, float32: already discretised). A (H,) the negative decay, D (H,) or NULL,
+// Row t of x (H*P, in x_dtype: 0 float32, 1 bf16), of B and C (G*N each; the same row stride
+// bc_stride; in bc_dtype), of dt (H, float32: already discretised). A (H,) the negative decay, D (H,) or NULL,
 // init (S, H, P, N) float32 (not modified), final_state (S, H, P, N) float32, y (T, H, P)
 // float32 contiguous; L the chunk length. Captures: cap_tok (M,) flat token indices, cap_out
 // (M, H, P, N) float32. Returns -1 for shapes it does not handle.
-int pf_ssd_chunked(int dtype, const void* x, int64_t x_stride, const void* B, const void* C,
-                   int64_t bc_stride, const float* dt, int64_t dt_stride, const float* A,
-                   const float* D, const float* init, float* final_state, const int64_t* cu,
-                   int64_t S, float* y, int H, int P, int G, int N, int L,
+int pf_ssd_chunked(int x_dtype, int bc_dtype, const void* x, int64_t x_stride, const void* B,
+                   const void* C, int64_t bc_stride, const float* dt, int64_t dt_stride,
+                   const float* A, const float* D, const float* init, float* final_state,
+                   const int64_t* cu, int64_t S, float* y, int H, int P, int G, int N, int L,
                    const int64_t* cap_tok, float* cap_out, int64_t M, int nthreads) {
-  if ((dtype != 0 && dtype != 1) || G < 1 || H % G || L < 1 || P < 1 || N < 1 || S < 0 ||
-      (M > 0 && (cap_tok == nullptr || cap_out == nullptr)))
+  if (x_dtype < 0 || x_dtype > 1 || bc_dtype < 0 || bc_dtype > 1 || G < 1 || H % G || L < 1 ||
+      P < 1 || N < 1 || S < 0 || (M > 0 && (cap_tok == nullptr || cap_out == nullptr)))
     return -1;
-  if (dtype == 0)
-    ssd_chunked<float>(static_cast<const float*>(x), x_stride, static_cast<const float*>(B),
-                       static_cast<const float*>(C), bc_stride, dt, dt_stride, A, D, init,
-                       final_state, cu, S, y, H, P, G, N, L, cap_tok, cap_out, M, nthreads);
+#define PF_SSD(TX, TB)                                                                      \
+  ssd_chunked<TX, TB>(static_cast<const TX*>(x), x_stride, static_cast<const TB*>(B),       \
+                      static_cast<const TB*>(C), bc_stride, dt, dt_stride, A, D, init,      \
+                      final_state, cu, S, y, H, P, G, N, L, cap_tok, cap_out, M, nthreads)
+  if (x_dtype == 0 && bc_dtype == 0)
+    PF_SSD(float, float);
+  else if (x_dtype == 0)
+    PF_SSD(float, uint16_t);
+  else if (bc_dtype == 0)
+    PF_SSD(uint16_t, float);
   else
-    ssd_chunked<uint16_t>(static_cast<const uint16_t*>(x), x_stride,
-                          static_cast<const uint16_t*>(B), static_cast<const uint16_t*>(C),
-                          bc_stride, dt, dt_stride, A, D, init, final_state, cu, S, y, H, P, G,
-                          N, L, cap_tok, cap_out, M, nthreads);
+    PF_SSD(uint16_t, uint16_t);
+#undef PF_SSD
   return 0;
 }
 

@@ -71,15 +71,18 @@ def test_compiled_matches_naive(calls, P, G, N, chunk):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_low_precision_inputs(calls):
-    """bf16 x / B / C are read as they are: the result is the float32 call's on the rounded
-    values, returned in bf16."""
+@pytest.mark.parametrize("x_low,bc_low", [(True, True), (False, True), (True, False)])
+def test_compiled_low_precision_inputs(calls, x_low, bc_low):
+    """bf16 x and / or B, C (the mixer passes float32 x with bf16 B and C) are read as they
+    are: the result is the float32 call's on the rounded values, y in x's dtype."""
     low = _inputs(LENS, H=4, P=32, G=2, N=16, seed=3, dtype=torch.bfloat16)
-    y, h = ssd_chunked(**low, chunk_size=32)
     up = dict(low, x=low["x"].float(), B=low["B"].float(), C=low["C"].float())
+    mixed = dict(up, **({"x": low["x"]} if x_low else {}),
+                 **({"B": low["B"], "C": low["C"]} if bc_low else {}))
+    y, h = ssd_chunked(**mixed, chunk_size=32)
     y_ref, h_ref = ssd_naive(**up)
-    assert calls[0] == 1 and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), y_ref, atol=2e-2, rtol=1e-2)
+    assert calls[0] == 1 and y.dtype == mixed["x"].dtype
+    torch.testing.assert_close(y.float(), y_ref, atol=2e-2 if x_low else 1e-4, rtol=1e-2)
     torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
 
 

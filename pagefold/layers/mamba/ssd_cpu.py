@@ -3,8 +3,9 @@
 :func:`ssd_chunked_cpu` takes the arguments of :func:`pagefold.layers.mamba.ssd.ssd_chunked`
 after its checks (the time step already discretised) and returns ``(y, final_state)`` -- y
 (T, H, P) in ``x.dtype``, the final states (S, H, P, N) float32 -- or ``None`` when the kernel
-does not take the inputs (not on the CPU, kernels off, other dtypes), in which case nothing was
-written and the caller runs the torch form. Same chunking (``L`` from the caller), same steps,
+does not take the inputs (not on the CPU, kernels off, dtypes other than float32 / bf16; x
+and B / C may differ, as the mixer passes float32 x with bf16 B and C), in which case nothing
+was written and the caller runs the torch form. Same chunking (``L`` from the caller), same steps,
 results equal to the torch form up to float32 rounding (tested against ``ssd_naive``);
 captures are filled as the torch form fills them (see ``state_capture``).
 """
@@ -35,8 +36,8 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
     the host token bounds (S + 1 values), ``L`` the chunk length, ``cap`` the checked capture
     request (flat token indices, out (M, H, P, N) float32) or None."""
     lib = cpu_ops.kernels()
-    code = _CODE.get(x.dtype)
-    if (lib is None or code is None or B.dtype != x.dtype or C.dtype != x.dtype
+    code, bc_code = _CODE.get(x.dtype), _CODE.get(B.dtype)
+    if (lib is None or code is None or bc_code is None or C.dtype != B.dtype
             or any(t.device.type != "cpu" for t in (x, dtf, B, C, initial_state))):
         return None
     T, H, P = x.shape
@@ -57,7 +58,7 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
         cap_out = cap[1] if cap[1].dtype == torch.float32 and cap[1].is_contiguous() else \
             torch.empty(cap[1].shape, dtype=torch.float32)
     rc = lib.pf_ssd_chunked(
-        code, x.data_ptr(), x.stride(0), B.data_ptr(), C.data_ptr(), B.stride(0),
+        code, bc_code, x.data_ptr(), x.stride(0), B.data_ptr(), C.data_ptr(), B.stride(0),
         dtf.data_ptr(), dtf.stride(0), A32.data_ptr(),
         D32.data_ptr() if D32 is not None else None, init.data_ptr(), final.data_ptr(),
         cu_t.data_ptr(), len(cu) - 1, y.data_ptr(), H, P, G, N, L,

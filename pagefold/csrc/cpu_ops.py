@@ -314,11 +314,16 @@ def _usable(*ts: torch.Tensor) -> int | None:
     return _DTYPE_CODE.get(dt)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+# rms_norm's mode for a weight multiply in float32 before the cast (Nemotron-H's norm).
+NORM_FLOAT_WEIGHT = 2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool | int,
              residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """RMSNorm over the last dim (see ``pagefold.layers.norm``); with ``residual``,
     ``residual += x`` (rounded to the dtype, in place) is what gets normalised. Returns the
-    normalised tensor, or None when not handled (nothing written)."""
+    normalised tensor, or None when not handled (nothing written). ``zero_centered`` may be
+    :data:`NORM_FLOAT_WEIGHT` instead: ``(x / rms(x) * weight)`` rounded once."""
     lib = kernels()
     if lib is None or x.numel() == 0:
         return None

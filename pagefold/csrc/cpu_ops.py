@@ -4,8 +4,9 @@
 attention over the paged cache), ``layers.cpp`` (RMSNorm with the
 residual add, q/k norm + RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, the bf16
 small-M products), ``gdn.cpp`` (the Gated DeltaNet layer on paged states), ``mamba2.cpp``
-(the Mamba-2 decode step), ``ssd.cpp`` (the chunked Mamba-2 SSD scan of prefills) and
-``conv.cpp`` (the varlen causal conv of prefills), with
+(the Mamba-2 decode step), ``ssd.cpp`` (the chunked Mamba-2 SSD scan of prefills),
+``conv.cpp`` (the varlen causal conv of prefills) and ``gated_norm.cpp`` (Mamba-2's gated
+RMSNorm), with
 ``common.h``, use no torch or Python headers: one ``g++`` call builds them in a few seconds.
 The shared object is cached under ``$PAGEFOLD_CACHE/kernels`` (default
 ``~/.cache/pagefold/kernels``), keyed by the sources, the compiler and this CPU's flags (the
@@ -41,7 +42,7 @@ logger = logging.getLogger("pagefold")
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
-            _DIR / "conv.cpp"]
+            _DIR / "conv.cpp", _DIR / "gated_norm.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -162,6 +163,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_ssd_chunked.restype = i32
     lib.pf_conv_varlen.argtypes = [i32, p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32]
     lib.pf_conv_varlen.restype = i32
+    lib.pf_gated_norm_gate_first.argtypes = [i32, i32, i32, p, i64, p, i64, p, p, i64, i32, i32,
+                                             f32, i32]
+    lib.pf_gated_norm_gate_first.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.pf_linear_bf16.restype = i32
     lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes

@@ -1,4 +1,5 @@
-"""The compiled chunked SSD scan (csrc/ssd.cpp via ``ssd_chunked``) against the definition.
+"""The compiled chunked SSD scan (csrc/ssd.cpp via ``ssd_chunked``) against the definition,
+and the compiled gate-first gated RMSNorm (csrc/gated_norm.cpp) against its torch form.
 
 ``ssd_chunked`` runs the kernel on the CPU when the kernels are on; these tests prove it ran
 (a counting wrapper) and compare it with ``ssd_naive`` (the token recurrence) over varlen
@@ -118,3 +119,42 @@ def test_torch_form_when_asked_or_kernels_off(calls):
     y_c, h_c = ssd_chunked(**inp)
     assert calls[0] == 1
     torch.testing.assert_close(y_c, y_t, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16,) * 3,
+                                    (torch.float32, torch.bfloat16, torch.bfloat16)])
+def test_gated_norm_kernel_matches_torch(monkeypatch, dtypes):
+    """x / gate / weight dtypes as the mixers pass them (float32 model; bf16 decode; bf16
+    prefill with float32 y); gate a column slice of wider rows; two groups."""
+    from pagefold.layers.mamba import gated_norm
+    from pagefold.layers.mamba.gated_norm import GatedRMSNorm
+
+    n = [0]
+    real = gated_norm._gate_first_cpu
+
+    def counting(*a, **k):
+        res = real(*a, **k)
+        n[0] += res is not None
+        return res
+
+    monkeypatch.setattr(gated_norm, "_gate_first_cpu", counting)
+    gen = torch.Generator().manual_seed(2)
+    xd, gd, wd = dtypes
+    norm = GatedRMSNorm(64, 1e-5, group_size=32).to(wd)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    x = torch.randn(9, 64, generator=gen).to(xd)
+    gate = torch.randn(9, 100, generator=gen).to(gd)[:, 20:84]
+    got = norm(x, gate)
+    assert n[0] == 1 and got.dtype == xd
+    cpu_ops.set_enabled(False)
+    try:
+        ref = norm(x, gate)
+    finally:
+        cpu_ops.set_enabled(True)
+    assert n[0] == 1
+    if xd == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:  # the same bf16 roundings: rare one-ulp flips only
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+        assert (got == ref).float().mean() > 0.97

@@ -163,11 +163,12 @@ inline __m512 vsilu(__m512 x) {
 }
 #endif
 
-// RMSNorm of one row of D: out = w * T(x / rms(x)), or T(x / rms(x) * (1 + w)) when
-// zero-centred (the weight stored as an offset from 1), as pagefold.layers.norm computes it.
-// With res: x + res is rounded to T, written back to res, and normalised.
+// RMSNorm of one row of D, by mode: 0 out = w * T(x / rms(x)) (pagefold.layers.norm);
+// 1 (zero-centred, the weight an offset from 1) T(x / rms(x) * (1 + w)); 2 (the weight
+// multiply in float32, Nemotron-H) T(x / rms(x) * w). With res: x + res is rounded to T,
+// written back to res, and normalised.
 template <typename T>
-void rms_row(const T* x, T* res, const T* w, T* out, int D, float eps, bool zc) {
+void rms_row(const T* x, T* res, const T* w, T* out, int D, float eps, int mode) {
   float ss = 0.f;
   if (res) {
 #pragma omp simd reduction(+ : ss)
@@ -185,9 +186,12 @@ void rms_row(const T* x, T* res, const T* w, T* out, int D, float eps, bool zc) 
   }
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
   const T* src = res ? res : x;
-  if (zc) {
+  if (mode == 1) {
 #pragma omp simd
     for (int d = 0; d < D; ++d) store<T>(out, d, load<T>(src, d) * r * (1.0f + load<T>(w, d)));
+  } else if (mode == 2) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) store<T>(out, d, load<T>(src, d) * r * load<T>(w, d));
   } else {
 #pragma omp simd
     for (int d = 0; d < D; ++d) store<T>(out, d, load<T>(w, d) * rnd<T>(load<T>(src, d) * r));
@@ -199,7 +203,7 @@ void rms_row(const T* x, T* res, const T* w, T* out, int D, float eps, bool zc) 
 // element): the same roundings at the same points; the float sum of squares in another order.
 template <>
 inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* w,
-                              uint16_t* out, int D, float eps, bool zc) {
+                              uint16_t* out, int D, float eps, int mode) {
   __m512 ss = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 16) {
     const __mmask16 m = lanes(D - d);
@@ -217,8 +221,9 @@ inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* 
     const __mmask16 m = lanes(D - d);
     const __m512 v = _mm512_mul_ps(vload<uint16_t>(src + d, m), vr);
     const __m512 wv = vload<uint16_t>(w + d, m);
-    vstore<uint16_t>(out + d, zc ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
-                                 : _mm512_mul_ps(wv, vrnd<uint16_t>(v)), m);
+    vstore<uint16_t>(out + d, mode == 1   ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
+                              : mode == 2 ? _mm512_mul_ps(v, wv)
+                                          : _mm512_mul_ps(wv, vrnd<uint16_t>(v)), m);
   }
 }
 #endif

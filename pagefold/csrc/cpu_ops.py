@@ -3,12 +3,14 @@
 ``attention.cpp`` (paged decode attention, the K/V write), ``prefill.cpp`` (prefill
 attention over the paged cache), ``layers.cpp`` (RMSNorm with the
 residual add, q/k norm + RoPE, SiLU-and-mul, the gated RMSNorm of GDN outputs, the bf16
-small-M products)
-and ``gdn.cpp`` (the Gated DeltaNet layer on paged states), with ``common.h``, use no torch or
-Python headers: one ``g++`` call builds them in a few seconds. The shared object is cached
-under ``$PAGEFOLD_CACHE/kernels`` (default ``~/.cache/pagefold/kernels``), keyed by the
-sources, the compiler and this CPU's flags (the build uses ``-march=native``), so a later
-process loads it at once and another CPU rebuilds.
+small-M products), ``gdn.cpp`` (the Gated DeltaNet layer on paged states), ``mamba2.cpp``
+(the Mamba-2 decode step), ``ssd.cpp`` (the chunked Mamba-2 SSD scan of prefills),
+``conv.cpp`` (the varlen causal conv of prefills) and ``gated_norm.cpp`` (Mamba-2's gated
+RMSNorm), with
+``common.h``, use no torch or Python headers: one ``g++`` call builds them in a few seconds.
+The shared object is cached under ``$PAGEFOLD_CACHE/kernels`` (default
+``~/.cache/pagefold/kernels``), keyed by the sources, the compiler and this CPU's flags (the
+build uses ``-march=native``), so a later process loads it at once and another CPU rebuilds.
 
 Fallback: when the build fails (no compiler) or ``PAGEFOLD_CPU_KERNELS=0``, :func:`kernels`
 returns ``None`` and callers take their pure-torch path; the reason is logged once. The
@@ -39,7 +41,8 @@ logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp",
-            _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp"]
+            _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
+            _DIR / "conv.cpp", _DIR / "gated_norm.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -151,6 +154,18 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64, i32, i32, i32, i32, i32, i32, i32,  # N, C, K, H, Dh, G, Ns, threads
     ]
     lib.pf_mamba2_decode.restype = i32
+    lib.pf_ssd_chunked.argtypes = [
+        i32, i32, p, i64, p, p, i64,  # x / B,C dtypes, x, x_stride, B, C, bc_stride
+        p, i64,  # dt, dt_stride
+        p, p, p, p, p, i64, p,  # A, D, init, final, cu, S, y
+        i32, i32, i32, i32, i32, p, p, i64, i32,  # H, P, G, N, L, captures (tok, out, M), thr
+    ]
+    lib.pf_ssd_chunked.restype = i32
+    lib.pf_conv_varlen.argtypes = [i32, p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32]
+    lib.pf_conv_varlen.restype = i32
+    lib.pf_gated_norm_gate_first.argtypes = [i32, i32, i32, p, i64, p, i64, p, p, i64, i32, i32,
+                                             f32, i32]
+    lib.pf_gated_norm_gate_first.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.pf_linear_bf16.restype = i32
     lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes
@@ -303,11 +318,16 @@ def _usable(*ts: torch.Tensor) -> int | None:
     return _DTYPE_CODE.get(dt)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+# rms_norm's mode for a weight multiply in float32 before the cast (Nemotron-H's norm).
+NORM_FLOAT_WEIGHT = 2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool | int,
              residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """RMSNorm over the last dim (see ``pagefold.layers.norm``); with ``residual``,
     ``residual += x`` (rounded to the dtype, in place) is what gets normalised. Returns the
-    normalised tensor, or None when not handled (nothing written)."""
+    normalised tensor, or None when not handled (nothing written). ``zero_centered`` may be
+    :data:`NORM_FLOAT_WEIGHT` instead: ``(x / rms(x) * weight)`` rounded once."""
     lib = kernels()
     if lib is None or x.numel() == 0:
         return None

@@ -317,11 +317,12 @@ using namespace pf;
 extern "C" {
 
 // RMSNorm over N rows of D: x rows x_stride apart, out rows out_stride apart, res (rows
-// res_stride apart) or NULL, weight (D). Returns -1 for an unsupported dtype.
+// res_stride apart) or NULL, weight (D); zero_centered is rms_row's mode (0, 1, or 2: the
+// weight multiply in float32). Returns -1 for an unsupported dtype or mode.
 int pf_rms_norm(int dtype, const void* x, int64_t x_stride, void* res, int64_t res_stride,
                 const void* w, void* out, int64_t out_stride, int64_t N, int D, float eps,
                 int zero_centered, int nthreads) {
-  if (dtype != 0 && dtype != 1) return -1;
+  if ((dtype != 0 && dtype != 1) || zero_centered < 0 || zero_centered > 2) return -1;
   const bool par = nthreads > 1 && N * D >= (1 << 16);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
   for (int64_t i = 0; i < N; ++i) {
@@ -329,12 +330,12 @@ int pf_rms_norm(int dtype, const void* x, int64_t x_stride, void* res, int64_t r
       rms_row<float>(static_cast<const float*>(x) + i * x_stride,
                      res ? static_cast<float*>(res) + i * res_stride : nullptr,
                      static_cast<const float*>(w), static_cast<float*>(out) + i * out_stride, D,
-                     eps, zero_centered != 0);
+                     eps, zero_centered);
     } else {
       rms_row<uint16_t>(static_cast<const uint16_t*>(x) + i * x_stride,
                         res ? static_cast<uint16_t*>(res) + i * res_stride : nullptr,
                         static_cast<const uint16_t*>(w),
-                        static_cast<uint16_t*>(out) + i * out_stride, D, eps, zero_centered != 0);
+                        static_cast<uint16_t*>(out) + i * out_stride, D, eps, zero_centered);
     }
   }
   return 0;

@@ -117,8 +117,13 @@ def causal_conv1d_varlen(
     activation: str | None = "silu",
     *,
     per_token_states: bool = False,
+    compiled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorized varlen causal conv: one pass over all sequences.
+
+    ``compiled`` (default): on the CPU with the kernels on, the compiled conv
+    (``csrc/conv.cpp``: the same products and order, fused multiply-adds, so equal up to
+    float32 rounding) runs instead of the torch form below (not for ``per_token_states``).
 
     Shapes as in :func:`causal_conv1d_naive`. Each sequence's state is placed in front of its
     tokens in one extended buffer of length ``T + N*(K-1)``; a single unpadded depthwise conv
@@ -131,6 +136,10 @@ def causal_conv1d_varlen(
     num_seqs = cu_seqlens.numel() - 1
     if conv_state.shape[0] != num_seqs:
         raise ValueError(f"conv_state has {conv_state.shape[0]} rows for {num_seqs} sequences")
+    if compiled and not per_token_states:
+        res = _conv_varlen_cpu(x, weight, bias, conv_state, cu_seqlens, activation)
+        if res is not None:
+            return res
     device = x.device
     total = x.shape[0]
     cu = cu_seqlens.to(device=device, dtype=torch.long)
@@ -170,6 +179,35 @@ def causal_conv1d_varlen(
     last_pos = ext_end.unsqueeze(1) - hist + torch.arange(hist, device=device)  # (N, K-1)
     new_state = ext[last_pos.reshape(-1)].view(num_seqs, hist, channels).transpose(1, 2)
     return y.to(x.dtype), new_state.to(x.dtype).contiguous()
+
+
+def _conv_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                     activation: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``causal_conv1d_varlen`` through ``pf_conv_varlen``, or None (nothing done) when the
+    kernel does not take the inputs: kernels off, not on the CPU, float32 / bf16 not shared by
+    every tensor, rows of ``x`` not contiguous."""
+    from pagefold.csrc import cpu_ops
+
+    lib = cpu_ops.kernels()
+    tensors = (x, weight, conv_state, *(() if bias is None else (bias,)))
+    code = {torch.float32: 0, torch.bfloat16: 1}.get(x.dtype)
+    if (lib is None or code is None or any(t.dtype != x.dtype or t.device.type != "cpu"
+                                           for t in tensors) or x.stride(1) != 1):
+        return None
+    t, c = x.shape
+    k = weight.shape[1]
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else None
+    state = conv_state.contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    y = torch.empty((t, c), dtype=x.dtype)
+    new_state = torch.empty_like(state)
+    rc = lib.pf_conv_varlen(code, x.data_ptr(), x.stride(0), w.data_ptr(),
+                            b.data_ptr() if b is not None else None, state.data_ptr(),
+                            new_state.data_ptr(), cu.data_ptr(), cu.numel() - 1, y.data_ptr(),
+                            c, k, int(activation is not None), torch.get_num_threads())
+    return (y, new_state) if rc == 0 else None
 
 
 def causal_conv1d_update(

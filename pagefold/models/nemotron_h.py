@@ -17,10 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.core.layer_kinds import FULL, MAMBA2, MLP, MOE, layer_kinds
+from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import all_reduce
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.decode_fast import cached_plan
+from pagefold.layers.decode_fast_nemotron import NemotronHPlan
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import UngatedMLP
 from pagefold.layers.norm import RMSNorm
@@ -41,9 +44,20 @@ def nemotron_h_block_kinds(cfg) -> list[str]:
 
 class NemotronHRMSNorm(RMSNorm):
     """RMSNorm whose weight multiply stays in float32 before the cast back (transformers'
-    NemotronHRMSNorm; differs from the Llama norm only below float32)."""
+    NemotronHRMSNorm; differs from the Llama norm only below float32).
+
+    On the CPU the compiled norm's mode 2 (``cpu_ops.NORM_FLOAT_WEIGHT``) computes it in one
+    pass with the same roundings (the sum of squares in another order); elsewhere, or with
+    the kernels off, :meth:`reference`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            out = cpu_ops.rms_norm(x, self.weight, self.eps, cpu_ops.NORM_FLOAT_WEIGHT)
+            if out is not None:
+                return out
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * h).to(x.dtype)
@@ -182,11 +196,36 @@ class NemotronHModel(nn.Module):
                                     for i, kind in enumerate(nemotron_h_block_kinds(cfg)))
         self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
+    # Small CPU decode steps skip the modules (same kernels, same bits): decode_fast_nemotron.
+    fast_decode = True
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embeddings(input_ids)
+        plan = self._fast_plan() if self.fast_decode else None
+        if plan is not None and plan.usable(x, ctx):
+            return plan.forward(x, input_ids, ctx)
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm_f(x)
+
+    def _fast_plan(self) -> NemotronHPlan | None:
+        if not len(self.layers):
+            return None
+        first, last = _linears(self.layers[0])[0], _linears(self.layers[-1])[1]
+        return cached_plan(self, first, last,
+                           lambda: NemotronHPlan(list(self.layers), self.norm_f))
+
+
+def _linears(block: NemotronHBlock) -> tuple[nn.Module, nn.Module]:
+    """A block's first and last linear (whose GEMV weights key the cached decode plan)."""
+    m = block.mixer
+    if block.kind == "mamba":
+        return m.in_proj, m.out_proj
+    if block.kind == "attention":
+        return m.qkv_proj, m.o_proj
+    if block.kind == "moe":
+        m = m.shared_experts
+    return m.up_proj, m.down_proj
 
 
 class NemotronHForCausalLM(CausalLMHead):

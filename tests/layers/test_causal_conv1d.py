@@ -36,11 +36,12 @@ def _inputs(lengths: list[int], kernel: int, seed: int, bias: bool = True):
 
 @pytest.mark.parametrize("kernel", [2, 3, 4, 5])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_varlen_matches_naive(kernel: int, activation: str | None) -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+def test_varlen_matches_naive(kernel: int, activation: str | None, compiled: bool) -> None:
     lengths = [1, 2, 7, 0, 33, 3, 64]
     x, w, b, state, cu = _inputs(lengths, kernel, seed=kernel)
     y_ref, s_ref = causal_conv1d_naive(x, w, b, state, cu, activation=activation)
-    y, s = causal_conv1d_varlen(x, w, b, state, cu, activation=activation)
+    y, s = causal_conv1d_varlen(x, w, b, state, cu, activation=activation, compiled=compiled)
     assert y.shape == x.shape and s.shape == state.shape
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
@@ -145,3 +146,52 @@ def test_rejects_bad_shapes() -> None:
         causal_conv1d_varlen(x, w, b, state[:, :, :2], cu)
     with pytest.raises(ValueError):
         causal_conv1d_varlen(x, w, b, state, cu, activation="gelu")
+
+
+@pytest.fixture
+def conv_calls(monkeypatch):
+    """Counts the compiled conv calls that returned a result."""
+    from pagefold.layers import causal_conv1d as mod
+
+    n = [0]
+    real = mod._conv_varlen_cpu
+
+    def counting(*a, **k):
+        res = real(*a, **k)
+        n[0] += res is not None
+        return res
+
+    monkeypatch.setattr(mod, "_conv_varlen_cpu", counting)
+    return n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_varlen_matches_naive(conv_calls, dtype, bias) -> None:
+    """The compiled conv (csrc/conv.cpp) ran, over two channel blocks (300 channels), with x
+    a column slice of wider rows (as the Mamba-2 mixer passes it), in both dtypes."""
+    from pagefold.csrc import cpu_ops
+
+    if cpu_ops.kernels() is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(7)
+    lengths, c, k = [1, 2, 0, 40, 3], 300, 4
+    wide = torch.randn(sum(lengths), c + 20, generator=gen).to(dtype)
+    x = wide[:, 10 : 10 + c]
+    w = torch.randn(c, k, generator=gen).to(dtype)
+    b = torch.randn(c, generator=gen).to(dtype) if bias else None
+    state = torch.randn(len(lengths), c, k - 1, generator=gen).to(dtype)
+    y, s = causal_conv1d_varlen(x, w, b, state, _cu(lengths))
+    assert conv_calls[0] == 1 and y.dtype == dtype and s.dtype == dtype
+    y_ref, s_ref = causal_conv1d_naive(x, w, b, state, _cu(lengths))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
+    assert torch.equal(s, s_ref)
+    y_t, s_t = causal_conv1d_varlen(x, w, b, state, _cu(lengths), compiled=False)
+    assert conv_calls[0] == 1 and torch.equal(s_t, s)
+    cpu_ops.set_enabled(False)
+    try:
+        y_off, _ = causal_conv1d_varlen(x, w, b, state, _cu(lengths))
+    finally:
+        cpu_ops.set_enabled(True)
+    assert conv_calls[0] == 1 and torch.equal(y_off, y_t)

@@ -337,9 +337,10 @@ def test_gated_norm_groups_and_norm_before_gate() -> None:
 
 
 def test_chunked_groups_of_sequences_are_bitwise_one_group(monkeypatch) -> None:
-    """``ssd_chunked`` takes sequences through a chunk position in cache-sized groups; any
-    grouping (one sequence at a time, pairs, all) gives the same bits: outputs, final states
-    and captures, including captures inside and at the end of chunks of later groups."""
+    """``ssd_chunked``'s torch form takes sequences through a chunk position in cache-sized
+    groups; any grouping (one sequence at a time, pairs, all) gives the same bits: outputs,
+    final states and captures, including captures inside and at the end of chunks of later
+    groups."""
     from pagefold.layers.mamba import ssd
 
     lens = [37, 70, 5, 66, 32, 1]
@@ -352,7 +353,7 @@ def test_chunked_groups_of_sequences_are_bitwise_one_group(monkeypatch) -> None:
     for group_bytes in (1, 4 * 32 * 32 * 4 * 2, 1 << 30):  # 1, 2 and all sequences per group
         monkeypatch.setattr(ssd, "GROUP_BYTES", group_bytes)
         out = torch.empty(len(after), 4, 8, 8)
-        y, final = _call(ssd_chunked, inp, chunk_size=32, capture=(after, out))
+        y, final = _call(ssd_chunked, inp, chunk_size=32, capture=(after, out), compiled=False)
         runs.append((y, final, out))
     for other in runs[1:]:
         for a, b in zip(runs[0], other):

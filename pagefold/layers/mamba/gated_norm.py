@@ -10,6 +10,9 @@ hidden vector:
     z_g = z_g * rsqrt(mean(z_g ** 2) + eps)         (for each group g of group_size channels)
     y = weight * z.to(x.dtype)
 
+On the CPU the gate-first form runs compiled (``csrc/gated_norm.cpp``, the same steps and
+roundings, equal up to float32 rounding); the torch form stays the fallback.
+
 ``norm_before_gate=True`` (the other mamba_ssm variant, unused by those three models) is
 ``y = weight * rmsnorm_grouped(x) * silu(gate)``.
 
@@ -73,6 +76,11 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"expected last dim {self.hidden_size}, got {x.shape[-1]}")
         if gate is not None and gate.shape != x.shape:
             raise ValueError(f"gate shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
+        if (gate is not None and not self.norm_before_gate and not self.spans_ranks
+                and x.device.type == "cpu" and x.dim() == 2):
+            out = _gate_first_cpu(x, gate, self.weight, self.group_size, self.eps)
+            if out is not None:
+                return out
         in_dtype = x.dtype
         z = x.float()
         if gate is not None and not self.norm_before_gate:
@@ -89,3 +97,28 @@ class GatedRMSNorm(nn.Module):
             f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
             f"norm_before_gate={self.norm_before_gate}"
         )
+
+
+_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _gate_first_cpu(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int,
+                    eps: float) -> torch.Tensor | None:
+    """The gate-first form through ``pf_gated_norm_gate_first`` (csrc/gated_norm.cpp: the same
+    steps and roundings, equal up to float32 rounding), or None (nothing done) when the
+    kernel does not take the inputs: kernels off, dtypes other than all float32, all bf16 or
+    float32 x with bf16 gate and weight (the prefill's float32 y), rows not contiguous."""
+    from pagefold.csrc import cpu_ops
+
+    lib = cpu_ops.kernels()
+    codes = (_CODE.get(x.dtype), _CODE.get(gate.dtype), _CODE.get(weight.dtype))
+    if (lib is None or None in codes or codes[1] != codes[2] or x.stride(1) != 1
+            or gate.dim() != 2 or gate.stride(1) != 1 or not weight.is_contiguous()
+            or gate.device.type != "cpu"):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rc = lib.pf_gated_norm_gate_first(*codes, x.data_ptr(), x.stride(0), gate.data_ptr(),
+                                      gate.stride(0), weight.data_ptr(), out.data_ptr(),
+                                      x.shape[0], x.shape[1], group, float(eps),
+                                      torch.get_num_threads())
+    return out if rc == 0 else None

@@ -335,6 +335,7 @@ def ssd_chunked(
     dt_max: float = math.inf,
     chunk_size: int = 64,
     capture: Capture | None = None,
+    compiled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel SSD (Mamba-2's "state space duality" form) over a varlen batch.
 
@@ -358,6 +359,10 @@ def ssd_chunked(
     ``exp(acum_l) h_start + sum_{s <= l} exp(segsum[l, s]) dt_s x_s B_s^T`` -- row ``l`` of
     the decay matrix the state passing uses with row ``L - 1`` (equal to a cut call up to
     float32 rounding).
+
+    ``compiled`` (default): on the CPU with the kernels on, the compiled form of these steps
+    (``csrc/ssd.cpp``) runs instead; it agrees with this torch form up to float32 rounding
+    (other summation orders). ``compiled=False`` or kernels off: the torch form.
     """
     T, H, P, G, N = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     if chunk_size < 1:
@@ -368,6 +373,17 @@ def ssd_chunked(
     Hg = H // G
 
     dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    max_len = max(lens, default=0)
+    if max_len == 0:
+        return x.new_zeros((T, H, P)), initial_state.float().clone()
+    L = min(chunk_size, max_len)
+    cap = check_capture(capture, T, (H, P, N))
+    if compiled:  # the compiled scan (csrc/ssd.cpp): same chunking, same steps
+        from pagefold.layers.mamba.ssd_cpu import ssd_chunked_cpu
+
+        res = ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
+        if res is not None:
+            return res
     Af = A.float()
     # Row T of every padded table is all zeros: the target of padding indices. (Filled in
     # place: these tables are tens of MB at prefill sizes, each extra pass costs.)
@@ -383,11 +399,6 @@ def ssd_chunked(
 
     # Every real row is written by the loop below (row T takes the padding rows' writes).
     out = x.new_empty((T + 1, H, P), dtype=torch.float32)
-    max_len = max(lens, default=0)
-    if max_len == 0:
-        return x.new_zeros((T, H, P)), initial_state.float().clone()
-    L = min(chunk_size, max_len)
-    cap = check_capture(capture, T, (H, P, N))
     n_chunks = [-(-n // L) for n in lens]
     # Sequences with the most chunks first: the ones still running at a chunk position are a
     # prefix, so the carried state is sliced, never scattered.

@@ -1,0 +1,160 @@
+"""The compiled chunked SSD scan (csrc/ssd.cpp via ``ssd_chunked``) against the definition,
+and the compiled gate-first gated RMSNorm (csrc/gated_norm.cpp) against its torch form.
+
+``ssd_chunked`` runs the kernel on the CPU when the kernels are on; these tests prove it ran
+(a counting wrapper) and compare it with ``ssd_naive`` (the token recurrence) over varlen
+batches, both input dtypes, head dims that take the vector product (multiples of 16, with
+and without a 64-wide block) and the scalar one, and captures inside and at the end of
+chunks; and check that ``compiled=False`` / kernels off give the torch form.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from pagefold.csrc import cpu_ops
+from pagefold.layers.mamba import ssd_cpu
+from pagefold.layers.mamba.ssd import ssd_chunked, ssd_naive
+
+pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
+
+LENS = [1, 7, 33, 0, 64, 65, 130]
+
+
+def _inputs(lens, H, P, G, N, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    T, S = sum(lens), len(lens)
+    return dict(
+        x=torch.randn(T, H, P, generator=g).to(dtype),
+        dt=torch.randn(T, H, generator=g),
+        A=-(torch.rand(H, generator=g) * 1.5 + 0.05),
+        B=(torch.randn(T, G, N, generator=g) * 0.5).to(dtype),
+        C=(torch.randn(T, G, N, generator=g) * 0.5).to(dtype),
+        D=torch.randn(H, generator=g),
+        initial_state=torch.randn(S, H, P, N, generator=g),
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(lens)]),
+        dt_bias=torch.randn(H, generator=g) * 0.5,
+    )
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the kernel calls that returned a result."""
+    n = [0]
+    real = ssd_cpu.ssd_chunked_cpu
+
+    def counting(*a, **k):
+        res = real(*a, **k)
+        n[0] += res is not None
+        return res
+
+    monkeypatch.setattr(ssd_cpu, "ssd_chunked_cpu", counting)
+    return n
+
+
+@pytest.mark.parametrize("P,G,N", [(8, 1, 16), (16, 2, 8), (80, 2, 16), (64, 4, 32)])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_compiled_matches_naive(calls, P, G, N, chunk):
+    inp = _inputs(LENS, H=4, P=P, G=G, N=N, seed=P + chunk)
+    kw = dict(dt_min=0.01, dt_max=4.0, chunk_size=chunk)
+    after = torch.tensor([0, 1 + 3, 8 + 15, 8 + 32, 41 + 63, 105 + 20, 105 + 64, 170 + 129,
+                          170 + 63])
+    outs = []
+    for fn in (ssd_chunked, ssd_naive):
+        cap = torch.empty(len(after), 4, P, N)
+        y, h = fn(**inp, capture=(after, cap), **kw)
+        outs.append((y, h, cap))
+    assert calls[0] == 1
+    for got, ref in zip(*outs, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("x_low,bc_low", [(True, True), (False, True), (True, False)])
+def test_compiled_low_precision_inputs(calls, x_low, bc_low):
+    """bf16 x and / or B, C (the mixer passes float32 x with bf16 B and C) are read as they
+    are: the result is the float32 call's on the rounded values, y in x's dtype."""
+    low = _inputs(LENS, H=4, P=32, G=2, N=16, seed=3, dtype=torch.bfloat16)
+    up = dict(low, x=low["x"].float(), B=low["B"].float(), C=low["C"].float())
+    mixed = dict(up, **({"x": low["x"]} if x_low else {}),
+                 **({"B": low["B"], "C": low["C"]} if bc_low else {}))
+    y, h = ssd_chunked(**mixed, chunk_size=32)
+    y_ref, h_ref = ssd_naive(**up)
+    assert calls[0] == 1 and y.dtype == mixed["x"].dtype
+    torch.testing.assert_close(y.float(), y_ref, atol=2e-2 if x_low else 1e-4, rtol=1e-2)
+    torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_strided_views_and_empty_batch(calls):
+    """x, B, C as column slices of one (T, conv_dim) row (as the mixer passes them)."""
+    inp = _inputs([40, 3], H=2, P=16, G=1, N=16, seed=4)
+    T = 43
+    row = torch.cat([inp["x"].reshape(T, -1), inp["B"].reshape(T, -1),
+                     inp["C"].reshape(T, -1)], dim=1)
+    xs, b, c = row.split([32, 16, 16], dim=1)
+    strided = dict(inp, x=xs.view(T, 2, 16), B=b.view(T, 1, 16), C=c.view(T, 1, 16))
+    y, h = ssd_chunked(**strided, chunk_size=16)
+    y_ref, h_ref = ssd_naive(**inp)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+    empty = _inputs([0, 0], H=2, P=16, G=1, N=16, seed=5)
+    y, h = ssd_chunked(**empty)
+    assert y.shape == (0, 2, 16) and torch.equal(h, empty["initial_state"])
+    assert calls[0] == 1  # the empty batch returns before the kernel
+
+
+def test_torch_form_when_asked_or_kernels_off(calls):
+    inp = _inputs(LENS, H=4, P=16, G=2, N=16, seed=6)
+    y_t, h_t = ssd_chunked(**inp, compiled=False)
+    assert calls[0] == 0
+    cpu_ops.set_enabled(False)
+    try:
+        y_off, h_off = ssd_chunked(**inp)
+    finally:
+        cpu_ops.set_enabled(True)
+    assert calls[0] == 0
+    assert torch.equal(y_off, y_t) and torch.equal(h_off, h_t)
+    y_c, h_c = ssd_chunked(**inp)
+    assert calls[0] == 1
+    torch.testing.assert_close(y_c, y_t, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16,) * 3,
+                                    (torch.float32, torch.bfloat16, torch.bfloat16)])
+def test_gated_norm_kernel_matches_torch(monkeypatch, dtypes):
+    """x / gate / weight dtypes as the mixers pass them (float32 model; bf16 decode; bf16
+    prefill with float32 y); gate a column slice of wider rows; two groups."""
+    from pagefold.layers.mamba import gated_norm
+    from pagefold.layers.mamba.gated_norm import GatedRMSNorm
+
+    n = [0]
+    real = gated_norm._gate_first_cpu
+
+    def counting(*a, **k):
+        res = real(*a, **k)
+        n[0] += res is not None
+        return res
+
+    monkeypatch.setattr(gated_norm, "_gate_first_cpu", counting)
+    gen = torch.Generator().manual_seed(2)
+    xd, gd, wd = dtypes
+    norm = GatedRMSNorm(64, 1e-5, group_size=32).to(wd)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    x = torch.randn(9, 64, generator=gen).to(xd)
+    gate = torch.randn(9, 100, generator=gen).to(gd)[:, 20:84]
+    got = norm(x, gate)
+    assert n[0] == 1 and got.dtype == xd
+    cpu_ops.set_enabled(False)
+    try:
+        ref = norm(x, gate)
+    finally:
+        cpu_ops.set_enabled(True)
+    assert n[0] == 1
+    if xd == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:  # the same bf16 roundings: rare one-ulp flips only
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+        assert (got == ref).float().mean() > 0.97

@@ -54,6 +54,22 @@ def _norm_ok(norm) -> bool:
     return norm.weight.dtype == torch.bfloat16 and norm.weight.is_contiguous()
 
 
+def heads_ok(a, lib) -> bool:
+    """The decode attention kernel takes attention ``a``'s head size and GQA group."""
+    return (a.head_dim <= lib.pf_max_head_dim() and a.num_heads % a.num_kv_heads == 0
+            and a.num_heads // a.num_kv_heads <= lib.pf_max_group())
+
+
+def attn_step_usable(ctx, name: str, rows: int, max_block: int) -> bool:
+    """Layer ``name``'s cache and this step's metadata suit the decode kernels: a contiguous
+    bf16 cache of blocks up to ``max_block`` tokens, every one of ``rows`` a decode row."""
+    c = ctx.cache.attn.get(name)
+    if c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() or c.shape[1] > max_block:
+        return False
+    meta = ctx.attn_meta[ctx.cache.layer_group[name]]
+    return not meta.prefills and meta.decode_tok.numel() == rows
+
+
 class Step:
     """One plan step's shared values: the library, threads, the GEMV, positions, and each
     attention group's metadata pointers (looked up once per step)."""
@@ -163,18 +179,11 @@ class Attention:
                 and len({bool(n.zero_centered) for n in qk}) <= 1
                 and a.rotary.cos.dtype == torch.float32 and a.rotary.cos.is_contiguous()
                 and a.rotary.sin.is_contiguous() and 0 < rot <= a.head_dim and rot % 2 == 0
-                and a.head_dim <= lib.pf_max_head_dim()
-                and a.num_heads % a.num_kv_heads == 0
-                and a.num_heads // a.num_kv_heads <= lib.pf_max_group())
+                and heads_ok(a, lib))
 
     def usable(self, ctx, rows: int, max_block: int) -> bool:
         """This step's cache and metadata suit the kernels (checked once per step)."""
-        c = ctx.cache.attn.get(self.name)
-        if c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() \
-                or c.shape[1] > max_block:
-            return False
-        meta = ctx.attn_meta[ctx.cache.layer_group[self.name]]
-        return not meta.prefills and meta.decode_tok.numel() == rows
+        return attn_step_usable(ctx, self.name, rows, max_block)
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t, bf16 = st.lib, st.t, torch.bfloat16

@@ -33,7 +33,9 @@ from pagefold.layers.decode_fast import (
     Step,
     _norm_ok,
     _spec,
+    attn_step_usable,
     gemv_ready,
+    heads_ok,
     step_possible,
 )
 from pagefold.layers.decode_fast_hybrid import _state_step
@@ -132,17 +134,10 @@ class Attention:
     @staticmethod
     def ok(a, lib) -> bool:
         return (a.rotary is None and a.q_norm is None and a.k_norm is None
-                and gemv_ready(a.qkv_proj) and gemv_ready(a.o_proj)
-                and a.head_dim <= lib.pf_max_head_dim() and a.num_heads % a.num_kv_heads == 0
-                and a.num_heads // a.num_kv_heads <= lib.pf_max_group())
+                and gemv_ready(a.qkv_proj) and gemv_ready(a.o_proj) and heads_ok(a, lib))
 
     def usable(self, ctx, rows: int, max_block: int) -> bool:
-        c = ctx.cache.attn.get(self.name)
-        if c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() \
-                or c.shape[1] > max_block:
-            return False
-        meta = ctx.attn_meta[ctx.cache.layer_group[self.name]]
-        return not meta.prefills and meta.decode_tok.numel() == rows
+        return attn_step_usable(ctx, self.name, rows, max_block)
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t = st.lib, st.t

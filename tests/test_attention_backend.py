@@ -180,6 +180,7 @@ def test_fresh_prefills_routed_to_sdpa(monkeypatch):
 
     monkeypatch.setattr(cpu_ops, "prefill_attention", spy)
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_TOKENS", 6)
+    monkeypatch.setattr(cpu_ops, "prefill_tiles", lambda head_dim: False)  # a dim it declines
     # Later chunks by their (query, key) pairs: 6 x (13 + 3) = 96 in, 5 x (7 + 2) = 45 out.
     monkeypatch.setattr(backend, "SDPA_MIN_PAIRS", 90)
     monkeypatch.setattr(input_batch, "SHORT_CHUNK_AS_DECODE", 1)  # chunks > 1 are prefills
@@ -190,4 +191,29 @@ def test_fresh_prefills_routed_to_sdpa(monkeypatch):
     # The full-attention group: the fresh 9 and the 6 after 13 are SDPA's;
     # the sliding group keeps every chunk on the kernel (its window is not SDPA's causal mask).
     assert seen[0] == [[5, 7], [2, 5]]
+    assert seen[1] == [[9, 0], [5, 7], [6, 13], [2, 5]]
+
+
+def test_tile_kernel_takes_every_prefill(monkeypatch):
+    """Where the AMX tile kernel takes the head dim, no chunk goes to SDPA whatever
+    ``SDPA_MIN_TOKENS`` says: every row reaches the compiled kernels, and the step still
+    matches the reference."""
+    from pagefold.csrc import cpu_ops
+
+    seen = []
+    kernel = cpu_ops.prefill_attention
+
+    def spy(q, cache, rows, *args):
+        seen.append(rows[:, 1:3].tolist())
+        return kernel(q, cache, rows, *args)
+
+    monkeypatch.setattr(cpu_ops, "prefill_attention", spy)
+    monkeypatch.setattr(cpu_ops, "SDPA_MIN_TOKENS", 6)
+    monkeypatch.setattr(cpu_ops, "prefill_tiles", lambda head_dim: True)
+    monkeypatch.setattr(backend, "SDPA_MIN_PAIRS", 90)
+    monkeypatch.setattr(input_batch, "SHORT_CHUNK_AS_DECODE", 1)
+    _, results = _run_step(2, torch.bfloat16, seed=22, q_dtype=torch.bfloat16)
+    for name, (out, ref, *_rest) in results.items():
+        assert not torch.isnan(out).any(), name
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=name)
     assert seen[1] == [[9, 0], [5, 7], [6, 13], [2, 5]]

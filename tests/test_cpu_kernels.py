@@ -162,17 +162,72 @@ def _has_prefill_kernel() -> bool:
                                      torch.empty_like(q))
 
 
-@pytest.mark.parametrize("h,kvh,d", [(4, 2, 64), (8, 2, 24), (2, 1, 128)],
-                         ids=["gqa-d64", "g4-d24", "d128"])
+def _has_amx_prefill() -> bool:
+    """The tile kernel (AMX) is in this build and the OS grants the tile state."""
+    lib = cpu_ops.kernels()
+    return lib is not None and bool(lib.pf_amx_ready())
+
+
+@pytest.mark.parametrize("h,kvh,d", [(4, 2, 64), (8, 2, 24), (2, 1, 128), (8, 1, 32),
+                                     (3, 3, 256)],
+                         ids=["gqa-d64", "g4-d24", "d128", "g8-d32", "mha-d256"])
 @pytest.mark.parametrize("window", [None, 21])
-def test_prefill_attention_matches_dense(h, kvh, d, window):
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "avx512"])
+def test_prefill_attention_matches_dense(h, kvh, d, window, tiles):
     """Chunks of a flat batch with and without cached context (chunked prefill, prefix hits),
-    lengths that leave partial tiles, keys scattered over pages whose unused slots are NaN."""
+    lengths that leave partial tiles and key blocks, keys scattered over pages whose unused
+    slots are NaN; scores spread wide enough that the running maximum is raised mid-row. Both
+    kernels: the AMX tile kernel (where this CPU has it) and the AVX512-BF16 one."""
     if not _has_prefill_kernel():
         pytest.skip("this CPU has no AVX-512 BF16: prefill attention stays on SDPA")
-    g = torch.Generator().manual_seed(11)
+    if tiles and not _has_amx_prefill():
+        pytest.skip("this CPU has no AMX: the AVX512-BF16 kernel computes every chunk")
+    # (ctx_len, q_len): fresh prompts, later chunks, single tokens, a long chunk after context.
+    chunks = [(0, 37), (5, 1), (40, 16), (100, 3), (0, 1), (17, 50), (0, 90), (70, 41)]
+    q, cache, rows, slots, scale, ref = _prefill_case(h, kvh, d, window, chunks, seed=11)
+    out = torch.zeros_like(q)
+    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out, tiles=tiles)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    if tiles and d % 32 == 0:  # the tile kernel computed this, not the AVX512-BF16 one
+        other = torch.zeros_like(q)
+        assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, other,
+                                         tiles=False)
+        assert not torch.equal(out, other)
+
+
+@pytest.mark.parametrize("h,kvh", [(2, 2), (4, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_tiles_every_alignment(h, kvh, window):
+    """The tile kernel over random chunks: every alignment of a 32-lane tile's first and last
+    query against the 32-key blocks (the diagonal and window-edge blocks are the masked ones),
+    each row checked against float64 with a tighter bound than a leaked or lost key allows.
+    Rows of fewer than 8 query heads x tokens go to the AVX512-BF16 kernel: bitwise its
+    output."""
+    if not _has_amx_prefill():
+        pytest.skip("this CPU has no AMX: no tile kernel")
+    rng = torch.Generator().manual_seed(5)
+    chunks = [(int(torch.randint(0, 120, (1,), generator=rng)),
+               int(torch.randint(1, 70, (1,), generator=rng))) for _ in range(24)]
+    chunks += [(50, 1), (3, 2)]  # a token or two: small rows at one and two query heads
+    q, cache, rows, slots, scale, ref = _prefill_case(h, kvh, 64, window, chunks, seed=6)
+    out = torch.zeros_like(q)
+    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out)
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+    avx = torch.zeros_like(q)
+    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, avx, tiles=False)
+    small = [r for r in rows.tolist() if r[1] * (h // kvh) < 8]
+    assert len(small) < len(rows) and (small or h // kvh >= 8)
+    for tok, n, *_ in small:
+        assert torch.equal(out[tok : tok + n], avx[tok : tok + n])
+
+
+def _prefill_case(h: int, kvh: int, d: int, window: int | None, chunks: list[tuple[int, int]],
+                  seed: int) -> tuple:
+    """A flat batch of prefill chunks ``(ctx_len, q_len)`` over a paged bf16 cache (pages
+    shuffled, unused slots NaN) and the float64 reference: ``(q, cache, rows, slots, scale,
+    ref)``. Keys grow in magnitude along each row, so later keys score far higher."""
+    g = torch.Generator().manual_seed(seed)
     bs = 16
-    chunks = [(0, 37), (5, 1), (40, 16), (100, 3), (0, 1), (17, 50)]  # (ctx_len, q_len)
     total = sum(c + n for c, n in chunks)
     num_blocks = sum(-(-(c + n) // bs) for c, n in chunks) + 1
     cache = torch.full((num_blocks, bs, 2, kvh, d), float("nan"), dtype=torch.bfloat16)
@@ -185,7 +240,9 @@ def test_prefill_attention_matches_dense(h, kvh, d, window):
         mine = pages[used : used + -(-length // bs)]
         used += mine.shape[0]
         pos_slots = mine.repeat_interleave(bs)[:length] * bs + torch.arange(length) % bs
-        kv = torch.randn(length, 2, kvh, d, generator=g).to(torch.bfloat16)
+        kv = torch.randn(length, 2, kvh, d, generator=g)
+        kv[:, 0] *= 1 + torch.arange(length).view(-1, 1, 1) / 16  # later keys score far higher
+        kv = kv.to(torch.bfloat16)
         cache.view(-1, 2, kvh, d)[pos_slots] = kv
         kv_start = max(0, ctx - window + 1) if window else 0
         rows.append((tok, n, ctx, kv_start, sum(x.shape[0] for x in slots)))
@@ -201,11 +258,7 @@ def test_prefill_attention_matches_dense(h, kvh, d, window):
             refs.append(torch.einsum("hk,khd->hd", sc.softmax(-1), vv[lo : pos + 1]))
         tok += n
     assert used == num_blocks - 1 and total > 0
-    out = torch.zeros_like(q)
-    ok = cpu_ops.prefill_attention(q, cache, torch.tensor(rows), torch.cat(slots), window, scale,
-                                   out)
-    assert ok
-    torch.testing.assert_close(out.double(), torch.stack(refs), atol=2e-2, rtol=2e-2)
+    return q, cache, torch.tensor(rows), torch.cat(slots), scale, torch.stack(refs)
 
 
 def test_decode_attention_row_subset_leaves_other_rows():

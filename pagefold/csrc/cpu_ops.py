@@ -40,7 +40,8 @@ from pagefold.csrc import gemm
 logger = logging.getLogger("pagefold")
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "layers.cpp", _DIR / "gdn.cpp",
+_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_amx.cpp",
+            _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp"]
 _HEADERS = [_DIR / "common.h"]
@@ -123,6 +124,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_prefill_attention.argtypes = [p, i64, p, p, p, i32, p, i64, i32, i32, i32, i32, f32,
                                          i32]
     lib.pf_prefill_attention.restype = i32
+    lib.pf_prefill_attention_amx.argtypes = lib.pf_prefill_attention.argtypes
+    lib.pf_prefill_attention_amx.restype = i32
     lib.pf_write_kv.restype = i32
     lib.pf_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i32, f32, i32, i32]
     lib.pf_rms_norm.restype = i32
@@ -244,9 +247,11 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Te
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                       slots: torch.Tensor, window: int | None, scale: float,
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor, tiles: bool = True) -> bool:
     """Causal attention of prefill chunks over the paged cache (their own K/V already
-    written), bf16 only. ``rows`` (R, 5) int64: per chunk ``tok_start, q_len, ctx_len,
+    written), bf16 only. On CPUs with AMX (and head dims a multiple of 32) the tile kernel
+    (``prefill_amx.cpp``) computes them unless ``tiles`` is False; otherwise the AVX512-BF16
+    kernel (``prefill.cpp``). ``rows`` (R, 5) int64: per chunk ``tok_start, q_len, ctx_len,
     kv_start, slot_off``; key position ``p`` of a chunk is at flat slot
     ``slots[slot_off + p - kv_start]``. q, out (T, H, D) with heads and dims contiguous.
     Writes the chunks' rows of ``out``; False (nothing written) when not handled."""
@@ -261,10 +266,20 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
             or slots.dtype != torch.int64):
         return False
     rows, slots = rows.contiguous(), slots.contiguous()
-    rc = lib.pf_prefill_attention(_ptr(q), q.stride(0), _ptr(cache), _ptr(slots), _ptr(rows),
-                                  rows.shape[0], _ptr(out), out.stride(0), h, kvh, d,
-                                  int(window or 0), float(scale), torch.get_num_threads())
-    return rc == 0
+    args = (_ptr(q), q.stride(0), _ptr(cache), _ptr(slots), _ptr(rows), rows.shape[0],
+            _ptr(out), out.stride(0), h, kvh, d, int(window or 0), float(scale),
+            torch.get_num_threads())
+    if tiles and lib.pf_prefill_attention_amx(*args) == 0:
+        return True
+    return lib.pf_prefill_attention(*args) == 0
+
+
+def prefill_tiles(head_dim: int) -> bool:
+    """The AMX tile kernel computes bf16 prefill attention of this head dim (this CPU has AMX,
+    the OS grants it, the dim is a multiple of 32 up to 256)."""
+    lib = kernels()
+    return (lib is not None and head_dim % 32 == 0 and 0 < head_dim <= 256
+            and bool(lib.pf_amx_ready()))
 
 
 def _cpu_has_amx() -> bool:
@@ -280,11 +295,13 @@ def _sdpa_min_tokens() -> int | None:
 
 
 # Fresh bf16 prefill chunks (nothing cached before them, no sliding window) of at least this
-# many tokens go to torch's SDPA instead of :func:`prefill_attention` (None: never). Where the
-# CPU has AMX, ATen's flash attention runs its bf16 products on AMX tiles: one thread, 9 heads
-# over 3 kv heads of 64, SDPA per chunk takes 0.37x the kernel's time at 256 tokens and 0.19x
-# at 2048, but 1.6-3x it at 16-32 tokens (its fixed cost per call). Without AMX the kernel
-# stays (measured 1.1-1.6x SDPA there). ``PAGEFOLD_SDPA_MIN_TOKENS`` overrides (0: never).
+# many tokens go to torch's SDPA instead of :func:`prefill_attention` (None: never) where the
+# tile kernel does not take the head dim (:func:`prefill_tiles`). Where the CPU has AMX, ATen's
+# flash attention runs its bf16 products on AMX tiles: one thread, 9 heads over 3 kv heads of
+# 64, SDPA per chunk takes 0.37x the AVX512-BF16 kernel's time at 256 tokens and 0.19x at
+# 2048, but 1.6-3x it at 16-32 tokens (its fixed cost per call); the tile kernel takes
+# 0.5-0.75x SDPA's. Without AMX the AVX512-BF16 kernel stays (measured 1.1-1.6x SDPA there).
+# ``PAGEFOLD_SDPA_MIN_TOKENS`` overrides (0: never).
 SDPA_MIN_TOKENS: int | None = _sdpa_min_tokens()
 
 

@@ -3,10 +3,11 @@
 Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``; flat slot
 ``s = block_id * block_size + offset`` addresses one token's K and V.
 
-* Prefill chunks (bf16 on a CPU with AVX-512 BF16): the compiled kernel
-  (:func:`pagefold.csrc.cpu_ops.prefill_attention`) reads their keys from the pages in place;
-  otherwise SDPA per chunk, as below. On AMX CPUs fresh chunks of
-  ``cpu_ops.SDPA_MIN_TOKENS`` tokens or more take SDPA (its bf16 products on AMX tiles).
+* Prefill chunks (bf16 on a CPU with AVX-512 BF16): the compiled kernels
+  (:func:`pagefold.csrc.cpu_ops.prefill_attention`; on AMX CPUs the tile kernel for head dims
+  that are multiples of 32) read their keys from the pages; otherwise SDPA per chunk, as
+  below. On AMX CPUs, for other head dims, chunks of ``cpu_ops.SDPA_MIN_TOKENS`` tokens or
+  more take SDPA (its bf16 products on AMX tiles).
 * Decode rows (query length 1): the compiled kernel (:mod:`pagefold.csrc.cpu_ops`) walks each
   row's block table and reads K/V in place, one online softmax per (row, kv head) shared by the
   query heads of the group. Without it (no compiler, another device, other dtypes), a torch
@@ -212,13 +213,13 @@ def _prefill_mask(ctx_len: int, kv_start: int, q_len: int, window: int | None,
 SDPA_MIN_PAIRS = 40_000
 
 
-def _sdpa_prefills(meta: AttentionMetadata) -> torch.Tensor | None:
-    """Which prefill chunks SDPA computes rather than the compiled kernel
-    (``cpu_ops.SDPA_MIN_TOKENS``: no window, long enough; fresh chunks and later chunks of a
-    prompt alike, see :func:`_sdpa_after_prefix`), as a bool mask over ``meta.prefills``; None
-    when none does."""
+def _sdpa_prefills(meta: AttentionMetadata, head_dim: int) -> torch.Tensor | None:
+    """Which prefill chunks SDPA computes rather than the compiled kernels
+    (``cpu_ops.SDPA_MIN_TOKENS``: no window, long enough, a head dim the AMX tile kernel does
+    not take; fresh chunks and later chunks of a prompt alike, see
+    :func:`_sdpa_after_prefix`), as a bool mask over ``meta.prefills``; None when none does."""
     least = cpu_ops.SDPA_MIN_TOKENS
-    if least is None or meta.sliding_window is not None:
+    if least is None or meta.sliding_window is not None or cpu_ops.prefill_tiles(head_dim):
         return None
     pick = [n >= least if not r.ctx_len else n * (r.ctx_len + n // 2) >= SDPA_MIN_PAIRS
             for r in meta.prefills for n in (r.tok_end - r.tok_start,)]
@@ -281,7 +282,7 @@ def paged_attention(
     to_sdpa = None
     if prefills and q.device.type == "cpu" and q.dtype == torch.bfloat16 and not fp8:
         rows, slots = meta.prefill_pack()
-        to_sdpa = _sdpa_prefills(meta) if cache.dtype == q.dtype else None
+        to_sdpa = _sdpa_prefills(meta, q.shape[2]) if cache.dtype == q.dtype else None
         kernel_rows = rows if to_sdpa is None else rows[~to_sdpa]
         if kernel_rows.shape[0] == 0 or cpu_ops.prefill_attention(
                 q, cache, kernel_rows, slots, meta.sliding_window, scale, out):

@@ -1,0 +1,432 @@
+// Prefill (and chunked-prefill) attention over the paged bf16 K/V cache on AMX tiles.
+//
+// Same contract as pf_prefill_attention (prefill.cpp): query token i of a row sits at position
+// ctx_len + i and attends the keys at positions [max(kv_start, pos - window + 1), pos] (window
+// 0: no window); key position p is read at flat cache slot slots[slot_off + p - kv_start].
+//
+// Why: the AVX512-BF16 kernel does 32 multiply-adds per instruction and ATen's flash attention
+// reaches ~300-400 GFLOP/s a core; long prompts spend over half their time here. The tile unit
+// does a 16 x 16 x 32 block per instruction, so the softmax, not the products, sets the pace.
+//
+// Everything is computed transposed, with the 16 columns of every tile being 16 query
+// "lanes" (row-heads: lane = token * G + head of the G query heads sharing a kv head):
+//   S^T (32 keys x 16 lanes) = K (keys x D) . Q^T        two C tiles, K rows as stored
+//   O^T (D x 16 lanes)      += V^T (D x 32 keys) . P^T   one C tile per 16 dims
+// so the softmax statistics of the 16 lanes are one vector each and every reduction over keys
+// is a vertical max / add of 16-lane vectors (no horizontal reductions). Per call, the K and V
+// of each (row, kv head) are first gathered from the pages once into blocks of 32 keys (K as
+// rows, V transposed), shared by every query tile of the row.
+//
+// Numerics: scores exact bf16 products summed in float32 (by the tile unit, in its order);
+// softmax in float32 in base 2 with a lazily raised maximum (the running maximum is only
+// raised when a block's exceeds it by more than 2^8, so most blocks skip rescaling; weights
+// stay <= 256, exact in float32); the weights P rounded to bf16 for the value product (as
+// SDPA's CPU path does) and the denominator summed from those same rounded weights, so the
+// weights of each query sum to one; the output rounded to bf16 once.
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(PF_AVX512)
+#define PF_PREFILL_AMX 1
+#include <immintrin.h>
+#endif
+
+extern "C" {
+int pf_amx_ready();  // gemv_amx.cpp
+int pf_prefill_attention(const void* q, int64_t q_stride, const void* cache,
+                         const int64_t* slots, const int64_t* rows, int R, void* out,
+                         int64_t out_stride, int H, int KVH, int D, int window, float scale,
+                         int nthreads);  // prefill.cpp
+}
+
+namespace pf {
+namespace {
+
+#if defined(PF_PREFILL_AMX)
+
+constexpr int kLanes = 32;  // query row-heads per item: two 16-lane halves
+constexpr int kKeys = 32;   // keys per block: the depth of one P^T . V product
+constexpr float kLazy = 8.0f;  // base-2 headroom before the running maximum is raised
+constexpr int kMinLanes = 8;   // fewer query row-heads in a row: the AVX512-BF16 kernel
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// S phase: tmm0..3 S^T (keys 0-15 / 16-31 x lanes 0-15 / 16-31: tmm0 = keys 0-15 lanes 0-15,
+// tmm1 = keys 0-15 lanes 16-31, tmm2 / tmm3 the same for keys 16-31); tmm4 / tmm5 K rows 0-15
+// / 16-31 (32 dims); tmm6 / tmm7 Q^T of either lane half (16 dim pairs x 16 lanes).
+// PV phase: tmm6 / tmm7 P^T of either lane half (16 key pairs x 16 lanes); per 16 dims, O^T of
+// either lane half in tmm0 / tmm1 with V^T (16 dims x 32 keys) in tmm4, alternating with
+// tmm2 / tmm3 and tmm5 so consecutive chunks do not wait on each other's tiles. Every tile is
+// 16 rows of 64 bytes.
+void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct RowDesc {
+  int64_t tok_start, q_len, ctx_len, kv_start, slot_off;
+  int64_t first, last;  // the keys any query of the row reads
+  int64_t nb;           // blocks of 32 keys from first
+  int64_t pack_off;     // this row's packed blocks (kv head 0) in the pack buffer
+};
+
+// 2^x for x <= ~kLazy + 1 (the scores minus the running maximum, base 2); below -126 it returns
+// 2^-126 (callers zero masked keys themselves). 2^x = 2^n 2^f, n = round(x), |f| <= 1/2, 2^f
+// by a degree-5 polynomial fitted for relative error (at most 2.4e-7 in float32: below the
+// bf16 rounding the weights get by four orders of magnitude).
+inline __m512 vexp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.327644451521337e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67553723603487e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713464617729e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Two float vectors as bf16 pairs: 32-bit lane i holds (bf16(a[i]), bf16(b[i])), a in the low
+// half. The hardware rounding is round-to-nearest-even, as f32_to_bf16; the weights are finite
+// and at least 2^-126 (or zero), so no NaN or denormal case differs.
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  // cvtne2ps puts b's 16 values in elements 16..31 and a's in 0..15: interleave them.
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// Gathers block b of (row, kv head) from the pages: K as 32 rows of D, V transposed as D rows
+// of 32 keys; keys past the row's last are zeros (masked scores; zero values keep 0 * V finite).
+void pack_block(const uint16_t* cache, const int64_t* slots, const RowDesc& row, int kvh,
+                int KVH, int D, int64_t b, uint16_t* kb, uint16_t* vb) {
+  const int64_t tok_stride = 2LL * KVH * D;
+  const uint16_t* vrow[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    const int64_t pos = row.first + b * kKeys + j;
+    if (pos > row.last) {
+      std::memset(kb + j * D, 0, sizeof(uint16_t) * D);
+      vrow[j] = nullptr;
+      continue;
+    }
+    const uint16_t* kp = cache + slots[row.slot_off + pos - row.kv_start] * tok_stride +
+                         static_cast<int64_t>(kvh) * D;
+    std::memcpy(kb + j * D, kp, sizeof(uint16_t) * D);
+    vrow[j] = kp + static_cast<int64_t>(KVH) * D;
+  }
+  // V^T, 16 dims at a time: w[kk] holds (v[2kk][d], v[2kk+1][d]) for the 16 dims; V^T row d is
+  // then w[0..15][d], gathered as 16 words.
+  alignas(64) uint32_t w[kKeys / 2][16];
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    for (int kk = 0; kk < kKeys / 2; ++kk) {
+      const uint16_t* a = vrow[2 * kk];
+      const uint16_t* c = vrow[2 * kk + 1];
+      const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(a + d0)))
+                           : _mm512_setzero_si512();
+      const __m512i hi = c ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(c + d0)))
+                           : _mm512_setzero_si512();
+      _mm512_store_si512(w[kk], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (int d = 0; d < 16; ++d)
+      _mm512_storeu_si512(vb + (d0 + d) * kKeys,
+                          _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(d)),
+                                                 w, 4));
+  }
+}
+
+// One item: lanes [lane0, lane0 + 32) of (row, kv head) over all the keys they see.
+void attend_item(const uint16_t* q, int64_t q_stride, const RowDesc& row, int kvh, int64_t lane0,
+                 const uint16_t* pack, uint16_t* out, int64_t out_stride, int G, int D,
+                 int window, float scale) {
+  constexpr int L = kLanes, H2 = kLanes / 16;  // lanes, 16-lane halves
+  const int64_t nrh = row.q_len * G;
+  const int nl = static_cast<int>(std::min<int64_t>(L, nrh - lane0));
+  alignas(64) uint32_t qt[kMaxHeadDim / 2 * L];  // Q^T: dim pair x lane
+  alignas(64) float ot[kMaxHeadDim * L];         // O^T: dim x lane
+  alignas(64) float st[2][kKeys * L];            // S^T: key x lane, two blocks
+  alignas(64) uint32_t pt[2][kKeys / 2 * L];     // P^T: key pair x lane (bf16 pairs)
+  alignas(64) int32_t posv[L], lov[L];
+  auto lo_of = [&](int64_t pos) {
+    const int64_t w = window > 0 ? pos - window + 1 : 0;
+    return w > row.kv_start ? w : row.kv_start;
+  };
+  alignas(64) int32_t qoff[L];  // each lane's query row, in 32-bit words from q
+  for (int l = 0; l < L; ++l) {
+    const int64_t rh = lane0 + std::min(l, nl - 1);  // padded lanes repeat the last one
+    const int64_t tok = rh / G;
+    const int head = kvh * G + static_cast<int>(rh % G);
+    posv[l] = static_cast<int32_t>(row.ctx_len + tok);
+    lov[l] = static_cast<int32_t>(lo_of(row.ctx_len + tok));
+    qoff[l] = static_cast<int32_t>(((row.tok_start + tok) * q_stride + head * D) / 2);
+  }
+  // Q^T: row p holds dim pair p of every lane (padded lanes zero), gathered 16 lanes at a time.
+  for (int h = 0; h < L / 16; ++h) {
+    const __m512i off = _mm512_load_si512(qoff + 16 * h);
+    const __mmask16 live = lanes(nl - 16 * h > 0 ? nl - 16 * h : 0);
+    for (int p = 0; p < D / 2; ++p)
+      _mm512_store_si512(qt + p * L + 16 * h,
+                         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                     _mm512_add_epi32(off, _mm512_set1_epi32(p)),
+                                                     q, 4));
+  }
+  std::memset(ot, 0, sizeof(float) * D * L);
+  __m512i vpos[H2], vlo[H2];
+  __m512 m2[H2], lsum[H2];
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int h = 0; h < H2; ++h) {
+    vpos[h] = _mm512_load_si512(posv + 16 * h);
+    vlo[h] = _mm512_load_si512(lov + 16 * h);
+    m2[h] = ninf;
+    lsum[h] = _mm512_setzero_ps();
+  }
+  const int64_t minpos = posv[0], maxpos = posv[L - 1];
+  const int64_t lo_min = lov[0], lo_max = lov[L - 1];
+  const __m512 vc2 = _mm512_set1_ps(scale * 1.44269504088896341f);  // to base-2 exponents
+  const int64_t blk_stride = 2LL * kKeys * D;  // K block then V^T block
+  const uint16_t* kv_base = pack + row.pack_off + kvh * row.nb * blk_stride;
+  // S^T of block b into tmm0..3, stored to dst. Issued one block ahead of the softmax that
+  // reads it, so the tile unit computes block b + 1 while the vector units exponentiate b.
+  auto scores = [&](int64_t b, float* dst) {
+    const uint16_t* kb = kv_base + b * blk_stride;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < D / 32; ++c) {
+      _tile_loadd(6, qt + c * 16 * L, L * 4);
+      _tile_loadd(7, qt + c * 16 * L + 16, L * 4);
+      _tile_loadd(4, kb + c * 32, D * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, kb + 16 * D + c * 32, D * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, dst, L * 4);
+    _tile_stored(1, dst + 16, L * 4);
+    _tile_stored(2, dst + 16 * L, L * 4);
+    _tile_stored(3, dst + 16 * L + 16, L * 4);
+  };
+  // O^T += V^T P^T of block b (weights in pt[slot]), one block behind the softmax: the tile
+  // loads of P^T then read stores a block old instead of waiting for fresh ones to commit.
+  auto values = [&](int64_t b, const uint32_t* pb) {
+    const uint16_t* vb = kv_base + b * blk_stride + kKeys * D;
+    _tile_loadd(6, pb, L * 4);
+    _tile_loadd(7, pb + 16, L * 4);
+    for (int c = 0; c < D / 16; c += 2) {
+      float* o0 = ot + c * 16 * L;
+      float* o1 = o0 + 16 * L;
+      _tile_loadd(0, o0, L * 4);
+      _tile_loadd(1, o0 + 16, L * 4);
+      _tile_loadd(4, vb + c * 16 * kKeys, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(2, o1, L * 4);
+      _tile_loadd(3, o1 + 16, L * 4);
+      _tile_loadd(5, vb + (c + 1) * 16 * kKeys, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_stored(0, o0, L * 4);
+      _tile_stored(1, o0 + 16, L * 4);
+      _tile_stored(2, o1, L * 4);
+      _tile_stored(3, o1 + 16, L * 4);
+    }
+  };
+  const int64_t b0 = (lo_min - row.first) / kKeys, b1 = (maxpos - row.first) / kKeys;
+  int64_t pending = -1;  // the block whose value product is still to do
+  scores(b0, st[0]);
+  for (int64_t b = b0; b <= b1; ++b) {
+    const int slot = static_cast<int>((b - b0) & 1);
+    const float* sb = st[slot];
+    if (b < b1) scores(b + 1, st[slot ^ 1]);
+    const int64_t j0 = row.first + b * kKeys;
+    // Every lane sees every key of the block: the last key at or before the first query and
+    // the first key at or after the last query's window start.
+    const bool full = j0 + kKeys - 1 <= minpos && j0 >= lo_max;
+    __mmask16 vis[kKeys][H2];  // masked blocks: the keys each lane sees
+    __m512 mx[H2];
+    __mmask16 up[H2];
+    for (int h = 0; h < H2; ++h) {
+      mx[h] = ninf;
+      for (int j = 0; j < kKeys; ++j) {
+        __m512 sv = _mm512_load_ps(sb + j * L + 16 * h);
+        if (!full) {  // masked keys take no part in the maximum
+          const __m512i vj = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+          vis[j][h] = _mm512_cmpge_epi32_mask(vpos[h], vj) & _mm512_cmple_epi32_mask(vlo[h], vj);
+          sv = _mm512_mask_mov_ps(ninf, vis[j][h], sv);
+        }
+        mx[h] = _mm512_max_ps(mx[h], sv);
+      }
+      // Raise the running maximum where this block's exceeds it by more than kLazy.
+      mx[h] = _mm512_mul_ps(mx[h], vc2);
+      up[h] = _mm512_cmp_ps_mask(mx[h], _mm512_add_ps(m2[h], _mm512_set1_ps(kLazy)),
+                                 _CMP_GT_OQ);
+    }
+    for (int h = 0; h < H2; ++h) {
+      if (!up[h]) continue;
+      if (pending >= 0) {  // its weights are on the old maximum: add them before rescaling
+        values(pending, pt[(pending - b0) & 1]);
+        pending = -1;
+      }
+      const __m512 m2new = _mm512_mask_mov_ps(m2[h], up[h], mx[h]);
+      const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up[h],
+                                              vexp2(_mm512_sub_ps(m2[h], m2new)));
+      lsum[h] = _mm512_mul_ps(lsum[h], alpha);
+      for (int d = 0; d < D; ++d) {
+        float* o = ot + d * L + 16 * h;
+        _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), alpha));
+      }
+      m2[h] = m2new;
+    }
+    // Masked keys weigh exactly 0 (a lane that has seen no key yet has m2 = -inf and sees
+    // none in this block either: all its weights here are masked).
+    uint32_t* pb = pt[slot];
+    for (int h = 0; h < H2; ++h)
+      for (int kk = 0; kk < kKeys / 2; ++kk) {
+        const float* s0 = sb + 2 * kk * L + 16 * h;
+        __m512 p0 = vexp2(_mm512_fmsub_ps(_mm512_load_ps(s0), vc2, m2[h]));
+        __m512 p1 = vexp2(_mm512_fmsub_ps(_mm512_load_ps(s0 + L), vc2, m2[h]));
+        if (!full) {
+          p0 = _mm512_maskz_mov_ps(vis[2 * kk][h], p0);
+          p1 = _mm512_maskz_mov_ps(vis[2 * kk + 1][h], p1);
+        }
+        _mm512_store_si512(pb + kk * L + 16 * h, bf16_pairs(p0, p1));
+        lsum[h] = _mm512_add_ps(lsum[h], _mm512_add_ps(p0, p1));
+      }
+    if (pending >= 0) values(pending, pt[(pending - b0) & 1]);
+    pending = b;
+  }
+  values(pending, pt[(pending - b0) & 1]);
+  // Each live lane's row of O = O^T column / its weight sum, rounded to bf16 once.
+  alignas(64) float inv[L];
+  for (int h = 0; h < H2; ++h)
+    _mm512_store_ps(inv + 16 * h, _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[h]));
+  const __m512i col = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(L));
+  for (int l = 0; l < nl; ++l) {
+    const int64_t rh = lane0 + l;
+    uint16_t* o = out + (row.tok_start + rh / G) * out_stride +
+                  static_cast<int64_t>(kvh * G + rh % G) * D;
+    const __m512 il = _mm512_set1_ps(inv[l]);
+    for (int d0 = 0; d0 < D; d0 += 16)
+      vstore<uint16_t>(o + d0, _mm512_mul_ps(_mm512_i32gather_ps(col, ot + d0 * L + l, 4), il));
+  }
+}
+
+#endif  // PF_PREFILL_AMX
+
+}  // namespace
+}  // namespace pf
+
+using namespace pf;
+
+extern "C" {
+
+// pf_prefill_attention's arguments and result (prefill.cpp); -1 (nothing written) without
+// AMX or for head dims that are not a multiple of 32 (up to kMaxHeadDim).
+int pf_prefill_attention_amx(const void* q, int64_t q_stride, const void* cache,
+                             const int64_t* slots, const int64_t* rows, int R, void* out,
+                             int64_t out_stride, int H, int KVH, int D, int window, float scale,
+                             int nthreads) {
+#if defined(PF_PREFILL_AMX)
+  if (D % 32 || D > kMaxHeadDim || H % KVH || R <= 0 || !pf_amx_ready()) return -1;
+  const int G = H / KVH;
+  // Rows of fewer than kMinLanes query row-heads (a few tokens of a one-head group) would fill
+  // a fraction of the 32 lanes after gathering all their keys: the AVX512-BF16 kernel takes
+  // them (measured faster there: 1-4 tokens x 1 head over 1,000 keys 0.66-0.93x its time).
+  std::vector<int64_t> small;
+  std::vector<RowDesc> desc;
+  desc.reserve(R);
+  int64_t pack_elems = 0;
+  std::vector<int64_t> item_row, item_lane, blk_row, blk_idx;
+  for (int i = 0; i < R; ++i) {
+    const int64_t* rd = rows + i * 5;
+    if (rd[1] * G < kMinLanes) {
+      small.insert(small.end(), rd, rd + 5);
+      continue;
+    }
+    const int r = static_cast<int>(desc.size());
+    desc.emplace_back();
+    RowDesc& d = desc.back();
+    d = {rd[0], rd[1], rd[2], rd[3], rd[4], 0, 0, 0, 0};
+    const int64_t w = window > 0 ? d.ctx_len - window + 1 : 0;
+    d.first = w > d.kv_start ? w : d.kv_start;
+    d.last = d.ctx_len + d.q_len - 1;
+    d.nb = (d.last - d.first) / kKeys + 1;
+    d.pack_off = pack_elems;
+    pack_elems += static_cast<int64_t>(KVH) * d.nb * 2 * kKeys * D;
+    for (int64_t b = 0; b < d.nb; ++b) {
+      blk_row.push_back(r);
+      blk_idx.push_back(b);
+    }
+    // The tiles of a row from the last (the most keys) down, for the dynamic schedule.
+    for (int64_t l0 = (d.q_len * G - 1) / kLanes * kLanes; l0 >= 0; l0 -= kLanes) {
+      item_row.push_back(r);
+      item_lane.push_back(l0);
+    }
+  }
+  // The pack buffer is reused across calls (one per calling thread): every layer of a prefill
+  // step needs the same size, and fresh multi-MiB allocations would fault their pages in anew.
+  if (!small.empty() &&
+      pf_prefill_attention(q, q_stride, cache, slots, small.data(),
+                           static_cast<int>(small.size() / 5), out, out_stride, H, KVH, D,
+                           window, scale, nthreads) != 0)
+    return -1;
+  if (desc.empty()) return 0;
+  static thread_local std::vector<uint16_t> pack;
+  if (static_cast<int64_t>(pack.size()) < pack_elems) pack.resize(pack_elems);
+  uint16_t* pk = pack.data();
+  const auto* qh = static_cast<const uint16_t*>(q);
+  const auto* ch = static_cast<const uint16_t*>(cache);
+  auto* oh = static_cast<uint16_t*>(out);
+  const int64_t nblk = static_cast<int64_t>(blk_row.size()) * KVH;
+  const int64_t items = static_cast<int64_t>(item_row.size()) * KVH;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < nblk; ++u) {
+      const RowDesc& d = desc[blk_row[u / KVH]];
+      const int kvh = static_cast<int>(u % KVH);
+      const int64_t b = blk_idx[u / KVH];
+      uint16_t* kb = pk + d.pack_off + (kvh * d.nb + b) * 2 * kKeys * D;
+      pack_block(ch, slots, d, kvh, KVH, D, b, kb, kb + kKeys * D);
+    }
+    configure();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t k = it / KVH;
+      attend_item(qh, q_stride, desc[item_row[k]], static_cast<int>(it % KVH), item_lane[k], pk,
+                  oh, out_stride, G, D, window, scale);
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  (void)q, (void)q_stride, (void)cache, (void)slots, (void)rows, (void)R, (void)out,
+      (void)out_stride, (void)H, (void)KVH, (void)D, (void)window, (void)scale, (void)nthreads;
+  return -1;
+#endif
+}
+
+}  // extern "C"

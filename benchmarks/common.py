@@ -90,7 +90,7 @@ def random_workload(n: int, in_len: tuple[int, int], out_len: tuple[int, int], v
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in cols}
     print("  ".join(c.rjust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols))

@@ -1,0 +1,149 @@
+"""Building and loading pagefold's compiled CPU kernels (see :mod:`pagefold.csrc.cpu_ops`).
+
+One ``g++`` call builds every source below into one shared object, cached under
+``$PAGEFOLD_CACHE/kernels`` (default ``~/.cache/pagefold/kernels``) and keyed by the sources,
+the flags, the compiler's version and this CPU's flags (the build uses ``-march=native``), so
+a later process loads it at once and another CPU rebuilds. :func:`load` builds (when needed),
+loads and declares every entry point's C signature.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_amx.cpp",
+            _DIR / "layers.cpp", _DIR / "gdn.cpp",
+            _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
+            _DIR / "conv.cpp", _DIR / "gated_norm.cpp"]
+_HEADERS = [_DIR / "common.h"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEFOLD_CACHE") or Path.home() / ".cache" / "pagefold"
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "g++"
+    return shutil.which(cxx)
+
+
+def _build(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (*(f.read_text() for f in _SOURCES + _HEADERS),
+                                         " ".join(_FLAGS), version, _cpu_flags()))
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"pf_cpu_ops-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed: concurrent builds never load a half-written file.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    res = subprocess.run([cxx, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp)],
+                         capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.pf_decode_attention.argtypes = [
+        i32,  # dtype
+        p, i64, p,  # q, q_stride, rows
+        p, p, i64, p, p,  # cache, tables, table_stride, seq_lens, kv_starts
+        p, i64,  # out, out_stride
+        i32, i32, i32, i32, i32, f32, i32,  # B, H, KVH, D, block_size, scale, threads
+    ]
+    lib.pf_decode_attention.restype = i32
+    lib.pf_write_kv.argtypes = [i32, p, p, i64, i64, p, p, i32, i32, i32]
+    lib.pf_prefill_attention.argtypes = [p, i64, p, p, p, i32, p, i64, i32, i32, i32, i32, f32,
+                                         i32]
+    lib.pf_prefill_attention.restype = i32
+    lib.pf_prefill_attention_amx.argtypes = lib.pf_prefill_attention.argtypes
+    lib.pf_prefill_attention_amx.restype = i32
+    lib.pf_write_kv.restype = i32
+    lib.pf_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i32, f32, i32, i32]
+    lib.pf_rms_norm.restype = i32
+    lib.pf_qk_norm_rope.argtypes = [
+        i32, p, i64, i64, i64, i64,  # dtype, qkv, row_stride, q_off, q_head_stride, k_off
+        p, p, p, i32,  # positions, cos, sin, rot
+        p, p, f32, i32,  # q/k norm weights, eps, zero_centered
+        p, p, i64, i32, i32, i32, i32,  # q_out, k_out, N, H, KVH, D, threads
+    ]
+    lib.pf_qk_norm_rope.restype = i32
+    lib.pf_silu_mul.argtypes = [i32, p, i64, p, i64, i32, i32]
+    lib.pf_rms_norm_gated.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, i64, i32, i32, f32,
+                                      i32]
+    lib.pf_rms_norm_gated.restype = i32
+    lib.pf_silu_mul.restype = i32
+    lib.pf_gdn.argtypes = [
+        i32, i32, p, i64, p, i32,  # dtype, ssm dtype, raw, page_bytes, pages, pages per state
+        i64, i64, p, p,  # conv_off, ssm_off, fresh, cu_seqlens
+        p, i64, p, p, i64,  # x, x_stride, a, b, ab_stride
+        p, p, p, p,  # conv_w, neg_exp_alog, dt_bias, out
+        i64, i32, i32, i32, i32, i32, i32, f32,  # N, C, K, Hk, Hv, Dk, Dv, scale
+        p, p, p, i32,  # capture cu / offsets / pages, threads
+    ]
+    lib.pf_gdn.restype = i32
+    lib.pf_mamba2_decode.argtypes = [
+        i32, p, i64, p, i32, i64, i64, p,  # dtype, raw, page_bytes, pages, P, offsets, fresh
+        p, i64, p, i64, p, p,  # xbc, x_stride, dt, dt_stride, conv_w, conv_b
+        p, p, p, p,  # dt_bias, A, D, y
+        i64, i32, i32, i32, i32, i32, i32, i32,  # N, C, K, H, Dh, G, Ns, threads
+    ]
+    lib.pf_mamba2_decode.restype = i32
+    lib.pf_ssd_chunked.argtypes = [
+        i32, i32, p, i64, p, p, i64,  # x / B,C dtypes, x, x_stride, B, C, bc_stride
+        p, i64,  # dt, dt_stride
+        p, p, p, p, p, i64, p,  # A, D, init, final, cu, S, y
+        i32, i32, i32, i32, i32, p, p, i64, i32,  # H, P, G, N, L, captures (tok, out, M), thr
+    ]
+    lib.pf_ssd_chunked.restype = i32
+    lib.pf_conv_varlen.argtypes = [i32, p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32]
+    lib.pf_conv_varlen.restype = i32
+    lib.pf_gated_norm_gate_first.argtypes = [i32, i32, i32, p, i64, p, i64, p, p, i64, i32, i32,
+                                             f32, i32]
+    lib.pf_gated_norm_gate_first.restype = i32
+    lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
+    lib.pf_linear_bf16.restype = i32
+    lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes
+    lib.pf_linear_bf16_fma.restype = i32
+    lib.pf_linear_bf16_amx.argtypes = lib.pf_linear_bf16.argtypes
+    lib.pf_linear_bf16_amx.restype = i32
+    lib.pf_amx_ready.restype = i32
+    lib.pf_gemv_kinds.restype = i32
+    for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
+        getattr(lib, name).restype = i32
+
+
+def load() -> ctypes.CDLL:
+    """The library, built when this source/compiler/CPU combination has no cached build yet;
+    raises (with the compiler's message) when it cannot be built."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    lib = ctypes.CDLL(str(_build(cxx)))
+    _declare(lib)
+    return lib

@@ -35,6 +35,7 @@ BF16 = 1  # cpu_ops' dtype code
 # Steps of more rows than this take the module path: by then the linears' time dwarfs the
 # Python the plan saves (and a plan step holds every layer's activations of one row set).
 MAX_ROWS = 256
+MAX_SCRATCH = 64  # scratch tensors a plan keeps (see Step.buf)
 
 
 def gemv_ready(lin) -> bool:
@@ -74,10 +75,12 @@ class Step:
     """One plan step's shared values: the library, threads, the GEMV, positions, and each
     attention group's metadata pointers (looked up once per step)."""
 
-    __slots__ = ("lib", "nt", "gemv", "small", "t", "pos", "ctx", "groups", "keep")
+    __slots__ = ("lib", "nt", "gemv", "small", "t", "pos", "ctx", "groups", "keep", "scratch")
 
-    def __init__(self, lib, x: torch.Tensor, positions: torch.Tensor, ctx) -> None:
+    def __init__(self, lib, x: torch.Tensor, positions: torch.Tensor, ctx,
+                 scratch: dict | None = None) -> None:
         self.lib, self.nt, self.gemv = lib, torch.get_num_threads(), cpu_ops.gemv_function()
+        self.scratch = scratch if scratch is not None else {}
         self.t = x.shape[0]
         self.small = self.t <= cpu_ops.GEMV_MAX_ROWS  # else each linear's routing (same bits)
         positions = positions.contiguous()
@@ -85,15 +88,33 @@ class Step:
         self.groups: dict = {}
         self.keep = [positions]  # tensors behind this step's pointers
 
-    def project(self, spec: tuple, mod, inp: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def buf(self, tag: str | None, *shape: int) -> torch.Tensor:
+        """A bf16 tensor of ``shape`` for one role (``tag``) inside a layer, kept by the plan
+        and handed to every layer and step again (``torch.empty`` costs a few microseconds, a
+        tenth of a small model's decode layer). A role's tensor is read only before the next
+        layer writes the same role, so only temporaries take a tag; what leaves a layer for
+        good (an MLP's output, the final norm's) is allocated afresh (``tag`` None)."""
+        if tag is None:
+            return torch.empty(shape, dtype=torch.bfloat16)
+        key = (tag, shape)
+        b = self.scratch.get(key)
+        if b is None:
+            if len(self.scratch) >= MAX_SCRATCH:  # many batch sizes seen: start over
+                self.scratch.clear()
+            b = self.scratch[key] = torch.empty(shape, dtype=torch.bfloat16)
+        return b
+
+    def project(self, spec: tuple, mod, inp: torch.Tensor, tag: str | None = None
+                ) -> tuple[torch.Tensor, int]:
         """One linear on ``inp`` (rows, in): the GEMV on the weight's pointers (``spec`` =
         weight, bias, out, in) when the step is small enough for it, else the layer's own
-        forward (the routing ``use_fast_linears`` set up). Returns (output, rc)."""
+        forward (the routing ``use_fast_linears`` set up). Returns (output, rc); the output
+        is the ``tag`` scratch tensor (see :meth:`buf`) on the GEMV path."""
         if not self.small:
             return mod.forward(inp), 0
         w, b, n, k = spec
         t = inp.shape[0]
-        out = torch.empty((t, n), dtype=torch.bfloat16)
+        out = self.buf(tag, t, n)
         return out, self.gemv(inp.data_ptr(), inp.stride(0), w, b, out.data_ptr(), n, t, n, k,
                               self.nt)
 
@@ -126,12 +147,13 @@ class Norm:
         self.zc = int(bool(getattr(norm, "zero_centered", False)))
         self.keep = norm.weight
 
-    def run(self, st: Step, x: torch.Tensor, residual: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def run(self, st: Step, x: torch.Tensor, residual: torch.Tensor | None,
+            tag: str | None = "h") -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(norm(x + residual), x + residual, rc)``; the sum goes into ``residual``'s
-        storage, rounded as a separate add (the first layer: residual None, ``x`` itself)."""
+        storage, rounded as a separate add (the first layer: residual None, ``x`` itself).
+        The normed rows are the ``tag`` scratch tensor (None: a fresh one)."""
         t, d = x.shape
-        h = torch.empty((t, d), dtype=torch.bfloat16)
+        h = st.buf(tag, t, d)
         if residual is None:
             rc = st.lib.pf_rms_norm(BF16, x.data_ptr(), x.stride(0), None, 0, self.w,
                                     h.data_ptr(), d, t, d, self.eps, self.zc, st.nt)
@@ -186,12 +208,12 @@ class Attention:
         return attn_step_usable(ctx, self.name, rows, max_block)
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
-        lib, t, bf16 = st.lib, st.t, torch.bfloat16
+        lib, t = st.lib, st.t
         g = st.attn_group(self.name)
         kv_cache = st.ctx.cache.attn[self.name]
-        qkv, rc = st.project(self.qkv, self.mods[0], h)
-        q = torch.empty((t, self.H, self.D), dtype=bf16)
-        kk = torch.empty((t, self.KVH, self.D), dtype=bf16)
+        qkv, rc = st.project(self.qkv, self.mods[0], h, "qkv")
+        q = st.buf("q", t, self.H, self.D)
+        kk = st.buf("k", t, self.KVH, self.D)
         rc |= lib.pf_qk_norm_rope(BF16, qkv.data_ptr(), qkv.stride(0), 0, self.q_hs,
                                   self.q_size, st.pos, self.cos, self.sin, self.rot, self.qw,
                                   self.kw, self.qk_eps, self.zc, q.data_ptr(), kk.data_ptr(), t,
@@ -199,7 +221,7 @@ class Attention:
         v = qkv[:, self.q_size + self.kv_size:]
         rc |= lib.pf_write_kv(BF16, kk.data_ptr(), v.data_ptr(), kk.stride(0), v.stride(0),
                               g[4], kv_cache.data_ptr(), t, self.KVH, self.D)
-        o = torch.empty((t, self.H, self.D), dtype=bf16)
+        o = st.buf("o", t, self.H, self.D)
         rc |= lib.pf_decode_attention(
             BF16, q.data_ptr(), q.stride(0), None, kv_cache.data_ptr(), g[0], g[1], g[2], g[3],
             o.data_ptr(), o.stride(0), g[5], self.H, self.KVH, self.D, kv_cache.shape[1],
@@ -207,7 +229,7 @@ class Attention:
         if self.gated:  # as the module: attn * sigmoid(gate), both rounded to bf16
             gate = qkv[:, :self.q_size].view(t, self.H, 2 * self.D)[:, :, self.D:]
             o.mul_(torch.sigmoid(gate))
-        out, r = st.project(self.o, self.mods[1], o.view(t, self.H * self.D))
+        out, r = st.project(self.o, self.mods[1], o.view(t, self.H * self.D), "mixer_out")
         return out, rc | r
 
 
@@ -228,8 +250,8 @@ class GatedMlp:
                 and gemv_ready(getattr(m, "down_proj", None)))
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
-        gu, rc = st.project(self.gu, self.mods[0], h)
-        act = torch.empty((st.t, self.inter), dtype=torch.bfloat16)
+        gu, rc = st.project(self.gu, self.mods[0], h, "gate_up")
+        act = st.buf("act", st.t, self.inter)
         rc |= st.lib.pf_silu_mul(BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), st.t,
                                  self.inter, st.nt)
         out, r = st.project(self.down, self.mods[1], act)
@@ -298,6 +320,7 @@ class DensePlan:
                        and all(_dense_ok(la, lib) for la in layers))
         self.layers = [_DenseLayer(la) for la in layers] if self.ok else []
         self.max_block = lib.pf_max_block() if lib is not None else 0
+        self.scratch: dict = {}
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -309,7 +332,7 @@ class DensePlan:
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every layer on ``x`` (T, hidden); returns ``(mlp output, residual)`` as the
         layers' own forwards chain them. ``usable`` must hold."""
-        st = Step(self.lib, x, positions, ctx)
+        st = Step(self.lib, x, positions, ctx, self.scratch)
         for la in self.layers:
             h, residual, rc = la.norm_in.run(st, x, residual)
             a_out, r = la.attn.run(st, h)

@@ -81,12 +81,12 @@ class Gdn:
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t = st.lib, st.t
-        proj, rc = st.project(self.inp, self.mods[0], h)
+        proj, rc = st.project(self.inp, self.mods[0], h, "in_proj")
         view, meta = st.ctx.state(self.name)
         s = _state_step(st, meta)
         _, _, ssm, offs = cpu_ops._state_kernel(view)
         neg_exp = cpu_ops._neg_exp(self.a_log)
-        o = torch.empty((t, self.Hv, self.Dv), dtype=torch.bfloat16)
+        o = st.buf("gdn", t, self.Hv, self.Dv)
         base, row = proj.data_ptr(), proj.stride(0)
         b_ptr = base + 2 * (self.C + self.V)  # in_proj rows: mixed | z | b | a (bf16)
         rc |= lib.pf_gdn(
@@ -94,12 +94,12 @@ class Gdn:
             offs["conv"], offs["ssm"], s[2], s[3], base, row, b_ptr + 2 * self.Hv, b_ptr, row,
             self.conv_w, neg_exp.data_ptr(), self.dt_bias, o.data_ptr(), s[4], self.C, self.K,
             self.Hk, self.Hv, self.Dk, self.Dv, self.scale, None, None, None, st.nt)
-        normed = torch.empty((t, self.Hv, self.Dv), dtype=torch.bfloat16)
+        normed = st.buf("gdn_normed", t, self.Hv, self.Dv)
         rc |= lib.pf_rms_norm_gated(BF16, o.data_ptr(), self.Hv * self.Dv, self.Dv,
                                     base + 2 * self.C, row, self.Dv, self.norm_w,
                                     normed.data_ptr(), t, self.Hv, self.Dv, self.norm_eps,
                                     st.nt)
-        out, r = st.project(self.out, self.mods[1], normed.view(t, self.V))
+        out, r = st.project(self.out, self.mods[1], normed.view(t, self.V), "mixer_out")
         return out, rc | r
 
 
@@ -152,6 +152,7 @@ class HybridPlan:
                        and all(_hybrid_ok(la, lib) for la in layers))
         self.layers = [_HybridLayer(la) for la in layers] if self.ok else []
         self.max_block = lib.pf_max_block() if lib is not None else 0
+        self.scratch: dict = {}
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -168,7 +169,7 @@ class HybridPlan:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on ``x`` (T, hidden); returns ``(last MLP output, residual)``, whose
         sum is what the layers' own forwards return. ``usable`` must hold."""
-        st = Step(self.lib, x, positions, ctx)
+        st = Step(self.lib, x, positions, ctx, self.scratch)
         residual = None
         for la in self.layers:
             h, residual, rc = la.norm_in.run(st, x, residual)

@@ -99,12 +99,12 @@ class Mamba:
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         t = st.t
-        proj, rc = st.project(self.inp, self.mods[0], h)
+        proj, rc = st.project(self.inp, self.mods[0], h, "in_proj")
         view, meta = st.ctx.state(self.name)
         s = _state_step(st, meta)
         _, _, _, offs = cpu_ops._state_kernel(view)
         neg_exp = cpu_ops._neg_exp(self.a_log)
-        y = torch.empty((t, self.inter), dtype=torch.bfloat16)
+        y = st.buf("ssm_y", t, self.inter)
         base, row = proj.data_ptr(), proj.stride(0)
         xbc = base + 2 * self.inter  # in_proj rows: z | xBC | dt (bf16)
         rc |= st.lib.pf_mamba2_decode(
@@ -113,7 +113,7 @@ class Mamba:
             neg_exp.data_ptr(), self.D, y.data_ptr(), t, self.C, self.K, self.H, self.Dh,
             self.G, self.Ns, st.nt)
         normed = self.norm(y, proj[:, :self.inter])
-        out, r = st.project(self.out, self.mods[1], normed)
+        out, r = st.project(self.out, self.mods[1], normed, "mixer_out")
         return out, rc | r
 
 
@@ -143,16 +143,16 @@ class Attention:
         lib, t = st.lib, st.t
         g = st.attn_group(self.name)
         kv_cache = st.ctx.cache.attn[self.name]
-        qkv, rc = st.project(self.qkv, self.mods[0], h)
+        qkv, rc = st.project(self.qkv, self.mods[0], h, "qkv")
         base, row = qkv.data_ptr(), qkv.stride(0)
         k = base + 2 * self.q_size
         rc |= lib.pf_write_kv(BF16, k, k + 2 * self.kv_size, row, row, g[4],
                               kv_cache.data_ptr(), t, self.KVH, self.D)
-        o = torch.empty((t, self.H, self.D), dtype=torch.bfloat16)
+        o = st.buf("o", t, self.H, self.D)
         rc |= lib.pf_decode_attention(
             BF16, base, row, None, kv_cache.data_ptr(), g[0], g[1], g[2], g[3], o.data_ptr(),
             o.stride(0), g[5], self.H, self.KVH, self.D, kv_cache.shape[1], self.scale, st.nt)
-        out, r = st.project(self.o, self.mods[1], o.view(t, self.H * self.D))
+        out, r = st.project(self.o, self.mods[1], o.view(t, self.H * self.D), "mixer_out")
         return out, rc | r
 
 
@@ -172,7 +172,7 @@ class Mlp:
                                                                               None))
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
-        u, rc = st.project(self.up, self.mods[0], h)
+        u, rc = st.project(self.up, self.mods[0], h, "up")
         out, r = st.project(self.down, self.mods[1], self.act(u))
         return out, rc | r
 
@@ -203,6 +203,7 @@ class NemotronHPlan:
         self.parts = parts if self.ok else []
         self.norm_f = _Norm(norm_f) if self.ok else None
         self.max_block = lib.pf_max_block() if lib is not None else 0
+        self.scratch: dict = {}
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -220,14 +221,14 @@ class NemotronHPlan:
         """Every block and the final norm on ``x`` (T, hidden) (the embeddings; its storage
         takes the residual stream). ``usable`` must hold."""
         # No RoPE: the step's positions are never read; the token ids stand in for them.
-        st = Step(self.lib, x, input_ids, ctx)
+        st = Step(self.lib, x, input_ids, ctx, self.scratch)
         out, residual = x, None
         for norm, part in zip(self.norms, self.parts, strict=True):
             h, residual, rc = norm.run(st, out, residual)
             out, r = part.run(st, h)
             if rc | r:
                 raise RuntimeError("a CPU kernel refused checked inputs in a Nemotron-H block")
-        h, _, rc = self.norm_f.run(st, out, residual)
+        h, _, rc = self.norm_f.run(st, out, residual, tag=None)  # leaves the plan: fresh
         if rc:
             raise RuntimeError("a CPU kernel refused checked inputs in the final norm")
         return h

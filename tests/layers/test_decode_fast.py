@@ -14,6 +14,7 @@ from pagefold.csrc import cpu_ops
 from pagefold.layers import decode_fast, decode_fast_hybrid
 from pagefold.models.llama import DecoderModel
 from pagefold.models.qwen3_5 import HybridModel
+from pagefold.testing.decode_plans import check_no_scratch_escape
 from pagefold.testing.tiny_models import random_prompts
 
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -44,7 +45,9 @@ def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_fact
 
     def counting(self, *args, **kw):
         calls[0] += 1
-        return forward(self, *args, **kw)
+        out = forward(self, *args, **kw)
+        check_no_scratch_escape(self, out)
+        return out
 
     monkeypatch.setattr(decode_fast.DensePlan, "forward", counting)
     fast = _run(model, prompts)
@@ -70,7 +73,9 @@ def test_hybrid_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_mod
 
     def counting(self, *args, **kw):
         calls[0] += 1
-        return forward(self, *args, **kw)
+        out = forward(self, *args, **kw)
+        check_no_scratch_escape(self, out)
+        return out
 
     monkeypatch.setattr(decode_fast_hybrid.HybridPlan, "forward", counting)
     fast = _run(model, prompts)

@@ -17,6 +17,7 @@ from pagefold import LLM, SamplingParams
 from pagefold.csrc import cpu_ops
 from pagefold.layers import decode_fast_nemotron
 from pagefold.models.nemotron_h import NemotronHModel
+from pagefold.testing.decode_plans import check_no_scratch_escape
 from pagefold.testing.tiny_models import random_prompts
 
 # Mamba-2, MoE (latent projections, a shared expert), attention and MLP blocks.
@@ -66,7 +67,9 @@ def test_nemotron_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_m
 
     def counting(self, *args, **kw):
         calls[0] += 1
-        return forward(self, *args, **kw)
+        out = forward(self, *args, **kw)
+        check_no_scratch_escape(self, out)
+        return out
 
     monkeypatch.setattr(decode_fast_nemotron.NemotronHPlan, "forward", counting)
     fast = _run(model, prompts)

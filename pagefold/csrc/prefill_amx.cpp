@@ -25,6 +25,7 @@
 // weights of each query sum to one; the output rounded to bf16 once.
 
 #include <algorithm>
+#include <climits>
 #include <vector>
 
 #include "common.h"
@@ -352,6 +353,11 @@ int pf_prefill_attention_amx(const void* q, int64_t q_stride, const void* cache,
 #if defined(PF_PREFILL_AMX)
   if (D % 32 || D > kMaxHeadDim || H % KVH || R <= 0 || !pf_amx_ready()) return -1;
   const int G = H / KVH;
+  // Query rows are gathered by 32-bit word offsets (int32) and positions compared as int32.
+  for (int i = 0; i < R; ++i) {
+    const int64_t* rd = rows + i * 5;
+    if ((rd[0] + rd[1]) * q_stride / 2 > INT32_MAX || rd[2] + rd[1] > INT32_MAX) return -1;
+  }
   // Rows of fewer than kMinLanes query row-heads (a few tokens of a one-head group) would fill
   // a fraction of the 32 lanes after gathering all their keys: the AVX512-BF16 kernel takes
   // them (measured faster there: 1-4 tokens x 1 head over 1,000 keys 0.66-0.93x its time).

@@ -24,6 +24,16 @@
 
 namespace pf {
 
+// The AMX tile configuration (palette 1) that _tile_loadconfig reads: per tile register its
+// rows and bytes per row (gemv_amx.cpp, prefill_amx.cpp).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

@@ -38,14 +38,6 @@ constexpr int kTileK = 32;        // k per tile (64 bytes of bf16)
 constexpr int kMaxRows = 16;      // x rows (tile columns of B and C)
 constexpr int kMaxRowsWide = 32;  // two B tiles: rows 0..15 and 16..M-1
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); asking twice is harmless. Called once, from pf_amx_ready.
 bool request_amx() {

@@ -53,14 +53,6 @@ constexpr int kKeys = 32;   // keys per block: the depth of one P^T . V product
 constexpr float kLazy = 8.0f;  // base-2 headroom before the running maximum is raised
 constexpr int kMinLanes = 8;   // fewer query row-heads in a row: the AVX512-BF16 kernel
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // S phase: tmm0..3 S^T (keys 0-15 / 16-31 x lanes 0-15 / 16-31: tmm0 = keys 0-15 lanes 0-15,
 // tmm1 = keys 0-15 lanes 16-31, tmm2 / tmm3 the same for keys 16-31); tmm4 / tmm5 K rows 0-15
 // / 16-31 (32 dims); tmm6 / tmm7 Q^T of either lane half (16 dim pairs x 16 lanes).

@@ -4,10 +4,13 @@
 
 Per (heads, kv heads, head dim, cached tokens, chunk tokens), the best time in ms of:
 
-  * ``tiles``: the AMX tile kernel (``pf_prefill_attention_amx``, ``csrc/prefill_amx.cpp``);
-  * ``avx512``: the AVX512-BF16 kernel (``pf_prefill_attention``, ``csrc/prefill.cpp``);
-  * ``sdpa``: ATen's flash attention as the backend calls it for head dims the tile kernel
-    declines (a fresh chunk: one causal call; a later chunk: the cached prefix and the chunk
+  * ``amx``: the blocked kernel on AMX tiles (``pf_prefill_attention_amx``,
+    ``csrc/prefill_blocked.cpp``);
+  * ``blocked``: the same on AVX512-BF16 dot products (``pf_prefill_attention_blocked``);
+  * ``rows``: the one-row-at-a-time AVX512-BF16 kernel (``pf_prefill_attention``,
+    ``csrc/prefill.cpp``);
+  * ``sdpa``: ATen's flash attention as the backend calls it for head dims the blocked kernels
+    decline (a fresh chunk: one causal call; a later chunk: the cached prefix and the chunk
     as two calls merged by their log-sum-exps, ``backend._sdpa_after_prefix``).
 
 The kernels read K/V from a paged cache (pages in order); SDPA gets them as contiguous tensors
@@ -64,14 +67,13 @@ def _case(h: int, kvh: int, d: int, ctx: int, n: int, reps: int) -> dict:
     scale = d**-0.5
     times = {}
 
-    def kernel(tiles: bool) -> bool:
-        return cpu_ops.prefill_attention(q, cache, rows, slots, None, scale, out, tiles=tiles)
+    def run(kernel: str) -> bool:
+        return cpu_ops.prefill_attention(q, cache, rows, slots, None, scale, out, kernel=kernel)
 
     if cpu_ops.kernels() is not None:
-        if cpu_ops.prefill_tiles(d):
-            times["tiles"] = _best(lambda: kernel(True), reps)
-        if kernel(False):
-            times["avx512"] = _best(lambda: kernel(False), reps)
+        for name in ("amx", "blocked", "rows"):
+            if run(name):
+                times[name] = _best(lambda name=name: run(name), reps)
     if _flash_cpu is not None:
         kv = cache.flatten(0, 1)[:length]
 
@@ -90,8 +92,10 @@ def _case(h: int, kvh: int, d: int, ctx: int, n: int, reps: int) -> dict:
     for name, t in times.items():
         row[f"{name} ms"] = t * 1e3
         row[f"{name} GF/s"] = flops / t / 1e9
-    if "tiles" in times and "sdpa" in times:
-        row["sdpa / tiles"] = times["sdpa"] / times["tiles"]
+    best = min((times[k] for k in ("amx", "blocked") if k in times), default=None)
+    for other in ("rows", "sdpa"):  # how much slower than the faster blocked kernel
+        if best is not None and other in times:
+            row[f"{other} / best"] = times[other] / best
     return row
 
 
@@ -105,11 +109,10 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out = [_case(*c, args.reps) for c in CASES]
     cols = ["shape", "cached", "chunk"]
-    for name in ("tiles", "avx512", "sdpa"):
+    for name in ("amx", "blocked", "rows", "sdpa"):
         if any(f"{name} ms" in r for r in rows_out):
             cols += [f"{name} ms", f"{name} GF/s"]
-    if any("sdpa / tiles" in r for r in rows_out):
-        cols.append("sdpa / tiles")
+    cols += [c for c in ("rows / best", "sdpa / best") if any(c in r for r in rows_out)]
     print(f"threads {torch.get_num_threads()}")
     print_table(rows_out, cols)
 

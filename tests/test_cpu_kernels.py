@@ -162,59 +162,68 @@ def _has_prefill_kernel() -> bool:
                                      torch.empty_like(q))
 
 
-def _has_amx_prefill() -> bool:
-    """The tile kernel (AMX) is in this build and the OS grants the tile state."""
+def _skip_unless_prefill_kernel(kernel: str) -> None:
+    """Skips where this CPU or build lacks ``kernel`` (cpu_ops.prefill_attention's names)."""
+    if not _has_prefill_kernel():
+        pytest.skip("this CPU has no AVX-512 BF16: prefill attention stays on SDPA")
     lib = cpu_ops.kernels()
-    return lib is not None and bool(lib.pf_amx_ready())
+    if kernel == "amx" and not lib.pf_amx_ready():
+        pytest.skip("this CPU has no AMX: no tile kernel")
+    if kernel == "blocked" and not lib.pf_prefill_blocked_ready():
+        pytest.skip("this build has no blocked AVX512-BF16 prefill kernel")
 
 
 @pytest.mark.parametrize("h,kvh,d", [(4, 2, 64), (8, 2, 24), (2, 1, 128), (8, 1, 32),
                                      (3, 3, 256)],
                          ids=["gqa-d64", "g4-d24", "d128", "g8-d32", "mha-d256"])
 @pytest.mark.parametrize("window", [None, 21])
-@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "avx512"])
-def test_prefill_attention_matches_dense(h, kvh, d, window, tiles):
+@pytest.mark.parametrize("kernel", ["amx", "blocked", "rows"])
+def test_prefill_attention_matches_dense(h, kvh, d, window, kernel):
     """Chunks of a flat batch with and without cached context (chunked prefill, prefix hits),
     lengths that leave partial tiles and key blocks, keys scattered over pages whose unused
-    slots are NaN; scores spread wide enough that the running maximum is raised mid-row. Both
-    kernels: the AMX tile kernel (where this CPU has it) and the AVX512-BF16 one."""
-    if not _has_prefill_kernel():
-        pytest.skip("this CPU has no AVX-512 BF16: prefill attention stays on SDPA")
-    if tiles and not _has_amx_prefill():
-        pytest.skip("this CPU has no AMX: the AVX512-BF16 kernel computes every chunk")
+    slots are NaN; scores spread wide enough that the running maximum is raised mid-row. Each
+    kernel: the blocked one on AMX tiles (where this CPU has them) and on AVX512-BF16 dot
+    products, and the one-row-at-a-time AVX512-BF16 one."""
+    _skip_unless_prefill_kernel(kernel)
     # (ctx_len, q_len): fresh prompts, later chunks, single tokens, a long chunk after context.
     chunks = [(0, 37), (5, 1), (40, 16), (100, 3), (0, 1), (17, 50), (0, 90), (70, 41)]
     q, cache, rows, slots, scale, ref = _prefill_case(h, kvh, d, window, chunks, seed=11)
     out = torch.zeros_like(q)
-    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out, tiles=tiles)
+    blocked = kernel != "rows"
+    if blocked and d % 32:  # head dims the blocked kernels decline
+        assert not cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out,
+                                             kernel=kernel)
+        assert not out.any()
+        return
+    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out, kernel=kernel)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-    if tiles and d % 32 == 0:  # the tile kernel computed this, not the AVX512-BF16 one
+    if blocked:  # the blocked kernel computed this, not the row kernel
         other = torch.zeros_like(q)
         assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, other,
-                                         tiles=False)
+                                         kernel="rows")
         assert not torch.equal(out, other)
 
 
 @pytest.mark.parametrize("h,kvh", [(2, 2), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 37])
-def test_prefill_tiles_every_alignment(h, kvh, window):
-    """The tile kernel over random chunks: every alignment of a 32-lane tile's first and last
-    query against the 32-key blocks (the diagonal and window-edge blocks are the masked ones),
-    each row checked against float64 with a tighter bound than a leaked or lost key allows.
-    Rows of fewer than 8 query heads x tokens go to the AVX512-BF16 kernel: bitwise its
+@pytest.mark.parametrize("kernel", ["amx", "blocked"])
+def test_prefill_blocked_every_alignment(h, kvh, window, kernel):
+    """The blocked kernels over random chunks: every alignment of a 32-lane tile's first and
+    last query against the 32-key blocks (the diagonal and window-edge blocks are the masked
+    ones), each row checked against float64 with a tighter bound than a leaked or lost key
+    allows. Rows of fewer than 8 query heads x tokens go to the row kernel: bitwise its
     output."""
-    if not _has_amx_prefill():
-        pytest.skip("this CPU has no AMX: no tile kernel")
+    _skip_unless_prefill_kernel(kernel)
     rng = torch.Generator().manual_seed(5)
     chunks = [(int(torch.randint(0, 120, (1,), generator=rng)),
                int(torch.randint(1, 70, (1,), generator=rng))) for _ in range(24)]
     chunks += [(50, 1), (3, 2)]  # a token or two: small rows at one and two query heads
     q, cache, rows, slots, scale, ref = _prefill_case(h, kvh, 64, window, chunks, seed=6)
     out = torch.zeros_like(q)
-    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out)
+    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out, kernel=kernel)
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
     avx = torch.zeros_like(q)
-    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, avx, tiles=False)
+    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, avx, kernel="rows")
     small = [r for r in rows.tolist() if r[1] * (h // kvh) < 8]
     assert len(small) < len(rows) and (small or h // kvh >= 8)
     for tok, n, *_ in small:

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_amx.cpp",
+_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocked.cpp",
             _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp"]
@@ -81,8 +81,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_prefill_attention.argtypes = [p, i64, p, p, p, i32, p, i64, i32, i32, i32, i32, f32,
                                          i32]
     lib.pf_prefill_attention.restype = i32
-    lib.pf_prefill_attention_amx.argtypes = lib.pf_prefill_attention.argtypes
-    lib.pf_prefill_attention_amx.restype = i32
+    for name in ("pf_prefill_attention_amx", "pf_prefill_attention_blocked"):
+        getattr(lib, name).argtypes = lib.pf_prefill_attention.argtypes
+        getattr(lib, name).restype = i32
+    lib.pf_prefill_blocked_ready.restype = i32
     lib.pf_write_kv.restype = i32
     lib.pf_rms_norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i32, f32, i32, i32]
     lib.pf_rms_norm.restype = i32

@@ -2,7 +2,8 @@
 ctypes.
 
 ``attention.cpp`` (paged decode attention, the K/V write), ``prefill.cpp`` (prefill
-attention over the paged cache, AVX512-BF16), ``prefill_amx.cpp`` (the same on AMX tiles),
+attention over the paged cache, one query row at a time, AVX512-BF16), ``prefill_blocked.cpp``
+(the same blocked: 32 query lanes x 32-key blocks on AMX tiles or AVX512-BF16 dot products),
 ``layers.cpp`` (RMSNorm with the residual add, q/k norm + RoPE, SiLU-and-mul, the gated
 RMSNorm of GDN outputs, the bf16 small-M products), ``gemv_amx.cpp`` (the small-M products on
 AMX), ``gdn.cpp`` (the Gated DeltaNet layer on paged states), ``mamba2.cpp`` (the Mamba-2
@@ -114,16 +115,24 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Te
     return rc == 0
 
 
+PREFILL_KERNELS = ("auto", "amx", "blocked", "rows")
+
+
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                       slots: torch.Tensor, window: int | None, scale: float,
-                      out: torch.Tensor, tiles: bool = True) -> bool:
+                      out: torch.Tensor, kernel: str = "auto") -> bool:
     """Causal attention of prefill chunks over the paged cache (their own K/V already
-    written), bf16 only. On CPUs with AMX (and head dims a multiple of 32) the tile kernel
-    (``prefill_amx.cpp``) computes them unless ``tiles`` is False; otherwise the AVX512-BF16
-    kernel (``prefill.cpp``). ``rows`` (R, 5) int64: per chunk ``tok_start, q_len, ctx_len,
-    kv_start, slot_off``; key position ``p`` of a chunk is at flat slot
+    written), bf16 only. ``kernel``: ``"auto"`` takes the first that handles the shapes of
+    ``"amx"`` (``prefill_blocked.cpp`` on AMX tiles: CPUs with AMX), ``"blocked"`` (the same
+    on AVX512-BF16 dot products) and ``"rows"`` (``prefill.cpp``, one query row at a time;
+    the blocked kernels send rows of fewer than 8 query heads x tokens to it themselves);
+    naming one runs only that one (tests, benchmarks). The blocked kernels take head dims
+    that are a multiple of 32 up to 256. ``rows`` (R, 5) int64: per chunk ``tok_start, q_len,
+    ctx_len, kv_start, slot_off``; key position ``p`` of a chunk is at flat slot
     ``slots[slot_off + p - kv_start]``. q, out (T, H, D) with heads and dims contiguous.
     Writes the chunks' rows of ``out``; False (nothing written) when not handled."""
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"kernel must be one of {PREFILL_KERNELS}, got {kernel!r}")
     lib = kernels()
     if lib is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
         return False
@@ -138,17 +147,18 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
     args = (_ptr(q), q.stride(0), _ptr(cache), _ptr(slots), _ptr(rows), rows.shape[0],
             _ptr(out), out.stride(0), h, kvh, d, int(window or 0), float(scale),
             torch.get_num_threads())
-    if tiles and lib.pf_prefill_attention_amx(*args) == 0:
-        return True
-    return lib.pf_prefill_attention(*args) == 0
+    fns = {"amx": lib.pf_prefill_attention_amx, "blocked": lib.pf_prefill_attention_blocked,
+           "rows": lib.pf_prefill_attention}
+    order = fns.values() if kernel == "auto" else (fns[kernel],)
+    return any(fn(*args) == 0 for fn in order)
 
 
 def prefill_tiles(head_dim: int) -> bool:
-    """The AMX tile kernel computes bf16 prefill attention of this head dim (this CPU has AMX,
-    the OS grants it, the dim is a multiple of 32 up to 256)."""
+    """A blocked kernel (AMX tiles or AVX512-BF16 dot products) computes bf16 prefill attention
+    of this head dim: a multiple of 32 up to 256 on a build with AVX512-BF16."""
     lib = kernels()
     return (lib is not None and head_dim % 32 == 0 and 0 < head_dim <= 256
-            and bool(lib.pf_amx_ready()))
+            and bool(lib.pf_prefill_blocked_ready()))
 
 
 def _cpu_has_amx() -> bool:

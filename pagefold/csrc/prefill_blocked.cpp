@@ -1,28 +1,35 @@
-// Prefill (and chunked-prefill) attention over the paged bf16 K/V cache on AMX tiles.
+// Prefill (and chunked-prefill) attention over the paged bf16 K/V cache, blocked: 32 query
+// lanes against blocks of 32 keys, the products on AMX tiles where the CPU has them and on
+// AVX512-BF16 dot products (vdpbf16ps) elsewhere. One algorithm, two product units.
 //
 // Same contract as pf_prefill_attention (prefill.cpp): query token i of a row sits at position
 // ctx_len + i and attends the keys at positions [max(kv_start, pos - window + 1), pos] (window
 // 0: no window); key position p is read at flat cache slot slots[slot_off + p - kv_start].
 //
-// Why: the AVX512-BF16 kernel does 32 multiply-adds per instruction and ATen's flash attention
-// reaches ~300-400 GFLOP/s a core; long prompts spend over half their time here. The tile unit
-// does a 16 x 16 x 32 block per instruction, so the softmax, not the products, sets the pace.
+// Why: prefill.cpp's kernel works one (query, head) row at a time with a few accumulators, so
+// its dot products wait on each other and the value sums run in float32 (~100 GFLOP/s on 2
+// cores); long prompts spend over half their time here. Blocked, every product is a small
+// matrix product with all its operands in registers or L1: the tile unit does a 16 x 16 x 32
+// block per instruction; the vector kernel keeps 16 independent 16-lane accumulators live.
 //
-// Everything is computed transposed, with the 16 columns of every tile being 16 query
-// "lanes" (row-heads: lane = token * G + head of the G query heads sharing a kv head):
-//   S^T (32 keys x 16 lanes) = K (keys x D) . Q^T        two C tiles, K rows as stored
-//   O^T (D x 16 lanes)      += V^T (D x 32 keys) . P^T   one C tile per 16 dims
-// so the softmax statistics of the 16 lanes are one vector each and every reduction over keys
-// is a vertical max / add of 16-lane vectors (no horizontal reductions). Per call, the K and V
+// Everything is computed transposed, with query "lanes" (row-heads: lane = token * G + head
+// of the G query heads sharing a kv head) as the fast index:
+//   S^T (32 keys x 32 lanes) = K (keys x D) . Q^T
+//   O^T (D x 32 lanes)      += V^T (D x 32 keys) . P^T
+// so the softmax statistics of 16 lanes are one vector each and every reduction over keys is
+// a vertical max / add of 16-lane vectors (no horizontal reductions). Per call, the K and V
 // of each (row, kv head) are first gathered from the pages once into blocks of 32 keys (K as
-// rows, V transposed), shared by every query tile of the row.
+// rows, V transposed), shared by every query tile of the row. Q^T and P^T are held as bf16
+// pairs (32-bit lane l of row p: the lane's dims / keys 2p and 2p + 1): the B operand layout
+// of the tile unit and the lane-parallel operand of vdpbf16ps, whose other operand is then a
+// broadcast 32-bit word of K (two dims of a key) or of V^T (one dim of two keys).
 //
-// Numerics: scores exact bf16 products summed in float32 (by the tile unit, in its order);
-// softmax in float32 in base 2 with a lazily raised maximum (the running maximum is only
-// raised when a block's exceeds it by more than 2^8, so most blocks skip rescaling; weights
-// stay <= 256, exact in float32); the weights P rounded to bf16 for the value product (as
-// SDPA's CPU path does) and the denominator summed from those same rounded weights, so the
-// weights of each query sum to one; the output rounded to bf16 once.
+// Numerics: scores exact bf16 products summed in float32 (the two units sum in different
+// orders: last bits differ); softmax in float32 in base 2 with a lazily raised maximum (the
+// running maximum is only raised when a block's exceeds it by more than 2^8, so most blocks
+// skip rescaling; weights stay <= 256, exact in float32); the weights P rounded to bf16 for
+// the value product (as SDPA's CPU path does) and the denominator summed from those same
+// rounded weights, so the weights of each query sum to one; the output rounded to bf16 once.
 
 #include <algorithm>
 #include <climits>
@@ -30,9 +37,11 @@
 
 #include "common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(PF_AVX512)
+#if defined(__AVX512BF16__) && defined(PF_AVX512)
+#define PF_PREFILL_BLOCKED 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PF_PREFILL_AMX 1
-#include <immintrin.h>
+#endif
 #endif
 
 extern "C" {
@@ -46,28 +55,12 @@ int pf_prefill_attention(const void* q, int64_t q_stride, const void* cache,
 namespace pf {
 namespace {
 
-#if defined(PF_PREFILL_AMX)
+#if defined(PF_PREFILL_BLOCKED)
 
 constexpr int kLanes = 32;  // query row-heads per item: two 16-lane halves
 constexpr int kKeys = 32;   // keys per block: the depth of one P^T . V product
 constexpr float kLazy = 8.0f;  // base-2 headroom before the running maximum is raised
 constexpr int kMinLanes = 8;   // fewer query row-heads in a row: the AVX512-BF16 kernel
-
-// S phase: tmm0..3 S^T (keys 0-15 / 16-31 x lanes 0-15 / 16-31: tmm0 = keys 0-15 lanes 0-15,
-// tmm1 = keys 0-15 lanes 16-31, tmm2 / tmm3 the same for keys 16-31); tmm4 / tmm5 K rows 0-15
-// / 16-31 (32 dims); tmm6 / tmm7 Q^T of either lane half (16 dim pairs x 16 lanes).
-// PV phase: tmm6 / tmm7 P^T of either lane half (16 key pairs x 16 lanes); per 16 dims, O^T of
-// either lane half in tmm0 / tmm1 with V^T (16 dims x 32 keys) in tmm4, alternating with
-// tmm2 / tmm3 and tmm5 so consecutive chunks do not wait on each other's tiles. Every tile is
-// 16 rows of 64 bytes.
-void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 struct RowDesc {
   int64_t tok_start, q_len, ctx_len, kv_start, slot_off;
@@ -147,7 +140,140 @@ void pack_block(const uint16_t* cache, const int64_t* slots, const RowDesc& row,
   }
 }
 
+// The vector product unit: AVX512-BF16 dot products. Each pass keeps 16 accumulators live (8
+// keys or 8 dims x the two 16-lane halves), so 16 independent vdpbf16ps chains hide the
+// instruction's latency; per pass only the lane-parallel operand rows are loaded as vectors,
+// the other operand is a broadcast 32-bit word.
+struct VecProducts {
+  static void begin() {}
+  static void end() {}
+
+  // S^T (32 keys x 32 lanes, rows kLanes floats apart) of one K block (32 rows of D).
+  static void scores(const uint32_t* qt, const uint16_t* kb, int D, float* dst) {
+    constexpr int J = 8;
+    for (int j0 = 0; j0 < kKeys; j0 += J) {
+      __m512 a[J][2];
+      for (int j = 0; j < J; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+      const uint16_t* k0 = kb + j0 * D;
+      for (int p = 0; p < D / 2; ++p) {
+        const __m512bh q0 = (__m512bh)_mm512_load_si512(qt + p * kLanes);
+        const __m512bh q1 = (__m512bh)_mm512_load_si512(qt + p * kLanes + 16);
+        for (int j = 0; j < J; ++j) {
+          int32_t w;  // dims 2p, 2p + 1 of key j0 + j
+          std::memcpy(&w, k0 + j * D + 2 * p, sizeof(w));
+          const __m512bh kj = (__m512bh)_mm512_set1_epi32(w);
+          a[j][0] = _mm512_dpbf16_ps(a[j][0], kj, q0);
+          a[j][1] = _mm512_dpbf16_ps(a[j][1], kj, q1);
+        }
+      }
+      for (int j = 0; j < J; ++j) {
+        _mm512_store_ps(dst + (j0 + j) * kLanes, a[j][0]);
+        _mm512_store_ps(dst + (j0 + j) * kLanes + 16, a[j][1]);
+      }
+    }
+  }
+
+  // O^T (D x 32 lanes) += V^T (D rows of 32 keys) . P^T (16 key pairs x 32 lanes).
+  static void values(const uint32_t* pb, const uint16_t* vb, int D, float* ot) {
+    constexpr int E = 8;
+    for (int d0 = 0; d0 < D; d0 += E) {
+      float* ob = ot + d0 * kLanes;
+      __m512 o[E][2];
+      for (int e = 0; e < E; ++e) {
+        o[e][0] = _mm512_load_ps(ob + e * kLanes);
+        o[e][1] = _mm512_load_ps(ob + e * kLanes + 16);
+      }
+      const uint16_t* v0 = vb + d0 * kKeys;
+      for (int kk = 0; kk < kKeys / 2; ++kk) {
+        const __m512bh p0 = (__m512bh)_mm512_load_si512(pb + kk * kLanes);
+        const __m512bh p1 = (__m512bh)_mm512_load_si512(pb + kk * kLanes + 16);
+        for (int e = 0; e < E; ++e) {
+          int32_t w;  // dim d0 + e of keys 2kk, 2kk + 1
+          std::memcpy(&w, v0 + e * kKeys + 2 * kk, sizeof(w));
+          const __m512bh v = (__m512bh)_mm512_set1_epi32(w);
+          o[e][0] = _mm512_dpbf16_ps(o[e][0], v, p0);
+          o[e][1] = _mm512_dpbf16_ps(o[e][1], v, p1);
+        }
+      }
+      for (int e = 0; e < E; ++e) {
+        _mm512_store_ps(ob + e * kLanes, o[e][0]);
+        _mm512_store_ps(ob + e * kLanes + 16, o[e][1]);
+      }
+    }
+  }
+};
+
+#if defined(PF_PREFILL_AMX)
+// The tile product unit. S phase: tmm0..3 S^T (keys 0-15 / 16-31 x lanes 0-15 / 16-31: tmm0 =
+// keys 0-15 lanes 0-15, tmm1 = keys 0-15 lanes 16-31, tmm2 / tmm3 the same for keys 16-31);
+// tmm4 / tmm5 K rows 0-15 / 16-31 (32 dims); tmm6 / tmm7 Q^T of either lane half (16 dim
+// pairs x 16 lanes). PV phase: tmm6 / tmm7 P^T of either lane half (16 key pairs x 16 lanes);
+// per 16 dims, O^T of either lane half in tmm0 / tmm1 with V^T (16 dims x 32 keys) in tmm4,
+// alternating with tmm2 / tmm3 and tmm5 so consecutive chunks do not wait on each other's
+// tiles. Every tile is 16 rows of 64 bytes. The tile unit runs asynchronously, so the caller's
+// order (scores of block b + 1 before the softmax of b, the value product of b - 1 after it)
+// overlaps the products with the vector work.
+struct TileProducts {
+  static void begin() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  static void end() { _tile_release(); }
+
+  static void scores(const uint32_t* qt, const uint16_t* kb, int D, float* dst) {
+    constexpr int L = kLanes;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < D / 32; ++c) {
+      _tile_loadd(6, qt + c * 16 * L, L * 4);
+      _tile_loadd(7, qt + c * 16 * L + 16, L * 4);
+      _tile_loadd(4, kb + c * 32, D * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, kb + 16 * D + c * 32, D * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, dst, L * 4);
+    _tile_stored(1, dst + 16, L * 4);
+    _tile_stored(2, dst + 16 * L, L * 4);
+    _tile_stored(3, dst + 16 * L + 16, L * 4);
+  }
+
+  static void values(const uint32_t* pb, const uint16_t* vb, int D, float* ot) {
+    constexpr int L = kLanes;
+    _tile_loadd(6, pb, L * 4);
+    _tile_loadd(7, pb + 16, L * 4);
+    for (int c = 0; c < D / 16; c += 2) {
+      float* o0 = ot + c * 16 * L;
+      float* o1 = o0 + 16 * L;
+      _tile_loadd(0, o0, L * 4);
+      _tile_loadd(1, o0 + 16, L * 4);
+      _tile_loadd(4, vb + c * 16 * kKeys, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(2, o1, L * 4);
+      _tile_loadd(3, o1 + 16, L * 4);
+      _tile_loadd(5, vb + (c + 1) * 16 * kKeys, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_stored(0, o0, L * 4);
+      _tile_stored(1, o0 + 16, L * 4);
+      _tile_stored(2, o1, L * 4);
+      _tile_stored(3, o1 + 16, L * 4);
+    }
+  }
+};
+#endif  // PF_PREFILL_AMX
+
 // One item: lanes [lane0, lane0 + 32) of (row, kv head) over all the keys they see.
+template <class Products>
 void attend_item(const uint16_t* q, int64_t q_stride, const RowDesc& row, int kvh, int64_t lane0,
                  const uint16_t* pack, uint16_t* out, int64_t out_stride, int G, int D,
                  int window, float scale) {
@@ -197,53 +323,13 @@ void attend_item(const uint16_t* q, int64_t q_stride, const RowDesc& row, int kv
   const __m512 vc2 = _mm512_set1_ps(scale * 1.44269504088896341f);  // to base-2 exponents
   const int64_t blk_stride = 2LL * kKeys * D;  // K block then V^T block
   const uint16_t* kv_base = pack + row.pack_off + kvh * row.nb * blk_stride;
-  // S^T of block b into tmm0..3, stored to dst. Issued one block ahead of the softmax that
-  // reads it, so the tile unit computes block b + 1 while the vector units exponentiate b.
+  // The scores of block b + 1 are computed before the softmax of b and the value product of
+  // b - 1 after it (see TileProducts).
   auto scores = [&](int64_t b, float* dst) {
-    const uint16_t* kb = kv_base + b * blk_stride;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int c = 0; c < D / 32; ++c) {
-      _tile_loadd(6, qt + c * 16 * L, L * 4);
-      _tile_loadd(7, qt + c * 16 * L + 16, L * 4);
-      _tile_loadd(4, kb + c * 32, D * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, kb + 16 * D + c * 32, D * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, dst, L * 4);
-    _tile_stored(1, dst + 16, L * 4);
-    _tile_stored(2, dst + 16 * L, L * 4);
-    _tile_stored(3, dst + 16 * L + 16, L * 4);
+    Products::scores(qt, kv_base + b * blk_stride, D, dst);
   };
-  // O^T += V^T P^T of block b (weights in pt[slot]), one block behind the softmax: the tile
-  // loads of P^T then read stores a block old instead of waiting for fresh ones to commit.
   auto values = [&](int64_t b, const uint32_t* pb) {
-    const uint16_t* vb = kv_base + b * blk_stride + kKeys * D;
-    _tile_loadd(6, pb, L * 4);
-    _tile_loadd(7, pb + 16, L * 4);
-    for (int c = 0; c < D / 16; c += 2) {
-      float* o0 = ot + c * 16 * L;
-      float* o1 = o0 + 16 * L;
-      _tile_loadd(0, o0, L * 4);
-      _tile_loadd(1, o0 + 16, L * 4);
-      _tile_loadd(4, vb + c * 16 * kKeys, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(2, o1, L * 4);
-      _tile_loadd(3, o1 + 16, L * 4);
-      _tile_loadd(5, vb + (c + 1) * 16 * kKeys, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_stored(0, o0, L * 4);
-      _tile_stored(1, o0 + 16, L * 4);
-      _tile_stored(2, o1, L * 4);
-      _tile_stored(3, o1 + 16, L * 4);
-    }
+    Products::values(pb, kv_base + b * blk_stride + kKeys * D, D, ot);
   };
   const int64_t b0 = (lo_min - row.first) / kKeys, b1 = (maxpos - row.first) / kKeys;
   int64_t pending = -1;  // the block whose value product is still to do
@@ -327,23 +413,14 @@ void attend_item(const uint16_t* q, int64_t q_stride, const RowDesc& row, int kv
   }
 }
 
-#endif  // PF_PREFILL_AMX
-
-}  // namespace
-}  // namespace pf
-
-using namespace pf;
-
-extern "C" {
-
-// pf_prefill_attention's arguments and result (prefill.cpp); -1 (nothing written) without
-// AMX or for head dims that are not a multiple of 32 (up to kMaxHeadDim).
-int pf_prefill_attention_amx(const void* q, int64_t q_stride, const void* cache,
-                             const int64_t* slots, const int64_t* rows, int R, void* out,
-                             int64_t out_stride, int H, int KVH, int D, int window, float scale,
-                             int nthreads) {
-#if defined(PF_PREFILL_AMX)
-  if (D % 32 || D > kMaxHeadDim || H % KVH || R <= 0 || !pf_amx_ready()) return -1;
+// The shared driver: validates, sends rows of few lanes to prefill.cpp's kernel, packs the
+// K/V blocks (threads split the blocks), then runs the items (threads take them dynamically,
+// the longest first). -1 (nothing written) for shapes it does not take.
+template <class Products>
+int prefill_blocked(const void* q, int64_t q_stride, const void* cache, const int64_t* slots,
+                    const int64_t* rows, int R, void* out, int64_t out_stride, int H, int KVH,
+                    int D, int window, float scale, int nthreads) {
+  if (D % 32 || D > kMaxHeadDim || H % KVH || R <= 0) return -1;
   const int G = H / KVH;
   // Query rows are gathered by 32-bit word offsets (int32) and positions compared as int32.
   for (int i = 0; i < R; ++i) {
@@ -410,20 +487,67 @@ int pf_prefill_attention_amx(const void* q, int64_t q_stride, const void* cache,
       uint16_t* kb = pk + d.pack_off + (kvh * d.nb + b) * 2 * kKeys * D;
       pack_block(ch, slots, d, kvh, KVH, D, b, kb, kb + kKeys * D);
     }
-    configure();
+    Products::begin();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t k = it / KVH;
-      attend_item(qh, q_stride, desc[item_row[k]], static_cast<int>(it % KVH), item_lane[k], pk,
-                  oh, out_stride, G, D, window, scale);
+      attend_item<Products>(qh, q_stride, desc[item_row[k]], static_cast<int>(it % KVH),
+                            item_lane[k], pk, oh, out_stride, G, D, window, scale);
     }
-    _tile_release();
+    Products::end();
   }
   return 0;
+}
+
+#endif  // PF_PREFILL_BLOCKED
+
+}  // namespace
+}  // namespace pf
+
+using namespace pf;
+
+extern "C" {
+
+// pf_prefill_attention's arguments and result (prefill.cpp), on AMX tiles; -1 (nothing
+// written) without AMX (in the build or granted by the OS) or for head dims that are not a
+// multiple of 32 (up to kMaxHeadDim).
+int pf_prefill_attention_amx(const void* q, int64_t q_stride, const void* cache,
+                             const int64_t* slots, const int64_t* rows, int R, void* out,
+                             int64_t out_stride, int H, int KVH, int D, int window, float scale,
+                             int nthreads) {
+#if defined(PF_PREFILL_AMX)
+  if (!pf_amx_ready()) return -1;
+  return prefill_blocked<TileProducts>(q, q_stride, cache, slots, rows, R, out, out_stride, H,
+                                       KVH, D, window, scale, nthreads);
 #else
   (void)q, (void)q_stride, (void)cache, (void)slots, (void)rows, (void)R, (void)out,
       (void)out_stride, (void)H, (void)KVH, (void)D, (void)window, (void)scale, (void)nthreads;
   return -1;
+#endif
+}
+
+// The same with AVX512-BF16 dot products (any CPU with AVX512-BF16); -1 without them or for
+// head dims that are not a multiple of 32.
+int pf_prefill_attention_blocked(const void* q, int64_t q_stride, const void* cache,
+                                 const int64_t* slots, const int64_t* rows, int R, void* out,
+                                 int64_t out_stride, int H, int KVH, int D, int window,
+                                 float scale, int nthreads) {
+#if defined(PF_PREFILL_BLOCKED)
+  return prefill_blocked<VecProducts>(q, q_stride, cache, slots, rows, R, out, out_stride, H,
+                                      KVH, D, window, scale, nthreads);
+#else
+  (void)q, (void)q_stride, (void)cache, (void)slots, (void)rows, (void)R, (void)out,
+      (void)out_stride, (void)H, (void)KVH, (void)D, (void)window, (void)scale, (void)nthreads;
+  return -1;
+#endif
+}
+
+// 1 where pf_prefill_attention_blocked is compiled in (AVX512-BF16), else 0.
+int pf_prefill_blocked_ready() {
+#if defined(PF_PREFILL_BLOCKED)
+  return 1;
+#else
+  return 0;
 #endif
 }
 

@@ -175,11 +175,12 @@ def _sdpa_min_tokens() -> int | None:
 
 # Fresh bf16 prefill chunks (nothing cached before them, no sliding window) of at least this
 # many tokens go to torch's SDPA instead of :func:`prefill_attention` (None: never) where the
-# tile kernel does not take the head dim (:func:`prefill_tiles`). Where the CPU has AMX, ATen's
-# flash attention runs its bf16 products on AMX tiles: one thread, 9 heads over 3 kv heads of
-# 64, SDPA per chunk takes 0.37x the AVX512-BF16 kernel's time at 256 tokens and 0.19x at
+# blocked kernels do not take the head dim (:func:`prefill_tiles`). Where the CPU has AMX,
+# ATen's flash attention runs its bf16 products on AMX tiles: one thread, 9 heads over 3 kv
+# heads of 64, SDPA per chunk takes 0.37x the row kernel's time at 256 tokens and 0.19x at
 # 2048, but 1.6-3x it at 16-32 tokens (its fixed cost per call); the tile kernel takes
-# 0.5-0.75x SDPA's. Without AMX the AVX512-BF16 kernel stays (measured 1.1-1.6x SDPA there).
+# 0.5-0.75x SDPA's. Without AMX the row kernel stays for those dims (1.2-3x faster than SDPA on
+# a Zen 5, ``benchmarks/prefill_attention.py``).
 # ``PAGEFOLD_SDPA_MIN_TOKENS`` overrides (0: never).
 SDPA_MIN_TOKENS: int | None = _sdpa_min_tokens()
 

@@ -4,10 +4,10 @@ Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``;
 ``s = block_id * block_size + offset`` addresses one token's K and V.
 
 * Prefill chunks (bf16 on a CPU with AVX-512 BF16): the compiled kernels
-  (:func:`pagefold.csrc.cpu_ops.prefill_attention`; on AMX CPUs the tile kernel for head dims
-  that are multiples of 32) read their keys from the pages; otherwise SDPA per chunk, as
-  below. On AMX CPUs, for other head dims, chunks of ``cpu_ops.SDPA_MIN_TOKENS`` tokens or
-  more take SDPA (its bf16 products on AMX tiles).
+  (:func:`pagefold.csrc.cpu_ops.prefill_attention`: the blocked kernel for head dims that are
+  multiples of 32, on AMX tiles where the CPU has them) read their keys from the pages;
+  otherwise SDPA per chunk, as below. On AMX CPUs, for other head dims, chunks of
+  ``cpu_ops.SDPA_MIN_TOKENS`` tokens or more take SDPA (its bf16 products on AMX tiles).
 * Decode rows (query length 1): the compiled kernel (:mod:`pagefold.csrc.cpu_ops`) walks each
   row's block table and reads K/V in place, one online softmax per (row, kv head) shared by the
   query heads of the group. Without it (no compiler, another device, other dtypes), a torch
@@ -215,7 +215,7 @@ SDPA_MIN_PAIRS = 40_000
 
 def _sdpa_prefills(meta: AttentionMetadata, head_dim: int) -> torch.Tensor | None:
     """Which prefill chunks SDPA computes rather than the compiled kernels
-    (``cpu_ops.SDPA_MIN_TOKENS``: no window, long enough, a head dim the AMX tile kernel does
+    (``cpu_ops.SDPA_MIN_TOKENS``: no window, long enough, a head dim the blocked kernels do
     not take; fresh chunks and later chunks of a prompt alike, see
     :func:`_sdpa_after_prefix`), as a bool mask over ``meta.prefills``; None when none does."""
     least = cpu_ops.SDPA_MIN_TOKENS

@@ -354,10 +354,11 @@ def test_multi_prompt_usage_sums(server):
 def test_disconnect_reaches_the_core(server, stream):
     """A request that would run for its whole max_tokens: the client leaves once it runs;
     the core must count one more aborted request (a request that finished by itself, or
-    whose abort was lost, would not) and the pool is whole again."""
+    whose abort was lost, would not) and the pool is whole again. On a fast host the tiny
+    model can finish its 240 tokens before the abort arrives; such an attempt counts nothing
+    and is repeated: one attempt must count the abort (a lost abort never would)."""
     import asyncio
 
-    before = server.pool()["num_aborted"]
     body = {"model": MODEL, "prompt": "never ends", "max_tokens": 240, "ignore_eos": True,
             "stream": stream}
 
@@ -368,13 +369,18 @@ def test_disconnect_reaches_the_core(server, stream):
                 if (await c.get(server.url + "/v1/admin/pool")).json()["num_running"]:
                     break
                 await asyncio.sleep(0.01)
-            assert not task.done()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(leave_early())
-    pool = server.wait_pool_whole()
-    assert pool["num_aborted"] == before + 1, pool
+    for _ in range(8):
+        before = server.pool()["num_aborted"]
+        asyncio.run(leave_early())
+        pool = server.wait_pool_whole()
+        got = pool["num_aborted"] - before
+        assert got in (0, 1), pool
+        if got:
+            return
+    pytest.fail("every request finished before its client's abort reached the core")
 
 
 def test_client_leaving_while_sending_its_body_is_no_error(server):

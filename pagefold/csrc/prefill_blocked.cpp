@@ -60,7 +60,7 @@ namespace {
 constexpr int kLanes = 32;  // query row-heads per item: two 16-lane halves
 constexpr int kKeys = 32;   // keys per block: the depth of one P^T . V product
 constexpr float kLazy = 8.0f;  // base-2 headroom before the running maximum is raised
-constexpr int kMinLanes = 8;   // fewer query row-heads in a row: the AVX512-BF16 kernel
+constexpr int kMinLanes = 8;   // fewer query row-heads in a row: prefill.cpp's row kernel
 
 struct RowDesc {
   int64_t tok_start, q_len, ctx_len, kv_start, slot_off;
@@ -428,8 +428,9 @@ int prefill_blocked(const void* q, int64_t q_stride, const void* cache, const in
     if ((rd[0] + rd[1]) * q_stride / 2 > INT32_MAX || rd[2] + rd[1] > INT32_MAX) return -1;
   }
   // Rows of fewer than kMinLanes query row-heads (a few tokens of a one-head group) would fill
-  // a fraction of the 32 lanes after gathering all their keys: the AVX512-BF16 kernel takes
-  // them (measured faster there: 1-4 tokens x 1 head over 1,000 keys 0.66-0.93x its time).
+  // a fraction of the 32 lanes after gathering all their keys: prefill.cpp's row kernel takes
+  // them (measured on AMX: 1-4 tokens x 1 head over 1,000 keys in 0.66-0.93x the tiles' time;
+  // the same threshold for the vector unit, whose small rows waste lanes alike).
   std::vector<int64_t> small;
   std::vector<RowDesc> desc;
   desc.reserve(R);

@@ -93,6 +93,14 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
   }
 }
 
+// Keys per softmax update: the scores of up to kTile keys (whole 16-key sub-blocks, from one
+// or more cache blocks) are computed first, then one max, one rescale of the running sums and
+// one pass of exponentials per head for all of them, then the value sums. Tiles start at
+// fixed key positions ((kv_start / 16) * 16 + i * kTile), whatever else the step holds, so a
+// row's result does not depend on the batch it is in.
+constexpr int kTile = 128;
+constexpr int kSub = kTile / 16;
+
 #if defined(PF_AVX512)
 // The same computation with AVX-512 intrinsics, 16 keys at a time: head sizes that are a
 // multiple of 16 and blocks that are (the defaults). Scores are 16 horizontal sums per
@@ -120,13 +128,6 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Keys per softmax update: the scores of up to kTile keys (whole 16-key sub-blocks, from one
-// or more cache blocks) are computed first, then one max, one rescale of the running sums and
-// one pass of exponentials per head for all of them, then the value sums. Tiles start at
-// fixed key positions ((kv_start / 16) * 16 + i * kTile), whatever else the step holds, so a
-// row's result does not depend on the batch it is in.
-constexpr int kTile = 128;
-constexpr int kSub = kTile / 16;
 
 // Running attention of one (decode row, kv head) over the keys seen so far, for its G query
 // heads: scaled queries qf (G, D), unnormalised sums acc (G, D), running max m and sum l (G).

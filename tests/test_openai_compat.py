@@ -217,7 +217,9 @@ def test_named_tool_choice_stream_and_not(client):
                     names.append(tc.function.name)
                 args += tc.function.arguments or ""
                 pieces += 1
-    assert names == ["get_weather"] and len(ids) == 1 and pieces > 2
+    # At least the header and one arguments delta: more depends on timing, since outputs that
+    # pile up while the client is busy are coalesced (engine/client.py), as in vLLM.
+    assert names == ["get_weather"] and len(ids) == 1 and pieces >= 2
     jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
     assert json.loads(args) == json.loads(calls[0].function.arguments)  # top_k 1: greedy
 

@@ -97,3 +97,26 @@ def smollm2_dir() -> Path:
     from pagefold.models.smollm2 import smollm2_checkpoint
 
     return smollm2_checkpoint()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that used a ``pagefold serve`` process (any fixture value with ``proc``
+    and ``log``, e.g. ``tests.test_server.Server``) reports the tail of the server's log: a
+    client-side error such as a connection reset says nothing about what the server did."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    seen: set[int] = set()
+    for name, value in getattr(item, "funcargs", {}).items():
+        log = getattr(value, "log", None)
+        if not hasattr(value, "proc") or not isinstance(log, Path) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        try:
+            tail = log.read_text(errors="replace")[-4000:]
+        except OSError as e:
+            tail = f"(log unreadable: {e})"
+        state = value.proc.poll()
+        report.sections.append((f"server log ({name}, exit {state})", tail))

@@ -496,10 +496,14 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
     lib = cpu_ops.kernels()
     if lib is None or not lib.pf_gemv_kinds() & 2:
         pytest.skip("no AVX2 + FMA kernel on this CPU")
-    saved = (cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS)
+    saved = (cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS)
     w = (torch.randn(96, 40) * 0.2).bfloat16()
     try:
         monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        cpu_ops._choose_gemv(lib)  # the float32-upcast GEMM on by default: it takes over sooner
+        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
+        assert cpu_ops._gemv_f32 is lib.pf_linear_bf16_fma_f32out
+        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "0")
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.FMA_MAX_ROWS >= 8
         x = torch.randn(cpu_ops.FMA_MAX_ROWS + 1, 40).bfloat16()
@@ -510,13 +514,14 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
         cpu_ops.use_fast_linears(lin)
         with torch.no_grad():
             assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
-        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "1")  # the float32 GEMM takes over sooner
+        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "1")
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
         monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
         monkeypatch.setenv("PAGEFOLD_AMX", "0")
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
+        assert cpu_ops._gemv_f32 is None  # native bf16: logits as oneDNN / the GEMV round them
         assert cpu_ops.linear(x[:3], w, None) is None
         monkeypatch.setenv("PAGEFOLD_AMX", "1")  # with AMX, up to AMX_MAX_ROWS on the tiles
         cpu_ops._choose_gemv(lib)
@@ -526,7 +531,56 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
         else:
             assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
     finally:
-        cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS = saved
+        cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS = saved
+
+
+def test_float_logits_are_the_fma_sums_unrounded(monkeypatch):
+    """Where the products are the AVX2 kernel's, an lm_head returns its float32 sums: the
+    same sums the bf16 kernel rounds (so rounding them gives its bits), close to float64, rows
+    independent of M; above the GEMV's rows the float32-upcast GEMM, also unrounded. Other
+    linears of the model stay bf16."""
+    lib = cpu_ops.kernels()
+    if lib is None or not lib.pf_gemv_kinds() & 2:
+        pytest.skip("no AVX2 + FMA kernel on this CPU")
+    saved = (cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS)
+    try:
+        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        cpu_ops._choose_gemv(lib)
+        g = torch.Generator().manual_seed(11)
+        k, n = 203, 1000
+        w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+        x = torch.randn(40, k, generator=g).bfloat16()
+        few = cpu_ops.GEMV_MAX_ROWS
+        got = cpu_ops.float_logits(x[:few], w, None)
+        assert got.dtype == torch.float32
+        assert torch.equal(got.bfloat16(), cpu_ops.linear_fma(x[:few], w, None))
+        ref = x[:few].double() @ w.double().t()
+        assert (got.double() - ref).abs().max().item() < 1e-5
+        assert torch.equal(torch.cat([cpu_ops.float_logits(x[i:i + 1], w, None)
+                                      for i in range(few)]), got)
+        many = cpu_ops.float_logits(x, w, None)  # > GEMV_MAX_ROWS: the upcast GEMM
+        assert many.dtype == torch.float32
+        assert (many.double() - (x.double() @ w.double().t())).abs().max().item() < 1e-5
+
+        class Top(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.proj = torch.nn.Linear(k, k, bias=False, dtype=torch.bfloat16)
+                self.lm_head = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+
+        top = Top()
+        cpu_ops.use_fast_linears(top)
+        with torch.no_grad():
+            assert top.lm_head(x[:3]).dtype == torch.float32
+            assert top.proj(x[:3]).dtype == torch.bfloat16
+        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setenv("PAGEFOLD_AMX", "0")
+        cpu_ops._choose_gemv(lib)
+        assert cpu_ops.float_logits(x[:3], w, None) is None
+        with torch.no_grad():
+            assert top.lm_head(x[:3]).dtype == torch.bfloat16
+    finally:
+        cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS = saved
 
 
 def _amx(x, w, b):

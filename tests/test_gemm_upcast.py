@@ -80,10 +80,28 @@ def test_plain_path_where_upcast_does_not_apply(upcast_on, monkeypatch):
     assert gemm.linear(torch.randn(2, gemm.MIN_ROWS, 16).bfloat16(), w) is None  # 3-D
     monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "0")
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is None
-    monkeypatch.delenv("PAGEFOLD_BF16_UPCAST")  # off by default
+    monkeypatch.delenv("PAGEFOLD_BF16_UPCAST")  # by default: on only without native bf16
+    monkeypatch.setattr(gemm, "_cpu_has_fast_bf16", lambda: True)
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is None
+    monkeypatch.setattr(gemm, "_cpu_has_fast_bf16", lambda: False)
+    assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is not None
     x3 = torch.randn(2, 3, 16).bfloat16()
     assert torch.equal(gemm.matmul_t(x3, w), F.linear(x3, w))
+
+
+def test_float_out_is_the_float32_product_unrounded(upcast_on):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(gemm.MIN_ROWS + 2, 40, generator=g).bfloat16()
+    w = torch.randn(70, 40, generator=g).bfloat16()
+    ref = x.double() @ w.double().t()
+    for slice_elems in (1 << 20, 9 * 40):  # one slice, several
+        gemm.SLICE_ELEMS, saved = slice_elems, gemm.SLICE_ELEMS
+        try:
+            got = gemm.linear(x, w, out_float=True)
+        finally:
+            gemm.SLICE_ELEMS = saved
+        assert got.dtype == torch.float32
+        assert (got.double() - ref).abs().max().item() < 1e-4
 
 
 def test_routed_linear_uses_the_upcast(upcast_on):

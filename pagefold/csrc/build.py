@@ -132,6 +132,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_linear_bf16.restype = i32
     lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes
     lib.pf_linear_bf16_fma.restype = i32
+    lib.pf_linear_bf16_fma_f32out.argtypes = lib.pf_linear_bf16.argtypes
+    lib.pf_linear_bf16_fma_f32out.restype = i32
     lib.pf_linear_bf16_amx.argtypes = lib.pf_linear_bf16.argtypes
     lib.pf_linear_bf16_amx.restype = i32
     lib.pf_amx_ready.restype = i32

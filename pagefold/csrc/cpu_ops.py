@@ -484,6 +484,7 @@ GEMV_MAX_ROWS = (NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16()
                  else UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS)
 PREPACK_LIMIT_BYTES = 2 << 30
 _gemv = None  # the C function linear() and the decode plans call (set with the library)
+_gemv_f32 = None  # its float32-output twin where there is one (the AVX2 + FMA kernel)
 
 
 def _choose_gemv(lib: ctypes.CDLL) -> None:
@@ -492,9 +493,10 @@ def _choose_gemv(lib: ctypes.CDLL) -> None:
     it and the OS grants the tile state; else ``pf_linear_bf16`` (AVX512-BF16, or a scalar
     loop: then only for ``NATIVE_MAX_ROWS`` rows). Each keeps a row's bits independent of how
     many rows share a call, so verify steps compute what decode steps would."""
-    global _gemv, GEMV_MAX_ROWS
+    global _gemv, _gemv_f32, GEMV_MAX_ROWS
+    _gemv_f32 = None
     if not gemm._cpu_has_fast_bf16() and lib.pf_gemv_kinds() & 2:
-        _gemv = lib.pf_linear_bf16_fma
+        _gemv, _gemv_f32 = lib.pf_linear_bf16_fma, lib.pf_linear_bf16_fma_f32out
         GEMV_MAX_ROWS = UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS
     elif (gemm._cpu_has_fast_bf16() and os.environ.get("PAGEFOLD_AMX", "1") != "0"
           and lib.pf_amx_ready()):
@@ -509,8 +511,8 @@ def gemv_function():
     return _gemv if kernels() is not None else None
 
 
-def _linear_call(fn, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor | None:
+def _linear_call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
     if (weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 2
             or x.shape[0] < 1 or x.device.type != "cpu" or weight.device.type != "cpu"
             or weight.dim() != 2 or not weight.is_contiguous() or x.stride(1) != 1
@@ -520,7 +522,7 @@ def _linear_call(fn, x: torch.Tensor, weight: torch.Tensor,
         return None
     n, k = weight.shape
     m = x.shape[0]
-    y = torch.empty((m, n), dtype=torch.bfloat16)
+    y = torch.empty((m, n), dtype=out_dtype)
     rc = fn(_ptr(x), x.stride(0), _ptr(weight), _ptr(bias) if bias is not None else None,
             _ptr(y), n, m, n, k, torch.get_num_threads())
     return y if rc == 0 else None
@@ -547,6 +549,21 @@ def linear_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _linear_call(lib.pf_linear_bf16_fma, x, weight, bias)
 
 
+def float_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` as float32 (the sums unrounded) for bf16 inputs, on CPUs whose
+    bf16 products are pagefold's own float32 ones (no native bf16: the AVX2 + FMA kernel for
+    up to ``GEMV_MAX_ROWS`` rows, the float32-upcast GEMM above); None elsewhere. For lm_heads:
+    bf16-rounded logits tie (SmolLM2's "The" and "L" at -1.876 on the demo question), and a
+    tie is broken by token id, not by the model."""
+    if (_gemv_f32 is None or x.dtype != torch.bfloat16 or x.dim() != 2 or kernels() is None
+            or x.shape[0] < 1):
+        return None
+    if x.shape[0] <= GEMV_MAX_ROWS or not gemm.upcast_enabled():
+        return _linear_call(_gemv_f32, x, weight, bias, torch.float32)
+    return gemm.linear(x, weight, bias, out_float=True)
+
+
 def _gemv_ready(mod: torch.nn.Linear) -> tuple | None:
     """``(weight, bias)`` of ``mod`` when the GEMV takes them as they are (checked once per
     weight object: the per-call checks of :func:`linear` cost more than a small GEMV)."""
@@ -560,6 +577,10 @@ def _gemv_ready(mod: torch.nn.Linear) -> tuple | None:
 
 def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.dtype == torch.bfloat16:
+        if self.pf_float_out:
+            y = float_logits(x, self.weight, self.bias)
+            if y is not None:
+                return y
         if x.shape[0] <= GEMV_MAX_ROWS:
             ready = self.pf_gemv
             w, b = self.weight, self.bias
@@ -601,15 +622,20 @@ def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_
     (float32 sums and one rounding, as oneDNN; the packed copies are then not made). The
     oneDNN results are the same bits as ``F.linear``. The reordered copies double the linear
     weights' memory, so they are made only when those weights total at most
-    ``prepack_limit`` bytes. Call again after changing weights. Returns how many layers were
-    routed."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    ``prepack_limit`` bytes. Modules named ``lm_head`` return float32 logits where
+    :func:`float_logits` applies. Call again after changing weights. Returns how many layers
+    were routed."""
+    named = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    linears = [m for _, m in named]
     total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     # Where bf16 products go through float32 (gemm.py), a packed bf16 copy would only cost
     # memory.
     pack = total <= prepack_limit and not gemm.upcast_enabled()
-    for mod in linears:
+    for name, mod in named:
         w = mod.weight
+        # lm_heads (the target's, a draft's, MTP's shared one): float32 logits where the
+        # products are pagefold's own (float_logits), so bf16 rounding never ties them.
+        mod.pf_float_out = name.rsplit(".", 1)[-1] == "lm_head"
         mod.pf_packed_weight = (_prepack(w.detach()) if pack and w.dtype == torch.bfloat16
                                 and w.device.type == "cpu" else None)
         mod.pf_gemv = _gemv_ready(mod) if kernels() is not None else None

@@ -13,12 +13,14 @@ Converting costs one pass over the weight, so it pays only when enough rows shar
 ``MIN_ROWS`` (prefill chunks, large decode batches); decode steps of a few rows keep the bf16
 GEMV / GEMM.
 
-Opt-in: ``PAGEFOLD_BF16_UPCAST=1`` turns the path on (where the CPU lacks native bf16 GEMM,
-or anywhere with ``=force``). It is off by default because its rounding differs from oneDNN's
-in the last bit of some outputs, and on a borderline prompt of the trained SmolLM2 in bf16
-("What is the capital of France?") that flips the first token ("L'Étoile, ..." instead of
-"The capital of France is Paris."): faster, but not the answer users check first. float32
-models never take it.
+On by default where the CPU lacks native bf16 GEMM (``PAGEFOLD_BF16_UPCAST=0`` turns it off,
+``=force`` turns it on anywhere, for tests). It was opt-in until the twelfth session because
+its last-bit roundings differ from oneDNN's, and on a borderline prompt of the trained SmolLM2
+in bf16 ("What is the capital of France?") that flipped the first token ("L'Étoile, ..."
+instead of "The capital of France is Paris."). That flip was an exact tie of bf16-rounded
+logits (both -1.876), not a worse product: the lm_head now returns float32 logits on these
+CPUs (``cpu_ops.use_fast_linears``), which answers "Paris" either way. float32 models never
+take this path.
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ def _cpu_has_fast_bf16() -> bool:
 
 
 def upcast_enabled() -> bool:
-    """Whether bf16 products of ``MIN_ROWS`` or more rows go through float32 here."""
-    flag = os.environ.get("PAGEFOLD_BF16_UPCAST", "0")
+    """Whether bf16 products of ``MIN_ROWS`` or more rows go through float32 here: by default
+    on CPUs without native bf16 GEMM; ``PAGEFOLD_BF16_UPCAST=0`` never, ``=force`` always."""
+    flag = os.environ.get("PAGEFOLD_BF16_UPCAST", "auto")
     if flag == "force":
         return True
-    return flag == "1" and not _cpu_has_fast_bf16()
+    return flag != "0" and not _cpu_has_fast_bf16()
 
 
 def _buffer(n: int) -> torch.Tensor:
@@ -69,11 +72,12 @@ def _buffer(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_float: bool = False) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for 2-D bf16 ``x`` of at least ``MIN_ROWS`` rows on the CPU,
     through float32 weight slices; ``None`` when the inputs or this CPU call for the plain
-    path (another dtype or device, few rows, native bf16 GEMM, the path turned off)."""
+    path (another dtype or device, few rows, native bf16 GEMM, the path turned off).
+    ``out_float``: return the float32 sums unrounded (an lm_head's logits)."""
     if (x.dim() != 2 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or x.shape[0] < MIN_ROWS or x.device.type != "cpu" or weight.device.type != "cpu"
             or weight.dim() != 2 or not upcast_enabled()):
@@ -85,8 +89,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         wf = _buffer(n * k).view(n, k)
         wf.copy_(weight)
         y = torch.addmm(bias.float(), xf, wf.t()) if bias is not None else xf @ wf.t()
-        return y.to(torch.bfloat16)
-    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        return y if out_float else y.to(torch.bfloat16)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32 if out_float else torch.bfloat16)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         wf = _buffer((n1 - n0) * k).view(n1 - n0, k)

@@ -220,9 +220,10 @@ inline float hsum8(__m256 v) {
 
 // MB rows of x (float32, kp apart, zero past K) times NB weight rows (bf16, K apart; tail:
 // each row's last K % 8 elements zero-padded to 8, or nullptr when K % 8 == 0).
-template <int MB, int NB>
+// OutT: uint16_t (bf16, rounded once) or float (the sums as they are: float32 logits).
+template <int MB, int NB, typename OutT>
 inline void fma_tile(const float* xf, int64_t kp, const uint16_t* w, int64_t K,
-                     const uint16_t (*tail)[8], const uint16_t* bias, uint16_t* y, int64_t ys) {
+                     const uint16_t (*tail)[8], const uint16_t* bias, OutT* y, int64_t ys) {
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < NB; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -247,14 +248,17 @@ inline void fma_tile(const float* xf, int64_t kp, const uint16_t* w, int64_t K,
     for (int r = 0; r < NB; ++r) {
       float v = hsum8(acc[m][r]);
       if (bias) v += bf16_to_f32(bias[r]);
-      y[m * ys + r] = f32_to_bf16(v);
+      if constexpr (std::is_same_v<OutT, float>)
+        y[m * ys + r] = v;
+      else
+        y[m * ys + r] = f32_to_bf16(v);
     }
 }
 
 // All M rows of x against weight rows n .. n+NB-1.
-template <int NB>
+template <int NB, typename OutT>
 void fma_rows(const float* xf, int64_t kp, const uint16_t* w, const uint16_t* bias,
-              uint16_t* y, int64_t ys, int M, int64_t n, int64_t K) {
+              OutT* y, int64_t ys, int M, int64_t n, int64_t K) {
   alignas(16) uint16_t tail[NB][8] = {};
   const int64_t kmain = K / 8 * 8;
   if (kmain < K)
@@ -265,13 +269,14 @@ void fma_rows(const float* xf, int64_t kp, const uint16_t* w, const uint16_t* bi
   int m = 0;
   // Three rows of x per pass keep 3 * NB + NB vector registers live (16 with NB = 4).
   for (; m + 3 <= M; m += 3)
-    fma_tile<3, NB>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
-  if (M - m == 2) fma_tile<2, NB>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
-  if (M - m == 1) fma_tile<1, NB>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
+    fma_tile<3, NB, OutT>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
+  if (M - m == 2) fma_tile<2, NB, OutT>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
+  if (M - m == 1) fma_tile<1, NB, OutT>(xf + m * kp, kp, wn, K, tail, bn, y + m * ys + n, ys);
 }
 
+template <typename OutT>
 void gemv_fma(const uint16_t* x, int64_t xs, const uint16_t* w, const uint16_t* bias,
-              uint16_t* y, int64_t ys, int M, int64_t N, int64_t K, int nthreads) {
+              OutT* y, int64_t ys, int M, int64_t N, int64_t K, int nthreads) {
   const int64_t kp = (K + 7) / 8 * 8;
   std::vector<float> xf(static_cast<size_t>(M) * kp, 0.f);
   for (int m = 0; m < M; ++m)
@@ -280,9 +285,9 @@ void gemv_fma(const uint16_t* x, int64_t xs, const uint16_t* w, const uint16_t* 
   const bool par = nthreads > 1 && N * K >= (1 << 18);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
   for (int64_t g = 0; g < groups; ++g)
-    fma_rows<kFmaRows>(xf.data(), kp, w, bias, y, ys, M, g * kFmaRows, K);
+    fma_rows<kFmaRows, OutT>(xf.data(), kp, w, bias, y, ys, M, g * kFmaRows, K);
   for (int64_t n = groups * kFmaRows; n < N; ++n)
-    fma_rows<1>(xf.data(), kp, w, bias, y, ys, M, n, K);
+    fma_rows<1, OutT>(xf.data(), kp, w, bias, y, ys, M, n, K);
 }
 #endif
 
@@ -450,6 +455,25 @@ int pf_linear_bf16_fma(const void* x, int64_t x_stride, const void* w, const voi
   if (M < 1) return -1;
   gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, M, N, K,
+           nthreads);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)M, (void)N;
+  (void)K, (void)nthreads;
+  return -1;
+#endif
+}
+
+// pf_linear_bf16_fma with float32 outputs (y rows y_stride floats apart): the same sums, not
+// rounded to bf16. For an lm_head, whose bf16-rounded logits tie more often than one thinks
+// (SmolLM2's top two first tokens of the demo question, 0.05 nat apart, round to one value).
+int pf_linear_bf16_fma_f32out(const void* x, int64_t x_stride, const void* w, const void* bias,
+                              void* y, int64_t y_stride, int M, int64_t N, int64_t K,
+                              int nthreads) {
+#if defined(PF_FMA_GEMV)
+  if (M < 1) return -1;
+  gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
+           static_cast<const uint16_t*>(bias), static_cast<float*>(y), y_stride, M, N, K,
            nthreads);
   return 0;
 #else

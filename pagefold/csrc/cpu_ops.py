@@ -471,10 +471,10 @@ def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
 # (AVX512-BF16 / AMX) oneDNN is as fast from 3 rows on. Elsewhere its bf16 GEMM costs about a
 # weight pass per row, and the AVX2 kernel (weights read once per call) stays 3-4x ahead up to
 # FMA_MAX_ROWS (benchmarks/bf16_gemv.py: decode batches, verify steps, short prefill chunks);
-# the opt-in float32-upcast GEMM (gemm.py) catches up at ~20-24 rows: UPCAST_MAX_ROWS. With
-# AMX the tile kernel (gemv_amx.cpp) costs about one weight pass for 1 to 16 rows (~1.2 for 17 to
-# 32: each weight tile times two x tiles), below both
-# the AVX512-BF16 GEMV (compute bound from ~2 rows) and oneDNN (a fixed per-call cost):
+# the float32-upcast GEMM (gemm.py, on by default there) catches up at ~20-24 rows:
+# UPCAST_MAX_ROWS. With AMX the tile kernel (gemv_amx.cpp) costs about one weight pass for 1
+# to 16 rows (~1.2 for 17 to 32: each weight tile times two x tiles), below both the
+# AVX512-BF16 GEMV (compute bound from ~2 rows) and oneDNN (a fixed per-call cost):
 # AMX_MAX_ROWS (``PAGEFOLD_AMX=0`` keeps the AVX512-BF16 GEMV, for comparisons).
 FMA_MAX_ROWS = 32
 AMX_MAX_ROWS = 32

@@ -500,8 +500,8 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
     w = (torch.randn(96, 40) * 0.2).bfloat16()
     try:
         monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
-        cpu_ops._choose_gemv(lib)  # the float32-upcast GEMM on by default: it takes over sooner
-        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
+        cpu_ops._choose_gemv(lib)  # the float32-upcast GEMM on (default): from 33 rows
+        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.FMA_MAX_ROWS
         assert cpu_ops._gemv_f32 is lib.pf_linear_bf16_fma_f32out
         monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "0")
         cpu_ops._choose_gemv(lib)
@@ -514,9 +514,6 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
         cpu_ops.use_fast_linears(lin)
         with torch.no_grad():
             assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
-        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "1")
-        cpu_ops._choose_gemv(lib)
-        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.UPCAST_MAX_ROWS < cpu_ops.FMA_MAX_ROWS
         monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
         monkeypatch.setenv("PAGEFOLD_AMX", "0")
         cpu_ops._choose_gemv(lib)

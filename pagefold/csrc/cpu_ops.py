@@ -471,17 +471,17 @@ def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
 # (AVX512-BF16 / AMX) oneDNN is as fast from 3 rows on. Elsewhere its bf16 GEMM costs about a
 # weight pass per row, and the AVX2 kernel (weights read once per call) stays 3-4x ahead up to
 # FMA_MAX_ROWS (benchmarks/bf16_gemv.py: decode batches, verify steps, short prefill chunks);
-# the float32-upcast GEMM (gemm.py, on by default there) catches up at ~20-24 rows:
-# UPCAST_MAX_ROWS. With AMX the tile kernel (gemv_amx.cpp) costs about one weight pass for 1
-# to 16 rows (~1.2 for 17 to 32: each weight tile times two x tiles), below both the
-# AVX512-BF16 GEMV (compute bound from ~2 rows) and oneDNN (a fixed per-call cost):
+# the float32-upcast GEMM (gemm.py, on by default there) takes more rows. In isolation it
+# caught up at ~20-24 rows, but in a model, whose weights stream from memory, a batch-32
+# SmolLM2 decode step took 140-183 ms with the kernel against 193-200 ms with the upcast from
+# 21 rows (Zen 3, interleaved): the kernel keeps its 32 either way. With AMX the tile kernel
+# (gemv_amx.cpp) costs about one weight pass for 1 to 16 rows (~1.2 for 17 to 32: each
+# weight tile times two x tiles), below both the AVX512-BF16 GEMV (compute bound from ~2 rows) and oneDNN (a fixed per-call cost):
 # AMX_MAX_ROWS (``PAGEFOLD_AMX=0`` keeps the AVX512-BF16 GEMV, for comparisons).
 FMA_MAX_ROWS = 32
 AMX_MAX_ROWS = 32
-UPCAST_MAX_ROWS = 20
 NATIVE_MAX_ROWS = 2
-GEMV_MAX_ROWS = (NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16()
-                 else UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS)
+GEMV_MAX_ROWS = NATIVE_MAX_ROWS if gemm._cpu_has_fast_bf16() else FMA_MAX_ROWS
 PREPACK_LIMIT_BYTES = 2 << 30
 _gemv = None  # the C function linear() and the decode plans call (set with the library)
 _gemv_f32 = None  # its float32-output twin where there is one (the AVX2 + FMA kernel)
@@ -497,7 +497,7 @@ def _choose_gemv(lib: ctypes.CDLL) -> None:
     _gemv_f32 = None
     if not gemm._cpu_has_fast_bf16() and lib.pf_gemv_kinds() & 2:
         _gemv, _gemv_f32 = lib.pf_linear_bf16_fma, lib.pf_linear_bf16_fma_f32out
-        GEMV_MAX_ROWS = UPCAST_MAX_ROWS if gemm.upcast_enabled() else FMA_MAX_ROWS
+        GEMV_MAX_ROWS = FMA_MAX_ROWS
     elif (gemm._cpu_has_fast_bf16() and os.environ.get("PAGEFOLD_AMX", "1") != "0"
           and lib.pf_amx_ready()):
         _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16_amx, AMX_MAX_ROWS

@@ -476,7 +476,8 @@ def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
 # SmolLM2 decode step took 140-183 ms with the kernel against 193-200 ms with the upcast from
 # 21 rows (Zen 3, interleaved): the kernel keeps its 32 either way. With AMX the tile kernel
 # (gemv_amx.cpp) costs about one weight pass for 1 to 16 rows (~1.2 for 17 to 32: each
-# weight tile times two x tiles), below both the AVX512-BF16 GEMV (compute bound from ~2 rows) and oneDNN (a fixed per-call cost):
+# weight tile times two x tiles), below both the AVX512-BF16 GEMV (compute bound from ~2
+# rows) and oneDNN (a fixed per-call cost):
 # AMX_MAX_ROWS (``PAGEFOLD_AMX=0`` keeps the AVX512-BF16 GEMV, for comparisons).
 FMA_MAX_ROWS = 32
 AMX_MAX_ROWS = 32

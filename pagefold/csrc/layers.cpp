@@ -332,6 +332,25 @@ void gemv_bf16(const uint16_t* x, int64_t xs, const uint16_t* w, const uint16_t*
 
 using namespace pf;
 
+namespace {
+// The two C entry points of gemv_fma (bf16 or float32 outputs); -1 where it is not built.
+template <typename OutT>
+int fma_entry(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
+              int64_t y_stride, int M, int64_t N, int64_t K, int nthreads) {
+#if defined(PF_FMA_GEMV)
+  if (M < 1) return -1;
+  gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
+           static_cast<const uint16_t*>(bias), static_cast<OutT*>(y), y_stride, M, N, K,
+           nthreads);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)M, (void)N;
+  (void)K, (void)nthreads;
+  return -1;
+#endif
+}
+}  // namespace
+
 extern "C" {
 
 // RMSNorm over N rows of D: x rows x_stride apart, out rows out_stride apart, res (rows
@@ -464,17 +483,7 @@ int pf_gemv_kinds() {
 // it was not compiled in.
 int pf_linear_bf16_fma(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
                        int64_t y_stride, int M, int64_t N, int64_t K, int nthreads) {
-#if defined(PF_FMA_GEMV)
-  if (M < 1) return -1;
-  gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
-           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, M, N, K,
-           nthreads);
-  return 0;
-#else
-  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)M, (void)N;
-  (void)K, (void)nthreads;
-  return -1;
-#endif
+  return fma_entry<uint16_t>(x, x_stride, w, bias, y, y_stride, M, N, K, nthreads);
 }
 
 // pf_linear_bf16_fma with float32 outputs (y rows y_stride floats apart): the same sums, not
@@ -483,17 +492,7 @@ int pf_linear_bf16_fma(const void* x, int64_t x_stride, const void* w, const voi
 int pf_linear_bf16_fma_f32out(const void* x, int64_t x_stride, const void* w, const void* bias,
                               void* y, int64_t y_stride, int M, int64_t N, int64_t K,
                               int nthreads) {
-#if defined(PF_FMA_GEMV)
-  if (M < 1) return -1;
-  gemv_fma(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
-           static_cast<const uint16_t*>(bias), static_cast<float*>(y), y_stride, M, N, K,
-           nthreads);
-  return 0;
-#else
-  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)M, (void)N;
-  (void)K, (void)nthreads;
-  return -1;
-#endif
+  return fma_entry<float>(x, x_stride, w, bias, y, y_stride, M, N, K, nthreads);
 }
 
 }  // extern "C"

@@ -21,6 +21,7 @@ from pagefold.layers.causal_conv1d import causal_conv1d_update
 from pagefold.layers.linear_attention.gdn import gdn_recurrent
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.layers.vocab import lm_head_linear
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None,
                                 reason="no C++ compiler: the torch paths run instead")
@@ -563,7 +564,7 @@ def test_float_logits_are_the_fma_sums_unrounded(monkeypatch):
             def __init__(self) -> None:
                 super().__init__()
                 self.proj = torch.nn.Linear(k, k, bias=False, dtype=torch.bfloat16)
-                self.lm_head = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+                self.lm_head = lm_head_linear(k, n).bfloat16()
 
         top = Top()
         cpu_ops.use_fast_linears(top)

@@ -619,24 +619,23 @@ def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_
     fastest CPU path for bf16 inputs: :func:`linear` for up to ``GEMV_MAX_ROWS`` rows, else
     oneDNN with the weight reordered once into its blocked layout (``F.linear`` reorders it
     on every call, which for decode-sized batches costs more than the product); on CPUs with
-    no native bf16 GEMM, :func:`pagefold.csrc.gemm.linear` for ``gemm.MIN_ROWS`` rows or more
+    no native bf16 GEMM, :func:`pagefold.csrc.gemm.linear` above ``GEMV_MAX_ROWS`` rows
     (float32 sums and one rounding, as oneDNN; the packed copies are then not made). The
     oneDNN results are the same bits as ``F.linear``. The reordered copies double the linear
     weights' memory, so they are made only when those weights total at most
-    ``prepack_limit`` bytes. Modules named ``lm_head`` return float32 logits where
-    :func:`float_logits` applies. Call again after changing weights. Returns how many layers
-    were routed."""
-    named = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-    linears = [m for _, m in named]
+    ``prepack_limit`` bytes. lm_heads (``pf_logits``, set by ``layers.vocab.lm_head_linear``)
+    return float32 logits where :func:`float_logits` applies. Call again after changing
+    weights. Returns how many layers were routed."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     # Where bf16 products go through float32 (gemm.py), a packed bf16 copy would only cost
     # memory.
     pack = total <= prepack_limit and not gemm.upcast_enabled()
-    for name, mod in named:
+    for mod in linears:
         w = mod.weight
-        # lm_heads (the target's, a draft's, MTP's shared one): float32 logits where the
-        # products are pagefold's own (float_logits), so bf16 rounding never ties them.
-        mod.pf_float_out = name.rsplit(".", 1)[-1] == "lm_head"
+        # lm_heads (a target's, a draft's): float32 logits where the products are pagefold's
+        # own (float_logits), so bf16 rounding never ties them.
+        mod.pf_float_out = getattr(mod, "pf_logits", False)
         mod.pf_packed_weight = (_prepack(w.detach()) if pack and w.dtype == torch.bfloat16
                                 and w.device.type == "cpu" else None)
         mod.pf_gemv = _gemv_ready(mod) if kernels() is not None else None

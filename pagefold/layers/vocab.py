@@ -50,12 +50,14 @@ def vocab_embedding(vocab: int, hidden: int) -> nn.Embedding:
 
 
 def lm_head_linear(hidden: int, vocab: int) -> nn.Linear:
-    """lm_head with this rank's vocabulary rows (``gather_logits`` joins the ranks')."""
-    if tp_size() == 1:
-        return nn.Linear(hidden, vocab, bias=False)
-    rows = _rows_per_rank(vocab)
+    """lm_head with this rank's vocabulary rows (``gather_logits`` joins the ranks'). Marked
+    ``pf_logits``: ``cpu_ops.use_fast_linears`` gives it float32 logits where the CPU's bf16
+    products are pagefold's own (``cpu_ops.float_logits``)."""
+    rows = vocab if tp_size() == 1 else _rows_per_rank(vocab)
     lin = nn.Linear(hidden, rows, bias=False)
-    lin.weight.tp_loader = _row_loader(rows, vocab)  # type: ignore[attr-defined]
+    if tp_size() > 1:
+        lin.weight.tp_loader = _row_loader(rows, vocab)  # type: ignore[attr-defined]
+    lin.pf_logits = True  # type: ignore[attr-defined]
     return lin
 
 

@@ -86,7 +86,10 @@ class Server:
                "--port", str(port), "--served-model-name", MODEL, "--api-key", KEY,
                "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", kv_cache_memory,
                "--uvicorn-log-level", "warning", *extra_args]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        # Keep-alive far past any pause between a test's requests: at uvicorn's 5 s a pooled
+        # connection can close just as the client reuses it (ECONNRESET, seen on slow CI hosts).
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PAGEFOLD_HTTP_TIMEOUT_KEEP_ALIVE="600")
         f = open(log, "w")  # noqa: SIM115 - the server process keeps writing to it
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         return cls(proc, f"http://127.0.0.1:{port}", log)
@@ -198,6 +201,28 @@ def test_health_models_version_metrics(server):
                  "pagefold:state_checkpoints", "pagefold:state_checkpoint_bytes",
                  "pagefold:prefix_cache_requests_hit_total", "pagefold:prefix_cache_hit_rate"):
         assert name in text, name
+
+
+def test_keep_alive_outlasts_uvicorns_default(server, monkeypatch):
+    """The launch helper sets $PAGEFOLD_HTTP_TIMEOUT_KEEP_ALIVE=600: one connection idle past
+    uvicorn's 5 s default is still the same socket, so a pooled client (httpx drops its own idle
+    connections at 5 s too) cannot race the server's close."""
+    with httpx.Client(base_url=server.url, limits=httpx.Limits(keepalive_expiry=60)) as c:
+        assert c.get("/health").status_code == 200
+        sock = c.get("/health").extensions["network_stream"].get_extra_info("socket")
+        time.sleep(6)
+        again = c.get("/health")
+        assert again.status_code == 200
+        assert again.extensions["network_stream"].get_extra_info("socket") is sock
+
+    from pagefold.entrypoints.openai.server import KEEP_ALIVE_ENV, keep_alive_seconds
+
+    monkeypatch.delenv(KEEP_ALIVE_ENV, raising=False)
+    assert keep_alive_seconds() == 5
+    for bad in ("0", "-3", "1.5", "soon"):
+        monkeypatch.setenv(KEEP_ALIVE_ENV, bad)
+        with pytest.raises(SystemExit, match="PAGEFOLD_HTTP_TIMEOUT_KEEP_ALIVE"):
+            keep_alive_seconds()
 
 
 def test_greedy_matches_offline_llm(client, offline_llm):

@@ -368,6 +368,7 @@ async def serve(state: ServerState, host: str, port: int, *,
     opts = state.options
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                             timeout_graceful_shutdown=UVICORN_GRACE,
+                            timeout_keep_alive=keep_alive_seconds(),
                             access_log=opts.access_log)
     server = DrainingServer(config, Drain(state.inflight, state.client, state.shutdown_timeout))
     stats = (asyncio.ensure_future(stats_loop(state.metrics, opts.log_stats_interval))
@@ -382,10 +383,28 @@ async def serve(state: ServerState, host: str, port: int, *,
             state.tokens.shutdown()
 
 
+KEEP_ALIVE_ENV = "PAGEFOLD_HTTP_TIMEOUT_KEEP_ALIVE"
+
+
+def keep_alive_seconds() -> int:
+    """Seconds an idle HTTP keep-alive connection stays open (``$PAGEFOLD_HTTP_TIMEOUT_KEEP_ALIVE``,
+    default 5 as uvicorn's and vLLM's). A client that reuses a pooled connection just as the
+    server closes it sees a connection reset, so clients with long pauses raise it."""
+    raw = os.environ.get(KEEP_ALIVE_ENV, "5")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SystemExit(f"${KEEP_ALIVE_ENV} must be a whole number of seconds >= 1, got {raw!r}")
+    return value
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """Entry point of ``pagefold serve`` (``engine_kwargs`` from ``cli.engine_kwargs``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    keep_alive_seconds()  # a bad value fails before the model loads
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
     from pagefold.models.registry import read_config_dict, resolve_architecture
 

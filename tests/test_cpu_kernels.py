@@ -314,7 +314,8 @@ def test_write_kv(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_centered", [False, True])
-@pytest.mark.parametrize("width", [192, 200])  # 200: a partial 16-lane chunk at the end
+# 200: a partial 16-lane chunk at the end; 203: partial 16- and 8-lane chunks (scalar tails)
+@pytest.mark.parametrize("width", [192, 200, 203])
 def test_rms_norm_and_fused_residual(dtype, zero_centered, width):
     g = torch.Generator().manual_seed(3)
     norm = RMSNorm(width, 1e-6, zero_centered).to(dtype)
@@ -370,18 +371,20 @@ def test_qk_norm_rope_matches_torch(dtype, rotary_dim, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(dtype):
-    gu = (torch.randn(17, 2 * 96, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)
+@pytest.mark.parametrize("inter", [96, 93])  # 93: the vector loops' scalar tail
+def test_silu_and_mul(dtype, inter):
+    gu = (torch.randn(17, 2 * inter, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # overflow edges of exp
+    gu[1, inter - 3:inter] = torch.tensor([-100.0, 100.0, 3.0])  # the same in the tail
     got = cpu_ops.silu_and_mul(gu)
-    ref = F.silu(gu[:, :96]) * gu[:, 96:]
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     if dtype == torch.bfloat16:
         _close_bits(got, ref)
     else:
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("d", [64, 24, 21])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_gated_matches_module(dtype, d):
     """The GDN output norm on (tokens, heads, dim) with a gate that is a strided slice of a

@@ -21,6 +21,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PF_AVX512 1
 #endif
+// The 8-lane helpers (v8load, v8store, v8rnd, v8exp, v8silu) for CPUs with AVX2 + FMA and no
+// AVX-512 (e.g. AMD Zen 2/3): without them the bf16 element-wise loops run scalar there.
+#if !defined(PF_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#define PF_AVX2 1
+#endif
+#if defined(PF_AVX512) || defined(PF_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace pf {
 
@@ -173,6 +181,84 @@ inline __m512 vsilu(__m512 x) {
 }
 #endif
 
+#if defined(PF_AVX2)
+// 8 elements of T as floats.
+template <typename T> inline __m256 v8load(const T* p);
+template <> inline __m256 v8load<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 v8load<uint16_t>(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// f32_to_bf16 on 8 lanes (round to nearest even, NaN kept quiet): the bf16 bits in the low
+// half of each 32-bit lane.
+inline __m256i v8bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                        _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  // |u| > inf as signed 32-bit integers: both sides are non-negative.
+  const __m256i nan = _mm256_cmpgt_epi32(
+      _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+}
+
+// Stores 8 lanes as T (bf16: rounded as store<uint16_t> rounds).
+template <typename T> inline void v8store(T* p, __m256 v);
+template <> inline void v8store<float>(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+template <> inline void v8store<uint16_t>(uint16_t* p, __m256 v) {
+  const __m256i b = v8bf16_bits(v);  // each lane <= 0xffff: the unsigned pack keeps it
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+// rnd on 8 lanes.
+template <typename T> inline __m256 v8rnd(__m256 v);
+template <> inline __m256 v8rnd<float>(__m256 v) { return v; }
+template <> inline __m256 v8rnd<uint16_t>(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v8bf16_bits(v), 16));
+}
+
+// exp_any on 8 lanes: the same polynomial, clamps and fused multiply-adds as the scalar code
+// compiles to (GCC contracts a * b + c there); NaN stays NaN.
+inline __m256 v8exp(__m256 x) {
+  const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), x);  // NaN: min returns x
+  const __m256 n = _mm256_round_ps(
+      _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
+                                 _mm256_set1_ps(1.0f));
+  const __m256 nc = _mm256_max_ps(_mm256_set1_ps(-127.0f), n);  // 2^-127 -> scale 0
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(nc), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
+  return _mm256_blendv_ps(out, _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
+}
+
+// x * sigmoid(x) = x / (1 + exp(-x)) on 8 lanes, as the scalar code computes it.
+inline __m256 v8silu(__m256 x) {
+  const __m256 e = v8exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+inline float v8sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // RMSNorm of one row of D, by mode: 0 out = w * T(x / rms(x)) (pagefold.layers.norm);
 // 1 (zero-centred, the weight an offset from 1) T(x / rms(x) * (1 + w)); 2 (the weight
 // multiply in float32, Nemotron-H) T(x / rms(x) * w). With res: x + res is rounded to T,
@@ -234,6 +320,49 @@ inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* 
     vstore<uint16_t>(out + d, mode == 1   ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
                               : mode == 2 ? _mm512_mul_ps(v, wv)
                                           : _mm512_mul_ps(wv, vrnd<uint16_t>(v)), m);
+  }
+}
+#endif
+
+#if defined(PF_AVX2)
+// rms_row for bf16 on 8 lanes, a scalar tail: the same roundings at the same points; the float
+// sum of squares in another order.
+template <>
+inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* w,
+                              uint16_t* out, int D, float eps, int mode) {
+  const int main = D / 8 * 8;
+  __m256 ss = _mm256_setzero_ps();
+  for (int d = 0; d < main; d += 8) {
+    __m256 v = v8load<uint16_t>(x + d);
+    if (res) {
+      v = v8rnd<uint16_t>(_mm256_add_ps(v, v8load<uint16_t>(res + d)));
+      v8store<uint16_t>(res + d, v);
+    }
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  float sst = v8sum(ss);
+  for (int d = main; d < D; ++d) {
+    float v = load<uint16_t>(x, d);
+    if (res) {
+      v = rnd<uint16_t>(v + load<uint16_t>(res, d));
+      store<uint16_t>(res, d, v);
+    }
+    sst += v * v;
+  }
+  const float r = 1.0f / std::sqrt(sst / static_cast<float>(D) + eps);
+  const __m256 vr = _mm256_set1_ps(r), one = _mm256_set1_ps(1.0f);
+  const uint16_t* src = res ? res : x;
+  for (int d = 0; d < main; d += 8) {
+    const __m256 v = _mm256_mul_ps(v8load<uint16_t>(src + d), vr);
+    const __m256 wv = v8load<uint16_t>(w + d);
+    v8store<uint16_t>(out + d, mode == 1   ? _mm256_mul_ps(v, _mm256_add_ps(one, wv))
+                               : mode == 2 ? _mm256_mul_ps(v, wv)
+                                           : _mm256_mul_ps(wv, v8rnd<uint16_t>(v)));
+  }
+  for (int d = main; d < D; ++d) {
+    const float v = load<uint16_t>(src, d) * r, wd = load<uint16_t>(w, d);
+    store<uint16_t>(out, d, mode == 1 ? v * (1.0f + wd) : mode == 2 ? v * wd
+                                                                    : wd * rnd<uint16_t>(v));
   }
 }
 #endif

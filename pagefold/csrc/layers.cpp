@@ -43,6 +43,23 @@ void qk_rope_all(const T* qkv, int64_t row_stride, int64_t q_off, int64_t q_head
       }
       // torch: x * cos + rotate_half(x) * sin, cos/sin rounded to T, each product and the sum
       // rounded to T; channels past rot pass through.
+#if defined(PF_AVX2)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (half % 8 == 0) {  // each 8-lane chunk lies in one half: whole-vector rotate
+          const __m256 sign = _mm256_set1_ps(-0.0f);
+          for (int d = 0; d < rot; d += 8) {
+            const __m256 rh = d < half ? _mm256_xor_ps(_mm256_load_ps(n + d + half), sign)
+                                       : _mm256_load_ps(n + d - half);
+            const __m256 a = v8rnd<T>(_mm256_mul_ps(_mm256_load_ps(n + d),
+                                                    v8rnd<T>(_mm256_loadu_ps(c + d))));
+            const __m256 b = v8rnd<T>(_mm256_mul_ps(rh, v8rnd<T>(_mm256_loadu_ps(s + d))));
+            v8store<T>(dst + d, _mm256_add_ps(a, b));
+          }
+          for (int d = rot; d < D; ++d) store<T>(dst, d, n[d]);
+          continue;
+        }
+      }
+#endif
 #if defined(PF_AVX512)
       if constexpr (std::is_same_v<T, uint16_t>) {
         if (half % 16 == 0) {  // each 16-lane chunk lies in one half: whole-vector rotate
@@ -87,7 +104,12 @@ void silu_mul_all(const T* gu, int64_t stride, T* out, int64_t N, int I, int nth
       vstore<T>(o + d, _mm512_mul_ps(s, vload<T>(u + d, m)), m);
     }
 #else
-    for (int d = 0; d < I; ++d) {
+    int d0 = 0;
+#if defined(PF_AVX2)
+    for (; d0 + 8 <= I; d0 += 8)
+      v8store<T>(o + d0, _mm256_mul_ps(v8rnd<T>(v8silu(v8load<T>(g + d0))), v8load<T>(u + d0)));
+#endif
+    for (int d = d0; d < I; ++d) {
       const float x = load<T>(g, d);
       store<T>(o, d, rnd<T>(x / (1.0f + exp_any(-x))) * load<T>(u, d));
     }
@@ -115,7 +137,16 @@ void rms_gated_row(const T* x, const T* gate, const T* w, T* out, int D, float e
     vstore<T>(out + d, _mm512_mul_ps(h, vsilu(vload<T>(gate + d, m))), m);
   }
 #else
-  for (int d = 0; d < D; ++d) {
+  int d0 = 0;
+#if defined(PF_AVX2)
+  const __m256 vr = _mm256_set1_ps(r);
+  for (; d0 + 8 <= D; d0 += 8) {
+    const __m256 h = v8rnd<T>(_mm256_mul_ps(v8load<T>(w + d0),
+                                            v8rnd<T>(_mm256_mul_ps(v8load<T>(x + d0), vr))));
+    v8store<T>(out + d0, _mm256_mul_ps(h, v8silu(v8load<T>(gate + d0))));
+  }
+#endif
+  for (int d = d0; d < D; ++d) {
     const float h = rnd<T>(load<T>(w, d) * rnd<T>(load<T>(x, d) * r));
     const float g = load<T>(gate, d);
     store<T>(out, d, h * (g / (1.0f + exp_any(-g))));

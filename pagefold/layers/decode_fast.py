@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.kernels import dispatch
+from pagefold.layers.decode_native import NativeDense
 
 BF16 = 1  # cpu_ops' dtype code
 # Steps of more rows than this take the module path: by then the linears' time dwarfs the
@@ -321,6 +322,8 @@ class DensePlan:
         self.layers = [_DenseLayer(la) for la in layers] if self.ok else []
         self.max_block = lib.pf_max_block() if lib is not None else 0
         self.scratch: dict = {}
+        self.native = (NativeDense(lib, self.layers, layers[0].input_layernorm.weight.numel())
+                       if self.ok else None)
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -333,6 +336,8 @@ class DensePlan:
         """Every layer on ``x`` (T, hidden); returns ``(mlp output, residual)`` as the
         layers' own forwards chain them. ``usable`` must hold."""
         st = Step(self.lib, x, positions, ctx, self.scratch)
+        if self.native is not None and self.native.usable(x, residual, st.small):
+            return self.native.forward(st, x, ctx, residual)  # the same calls, from C
         for la in self.layers:
             h, residual, rc = la.norm_in.run(st, x, residual)
             a_out, r = la.attn.run(st, h)

@@ -11,7 +11,7 @@ import pytest
 
 from pagefold import LLM, SamplingParams
 from pagefold.csrc import cpu_ops
-from pagefold.layers import decode_fast, decode_fast_hybrid
+from pagefold.layers import decode_fast, decode_fast_hybrid, decode_native
 from pagefold.models.llama import DecoderModel
 from pagefold.models.qwen3_5 import HybridModel
 from pagefold.testing.decode_plans import check_no_scratch_escape
@@ -32,26 +32,39 @@ def _run(model_dir, prompts: list[list[int]]) -> list[tuple]:
 
 
 @pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("arch,gemv_rows", [("llama", None), ("qwen2", None), ("qwen3", None),
-                                             ("llama", 1), ("qwen3", 1)])
-def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_factory,
+@pytest.mark.parametrize("arch,gemv_rows,native", [
+    ("llama", None, True), ("qwen2", None, True), ("qwen3", None, True), ("llama", 1, True),
+    ("qwen3", 1, True), ("qwen2", None, False), ("qwen3", None, False)])
+def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native, tiny_model_factory,
                                                 monkeypatch):
+    """native: the GEMV steps run as one C call (decode_native), else the Python plan."""
     if gemv_rows is not None:
         monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
+    monkeypatch.setattr(decode_native, "ENABLED", native)
     model = tiny_model_factory(arch)
     prompts = random_prompts(3, 5, 40, 400, seed=4)
-    calls = [0]
-    forward = decode_fast.DensePlan.forward
+    calls, native_calls = [0], [0]
+    forward, native_forward = decode_fast.DensePlan.forward, decode_native.NativeDense.forward
 
     def counting(self, *args, **kw):
         calls[0] += 1
+        before = native_calls[0]
         out = forward(self, *args, **kw)
-        check_no_scratch_escape(self, out)
+        if native_calls[0] == before:  # the C driver's scratch lives in C, for one call
+            check_no_scratch_escape(self, out)
         return out
 
+    def counting_native(self, *args, **kw):
+        native_calls[0] += 1
+        return native_forward(self, *args, **kw)
+
     monkeypatch.setattr(decode_fast.DensePlan, "forward", counting)
+    monkeypatch.setattr(decode_native.NativeDense, "forward", counting_native)
     fast = _run(model, prompts)
     assert calls[0] > 0
+    assert (native_calls[0] > 0) == native
+    if native and gemv_rows == 1:
+        assert native_calls[0] < calls[0]  # batches above the GEMV's rows: the Python plan
     monkeypatch.setattr(DecoderModel, "fast_decode", False)
     n = calls[0]
     slow = _run(model, prompts)

@@ -21,7 +21,8 @@ _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocked.cpp",
             _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
-            _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp"]
+            _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp",
+            _DIR / "moe.cpp"]
 _HEADERS = [_DIR / "common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 def _cache_dir() -> Path:
@@ -140,6 +141,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_dense_decode.argtypes = [p, p, i32, p, p, p, p, p, p, i64, i64, p, i32]
     lib.pf_dense_decode.restype = i32
     lib.pf_dense_decode_fields.restype = i32
+    lib.pf_moe_experts_few.argtypes = [p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p, i32]
+    lib.pf_moe_experts_few.restype = i32
     lib.pf_gemv_kinds.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
         getattr(lib, name).restype = i32

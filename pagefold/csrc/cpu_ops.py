@@ -512,6 +512,21 @@ def gemv_function():
     return _gemv if kernels() is not None else None
 
 
+_gemv_addr: tuple = (None, None)
+
+
+def gemv_address() -> ctypes.c_void_p | None:
+    """:func:`gemv_function`'s address, for the C drivers that call it themselves
+    (``pf_dense_decode``, ``pf_moe_experts_few``); None when the kernels are off."""
+    global _gemv_addr
+    fn = gemv_function()
+    if fn is None:
+        return None
+    if _gemv_addr[0] is not fn:
+        _gemv_addr = (fn, ctypes.cast(fn, ctypes.c_void_p))
+    return _gemv_addr[1]
+
+
 def _linear_call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
     if (weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 2

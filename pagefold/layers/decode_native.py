@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from pagefold.csrc import cpu_ops
+
 # ``PAGEFOLD_NATIVE_DECODE=0`` keeps the Python plan (to compare the two; tests flip this).
 ENABLED = os.environ.get("PAGEFOLD_NATIVE_DECODE", "1") != "0"
 
@@ -82,7 +84,6 @@ class NativeDense:
         self.stride = len(LAYER_FIELDS)
         self.group_at = LAYER_FIELDS.index("group")
         self.groups_seen: list[int] = [0] * len(layers)
-        self._gemv: tuple = (None, None)  # (ctypes function, its address)
         self.ok = True
 
     def usable(self, x: torch.Tensor, residual: torch.Tensor | None, small: bool) -> bool:
@@ -106,12 +107,10 @@ class NativeDense:
         for n in self.names:
             c = attn[n]
             caches += (c.data_ptr(), c.shape[1])
-        if self._gemv[0] is not st.gemv:
-            self._gemv = (st.gemv, ctypes.cast(st.gemv, ctypes.c_void_p))
         out = torch.empty_like(x)
         rc = self.lib.pf_dense_decode(
             self.layers, self.floats, len(self.names), (ctypes.c_int64 * len(caches))(*caches),
-            (ctypes.c_int64 * len(groups))(*groups), self._gemv[1],
+            (ctypes.c_int64 * len(groups))(*groups), cpu_ops.gemv_address(),
             x.data_ptr(), residual.data_ptr() if residual is not None else None,
             out.data_ptr(), x.shape[0], x.shape[1], st.pos, st.nt)
         if rc:

@@ -28,6 +28,7 @@ and the block sums the partials of the routed and shared experts with one all-re
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator
 
@@ -58,6 +59,8 @@ def _no_gemv(*args: object) -> int:
 
 
 _BF16 = cpu_ops._DTYPE_CODE[torch.bfloat16]  # the kernels' dtype code
+# ``PAGEFOLD_NATIVE_DECODE=0`` keeps the few-token experts in Python too (tests flip this).
+NATIVE = os.environ.get("PAGEFOLD_NATIVE_DECODE", "1") != "0"
 
 
 class MoEExperts(nn.Module):
@@ -131,6 +134,10 @@ class MoEExperts(nn.Module):
                 or t > cpu_ops.GEMV_MAX_ROWS
                 or x.stride(1) != 1 or not gu_w.is_contiguous() or not dn_w.is_contiguous()):
             return None
+        if self.use_gemv and NATIVE and top_idx.dtype == torch.int64:
+            out = self._few_rows_native(x, top_idx, top_w)
+            if out is not None:
+                return out
         flat = top_idx.reshape(-1).tolist()  # one host sync, as bincount's in forward
         # Positions p = token * k + slot grouped by ascending expert, tokens ascending within
         # one (top-k ids of a token are distinct): forward's stable argsort order.
@@ -176,6 +183,22 @@ class MoEExperts(nn.Module):
             else:
                 out.index_add_(0, rows, y * w)
         return out
+
+    def _few_rows_native(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
+                         ) -> torch.Tensor | None:
+        """:meth:`_few_rows` (its checks passed) in one C call (``csrc/moe.cpp``): the same
+        grouping, GEMV, SiLU kernel and roundings, without a dozen torch ops per expert."""
+        lib = cpu_ops.kernels()
+        if lib is None:
+            return None
+        t, k = top_idx.shape
+        idx, w = top_idx.contiguous(), top_w.contiguous()
+        out = torch.empty((t, x.shape[1]), dtype=torch.bfloat16)
+        rc = lib.pf_moe_experts_few(
+            cpu_ops.gemv_address(), x.data_ptr(), x.stride(0), t, k, idx.data_ptr(),
+            w.data_ptr(), self.gate_up_proj.data_ptr(), self.down_proj.data_ptr(),
+            self.num_experts, x.shape[1], self.inter, out.data_ptr(), torch.get_num_threads())
+        return out if rc == 0 else None
 
     def load_expert(self, e: int, proj: str, tensor: torch.Tensor) -> None:
         """Copy one per-expert checkpoint matrix (``gate_proj``/``up_proj``/``down_proj``)."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
+from pagefold.layers import moe
 from pagefold.layers.moe import MoEExperts
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None, reason="C++ kernels unavailable")
@@ -77,8 +78,15 @@ def test_few_rows_without_gemv_is_the_general_path(t: int, monkeypatch) -> None:
         assert torch.equal(m(x, idx, w), _general(m, x, idx, w))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
 @pytest.mark.parametrize("t", [1, 2, 3, 5])
-def test_few_rows_gemv_matches_per_token_oracle(t: int) -> None:
+def test_few_rows_gemv_matches_per_token_oracle(t: int, native: bool, monkeypatch) -> None:
+    """Both the one-call C path (csrc/moe.cpp) and the Python loop are the oracle's bits."""
+    monkeypatch.setattr(moe, "NATIVE", native)
+    calls = []
+    real = MoEExperts._few_rows_native
+    monkeypatch.setattr(MoEExperts, "_few_rows_native",
+                        lambda self, *a: calls.append(1) or real(self, *a))
     m = _experts()
     for seed in range(8):
         x, idx, w = _routing(t, seed)
@@ -87,6 +95,7 @@ def test_few_rows_gemv_matches_per_token_oracle(t: int) -> None:
         assert torch.equal(got, _oracle(m, x, idx, w))
         # Same arithmetic contract as the general path: float32 sums, one rounding per op.
         torch.testing.assert_close(got, _general(m, x, idx, w), rtol=2e-2, atol=2e-2)
+    assert bool(calls) == native
 
 
 def test_few_rows_mutants_are_caught() -> None:

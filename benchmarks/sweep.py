@@ -114,7 +114,7 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
     from transformers import AutoConfig
 
     from benchmarks.common import bench_model
-    from benchmarks.compare import decode_step_bytes, stream_copy_gbps
+    from benchmarks.compare import decode_step_bytes, stream_copy_gbps, stream_read_gbps
 
     wanted = QUICK if args.quick else [s.name for s in SHAPES]
     if args.shapes:
@@ -163,10 +163,12 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
                 row["b1 /HF"] = hf["tpot"] / pf["tpot"] if hf and hf["tpot"] else None
                 nbytes = decode_step_bytes(model, WORK["b1"][1][1] + WORK["b1"][2][1] // 2)
                 copy = stream_copy_gbps(got["pagefold"]["threads"])
+                rd = stream_read_gbps(got["pagefold"]["threads"])
                 ach = nbytes / pf["tpot"] / 1e9
                 bw_rows.append({"shape": name, "MB/step": nbytes / 1e6,
                                 "TPOT ms": pf["tpot"] * 1e3, "GB/s": ach, "copy GB/s": copy,
-                                "% of copy": 100 * ach / copy,
+                                "% of copy": 100 * ach / copy, "read GB/s": rd,
+                                "% of read": 100 * ach / rd,
                                 "vLLM TPOT ms": best * 1e3 if best else None})
             else:  # whole-workload wall time (same tokens for every system)
                 best = min((v["seconds"] for v in vl), default=None)
@@ -209,4 +211,5 @@ def _report(args, rows: list[dict], bw_rows: list[dict], final: bool) -> None:
     print_table(rows + [gm, worst], cols)
     print("\nbatch-1 decode: bytes per step / pagefold's TPOT vs a STREAM-like copy")
     print_table(bw_rows, ["shape", "MB/step", "TPOT ms", "GB/s", "copy GB/s", "% of copy",
+                          "read GB/s", "% of read",
                           "vLLM TPOT ms"])

@@ -37,7 +37,8 @@ over transformers.
 The bandwidth table divides the bytes a batch-1 decode step must read (every weight but the
 embedding table, plus the KV cache or the recurrent states; Q4_1 rows: the GGUF's size) by each
 system's TPOT on the large model and on SmolLM2, against a STREAM-like copy (read + write
-bytes) and a pure read (the sum of a 512 MiB buffer) measured here with the same thread count.
+bytes) and a pure read (the sum of a 512 MiB buffer) measured here with the same thread count,
+right after that system's worker exited.
 """
 
 from __future__ import annotations
@@ -417,6 +418,14 @@ def stream_read_gbps(threads: int, mib: int = 512) -> float:
     return a.numel() * 4 / best / 1e9
 
 
+def measure_bandwidth(result: dict) -> None:
+    """The copy and read bandwidths at a worker's thread count, measured here right after that
+    worker exited (``result["copy_gbps"]`` / ``["read_gbps"]``): on a shared VM the memory's
+    speed drifts over a run, and a measure taken minutes later can sit on either side of it."""
+    result["copy_gbps"] = stream_copy_gbps(result["threads"])
+    result["read_gbps"] = stream_read_gbps(result["threads"])
+
+
 def decode_step_bytes(model_dir: str, ctx: int) -> int:
     """Bytes a batch-1 decode step reads at context ``ctx``: every bf16 weight except the
     input embedding (one row of it is read), plus each attention layer's K/V up to ``ctx``
@@ -579,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
                         r = run_worker(system, sys.executable, spec, tmp, None, log)
                     if r is None:
                         continue
+                    measure_bandwidth(r)
                     if system not in got:
                         got[system] = r
                         continue
@@ -597,6 +607,7 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     block.append({"workload": w, "model": tag,
                                   "system": system, "threads": r["threads"],
+                                  "bw": (r["copy_gbps"], r["read_gbps"]),
                                   "out tok/s": res["n_out"] / res["seconds"],
                                   "TTFT ms": res["ttft"] * 1e3,
                                   "TPOT ms": res["tpot"] * 1e3 if res["tpot"] else None})
@@ -619,8 +630,7 @@ def main(argv: list[str] | None = None) -> None:
                                 spec["gguf"]["llamacpp-q4_1"])
                         else:
                             nbytes_b = nbytes
-                        gbps = stream_copy_gbps(b["threads"])
-                        rd = stream_read_gbps(b["threads"])
+                        gbps, rd = b["bw"]
                         ach = nbytes_b / (b["TPOT ms"] / 1e3) / 1e9 if b["TPOT ms"] else None
                         bw_rows.append({"model": b["model"], "system": b["system"],
                                         "threads": b["threads"], "MB/step": nbytes_b / 1e6,

@@ -114,7 +114,7 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
     from transformers import AutoConfig
 
     from benchmarks.common import bench_model
-    from benchmarks.compare import decode_step_bytes, stream_copy_gbps, stream_read_gbps
+    from benchmarks.compare import decode_step_bytes, measure_bandwidth
 
     wanted = QUICK if args.quick else [s.name for s in SHAPES]
     if args.shapes:
@@ -143,6 +143,8 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
                 r = run_one(system, spec)
                 if r is None:
                     continue
+                if system == "pagefold":
+                    measure_bandwidth(r)
                 keep = got.setdefault(system, r)
                 for w, res in r["results"].items():
                     old = keep["results"].get(w)
@@ -162,8 +164,7 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
                 row["b1 /vLLM"] = best / pf["tpot"] if best else None
                 row["b1 /HF"] = hf["tpot"] / pf["tpot"] if hf and hf["tpot"] else None
                 nbytes = decode_step_bytes(model, WORK["b1"][1][1] + WORK["b1"][2][1] // 2)
-                copy = stream_copy_gbps(got["pagefold"]["threads"])
-                rd = stream_read_gbps(got["pagefold"]["threads"])
+                copy, rd = got["pagefold"]["copy_gbps"], got["pagefold"]["read_gbps"]
                 ach = nbytes / pf["tpot"] / 1e9
                 bw_rows.append({"shape": name, "MB/step": nbytes / 1e6,
                                 "TPOT ms": pf["tpot"] * 1e3, "GB/s": ach, "copy GB/s": copy,

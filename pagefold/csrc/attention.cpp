@@ -171,7 +171,7 @@ void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
         _mm256_storeu_ps(s[g] + j0, p);
         sum = _mm256_add_ps(sum, p);
       }
-      l[g] = l[g] * alpha + v8sum(sum);
+      l[g] = l[g] * alpha + hsum8(sum);
       const __m256 va = _mm256_set1_ps(alpha);
       __m256 a[C];
       for (int c = 0; c < C; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * c), va);

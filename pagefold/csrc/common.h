@@ -26,7 +26,7 @@
 #if !defined(PF_AVX512) && defined(__AVX2__) && defined(__FMA__)
 #define PF_AVX2 1
 #endif
-#if defined(PF_AVX512) || defined(PF_AVX2)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -181,6 +181,17 @@ inline __m512 vsilu(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__)
+// The sum of v's 8 lanes in a fixed order: high 128 + low 128, then the pairs, then the last
+// two (the AVX2 GEMV, norm and decode attention).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(PF_AVX2)
 // 8 elements of T as floats.
 template <typename T> inline __m256 v8load(const T* p);
@@ -251,12 +262,6 @@ inline __m256 v8silu(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-inline float v8sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // RMSNorm of one row of D, by mode: 0 out = w * T(x / rms(x)) (pagefold.layers.norm);
@@ -340,7 +345,7 @@ inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* 
     }
     ss = _mm256_fmadd_ps(v, v, ss);
   }
-  float sst = v8sum(ss);
+  float sst = hsum8(ss);
   for (int d = main; d < D; ++d) {
     float v = load<uint16_t>(x, d);
     if (res) {

@@ -241,14 +241,6 @@ inline __m256 widen_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// Fixed-order horizontal sum: high 128 + low 128, then the pairs, then the last two.
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // MB rows of x (float32, kp apart, zero past K) times NB weight rows (bf16, K apart; tail:
 // each row's last K % 8 elements zero-padded to 8, or nullptr when K % 8 == 0).
 // OutT: uint16_t (bf16, rounded once) or float (the sums as they are: float32 logits).

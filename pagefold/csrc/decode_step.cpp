@@ -1,15 +1,21 @@
-// A whole decode step of a dense decoder stack (Llama / Qwen2 / Qwen3 layers) in one call.
+// A whole decode step of a decoder stack in one call: dense (Llama / Qwen2 / Qwen3) layers,
+// Gated DeltaNet hybrids (Qwen3.5) and Nemotron-H's Mamba-2 hybrid blocks.
 //
-// pagefold.layers.decode_fast's DensePlan calls, per layer, about ten kernels through ctypes;
-// each call costs ~4-5 us of argument conversion, as much as a small kernel's work, and a
-// 30-layer model's step makes ~300 of them. This driver makes the same calls, with the same
-// arguments, in the same order, from C: one ctypes call per step. The results are the Python
-// plan's bit for bit (tested), since every number comes out of the same kernels.
+// pagefold.layers.decode_fast's plans call, per layer, about ten kernels through ctypes; each
+// call costs ~4-5 us of argument conversion, as much as a small kernel's work, and a 30-layer
+// model's step makes ~300 of them. This driver makes the same calls, with the same arguments,
+// in the same order, from C: one ctypes call per step. The results are the Python plans' bit
+// for bit (tested), since every number comes out of the same kernels.
 //
-// The layer records (int64, kLayerFields per layer, see enum Field) and their floats
-// (kLayerFloats per layer) are built once per plan; the per-step inputs are the rows, the
-// positions, each attention group's decode metadata and each layer's cache. The GEMV is a
-// function pointer: cpu_ops' choice for this CPU (pf_linear_bf16 / _fma / _amx).
+// A step is a list of blocks, each `part(norm(x + residual))`: the residual add folded into the
+// norm (pf_rms_norm), then one part: attention (with or without q/k norm + RoPE, with or
+// without a sigmoid output gate), a gated SiLU MLP, a relu^2 MLP, a Mamba-2 mixer or a Gated
+// DeltaNet mixer. A dense or Qwen3.5 layer is two blocks (mixer, MLP), a Nemotron-H layer one.
+// The block records (int64, kFields per block, see enum Field) and their floats (kFloats per
+// block) are built once per plan; the per-step inputs are the rows, the positions, each
+// attention group's decode metadata and each block's per-step values (a cache, a state pool's
+// pages). The GEMV is a function pointer: cpu_ops' choice for this CPU
+// (pf_linear_bf16 / _fma / _amx).
 
 #include "common.h"
 
@@ -34,6 +40,29 @@ int pf_decode_attention(int dtype, const void* q, int64_t q_stride, const int64_
                         int nthreads);
 int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N, int I,
                 int nthreads);
+int pf_relu2(int dtype, const void* x, int64_t stride, void* out, int64_t N, int I,
+             int nthreads);
+int pf_mamba2_decode(int dtype, void* raw, int64_t page_bytes, const int64_t* pages, int P,
+                     int64_t conv_off, int64_t ssm_off, const uint8_t* fresh, const void* xbc,
+                     int64_t x_stride, const void* dt, int64_t dt_stride, const void* conv_w,
+                     const void* conv_b, const float* dt_bias, const float* A, const float* D,
+                     void* y, int64_t N, int C, int K, int H, int Dh, int G, int Ns,
+                     int nthreads);
+int pf_sigmoid_gate(int dtype, const void* o, int64_t os, const void* g, int64_t gs,
+                    int64_t ghs, void* out, int64_t outs, int64_t N, int H, int D, int nthreads);
+int pf_gdn(int dtype, int ssm_dtype, void* raw, int64_t page_bytes, const int64_t* pages, int P,
+           int64_t conv_off, int64_t ssm_off, const uint8_t* fresh, const int64_t* cu,
+           const void* x, int64_t x_stride, const void* a, const void* b, int64_t ab_stride,
+           const void* conv_w, const float* neg_exp_alog, const void* dt_bias, void* out,
+           int64_t N, int C, int K, int Hk, int Hv, int Dk, int Dv, float scale,
+           const int64_t* cap_cu, const int64_t* cap_off, const int64_t* cap_pages,
+           int nthreads);
+int pf_rms_norm_gated(int dtype, const void* x, int64_t xs0, int64_t xs1, const void* gate,
+                      int64_t gs0, int64_t gs1, const void* w, void* out, int64_t N, int H, int D,
+                      float eps, int nthreads);
+int pf_gated_norm_gate_first(int x_dtype, int g_dtype, int w_dtype, const void* x, int64_t xs,
+                             const void* gate, int64_t gs, const void* w, void* out, int64_t N,
+                             int D, int group, float eps, int nthreads);
 }
 
 namespace pf {
@@ -44,22 +73,169 @@ constexpr int kBf16 = 1;  // the kernels' dtype code
 using GemvFn = int (*)(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
                        int64_t y_stride, int M, int64_t N, int64_t K, int nthreads);
 
-// One layer's record. Pointers are addresses; a missing bias or q/k norm is 0. N = the
-// linear's output features (its input features follow from the layer: hidden, H * D, inter).
+// What a block's part is (decode_native.KINDS).
+enum Kind : int { kAttention = 1, kMlpSilu = 2, kMlpRelu2 = 3, kMamba2 = 4, kGdn = 5 };
+
+// One block's record. Pointers are addresses; a missing bias, q/k norm or conv bias is 0.
+// Every part has two linears: w0 (hidden -> n0: qkv, gate_up, up, in_proj) and w1 (k1 ->
+// hidden: o, down, out_proj). Fields a part does not use are 0.
 enum Field : int {
-  kInNormW, kInNormZc, kPostNormW, kPostNormZc,
-  kQkvW, kQkvB, kQkvN, kOW, kOB,
+  kKind, kNormW, kNormZc, kW0, kB0, kN0, kW1, kB1, kK1,
+  // attention: rot 0 = no q/k norm and no RoPE (q, k and v read where they lie in qkv's rows);
+  // gated: q rows hold per head [query | gate], the output is o * sigmoid(gate)
   kHeads, kKvHeads, kHeadDim, kQSize, kKvSize, kQHeadStride, kQNormW, kKNormW, kQkZc,
-  kCos, kSin, kRot, kGroup,
-  kGateUpW, kGateUpB, kInter, kDownW, kDownB,
-  kLayerFields
+  kCos, kSin, kRot, kGroup, kGated,
+  // Mamba-2 (intermediate = k1) and GDN (value heads / dim as ssm heads / head dim, value
+  // dim = k1, the norm's group = the value head dim)
+  kConvDim, kConvK, kSsmHeads, kSsmHeadDim, kSsmGroups, kSsmState, kConvW, kConvB, kDtBias,
+  kDSkip, kGnormW, kGnormGroup, kKHeads, kKHeadDim,
+  kFields
 };
-enum FloatField : int { kInEps, kPostEps, kQkEps, kScale, kLayerFloats };
+// eps2: the q/k norm's or the gated norm's; scale: attention's or GDN's query scale.
+enum FloatField : int { kNormEps, kEps2, kScale, kFloats };
+// Per-step values of a block (kDyn each): attention: cache, block size; Mamba-2 and GDN: state
+// pool base, page bytes, pages, pages per state, conv offset, ssm offset, fresh flags,
+// -exp(A_log); GDN also cu_seqlens, requests, the ssm state's dtype code.
+enum Dyn : int {
+  kRaw, kPageBytes, kPages, kPagesPer, kConvOff, kSsmOff, kFresh, kNegExp, kCu, kRequests,
+  kSsmDtype, kDyn
+};
 constexpr int kGroupFields = 6;  // tables, table stride, seq_lens, kv starts or 0, slots, rows
 
 template <typename P>
 P* ptr(int64_t v) {
   return reinterpret_cast<P*>(static_cast<intptr_t>(v));
+}
+
+// Scratch rows, each role as the Python plans' buffers; every role is read before the next
+// block writes it.
+struct Scratch {
+  std::vector<uint16_t> mem;
+  uint16_t *h, *mo, *p0, *q, *k, *a1, *a2;
+
+  Scratch(const int64_t* blocks, int n, int64_t t, int64_t d) {
+    int64_t n0 = 0, qo = 0, kv = 0, k1 = 0;
+    for (int i = 0; i < n; ++i) {
+      const int64_t* B = blocks + static_cast<int64_t>(i) * kFields;
+      n0 = std::max(n0, B[kN0]);
+      qo = std::max(qo, B[kHeads] * B[kHeadDim]);
+      kv = std::max(kv, B[kKvHeads] * B[kHeadDim]);
+      k1 = std::max(k1, B[kK1]);
+    }
+    mem.resize(static_cast<size_t>(t) * (2 * d + n0 + qo + kv + 2 * k1));
+    h = mem.data();
+    mo = h + t * d;
+    p0 = mo + t * d;
+    q = p0 + t * n0;
+    k = q + t * qo;
+    a1 = k + t * kv;
+    a2 = a1 + t * k1;
+  }
+};
+
+struct StepArgs {
+  GemvFn gemv;
+  int64_t t, d;
+  const int64_t* pos;
+  const int64_t* groups;
+  int nt;
+};
+
+// qkv -> (q/k norm + RoPE) -> K/V write -> decode attention -> o (into dst).
+int attention(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s,
+              Scratch& m, uint16_t* dst) {
+  const int64_t t = s.t, d = s.d, n0 = B[kN0];
+  const int64_t* g = s.groups + B[kGroup] * kGroupFields;
+  const int H = static_cast<int>(B[kHeads]), KVH = static_cast<int>(B[kKvHeads]);
+  const int D = static_cast<int>(B[kHeadDim]);
+  const int64_t qo = static_cast<int64_t>(H) * D, kv = static_cast<int64_t>(KVH) * D;
+  void* cache = ptr<void>(dy[kRaw]);
+  const int bs = static_cast<int>(dy[kPageBytes]);
+  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+                  n0, d, s.nt);
+  const uint16_t* v = m.p0 + B[kQSize] + B[kKvSize];
+  const uint16_t* q = m.p0;  // no RoPE: q and k where they lie in the qkv rows
+  if (B[kRot]) {
+    rc |= pf_qk_norm_rope(kBf16, m.p0, n0, 0, B[kQHeadStride], B[kQSize], s.pos,
+                          ptr<float>(B[kCos]), ptr<float>(B[kSin]), static_cast<int>(B[kRot]),
+                          ptr<void>(B[kQNormW]), ptr<void>(B[kKNormW]), F[kEps2],
+                          static_cast<int>(B[kQkZc]), m.q, m.k, t, H, KVH, D, s.nt);
+    rc |= pf_write_kv(kBf16, m.k, v, kv, n0, ptr<int64_t>(g[4]), cache, static_cast<int>(t),
+                      KVH, D);
+    q = m.q;
+  } else {
+    rc |= pf_write_kv(kBf16, m.p0 + B[kQSize], v, n0, n0, ptr<int64_t>(g[4]), cache,
+                      static_cast<int>(t), KVH, D);
+  }
+  rc |= pf_decode_attention(kBf16, q, B[kRot] ? qo : n0, nullptr, cache, ptr<int64_t>(g[0]),
+                            g[1], ptr<int64_t>(g[2]), ptr<int64_t>(g[3]), m.a1, qo,
+                            static_cast<int>(g[5]), H, KVH, D, bs, F[kScale], s.nt);
+  if (B[kGated])  // the gate: the second half of each head's q rows
+    rc |= pf_sigmoid_gate(kBf16, m.a1, qo, m.p0 + D, n0, 2 * D, m.a1, qo, t, H, D, s.nt);
+  rc |= s.gemv(m.a1, qo, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t), d,
+               qo, s.nt);
+  return rc;
+}
+
+// up (or gate_up) -> activation -> down (into dst).
+int mlp(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
+  const int64_t t = s.t, d = s.d, n0 = B[kN0], inter = B[kK1];
+  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+                  n0, d, s.nt);
+  if (B[kKind] == kMlpSilu)
+    rc |= pf_silu_mul(kBf16, m.p0, n0, m.a1, t, static_cast<int>(inter), s.nt);
+  else
+    rc |= pf_relu2(kBf16, m.p0, n0, m.a1, t, static_cast<int>(inter), s.nt);
+  rc |= s.gemv(m.a1, inter, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t),
+               d, inter, s.nt);
+  return rc;
+}
+
+// in_proj (rows z | xBC | dt) -> conv + SSM update on the paged states -> gated norm with z ->
+// out_proj (into dst).
+int mamba2(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, Scratch& m,
+           uint16_t* dst) {
+  const int64_t t = s.t, d = s.d, n0 = B[kN0], inter = B[kK1], C = B[kConvDim];
+  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+                  n0, d, s.nt);
+  const uint16_t* xbc = m.p0 + inter;
+  rc |= pf_mamba2_decode(kBf16, ptr<void>(dy[kRaw]), dy[kPageBytes], ptr<int64_t>(dy[kPages]),
+                         static_cast<int>(dy[kPagesPer]), dy[kConvOff], dy[kSsmOff],
+                         ptr<uint8_t>(dy[kFresh]), xbc, n0, xbc + C, n0, ptr<void>(B[kConvW]),
+                         ptr<void>(B[kConvB]), ptr<float>(B[kDtBias]), ptr<float>(dy[kNegExp]),
+                         ptr<float>(B[kDSkip]), m.a1, t, static_cast<int>(C),
+                         static_cast<int>(B[kConvK]), static_cast<int>(B[kSsmHeads]),
+                         static_cast<int>(B[kSsmHeadDim]), static_cast<int>(B[kSsmGroups]),
+                         static_cast<int>(B[kSsmState]), s.nt);
+  rc |= pf_gated_norm_gate_first(kBf16, kBf16, kBf16, m.a1, inter, m.p0, n0, ptr<void>(B[kGnormW]),
+                                 m.a2, t, static_cast<int>(inter),
+                                 static_cast<int>(B[kGnormGroup]), F[kEps2], s.nt);
+  rc |= s.gemv(m.a2, inter, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t),
+               d, inter, s.nt);
+  return rc;
+}
+
+// in_proj (rows q|k|v | z | b | a) -> conv + delta rule on the paged states -> gated norm with
+// z -> out_proj (into dst).
+int gdn(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, Scratch& m,
+        uint16_t* dst) {
+  const int64_t t = s.t, d = s.d, n0 = B[kN0], V = B[kK1], C = B[kConvDim];
+  const int Hv = static_cast<int>(B[kSsmHeads]), Dv = static_cast<int>(B[kSsmHeadDim]);
+  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+                  n0, d, s.nt);
+  const uint16_t* b = m.p0 + C + V;
+  rc |= pf_gdn(kBf16, static_cast<int>(dy[kSsmDtype]), ptr<void>(dy[kRaw]), dy[kPageBytes],
+               ptr<int64_t>(dy[kPages]), static_cast<int>(dy[kPagesPer]), dy[kConvOff],
+               dy[kSsmOff], ptr<uint8_t>(dy[kFresh]), ptr<int64_t>(dy[kCu]), m.p0, n0, b + Hv,
+               b, n0, ptr<void>(B[kConvW]), ptr<float>(dy[kNegExp]), ptr<void>(B[kDtBias]), m.a1,
+               dy[kRequests], static_cast<int>(C), static_cast<int>(B[kConvK]),
+               static_cast<int>(B[kKHeads]), Hv, static_cast<int>(B[kKHeadDim]), Dv, F[kScale],
+               nullptr, nullptr, nullptr, s.nt);
+  rc |= pf_rms_norm_gated(kBf16, m.a1, V, Dv, m.p0 + C, n0, Dv, ptr<void>(B[kGnormW]), m.a2, t,
+                          Hv, Dv, F[kEps2], s.nt);
+  rc |= s.gemv(m.a2, V, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t), d, V,
+               s.nt);
+  return rc;
 }
 
 }  // namespace
@@ -69,88 +245,42 @@ using namespace pf;
 
 extern "C" {
 
-// The layer record's sizes: Python checks them against its own field list once per build.
-int pf_dense_decode_fields() { return kLayerFields * 100 + kLayerFloats; }
+// The record's sizes: Python checks them against its own field lists once per build.
+int pf_blocks_decode_fields() { return (kFields * 100 + kFloats) * 100 + kDyn; }
 
-// Every layer on x (t rows of d, contiguous bf16). res: the residual stream (t x d, updated in
-// place), or null: the first layer's input is the residual (x is then updated in place, as the
-// module path's first add writes into it). out (t x d): the last layer's MLP output. caches:
-// per layer (cache address, block size). groups: kGroupFields per attention group. Returns 0,
-// or the first nonzero kernel result OR-ed over the step (the kernels refused an input).
-int pf_dense_decode(const int64_t* layers, const float* floats, int n_layers,
-                    const int64_t* caches, const int64_t* groups, void* gemv_fn, void* x,
-                    void* res, void* out, int64_t t, int64_t d, const int64_t* pos,
-                    int nthreads) {
-  if (n_layers < 1 || t < 1 || gemv_fn == nullptr) return -1;
-  const GemvFn gemv = reinterpret_cast<GemvFn>(gemv_fn);
-  int64_t qkv_max = 0, qo_max = 0, k_max = 0, inter_max = 0;
-  for (int i = 0; i < n_layers; ++i) {
-    const int64_t* L = layers + static_cast<int64_t>(i) * kLayerFields;
-    qkv_max = std::max(qkv_max, L[kQkvN]);
-    qo_max = std::max(qo_max, L[kHeads] * L[kHeadDim]);
-    k_max = std::max(k_max, L[kKvHeads] * L[kHeadDim]);
-    inter_max = std::max(inter_max, L[kInter]);
-  }
-  // Scratch rows, each role as the Python plan's buffers: h, qkv, q, k, o, mixer out, gate_up,
-  // act. Every role is read before the next layer writes it.
-  std::vector<uint16_t> scratch(static_cast<size_t>(t) *
-                                (2 * d + qkv_max + 2 * qo_max + k_max + 3 * inter_max));
-  uint16_t* h = scratch.data();
-  uint16_t* qkv = h + t * d;
-  uint16_t* q = qkv + t * qkv_max;
-  uint16_t* k = q + t * qo_max;
-  uint16_t* o = k + t * k_max;
-  uint16_t* mo = o + t * qo_max;
-  uint16_t* gu = mo + t * d;
-  uint16_t* act = gu + t * 2 * inter_max;
+// Every block on x (t rows of d, contiguous bf16). res: the residual stream (t x d, updated in
+// place), or null: the first block's input is the residual (x is then updated in place, as the
+// module path's first add writes into it). out (t x d): the last block's part output. dyn:
+// kDyn per block. groups: kGroupFields per attention group. Returns 0, -1 for a bad block, or
+// the first nonzero kernel result OR-ed over a block (the kernels refused an input).
+int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
+                     const int64_t* dyn, const int64_t* groups, void* gemv_fn, void* x, void* res,
+                     void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads) {
+  if (n_blocks < 1 || t < 1 || gemv_fn == nullptr) return -1;
+  const StepArgs s{reinterpret_cast<GemvFn>(gemv_fn), t, d, pos, groups, nthreads};
+  Scratch m(blocks, n_blocks, t, d);
   uint16_t* resid = static_cast<uint16_t*>(res ? res : x);
   const uint16_t* cur = static_cast<const uint16_t*>(x);
-  uint16_t* y = static_cast<uint16_t*>(out);
-  int rc = 0;
-  for (int i = 0; i < n_layers; ++i) {
-    const int64_t* L = layers + static_cast<int64_t>(i) * kLayerFields;
-    const float* F = floats + static_cast<int64_t>(i) * kLayerFloats;
-    const int64_t* g = groups + L[kGroup] * kGroupFields;
-    void* cache = ptr<void>(caches[2 * i]);
-    const int bs = static_cast<int>(caches[2 * i + 1]);
-    const int H = static_cast<int>(L[kHeads]), KVH = static_cast<int>(L[kKvHeads]);
-    const int D = static_cast<int>(L[kHeadDim]);
-    const int64_t qkv_n = L[kQkvN], qo = static_cast<int64_t>(H) * D;
-    const int64_t kv = static_cast<int64_t>(KVH) * D, inter = L[kInter];
-    // Input norm; the first layer without a residual normalises x itself.
-    if (i == 0 && res == nullptr)
-      rc |= pf_rms_norm(kBf16, cur, d, nullptr, 0, ptr<void>(L[kInNormW]), h, d, t,
-                        static_cast<int>(d), F[kInEps], static_cast<int>(L[kInNormZc]),
-                        nthreads);
-    else
-      rc |= pf_rms_norm(kBf16, cur, d, resid, d, ptr<void>(L[kInNormW]), h, d, t,
-                        static_cast<int>(d), F[kInEps], static_cast<int>(L[kInNormZc]),
-                        nthreads);
-    // Attention: qkv, q/k norm + RoPE, K/V write, decode attention, o.
-    rc |= gemv(h, d, ptr<void>(L[kQkvW]), ptr<void>(L[kQkvB]), qkv, qkv_n, static_cast<int>(t),
-               qkv_n, d, nthreads);
-    rc |= pf_qk_norm_rope(kBf16, qkv, qkv_n, 0, L[kQHeadStride], L[kQSize], pos,
-                          ptr<float>(L[kCos]), ptr<float>(L[kSin]), static_cast<int>(L[kRot]),
-                          ptr<void>(L[kQNormW]), ptr<void>(L[kKNormW]), F[kQkEps],
-                          static_cast<int>(L[kQkZc]), q, k, t, H, KVH, D, nthreads);
-    rc |= pf_write_kv(kBf16, k, qkv + L[kQSize] + L[kKvSize], kv, qkv_n, ptr<int64_t>(g[4]),
-                      cache, static_cast<int>(t), KVH, D);
-    rc |= pf_decode_attention(kBf16, q, qo, nullptr, cache, ptr<int64_t>(g[0]), g[1],
-                              ptr<int64_t>(g[2]), ptr<int64_t>(g[3]), o, qo,
-                              static_cast<int>(g[5]), H, KVH, D, bs, F[kScale], nthreads);
-    rc |= gemv(o, qo, ptr<void>(L[kOW]), ptr<void>(L[kOB]), mo, d, static_cast<int>(t), d, qo,
-               nthreads);
-    // Post-attention norm (adds into the residual), then the gated MLP into out.
-    rc |= pf_rms_norm(kBf16, mo, d, resid, d, ptr<void>(L[kPostNormW]), h, d, t,
-                      static_cast<int>(d), F[kPostEps], static_cast<int>(L[kPostNormZc]),
-                      nthreads);
-    rc |= gemv(h, d, ptr<void>(L[kGateUpW]), ptr<void>(L[kGateUpB]), gu, 2 * inter,
-               static_cast<int>(t), 2 * inter, d, nthreads);
-    rc |= pf_silu_mul(kBf16, gu, 2 * inter, act, t, static_cast<int>(inter), nthreads);
-    rc |= gemv(act, inter, ptr<void>(L[kDownW]), ptr<void>(L[kDownB]), y, d,
-               static_cast<int>(t), d, inter, nthreads);
-    cur = y;
+  for (int i = 0; i < n_blocks; ++i) {
+    const int64_t* B = blocks + static_cast<int64_t>(i) * kFields;
+    const float* F = floats + static_cast<int64_t>(i) * kFloats;
+    const int64_t* dy = dyn + static_cast<int64_t>(i) * kDyn;
+    // The norm; the first block without a residual normalises x itself.
+    const bool first = i == 0 && res == nullptr;
+    int rc = pf_rms_norm(kBf16, cur, d, first ? nullptr : resid, first ? 0 : d,
+                         ptr<void>(B[kNormW]), m.h, d, t, static_cast<int>(d), F[kNormEps],
+                         static_cast<int>(B[kNormZc]), nthreads);
+    uint16_t* dst = i == n_blocks - 1 ? static_cast<uint16_t*>(out) : m.mo;
+    switch (B[kKind]) {
+      case kAttention: rc |= attention(B, F, dy, s, m, dst); break;
+      case kMlpSilu:
+      case kMlpRelu2: rc |= mlp(B, s, m, dst); break;
+      case kMamba2: rc |= mamba2(B, F, dy, s, m, dst); break;
+      case kGdn: rc |= gdn(B, F, dy, s, m, dst); break;
+      default: return -1;
+    }
     if (rc) return rc;
+    cur = dst;
   }
   return 0;
 }

@@ -117,6 +117,63 @@ void silu_mul_all(const T* gu, int64_t stride, T* out, int64_t N, int I, int nth
   }
 }
 
+// relu(x)^2 rounded once, as torch's F.relu(x).square_() on bf16 (relu exact, the square of a
+// bf16 value exact in float32, then one rounding). NaN stays NaN.
+template <typename T>
+void relu2_all(const T* x, int64_t stride, T* out, int64_t N, int I, int nthreads) {
+  const bool par = nthreads > 1 && N * I >= (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+  for (int64_t i = 0; i < N; ++i) {
+    const T* xr = x + i * stride;
+    T* o = out + i * I;
+#pragma omp simd
+    for (int d = 0; d < I; ++d) {
+      const float v = load<T>(xr, d);
+      const float r = v > 0.0f ? v : (v != v ? v : 0.0f);
+      store<T>(o, d, r * r);
+    }
+  }
+}
+
+// out = T(o * T(sigmoid(g))) per row and head: Qwen3.5 / Qwen3-Next's attention output gate,
+// rounded as torch's `o * torch.sigmoid(gate)` on bf16 (the sigmoid rounded, then the
+// product). o's and out's heads are contiguous in their rows; g's heads ghs apart (the gate
+// halves of the [query | gate] q rows). The module path and the decode plans both call this,
+// so they give the same bits. out may be o.
+template <typename T>
+void sigmoid_gate_all(const T* o, int64_t os, const T* g, int64_t gs, int64_t ghs, T* out,
+                      int64_t outs, int64_t N, int H, int D, int nthreads) {
+  const bool par = nthreads > 1 && N * H * D >= (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+  for (int64_t item = 0; item < N * H; ++item) {
+    const int64_t i = item / H, h = item % H;
+    const T* orow = o + i * os + h * D;
+    const T* gr = g + i * gs + h * ghs;
+    T* dst = out + i * outs + h * D;
+#if defined(PF_AVX512)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int d = 0; d < D; d += 16) {
+      const __mmask16 m = lanes(D - d);
+      const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), vload<T>(gr + d, m)));
+      const __m512 sg = vrnd<T>(_mm512_div_ps(one, _mm512_add_ps(one, e)));
+      vstore<T>(dst + d, _mm512_mul_ps(vload<T>(orow + d, m), sg), m);
+    }
+#else
+    int d0 = 0;
+#if defined(PF_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; d0 + 8 <= D; d0 += 8) {
+      const __m256 e = v8exp(_mm256_sub_ps(_mm256_setzero_ps(), v8load<T>(gr + d0)));
+      const __m256 sg = v8rnd<T>(_mm256_div_ps(one, _mm256_add_ps(one, e)));
+      v8store<T>(dst + d0, _mm256_mul_ps(v8load<T>(orow + d0), sg));
+    }
+#endif
+    for (int64_t d = d0; d < D; ++d)
+      store<T>(dst, d, load<T>(orow, d) * rnd<T>(1.0f / (1.0f + exp_any(-load<T>(gr, d)))));
+#endif
+  }
+}
+
 // One row of the GDN output norm (RMSNormGated: norm before gate), rounded as the torch module:
 // h = T(w * T(x / rms(x))), out = T(h * silu(float(gate))).
 template <typename T>
@@ -468,6 +525,36 @@ int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N,
     return 0;
   }
   return -1;
+}
+
+// out (N, H x D) = T(o * T(sigmoid(gate))) (see sigmoid_gate_all); dtype 0 float32, 1 bf16.
+int pf_sigmoid_gate(int dtype, const void* o, int64_t os, const void* g, int64_t gs,
+                    int64_t ghs, void* out, int64_t outs, int64_t N, int H, int D,
+                    int nthreads) {
+  if (dtype == 0)
+    sigmoid_gate_all<float>(static_cast<const float*>(o), os, static_cast<const float*>(g), gs,
+                            ghs, static_cast<float*>(out), outs, N, H, D, nthreads);
+  else if (dtype == 1)
+    sigmoid_gate_all<uint16_t>(static_cast<const uint16_t*>(o), os,
+                               static_cast<const uint16_t*>(g), gs, ghs,
+                               static_cast<uint16_t*>(out), outs, N, H, D, nthreads);
+  else
+    return -1;
+  return 0;
+}
+
+// out (N, I) = T(relu(x)^2), x rows stride apart (Nemotron-H's relu^2 MLP activation).
+int pf_relu2(int dtype, const void* x, int64_t stride, void* out, int64_t N, int I,
+             int nthreads) {
+  if (dtype == 0)
+    relu2_all<float>(static_cast<const float*>(x), stride, static_cast<float*>(out), N, I,
+                     nthreads);
+  else if (dtype == 1)
+    relu2_all<uint16_t>(static_cast<const uint16_t*>(x), stride, static_cast<uint16_t*>(out), N,
+                        I, nthreads);
+  else
+    return -1;
+  return 0;
 }
 
 // y (M, N) = x (M, K) W^T + bias for bf16 x (rows x_stride apart), W (N, K) contiguous, bias

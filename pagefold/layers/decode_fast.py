@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.kernels import dispatch
-from pagefold.layers.decode_native import NativeDense
+from pagefold.layers.decode_native import NativeBlocks, linears
 
 BF16 = 1  # cpu_ops' dtype code
 # Steps of more rows than this take the module path: by then the linears' time dwarfs the
@@ -60,6 +60,12 @@ def heads_ok(a, lib) -> bool:
     """The decode attention kernel takes attention ``a``'s head size and GQA group."""
     return (a.head_dim <= lib.pf_max_head_dim() and a.num_heads % a.num_kv_heads == 0
             and a.num_heads // a.num_kv_heads <= lib.pf_max_group())
+
+
+def cache_dyn(st: Step, name: str) -> list[int]:
+    """An attention block's per-step ``decode_native`` values: its cache and block size."""
+    c = st.ctx.cache.attn[name]
+    return [c.data_ptr(), c.shape[1]]
 
 
 def attn_step_usable(ctx, name: str, rows: int, max_block: int) -> bool:
@@ -208,6 +214,21 @@ class Attention:
         """This step's cache and metadata suit the kernels (checked once per step)."""
         return attn_step_usable(ctx, self.name, rows, max_block)
 
+    def native(self, hidden: int) -> tuple | None:
+        """The ``decode_native`` record."""
+        lin = linears(self.qkv, self.o, hidden, self.H * self.D)
+        if lin is None:
+            return None
+        return "attention", {
+            **lin, "heads": self.H, "kv_heads": self.KVH, "head_dim": self.D,
+            "q_size": self.q_size, "kv_size": self.kv_size, "q_head_stride": self.q_hs,
+            "q_norm_w": self.qw or 0, "k_norm_w": self.kw or 0, "qk_zc": self.zc,
+            "cos": self.cos, "sin": self.sin, "rot": self.rot, "gated": int(self.gated),
+        }, {"eps2": self.qk_eps, "scale": self.scale}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        return cache_dyn(st, self.name)
+
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t = st.lib, st.t
         g = st.attn_group(self.name)
@@ -227,9 +248,10 @@ class Attention:
             BF16, q.data_ptr(), q.stride(0), None, kv_cache.data_ptr(), g[0], g[1], g[2], g[3],
             o.data_ptr(), o.stride(0), g[5], self.H, self.KVH, self.D, kv_cache.shape[1],
             self.scale, st.nt)
-        if self.gated:  # as the module: attn * sigmoid(gate), both rounded to bf16
-            gate = qkv[:, :self.q_size].view(t, self.H, 2 * self.D)[:, :, self.D:]
-            o.mul_(torch.sigmoid(gate))
+        if self.gated:  # as the module (attention_gate): o * sigmoid(gate), in place
+            rc |= lib.pf_sigmoid_gate(BF16, o.data_ptr(), o.stride(0), qkv.data_ptr() + 2 * self.D,
+                                      qkv.stride(0), 2 * self.D, o.data_ptr(), o.stride(0), t,
+                                      self.H, self.D, st.nt)
         out, r = st.project(self.o, self.mods[1], o.view(t, self.H * self.D), "mixer_out")
         return out, rc | r
 
@@ -249,6 +271,15 @@ class GatedMlp:
     def ok(m) -> bool:
         return (getattr(m, "act", None) is F.silu and gemv_ready(getattr(m, "gate_up_proj", None))
                 and gemv_ready(getattr(m, "down_proj", None)))
+
+    def native(self, hidden: int) -> tuple | None:
+        lin = linears(self.gu, self.down, hidden, self.inter)
+        if lin is None or lin["n0"] != 2 * self.inter:
+            return None
+        return "mlp_silu", lin, {}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        return []
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         gu, rc = st.project(self.gu, self.mods[0], h, "gate_up")
@@ -322,7 +353,8 @@ class DensePlan:
         self.layers = [_DenseLayer(la) for la in layers] if self.ok else []
         self.max_block = lib.pf_max_block() if lib is not None else 0
         self.scratch: dict = {}
-        self.native = (NativeDense(lib, self.layers, layers[0].input_layernorm.weight.numel())
+        blocks = [b for la in self.layers for b in ((la.norm_in, la.attn), (la.norm_post, la.mlp))]
+        self.native = (NativeBlocks(lib, blocks, layers[0].input_layernorm.weight.numel())
                        if self.ok else None)
 
     def usable(self, x: torch.Tensor, ctx) -> bool:

@@ -32,6 +32,7 @@ from pagefold.layers.decode_fast import (
     mlp_part,
     step_possible,
 )
+from pagefold.layers.decode_native import NativeBlocks, linears
 
 _STATE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -78,6 +79,26 @@ class Gdn:
         return (conv.dtype == torch.bfloat16 and conv.shape == (self.C, self.K - 1)
                 and ssm.dtype in _STATE_CODE and ssm.shape == (self.Hv, self.Dk, self.Dv)
                 and view.raw.is_contiguous())
+
+    def native(self, hidden: int) -> tuple | None:
+        """The ``decode_native`` record."""
+        lin = linears(self.inp, self.out, hidden, self.V)
+        if lin is None:
+            return None
+        return "gdn", {
+            **lin, "conv_dim": self.C, "conv_k": self.K, "ssm_heads": self.Hv,
+            "ssm_head_dim": self.Dv, "k_heads": self.Hk, "k_head_dim": self.Dk,
+            "conv_w": self.conv_w, "dt_bias": self.dt_bias, "gnorm_w": self.norm_w,
+        }, {"eps2": self.norm_eps, "scale": self.scale}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        """The state pool, this step's pages and ``-exp(A_log)`` (as :meth:`run` passes)."""
+        view, meta = st.ctx.state(self.name)
+        s = _state_step(st, meta)
+        _, _, ssm, offs = cpu_ops._state_kernel(view)
+        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
+                s[2] or 0, cpu_ops._neg_exp(self.a_log).data_ptr(), s[3], s[4],
+                _STATE_CODE[ssm.dtype]]
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t = st.lib, st.t
@@ -153,6 +174,9 @@ class HybridPlan:
         self.layers = [_HybridLayer(la) for la in layers] if self.ok else []
         self.max_block = lib.pf_max_block() if lib is not None else 0
         self.scratch: dict = {}
+        blocks = [b for la in self.layers for b in ((la.norm_in, la.mixer), (la.norm_post, la.mlp))]
+        self.native = (NativeBlocks(lib, blocks, layers[0].input_layernorm.weight.numel())
+                       if self.ok else None)
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -170,6 +194,8 @@ class HybridPlan:
         """Every layer on ``x`` (T, hidden); returns ``(last MLP output, residual)``, whose
         sum is what the layers' own forwards return. ``usable`` must hold."""
         st = Step(self.lib, x, positions, ctx, self.scratch)
+        if self.native is not None and self.native.usable(x, None, st.small):
+            return self.native.forward(st, x, ctx, None)  # the same calls, from C
         residual = None
         for la in self.layers:
             h, residual, rc = la.norm_in.run(st, x, residual)

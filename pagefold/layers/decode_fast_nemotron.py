@@ -26,6 +26,7 @@ import torch
 
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
+from pagefold.layers import activations
 from pagefold.layers.decode_fast import (
     BF16,
     ModuleMlp,
@@ -34,11 +35,13 @@ from pagefold.layers.decode_fast import (
     _norm_ok,
     _spec,
     attn_step_usable,
+    cache_dyn,
     gemv_ready,
     heads_ok,
     step_possible,
 )
 from pagefold.layers.decode_fast_hybrid import _state_step
+from pagefold.layers.decode_native import NativeBlocks, linears
 
 
 class _Norm(Norm):
@@ -97,6 +100,29 @@ class Mamba:
                 and ssm.dtype == torch.float32 and ssm.shape == (self.H, self.Dh, self.Ns)
                 and view.raw.is_contiguous())
 
+    def native(self, hidden: int) -> tuple | None:
+        """The ``decode_native`` record, where the gated norm is the kernel's bf16 gate-first
+        form (what ``GatedRMSNorm`` runs on these rows)."""
+        lin = linears(self.inp, self.out, hidden, self.inter)
+        n = self.norm
+        if (lin is None or n.norm_before_gate or n.spans_ranks
+                or n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous()):
+            return None
+        return "mamba2", {
+            **lin, "conv_dim": self.C, "conv_k": self.K, "ssm_heads": self.H,
+            "ssm_head_dim": self.Dh, "ssm_groups": self.G, "ssm_state": self.Ns,
+            "conv_w": self.conv_w, "conv_b": self.conv_b or 0, "dt_bias": self.dt_bias,
+            "d_skip": self.D, "gnorm_w": n.weight.data_ptr(), "gnorm_group": n.group_size,
+        }, {"eps2": float(n.eps)}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        """The state pool, this step's pages and ``-exp(A_log)`` (as :meth:`run` passes)."""
+        view, meta = st.ctx.state(self.name)
+        s = _state_step(st, meta)
+        offs = cpu_ops._state_kernel(view)[3]
+        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
+                s[2] or 0, cpu_ops._neg_exp(self.a_log).data_ptr()]
+
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         t = st.t
         proj, rc = st.project(self.inp, self.mods[0], h, "in_proj")
@@ -139,6 +165,18 @@ class Attention:
     def usable(self, ctx, rows: int, max_block: int) -> bool:
         return attn_step_usable(ctx, self.name, rows, max_block)
 
+    def native(self, hidden: int) -> tuple | None:
+        """The ``decode_native`` record: no q/k norm, no RoPE (``rot`` 0)."""
+        lin = linears(self.qkv, self.o, hidden, self.H * self.D)
+        if lin is None:
+            return None
+        return "attention", {**lin, "heads": self.H, "kv_heads": self.KVH, "head_dim": self.D,
+                             "q_size": self.q_size, "kv_size": self.kv_size}, {
+                                 "scale": self.scale}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        return cache_dyn(st, self.name)
+
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t = st.lib, st.t
         g = st.attn_group(self.name)
@@ -170,6 +208,16 @@ class Mlp:
     def ok(m) -> bool:
         return gemv_ready(getattr(m, "up_proj", None)) and gemv_ready(getattr(m, "down_proj",
                                                                               None))
+
+    def native(self, hidden: int) -> tuple | None:
+        """The ``decode_native`` record, for relu^2 (``pf_relu2`` rounds as torch does)."""
+        lin = linears(self.up, self.down, hidden, self.up[2])
+        if lin is None or self.act is not activations._relu2:
+            return None
+        return "mlp_relu2", lin, {}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        return []
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         u, rc = st.project(self.up, self.mods[0], h, "up")
@@ -204,6 +252,8 @@ class NemotronHPlan:
         self.norm_f = _Norm(norm_f) if self.ok else None
         self.max_block = lib.pf_max_block() if lib is not None else 0
         self.scratch: dict = {}
+        self.native = (NativeBlocks(lib, list(zip(self.norms, self.parts, strict=True)),
+                                    norm_f.weight.numel()) if self.ok else None)
 
     def usable(self, x: torch.Tensor, ctx) -> bool:
         """This step can take the fast path (checked once per step)."""
@@ -222,12 +272,16 @@ class NemotronHPlan:
         takes the residual stream). ``usable`` must hold."""
         # No RoPE: the step's positions are never read; the token ids stand in for them.
         st = Step(self.lib, x, input_ids, ctx, self.scratch)
-        out, residual = x, None
-        for norm, part in zip(self.norms, self.parts, strict=True):
-            h, residual, rc = norm.run(st, out, residual)
-            out, r = part.run(st, h)
-            if rc | r:
-                raise RuntimeError("a CPU kernel refused checked inputs in a Nemotron-H block")
+        if self.native is not None and self.native.usable(x, None, st.small):
+            out, residual = self.native.forward(st, x, ctx, None)  # the same calls, from C
+        else:
+            out, residual = x, None
+            for norm, part in zip(self.norms, self.parts, strict=True):
+                h, residual, rc = norm.run(st, out, residual)
+                out, r = part.run(st, h)
+                if rc | r:
+                    raise RuntimeError("a CPU kernel refused checked inputs in a Nemotron-H "
+                                       "block")
         h, _, rc = self.norm_f.run(st, out, residual, tag=None)  # leaves the plan: fresh
         if rc:
             raise RuntimeError("a CPU kernel refused checked inputs in the final norm")

@@ -30,6 +30,7 @@ from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.attention_gate import sigmoid_gate
 from pagefold.layers.causal_conv1d import (
     causal_conv1d_state_at,
     causal_conv1d_update,
@@ -134,7 +135,7 @@ class GatedAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         o = ctx.attention(self.layer_name, q, k, v, self.scale)
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        o = sigmoid_gate(o.reshape(t, -1), gate)
         return self.o_proj(o)
 
 

@@ -14,7 +14,7 @@ from pagefold.csrc import cpu_ops
 from pagefold.layers import decode_fast, decode_fast_hybrid, decode_native
 from pagefold.models.llama import DecoderModel
 from pagefold.models.qwen3_5 import HybridModel
-from pagefold.testing.decode_plans import check_no_scratch_escape
+from pagefold.testing.decode_plans import count_plan_calls
 from pagefold.testing.tiny_models import random_prompts
 
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -43,23 +43,7 @@ def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native, tiny_mo
     monkeypatch.setattr(decode_native, "ENABLED", native)
     model = tiny_model_factory(arch)
     prompts = random_prompts(3, 5, 40, 400, seed=4)
-    calls, native_calls = [0], [0]
-    forward, native_forward = decode_fast.DensePlan.forward, decode_native.NativeDense.forward
-
-    def counting(self, *args, **kw):
-        calls[0] += 1
-        before = native_calls[0]
-        out = forward(self, *args, **kw)
-        if native_calls[0] == before:  # the C driver's scratch lives in C, for one call
-            check_no_scratch_escape(self, out)
-        return out
-
-    def counting_native(self, *args, **kw):
-        native_calls[0] += 1
-        return native_forward(self, *args, **kw)
-
-    monkeypatch.setattr(decode_fast.DensePlan, "forward", counting)
-    monkeypatch.setattr(decode_native.NativeDense, "forward", counting_native)
+    calls, native_calls = count_plan_calls(monkeypatch, decode_fast.DensePlan)
     fast = _run(model, prompts)
     assert calls[0] > 0
     assert (native_calls[0] > 0) == native
@@ -73,26 +57,24 @@ def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native, tiny_mo
 
 
 @pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("arch,gemv_rows", [("qwen3_5", None), ("qwen3_next", None),
-                                             ("qwen3_5", 1)])
-def test_hybrid_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_factory,
-                                                       monkeypatch):
+@pytest.mark.parametrize("arch,gemv_rows,native", [
+    ("qwen3_5", None, True), ("qwen3_next", None, False), ("qwen3_5", 1, True),
+    ("qwen3_5", None, False)])
+def test_hybrid_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native,
+                                                       tiny_model_factory, monkeypatch):
+    """native: the GEMV steps run as one C call (decode_native), else the Python plan (the
+    MoE block has no native part: Qwen3-Next always takes the Python plan)."""
     if gemv_rows is not None:
         monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
+    monkeypatch.setattr(decode_native, "ENABLED", native)
     model = tiny_model_factory(arch)
     prompts = random_prompts(3, 5, 40, 400, seed=5)
-    calls = [0]
-    forward = decode_fast_hybrid.HybridPlan.forward
-
-    def counting(self, *args, **kw):
-        calls[0] += 1
-        out = forward(self, *args, **kw)
-        check_no_scratch_escape(self, out)
-        return out
-
-    monkeypatch.setattr(decode_fast_hybrid.HybridPlan, "forward", counting)
+    calls, native_calls = count_plan_calls(monkeypatch, decode_fast_hybrid.HybridPlan)
     fast = _run(model, prompts)
     assert calls[0] > 0
+    assert (native_calls[0] > 0) == native
+    if native and gemv_rows == 1:
+        assert native_calls[0] < calls[0]  # batches above the GEMV's rows: the Python plan
     monkeypatch.setattr(HybridModel, "fast_decode", False)
     n = calls[0]
     slow = _run(model, prompts)

@@ -2,7 +2,8 @@
 path's bits: same tokens and logprobs (bf16, greedy) at batch 1, 2 and 3, for the plain tiny
 model (Mamba-2, attention without RoPE, relu^2 MLP blocks) and the MoE one (a MoE block
 through its own forward); with the GEMV's row limit at 1, batches above 1 take each linear's
-own forward. The fast path must actually have run."""
+own forward. The fast path must actually have run, and the single C call of the native
+step (``decode_native``) where its blocks allow it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from pagefold import LLM, SamplingParams
 from pagefold.csrc import cpu_ops
-from pagefold.layers import decode_fast_nemotron
+from pagefold.layers import decode_fast_nemotron, decode_native
 from pagefold.models.nemotron_h import NemotronHModel
-from pagefold.testing.decode_plans import check_no_scratch_escape
+from pagefold.testing.decode_plans import count_plan_calls
 from pagefold.testing.tiny_models import random_prompts
 
 # Mamba-2, MoE (latent projections, a shared expert), attention and MLP blocks.
@@ -52,28 +53,27 @@ def _run(model_dir, prompts: list[list[int]]) -> list[tuple]:
 
 
 @pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("arch,gemv_rows", [("nemotron_h", None), ("nemotron_h_moe", None),
-                                             ("nemotron_h", 1)])
-def test_nemotron_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, tiny_model_factory,
-                                                         monkeypatch, tmp_path):
+@pytest.mark.parametrize("arch,gemv_rows,native", [
+    ("nemotron_h", None, True), ("nemotron_h_moe", None, False), ("nemotron_h", 1, True),
+    ("nemotron_h", None, False)])
+def test_nemotron_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native,
+                                                         tiny_model_factory, monkeypatch,
+                                                         tmp_path):
+    """native: the GEMV steps run as one C call (decode_native), else the Python plan (the
+    MoE block has no native part: its model always takes the Python plan)."""
     if gemv_rows is not None:
         monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
+    monkeypatch.setattr(decode_native, "ENABLED", native)
     src = tiny_model_factory("nemotron_h", **MOE) if arch == "nemotron_h_moe" else \
         tiny_model_factory(arch)
     model = _random_norms(src, tmp_path / "model")
     prompts = random_prompts(3, 5, 40, 400, seed=6)
-    calls = [0]
-    forward = decode_fast_nemotron.NemotronHPlan.forward
-
-    def counting(self, *args, **kw):
-        calls[0] += 1
-        out = forward(self, *args, **kw)
-        check_no_scratch_escape(self, out)
-        return out
-
-    monkeypatch.setattr(decode_fast_nemotron.NemotronHPlan, "forward", counting)
+    calls, native_calls = count_plan_calls(monkeypatch, decode_fast_nemotron.NemotronHPlan)
     fast = _run(model, prompts)
     assert calls[0] > 0
+    assert (native_calls[0] > 0) == native
+    if native and gemv_rows == 1:
+        assert native_calls[0] < calls[0]  # batches above the GEMV's rows: the Python plan
     monkeypatch.setattr(NemotronHModel, "fast_decode", False)
     n = calls[0]
     slow = _run(model, prompts)

@@ -1,7 +1,9 @@
-"""The element-wise kernels of the native decode step against torch: ``pf_relu2`` (Nemotron-H's
-relu^2 MLP, bit for bit torch's) and ``pf_sigmoid_gate`` (gated attention's output gate,
-through :func:`pagefold.layers.attention_gate.sigmoid_gate`, which the module path and the
-decode plans share: torch's bits up to rare one-step rounding flips of the exp)."""
+"""The small kernels of the native decode step against torch: ``pf_relu2`` (Nemotron-H's
+relu^2 MLP, bit for bit torch's), ``pf_sigmoid_gate`` (gated attention's output gate, through
+:func:`pagefold.layers.attention_gate.sigmoid_gate`), ``pf_moe_route`` and
+``pf_moe_shared_add`` (a sparse MoE block's router and shared-expert add). The module path and
+the decode plans share the last three, whose exp is the kernels' own: torch's bits up to rare
+one-step rounding flips."""
 
 from __future__ import annotations
 
@@ -40,11 +42,7 @@ def test_sigmoid_gate_matches_torch(d):
     got = sigmoid_gate(o, gate)
     ref = o * torch.sigmoid(gate.reshape(t, -1))
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    diff = got != ref
-    assert diff.float().mean().item() <= 5e-3, f"{int(diff.sum())} of {got.numel()} differ"
-    if diff.any():
-        assert ((got.float() - ref.float()).abs()[diff]
-                / (ref.float().abs()[diff] + 1e-6)).max() < 2e-2
+    _mostly_equal(got, ref, 5e-3)
     assert torch.equal(got[0, :3], ref[0, :3])
 
 
@@ -52,3 +50,53 @@ def test_sigmoid_gate_other_dtypes_are_torchs():
     gate = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(5))
     o = torch.randn(3, 16)
     assert torch.equal(sigmoid_gate(o, gate), o * torch.sigmoid(gate.reshape(3, -1)))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_route_matches_torch(norm):
+    """SparseMoeBlock's router on bf16 CPU logits (``pf_moe_route``): torch's experts, in
+    torch.topk's order, and its weights up to rare one-step roundings."""
+    from pagefold.layers.moe import _route_cpu
+
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(13, 24, generator=g) * 3).to(torch.bfloat16)
+    w, idx = _route_cpu(logits, 5, norm)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ref_w, ref_idx = torch.topk(probs, 5, dim=-1)
+    if norm:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    # The same experts in the same order up to ties (equal bf16 logits; torch.topk leaves
+    # their order open, the kernel puts the lower expert first).
+    assert torch.equal(probs.gather(1, idx), probs.gather(1, ref_idx))
+    assert torch.equal(idx.sort(dim=1).values, ref_idx.sort(dim=1).values)
+    ties = (probs.gather(1, idx)[:, 1:] == probs.gather(1, idx)[:, :-1])
+    assert ties.any()  # this seed has one: check it went to the lower expert
+    for i, j in ties.nonzero().tolist():
+        assert idx[i, j] < idx[i, j + 1]
+    assert w.dtype == torch.bfloat16
+    _mostly_equal(w, ref_w.to(torch.bfloat16), 0.05)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_shared_add_matches_torch(gated):
+    """``out + sigmoid(gate) * shared`` (``pf_moe_shared_add``) rounded as torch rounds it."""
+    from pagefold.layers.moe import _shared_add_cpu
+
+    g = torch.Generator().manual_seed(7)
+    out = torch.randn(6, 77, generator=g).to(torch.bfloat16)
+    shared = torch.randn(6, 77, generator=g).to(torch.bfloat16)
+    gate = (torch.randn(6, 1, generator=g) * 4).to(torch.bfloat16) if gated else None
+    ref = out + (torch.sigmoid(gate) * shared if gated else shared)
+    got = _shared_add_cpu(out.clone(), shared, gate)
+    if gated:
+        _mostly_equal(got, ref, 0.02)
+    else:
+        assert torch.equal(got, ref)
+
+
+def _mostly_equal(got: torch.Tensor, ref: torch.Tensor, max_frac: float) -> None:
+    diff = got != ref
+    assert diff.float().mean().item() <= max_frac, f"{int(diff.sum())} of {got.numel()} differ"
+    if diff.any():
+        assert ((got.float() - ref.float()).abs()[diff]
+                / (ref.float().abs()[diff] + 1e-6)).max() < 2e-2

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace pf {
 namespace {

@@ -10,7 +10,8 @@
 // A step is a list of blocks, each `part(norm(x + residual))`: the residual add folded into the
 // norm (pf_rms_norm), then one part: attention (with or without q/k norm + RoPE, with or
 // without a sigmoid output gate), a gated SiLU MLP, a relu^2 MLP, a Mamba-2 mixer or a Gated
-// DeltaNet mixer. A dense or Qwen3.5 layer is two blocks (mixer, MLP), a Nemotron-H layer one.
+// DeltaNet mixer, a sparse MoE block. A dense or Qwen3.5 / Qwen3-Next layer is two blocks
+// (mixer, MLP), a Nemotron-H layer one.
 // The block records (int64, kFields per block, see enum Field) and their floats (kFloats per
 // block) are built once per plan; the per-step inputs are the rows, the positions, each
 // attention group's decode metadata and each block's per-step values (a cache, a state pool's
@@ -18,67 +19,23 @@
 // (pf_linear_bf16 / _fma / _amx).
 
 #include "common.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <vector>
 
-extern "C" {
-int pf_rms_norm(int dtype, const void* x, int64_t x_stride, void* res, int64_t res_stride,
-                const void* w, void* out, int64_t out_stride, int64_t N, int D, float eps,
-                int zero_centered, int nthreads);
-int pf_qk_norm_rope(int dtype, const void* qkv, int64_t row_stride, int64_t q_off,
-                    int64_t q_head_stride, int64_t k_off, const int64_t* positions,
-                    const float* cos, const float* sin, int rot, const void* qw, const void* kw,
-                    float eps, int zero_centered, void* q_out, void* k_out, int64_t N, int H,
-                    int KVH, int D, int nthreads);
-int pf_write_kv(int dtype, const void* k, const void* v, int64_t k_stride, int64_t v_stride,
-                const int64_t* slots, void* cache, int N, int KVH, int D);
-int pf_decode_attention(int dtype, const void* q, int64_t q_stride, const int64_t* rows,
-                        const void* cache, const int64_t* tables, int64_t table_stride,
-                        const int64_t* seq_lens, const int64_t* kv_starts, void* out,
-                        int64_t out_stride, int B, int H, int KVH, int D, int bs, float scale,
-                        int nthreads);
-int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N, int I,
-                int nthreads);
-int pf_relu2(int dtype, const void* x, int64_t stride, void* out, int64_t N, int I,
-             int nthreads);
-int pf_mamba2_decode(int dtype, void* raw, int64_t page_bytes, const int64_t* pages, int P,
-                     int64_t conv_off, int64_t ssm_off, const uint8_t* fresh, const void* xbc,
-                     int64_t x_stride, const void* dt, int64_t dt_stride, const void* conv_w,
-                     const void* conv_b, const float* dt_bias, const float* A, const float* D,
-                     void* y, int64_t N, int C, int K, int H, int Dh, int G, int Ns,
-                     int nthreads);
-int pf_sigmoid_gate(int dtype, const void* o, int64_t os, const void* g, int64_t gs,
-                    int64_t ghs, void* out, int64_t outs, int64_t N, int H, int D, int nthreads);
-int pf_gdn(int dtype, int ssm_dtype, void* raw, int64_t page_bytes, const int64_t* pages, int P,
-           int64_t conv_off, int64_t ssm_off, const uint8_t* fresh, const int64_t* cu,
-           const void* x, int64_t x_stride, const void* a, const void* b, int64_t ab_stride,
-           const void* conv_w, const float* neg_exp_alog, const void* dt_bias, void* out,
-           int64_t N, int C, int K, int Hk, int Hv, int Dk, int Dv, float scale,
-           const int64_t* cap_cu, const int64_t* cap_off, const int64_t* cap_pages,
-           int nthreads);
-int pf_rms_norm_gated(int dtype, const void* x, int64_t xs0, int64_t xs1, const void* gate,
-                      int64_t gs0, int64_t gs1, const void* w, void* out, int64_t N, int H, int D,
-                      float eps, int nthreads);
-int pf_gated_norm_gate_first(int x_dtype, int g_dtype, int w_dtype, const void* x, int64_t xs,
-                             const void* gate, int64_t gs, const void* w, void* out, int64_t N,
-                             int D, int group, float eps, int nthreads);
-}
 
 namespace pf {
 namespace {
 
 constexpr int kBf16 = 1;  // the kernels' dtype code
 
-using GemvFn = int (*)(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
-                       int64_t y_stride, int M, int64_t N, int64_t K, int nthreads);
-
 // What a block's part is (decode_native.KINDS).
-enum Kind : int { kAttention = 1, kMlpSilu = 2, kMlpRelu2 = 3, kMamba2 = 4, kGdn = 5 };
+enum Kind : int { kAttention = 1, kMlpSilu = 2, kMlpRelu2 = 3, kMamba2 = 4, kGdn = 5, kMoe = 6 };
 
 // One block's record. Pointers are addresses; a missing bias, q/k norm or conv bias is 0.
-// Every part has two linears: w0 (hidden -> n0: qkv, gate_up, up, in_proj) and w1 (k1 ->
-// hidden: o, down, out_proj). Fields a part does not use are 0.
+// Every part but MoE has two linears: w0 (hidden -> n0: qkv, gate_up, up, in_proj) and w1 (k1
+// -> hidden: o, down, out_proj). Fields a part does not use are 0.
 enum Field : int {
   kKind, kNormW, kNormZc, kW0, kB0, kN0, kW1, kB1, kK1,
   // attention: rot 0 = no q/k norm and no RoPE (q, k and v read where they lie in qkv's rows);
@@ -89,6 +46,10 @@ enum Field : int {
   // dim = k1, the norm's group = the value head dim)
   kConvDim, kConvK, kSsmHeads, kSsmHeadDim, kSsmGroups, kSsmState, kConvW, kConvB, kDtBias,
   kDSkip, kGnormW, kGnormGroup, kKHeads, kKHeadDim,
+  // sparse MoE (w0 = the router, n0 = experts): stacked expert weights, an optional shared
+  // expert (gate_up, down, its width) and its optional gate (one output)
+  kTopK, kNormTopK, kExpertsGu, kExpertsDown, kMoeInter, kSharedGu, kSharedDown, kSharedInter,
+  kSharedGate,
   kFields
 };
 // eps2: the q/k norm's or the gated norm's; scale: attention's or GDN's query scale.
@@ -114,13 +75,13 @@ struct Scratch {
   uint16_t *h, *mo, *p0, *q, *k, *a1, *a2;
 
   Scratch(const int64_t* blocks, int n, int64_t t, int64_t d) {
-    int64_t n0 = 0, qo = 0, kv = 0, k1 = 0;
+    int64_t n0 = 0, qo = 0, kv = 0, k1 = d;  // a2 holds a MoE shared expert's (t, d) too
     for (int i = 0; i < n; ++i) {
       const int64_t* B = blocks + static_cast<int64_t>(i) * kFields;
-      n0 = std::max(n0, B[kN0]);
+      n0 = std::max({n0, B[kN0], 2 * B[kSharedInter]});
       qo = std::max(qo, B[kHeads] * B[kHeadDim]);
       kv = std::max(kv, B[kKvHeads] * B[kHeadDim]);
-      k1 = std::max(k1, B[kK1]);
+      k1 = std::max({k1, B[kK1], B[kSharedInter]});
     }
     mem.resize(static_cast<size_t>(t) * (2 * d + n0 + qo + kv + 2 * k1));
     h = mem.data();
@@ -238,6 +199,36 @@ int gdn(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, 
   return rc;
 }
 
+// router (logits -> softmax top-k) -> the routed experts (into dst) -> the shared expert and
+// its gate, added into dst. The kernels SparseMoeBlock's forward calls on such rows.
+int moe(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
+  const int64_t t = s.t, d = s.d, E = B[kN0];
+  const int k = static_cast<int>(B[kTopK]);
+  std::vector<int64_t> idx(static_cast<size_t>(t) * k);
+  std::vector<uint16_t> w(static_cast<size_t>(t) * k), gate(static_cast<size_t>(t));
+  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, E, static_cast<int>(t),
+                  E, d, s.nt);
+  rc |= pf_moe_route(m.p0, E, static_cast<int>(t), static_cast<int>(E), k,
+                     static_cast<int>(B[kNormTopK]), idx.data(), w.data());
+  if (rc) return rc;
+  rc |= pf_moe_experts_few(reinterpret_cast<void*>(s.gemv), m.h, d, static_cast<int>(t), k,
+                           idx.data(), w.data(), ptr<uint16_t>(B[kExpertsGu]),
+                           ptr<uint16_t>(B[kExpertsDown]), static_cast<int>(E), d, B[kMoeInter],
+                           dst, s.nt);
+  const int64_t si = B[kSharedInter];
+  if (rc || si == 0) return rc;
+  rc |= s.gemv(m.h, d, ptr<void>(B[kSharedGu]), nullptr, m.p0, 2 * si, static_cast<int>(t),
+               2 * si, d, s.nt);
+  rc |= pf_silu_mul(kBf16, m.p0, 2 * si, m.a1, t, static_cast<int>(si), s.nt);
+  rc |= s.gemv(m.a1, si, ptr<void>(B[kSharedDown]), nullptr, m.a2, d, static_cast<int>(t), d,
+               si, s.nt);
+  if (B[kSharedGate])
+    rc |= s.gemv(m.h, d, ptr<void>(B[kSharedGate]), nullptr, gate.data(), 1,
+                 static_cast<int>(t), 1, d, s.nt);
+  rc |= pf_moe_shared_add(dst, m.a2, B[kSharedGate] ? gate.data() : nullptr, 1, dst, t, d);
+  return rc;
+}
+
 }  // namespace
 }  // namespace pf
 
@@ -277,6 +268,7 @@ int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
       case kMlpRelu2: rc |= mlp(B, s, m, dst); break;
       case kMamba2: rc |= mamba2(B, F, dy, s, m, dst); break;
       case kGdn: rc |= gdn(B, F, dy, s, m, dst); break;
+      case kMoe: rc |= moe(B, s, m, dst); break;
       default: return -1;
     }
     if (rc) return rc;

@@ -7,6 +7,7 @@
 // up to float32 rounding (then one bf16 rounding, rarely flipped).
 
 #include "common.h"
+#include "kernels.h"
 
 namespace pf {
 namespace {

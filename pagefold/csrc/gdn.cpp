@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace pf {
 namespace {

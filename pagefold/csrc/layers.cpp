@@ -6,6 +6,7 @@
 // summation order differs). Called through ctypes (see cpu_ops.py).
 
 #include "common.h"
+#include "kernels.h"
 
 #include <type_traits>
 #include <vector>

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace pf {
 namespace {

@@ -8,20 +8,18 @@
 // GEMV (a function pointer: cpu_ops' choice for this CPU) and SiLU kernel, and the same
 // roundings as the torch ops it replaces (y * w rounded to bf16, then added to the output row
 // and rounded again, experts in ascending order into zeros): the Python path's bits.
+//
+// Also the block's router (softmax top-k) and its shared expert's gated add: kernels that the
+// module path (SparseMoeBlock on bf16 CPU rows) and the native decode step both call, so the
+// two give the same bits (their exp is the kernels' own, not torch's).
 
 #include "common.h"
+#include "kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
-
-extern "C" int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N,
-                           int I, int nthreads);
-
-namespace {
-using GemvFn = int (*)(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
-                       int64_t y_stride, int M, int64_t N, int64_t K, int nthreads);
-}  // namespace
 
 using namespace pf;
 
@@ -79,6 +77,60 @@ int pf_moe_experts_few(void* gemv_fn, const uint16_t* x, int64_t x_stride, int t
         o[d] = f32_to_bf16(bf16_to_f32(o[d]) + rnd<uint16_t>(bf16_to_f32(yr[d]) * w));
     }
     i = j;
+  }
+  return 0;
+}
+
+// Router: per token, p = softmax(float(logits)) over E experts (float32, exp(x - max) / sum),
+// the k largest in descending order (ties: the lower expert first), renormalised to sum 1 when
+// norm (p / sum of the k, float32), weights rounded to bf16. logits (t, E) bf16 rows stride
+// apart; idx (t, k) int64 and w (t, k) bf16 contiguous. Returns -1 for k outside [1, E].
+int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, int norm,
+                 int64_t* idx, uint16_t* w) {
+  if (k < 1 || k > E || t < 0) return -1;
+  std::vector<float> p(E);
+  std::vector<int> order(E);
+  for (int i = 0; i < t; ++i) {
+    const uint16_t* l = logits + i * stride;
+    float mx = -INFINITY;
+    for (int e = 0; e < E; ++e) mx = std::max(mx, bf16_to_f32(l[e]));
+    float sum = 0.0f;
+    for (int e = 0; e < E; ++e) {
+      p[e] = exp_any(bf16_to_f32(l[e]) - mx);
+      sum += p[e];
+    }
+    for (int e = 0; e < E; ++e) p[e] = p[e] / sum;
+    for (int e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&p](int a, int b) {
+      return p[a] > p[b] || (p[a] == p[b] && a < b);
+    });
+    float top = 0.0f;
+    for (int j = 0; j < k; ++j) top += p[order[j]];
+    for (int j = 0; j < k; ++j) {
+      idx[i * k + j] = order[j];
+      w[i * k + j] = f32_to_bf16(norm ? p[order[j]] / top : p[order[j]]);
+    }
+  }
+  return 0;
+}
+
+// The shared expert's add: out = T(routed + T(T(sigmoid(gate)) * shared)) per row (gate: one
+// bf16 logit per row, gate_stride apart), or T(routed + shared) without a gate; as torch's
+// `out + torch.sigmoid(g) * shared` rounds on bf16. (t, d) rows contiguous; out may be routed.
+int pf_moe_shared_add(const uint16_t* routed, const uint16_t* shared, const uint16_t* gate,
+                      int64_t gate_stride, uint16_t* out, int64_t t, int64_t d) {
+  for (int64_t i = 0; i < t; ++i) {
+    const uint16_t* r = routed + i * d;
+    const uint16_t* sh = shared + i * d;
+    uint16_t* o = out + i * d;
+    if (gate == nullptr) {
+      for (int64_t c = 0; c < d; ++c) o[c] = f32_to_bf16(bf16_to_f32(r[c]) + bf16_to_f32(sh[c]));
+      continue;
+    }
+    const float g = bf16_to_f32(gate[i * gate_stride]);
+    const float sg = rnd<uint16_t>(1.0f / (1.0f + exp_any(-g)));
+    for (int64_t c = 0; c < d; ++c)
+      o[c] = f32_to_bf16(bf16_to_f32(r[c]) + rnd<uint16_t>(sg * bf16_to_f32(sh[c])));
   }
   return 0;
 }

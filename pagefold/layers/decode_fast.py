@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.kernels import dispatch
+from pagefold.layers import moe
 from pagefold.layers.decode_native import NativeBlocks, linears
 
 BF16 = 1  # cpu_ops' dtype code
@@ -291,15 +292,52 @@ class GatedMlp:
 
 
 class ModuleMlp:
-    """Any other MLP (e.g. a sparse MoE block): its own forward, as the module path calls it."""
+    """Any other MLP (e.g. a sparse MoE block): its own forward, as the module path calls it.
+    A :class:`~pagefold.layers.moe.SparseMoeBlock` also runs natively (``native``): the
+    router's GEMV, ``pf_moe_route``, ``pf_moe_experts_few``, the shared expert and its gate,
+    ``pf_moe_shared_add``: the kernels its forward calls on such rows."""
 
     __slots__ = ("mod",)
 
     def __init__(self, m) -> None:
         self.mod = m
 
+    def native(self, hidden: int) -> tuple | None:
+        m = self.mod
+        if not isinstance(m, moe.SparseMoeBlock) or not _moe_native_ok(m, hidden):
+            return None
+        ex, sh, gate = m.experts, m.shared_expert, m.shared_expert_gate
+        return "moe", {
+            "w0": m.gate.weight.data_ptr(), "n0": ex.num_experts, "top_k": m.top_k,
+            "norm_topk": int(m.norm_topk_prob), "experts_gu": ex.gate_up_proj.data_ptr(),
+            "experts_down": ex.down_proj.data_ptr(), "moe_inter": ex.inter,
+            "shared_gu": sh.gate_up_proj.weight.data_ptr() if sh is not None else 0,
+            "shared_down": sh.down_proj.weight.data_ptr() if sh is not None else 0,
+            "shared_inter": sh.inter if sh is not None else 0,
+            "shared_gate": gate.weight.data_ptr() if gate is not None else 0,
+        }, {}
+
+    def native_dyn(self, st: Step) -> list[int]:
+        return []
+
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         return self.mod(h), 0
+
+
+def _moe_native_ok(m, hidden: int) -> bool:
+    """The kernels take this MoE block's weights as its forward would (GEMV-routed linears
+    without biases, bf16 stacked experts through ``pf_moe_experts_few``)."""
+    ex, sh, gate = m.experts, m.shared_expert, m.shared_expert_gate
+    lins = [m.gate, *((sh.gate_up_proj, sh.down_proj) if sh is not None else ()),
+            *((gate,) if gate is not None else ())]
+    return (moe.NATIVE and ex.use_gemv and tp_size() == 1
+            and all(gemv_ready(lin) and lin.bias is None for lin in lins)
+            and m.gate.weight.shape == (ex.num_experts, hidden)
+            and all(w.dtype == torch.bfloat16 and w.is_contiguous()
+                    for w in (ex.gate_up_proj, ex.down_proj))
+            and ex.gate_up_proj.shape[2] == hidden
+            and (sh is None or (sh.act is F.silu and sh.gate_up_proj.weight.shape[1] == hidden))
+            and (gate is None or gate.weight.shape == (1, hidden)))
 
 
 def mlp_part(m) -> GatedMlp | ModuleMlp:

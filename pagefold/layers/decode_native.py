@@ -12,8 +12,8 @@ runs every plan with this on and off).
 
 A block is ``part(norm(x + residual))``; a plan part that can run natively has
 ``native() -> (kind, ints, floats) | None`` and ``native_dyn(step) -> [ints]``. Dense layers are
-two blocks (attention, gated MLP), Qwen3.5's two (GDN or gated attention, gated MLP),
-Nemotron-H's one (Mamba-2, attention or relu^2 MLP). Used
+two blocks (attention, gated MLP), Qwen3.5's and Qwen3-Next's two (GDN or gated attention,
+gated MLP or sparse MoE), Nemotron-H's one (Mamba-2, attention or relu^2 MLP). Used
 for the steps whose linears take the GEMV (``Step.small``) with contiguous rows; larger steps
 keep the Python plan, whose linears route through each layer's own forward.
 """
@@ -32,13 +32,15 @@ ENABLED = os.environ.get("PAGEFOLD_NATIVE_DECODE", "1") != "0"
 
 # decode_step.cpp's enum Kind, Field, FloatField and Dyn, in order (checked against the
 # library's ``pf_blocks_decode_fields`` when a plan is built).
-KINDS = {"attention": 1, "mlp_silu": 2, "mlp_relu2": 3, "mamba2": 4, "gdn": 5}
+KINDS = {"attention": 1, "mlp_silu": 2, "mlp_relu2": 3, "mamba2": 4, "gdn": 5, "moe": 6}
 FIELDS = (
     "kind", "norm_w", "norm_zc", "w0", "b0", "n0", "w1", "b1", "k1",
     "heads", "kv_heads", "head_dim", "q_size", "kv_size", "q_head_stride", "q_norm_w",
     "k_norm_w", "qk_zc", "cos", "sin", "rot", "group", "gated",
     "conv_dim", "conv_k", "ssm_heads", "ssm_head_dim", "ssm_groups", "ssm_state", "conv_w",
     "conv_b", "dt_bias", "d_skip", "gnorm_w", "gnorm_group", "k_heads", "k_head_dim",
+    "top_k", "norm_topk", "experts_gu", "experts_down", "moe_inter", "shared_gu", "shared_down",
+    "shared_inter", "shared_gate",
 )
 FLOATS = ("norm_eps", "eps2", "scale")
 DYN = 11

@@ -219,6 +219,42 @@ class MoEExperts(nn.Module):
             dst.copy_(tensor)
 
 
+def _bf16_cpu_rows(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2
+               and t.is_contiguous() for t in ts)
+
+
+def _route_cpu(logits: torch.Tensor, k: int, norm: bool
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router's softmax top-k on bf16 CPU logits through ``pf_moe_route`` (the native decode
+    step calls it too: the same bits on both paths), or None (torch's form)."""
+    lib = cpu_ops.kernels()
+    if lib is None or not _bf16_cpu_rows(logits) or logits.shape[0] == 0:
+        return None
+    t, e = logits.shape
+    idx = torch.empty((t, k), dtype=torch.int64)
+    w = torch.empty((t, k), dtype=torch.bfloat16)
+    rc = lib.pf_moe_route(logits.data_ptr(), logits.stride(0), t, e, k, int(norm), idx.data_ptr(),
+                          w.data_ptr())
+    return (w, idx) if rc == 0 else None
+
+
+def _shared_add_cpu(out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor | None
+                    ) -> torch.Tensor | None:
+    """``out + sigmoid(gate) * shared`` (or ``out + shared``) on bf16 CPU rows through
+    ``pf_moe_shared_add`` (torch's roundings, the kernels' exp; shared with the native decode
+    step), into ``out``'s storage; None (torch's form) otherwise."""
+    lib = cpu_ops.kernels()
+    if (lib is None or not _bf16_cpu_rows(out, shared) or shared.shape != out.shape
+            or (gate is not None and (not _bf16_cpu_rows(gate)
+                                      or gate.shape != (out.shape[0], 1)))):
+        return None
+    rc = lib.pf_moe_shared_add(out.data_ptr(), shared.data_ptr(),
+                               gate.data_ptr() if gate is not None else None, 1, out.data_ptr(),
+                               out.shape[0], out.shape[1])
+    return out if rc == 0 else None
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts + optional sigmoid-gated shared expert.
 
@@ -250,6 +286,9 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (top-k weights (T, k) in x's dtype, expert ids (T, k))."""
         logits = self.gate(x)
+        routed = _route_cpu(logits, self.top_k, self.norm_topk_prob)
+        if routed is not None:
+            return routed
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -261,9 +300,12 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, top_idx, top_w)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+            gate = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
+            added = _shared_add_cpu(out, shared, gate)
+            if added is not None:
+                out = added
+            else:
+                out = out + (torch.sigmoid(gate) * shared if gate is not None else shared)
         return all_reduce(out)
 
 

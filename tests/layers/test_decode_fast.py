@@ -58,12 +58,12 @@ def test_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native, tiny_mo
 
 @pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
 @pytest.mark.parametrize("arch,gemv_rows,native", [
-    ("qwen3_5", None, True), ("qwen3_next", None, False), ("qwen3_5", 1, True),
-    ("qwen3_5", None, False)])
+    ("qwen3_5", None, True), ("qwen3_next", None, True), ("qwen3_5", 1, True),
+    ("qwen3_next", 1, True), ("qwen3_5", None, False), ("qwen3_next", None, False)])
 def test_hybrid_fast_decode_is_bitwise_the_module_path(arch, gemv_rows, native,
                                                        tiny_model_factory, monkeypatch):
-    """native: the GEMV steps run as one C call (decode_native), else the Python plan (the
-    MoE block has no native part: Qwen3-Next always takes the Python plan)."""
+    """native: the GEMV steps run as one C call (decode_native, Qwen3-Next's sparse MoE blocks
+    included), else the Python plan (the MoE blocks through their own forward)."""
     if gemv_rows is not None:
         monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
     monkeypatch.setattr(decode_native, "ENABLED", native)

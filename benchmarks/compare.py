@@ -44,9 +44,11 @@ right after that system's worker exited.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -368,12 +370,27 @@ def run_worker(system: str, python: str, spec: dict, tmp: Path, env: dict | None
     with log.open("a") as f:
         f.write(f"\n===== {system} {spec['model']}\n")
         f.flush()
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = run_group(cmd, env, f)
     if rc != 0 or not out_path.exists():
         print(f"  {system}: failed (exit {rc}); see {log}", flush=True)
         return None
     print(f"  {system}: done in {time.perf_counter() - t:.0f} s", flush=True)
     return json.loads(out_path.read_text())
+
+
+def run_group(cmd: list[str], env: dict | None, out) -> int:
+    """Run a worker in its own process group and wait; if this process is interrupted or
+    terminated meanwhile, kill the whole group first: vLLM's engine core and workers outlive
+    their parent otherwise and load the CPU of every later measurement."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 def make_work(name: str, vocab: int, seed: int) -> tuple[list[dict], bool]:
@@ -524,6 +541,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker_main(args.worker, args.spec, args.out)
         return
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so run_group takes the running worker's group down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     sys.path.insert(0, str(REPO))
     from benchmarks.common import bench_model, print_table

@@ -140,3 +140,40 @@ def test_model_pass_products_benchmark_tiny(monkeypatch, capsys):
     assert all(float(v) > 0 for v in rows["1"])  # every product times one row
     if "amx" in names:  # the tile kernel stops at 32 rows
         assert rows["33"][names.index("amx") - 1] == "-"
+
+
+def test_compare_kills_a_workers_process_group_when_terminated(tmp_path):
+    """benchmarks.compare's workers run in their own process group, taken down when compare is
+    terminated: vLLM's engine core outlived its parent and loaded later measurements."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    worker = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    parent = (f"import sys; sys.path.insert(0, {REPO!r}); import signal; "
+              "from benchmarks import compare; "
+              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); "
+              f"compare.run_group([sys.executable, '-c', {worker!r}], None, None)")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 143
+    for _ in range(100):  # killed: gone, or a zombie until init reaps it
+        try:
+            state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, signal.SIGKILL)
+        raise AssertionError("the worker's child survived its terminated parent")

@@ -16,6 +16,7 @@ side's token is in the other's top 5.
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -198,7 +199,10 @@ def test_nemotron_h_decode_dt_matches_hf_generate(tiny_model_factory, random_pro
     tokens are clamped too); every step's logprobs must equal what transformers' ``generate``
     computed (prompt clamped, decode steps not), both in all-decode steps and in steps where
     decodes share the chunked kernel with a new prompt."""
-    model_dir = tiny_model_factory("nemotron_h", time_step_min=0.05)
+    # transformers >= 5.25 clamps the prompt's dt at time_step_limit, earlier ones at
+    # time_step_min: set both.
+    model_dir = tiny_model_factory("nemotron_h", time_step_min=0.05,
+                                   time_step_limit=[0.05, math.inf])
     prompts = random_prompts(4, 20, 60, VOCAB, seed=3)
     params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=4 << 20)

@@ -74,8 +74,10 @@ class Mamba2Config:
 
     @classmethod
     def from_nemotron_h(cls, cfg) -> Mamba2Config:
-        """NemotronHConfig: the prompt path clamps dt to ``(time_step_min, inf)`` (transformers'
-        NemotronHMamba2Mixer ignores ``time_step_limit``)."""
+        """NemotronHConfig: the prompt path clamps dt to ``time_step_limit`` (transformers >=
+        5.25, as Bamba; earlier versions clamped at ``(time_step_min, inf)``, which real
+        checkpoints' ``time_step_limit`` of ``(0, inf)`` does not ask for)."""
+        limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
         return cls(
             hidden_size=cfg.hidden_size,
             num_heads=cfg.mamba_num_heads,
@@ -85,7 +87,7 @@ class Mamba2Config:
             conv_kernel=cfg.conv_kernel,
             chunk_size=cfg.chunk_size,
             eps=cfg.layer_norm_epsilon,
-            dt_limit=(float(getattr(cfg, "time_step_min", 0.0) or 0.0), math.inf),
+            dt_limit=(float(limit[0]), float(limit[1])),
             proj_bias=bool(getattr(cfg, "use_bias", False)),
             conv_bias=bool(getattr(cfg, "use_conv_bias", True)),
             activation=getattr(cfg, "mamba_hidden_act", "silu"),
@@ -204,9 +206,10 @@ class Mamba2Mixer(nn.Module):
         """(T, H) discretised float32 time step, clamped the way transformers clamps it.
 
         transformers' single-token decode path (``selective_state_update``) applies no dt limit
-        while its prompt path (``mamba2_chunk_scan``) does. Nemotron-H clamps at
-        ``time_step_min`` (1e-3), which random and real weights do reach, so clamping decode
-        tokens would change generated tokens versus transformers. We mirror it per token: see
+        while its prompt path (``mamba2_chunk_scan``) does. A clamp at a positive minimum
+        (Nemotron-H's ``time_step_min`` of 1e-3 before transformers 5.25) is reached by random
+        and real weights, so clamping decode tokens would change generated tokens versus
+        transformers. We mirror it per token: see
         :func:`_clamped_token_mask`.
         """
         out = F.softplus(dt.float() + self.dt_bias.float())

@@ -185,6 +185,8 @@ def _hf_mixer(time_step_min: float):
         conv_kernel=4,
         chunk_size=16,
         time_step_min=time_step_min,
+        # transformers >= 5.25 clamps at time_step_limit, earlier ones at time_step_min: both
+        time_step_limit=(time_step_min, math.inf),
         layer_norm_epsilon=1e-5,
     )
     torch.manual_seed(1234)

@@ -7,8 +7,9 @@ requests are preempted and recomputed. Logprobs (step 0's top 5, every chosen to
 compared with one teacher-forced ``hf_logprobs`` pass per prompt.
 
 transformers' single-token decode step does not clamp dt while its prompt pass does; for
-Nemotron-H (dt clamped at ``time_step_min``) a teacher-forced pass therefore differs slightly
-from what ``generate`` computed, so a dedicated test compares against ``generate``'s own logits
+a model whose clamp has a positive minimum (Nemotron-H's ``time_step_limit``; before
+transformers 5.25 its ``time_step_min``) a teacher-forced pass therefore differs slightly from
+what ``generate`` computed, so a dedicated test compares against ``generate``'s own logits
 on a model where the clamp matters. Granite's router can flip on a near tie between two float32
 implementations, so there the comparison stops at the first divergence after checking that each
 side's token is in the other's top 5.

@@ -92,13 +92,9 @@ class Gdn:
         }, {"eps2": self.norm_eps, "scale": self.scale}
 
     def native_dyn(self, st: Step) -> list[int]:
-        """The state pool, this step's pages and ``-exp(A_log)`` (as :meth:`run` passes)."""
-        view, meta = st.ctx.state(self.name)
-        s = _state_step(st, meta)
-        _, _, ssm, offs = cpu_ops._state_kernel(view)
-        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
-                s[2] or 0, cpu_ops._neg_exp(self.a_log).data_ptr(), s[3], s[4],
-                _STATE_CODE[ssm.dtype]]
+        """:func:`state_dyn`, then cu_seqlens, requests and the ssm state's dtype code."""
+        vals, s, ssm = state_dyn(st, self.name, self.a_log)
+        return vals + [s[3], s[4], _STATE_CODE[ssm.dtype]]
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         lib, t = st.lib, st.t
@@ -122,6 +118,17 @@ class Gdn:
                                     st.nt)
         out, r = st.project(self.out, self.mods[1], normed.view(t, self.V), "mixer_out")
         return out, rc | r
+
+
+def state_dyn(st: Step, name: str, a_log) -> tuple[list[int], tuple, torch.Tensor]:
+    """A state layer's per-step ``decode_native`` values as its kernel call passes them (the
+    state pool, page bytes, pages, pages per state, conv and ssm offsets, fresh flags,
+    ``-exp(A_log)``), with the step's :func:`_state_step` tuple and the ssm component."""
+    view, meta = st.ctx.state(name)
+    s = _state_step(st, meta)
+    _, _, ssm, offs = cpu_ops._state_kernel(view)
+    return ([view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
+             s[2] or 0, cpu_ops._neg_exp(a_log).data_ptr()], s, ssm)
 
 
 def _state_step(st: Step, meta) -> tuple:

@@ -40,7 +40,7 @@ from pagefold.layers.decode_fast import (
     heads_ok,
     step_possible,
 )
-from pagefold.layers.decode_fast_hybrid import _state_step
+from pagefold.layers.decode_fast_hybrid import _state_step, state_dyn
 from pagefold.layers.decode_native import NativeBlocks, linears
 
 
@@ -116,12 +116,7 @@ class Mamba:
         }, {"eps2": float(n.eps)}
 
     def native_dyn(self, st: Step) -> list[int]:
-        """The state pool, this step's pages and ``-exp(A_log)`` (as :meth:`run` passes)."""
-        view, meta = st.ctx.state(self.name)
-        s = _state_step(st, meta)
-        offs = cpu_ops._state_kernel(view)[3]
-        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
-                s[2] or 0, cpu_ops._neg_exp(self.a_log).data_ptr()]
+        return state_dyn(st, self.name, self.a_log)[0]
 
     def run(self, st: Step, h: torch.Tensor) -> tuple[torch.Tensor, int]:
         t = st.t

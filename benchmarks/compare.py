@@ -520,7 +520,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="the grid of model shapes (benchmarks/sweep.py) instead of the workloads")
     p.add_argument("--quick", action="store_true", help="--sweep: 4 shapes, halved workloads")
-    p.add_argument("--shapes", nargs="+", default=None, help="--sweep: only these shapes")
+    p.add_argument("--shapes", nargs="+", default=None,
+                   help="--sweep: only these shapes, or all (with --quick: every shape at the "
+                   "quick workload sizes)")
+    p.add_argument("--row-workloads", nargs="+", default=None, metavar="SYSTEM=W1,W2",
+                   help="--sweep: run that system only on these workloads, e.g. vllm=b1: on 2 "
+                   "cores vLLM's default row (one core reserved for its front end) computes "
+                   "on one thread; it lost every batched workload to vllm-r0 (1.6-2x) on the "
+                   "quick grid and can win only batch-1 decode")
     p.add_argument("--sweep-workloads", nargs="+", default=None,
                    help="--sweep: only these of tput b1 long sys conv")
     p.add_argument("--real-model", default=None,

@@ -3,6 +3,7 @@ model shapes, so that a change that helps one shape and hurts another shows.
 
     python -m benchmarks.compare --sweep --vllm-python /tmp/vllm-venv/bin/python
     python -m benchmarks.compare --sweep --quick ...           # 4 shapes, smaller workloads
+    python -m benchmarks.compare --sweep --quick --shapes all  # every shape, smaller workloads
     python -m benchmarks.compare --sweep --real-model DIR ...  # + a trained checkpoint
 
 Shapes (random weights, bf16): hidden 256-1024, 4-24 layers, GQA ratios 1-8, head_dim 64 and
@@ -118,7 +119,9 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
 
     wanted = QUICK if args.quick else [s.name for s in SHAPES]
     if args.shapes:
-        wanted = args.shapes
+        wanted = [s.name for s in SHAPES] if args.shapes == ["all"] else args.shapes
+    # --row-workloads vllm=b1: that row runs only those workloads (see compare.py's --help).
+    rows_only = {k: v.split(",") for k, v in (x.split("=", 1) for x in args.row_workloads or [])}
     shapes = [s for s in SHAPES if s.name in wanted]
     models = [(s.name, str(bench_model(s.arch, s.hidden, s.layers, **s.overrides)), s.big)
               for s in shapes]
@@ -140,7 +143,9 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
         got: dict[str, dict] = {}
         for _ in range(args.repeat):
             for system in systems:
-                r = run_one(system, spec)
+                only = rows_only.get(system)
+                r = run_one(system, spec if only is None else dict(
+                    spec, work={w: v for w, v in spec["work"].items() if w in only}))
                 if r is None:
                     continue
                 if system == "pagefold":

@@ -64,3 +64,38 @@ def test_drive_lead_and_conversation_modes():
 def test_gmean_skips_missing_cells():
     assert abs(_gmean([2.0, 0.5, None]) - 1.0) < 1e-12
     assert _gmean([None]) is None
+
+
+def test_run_sweep_row_workloads_and_best_vllm_row(monkeypatch, qwen3_dir, tmp_path, capsys):
+    """``--row-workloads vllm=b1`` hands that row only batch-1 work; each cell's reference is
+    the faster vLLM row that ran it (here: the one-thread row on b1, vllm-r0 elsewhere)."""
+    import json
+    from types import SimpleNamespace
+
+    import benchmarks.compare as compare
+    from benchmarks.sweep import run_sweep
+
+    monkeypatch.setattr(compare, "measure_bandwidth",
+                        lambda r: r.update(copy_gbps=10.0, read_gbps=20.0))
+    seen: dict[str, set[str]] = {}
+    # seconds / TPOT per (system, workload): pagefold twice as fast as vllm-r0 everywhere;
+    # the one-thread row is faster than vllm-r0 on b1 (and would be on tput, had it run).
+    speed = {"pagefold": 1.0, "vllm": 1.5, "vllm-r0": 2.0, "transformers": 8.0}
+
+    def run_one(system: str, spec: dict) -> dict:
+        seen[system] = set(spec["work"])
+        return {"threads": 2, "results": {
+            w: {"seconds": speed[system], "n_out": 1, "ttft": 0.1,
+                "tpot": speed[system] / 100} for w in spec["work"]}}
+
+    args = SimpleNamespace(quick=True, shapes=["none"], real_model=str(qwen3_dir), seed=0,
+                           sweep_workloads=None, repeat=1, row_workloads=["vllm=b1"],
+                           json=str(tmp_path / "sweep.json"))
+    run_sweep(args, ["pagefold", "transformers", "vllm", "vllm-r0"], run_one, tmp_path)
+    assert seen["vllm"] == {"b1"}
+    assert seen["vllm-r0"] == seen["pagefold"] == {"tput", "b1", "long", "sys", "conv"}
+    row = json.loads((tmp_path / "sweep.json").read_text())["sweep"][0]
+    assert abs(row["b1 /vLLM"] - 1.5) < 1e-9  # the one-thread row's TPOT
+    assert abs(row["tput /vLLM"] - 2.0) < 1e-9 and abs(row["conv /vLLM"] - 2.0) < 1e-9
+    assert abs(row["tput /HF"] - 8.0) < 1e-9
+    assert "geometric mean" in capsys.readouterr().out

@@ -19,8 +19,6 @@ Every layer keeps two caches: its K/V pages under ``layers.{i}`` and its Mamba-2
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,7 +34,7 @@ from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import gather_logits, vocab_embedding
 from pagefold.models.llama import CausalLM
-from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
+from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer, dt_limit
 
 __all__ = ["FalconH1ForCausalLM", "falcon_h1_mamba_dims", "mup_vector"]
 
@@ -66,12 +64,11 @@ class FalconH1Mixer(Mamba2Mixer):
 
     def __init__(self, cfg, layer_name: str) -> None:
         inter, heads, head_dim = falcon_h1_mamba_dims(cfg)
-        limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
         mcfg = Mamba2Config(
             hidden_size=cfg.hidden_size, num_heads=heads, head_dim=head_dim,
             n_groups=cfg.mamba_n_groups, state_size=cfg.mamba_d_state,
             conv_kernel=cfg.mamba_d_conv, chunk_size=cfg.mamba_chunk_size, eps=cfg.rms_norm_eps,
-            dt_limit=(float(limit[0]), float(limit[1])), proj_bias=bool(cfg.mamba_proj_bias),
+            dt_limit=dt_limit(cfg), proj_bias=bool(cfg.mamba_proj_bias),
             conv_bias=bool(cfg.mamba_conv_bias), activation=cfg.hidden_act)
         super().__init__(mcfg, layer_name)
         # Tensor parallelism: as the shared mixer (this rank's heads, the one group shared),

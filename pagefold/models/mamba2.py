@@ -9,7 +9,6 @@ Weights live under ``backbone.`` (older checkpoints name the embedding ``backbon
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import gather_logits, lm_head_linear, vocab_embedding
-from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
+from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer, dt_limit
 from pagefold.models.weights import load_into
 
 __all__ = ["Mamba2ForCausalLM", "mamba2_mixer_config"]
@@ -26,12 +25,11 @@ __all__ = ["Mamba2ForCausalLM", "mamba2_mixer_config"]
 
 def mamba2_mixer_config(cfg) -> Mamba2Config:
     """Mamba2Config's field names -> the shared mixer's shapes."""
-    limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
     return Mamba2Config(
         hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
         n_groups=cfg.n_groups, state_size=cfg.state_size, conv_kernel=cfg.conv_kernel,
         chunk_size=cfg.chunk_size, eps=cfg.layer_norm_epsilon,
-        dt_limit=(float(limit[0]), float(limit[1])), proj_bias=bool(cfg.use_bias),
+        dt_limit=dt_limit(cfg), proj_bias=bool(cfg.use_bias),
         conv_bias=bool(cfg.use_conv_bias), activation=getattr(cfg, "hidden_act", "silu"))
 
 

@@ -43,6 +43,14 @@ from pagefold.spec_decode.state_verify import causal_conv1d_verify, ssd_verify
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
 
 
+def dt_limit(cfg) -> tuple[float, float]:
+    """The prompt path's dt clamp of every Mamba-2 config: ``time_step_limit``, else none
+    (transformers' rule for Mamba2, Bamba, GraniteMoeHybrid, Falcon-H1 and, from 5.25,
+    Nemotron-H)."""
+    lo, hi = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
+    return float(lo), float(hi)
+
+
 @dataclass(frozen=True, slots=True)
 class Mamba2Config:
     """Shapes and options of one Mamba-2 mixer, independent of the checkpoint's field names.
@@ -77,7 +85,6 @@ class Mamba2Config:
         """NemotronHConfig: the prompt path clamps dt to ``time_step_limit`` (transformers >=
         5.25, as Bamba; earlier versions clamped at ``(time_step_min, inf)``, which real
         checkpoints' ``time_step_limit`` of ``(0, inf)`` does not ask for)."""
-        limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
         return cls(
             hidden_size=cfg.hidden_size,
             num_heads=cfg.mamba_num_heads,
@@ -87,7 +94,7 @@ class Mamba2Config:
             conv_kernel=cfg.conv_kernel,
             chunk_size=cfg.chunk_size,
             eps=cfg.layer_norm_epsilon,
-            dt_limit=(float(limit[0]), float(limit[1])),
+            dt_limit=dt_limit(cfg),
             proj_bias=bool(getattr(cfg, "use_bias", False)),
             conv_bias=bool(getattr(cfg, "use_conv_bias", True)),
             activation=getattr(cfg, "mamba_hidden_act", "silu"),
@@ -103,7 +110,6 @@ class Mamba2Config:
         if head_dim * cfg.mamba_n_heads != intermediate:
             raise ValueError(f"mamba_n_heads * mamba_d_head ({cfg.mamba_n_heads} * {head_dim}) != "
                              f"mamba_expand * hidden_size ({intermediate})")
-        limit = getattr(cfg, "time_step_limit", None) or (0.0, math.inf)
         return cls(
             hidden_size=cfg.hidden_size,
             num_heads=cfg.mamba_n_heads,
@@ -113,7 +119,7 @@ class Mamba2Config:
             conv_kernel=cfg.mamba_d_conv,
             chunk_size=cfg.mamba_chunk_size,
             eps=cfg.rms_norm_eps,
-            dt_limit=(float(limit[0]), float(limit[1])),
+            dt_limit=dt_limit(cfg),
             proj_bias=bool(getattr(cfg, "mamba_proj_bias", False)),
             conv_bias=bool(getattr(cfg, "mamba_conv_bias", True)),
             activation=getattr(cfg, "hidden_act", "silu"),

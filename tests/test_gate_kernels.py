@@ -100,3 +100,30 @@ def _mostly_equal(got: torch.Tensor, ref: torch.Tensor, max_frac: float) -> None
     if diff.any():
         assert ((got.float() - ref.float()).abs()[diff]
                 / (ref.float().abs()[diff] + 1e-6)).max() < 2e-2
+
+
+def test_moe_route_and_shared_add_split_over_threads_give_the_same_bits():
+    """A long prefill's router and shared add split their tokens over the threads: the same
+    bits as one thread (each thread has its own scratch rows)."""
+    from pagefold.layers.moe import _route_cpu, _shared_add_cpu
+
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(900, 40, generator=g) * 3).to(torch.bfloat16)  # over the threshold
+    out = torch.randn(900, 96, generator=g).to(torch.bfloat16)
+    shared = torch.randn(900, 96, generator=g).to(torch.bfloat16)
+    gate = torch.randn(900, 1, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append((*_route_cpu(logits, 4, True), _shared_add_cpu(out.clone(), shared, gate)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    # every row routed, not just a share: the chosen experts carry the top-4 probabilities
+    # (compared by value, since bf16 logits tie often and the order among ties is free)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = torch.topk(probs, 4, dim=-1).values
+    torch.testing.assert_close(probs.gather(1, got[1][1]), top, rtol=1e-5, atol=1e-7)

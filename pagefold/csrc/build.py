@@ -147,9 +147,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_blocks_decode_fields.restype = i32
     lib.pf_moe_experts_few.argtypes = [p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p, i32]
     lib.pf_moe_experts_few.restype = i32
-    lib.pf_moe_route.argtypes = [p, i64, i32, i32, i32, i32, p, p]
+    lib.pf_moe_route.argtypes = [p, i64, i32, i32, i32, i32, p, p, i32]
     lib.pf_moe_route.restype = i32
-    lib.pf_moe_shared_add.argtypes = [p, p, p, i64, p, i64, i64]
+    lib.pf_moe_shared_add.argtypes = [p, p, p, i64, p, i64, i64, i32]
     lib.pf_moe_shared_add.restype = i32
     lib.pf_gemv_kinds.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):

@@ -209,7 +209,7 @@ int moe(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
   int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, E, static_cast<int>(t),
                   E, d, s.nt);
   rc |= pf_moe_route(m.p0, E, static_cast<int>(t), static_cast<int>(E), k,
-                     static_cast<int>(B[kNormTopK]), idx.data(), w.data());
+                     static_cast<int>(B[kNormTopK]), idx.data(), w.data(), s.nt);
   if (rc) return rc;
   rc |= pf_moe_experts_few(reinterpret_cast<void*>(s.gemv), m.h, d, static_cast<int>(t), k,
                            idx.data(), w.data(), ptr<uint16_t>(B[kExpertsGu]),
@@ -225,7 +225,8 @@ int moe(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
   if (B[kSharedGate])
     rc |= s.gemv(m.h, d, ptr<void>(B[kSharedGate]), nullptr, gate.data(), 1,
                  static_cast<int>(t), 1, d, s.nt);
-  rc |= pf_moe_shared_add(dst, m.a2, B[kSharedGate] ? gate.data() : nullptr, 1, dst, t, d);
+  rc |= pf_moe_shared_add(dst, m.a2, B[kSharedGate] ? gate.data() : nullptr, 1, dst, t, d,
+                           s.nt);
   return rc;
 }
 

@@ -56,7 +56,7 @@ int pf_moe_experts_few(void* gemv_fn, const uint16_t* x, int64_t x_stride, int t
                        const uint16_t* down, int E, int64_t hidden, int64_t inter,
                        uint16_t* out, int nthreads);
 int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, int norm,
-                 int64_t* idx, uint16_t* w);
+                 int64_t* idx, uint16_t* w, int nthreads);
 int pf_moe_shared_add(const uint16_t* routed, const uint16_t* shared, const uint16_t* gate,
-                      int64_t gate_stride, uint16_t* out, int64_t t, int64_t d);
+                      int64_t gate_stride, uint16_t* out, int64_t t, int64_t d, int nthreads);
 }  // extern "C"

@@ -85,30 +85,36 @@ int pf_moe_experts_few(void* gemv_fn, const uint16_t* x, int64_t x_stride, int t
 // the k largest in descending order (ties: the lower expert first), renormalised to sum 1 when
 // norm (p / sum of the k, float32), weights rounded to bf16. logits (t, E) bf16 rows stride
 // apart; idx (t, k) int64 and w (t, k) bf16 contiguous. Returns -1 for k outside [1, E].
+// Tokens are independent: a long prefill's rows are split over nthreads.
 int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, int norm,
-                 int64_t* idx, uint16_t* w) {
+                 int64_t* idx, uint16_t* w, int nthreads) {
   if (k < 1 || k > E || t < 0) return -1;
-  std::vector<float> p(E);
-  std::vector<int> order(E);
-  for (int i = 0; i < t; ++i) {
-    const uint16_t* l = logits + i * stride;
-    float mx = -INFINITY;
-    for (int e = 0; e < E; ++e) mx = std::max(mx, bf16_to_f32(l[e]));
-    float sum = 0.0f;
-    for (int e = 0; e < E; ++e) {
-      p[e] = exp_any(bf16_to_f32(l[e]) - mx);
-      sum += p[e];
-    }
-    for (int e = 0; e < E; ++e) p[e] = p[e] / sum;
-    for (int e = 0; e < E; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&p](int a, int b) {
-      return p[a] > p[b] || (p[a] == p[b] && a < b);
-    });
-    float top = 0.0f;
-    for (int j = 0; j < k; ++j) top += p[order[j]];
-    for (int j = 0; j < k; ++j) {
-      idx[i * k + j] = order[j];
-      w[i * k + j] = f32_to_bf16(norm ? p[order[j]] / top : p[order[j]]);
+  const bool par = nthreads > 1 && static_cast<int64_t>(t) * E >= (1 << 14);
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    std::vector<float> p(E);
+    std::vector<int> order(E);
+#pragma omp for schedule(static)
+    for (int i = 0; i < t; ++i) {
+      const uint16_t* l = logits + i * stride;
+      float mx = -INFINITY;
+      for (int e = 0; e < E; ++e) mx = std::max(mx, bf16_to_f32(l[e]));
+      float sum = 0.0f;
+      for (int e = 0; e < E; ++e) {
+        p[e] = exp_any(bf16_to_f32(l[e]) - mx);
+        sum += p[e];
+      }
+      for (int e = 0; e < E; ++e) p[e] = p[e] / sum;
+      for (int e = 0; e < E; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&p](int a, int b) {
+        return p[a] > p[b] || (p[a] == p[b] && a < b);
+      });
+      float top = 0.0f;
+      for (int j = 0; j < k; ++j) top += p[order[j]];
+      for (int j = 0; j < k; ++j) {
+        idx[i * k + j] = order[j];
+        w[i * k + j] = f32_to_bf16(norm ? p[order[j]] / top : p[order[j]]);
+      }
     }
   }
   return 0;
@@ -118,7 +124,9 @@ int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, in
 // bf16 logit per row, gate_stride apart), or T(routed + shared) without a gate; as torch's
 // `out + torch.sigmoid(g) * shared` rounds on bf16. (t, d) rows contiguous; out may be routed.
 int pf_moe_shared_add(const uint16_t* routed, const uint16_t* shared, const uint16_t* gate,
-                      int64_t gate_stride, uint16_t* out, int64_t t, int64_t d) {
+                      int64_t gate_stride, uint16_t* out, int64_t t, int64_t d, int nthreads) {
+  const bool par = nthreads > 1 && t * d >= (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
   for (int64_t i = 0; i < t; ++i) {
     const uint16_t* r = routed + i * d;
     const uint16_t* sh = shared + i * d;

@@ -235,7 +235,7 @@ def _route_cpu(logits: torch.Tensor, k: int, norm: bool
     idx = torch.empty((t, k), dtype=torch.int64)
     w = torch.empty((t, k), dtype=torch.bfloat16)
     rc = lib.pf_moe_route(logits.data_ptr(), logits.stride(0), t, e, k, int(norm), idx.data_ptr(),
-                          w.data_ptr())
+                          w.data_ptr(), torch.get_num_threads())
     return (w, idx) if rc == 0 else None
 
 
@@ -251,7 +251,7 @@ def _shared_add_cpu(out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor 
         return None
     rc = lib.pf_moe_shared_add(out.data_ptr(), shared.data_ptr(),
                                gate.data_ptr() if gate is not None else None, 1, out.data_ptr(),
-                               out.shape[0], out.shape[1])
+                               out.shape[0], out.shape[1], torch.get_num_threads())
     return out if rc == 0 else None
 
 

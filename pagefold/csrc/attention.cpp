@@ -202,7 +202,7 @@ void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
 // and the heads of a row take each tile in turn, so a short tile keeps the lines all of a
 // row's heads read close together in time, where the hardware prefetchers follow them. With
 // 128-key tiles, 12 kv heads of 64 (an MHA model) decoded at 5 GB/s a core, waiting on each
-// line; 32-key tiles gave 1.6x at batch 32 and 1.2-1.4x at batch 1-4 on 3,000 keys, and
+// line; 32-key tiles gave 1.6x at batch 32 and 1.1-1.2x at batch 1-4 on 3,000 keys, and
 // 1.0-1.2x on GQA shapes (head dims 64 and 128, 2-8 kv heads; AVX512 host).
 constexpr int kTile = 32;
 constexpr int kSub = kTile / 16;

@@ -22,7 +22,7 @@ _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocke
             _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp",
-            _DIR / "moe.cpp"]
+            _DIR / "moe.cpp", _DIR / "pages.cpp"]
 _HEADERS = [_DIR / "common.h", _DIR / "kernels.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 def _cache_dir() -> Path:
@@ -121,9 +121,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, i32, p, i64, p, p, i64,  # x / B,C dtypes, x, x_stride, B, C, bc_stride
         p, i64,  # dt, dt_stride
         p, p, p, p, p, i64, p,  # A, D, init, final, cu, S, y
-        i32, i32, i32, i32, i32, p, p, i64, i32,  # H, P, G, N, L, captures (tok, out, M), thr
+        i32, i32, i32, i32, i32, p, p, i64,  # H, P, G, N, L, captures (tok, out, M)
+        p, i64, p, i32, i64, i32,  # paged captures (raw, page bytes, pages, P, offset), thr
     ]
     lib.pf_ssd_chunked.restype = i32
+    lib.pf_page_write.argtypes = [p, i64, p, i64, i32, i64, p, i64, i64, i32, i32]
+    lib.pf_page_write.restype = i32
     lib.pf_conv_varlen.argtypes = [i32, p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32]
     lib.pf_conv_varlen.restype = i32
     lib.pf_gated_norm_gate_first.argtypes = [i32, i32, i32, p, i64, p, i64, p, p, i64, i32, i32,

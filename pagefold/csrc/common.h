@@ -71,6 +71,61 @@ template <typename T> inline void to_float(const T* src, float* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = load<T>(src, i);
 }
 
+// Copies n bytes. With `stream`, the 64-byte lines of a 64-byte aligned dst go out as
+// non-temporal stores: for data written now and read much later (prefix-cache checkpoints),
+// which then costs no read for ownership and leaves the cache to the step's working set. A
+// thread that streamed calls stream_fence() before anyone else may read the bytes.
+inline void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, bool stream) {
+#if defined(__AVX512F__)
+  if (stream && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i),
+                          _mm512_loadu_si512(reinterpret_cast<const void*>(src + i)));
+    if (i < n) std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#elif defined(__AVX2__)
+  if (stream && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    if (i < n) std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(dst, src, n);
+}
+
+inline void stream_fence() {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
+// Copies n bytes at byte offset off of a state laid over pages (the page ids `pages`, pb
+// bytes each, in raw) to or from buf; `to_pages` picks the direction, `stream` as in
+// copy_bytes (writes only). buf NULL with to_pages: the bytes are zeroed.
+inline void page_copy(uint8_t* raw, const int64_t* pages, int64_t pb, int64_t off, uint8_t* buf,
+                      int64_t n, bool to_pages, bool stream = false) {
+  while (n > 0) {
+    const int64_t pi = off / pb, po = off % pb;
+    const int64_t take = n < pb - po ? n : pb - po;
+    uint8_t* p = raw + pages[pi] * pb + po;
+    if (!to_pages)
+      std::memcpy(buf, p, take);
+    else if (buf == nullptr)
+      std::memset(p, 0, take);
+    else
+      copy_bytes(p, buf, take, stream);
+    off += take;
+    if (buf != nullptr) buf += take;
+    n -= take;
+  }
+}
+
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 32;   // query heads per kv head
 constexpr int kMaxBlock = 256;  // tokens per block

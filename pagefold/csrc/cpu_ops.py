@@ -322,6 +322,26 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 _GDN_LAYOUT: dict = {}
 
 
+def page_write(raw: torch.Tensor, page_ids: torch.Tensor, off: int,
+               data: torch.Tensor | None, nbytes: int, stream: bool = False) -> bool:
+    """Bytes ``[off, off + nbytes)`` of the states over ``page_ids`` (N, pages) of ``raw``
+    (num_blocks, page_bytes) uint8 := the rows of ``data`` (N, nbytes) uint8, or zeros
+    (``data`` None); ``stream``: non-temporal stores. False (nothing written) when not
+    handled: kernels off, not on the CPU, non-contiguous tensors."""
+    lib = kernels()
+    if (lib is None or raw.device.type != "cpu" or not raw.is_contiguous()
+            or (data is not None and (data.dtype != torch.uint8 or data.stride(1) != 1
+                                      or tuple(data.shape) != (page_ids.shape[0], nbytes)))):
+        return False
+    ids = page_ids.to(torch.int64).contiguous()
+    n = ids.shape[0]
+    rc = lib.pf_page_write(
+        _ptr(raw), raw.shape[1], _ptr(ids), n, ids.shape[1], off,
+        _ptr(data) if data is not None else None, data.stride(0) if data is not None else 0,
+        nbytes, int(stream), torch.get_num_threads())
+    return rc == 0
+
+
 def _state_kernel(view) -> tuple | None:
     """(library, conv component, ssm component, {name: byte offset}) for a kernel on a conv +
     SSM state (the layout found once per spec); None without the kernels or for specs without

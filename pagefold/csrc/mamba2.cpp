@@ -20,24 +20,6 @@
 namespace pf {
 namespace {
 
-// Copies n bytes at byte offset off of a state laid over pages (page_bytes each) to or from
-// dst; `to_pages` picks the direction.
-void page_copy(uint8_t* raw, const int64_t* pages, int64_t pb, int64_t off, uint8_t* buf,
-               int64_t n, bool to_pages) {
-  while (n > 0) {
-    const int64_t pi = off / pb, po = off % pb;
-    const int64_t take = n < pb - po ? n : pb - po;
-    uint8_t* p = raw + pages[pi] * pb + po;
-    if (to_pages)
-      std::memcpy(p, buf, take);
-    else
-      std::memcpy(buf, p, take);
-    off += take;
-    buf += take;
-    n -= take;
-  }
-}
-
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
 template <typename T>

@@ -16,7 +16,9 @@
 //
 // Captures (prefix-cache checkpoints): the state right after flat token cap_tok[m] goes to
 // cap_out[m] (H, P, N): a token ending its chunk copies the chunk-end state; a token inside a
-// chunk takes that chunk's state passing with its own row for the last one.
+// chunk takes that chunk's state passing with its own row for the last one. Paged captures
+// (a Pages destination instead of cap_out) go straight into their checkpoint's pages, in
+// non-temporal stores: written once here, read only by a later prefix-cache hit.
 
 #include <vector>
 
@@ -96,12 +98,22 @@ inline void rows_gemm(float* out, int R, float beta, const float* w, int ldw, co
   }
 }
 
+// Where paged captures go: capture m is the byte range [off, off + H*P*N*4) of the state
+// laid over pages[m * np .. m * np + np) of raw (pb bytes a page).
+struct Pages {
+  uint8_t* raw;
+  int64_t pb;
+  const int64_t* pages;
+  int np;
+  int64_t off;
+};
+
 template <typename TX, typename T>
 void ssd_chunked(const TX* x, int64_t x_stride, const T* B, const T* C, int64_t bc_stride,
                  const float* dt, int64_t dt_stride, const float* A, const float* D,
                  const float* init, float* final_state, const int64_t* cu, int64_t S, float* y,
                  int H, int P, int G, int N, int L, const int64_t* cap_tok, float* cap_out,
-                 int64_t M, int nthreads) {
+                 int64_t M, const Pages* cap_pages, int nthreads) {
   // Chunks of every sequence: (sequence, first token, tokens).
   struct Chunk {
     int64_t seq, t0;
@@ -155,7 +167,7 @@ void ssd_chunked(const TX* x, int64_t x_stride, const T* B, const T* C, int64_t 
     std::vector<float> hx(static_cast<size_t>(K) * P), Y(static_cast<size_t>(L) * P);
     std::vector<float> dec(LL), a(L), eac(L), wy(static_cast<size_t>(L) * K);
     std::vector<float> bt(static_cast<size_t>(N) * L), wb(static_cast<size_t>(N) * L);
-    std::vector<float> cap(state_sz);
+    std::vector<float> cap(state_sz), tr(cap_pages ? state_sz : 0);
     float* hT = hx.data();
     float* X = hx.data() + state_sz;
 #pragma omp for schedule(dynamic, 1)
@@ -231,9 +243,13 @@ void ssd_chunked(const TX* x, int64_t x_stride, const T* B, const T* C, int64_t 
           rows_gemm(out, N, eac[r], wb.data(), L, X, r + 1, P);
         };
         auto put = [&](const float* st, int64_t m) {
-          float* co = cap_out + (m * H + h) * state_sz;
+          float* co = cap_pages ? tr.data() : cap_out + (m * H + h) * state_sz;
           for (int p = 0; p < P; ++p)
             for (int n = 0; n < N; ++n) co[p * N + n] = st[n * P + p];
+          if (cap_pages)
+            page_copy(cap_pages->raw, cap_pages->pages + m * cap_pages->np, cap_pages->pb,
+                      cap_pages->off + h * state_sz * static_cast<int64_t>(sizeof(float)),
+                      reinterpret_cast<uint8_t*>(co), state_sz * sizeof(float), true, true);
         };
         const int last = n_tok - 1;
         for (int64_t m = 0; m < M; ++m) {
@@ -250,6 +266,7 @@ void ssd_chunked(const TX* x, int64_t x_stride, const T* B, const T* C, int64_t 
       for (int p = 0; p < P; ++p)
         for (int n = 0; n < N; ++n) fo[p * N + n] = hT[n * P + p];
     }
+    if (cap_pages) stream_fence();
 #if defined(__SSE__)
     _mm_setcsr(csr);
 #endif
@@ -267,20 +284,30 @@ extern "C" {
 // Row t of x (H*P, in x_dtype: 0 float32, 1 bf16), of B and C (G*N each; the same row stride
 // bc_stride; in bc_dtype), of dt (H, float32: already discretised). A (H,) the negative decay, D (H,) or NULL,
 // init (S, H, P, N) float32 (not modified), final_state (S, H, P, N) float32, y (T, H, P)
-// float32 contiguous; L the chunk length. Captures: cap_tok (M,) flat token indices, cap_out
-// (M, H, P, N) float32. Returns -1 for shapes it does not handle.
+// float32 contiguous; L the chunk length. Captures: cap_tok (M,) flat token indices, and
+// either cap_out (M, H, P, N) float32 or, when cap_raw is not NULL, their pages: capture m's
+// (H, P, N) float32 at byte cap_off of the state over cap_pages[m * cap_np ..] (cap_np page
+// ids) of cap_raw (cap_pb bytes a page). Returns -1 for shapes it does not handle.
 int pf_ssd_chunked(int x_dtype, int bc_dtype, const void* x, int64_t x_stride, const void* B,
                    const void* C, int64_t bc_stride, const float* dt, int64_t dt_stride,
                    const float* A, const float* D, const float* init, float* final_state,
                    const int64_t* cu, int64_t S, float* y, int H, int P, int G, int N, int L,
-                   const int64_t* cap_tok, float* cap_out, int64_t M, int nthreads) {
+                   const int64_t* cap_tok, float* cap_out, int64_t M, void* cap_raw,
+                   int64_t cap_pb, const int64_t* cap_pages, int cap_np, int64_t cap_off,
+                   int nthreads) {
+  const bool paged = cap_raw != nullptr;
   if (x_dtype < 0 || x_dtype > 1 || bc_dtype < 0 || bc_dtype > 1 || G < 1 || H % G || L < 1 ||
-      P < 1 || N < 1 || S < 0 || (M > 0 && (cap_tok == nullptr || cap_out == nullptr)))
+      P < 1 || N < 1 || S < 0 ||
+      (M > 0 && (cap_tok == nullptr || (cap_out == nullptr && !paged))) ||
+      (paged && (cap_pages == nullptr || cap_pb < 1 || cap_np < 1 || cap_off < 0 ||
+                 cap_off + static_cast<int64_t>(H) * P * N * 4 > cap_np * cap_pb)))
     return -1;
+  const Pages pg{static_cast<uint8_t*>(cap_raw), cap_pb, cap_pages, cap_np, cap_off};
 #define PF_SSD(TX, TB)                                                                      \
   ssd_chunked<TX, TB>(static_cast<const TX*>(x), x_stride, static_cast<const TB*>(B),       \
                       static_cast<const TB*>(C), bc_stride, dt, dt_stride, A, D, init,      \
-                      final_state, cu, S, y, H, P, G, N, L, cap_tok, cap_out, M, nthreads)
+                      final_state, cu, S, y, H, P, G, N, L, cap_tok, cap_out, M,            \
+                      paged ? &pg : nullptr, nthreads)
   if (x_dtype == 0 && bc_dtype == 0)
     PF_SSD(float, float);
   else if (x_dtype == 0)

@@ -93,7 +93,9 @@ class ForwardContext:
         view, meta = self.state(layer)
         view.scatter(meta.page_ids, states)
 
-    def store_checkpoints(self, layer: str, states: dict[str, torch.Tensor]) -> None:
-        """Write captured states (one per ``capture_pages`` row) to their checkpoint pages."""
+    def store_checkpoints(self, layer: str, states: dict[str, torch.Tensor],
+                          written: tuple[str, ...] = ()) -> None:
+        """Write captured states (one per ``capture_pages`` row) to their checkpoint pages;
+        ``written``: the components a kernel stored there itself (``PagedOut``)."""
         view, meta = self.state(layer)
-        view.scatter(meta.capture_pages, states)
+        view.scatter(meta.capture_pages, states, written)

@@ -18,24 +18,64 @@ drop out), see ``ssd_chunked`` and ``gdn_chunked``.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["Capture", "check_capture", "seq_of"]
-
-# (after (M,) int64 flat token indices, out (M, ...) float32 buffer the kernel fills)
-Capture = tuple[torch.Tensor, torch.Tensor]
+__all__ = ["Capture", "PagedOut", "check_capture", "seq_of"]
 
 
-def check_capture(capture: Capture | None, total: int, state_shape: tuple[int, ...]
-                  ) -> tuple[list[int], torch.Tensor] | None:
-    """Validate a capture request; returns ``(after as a list, out)`` or None."""
+@dataclass(frozen=True, slots=True)
+class PagedOut:
+    """A capture destination in the paged cache instead of a buffer: ``out[m]`` is component
+    ``name`` of the state over the pages ``page_ids[m]`` of ``view`` (a
+    :class:`pagefold.executor.cache_tensors.StateView`). A compiled kernel writes the captures
+    there directly (one copy instead of three); a torch kernel fills a buffer that
+    :meth:`write` stores. Only kernels that say so accept it (``check_capture(paged=True)``).
+    """
+
+    view: Any
+    page_ids: torch.Tensor  # (M, pages_per_state) int64
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.page_ids.shape[0], *self.view.spec.component(self.name).shape)
+
+    @property
+    def offset(self) -> int:
+        """Byte offset of the component in a state's concatenated pages."""
+        return self.view.offset(self.name)
+
+    def buffer(self) -> torch.Tensor:
+        """A float32 buffer for a kernel to fill, then :meth:`write`."""
+        return torch.empty(self.shape, dtype=torch.float32, device=self.view.raw.device)
+
+    def write(self, states: torch.Tensor) -> None:
+        self.view.write_component(self.page_ids, self.name, states)
+
+
+# (after (M,) int64 flat token indices, out: an (M, ...) float32 buffer the kernel fills, or
+# a PagedOut for the kernels that take one)
+Capture = tuple[torch.Tensor, "torch.Tensor | PagedOut"]
+
+
+def check_capture(capture: Capture | None, total: int, state_shape: tuple[int, ...],
+                  paged: bool = False) -> tuple[list[int], torch.Tensor | PagedOut] | None:
+    """Validate a capture request; returns ``(after as a list, out)`` or None. ``paged``:
+    the caller accepts a :class:`PagedOut` (a float32 component of ``state_shape``)."""
     if capture is None:
         return None
     after, out = capture
     idx = [int(a) for a in after.reshape(-1).tolist()]
     if any(not 0 <= a < total for a in idx):
         raise ValueError(f"capture positions must lie in [0, {total}), got {idx}")
+    if isinstance(out, PagedOut):
+        if not paged:
+            raise TypeError("this kernel takes a capture buffer, not a PagedOut")
+        if out.view.spec.component(out.name).dtype != torch.float32:
+            raise ValueError(f"paged capture component {out.name!r} must be float32")
     if tuple(out.shape) != (len(idx), *state_shape):
         raise ValueError(f"capture out must be {(len(idx), *state_shape)}, "
                          f"got {tuple(out.shape)}")

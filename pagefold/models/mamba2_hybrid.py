@@ -38,6 +38,7 @@ from pagefold.layers.causal_conv1d import (
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
+from pagefold.layers.state_capture import PagedOut
 from pagefold.spec_decode.state_verify import causal_conv1d_verify, ssd_verify
 
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
@@ -270,11 +271,15 @@ class Mamba2Mixer(nn.Module):
             if y is not None:
                 return self.out_proj(self.norm(y, z).to(x.dtype))
         states = ctx.load_states(self.layer_name)
+        kernel = ssd_verify if ctx.verify else ssd_recurrent if meta.all_decode else ssd_chunked
         capture, conv_ck, extra = None, None, {}
         if after is not None:
             conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
-            capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
-                                          dtype=torch.float32, device=x.device))
+            # The chunked scan writes its captures straight into the checkpoint pages.
+            out = (view.paged(meta.capture_pages, "ssm") if kernel is ssd_chunked else
+                   torch.empty((after.shape[0], *states["ssm"].shape[1:]),
+                               dtype=torch.float32, device=x.device))
+            capture = (after, out)
             extra["capture"] = capture
         if ctx.verify:  # state after every token: the commit selects the accepted one
             xbc, conv_state = causal_conv1d_verify(xbc, weight, self.conv1d.bias, states["conv"],
@@ -288,7 +293,6 @@ class Mamba2Mixer(nn.Module):
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
 
         dt = self._dt(dt, meta, ctx.verify)
-        kernel = ssd_verify if ctx.verify else ssd_recurrent if meta.all_decode else ssd_chunked
         # transformers' chunked scan keeps y in float32 up to the gated norm, while its decode
         # update rounds y to the model dtype first; feeding x in the matching dtype makes the
         # kernels return y the same way (a no-op in float32).
@@ -306,6 +310,9 @@ class Mamba2Mixer(nn.Module):
         else:
             ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         if capture is not None:
-            ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
+            if isinstance(capture[1], PagedOut):
+                ctx.store_checkpoints(self.layer_name, {"conv": conv_ck}, written=("ssm",))
+            else:
+                ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
         y = self.norm(y.reshape(t, inter), z)
         return self.out_proj(y.to(x.dtype))

@@ -158,3 +158,91 @@ def test_gated_norm_kernel_matches_torch(monkeypatch, dtypes):
     else:  # the same bf16 roundings: rare one-ulp flips only
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
         assert (got == ref).float().mean() > 0.97
+
+
+def _paged_view(state_shape, page_bytes, seed=0):
+    """A state pool (conv + float32 SSM components) whose states span several pages, filled
+    with random bytes; returns (view, page ids of 9 states on shuffled blocks)."""
+    from pagefold.core.kv_cache_spec import StateComponent, StateSpec
+    from pagefold.executor.cache_tensors import StateView
+
+    spec = StateSpec(kind="mamba2", components=(
+        StateComponent("conv", (24, 3), torch.bfloat16),
+        StateComponent("ssm", state_shape, torch.float32)))
+    pps = -(-spec.state_bytes // page_bytes)
+    num_blocks = 9 * pps + 5
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 255, (num_blocks, page_bytes), dtype=torch.uint8, generator=g)
+    ids = torch.randperm(num_blocks, generator=g)[: 9 * pps].view(9, pps)
+    return StateView(raw, spec, pps), ids
+
+
+@pytest.mark.parametrize("page_bytes", [4096, 1040], ids=["aligned-pages", "odd-pages"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_paged_captures_land_in_their_pages(calls, page_bytes, compiled):
+    """``capture=(after, PagedOut)``: the captures land in the checkpoint pages, bit for bit
+    the buffer capture of the same kernel form, crossing page boundaries (odd page sizes
+    too), and no other byte of the pool moves (the conv component is left as it was)."""
+    from pagefold.layers.state_capture import PagedOut
+
+    inp = _inputs(LENS, H=4, P=16, G=2, N=16, seed=8)
+    after = torch.tensor([0, 1 + 3, 8 + 15, 8 + 32, 41 + 63, 105 + 20, 105 + 64, 170 + 129,
+                          170 + 63])
+    kw = dict(chunk_size=32, compiled=compiled)
+    cap = torch.empty(len(after), 4, 16, 16)
+    y_ref, h_ref = ssd_chunked(**inp, capture=(after, cap), **kw)
+    view, ids = _paged_view((4, 16, 16), page_bytes)
+    before = view.raw.clone()
+    y, h = ssd_chunked(**inp, capture=(after, view.paged(ids, "ssm")), **kw)
+    assert calls[0] == (2 if compiled else 0)
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    assert torch.equal(view.gather(ids)["ssm"], cap)
+    # Only the SSM byte range of the captured states changed.
+    mask = torch.zeros(view.raw.shape, dtype=torch.bool)
+    off, nbytes = view.offset("ssm"), view.spec.component("ssm").nbytes
+    for row in ids.tolist():
+        flat = torch.zeros(len(row) * page_bytes, dtype=torch.bool)
+        flat[off : off + nbytes] = True
+        mask[row] = flat.view(len(row), page_bytes)
+    assert torch.equal(view.raw[~mask], before[~mask])
+    with pytest.raises(TypeError, match="PagedOut"):
+        ssd_naive(**{k: v for k, v in inp.items() if k != "dt_bias"}, dt_bias=inp["dt_bias"],
+                  capture=(after, PagedOut(view, ids, "ssm")))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("page_bytes", [4096, 1040])
+def test_state_view_writes_components_and_zeroes_gaps(kernels, page_bytes):
+    """``StateView.scatter`` writes each component in place (compiled ``pf_page_write`` or
+    torch's per-page ``index_copy_``, the same bytes), zeroes the gaps, touches no other
+    block, and insists on every component exactly once (given or ``written``)."""
+    view, ids = _paged_view((4, 16, 16), page_bytes, seed=1)
+    g = torch.Generator().manual_seed(2)
+    states = {"conv": torch.randn(9, 24, 3, generator=g), "ssm": torch.randn(9, 4, 16, 16,
+                                                                            generator=g)}
+    before = view.raw.clone()
+    cpu_ops.set_enabled(kernels)
+    try:
+        view.scatter(ids[2:7], {k: v[2:7] for k, v in states.items()})
+        got = view.gather(ids[2:7])
+        assert torch.equal(got["ssm"], states["ssm"][2:7])
+        assert torch.equal(got["conv"], states["conv"][2:7].bfloat16())
+        want = torch.zeros(ids.shape[1] * page_bytes, dtype=torch.uint8)
+        for i, row in zip(range(2, 7), ids[2:7].tolist()):
+            want.zero_()
+            for c in view.spec.components:
+                src = states[c.name][i].to(c.dtype).reshape(-1).view(torch.uint8)
+                want[view.offset(c.name) : view.offset(c.name) + c.nbytes] = src
+            assert torch.equal(view.raw[row].reshape(-1), want)
+        untouched = sorted(set(range(view.raw.shape[0])) - set(ids[2:7].reshape(-1).tolist()))
+        assert torch.equal(view.raw[untouched], before[untouched])
+        # A kernel wrote the SSM itself: only the conv and the gaps are stored.
+        view.scatter(ids[:1], {"conv": states["conv"][:1]}, written=("ssm",))
+        assert torch.equal(view.gather(ids[:1])["conv"], states["conv"][:1].bfloat16())
+        for bad in ({"conv": states["conv"][:1]}, ):
+            with pytest.raises(ValueError, match="each of"):
+                view.scatter(ids[:1], bad)
+        with pytest.raises(ValueError, match="each of"):
+            view.scatter(ids[:1], {k: v[:1] for k, v in states.items()}, written=("ssm",))
+    finally:
+        cpu_ops.set_enabled(True)

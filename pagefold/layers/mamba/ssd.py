@@ -32,7 +32,8 @@ single token). Splitting a sequence into pieces and carrying ``final_state`` int
 piece's ``initial_state`` gives the same result as one pass, up to float32 rounding.
 
 ``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.layers.state_capture`):
-``out[m]`` (float32, (M, H, P, N)) receives the state right after flat token ``after[m]``.
+``out[m]`` (float32, (M, H, P, N)) receives the state right after flat token ``after[m]``;
+``ssd_chunked`` also takes a ``PagedOut`` (the checkpoint pages themselves) as ``out``.
 ``per_token_states=True`` (naive and recurrent; speculative verification): the second result
 is the state after *every* token, (T, H, P, N) float32, instead of the final states.
 """
@@ -45,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.state_capture import Capture, check_capture, seq_of
+from pagefold.layers.state_capture import Capture, PagedOut, check_capture, seq_of
 
 __all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent"]
 
@@ -377,13 +378,16 @@ def ssd_chunked(
     if max_len == 0:
         return x.new_zeros((T, H, P)), initial_state.float().clone()
     L = min(chunk_size, max_len)
-    cap = check_capture(capture, T, (H, P, N))
+    cap = check_capture(capture, T, (H, P, N), paged=True)
     if compiled:  # the compiled scan (csrc/ssd.cpp): same chunking, same steps
         from pagefold.layers.mamba.ssd_cpu import ssd_chunked_cpu
 
         res = ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
         if res is not None:
             return res
+    paged = cap[1] if cap is not None and isinstance(cap[1], PagedOut) else None
+    if paged is not None:  # the torch form fills a buffer, stored in the pages at the end
+        cap = (cap[0], paged.buffer())
     Af = A.float()
     # Row T of every padded table is all zeros: the target of padding indices. (Filled in
     # place: these tables are tens of MB at prefill sizes, each extra pass costs.)
@@ -478,6 +482,8 @@ def ssd_chunked(
         yf.add_(x * D.float()[:, None])
     final = torch.empty_like(state)
     final[order_t] = state
+    if paged is not None:
+        paged.write(cap[1])
     return yf.to(x.dtype), final
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pagefold.csrc import cpu_ops
+from pagefold.layers.state_capture import PagedOut
 
 __all__ = ["ssd_chunked_cpu"]
 
@@ -34,7 +35,8 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Chunked SSD through the kernel. ``dtf`` (T, H) float32 discretised time step, ``cu``
     the host token bounds (S + 1 values), ``L`` the chunk length, ``cap`` the checked capture
-    request (flat token indices, out (M, H, P, N) float32) or None."""
+    request (flat token indices, out (M, H, P, N) float32 or a ``PagedOut``: written straight
+    into the pages) or None."""
     lib = cpu_ops.kernels()
     code, bc_code = _CODE.get(x.dtype), _CODE.get(B.dtype)
     if (lib is None or code is None or bc_code is None or C.dtype != B.dtype
@@ -53,10 +55,18 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
     y = torch.empty((T, H, P), dtype=torch.float32)
     final = torch.empty_like(init)
     cap_tok = cap_out = None
+    paged: tuple = (None, 0, None, 0, 0)  # pf_ssd_chunked's paged-capture arguments
     if cap:
         cap_tok = torch.tensor(cap[0], dtype=torch.int64)
-        cap_out = cap[1] if cap[1].dtype == torch.float32 and cap[1].is_contiguous() else \
-            torch.empty(cap[1].shape, dtype=torch.float32)
+        if isinstance(cap[1], PagedOut):
+            dst = cap[1]
+            raw, pages = dst.view.raw, dst.page_ids.to(torch.int64).contiguous()
+            if raw.device.type != "cpu" or not raw.is_contiguous():
+                return None
+            paged = (raw.data_ptr(), raw.shape[1], pages.data_ptr(), pages.shape[1], dst.offset)
+        else:
+            cap_out = cap[1] if cap[1].dtype == torch.float32 and cap[1].is_contiguous() else \
+                torch.empty(cap[1].shape, dtype=torch.float32)
     rc = lib.pf_ssd_chunked(
         code, bc_code, x.data_ptr(), x.stride(0), B.data_ptr(), C.data_ptr(), B.stride(0),
         dtf.data_ptr(), dtf.stride(0), A32.data_ptr(),
@@ -64,9 +74,9 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
         cu_t.data_ptr(), len(cu) - 1, y.data_ptr(), H, P, G, N, L,
         cap_tok.data_ptr() if cap_tok is not None else None,
         cap_out.data_ptr() if cap_out is not None else None,
-        len(cap[0]) if cap else 0, torch.get_num_threads())
+        len(cap[0]) if cap else 0, *paged, torch.get_num_threads())
     if rc != 0:
         return None
-    if cap and cap_out is not cap[1]:
+    if cap_out is not None and cap_out is not cap[1]:
         cap[1].copy_(cap_out)
     return y.to(x.dtype), final

@@ -105,27 +105,43 @@ inline __m256 hsum8x8(const __m256* v) {
 }
 
 // decode_one on 8 lanes for head sizes D = 8 * C (CPUs with AVX2 + FMA and no AVX-512: the
-// generic loops above reach ~4-7 GB/s of K/V there). The same online softmax, one update per
-// cache block: scores 8 keys at a time (each K row converted once for the G heads, 8 partial
-// dot products summed together by hsum8x8), the block's max, exponentials and rescale as whole
-// vectors (exp_nonpos via v8exp), then the value sums with each head's accumulators in
-// registers. Float32 sums in another order than the scalar loops.
+// generic loops above reach ~4-7 GB/s of K/V there), for kv heads [h0, h1) of one row. The
+// same online softmax, one update per cache block and head: scores 8 keys at a time (each K
+// row converted once for the G query heads, 8 partial dot products summed together by
+// hsum8x8), the block's max, exponentials and rescale as whole vectors (exp_nonpos via
+// v8exp), then the value sums with each head's accumulators in registers. Float32 sums in
+// another order than the scalar loops.
+//
+// Blocks outer, heads inner: the cache is token-major, so one head's rows are 2 * KVH * D
+// elements apart, and a head walking the whole context alone reads a line or two per token
+// at that stride, which the hardware prefetchers do not follow; taking the heads of a block
+// one after the other reads each token's lines close together in time. Each head keeps its
+// own state (qf, acc, m, l in `state`, (h1 - h0) * head_floats(G, C) floats, 32-byte
+// aligned) and sees its blocks in the same order either way, so the bits do not depend on
+// how heads are grouped.
+inline int64_t head_floats(int G, int C) { return (2LL * G * 8 * C + 2 * G + 7) / 8 * 8; }
+
 template <typename T, int C>
-void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
-                     int64_t kv_start, T* out, int G, int KVH, int bs, int kvh, float scale) {
+void decode_row_avx2(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
+                     int64_t kv_start, T* out, int G, int KVH, int bs, int h0, int h1,
+                     float scale, float* state) {
   constexpr int D = 8 * C;
-  alignas(32) float qf[kMaxGroup][D];
-  alignas(32) float acc[kMaxGroup][D];
+  const int64_t hf = head_floats(G, C);
   alignas(32) float s[kMaxGroup][kMaxBlock + 8];
-  float m[kMaxGroup], l[kMaxGroup];
-  for (int g = 0; g < G; ++g) {
-    const T* qg = q + static_cast<int64_t>(kvh * G + g) * D;
-    for (int d = 0; d < D; ++d) {
-      qf[g][d] = load<T>(qg, d) * scale;
-      acc[g][d] = 0.f;
+  for (int kvh = h0; kvh < h1; ++kvh) {
+    float* qf = state + (kvh - h0) * hf;
+    float* acc = qf + G * D;
+    float* m = acc + G * D;
+    float* l = m + G;
+    for (int g = 0; g < G; ++g) {
+      const T* qg = q + static_cast<int64_t>(kvh * G + g) * D;
+      for (int d = 0; d < D; ++d) {
+        qf[g * D + d] = load<T>(qg, d) * scale;
+        acc[g * D + d] = 0.f;
+      }
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.f;
     }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
   }
   const int64_t tok_stride = 2LL * KVH * D;
   const int64_t block_stride = bs * tok_stride;
@@ -135,60 +151,73 @@ void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
   const __m256 floor87 = _mm256_set1_ps(-87.0f);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t jb = first_blk; jb <= last_blk; ++jb) {
-    const T* blk = cache + table[jb] * block_stride + static_cast<int64_t>(kvh) * D;
     const int t0 = jb == first_blk ? static_cast<int>(kv_start - jb * bs) : 0;
     const int t1 = jb == last_blk ? static_cast<int>(seq_len - jb * bs) : bs;
     const int n = t1 - t0;
-    for (int j0 = 0; j0 < n; j0 += 8) {  // scores of keys t0 + j0 .. + 7
-      __m256 part[kMaxGroup][8];
-      for (int j = 0; j < 8; ++j) {
-        if (j0 + j >= n) {
-          for (int g = 0; g < G; ++g) part[g][j] = _mm256_setzero_ps();
-          continue;
+    for (int kvh = h0; kvh < h1; ++kvh) {
+      float* qf = state + (kvh - h0) * hf;
+      float* acc = qf + G * D;
+      float* m = acc + G * D;
+      float* l = m + G;
+      const T* blk = cache + table[jb] * block_stride + static_cast<int64_t>(kvh) * D;
+      for (int j0 = 0; j0 < n; j0 += 8) {  // scores of keys t0 + j0 .. + 7
+        __m256 part[kMaxGroup][8];
+        for (int j = 0; j < 8; ++j) {
+          if (j0 + j >= n) {
+            for (int g = 0; g < G; ++g) part[g][j] = _mm256_setzero_ps();
+            continue;
+          }
+          const T* k = blk + (t0 + j0 + j) * tok_stride;
+          __m256 kc[C];
+          for (int c = 0; c < C; ++c) kc[c] = v8load<T>(k + 8 * c);
+          for (int g = 0; g < G; ++g) {
+            const float* qg = qf + g * D;
+            __m256 a = _mm256_mul_ps(_mm256_load_ps(qg), kc[0]);
+            for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c), kc[c], a);
+            part[g][j] = a;
+          }
         }
-        const T* k = blk + (t0 + j0 + j) * tok_stride;
-        __m256 kc[C];
-        for (int c = 0; c < C; ++c) kc[c] = v8load<T>(k + 8 * c);
-        for (int g = 0; g < G; ++g) {
-          __m256 a = _mm256_mul_ps(_mm256_load_ps(qf[g]), kc[0]);
-          for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * c), kc[c], a);
-          part[g][j] = a;
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(s[g] + j0, hsum8x8(part[g]));
+      }
+      for (int g = 0; g < G; ++g) {
+        float bmax = m[g];
+        for (int j = 0; j < n; ++j) bmax = s[g][j] > bmax ? s[g][j] : bmax;
+        const float alpha = exp_nonpos(m[g] - bmax);
+        m[g] = bmax;
+        const __m256 vmax = _mm256_set1_ps(bmax);
+        __m256 sum = _mm256_setzero_ps();
+        for (int j0 = 0; j0 < n; j0 += 8) {
+          const __m256 live = _mm256_castsi256_ps(
+              _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j0), lane));  // keys past n: 0
+          const __m256 p = _mm256_and_ps(
+              live,
+              v8exp(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s[g] + j0), vmax), floor87)));
+          _mm256_storeu_ps(s[g] + j0, p);
+          sum = _mm256_add_ps(sum, p);
         }
+        l[g] = l[g] * alpha + hsum8(sum);
+        const __m256 va = _mm256_set1_ps(alpha);
+        float* ag = acc + g * D;
+        __m256 a[C];
+        for (int c = 0; c < C; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(ag + 8 * c), va);
+        for (int j = 0; j < n; ++j) {  // the value sums, keys in order
+          const T* v = blk + (t0 + j) * tok_stride + v_off;
+          const __m256 pb = _mm256_set1_ps(s[g][j]);
+          for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(pb, v8load<T>(v + 8 * c), a[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm256_store_ps(ag + 8 * c, a[c]);
       }
-      for (int g = 0; g < G; ++g) _mm256_storeu_ps(s[g] + j0, hsum8x8(part[g]));
-    }
-    for (int g = 0; g < G; ++g) {
-      float bmax = m[g];
-      for (int j = 0; j < n; ++j) bmax = s[g][j] > bmax ? s[g][j] : bmax;
-      const float alpha = exp_nonpos(m[g] - bmax);
-      m[g] = bmax;
-      const __m256 vmax = _mm256_set1_ps(bmax);
-      __m256 sum = _mm256_setzero_ps();
-      for (int j0 = 0; j0 < n; j0 += 8) {
-        const __m256 live = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j0), lane));  // keys past n: 0
-        const __m256 p = _mm256_and_ps(
-            live, v8exp(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s[g] + j0), vmax), floor87)));
-        _mm256_storeu_ps(s[g] + j0, p);
-        sum = _mm256_add_ps(sum, p);
-      }
-      l[g] = l[g] * alpha + hsum8(sum);
-      const __m256 va = _mm256_set1_ps(alpha);
-      __m256 a[C];
-      for (int c = 0; c < C; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * c), va);
-      for (int j = 0; j < n; ++j) {  // the value sums, keys in order
-        const T* v = blk + (t0 + j) * tok_stride + v_off;
-        const __m256 pb = _mm256_set1_ps(s[g][j]);
-        for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(pb, v8load<T>(v + 8 * c), a[c]);
-      }
-      for (int c = 0; c < C; ++c) _mm256_store_ps(acc[g] + 8 * c, a[c]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-    T* o = out + static_cast<int64_t>(kvh * G + g) * D;
-    for (int c = 0; c < C; ++c)
-      v8store<T>(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * c), inv));
+  for (int kvh = h0; kvh < h1; ++kvh) {
+    const float* acc = state + (kvh - h0) * hf + G * D;
+    const float* l = acc + G * D + G;
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+      T* o = out + static_cast<int64_t>(kvh * G + g) * D;
+      for (int c = 0; c < C; ++c)
+        v8store<T>(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * c), inv));
+    }
   }
 }
 #endif
@@ -536,6 +565,44 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
     return;
   }
 #endif
+#if defined(PF_AVX2)
+  if (D == 32 || D == 64 || D == 128 || D == 256) {
+    // Items: a row with all its kv heads; with fewer rows than threads, each row's heads in
+    // ranges, so every thread has work (a batch-1 step on one thread otherwise).
+    const int splits = B >= nthreads ? 1 : std::min(KVH, (nthreads + B - 1) / B);
+    const int64_t n = static_cast<int64_t>(B) * splits;
+    const int64_t hf = head_floats(G, D / 8);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n > 1)
+    {
+      std::vector<float> buf(static_cast<size_t>((KVH + splits - 1) / splits + 1) * hf + 8);
+      float* state = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~static_cast<uintptr_t>(31));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < n; ++it) {
+        const int b = static_cast<int>(it / splits), k = static_cast<int>(it % splits);
+        const int h0 = KVH * k / splits, h1 = KVH * (k + 1) / splits;
+        const int64_t r = rows ? rows[b] : b;
+        const T* qb = q + r * q_stride;
+        const int64_t* tb = tables + b * table_stride;
+        const int64_t start = kv_starts ? kv_starts[b] : 0;
+        T* ob = out + r * out_stride;
+        if (D == 32)
+          decode_row_avx2<T, 4>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, h0, h1,
+                                scale, state);
+        else if (D == 64)
+          decode_row_avx2<T, 8>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, h0, h1,
+                                scale, state);
+        else if (D == 128)
+          decode_row_avx2<T, 16>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, h0, h1,
+                                 scale, state);
+        else
+          decode_row_avx2<T, 32>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, h0, h1,
+                                 scale, state);
+      }
+    }
+    return;
+  }
+#endif
   const int64_t items = static_cast<int64_t>(B) * KVH;
   // One chunk = one row's kv heads, so a thread reads a row's blocks while they are hot; with
   // fewer rows than threads, single heads (else one thread would take all of a batch-1 step).
@@ -550,19 +617,6 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
     const int64_t* tb = tables + b * table_stride;
     const int64_t start = kv_starts ? kv_starts[b] : 0;
     T* ob = out + r * out_stride;
-#if defined(PF_AVX2)
-    if (D == 64 || D == 128 || D == 256 || D == 32) {
-      if (D == 32)
-        decode_one_avx2<T, 4>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      else if (D == 64)
-        decode_one_avx2<T, 8>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      else if (D == 128)
-        decode_one_avx2<T, 16>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      else
-        decode_one_avx2<T, 32>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, bs, kvh, scale);
-      continue;
-    }
-#endif
     switch (D) {
       case 64:
         decode_one<T, 64>(qb, cache, tb, seq_lens[b], start, ob, G, KVH, D, bs, kvh, scale);

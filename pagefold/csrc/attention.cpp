@@ -109,17 +109,20 @@ inline __m256 hsum8x8(const __m256* v) {
 // same online softmax, one update per cache block and head: scores 8 keys at a time (each K
 // row converted once for the G query heads, 8 partial dot products summed together by
 // hsum8x8), the block's max, exponentials and rescale as whole vectors (exp_nonpos via
-// v8exp), then the value sums with each head's accumulators in registers. Float32 sums in
-// another order than the scalar loops.
+// v8exp), then the value sums, keys in order. Float32 sums in another order than the scalar
+// loops.
 //
-// Blocks outer, heads inner: the cache is token-major, so one head's rows are 2 * KVH * D
-// elements apart, and a head walking the whole context alone reads a line or two per token
-// at that stride, which the hardware prefetchers do not follow; taking the heads of a block
-// one after the other reads each token's lines close together in time. Each head keeps its
-// own state (qf, acc, m, l in `state`, (h1 - h0) * head_floats(G, C) floats, 32-byte
-// aligned) and sees its blocks in the same order either way, so the bits do not depend on
-// how heads are grouped.
+// The cache is token-major: a block holds token 0's K of every head, its V, then token 1's.
+// A block is read in that order: the scores token by token over all the heads in hand, then
+// the value sums token by token over them, so K and V stream through memory as laid out
+// (one head walking the whole context alone reads a line or two per token at a stride of
+// 2 * KVH * D elements, which the hardware prefetchers do not follow). Each head keeps its
+// own state (qf, acc, m, l in `state`: (h1 - h0) * head_floats(G, C) floats, 32-byte aligned)
+// and the same sequence of operations on it whatever the grouping, so a head's bits do not
+// depend on which heads (or rows) share its item.
 inline int64_t head_floats(int G, int C) { return (2LL * G * 8 * C + 2 * G + 7) / 8 * 8; }
+
+constexpr int kAvx2Lanes = 32;  // (head, query) pairs a block pass holds (scores, partials)
 
 template <typename T, int C>
 void decode_row_avx2(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
@@ -127,7 +130,8 @@ void decode_row_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
                      float scale, float* state) {
   constexpr int D = 8 * C;
   const int64_t hf = head_floats(G, C);
-  alignas(32) float s[kMaxGroup][kMaxBlock + 8];
+  alignas(32) float s[kAvx2Lanes][kMaxBlock + 8];
+  alignas(32) __m256 part[kAvx2Lanes][8];
   for (int kvh = h0; kvh < h1; ++kvh) {
     float* qf = state + (kvh - h0) * hf;
     float* acc = qf + G * D;
@@ -150,62 +154,98 @@ void decode_row_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
   const int64_t last_blk = (seq_len - 1) / bs;
   const __m256 floor87 = _mm256_set1_ps(-87.0f);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // Heads per pass: their (head, query) pairs fit the score and partial buffers (G <= 32).
+  const int hp = kAvx2Lanes / G;
   for (int64_t jb = first_blk; jb <= last_blk; ++jb) {
     const int t0 = jb == first_blk ? static_cast<int>(kv_start - jb * bs) : 0;
     const int t1 = jb == last_blk ? static_cast<int>(seq_len - jb * bs) : bs;
     const int n = t1 - t0;
-    for (int kvh = h0; kvh < h1; ++kvh) {
-      float* qf = state + (kvh - h0) * hf;
-      float* acc = qf + G * D;
-      float* m = acc + G * D;
-      float* l = m + G;
-      const T* blk = cache + table[jb] * block_stride + static_cast<int64_t>(kvh) * D;
+    const T* blk = cache + table[jb] * block_stride;
+    if (jb < last_blk) {  // the next block's rows of these heads, while this one computes
+      const char* nb = reinterpret_cast<const char*>(cache + table[jb + 1] * block_stride);
+      const int nt = jb + 1 == last_blk ? static_cast<int>(seq_len - (jb + 1) * bs) : bs;
+      const int64_t lo = static_cast<int64_t>(h0) * D * sizeof(T);
+      const int64_t hi = static_cast<int64_t>(h1) * D * sizeof(T);
+      for (int t = 0; t < nt; ++t)
+        for (int64_t off = lo; off < hi; off += 64) {
+          const char* r = nb + t * tok_stride * sizeof(T) + off;
+          _mm_prefetch(r, _MM_HINT_T0);
+          _mm_prefetch(r + v_off * sizeof(T), _MM_HINT_T0);
+        }
+    }
+    for (int ha = h0; ha < h1; ha += hp) {
+      const int hb = ha + hp < h1 ? ha + hp : h1;
       for (int j0 = 0; j0 < n; j0 += 8) {  // scores of keys t0 + j0 .. + 7
-        __m256 part[kMaxGroup][8];
         for (int j = 0; j < 8; ++j) {
           if (j0 + j >= n) {
-            for (int g = 0; g < G; ++g) part[g][j] = _mm256_setzero_ps();
+            for (int i = 0; i < (hb - ha) * G; ++i) part[i][j] = _mm256_setzero_ps();
             continue;
           }
-          const T* k = blk + (t0 + j0 + j) * tok_stride;
-          __m256 kc[C];
-          for (int c = 0; c < C; ++c) kc[c] = v8load<T>(k + 8 * c);
-          for (int g = 0; g < G; ++g) {
-            const float* qg = qf + g * D;
-            __m256 a = _mm256_mul_ps(_mm256_load_ps(qg), kc[0]);
-            for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c), kc[c], a);
-            part[g][j] = a;
+          const T* krow = blk + (t0 + j0 + j) * tok_stride;
+          for (int kvh = ha; kvh < hb; ++kvh) {
+            const T* k = krow + static_cast<int64_t>(kvh) * D;
+            const float* qf = state + (kvh - h0) * hf;
+            __m256 kc[C];
+            for (int c = 0; c < C; ++c) kc[c] = v8load<T>(k + 8 * c);
+            for (int g = 0; g < G; ++g) {
+              const float* qg = qf + g * D;
+              __m256 a = _mm256_mul_ps(_mm256_load_ps(qg), kc[0]);
+              for (int c = 1; c < C; ++c)
+                a = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c), kc[c], a);
+              part[(kvh - ha) * G + g][j] = a;
+            }
           }
         }
-        for (int g = 0; g < G; ++g) _mm256_storeu_ps(s[g] + j0, hsum8x8(part[g]));
+        for (int i = 0; i < (hb - ha) * G; ++i) _mm256_storeu_ps(s[i] + j0, hsum8x8(part[i]));
       }
-      for (int g = 0; g < G; ++g) {
-        float bmax = m[g];
-        for (int j = 0; j < n; ++j) bmax = s[g][j] > bmax ? s[g][j] : bmax;
-        const float alpha = exp_nonpos(m[g] - bmax);
-        m[g] = bmax;
-        const __m256 vmax = _mm256_set1_ps(bmax);
-        __m256 sum = _mm256_setzero_ps();
-        for (int j0 = 0; j0 < n; j0 += 8) {
-          const __m256 live = _mm256_castsi256_ps(
-              _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j0), lane));  // keys past n: 0
-          const __m256 p = _mm256_and_ps(
-              live,
-              v8exp(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s[g] + j0), vmax), floor87)));
-          _mm256_storeu_ps(s[g] + j0, p);
-          sum = _mm256_add_ps(sum, p);
+      for (int kvh = ha; kvh < hb; ++kvh) {  // softmax update of each (head, query)
+        float* acc = state + (kvh - h0) * hf + G * D;
+        float* m = acc + G * D;
+        float* l = m + G;
+        for (int g = 0; g < G; ++g) {
+          float* sg = s[(kvh - ha) * G + g];
+          float bmax = m[g];
+          for (int j = 0; j < n; ++j) bmax = sg[j] > bmax ? sg[j] : bmax;
+          const float alpha = exp_nonpos(m[g] - bmax);
+          m[g] = bmax;
+          const __m256 vmax = _mm256_set1_ps(bmax);
+          __m256 sum = _mm256_setzero_ps();
+          for (int j0 = 0; j0 < n; j0 += 8) {
+            const __m256 live = _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j0), lane));  // keys past n: 0
+            const __m256 p = _mm256_and_ps(
+                live,
+                v8exp(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + j0), vmax), floor87)));
+            _mm256_storeu_ps(sg + j0, p);
+            sum = _mm256_add_ps(sum, p);
+          }
+          l[g] = l[g] * alpha + hsum8(sum);
+          const __m256 va = _mm256_set1_ps(alpha);
+          float* ag = acc + g * D;
+          for (int c = 0; c < C; ++c)
+            _mm256_store_ps(ag + 8 * c, _mm256_mul_ps(_mm256_load_ps(ag + 8 * c), va));
         }
-        l[g] = l[g] * alpha + hsum8(sum);
-        const __m256 va = _mm256_set1_ps(alpha);
-        float* ag = acc + g * D;
-        __m256 a[C];
-        for (int c = 0; c < C; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(ag + 8 * c), va);
-        for (int j = 0; j < n; ++j) {  // the value sums, keys in order
-          const T* v = blk + (t0 + j) * tok_stride + v_off;
-          const __m256 pb = _mm256_set1_ps(s[g][j]);
-          for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(pb, v8load<T>(v + 8 * c), a[c]);
+      }
+      // The value sums, keys in order, 8 at a time: each (head, query) adds the 8 keys' rows
+      // with its accumulators in registers, then the next head reads the same tokens' lines.
+      for (int j0 = 0; j0 < n; j0 += 8) {
+        const int j1 = j0 + 8 < n ? j0 + 8 : n;
+        for (int kvh = ha; kvh < hb; ++kvh) {
+          const T* v0 = blk + t0 * tok_stride + v_off + static_cast<int64_t>(kvh) * D;
+          float* acc = state + (kvh - h0) * hf + G * D;
+          for (int g = 0; g < G; ++g) {
+            const float* sg = s[(kvh - ha) * G + g];
+            float* ag = acc + g * D;
+            __m256 a[C];
+            for (int c = 0; c < C; ++c) a[c] = _mm256_load_ps(ag + 8 * c);
+            for (int j = j0; j < j1; ++j) {
+              const T* v = v0 + j * tok_stride;
+              const __m256 pb = _mm256_set1_ps(sg[j]);
+              for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(pb, v8load<T>(v + 8 * c), a[c]);
+            }
+            for (int c = 0; c < C; ++c) _mm256_store_ps(ag + 8 * c, a[c]);
+          }
         }
-        for (int c = 0; c < C; ++c) _mm256_store_ps(ag + 8 * c, a[c]);
       }
     }
   }

@@ -177,3 +177,20 @@ def test_compare_kills_a_workers_process_group_when_terminated(tmp_path):
     else:
         os.kill(grandchild, signal.SIGKILL)
         raise AssertionError("the worker's child survived its terminated parent")
+
+
+def test_decode_attention_benchmark_tiny(monkeypatch, capsys):
+    """One small shape: the kernel ran (the script asserts each call was taken) and the
+    table reports a positive read rate."""
+    from pagefold.csrc import cpu_ops
+
+    if cpu_ops.kernels() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.syspath_prepend(REPO)
+    from benchmarks import decode_attention
+
+    monkeypatch.setattr(decode_attention, "SHAPES", [("tiny", 2, 40, 4, 2, 64)])
+    rows = decode_attention.main(["--layers", "2", "--repeats", "1", "--threads", "1"])
+    assert [r["shape"] for r in rows] == ["tiny"]
+    assert rows[0]["GB/s"] > 0 and rows[0]["vs copy"] > 0
+    assert "GB/s" in capsys.readouterr().out

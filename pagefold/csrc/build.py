@@ -127,7 +127,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_ssd_chunked.restype = i32
     lib.pf_page_write.argtypes = [p, i64, p, i64, i32, i64, p, i64, i64, i32, i32]
     lib.pf_page_write.restype = i32
-    lib.pf_conv_varlen.argtypes = [i32, p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32]
+    lib.pf_conv_varlen.argtypes = [i32, p, i64, p, p, p, p, p, i64, p, i32, i32, i32,
+                                   p, i64, p, i64, p, i32, i64, i32]
     lib.pf_conv_varlen.restype = i32
     lib.pf_gated_norm_gate_first.argtypes = [i32, i32, i32, p, i64, p, i64, p, p, i64, i32, i32,
                                              f32, i32]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.state_capture import seq_of
+from pagefold.layers.state_capture import Capture, PagedOut, check_capture, seq_of
 
 __all__ = [
     "causal_conv1d_naive",
@@ -118,12 +118,17 @@ def causal_conv1d_varlen(
     *,
     per_token_states: bool = False,
     compiled: bool = True,
+    capture: Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorized varlen causal conv: one pass over all sequences.
 
     ``compiled`` (default): on the CPU with the kernels on, the compiled conv
     (``csrc/conv.cpp``: the same products and order, fused multiply-adds, so equal up to
     float32 rounding) runs instead of the torch form below (not for ``per_token_states``).
+
+    ``capture=(after, out)`` (:mod:`pagefold.layers.state_capture`): ``out[m]`` receives the
+    state right after flat token ``after[m]`` (:func:`causal_conv1d_state_at`'s); ``out`` a
+    buffer or a ``PagedOut``, which the compiled conv writes straight into the pages.
 
     Shapes as in :func:`causal_conv1d_naive`. Each sequence's state is placed in front of its
     tokens in one extended buffer of length ``T + N*(K-1)``; a single unpadded depthwise conv
@@ -136,10 +141,22 @@ def causal_conv1d_varlen(
     num_seqs = cu_seqlens.numel() - 1
     if conv_state.shape[0] != num_seqs:
         raise ValueError(f"conv_state has {conv_state.shape[0]} rows for {num_seqs} sequences")
+    cap = check_capture(capture, x.shape[0], (channels, hist), paged=True)
+    if cap is not None and per_token_states:
+        raise ValueError("capture and per_token_states do not go together")
+    res, written = None, False
     if compiled and not per_token_states:
-        res = _conv_varlen_cpu(x, weight, bias, conv_state, cu_seqlens, activation)
-        if res is not None:
-            return res
+        paged = cap if cap is not None and isinstance(cap[1], PagedOut) else None
+        res = _conv_varlen_cpu(x, weight, bias, conv_state, cu_seqlens, activation, paged)
+        written = res is not None and paged is not None
+    if cap is not None and not written:  # the windows of the inputs
+        states = causal_conv1d_state_at(x, conv_state, cu_seqlens, capture[0])
+        if isinstance(cap[1], PagedOut):
+            cap[1].write(states)
+        else:
+            cap[1].copy_(states)
+    if res is not None:
+        return res
     device = x.device
     total = x.shape[0]
     cu = cu_seqlens.to(device=device, dtype=torch.long)
@@ -183,10 +200,12 @@ def causal_conv1d_varlen(
 
 def _conv_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                     activation: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     activation: str | None, capture: tuple[list[int], PagedOut] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``causal_conv1d_varlen`` through ``pf_conv_varlen``, or None (nothing done) when the
     kernel does not take the inputs: kernels off, not on the CPU, float32 / bf16 not shared by
-    every tensor, rows of ``x`` not contiguous."""
+    every tensor, rows of ``x`` not contiguous, a capture destination in other pages or of
+    another dtype. ``capture``: (flat token indices, a ``PagedOut``) written into the pages."""
     from pagefold.csrc import cpu_ops
 
     lib = cpu_ops.kernels()
@@ -195,6 +214,17 @@ def _conv_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if (lib is None or code is None or any(t.dtype != x.dtype or t.device.type != "cpu"
                                            for t in tensors) or x.stride(1) != 1):
         return None
+    cap_args: tuple = (None, 0, None, 0, None, 0, 0)
+    if capture:
+        dst = capture[1]
+        raw = dst.view.raw
+        if (dst.view.spec.component(dst.name).dtype != x.dtype or raw.device.type != "cpu"
+                or not raw.is_contiguous()):
+            return None
+        tok = torch.tensor(capture[0], dtype=torch.int64)
+        pages = dst.page_ids.to(torch.int64).contiguous()
+        cap_args = (tok.data_ptr(), len(capture[0]), raw.data_ptr(), raw.shape[1],
+                    pages.data_ptr(), pages.shape[1], dst.offset)
     t, c = x.shape
     k = weight.shape[1]
     w = weight.contiguous()
@@ -206,7 +236,8 @@ def _conv_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     rc = lib.pf_conv_varlen(code, x.data_ptr(), x.stride(0), w.data_ptr(),
                             b.data_ptr() if b is not None else None, state.data_ptr(),
                             new_state.data_ptr(), cu.data_ptr(), cu.numel() - 1, y.data_ptr(),
-                            c, k, int(activation is not None), torch.get_num_threads())
+                            c, k, int(activation is not None), *cap_args,
+                            torch.get_num_threads())
     return (y, new_state) if rc == 0 else None
 
 

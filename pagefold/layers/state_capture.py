@@ -48,9 +48,13 @@ class PagedOut:
         """Byte offset of the component in a state's concatenated pages."""
         return self.view.offset(self.name)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.view.spec.component(self.name).dtype
+
     def buffer(self) -> torch.Tensor:
-        """A float32 buffer for a kernel to fill, then :meth:`write`."""
-        return torch.empty(self.shape, dtype=torch.float32, device=self.view.raw.device)
+        """A buffer (the component's dtype) for a kernel to fill, then :meth:`write`."""
+        return torch.empty(self.shape, dtype=self.dtype, device=self.view.raw.device)
 
     def write(self, states: torch.Tensor) -> None:
         self.view.write_component(self.page_ids, self.name, states)
@@ -64,18 +68,16 @@ Capture = tuple[torch.Tensor, "torch.Tensor | PagedOut"]
 def check_capture(capture: Capture | None, total: int, state_shape: tuple[int, ...],
                   paged: bool = False) -> tuple[list[int], torch.Tensor | PagedOut] | None:
     """Validate a capture request; returns ``(after as a list, out)`` or None. ``paged``:
-    the caller accepts a :class:`PagedOut` (a float32 component of ``state_shape``)."""
+    the caller accepts a :class:`PagedOut` (a component of ``state_shape``; its dtype is the
+    caller's to check)."""
     if capture is None:
         return None
     after, out = capture
     idx = [int(a) for a in after.reshape(-1).tolist()]
     if any(not 0 <= a < total for a in idx):
         raise ValueError(f"capture positions must lie in [0, {total}), got {idx}")
-    if isinstance(out, PagedOut):
-        if not paged:
-            raise TypeError("this kernel takes a capture buffer, not a PagedOut")
-        if out.view.spec.component(out.name).dtype != torch.float32:
-            raise ValueError(f"paged capture component {out.name!r} must be float32")
+    if isinstance(out, PagedOut) and not paged:
+        raise TypeError("this kernel takes a capture buffer, not a PagedOut")
     if tuple(out.shape) != (len(idx), *state_shape):
         raise ValueError(f"capture out must be {(len(idx), *state_shape)}, "
                          f"got {tuple(out.shape)}")

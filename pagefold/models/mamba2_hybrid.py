@@ -38,7 +38,6 @@ from pagefold.layers.causal_conv1d import (
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
-from pagefold.layers.state_capture import PagedOut
 from pagefold.spec_decode.state_verify import causal_conv1d_verify, ssd_verify
 
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
@@ -272,14 +271,16 @@ class Mamba2Mixer(nn.Module):
                 return self.out_proj(self.norm(y, z).to(x.dtype))
         states = ctx.load_states(self.layer_name)
         kernel = ssd_verify if ctx.verify else ssd_recurrent if meta.all_decode else ssd_chunked
-        capture, conv_ck, extra = None, None, {}
+        capture, conv_ck, extra, paged = None, None, {}, False
         if after is not None:
-            conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
-            # The chunked scan writes its captures straight into the checkpoint pages.
-            out = (view.paged(meta.capture_pages, "ssm") if kernel is ssd_chunked else
-                   torch.empty((after.shape[0], *states["ssm"].shape[1:]),
-                               dtype=torch.float32, device=x.device))
-            capture = (after, out)
+            paged = kernel is ssd_chunked
+            if paged:  # the varlen conv and the chunked scan write into the checkpoint pages
+                conv_ck = (after, view.paged(meta.capture_pages, "conv"))
+                capture = (after, view.paged(meta.capture_pages, "ssm"))
+            else:
+                conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
+                capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
+                                              dtype=torch.float32, device=x.device))
             extra["capture"] = capture
         if ctx.verify:  # state after every token: the commit selects the accepted one
             xbc, conv_state = causal_conv1d_verify(xbc, weight, self.conv1d.bias, states["conv"],
@@ -289,7 +290,8 @@ class Mamba2Mixer(nn.Module):
                                                    activation="silu")
         else:
             xbc, conv_state = causal_conv1d_varlen(xbc, weight, self.conv1d.bias, states["conv"],
-                                                   meta.cu_seqlens, activation="silu")
+                                                   meta.cu_seqlens, activation="silu",
+                                                   capture=conv_ck if paged else None)
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
 
         dt = self._dt(dt, meta, ctx.verify)
@@ -310,8 +312,8 @@ class Mamba2Mixer(nn.Module):
         else:
             ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         if capture is not None:
-            if isinstance(capture[1], PagedOut):
-                ctx.store_checkpoints(self.layer_name, {"conv": conv_ck}, written=("ssm",))
+            if paged:  # both components are in the pages: the gaps are left to zero
+                ctx.store_checkpoints(self.layer_name, {}, written=("conv", "ssm"))
             else:
                 ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
         y = self.norm(y.reshape(t, inter), z)

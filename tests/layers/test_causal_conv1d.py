@@ -195,3 +195,54 @@ def test_compiled_varlen_matches_naive(conv_calls, dtype, bias) -> None:
     finally:
         cpu_ops.set_enabled(True)
     assert conv_calls[0] == 1 and torch.equal(y_off, y_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_varlen_captures_into_pages(conv_calls, dtype, compiled) -> None:
+    """``capture=(after, PagedOut)``: each capture's window (``causal_conv1d_state_at``'s,
+    the old state in front for tokens near a sequence's start) lands in its checkpoint's
+    pages over two channel blocks and a page boundary, bit for bit, and nothing else moves;
+    the compiled conv writes them itself, the torch form through ``PagedOut.write``; ``y``
+    and the final states are those of the call without captures; a buffer ``out`` works."""
+    from pagefold.core.kv_cache_spec import StateComponent, StateSpec
+    from pagefold.csrc import cpu_ops
+    from pagefold.executor.cache_tensors import StateView
+    from pagefold.layers.causal_conv1d import causal_conv1d_state_at
+
+    if cpu_ops.kernels() is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(9)
+    lengths, c, k = [1, 2, 0, 40, 3], 300, 4
+    cu = _cu(lengths)
+    x = torch.randn(sum(lengths), c + 20, generator=gen).to(dtype)[:, 10 : 10 + c]
+    w = torch.randn(c, k, generator=gen).to(dtype)
+    b = torch.randn(c, generator=gen).to(dtype)
+    state = torch.randn(len(lengths), c, k - 1, generator=gen).to(dtype)
+    after = torch.tensor([0, 2, 1, 3, 4, 20, 42, 45, 44, 20])  # starts, inside, ends, repeat
+    spec = StateSpec(kind="mamba2", components=(
+        StateComponent("ssm", (2, 4, 4), torch.float32), StateComponent("conv", (c, k - 1), dtype)))
+    pb = 1000  # a state spans pages; windows cross page boundaries
+    pps = -(-spec.state_bytes // pb)
+    raw = torch.randint(0, 255, (len(after) * pps + 3, pb), dtype=torch.uint8, generator=gen)
+    ids = torch.randperm(raw.shape[0], generator=gen)[: len(after) * pps].view(len(after), pps)
+    view = StateView(raw, spec, pps)
+    before = raw.clone()
+    y0, s0 = causal_conv1d_varlen(x, w, b, state, cu, compiled=compiled)
+    calls0 = conv_calls[0]
+    y, s = causal_conv1d_varlen(x, w, b, state, cu, compiled=compiled,
+                                capture=(after, view.paged(ids, "conv")))
+    assert conv_calls[0] == calls0 + (1 if compiled else 0)
+    assert torch.equal(y, y0) and torch.equal(s, s0)
+    want = causal_conv1d_state_at(x, state, cu, after)
+    assert torch.equal(view.gather(ids)["conv"], want)
+    mask = torch.zeros(raw.shape, dtype=torch.bool)
+    off, nbytes = view.offset("conv"), spec.component("conv").nbytes
+    for row in ids.tolist():
+        flat = torch.zeros(len(row) * pb, dtype=torch.bool)
+        flat[off : off + nbytes] = True
+        mask[row] = flat.view(len(row), pb)
+    assert torch.equal(raw[~mask], before[~mask])
+    buf = torch.empty(len(after), c, k - 1, dtype=dtype)
+    causal_conv1d_varlen(x, w, b, state, cu, compiled=compiled, capture=(after, buf))
+    assert torch.equal(buf, want) and conv_calls[0] == calls0 + (2 if compiled else 0)

@@ -379,6 +379,8 @@ def ssd_chunked(
         return x.new_zeros((T, H, P)), initial_state.float().clone()
     L = min(chunk_size, max_len)
     cap = check_capture(capture, T, (H, P, N), paged=True)
+    if cap is not None and isinstance(cap[1], PagedOut) and cap[1].dtype != torch.float32:
+        raise ValueError(f"paged SSD captures need a float32 component, got {cap[1].dtype}")
     if compiled:  # the compiled scan (csrc/ssd.cpp): same chunking, same steps
         from pagefold.layers.mamba.ssd_cpu import ssd_chunked_cpu
 

@@ -55,7 +55,7 @@ def calls(monkeypatch):
     return n
 
 
-@pytest.mark.parametrize("P,G,N", [(8, 1, 16), (16, 2, 8), (80, 2, 16), (64, 4, 32)])
+@pytest.mark.parametrize("P,G,N", [(8, 1, 16), (16, 2, 8), (80, 2, 16), (64, 4, 32), (10, 1, 6)])
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_compiled_matches_naive(calls, P, G, N, chunk):
     inp = _inputs(LENS, H=4, P=P, G=G, N=N, seed=P + chunk)

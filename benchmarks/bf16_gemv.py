@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common import best_seconds
 
 SHAPES = ["576x576", "1536x576", "576x1536", "49152x576"]
 ROWS = [1, 2, 3, 4, 5, 8, 16, 24, 32, 33]
 
 
 def _best(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
+    return best_seconds(fn, reps) * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,3 +116,14 @@ def torch_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def best_seconds(fn, reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` (after one untimed warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -15,9 +15,8 @@ bandwidth limit), ``vs copy`` = their ratio.
 from __future__ import annotations
 
 import argparse
-import time
 
-from benchmarks.common import print_table, torch_threads
+from benchmarks.common import best_seconds, print_table, torch_threads
 
 # (label, batch, keys per row, query heads, kv heads, head dim)
 SHAPES = [
@@ -50,20 +49,11 @@ def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> 
         for c in caches:
             assert cpu_ops.decode_attention(q, None, c, tables, seq_lens, None, scale, out)
 
-    step()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t)
+    best = best_seconds(step, repeats)
     kv_bytes = layers * batch * ctx * 2 * kv_heads * head_dim * 2
     src = torch.empty(kv_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    copy = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        copy = min(copy, time.perf_counter() - t)
+    copy = best_seconds(lambda: dst.copy_(src), repeats)
     gbs, copy_gbs = kv_bytes / best / 1e9, 2 * kv_bytes / copy / 1e9
     return {"shape": label, "batch": batch, "keys": ctx, "heads": f"{heads}/{kv_heads}",
             "head dim": head_dim, "ms": 1000 * best, "GB/s": gbs, "copy GB/s": copy_gbs,

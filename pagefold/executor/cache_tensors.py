@@ -45,6 +45,7 @@ class StateView:
         self.pages = pages_per_state
         self.page_bytes = raw.shape[1]
         self._offsets = {c.name: off for c, off in zip(spec.components, spec.offsets)}
+        self._names = frozenset(self._offsets)
         # Byte ranges of a state's pages no component covers (alignment, the last page's
         # tail): writes zero just these, so pages stay deterministic without a full memset.
         self.gaps: list[tuple[int, int]] = []
@@ -77,14 +78,14 @@ class StateView:
         ``states`` (cast to its dtype), zeros in the gaps. ``written`` names the components the
         caller stored itself (a kernel capturing into the pages, see ``paged``); together the
         two must cover every component."""
-        names = {c.name for c in self.spec.components}
-        if set(states) | set(written) != names or set(states) & set(written):
-            raise ValueError(f"scatter needs each of {sorted(names)} once, got states "
+        if set(states) | set(written) != self._names or set(states) & set(written):
+            raise ValueError(f"scatter needs each of {sorted(self._names)} once, got states "
                              f"{sorted(states)} and written {sorted(written)}")
+        ids = page_ids.to(device=self.raw.device, dtype=torch.int64).contiguous()
         for name, src in states.items():
-            self.write_component(page_ids, name, src)
+            self.write_component(ids, name, src)
         for lo, hi in self.gaps:
-            self._write_bytes(page_ids, lo, None, hi - lo)
+            self._write_bytes(ids, lo, None, hi - lo)
 
     def write_component(self, page_ids: torch.Tensor, name: str, src: torch.Tensor) -> None:
         """Component ``name`` of the states at ``page_ids`` := src (N, *shape), cast."""
@@ -102,7 +103,7 @@ class StateView:
         """Bytes [off, off + nbytes) of each state := its row of data (N, nbytes) uint8, or
         zeros (data None): compiled in one pass where it can, else one ``index_copy_`` per
         page the range touches (on the widest element dividing the range and the page)."""
-        ids = page_ids.to(device=self.raw.device, dtype=torch.int64)
+        ids = page_ids.to(device=self.raw.device, dtype=torch.int64)  # no copy when it is
         if cpu_ops.page_write(self.raw, ids, off, data, nbytes):
             return
         pb, n = self.page_bytes, ids.shape[0]

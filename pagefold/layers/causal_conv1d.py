@@ -216,15 +216,12 @@ def _conv_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return None
     cap_args: tuple = (None, 0, None, 0, None, 0, 0)
     if capture:
-        dst = capture[1]
-        raw = dst.view.raw
-        if (dst.view.spec.component(dst.name).dtype != x.dtype or raw.device.type != "cpu"
-                or not raw.is_contiguous()):
+        found = capture[1].kernel_args() if capture[1].dtype == x.dtype else None
+        if found is None:
             return None
+        pages, paged = found  # pages: kept alive over the call
         tok = torch.tensor(capture[0], dtype=torch.int64)
-        pages = dst.page_ids.to(torch.int64).contiguous()
-        cap_args = (tok.data_ptr(), len(capture[0]), raw.data_ptr(), raw.shape[1],
-                    pages.data_ptr(), pages.shape[1], dst.offset)
+        cap_args = (tok.data_ptr(), len(capture[0]), *paged)
     t, c = x.shape
     k = weight.shape[1]
     w = weight.contiguous()

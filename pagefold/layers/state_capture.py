@@ -59,6 +59,17 @@ class PagedOut:
     def write(self, states: torch.Tensor) -> None:
         self.view.write_component(self.page_ids, self.name, states)
 
+    def kernel_args(self) -> tuple[torch.Tensor, tuple[int, int, int, int, int]] | None:
+        """What a compiled kernel takes to write into the pages: ``(pages, (raw address, page
+        bytes, pages address, pages per state, offset))``, ``pages`` the int64 page ids to keep
+        alive over the call; None when the pool is not a contiguous CPU tensor."""
+        raw = self.view.raw
+        if raw.device.type != "cpu" or not raw.is_contiguous():
+            return None
+        pages = self.page_ids.to(torch.int64).contiguous()
+        return pages, (raw.data_ptr(), raw.shape[1], pages.data_ptr(), pages.shape[1],
+                       self.offset)
+
 
 # (after (M,) int64 flat token indices, out: an (M, ...) float32 buffer the kernel fills, or
 # a PagedOut for the kernels that take one)

@@ -59,11 +59,10 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
     if cap:
         cap_tok = torch.tensor(cap[0], dtype=torch.int64)
         if isinstance(cap[1], PagedOut):
-            dst = cap[1]
-            raw, pages = dst.view.raw, dst.page_ids.to(torch.int64).contiguous()
-            if raw.device.type != "cpu" or not raw.is_contiguous():
+            found = cap[1].kernel_args()
+            if found is None:
                 return None
-            paged = (raw.data_ptr(), raw.shape[1], pages.data_ptr(), pages.shape[1], dst.offset)
+            pages, paged = found  # pages: kept alive over the call
         else:
             cap_out = cap[1] if cap[1].dtype == torch.float32 and cap[1].is_contiguous() else \
                 torch.empty(cap[1].shape, dtype=torch.float32)

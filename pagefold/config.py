@@ -74,6 +74,9 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # Weight quantization (vLLM's --quantization): None = as the checkpoint stores it (its
+    # quantization_config, if any); fp8 / int8 / int4 quantize a plain checkpoint on load.
+    quantization: str | None = None
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
@@ -120,6 +123,13 @@ class EngineConfig:
         from pagefold.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
+        if self.quantization is not None:
+            from pagefold.quantization.config import check_option
+
+            self.quantization = check_option(self.quantization)
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size "
+                                 f"{self.tensor_parallel_size} is not supported yet")
         if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise ValueError(
                 "block_size must be a power of two up to 8 or a multiple of 16, got "

@@ -178,7 +178,7 @@ class EngineCore:
         warm_len = min(self.max_model_len, 256)
         if self.tp == 1:
             self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
-                                    max_positions, self.device)
+                                    max_positions, self.device, config.quantization)
             self.runner = ModelRunner(self.model, self.kv_config, self.device,
                                       cache_fill=cache_fill, num_host_blocks=host_blocks)
             self.runner.proposer = self._load_proposer(spec_specs, max_positions)

@@ -56,6 +56,9 @@ def load_into(
     Unknown checkpoint tensors raise, so a mismatched architecture is caught at load time.
     """
     params = dict(module.named_parameters())
+    # ``pf_quant`` (set by the model loader for a quantized checkpoint; duck-typed, so the
+    # layer shelf does not import the quantization package): converts layers to their format.
+    quant = getattr(module, "pf_quant", None)
     rename = rename or {}
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -70,6 +73,12 @@ def load_into(
                 target = ".".join(parts[:i] + [rename[part]] + parts[i + 1 :])
                 shard = part
                 break
+        if quant is not None:  # a quantized checkpoint: its layers convert as their tensors come
+            act = quant.before_load(module, target, tensor)
+            if act == "skip":
+                continue
+            if act == "reload":
+                params = dict(module.named_parameters())
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(module).__name__}")
         param = params[target]

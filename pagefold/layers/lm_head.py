@@ -57,7 +57,7 @@ class CausalLMHead(nn.Module):
             fused = getattr(p, "fused", None)
             if fused is not None and name in shards:
                 missing += [f"{name}:{s}" for s in fused.shards if s not in shards[name]]
-            elif name not in got:
+            elif name not in got and not getattr(p, "optional", False):
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")

@@ -80,9 +80,13 @@ def text_config(hf_config):
 
 
 def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_positions: int,
-               device: torch.device):
+               device: torch.device, quantization: str | None = None):
+    """The model in ``model_dir`` with its weights; ``quantization``: the option (vLLM's
+    ``--quantization``), checked against the checkpoint's own ``quantization_config``."""
     from pagefold.models.weights import iter_weights
+    from pagefold.quantization import Quantizer, quantize_loaded, resolve, weights_summary
 
+    plan = resolve(hf_config, quantization)
     cls = model_class(arch)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -91,8 +95,14 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
             model = cls(text_config(hf_config), max_positions=max_positions)
     finally:
         torch.set_default_dtype(prev)
+    if plan is not None and plan.checkpoint is not None:
+        model.pf_quant = Quantizer(plan)
     model.load_weights(iter_weights(model_dir))
+    if plan is not None and plan.on_load is not None:
+        quantize_loaded(model, plan.on_load)
     model.eval().requires_grad_(False)
     nparams = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s from %s: %.1fM parameters, %s", arch, model_dir, nparams / 1e6, dtype)
+    logger.info("loaded %s from %s: %.1fM parameters, %s%s", arch, model_dir, nparams / 1e6,
+                dtype, f", {plan.label}" if plan is not None else "")
+    logger.info("weights: %s", weights_summary(model))
     return model

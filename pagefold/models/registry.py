@@ -84,7 +84,13 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
     """The model in ``model_dir`` with its weights; ``quantization``: the option (vLLM's
     ``--quantization``), checked against the checkpoint's own ``quantization_config``."""
     from pagefold.models.weights import iter_weights
-    from pagefold.quantization import Quantizer, quantize_loaded, resolve, weights_summary
+    from pagefold.quantization import (
+        Quantizer,
+        finalize_all,
+        quantize_loaded,
+        resolve,
+        weights_summary,
+    )
 
     plan = resolve(hf_config, quantization)
     cls = model_class(arch)
@@ -98,6 +104,8 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
     if plan is not None and plan.checkpoint is not None:
         model.pf_quant = Quantizer(plan)
     model.load_weights(iter_weights(model_dir))
+    if plan is not None and plan.checkpoint is not None:
+        finalize_all(model)
     if plan is not None and plan.on_load is not None:
         quantize_loaded(model, plan.on_load)
     model.eval().requires_grad_(False)

@@ -3,7 +3,13 @@
 
 from pagefold.quantization.config import ON_LOAD, QUANTIZATIONS, QuantPlan, resolve
 from pagefold.quantization.formats import QuantizationError
-from pagefold.quantization.linear import Quantizer, QuantLinear, quantize_loaded, weights_summary
+from pagefold.quantization.linear import (
+    Quantizer,
+    QuantLinear,
+    finalize_all,
+    quantize_loaded,
+    weights_summary,
+)
 
 __all__ = ["ON_LOAD", "QUANTIZATIONS", "QuantLinear", "QuantPlan", "QuantizationError",
-           "Quantizer", "quantize_loaded", "resolve", "weights_summary"]
+           "Quantizer", "finalize_all", "quantize_loaded", "resolve", "weights_summary"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["AWQ_ORDER", "QuantizationError", "ParamSpec", "QuantMethod", "GPTQ", "AWQ",
-           "PackedInt", "FP8", "unpack_along_last"]
+           "PackedInt", "FP8", "IntFormat", "unpack_along_last"]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -119,8 +119,24 @@ class QuantMethod:
         raise NotImplementedError
 
 
+class IntFormat(QuantMethod):
+    """Integer weights with group scales and zero points: ``w = scale[g] * (code - zero[g])``
+    with ``g`` the group of each input. ``int_parts`` gives a row range's unsigned codes
+    (rows, k), scales and zeros (rows, groups) float32 and the inputs' groups (k,) int64:
+    what the compiled kernel's layout is built from (``quantization.int_kernel``)."""
+
+    bits = 4
+
+    def int_parts(self, t, rows, shard, n, k):
+        raise NotImplementedError
+
+    def dequantize(self, t, rows, shard, n, k):
+        q, s, z, g = self.int_parts(t, rows, shard, n, k)
+        return (q.float() - z[:, g]) * s[:, g]
+
+
 @dataclass(frozen=True)
-class GPTQ(QuantMethod):
+class GPTQ(IntFormat):
     bits: int = 4
     group_size: int = 128
     sym: bool = True
@@ -144,19 +160,17 @@ class GPTQ(QuantMethod):
         g, _ = _groups(k, self.group_size, "?", self.name)
         return torch.arange(k, dtype=torch.int32) // g
 
-    def dequantize(self, t, rows, shard, n, k):
+    def int_parts(self, t, rows, shard, n, k):
         r0, r1 = rows.start, rows.stop
         per = 32 // self.bits
         q = unpack_along_last(t["qweight"][:, r0:r1].t().contiguous(), self.bits)  # (rows, k)
         zw = t["qzeros"][:, r0 // per:(r1 + per - 1) // per]
         z = unpack_along_last(zw, self.bits)[:, r0 % per:r0 % per + (r1 - r0)] + 1  # (G, rows)
-        s = t["scales"][:, r0:r1].float()  # (G, rows)
-        g = t["g_idx"][shard].long()
-        return (q - z.t()[:, g]).float() * s.t()[:, g]
+        return q, t["scales"][:, r0:r1].float().t(), z.t().float(), t["g_idx"][shard].long()
 
 
 @dataclass(frozen=True)
-class AWQ(QuantMethod):
+class AWQ(IntFormat):
     bits: int = 4
     group_size: int = 128
     name = "awq"
@@ -170,19 +184,18 @@ class AWQ(QuantMethod):
                 "qzeros": ParamSpec((groups, n // 8), torch.int32, out_dim=1, out_div=8),
                 "scales": ParamSpec((groups, n), torch.float16, out_dim=1)}
 
-    def dequantize(self, t, rows, shard, n, k):
+    def int_parts(self, t, rows, shard, n, k):
         r0, r1 = rows.start, rows.stop
         lo, hi = r0 // 8, (r1 + 7) // 8
         cut = slice(r0 - 8 * lo, r0 - 8 * lo + (r1 - r0))
         q = unpack_along_last(t["qweight"][:, lo:hi], 4, AWQ_ORDER)[:, cut]  # (k, rows)
         z = unpack_along_last(t["qzeros"][:, lo:hi], 4, AWQ_ORDER)[:, cut]  # (G, rows)
-        s = t["scales"][:, r0:r1].float()
         g = torch.arange(k) // (k // z.shape[0])
-        return ((q - z[g]).float() * s[g]).t()
+        return q.t(), t["scales"][:, r0:r1].float().t(), z.t().float(), g
 
 
 @dataclass(frozen=True)
-class PackedInt(QuantMethod):
+class PackedInt(IntFormat):
     """compressed-tensors' pack-quantized symmetric integer weights (and pagefold's own INT8 /
     INT4 weight-only quantization on load, stored the same way)."""
 
@@ -210,15 +223,12 @@ class PackedInt(QuantMethod):
             raise KeyError(name)
         return torch.tensor([-1, k], dtype=torch.int64)  # rows: the shard's, checked elsewhere
 
-    def dequantize(self, t, rows, shard, n, k):
-        u = unpack_along_last(t["weight_packed"][rows], self.bits)
-        q = (u - (1 << (self.bits - 1))).float()  # (rows, k)
+    def int_parts(self, t, rows, shard, n, k):
+        u = unpack_along_last(t["weight_packed"][rows], self.bits)  # (rows, k)
         s = t["weight_scale"][rows].float()  # (rows, groups)
-        if self.act_order:
-            g = t["weight_g_idx"][shard].long()
-        else:
-            g = torch.arange(k) // (k // s.shape[1])
-        return q * s[:, g]
+        g = (t["weight_g_idx"][shard].long() if self.act_order
+             else torch.arange(k) // (k // s.shape[1]))
+        return u, s, torch.full_like(s, float(1 << (self.bits - 1))), g
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,17 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.layers.linear import FusedShards
 from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan
-from pagefold.quantization.formats import FP8, FP8_MAX, PackedInt, ParamSpec, QuantizationError
+from pagefold.quantization.formats import (
+    FP8,
+    FP8_MAX,
+    IntFormat,
+    PackedInt,
+    ParamSpec,
+    QuantizationError,
+)
+from pagefold.quantization.int_kernel import IntWeight
 
-__all__ = ["QuantLinear", "Quantizer", "quantize_loaded", "weights_summary"]
+__all__ = ["QuantLinear", "Quantizer", "finalize_all", "quantize_loaded", "weights_summary"]
 
 logger = logging.getLogger("pagefold")
 
@@ -70,6 +78,7 @@ class QuantLinear(nn.Module):
                     self._place(name, p, method.fill(name, out_features, in_features), s)
             self.register_parameter(name, p)
         self.bias = bias
+        self.packed: IntWeight | None = None
 
     # ------------------------------------------------------------------ loading
     def _place(self, name: str, p: torch.Tensor, tensor: torch.Tensor, shard: str) -> None:
@@ -107,12 +116,30 @@ class QuantLinear(nn.Module):
             self._place(name, param, tensor, key)
         return load
 
+    def finalize(self) -> None:
+        """Once loaded: integer formats move into the compiled kernel's layout
+        (:class:`IntWeight`; the checkpoint's tensors are dropped)."""
+        if self.packed is not None or not isinstance(self.method, IntFormat):
+            return
+        self.packed = IntWeight(self.method, self.tensors(), self.shards, self.out_features,
+                                self.in_features)
+        for name in self.specs:
+            delattr(self, name)
+        self.specs = {}
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
     # ------------------------------------------------------------------ compute
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in self.specs}
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole weight decoded (out, in): for tests, exports and the reference."""
+        """The whole weight decoded (out, in) from the checkpoint's tensors (before
+        :meth:`finalize`)."""
         t = self.tensors()
         out = torch.empty((self.out_features, self.in_features), dtype=dtype)
         for shard, (off, n) in self.shards.items():
@@ -124,6 +151,9 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            y = self.packed.matmul(x)
+            return y if self.bias is None else y + self.bias
         t = self.tensors()
         y = x.new_empty((*x.shape[:-1], self.out_features))
         for shard, (off, n) in self.shards.items():
@@ -251,8 +281,16 @@ def quantize_loaded(model: nn.Module, kind: str) -> int:
                 spec = new.specs[name]
                 part = t if spec.out_dim is None else t.narrow(spec.out_dim, off, n)
                 new._place(name, getattr(new, name), part, shard)
+        new.finalize()
         _swap(model, path, new)
     return len(todo)
+
+
+def finalize_all(model: nn.Module) -> None:
+    """Every quantized layer of a loaded model into its kernel layout."""
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.finalize()
 
 
 def weights_summary(model: nn.Module) -> str:
@@ -267,7 +305,7 @@ def weights_summary(model: nn.Module) -> str:
             counts[key] = counts.get(key, 0) + 1
             for t in mod.tensors().values():
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
+            total += mod.nbytes
     for p in model.parameters():
         if id(p) in seen:
             continue

@@ -1,0 +1,118 @@
+// Few-row products with integer weights in groups (GPTQ, AWQ, compressed-tensors int, int8 /
+// int4 quantized on load): y[r, o] = sum_g scale[o, g] * (dot(x[r, g], code[o, g]) -
+// zero[o, g] * sum(x[r, g])), which is x @ (scale * (code - zero)).T with the codes decoded
+// once per call and the zero term from one sum per row and group.
+//
+// Layout (pagefold/quantization/int_kernel.py builds it at load): codes (n, k * bits / 8)
+// uint8, row-major, 4-bit codes two to a byte (input 2j in the low nibble, 2j + 1 in the high
+// one); scale and zero (n, k / group) float32; x (m, k) float32 contiguous; y (m, ldy) float32,
+// this call writing columns [0, n). Work is split over output rows: each output element is one
+// thread's sum in a fixed order, so a row's result does not depend on the rows beside it or on
+// the thread count.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;
+
+// Codes [0, count) of one group (starting at an even input) as floats.
+inline void decode(const uint8_t* src, int bits, int64_t count, float* dst) {
+  int64_t i = 0;
+  if (bits == 4) {
+#if defined(__AVX2__)
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (; i + 16 <= count; i += 16) {
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
+      __m128i lo = _mm_and_si128(b, mask);
+      __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      __m128i v = _mm_unpacklo_epi8(lo, hi);  // 16 codes in input order
+      _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+      _mm256_storeu_ps(dst + i + 8,
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+    }
+#endif
+    for (; i < count; ++i) {
+      uint8_t b = src[i / 2];
+      dst[i] = static_cast<float>((i & 1) ? (b >> 4) : (b & 0x0F));
+    }
+    return;
+  }
+#if defined(__AVX2__)
+  for (; i + 8 <= count; i += 8) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+  }
+#endif
+  for (; i < count; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t count) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= count; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= count; i += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; i < count; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 on success; 1 when the arguments are outside what the kernel takes (nothing written).
+int pf_qgemv_int(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                 int32_t bits, int64_t group, const float* scale, const float* zero, float* y,
+                 int64_t ldy, int32_t nthreads) {
+  if ((bits != 4 && bits != 8) || m < 1 || m > kMaxRows || k < 1 || n < 1 || group < 1 ||
+      k % group || (bits == 4 && (group % 2 || k % 2)) || ldy < n)
+    return 1;
+  const int64_t groups = k / group;
+  const int64_t row_bytes = k * bits / 8;
+  std::vector<float> xsum(m * groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += x[r * k + g * group + i];
+      xsum[r * groups + g] = s;
+    }
+  const bool par = n >= 64 && nthreads > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    std::vector<float> w(group);
+    float acc[kMaxRows];
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; ++o) {
+      const uint8_t* row = codes + o * row_bytes;
+      const float* sc = scale + o * groups;
+      const float* zp = zero + o * groups;
+      std::fill(acc, acc + m, 0.f);
+      for (int64_t g = 0; g < groups; ++g) {
+        decode(row + g * group * bits / 8, bits, group, w.data());
+        for (int64_t r = 0; r < m; ++r) {
+          float d = dot(x + r * k + g * group, w.data(), group);
+          acc[r] += sc[g] * (d - zp[g] * xsum[r * groups + g]);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) y[r * ldy + o] = acc[r];
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,124 @@
+"""Integer weights in the compiled kernel's layout, and their product.
+
+:class:`IntWeight` is built once at load from any :class:`~.formats.IntFormat` (GPTQ, AWQ,
+compressed-tensors int, int8 / int4 on load): per output row the unsigned codes in input order
+(4-bit codes two to a byte), and per row and group of inputs a float32 scale and zero, so
+``w = scale * (code - zero)``. A shard whose groups are permuted (GPTQ act-order) has its
+codes reordered so each group's inputs are contiguous, and the product gathers ``x``'s columns
+in that order (``perm``): the same sums, grouped.
+
+``matmul`` runs ``pf_qgemv_int`` (``csrc/quant.cpp``) for 1..``KERNEL_MAX_ROWS`` rows on the
+CPU, else :meth:`IntWeight.dequantize` one tile at a time and ``F.linear`` in the
+activations' dtype: the reference the kernel is tested against (float32 sums; the kernel's
+summation order differs, so the two agree to float32 rounding, not bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagefold.csrc import cpu_ops
+from pagefold.quantization.formats import IntFormat
+
+__all__ = ["IntWeight", "KERNEL_MAX_ROWS"]
+
+KERNEL_MAX_ROWS = 32
+TILE_ROWS = 2048
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
+    out[:, 0::2] = packed & 0x0F
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+class IntWeight:
+    """A linear's integer weight (``n`` x ``k``) in kernel layout, shard by shard."""
+
+    def __init__(self, method: IntFormat, tensors: dict[str, torch.Tensor],
+                 shards: dict[str, tuple[int, int]], n: int, k: int) -> None:
+        self.bits, self.n, self.k = method.bits, n, k
+        codes, scales, zeros = [], [], []
+        self.segments: list[tuple[int, int, torch.Tensor | None]] = []  # (row0, rows, perm)
+        group = None
+        for i, (off, rows) in enumerate(shards.values()):
+            q, s, z, g = method.int_parts(tensors, slice(off, off + rows), i, n, k)
+            perm = None
+            if not torch.equal(g, torch.arange(k) // (k // s.shape[1])):
+                perm = torch.argsort(g, stable=True)
+                q = q[:, perm]
+            gs = k // s.shape[1]
+            if group is not None and gs != group:
+                raise ValueError("shards of one layer with different group sizes")
+            group = gs
+            codes.append(q.to(torch.uint8))
+            scales.append(s.float())
+            zeros.append(z.float())
+            self.segments.append((off, rows, perm))
+        self.group = group
+        q = torch.cat(codes)
+        self.codes = _pack_nibbles(q) if self.bits == 4 else q.contiguous()
+        self.scale = torch.cat(scales).contiguous()
+        self.zero = torch.cat(zeros).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def dequantize(self, rows: slice) -> torch.Tensor:
+        """Float32 weight rows in the stored (grouped) input order of their shard."""
+        c = self.codes[rows]
+        q = _unpack_nibbles(c) if self.bits == 4 else c
+        g = torch.arange(self.k) // self.group
+        return (q.float() - self.zero[rows][:, g]) * self.scale[rows][:, g]
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        lib = cpu_ops.kernels()
+        if (lib is None or x.device.type != "cpu" or x.dim() != 2
+                or not 1 <= x.shape[0] <= KERNEL_MAX_ROWS):
+            return None
+        xf = x.float().contiguous()
+        y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        nt = torch.get_num_threads()
+        for off, rows, perm in self.segments:
+            xs = xf if perm is None else xf[:, perm].contiguous()
+            rc = lib.pf_qgemv_int(
+                xs.data_ptr(), xs.shape[0], self.k, rows,
+                self.codes[off].data_ptr(), self.bits, self.group, self.scale[off].data_ptr(),
+                self.zero[off].data_ptr(), y[:, off:].data_ptr(), self.n, nt)
+            if rc != 0:
+                return None
+        return y.to(x.dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` through decoded float32 tiles (float32 sums, one rounding)."""
+        xf = x.float()
+        y = x.new_empty((*x.shape[:-1], self.n), dtype=torch.float32)
+        for off, rows, perm in self.segments:
+            xs = xf if perm is None else xf[..., perm]
+            for r0 in range(off, off + rows, TILE_ROWS):
+                r1 = min(off + rows, r0 + TILE_ROWS)
+                y[..., r0:r1] = F.linear(xs, self.dequantize(slice(r0, r1)))
+        return y.to(x.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._kernel(x)
+        if y is not None:
+            return y
+        if x.dtype == torch.float32 or x.dim() != 2:
+            return self.reference(x)
+        # Prefill-sized bf16 batches: decoded tiles in the activations' dtype (oneDNN's GEMM).
+        y = x.new_empty((x.shape[0], self.n))
+        for off, rows, perm in self.segments:
+            xs = x if perm is None else x[:, perm]
+            for r0 in range(off, off + rows, TILE_ROWS):
+                r1 = min(off + rows, r0 + TILE_ROWS)
+                y[:, r0:r1] = F.linear(xs, self.dequantize(slice(r0, r1)).to(x.dtype))
+        return y

@@ -144,7 +144,7 @@ class ModelRunner:
                 t_[0].copy_(row)
         return time.perf_counter() - t
 
-    def _generator(self, st: CachedRequestState) -> torch.Generator | None:
+    def generator_for(self, st: CachedRequestState) -> torch.Generator | None:
         seed = st.sampling_params.seed
         if seed is None or st.sampling_params.is_greedy:
             return None
@@ -262,7 +262,7 @@ class ModelRunner:
                sreqs: list[CachedRequestState]) -> dict[str, SampledToken]:
         gens = {}
         for row, r in enumerate(sreqs):
-            g = self._generator(r)
+            g = self.generator_for(r)
             if g is not None:
                 gens[row] = g
         meta = SamplingMetadata.build(

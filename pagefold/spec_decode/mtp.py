@@ -179,7 +179,7 @@ class MtpProposer(Proposer):
                 self.mtp, runner, [reqs[i] for i in live], [[drafts[i][j - 1]] for i in live],
                 [starts[i] + j - 1 for i in live], hidden=hid, step=j)
             toks, qs = draft_tokens(self.target.compute_logits(out), [reqs[i] for i in live],
-                                    lambda r: runner._generator(r))
+                                    runner.generator_for)
             for n, i in enumerate(live):
                 drafts[i][j] = toks[n]
                 probs[i].append(qs[n])
@@ -233,6 +233,6 @@ class MtpProposer(Proposer):
         last = g.index_select(0, rows)
         sreqs = [batch.reqs[i] for i in sampled]
         toks, qs = draft_tokens(self.target.compute_logits(last), sreqs,
-                                lambda r: runner._generator(r))
+                                runner.generator_for)
         for n, r in enumerate(sreqs):
             self.pending[r.req_id] = (toks[n], qs[n], last[n])

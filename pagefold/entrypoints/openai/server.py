@@ -38,6 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pagefold.architectures import resolve_architecture
+from pagefold.checkpoint import generation_eos_ids, load_tokenizer, read_config_dict
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
 from pagefold.entrypoints.openai.memory import MemoryTrimmer
@@ -108,8 +110,6 @@ def build_state(config: EngineConfig, *, served_model_name: str | list[str] | No
                 ) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
-    from pagefold.llm import generation_eos_ids, load_tokenizer
-
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or []))
     name = names[0] if names else config.model
@@ -406,8 +406,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     keep_alive_seconds()  # a bad value fails before the model loads
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
-    from pagefold.models.registry import read_config_dict, resolve_architecture
-
     # Cheap checks first, each naming what is wrong: the model's config, then the port.
     resolve_architecture(read_config_dict(Path(args.model)))
     sock = bind_socket(args.host, args.port)  # before the model loads: fail fast on a busy port

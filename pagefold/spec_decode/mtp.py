@@ -34,7 +34,12 @@ from pagefold.core.kv_cache_spec import LayerSpec, is_attention
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import StepInputs
 from pagefold.executor.runner_state import StepBatch
+from pagefold.layers.linear import load_into
+from pagefold.layers.moe import ExpertWeightRouter
 from pagefold.layers.norm import RMSNorm
+from pagefold.models.qwen3_5 import HybridCausalLM, HybridDecoderLayer
+from pagefold.models.qwen3_next import next_mlp
+from pagefold.models.weights import iter_weights
 from pagefold.spec_decode.drafting import (
     PLACEHOLDER,
     DraftResult,
@@ -70,9 +75,6 @@ class MultiTokenPredictor(nn.Module):
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        from pagefold.models.qwen3_5 import HybridDecoderLayer
-        from pagefold.models.qwen3_next import next_mlp
-
         n = num_mtp_layers(cfg)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         # The MTP layers come after the target's in the layer numbering, all full attention.
@@ -104,11 +106,6 @@ def load_mtp(model_dir: str | Path, cfg, target: nn.Module, dtype: torch.dtype,
              max_positions: int, device: torch.device) -> MultiTokenPredictor:
     """Build the MTP block and fill it from the checkpoint's ``mtp.*`` tensors (raises a
     ``ValueError`` naming what is missing when the checkpoint lacks them)."""
-    from pagefold.layers.linear import load_into
-    from pagefold.layers.moe import ExpertWeightRouter
-    from pagefold.models.qwen3_5 import HybridCausalLM
-    from pagefold.models.weights import iter_weights
-
     if not num_mtp_layers(cfg):
         raise ValueError("the config declares no MTP layers (mtp_num_hidden_layers)")
     prev = torch.get_default_dtype()

@@ -38,27 +38,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pagefold import __version__
 from pagefold.architectures import resolve_architecture
 from pagefold.checkpoint import generation_eos_ids, load_tokenizer, read_config_dict
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.engine.dp_client import DPEngineClient
+from pagefold.entrypoints.openai.engine_calls import ClientDisconnected
+from pagefold.entrypoints.openai.errors import APIError, bad_request, error_body
 from pagefold.entrypoints.openai.memory import MemoryTrimmer
 from pagefold.entrypoints.openai.middleware import GateMiddleware, InFlight
 from pagefold.entrypoints.openai.options import ServeOptions, serve_options, stats_loop
 from pagefold.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    bad_request,
-    error_body,
     parse_request,
 )
 from pagefold.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagefold.entrypoints.openai.serving_completion import (
     DEFAULT_MAX_REQUEST_OUTPUT_TOKENS,
-    ClientDisconnected,
     OpenAIServingCompletion,
 )
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
@@ -151,8 +151,6 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             await state.client.shutdown()
 
-    from pagefold import __version__
-
     app = FastAPI(title="pagefold", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url="/openapi.json")
     app.state.pagefold = state
@@ -213,8 +211,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:
-        from pagefold import __version__
-
         return JSONResponse({"version": __version__})
 
     @app.get("/load")
@@ -412,8 +408,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     options = serve_options(args)
     dp = getattr(args, "data_parallel_size", 1) or 1
     if dp > 1:
-        from pagefold.engine.dp_client import DPEngineClient
-
         client = DPEngineClient(config, dp, log_level=getattr(args, "log_level", "INFO"))
     else:
         client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))

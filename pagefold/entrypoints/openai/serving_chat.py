@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagefold.entrypoints.openai.beam import beam_chat
 from pagefold.entrypoints.openai.chat_parsing import (
     ToolCall,
     named_choice,
@@ -30,9 +31,10 @@ from pagefold.entrypoints.openai.chat_parsing import (
     tool_function,
     tool_start_marker,
 )
+from pagefold.entrypoints.openai.errors import bad_request
 from pagefold.entrypoints.openai.fields import refuse_unsupported
 from pagefold.entrypoints.openai.logprobs import (
-    _clamp,
+    clamp_logprob,
     prompt_logprobs_json,
     ranked_ids,
     token_name,
@@ -44,7 +46,6 @@ from pagefold.entrypoints.openai.protocol import (
     AbortingStreamingResponse,
     ChatCompletionRequest,
     ChatMessage,
-    bad_request,
     sse,
     usage,
 )
@@ -60,7 +61,7 @@ from pagefold.sampling_params import SamplingParams
 
 
 def _token_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 # Fields that shape the chat template's rendering: meaningless with ``prompt_token_ids``.
@@ -223,7 +224,6 @@ class OpenAIServingChat(OpenAIServing):
         rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
-            from pagefold.entrypoints.openai.beam import beam_chat
             return await beam_chat(self, raw, req, (text, ids), params, rid, created, mode)
         stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:

@@ -180,10 +180,10 @@ async def beam_completion(serving, raw, req: CompletionRequest, prompts: list, p
 
     finals = await _finals(serving, raw, req, prompts, params, base)
     if not req.stream:
-        return json_response(serving._response(req, base, created, prompts, params[0].n,
-                                               finals))
-    body = serving._stream(req, base, created, prompts, params, (0, finals[0]),
-                           _after(finals))
+        return json_response(serving.response_json(req, base, created, prompts, params[0].n,
+                                                   finals))
+    body = serving.stream_events(req, base, created, prompts, params, (0, finals[0]),
+                                 _after(finals))
     return AbortingStreamingResponse(body, media_type="text/event-stream")
 
 
@@ -197,6 +197,6 @@ async def beam_chat(serving, raw, req: ChatCompletionRequest, prompt: tuple, par
                           "use_beam_search", "tool_choice")
     (final,) = await _finals(serving, raw, req, [prompt], [params], rid)
     if not req.stream:
-        return json_response(serving._response(req, rid, created, final, mode))
-    body = serving._stream(req, rid, created, params, (0, final), _after([final]), mode)
+        return json_response(serving.response_json(req, rid, created, final, mode))
+    body = serving.stream_events(req, rid, created, params, (0, final), _after([final]), mode)
     return AbortingStreamingResponse(body, media_type="text/event-stream")

@@ -228,10 +228,10 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
-            body = self._stream(req, rid, created, params, first, stream, mode)
+            body = self.stream_events(req, rid, created, params, first, stream, mode)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         (final,) = await self.collect(raw, stream, 1)
-        return json_response(self._response(req, rid, created, final, mode))
+        return json_response(self.response_json(req, rid, created, final, mode))
 
     @staticmethod
     def _token_in(req: ChatCompletionRequest) -> list[int]:
@@ -287,8 +287,8 @@ class OpenAIServingChat(OpenAIServing):
             msg["reasoning_content"] = reasoning
         return msg, bool(calls) and mode != "named"
 
-    def _response(self, req: ChatCompletionRequest, rid: str, created: int,
-                  out: RequestOutput, mode: str = "none") -> dict:
+    def response_json(self, req: ChatCompletionRequest, rid: str, created: int,
+                      out: RequestOutput, mode: str = "none") -> dict:
         choices = []
         echo = self._echo_prefix(req)
         as_ids = self.as_token_ids(req)
@@ -319,10 +319,10 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body
 
-    async def _stream(self, req: ChatCompletionRequest, rid: str, created: int,
-                      params: SamplingParams, first: tuple[int, RequestOutput],
-                      stream: AsyncIterator[tuple[int, RequestOutput]],
-                      mode: str = "none") -> AsyncIterator[str]:
+    async def stream_events(self, req: ChatCompletionRequest, rid: str, created: int,
+                            params: SamplingParams, first: tuple[int, RequestOutput],
+                            stream: AsyncIterator[tuple[int, RequestOutput]],
+                            mode: str = "none") -> AsyncIterator[str]:
         include_usage, continuous = stream_usage(self.options, req.stream_options)
         as_ids = self.as_token_ids(req)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,

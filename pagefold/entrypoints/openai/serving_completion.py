@@ -410,10 +410,10 @@ class OpenAIServingCompletion(OpenAIServing):
         stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
-            body = self._stream(req, base, created, prompts, params, first, stream)
+            body = self.stream_events(req, base, created, prompts, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         finals = await self.collect(raw, stream, len(prompts))
-        return json_response(self._response(req, base, created, prompts, params[0].n, finals))
+        return json_response(self.response_json(req, base, created, prompts, params[0].n, finals))
 
     async def _prompts(self, prompt, req: CompletionRequest | None = None
                        ) -> list[tuple[str | None, list[int]]]:
@@ -448,8 +448,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
 
-    def _response(self, req: CompletionRequest, rid: str, created: int,
-                  prompts: list, n: int, finals: list[RequestOutput]) -> dict:
+    def response_json(self, req: CompletionRequest, rid: str, created: int,
+                      prompts: list, n: int, finals: list[RequestOutput]) -> dict:
         choices, n_prompt, n_cached = [], 0, 0
         as_ids = self.as_token_ids(req)
         for i, ((text, ids), out) in enumerate(zip(prompts, finals)):
@@ -479,9 +479,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 "model": self.served_model_name, "choices": choices,
                 "usage": usage(n_prompt, completion_tokens(finals), n_cached)}
 
-    async def _stream(self, req: CompletionRequest, rid: str, created: int, prompts: list,
-                      params: list[SamplingParams], first: tuple[int, RequestOutput],
-                      stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream_events(self, req: CompletionRequest, rid: str, created: int, prompts: list,
+                            params: list[SamplingParams], first: tuple[int, RequestOutput],
+                            stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         include_usage, continuous = stream_usage(self.options, req.stream_options)
         as_ids = self.as_token_ids(req)
         n = params[0].n

@@ -145,6 +145,9 @@ class ModelRunner:
         return time.perf_counter() - t
 
     def generator_for(self, st: CachedRequestState) -> torch.Generator | None:
+        """The request's own sampling generator (seeded, non-greedy requests only: None
+        otherwise), made on first use and kept until the request ends; the proposers and
+        the verify step draw from it too, so a seeded request's draws form one sequence."""
         seed = st.sampling_params.seed
         if seed is None or st.sampling_params.is_greedy:
             return None

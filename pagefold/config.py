@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from pagefold.sampling_params import MAX_LOGPROBS
+from pagefold.spec_decode.config import SpeculativeConfig
+
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -117,8 +120,6 @@ class EngineConfig:
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
     def __post_init__(self) -> None:
-        from pagefold.spec_decode.config import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise ValueError(
@@ -159,8 +160,6 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        from pagefold.sampling_params import MAX_LOGPROBS
-
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.max_logprobs}")

@@ -1,5 +1,6 @@
-"""The runner side of a speculative step: one forward over ``1 + k`` tokens per drafted
-request, verification, and the state commit.
+"""Verification of a speculative step and its state commit. The forward over ``1 + k``
+tokens per drafted request is the runner's own (``ModelRunner``'s verify path); this module
+receives its hidden rows and per-token states.
 
 Invariants:
 
@@ -20,12 +21,13 @@ import torch
 
 from pagefold.core.sched_output import VerifiedTokens
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.executor.input_batch import build_inputs
+from pagefold.executor.input_batch import StepInputs
 from pagefold.executor.runner_state import StepBatch
 from pagefold.executor.sampler import SamplingMetadata, gather_logprobs
+from pagefold.spec_decode.drafting import DraftResult
 from pagefold.spec_decode.rejection import expand_for_verify, rejection_sample
 
-__all__ = ["commit_states", "execute_verify"]
+__all__ = ["commit_states", "verify_drafts"]
 
 
 def commit_states(ctx: ForwardContext, cu_seqlens: torch.Tensor, keep: list[int]) -> None:
@@ -38,44 +40,17 @@ def commit_states(ctx: ForwardContext, cu_seqlens: torch.Tensor, keep: list[int]
         ctx.store_states(layer, {name: t.index_select(0, idx) for name, t in per_token.items()})
 
 
-@torch.inference_mode()
-def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]]
-                   ) -> dict[str, VerifiedTokens]:
-    """``ModelRunner`` forward + verification for a step where some requests carry drafts.
-
-    A drafted request is decoding: its count is ``1 + len(drafts)`` and its tokens are its
-    last token followed by the drafts (which never enter the runner's copy of the request).
-    Returns the verified tokens of every request whose step reached the end of its tokens.
-    """
+def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
+                  drafted: DraftResult | None, inp: StepInputs, ctx: ForwardContext,
+                  hidden: torch.Tensor) -> dict[str, VerifiedTokens]:
+    """Accept or reject the drafts of a verify forward the runner ran
+    (``ModelRunner``'s verify path: ``drafts[i]`` after request ``i``'s last token, state
+    layers keeping the state after every token in ``ctx.spec_states``), commit the kept
+    tokens' states and the proposer's, and return the verified tokens of every request whose
+    step reached the end of its tokens. ``drafted`` is the proposer's result (None without a
+    proposer); accepted drafts are written into the runner's copy of their request."""
     reqs, starts, counts = batch.reqs, batch.starts, batch.counts
-    drafts = [spec_token_ids.get(r.req_id, []) for r in reqs]
     proposer = runner.proposer
-    drafted = None
-    if proposer is not None:  # a draft model / MTP fills the placeholders (spec_decode.drafting)
-        drafted = proposer.propose(runner, batch, drafts)
-        drafts = drafted.drafts
-    elif any(t < 0 for d in drafts for t in d):
-        raise ValueError("drafts to fill in the runner, but the runner has no proposer")
-    tokens = []
-    for r, s, n, d in zip(reqs, starts, counts, drafts, strict=True):
-        if d:
-            if n != 1 + len(d) or s + 1 != len(r.token_ids):
-                raise ValueError(f"request {r.req_id}: drafts need a decode step of 1 + k")
-            tokens.append(r.token_ids[s : s + 1] + list(d))
-        else:
-            tokens.append(r.token_ids[s : s + n])
-    totals = [len(r.token_ids) + len(d) for r, d in zip(reqs, drafts, strict=True)]
-    per_group = [[r.block_ids[g] for r in reqs] for g in range(len(runner.kv_config.groups))]
-    inp = build_inputs(runner.kv_config, tokens, starts, counts, totals, per_group,
-                       runner.device)
-    spec_rows = torch.tensor([bool(d) for d in drafts], device=runner.device)
-    for m in inp.state_meta:
-        if m is not None:
-            m.spec_rows = spec_rows
-    runner.num_forward_tokens += int(inp.input_ids.numel())
-    ctx = ForwardContext(runner.cache, inp.attn_meta, inp.state_meta, spec_states={})
-    hidden = runner.model(inp.input_ids, inp.positions, ctx)
-
     cu = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
     sample = inp.sample_req_idx
@@ -91,7 +66,7 @@ def execute_verify(runner, batch: StepBatch, spec_token_ids: dict[str, list[int]
     sdrafts = [drafts[i] for i in sample]
     gens = {}
     for j, r in enumerate(sreqs):
-        g = runner._generator(r)
+        g = runner.generator_for(r)
         if g is not None:
             gens[j] = g
     p_rows, o_rows = expand_for_verify([r.sampling_params for r in sreqs],

@@ -24,13 +24,13 @@ from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.kernels import dispatch
-from pagefold.layers.attention.kv_quant import apply_checkpoint_kv_scales
 from pagefold.models.registry import (
     load_model,
     read_config_dict,
     resolve_architecture,
     text_config,
 )
+from pagefold.ops.attention.kv_quant import apply_checkpoint_kv_scales
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports, check_verify_support

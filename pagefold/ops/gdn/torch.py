@@ -27,7 +27,7 @@ All three kernels share one signature::
 * Returns ``o`` ``(T, H, Dv)`` in ``v``'s dtype and ``final_state`` ``(N, H, Dk, Dv)`` float32.
   All arithmetic is float32, so feeding ``final_state`` into a later call over the next tokens
   equals one pass over the concatenation up to float32 rounding.
-* ``capture=(after, out)`` (optional; :mod:`pagefold.layers.state_capture`): ``out[m]``
+* ``capture=(after, out)`` (optional; :mod:`pagefold.ops.common.capture`): ``out[m]``
   (float32, ``(M, H, Dk, Dv)``) receives the state right after flat token ``after[m]``, as a
   call ending there would return it (prefix-cache checkpoints without cutting the chunk).
 * ``per_token_states=True`` (naive and recurrent; speculative verification): the second
@@ -41,9 +41,10 @@ from collections.abc import Callable
 
 import torch
 
-from pagefold.layers.state_capture import Capture, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, check_capture, seq_of
 
-__all__ = ["GDN_KERNELS", "gdn_chunked", "gdn_naive", "gdn_recurrent", "l2norm"]
+__all__ = ["GDN_KERNELS", "gdn_chunked", "gdn_naive", "gdn_recurrent", "gdn_verify",
+           "gdn_verify_naive", "l2norm", "torch_chunk_size"]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -51,7 +52,7 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
-def _prepare(
+def prepare(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -160,7 +161,7 @@ def gdn_naive(
     Slow; the reference the other kernels are tested against. ``chunk_size`` is ignored.
     """
     del chunk_size  # part of the shared signature only
-    qf, kf, vf, gf, bf, state0 = _prepare(
+    qf, kf, vf, gf, bf, state0 = prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
     cap = check_capture(capture, q.shape[0], tuple(state0.shape[1:]))
@@ -209,7 +210,7 @@ def gdn_recurrent(
     batch, and each step is one batched update over them. ``chunk_size`` is ignored.
     """
     del chunk_size  # part of the shared signature only
-    qf, kf, vf, gf, bf, state0 = _prepare(
+    qf, kf, vf, gf, bf, state0 = prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
     total, num_seqs = q.shape[0], cu_seqlens.numel() - 1
@@ -325,7 +326,7 @@ def gdn_chunked(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    qf, kf, vf, gf, bf, state0 = _prepare(
+    qf, kf, vf, gf, bf, state0 = prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
     total, heads, dk = qf.shape
@@ -411,3 +412,23 @@ GDN_KERNELS: dict[str, GdnKernel] = {
     "chunked": gdn_chunked,
     "recurrent": gdn_recurrent,
 }
+
+
+def gdn_verify_naive(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gdn_naive` with ``per_token_states=True``: ``(o, states (T, H, Dk, Dv))``,
+    ``states[t]`` the state right after token ``t`` (a speculative verify step's)."""
+    return gdn_naive(*args, per_token_states=True, **kwargs)
+
+
+def gdn_verify(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gdn_recurrent` with ``per_token_states=True`` (the form the engine runs)."""
+    return gdn_recurrent(*args, per_token_states=True, **kwargs)
+
+
+def torch_chunk_size(cu_seqlens: torch.Tensor, largest: int = 64) -> int:
+    """Chunk length for ``gdn_chunked``: the longest sequence rounded up to a power of two,
+    at most ``largest``. Every sequence is padded to whole chunks, so under chunked prefill
+    (a few tokens per request per step) 64-token chunks would be mostly padding; the result
+    is the same up to float rounding whatever the chunk length."""
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 1
+    return min(largest, 1 << max(longest - 1, 0).bit_length())

@@ -31,7 +31,7 @@ for prefill; ``ssd_recurrent`` is the decode form (fully batched when every sequ
 single token). Splitting a sequence into pieces and carrying ``final_state`` into the next
 piece's ``initial_state`` gives the same result as one pass, up to float32 rounding.
 
-``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.layers.state_capture`):
+``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.ops.common.capture`):
 ``out[m]`` (float32, (M, H, P, N)) receives the state right after flat token ``after[m]``;
 ``ssd_chunked`` also takes a ``PagedOut`` (the checkpoint pages themselves) as ``out``.
 ``per_token_states=True`` (naive and recurrent; speculative verification): the second result
@@ -46,14 +46,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.state_capture import Capture, PagedOut, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, PagedOut, check_capture, seq_of
+from pagefold.ops.ssd import cpu as ssd_cpu  # looked up per call: tests count the calls
 
-__all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent"]
+__all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent", "ssd_verify",
+           "ssd_verify_naive"]
 
 SSDKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def _check_inputs(
+def check_inputs(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -88,7 +90,7 @@ def _check_inputs(
     return T, H, P, G, N
 
 
-def _seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]:
+def seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]:
     """Host-side (starts, lengths) per sequence; validates monotonicity and the total."""
     cu = [int(v) for v in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != T:
@@ -99,7 +101,7 @@ def _seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]
     return cu[:-1], lens
 
 
-def _discretize_dt(
+def discretize_dt(
     dt: torch.Tensor,
     dt_bias: torch.Tensor | None,
     dt_softplus: bool,
@@ -171,9 +173,9 @@ def ssd_naive(
     ``chunk_size`` is accepted for signature compatibility and ignored.
     """
     del chunk_size
-    T, H, _, _, _ = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
-    starts, lens = _seq_bounds(cu_seqlens, T)
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    T, H, _, _, _ = check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
+    starts, lens = seq_bounds(cu_seqlens, T)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     xf, Af = x.float(), A.float()
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     y = torch.empty_like(xf)
@@ -227,9 +229,9 @@ def ssd_recurrent(
     offset ``t`` together. ``chunk_size`` is ignored.
     """
     del chunk_size
-    T, H, _, _, _ = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
+    T, H, _, _, _ = check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     S = cu_seqlens.numel() - 1
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     xf, Af = x.float(), A.float()
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     state0 = initial_state.float()
@@ -246,7 +248,7 @@ def ssd_recurrent(
                 y = y + D.float()[:, None] * xf
             return y.to(x.dtype), final
 
-    starts, lens = _seq_bounds(cu_seqlens, T)
+    starts, lens = seq_bounds(cu_seqlens, T)
     # Longest sequences first, so the sequences still running at offset t are a prefix.
     order = sorted(range(S), key=lambda s: -lens[s])
     order_t = torch.tensor(order, dtype=torch.long, device=x.device)
@@ -365,15 +367,15 @@ def ssd_chunked(
     (``csrc/ssd.cpp``) runs instead; it agrees with this torch form up to float32 rounding
     (other summation orders). ``compiled=False`` or kernels off: the torch form.
     """
-    T, H, P, G, N = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
+    T, H, P, G, N = check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     S = cu_seqlens.numel() - 1
-    starts, lens = _seq_bounds(cu_seqlens, T)
+    starts, lens = seq_bounds(cu_seqlens, T)
     dev = x.device
     Hg = H // G
 
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     max_len = max(lens, default=0)
     if max_len == 0:
         return x.new_zeros((T, H, P)), initial_state.float().clone()
@@ -382,9 +384,7 @@ def ssd_chunked(
     if cap is not None and isinstance(cap[1], PagedOut) and cap[1].dtype != torch.float32:
         raise ValueError(f"paged SSD captures need a float32 component, got {cap[1].dtype}")
     if compiled:  # the compiled scan (csrc/ssd.cpp): same chunking, same steps
-        from pagefold.layers.mamba.ssd_cpu import ssd_chunked_cpu
-
-        res = ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
+        res = ssd_cpu.ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
         if res is not None:
             return res
     paged = cap[1] if cap is not None and isinstance(cap[1], PagedOut) else None
@@ -494,3 +494,14 @@ SSD_KERNELS: dict[str, SSDKernel] = {
     "chunked": ssd_chunked,
     "recurrent": ssd_recurrent,
 }
+
+
+def ssd_verify_naive(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_naive` with ``per_token_states=True``: ``(y, states (T, H, P, N))``,
+    ``states[t]`` the state right after token ``t`` (a speculative verify step's)."""
+    return ssd_naive(*args, per_token_states=True, **kwargs)
+
+
+def ssd_verify(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_recurrent` with ``per_token_states=True`` (the form the engine runs)."""
+    return ssd_recurrent(*args, per_token_states=True, **kwargs)

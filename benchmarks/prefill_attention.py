@@ -57,7 +57,7 @@ def _case(h: int, kvh: int, d: int, ctx: int, n: int, reps: int) -> dict:
     """One chunk of ``n`` tokens after ``ctx`` cached ones: each kernel's best time."""
     from pagefold.csrc import cpu_ops
     from pagefold.ops.attention import cpu as attn_cpu
-    from pagefold.ops.attention.torch import flash_cpu, sdpa_after_prefix
+    from pagefold.ops.attention.reference import flash_cpu, sdpa_after_prefix
 
     length = ctx + n
     cache = torch.randn(-(-length // BLOCK), BLOCK, 2, kvh, d).to(torch.bfloat16)

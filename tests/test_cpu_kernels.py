@@ -20,11 +20,11 @@ from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import lm_head_linear
 from pagefold.ops.attention import cpu as attn_cpu
-from pagefold.ops.attention.torch import AttentionMetadata, decode_torch
-from pagefold.ops.conv1d.torch import causal_conv1d_update
+from pagefold.ops.attention.reference import AttentionMetadata, decode_torch
+from pagefold.ops.conv1d.reference import causal_conv1d_update
 from pagefold.ops.elementwise import cpu as elementwise_cpu
 from pagefold.ops.gdn import cpu as gdn_cpu
-from pagefold.ops.gdn.torch import gdn_recurrent
+from pagefold.ops.gdn.reference import gdn_recurrent
 from pagefold.ops.ssd import cpu as ssd_cpu
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None,
@@ -696,7 +696,7 @@ def test_mamba2_decode_in_place_matches_torch_path(dtype):
     """The compiled Mamba-2 decode step: y and the states it leaves in the pages equal the
     torch path's (conv window exactly); a fresh row reads zeros; states span non-adjacent
     pages and SSM rows (24 floats) cross page boundaries."""
-    from pagefold.ops.ssd.torch import ssd_recurrent
+    from pagefold.ops.ssd.reference import ssd_recurrent
 
     g = torch.Generator().manual_seed(8)
     n, heads, hd, groups, ns, kernel = 3, 4, 8, 2, 24, 4
@@ -782,8 +782,8 @@ GDN_SHAPES = [(1, 2, 16, 16, [5, 1, 12, 3], 512), (2, 4, 16, 24, [9, 1, 40], 384
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype, shape):
     """Prefill chunks of different lengths, continuing and fresh, as one flat batch."""
-    from pagefold.ops.conv1d.torch import causal_conv1d_varlen
-    from pagefold.ops.gdn.torch import gdn_chunked
+    from pagefold.ops.conv1d.reference import causal_conv1d_varlen
+    from pagefold.ops.gdn.reference import gdn_chunked
 
     g = torch.Generator().manual_seed(7)
     hk, hv, dk, dv, lens, page_bytes = shape

@@ -25,9 +25,9 @@ from pagefold.ops.common.triton import (
     PagedState,  # noqa: E402
     prefill_chunk_size,  # noqa: E402
 )
-from pagefold.ops.conv1d.torch import causal_conv1d_naive  # noqa: E402
+from pagefold.ops.conv1d.reference import causal_conv1d_naive  # noqa: E402
 from pagefold.ops.gdn import gdn_verify_naive  # noqa: E402
-from pagefold.ops.gdn.torch import gdn_naive  # noqa: E402
+from pagefold.ops.gdn.reference import gdn_naive  # noqa: E402
 from pagefold.ops.gdn.triton import gdn_layer  # noqa: E402
 from pagefold.ops.gdn.triton_chunked import (  # noqa: E402
     block_chunk,
@@ -36,7 +36,7 @@ from pagefold.ops.gdn.triton_chunked import (  # noqa: E402
     gdn_chunked_triton,
 )
 from pagefold.ops.ssd import ssd_verify_naive  # noqa: E402
-from pagefold.ops.ssd.torch import ssd_naive  # noqa: E402
+from pagefold.ops.ssd.reference import ssd_naive  # noqa: E402
 from pagefold.ops.ssd.triton import mamba_scan_layer  # noqa: E402
 from pagefold.ops.ssd.triton_chunked import ssd_chunked_triton  # noqa: E402
 

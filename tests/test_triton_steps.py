@@ -29,17 +29,17 @@ from pagefold.core.kv_cache_spec import StateComponent, StateSpec  # noqa: E402
 from pagefold.executor.cache_tensors import StateView  # noqa: E402
 from pagefold.ops.common.triton import PagedState  # noqa: E402
 from pagefold.ops.conv1d import causal_conv1d_verify  # noqa: E402
-from pagefold.ops.conv1d.torch import causal_conv1d_naive, causal_conv1d_state_at  # noqa: E402
+from pagefold.ops.conv1d.reference import causal_conv1d_naive, causal_conv1d_state_at  # noqa: E402
 from pagefold.ops.conv1d.triton import conv_windows  # noqa: E402
 from pagefold.ops.gdn import gdn_verify  # noqa: E402
-from pagefold.ops.gdn.torch import gdn_naive  # noqa: E402
+from pagefold.ops.gdn.reference import gdn_naive  # noqa: E402
 from pagefold.ops.gdn.triton import (
     gdn_layer,  # noqa: E402
     gdn_verify_layer,  # noqa: E402
 )
 from pagefold.ops.gdn.triton_chunked import gdn_chunked_triton  # noqa: E402
 from pagefold.ops.ssd import ssd_verify  # noqa: E402
-from pagefold.ops.ssd.torch import ssd_naive  # noqa: E402
+from pagefold.ops.ssd.reference import ssd_naive  # noqa: E402
 from pagefold.ops.ssd.triton import (
     mamba_scan_layer,  # noqa: E402
     mamba_verify_layer,  # noqa: E402

@@ -34,7 +34,8 @@ class RotaryEmbedding(nn.Module):
 
     ``cos``/``sin`` are float32 (max_positions, rotary_dim) tables; the compiled q/k norm +
     RoPE kernel (:func:`pagefold.ops.elementwise.cpu.qk_norm_rope`) reads them directly and
-    rounds as :meth:`forward` does (tables cast to the input dtype, each product and the sum rounded).
+    rounds as :meth:`forward` does (tables cast to the input dtype, each product and the sum
+    rounded).
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, rotary_dim: int | None = None):

@@ -5,7 +5,7 @@ Per layer: ``h = x + mixer(input_norm(x))``, ``y = h + ffn(post_attention_norm(h
 * KDA (``linear_attention``): ``q, k, v`` projections, each through its own depthwise causal
   conv + silu (one conv state over the concatenated channels), per-channel forget gate
   ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``, ``beta = sigmoid(b_proj(x))``, the delta
-  rule (:mod:`pagefold.ops.kda.torch`) with L2-normalised q/k, then a per-head
+  rule (:mod:`pagefold.ops.kda.reference`) with L2-normalised q/k, then a per-head
   RMSNorm gated by ``sigmoid(g_b(g_a(x)))`` and ``o_proj``. State ``StateSpec(kind="kda")``:
   ``conv (3 H D, K - 1)``, ``ssm (H, D, D)`` float32.
 * MLA (``full_attention``, no positional encoding): ``q`` (optionally through a LoRA pair with a

@@ -8,7 +8,7 @@ Layer (transformers' MiniMaxDecoderLayer; note the residual is the *normed* inpu
 with (alpha_a, beta_a) the linear- or full-attention factors of the layer's kind.
 
 * Lightning attention layer ``i``: ``q, k, v = split_per_head(silu(qkv_proj(x)))``, a decayed
-  linear attention (:mod:`pagefold.ops.lightning.torch`) with per-head rate
+  linear attention (:mod:`pagefold.ops.lightning.reference`) with per-head rate
   ``s_h = base^(h+1) * (1 - i / (L - 1 + 1e-5) + 1e-5)``, ``base = 2^(-8/H)``; then
   ``out_proj(sigmoid(output_gate(x)) * RMSNorm(o))``. Its state, ``StateSpec(kind="lightning")``
   with one ``kv (H, D, D)`` component, lives in the pool like any state.

@@ -1,4 +1,4 @@
-"""Tests for pagefold.ops.conv1d.torch: varlen and decode paths against the naive loop and
+"""Tests for pagefold.ops.conv1d.reference: varlen and decode paths against the naive loop and
 against transformers' depthwise-conv usage."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.ops.conv1d.torch import (
+from pagefold.ops.conv1d.reference import (
     causal_conv1d_naive,
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -208,7 +208,7 @@ def test_varlen_captures_into_pages(conv_calls, dtype, compiled) -> None:
     from pagefold.core.kv_cache_spec import StateComponent, StateSpec
     from pagefold.csrc import cpu_ops
     from pagefold.executor.cache_tensors import StateView
-    from pagefold.ops.conv1d.torch import causal_conv1d_state_at
+    from pagefold.ops.conv1d.reference import causal_conv1d_state_at
 
     if cpu_ops.kernels() is None:
         pytest.skip("no C++ compiler")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagefold.models.minimax import lightning_slopes
-from pagefold.ops.lightning.torch import (
+from pagefold.ops.lightning.reference import (
     lightning_chunked,
     lightning_naive,
     lightning_recurrent,

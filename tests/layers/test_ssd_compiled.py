@@ -17,7 +17,7 @@ import torch
 
 from pagefold.csrc import cpu_ops
 from pagefold.ops.ssd import cpu as ssd_cpu
-from pagefold.ops.ssd.torch import ssd_chunked, ssd_naive
+from pagefold.ops.ssd.reference import ssd_chunked, ssd_naive
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
 

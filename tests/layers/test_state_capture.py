@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.ops.conv1d.torch import causal_conv1d_state_at, causal_conv1d_varlen
-from pagefold.ops.gdn.torch import GDN_KERNELS
-from pagefold.ops.ssd.torch import SSD_KERNELS
+from pagefold.ops.conv1d.reference import causal_conv1d_state_at, causal_conv1d_varlen
+from pagefold.ops.gdn.reference import GDN_KERNELS
+from pagefold.ops.ssd.reference import SSD_KERNELS
 
 LENGTHS = [1, 7, 33, 64, 0, 65, 130, 40]
 # Flat indices: first/last token of sequences, chunk-aligned and unaligned boundaries,

@@ -21,7 +21,7 @@ Cache layout per layer: ``(num_blocks, block_size, 2, num_kv_heads, head_dim)``;
 * Prefill rows (query length > 1, possibly a later chunk of a prompt) run one SDPA call each
   against their whole context, with a causal mask offset by the tokens already cached.
 
-The torch forms and :class:`AttentionMetadata` are in :mod:`.torch`.
+The torch forms and :class:`AttentionMetadata` are in :mod:`.reference`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from pagefold.kernels import dispatch
 from pagefold.ops.attention import cpu
 from pagefold.ops.attention.kv_quant import KVScales, is_fp8
-from pagefold.ops.attention.torch import (
+from pagefold.ops.attention.reference import (
     AttentionMetadata,
     PrefillRow,
     decode_torch,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagefold.ops.common.capture import Capture
-from pagefold.ops.conv1d.torch import (
+from pagefold.ops.conv1d.reference import (
     causal_conv1d_naive,
     causal_conv1d_state_at,
     causal_conv1d_update,
@@ -34,7 +34,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y (T, C), states)`` for a step: with ``verify``, the window after every token
     (T, C, K-1); with ``decode`` (one token per sequence), the update; else the varlen form
-    (``capture``: its in-step checkpoints). Inputs as :mod:`.torch` describes them."""
+    (``capture``: its in-step checkpoints). Inputs as :mod:`.reference` describes them."""
     if verify:
         return causal_conv1d_verify(x, weight, bias, conv_state, cu_seqlens, activation)
     if decode:

@@ -1,7 +1,7 @@
 """Causal depthwise conv1d in Triton with the conv window (state) read from and written to
 its pages.
 
-Math and layouts as :mod:`pagefold.ops.conv1d.torch`: for token ``t`` of sequence ``s``
+Math and layouts as :mod:`pagefold.ops.conv1d.reference`: for token ``t`` of sequence ``s``
 (starting at ``c0 = cu[s]``), ``y[t] = act(bias + sum_j w[:, j] * x_ext[t - (K-1) + j])``,
 where positions before ``c0`` come from the state ``(C, K-1)`` (oldest first, zeros for a
 fresh sequence). Every output depends on inputs only, so one program per (token, channel
@@ -28,7 +28,7 @@ from pagefold.ops.common.triton import (
     seq_args,
     state_addr,
 )
-from pagefold.ops.conv1d.torch import check_args
+from pagefold.ops.conv1d.reference import check_args
 
 
 @triton.jit
@@ -123,7 +123,7 @@ def conv_paged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
                          activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.ops.conv1d.torch.causal_conv1d_naive`: returns
+    """The signature of :func:`pagefold.ops.conv1d.reference.causal_conv1d_naive`: returns
     ``(y (T, C), new_conv_state (N, C, K-1))`` in x's dtype; ``conv_state`` is not modified."""
     check_args(x, weight, conv_state, activation)
     new = conv_state.to(x.dtype).contiguous().clone()

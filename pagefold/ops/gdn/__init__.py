@@ -7,7 +7,7 @@
   for prefill chunks and in-step checkpoint captures; a verify step keeps every token's
   state and only reads the pages);
 * else the compiled CPU layer (:mod:`.cpu`, ``csrc/gdn.cpp``) where it takes the inputs;
-* else the torch forms of :mod:`.torch` on states gathered from the pages: the per-token
+* else the torch forms of :mod:`.reference` on states gathered from the pages: the per-token
   (verify) form, the recurrent form for decode, the chunked form for prefill chunks.
 
 The torch forms (``gdn_naive`` the reference) are re-exported for tests and benchmarks.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pagefold.kernels import dispatch
 from pagefold.ops.conv1d import causal_conv1d, causal_conv1d_state_at
 from pagefold.ops.gdn import cpu
-from pagefold.ops.gdn.torch import (
+from pagefold.ops.gdn.reference import (
     GDN_KERNELS,
     gdn_chunked,
     gdn_naive,

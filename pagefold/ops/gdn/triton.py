@@ -2,7 +2,7 @@
 
 One program per (sequence, value head, tile of ``BLOCK_V`` value channels) holds its slice
 ``S[:, tile]`` (Dk x BLOCK_V, float32) of the state in registers and walks the sequence's tokens
-in order, the definition of :mod:`pagefold.ops.gdn.torch`::
+in order, the definition of :mod:`pagefold.ops.gdn.reference`::
 
     S <- exp(g) S;  d = beta (v - S^T k);  S <- S + k d^T;  o = S^T q
 
@@ -42,7 +42,7 @@ from pagefold.ops.conv1d.triton import (
     verify_initial,
 )
 from pagefold.ops.gdn import triton_chunked
-from pagefold.ops.gdn.torch import prepare
+from pagefold.ops.gdn.reference import prepare
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def gdn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
                intermediate: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.ops.gdn.torch.gdn_naive` (``chunk_size``
+    """The signature of :func:`pagefold.ops.gdn.reference.gdn_naive` (``chunk_size``
     ignored): ``(o (T, H, Dv) in v's dtype, final_state (N, H, Dk, Dv) float32)``;
     ``initial_state`` is not modified. ``intermediate``: see the module docstring."""
     del chunk_size

@@ -4,7 +4,7 @@ One program per (sequence, value head, tile of ``BLOCK_V`` value channels) carri
 ``S[:, tile]`` (Dk x BLOCK_V, float32) across the sequence's chunks of ``BLOCK_C`` tokens. In a
 chunk with entry state ``S0``, cumulative log-decay ``G_i = g_1 + .. + g_i`` and
 ``D_ij = exp(G_i - G_j)`` (``j <= i``), the recurrence of
-:mod:`pagefold.ops.gdn.torch` unrolls to (the algebra of ``gdn_chunked``)::
+:mod:`pagefold.ops.gdn.reference` unrolls to (the algebra of ``gdn_chunked``)::
 
     A     = strict_lower(diag(beta) K K^T * D)            X = (I + A)^-1 (unit lower)
     U     = X diag(beta) V                                W = X diag(beta exp(G)) K
@@ -61,7 +61,7 @@ from pagefold.ops.common.triton import (
     store_state,
     tile_row,
 )
-from pagefold.ops.gdn.torch import prepare
+from pagefold.ops.gdn.reference import prepare
 
 
 @triton.jit
@@ -241,7 +241,7 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        chunk_states: torch.Tensor | None = None,
                        capture: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.ops.gdn.torch.gdn_naive`:
+    """The signature of :func:`pagefold.ops.gdn.reference.gdn_naive`:
     ``(o (T, H, Dv) in v's dtype, final_state (N, H, Dk, Dv) float32)``; ``initial_state``
     is not modified. Captures as the module docstring (``chunk_states`` rows as
     :func:`~pagefold.ops.common.triton.chunk_layout` with :func:`block_chunk` of ``chunk_size``)."""

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): the one entry models call. Torch forms only (:mod:`.torch`):
+"""Kimi Delta Attention (KDA): the one entry models call. Torch forms only (:mod:`.reference`):
 :func:`kda` takes the decode form for one token per request, else the chunked form; the
 naive form is the reference both are tested against."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pagefold.ops.kda.torch import (
+from pagefold.ops.kda.reference import (
     kda_chunked,
     kda_naive,
     kda_recurrent,

@@ -1,4 +1,4 @@
-"""Lightning attention (MiniMax): the one entry models call. Torch forms only (:mod:`.torch`):
+"""Lightning attention (MiniMax): the one entry models call. Torch forms only (:mod:`.reference`):
 :func:`lightning` takes the decode form for one token per request, else the chunked form; the
 naive form is the reference both are tested against."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pagefold.ops.lightning.torch import (
+from pagefold.ops.lightning.reference import (
     lightning_chunked,
     lightning_naive,
     lightning_recurrent,

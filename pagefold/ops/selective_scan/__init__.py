@@ -1,4 +1,4 @@
-"""Mamba-1 selective scan: the one entry models call. Torch forms only (:mod:`.torch`):
+"""Mamba-1 selective scan: the one entry models call. Torch forms only (:mod:`.reference`):
 :func:`selective_scan` takes the decode form for one token per request, else the chunked form; the
 naive form is the reference both are tested against."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pagefold.ops.selective_scan.torch import (
+from pagefold.ops.selective_scan.reference import (
     selective_scan_chunked,
     selective_scan_naive,
     selective_scan_recurrent,

@@ -7,7 +7,7 @@
   and in-step checkpoint captures; a verify step keeps every token's state, pages only read);
 * else, for a plain CPU decode step, the compiled step on the paged states (:mod:`.cpu`,
   ``csrc/mamba2.cpp``);
-* else the torch forms of :mod:`.torch` on states gathered from the pages (the chunked form
+* else the torch forms of :mod:`.reference` on states gathered from the pages (the chunked form
   runs the compiled scan, ``csrc/ssd.cpp``, where it takes the inputs): per-token (verify),
   recurrent (decode) or chunked (prefill chunks, checkpoint captures written to their pages).
 
@@ -23,7 +23,7 @@ import torch
 from pagefold.kernels import dispatch
 from pagefold.ops.conv1d import causal_conv1d, causal_conv1d_state_at
 from pagefold.ops.ssd import cpu
-from pagefold.ops.ssd.torch import (
+from pagefold.ops.ssd.reference import (
     SSD_KERNELS,
     SSDKernel,
     ssd_chunked,

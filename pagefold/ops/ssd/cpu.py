@@ -1,7 +1,7 @@
 """The compiled Mamba-2 kernels through ctypes: the chunked SSD scan (``csrc/ssd.cpp``) behind
 ``ssd_chunked``'s contract, and the decode step on paged states (``csrc/mamba2.cpp``).
 
-:func:`ssd_chunked_cpu` takes the arguments of :func:`pagefold.ops.ssd.torch.ssd_chunked`
+:func:`ssd_chunked_cpu` takes the arguments of :func:`pagefold.ops.ssd.reference.ssd_chunked`
 after its checks (the time step already discretised) and returns ``(y, final_state)`` -- y
 (T, H, P) in ``x.dtype``, the final states (S, H, P, N) float32 -- or ``None`` when the kernel
 does not take the inputs (not on the CPU, kernels off, dtypes other than float32 / bf16; x

@@ -2,7 +2,7 @@
 
 One program per (sequence, head, tile of ``BLOCK_P`` head channels) keeps ``h[tile, :]``
 (BLOCK_P x N, float32) in registers and walks the sequence's tokens, the definition of
-:mod:`pagefold.ops.ssd.torch`::
+:mod:`pagefold.ops.ssd.reference`::
 
     h <- exp(dt A) h + dt x B^T;   y = h C + D x
 
@@ -40,7 +40,7 @@ from pagefold.ops.conv1d.triton import (
     verify_initial,
 )
 from pagefold.ops.ssd import triton_chunked
-from pagefold.ops.ssd.torch import check_inputs, discretize_dt, seq_bounds
+from pagefold.ops.ssd.reference import check_inputs, discretize_dt, seq_bounds
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def ssd_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                dt_softplus: bool = True, dt_min: float = 0.0, dt_max: float = math.inf,
                chunk_size: int = 64, intermediate: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.ops.ssd.torch.ssd_naive` (``chunk_size``
+    """The signature of :func:`pagefold.ops.ssd.reference.ssd_naive` (``chunk_size``
     ignored): ``(y (T, H, P) in x's dtype, final_state (S, H, P, N) float32)``;
     ``initial_state`` is not modified."""
     del chunk_size

@@ -45,7 +45,7 @@ from pagefold.ops.common.triton import (
     store_state,
     tile_row,
 )
-from pagefold.ops.ssd.torch import check_inputs, discretize_dt, seq_bounds
+from pagefold.ops.ssd.reference import check_inputs, discretize_dt, seq_bounds
 
 
 @triton.jit
@@ -189,7 +189,7 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
                        chunk_states: torch.Tensor | None = None,
                        capture: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.ops.ssd.torch.ssd_naive`: ``(y (T, H, P) in x's
+    """The signature of :func:`pagefold.ops.ssd.reference.ssd_naive`: ``(y (T, H, P) in x's
     dtype, final_state (S, H, P, N) float32)``; ``initial_state`` is not modified. Captures
     as the module docstring."""
     coff = dense_chunk_offsets(cu_seqlens, chunk_size, start_pos, chunk_states)

@@ -21,20 +21,17 @@ pytest.importorskip("triton")
 
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec  # noqa: E402
 from pagefold.executor.cache_tensors import StateView  # noqa: E402
-from pagefold.ops.common.triton import (
-    PagedState,  # noqa: E402
-    prefill_chunk_size,  # noqa: E402
+from pagefold.ops.common.triton import (  # noqa: E402
+    PagedState,
+    block_chunk,
+    chunk_layout,
+    prefill_chunk_size,
 )
 from pagefold.ops.conv1d.reference import causal_conv1d_naive  # noqa: E402
 from pagefold.ops.gdn import gdn_verify_naive  # noqa: E402
 from pagefold.ops.gdn.reference import gdn_naive  # noqa: E402
 from pagefold.ops.gdn.triton import gdn_layer  # noqa: E402
-from pagefold.ops.gdn.triton_chunked import (  # noqa: E402
-    block_chunk,
-    chunk_layout,
-    gdn_chunked_paged,
-    gdn_chunked_triton,
-)
+from pagefold.ops.gdn.triton_chunked import gdn_chunked_paged, gdn_chunked_triton  # noqa: E402
 from pagefold.ops.ssd import ssd_verify_naive  # noqa: E402
 from pagefold.ops.ssd.reference import ssd_naive  # noqa: E402
 from pagefold.ops.ssd.triton import mamba_scan_layer  # noqa: E402

@@ -30,7 +30,7 @@ from pagefold.models.registry import (
     resolve_architecture,
     text_config,
 )
-from pagefold.ops.attention.kv_quant import apply_checkpoint_kv_scales
+from pagefold.models.weights import apply_checkpoint_kv_scales
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports, check_verify_support

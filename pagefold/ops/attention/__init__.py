@@ -75,15 +75,9 @@ def _sdpa_prefills(meta: AttentionMetadata, head_dim: int) -> torch.Tensor | Non
     return torch.tensor(pick) if any(pick) else None
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    kv_scales: KVScales | None = None,
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None
+                    ) -> torch.Tensor:
     """q (T, H, D), k/v (T, KVH, D) -> (T, H, D). Writes k/v into the cache first.
 
     ``kv_scales``: the layer's FP8 encoding (an FP8 cache only). Every path reads what the

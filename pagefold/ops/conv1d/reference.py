@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagefold.ops.common.capture import Capture, PagedOut, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, PagedOut, check_capture, per_token, seq_of
 from pagefold.ops.conv1d import cpu as conv_cpu  # looked up per call: tests count the calls
 
 __all__ = ["causal_conv1d_naive", "causal_conv1d_state_at", "causal_conv1d_update",
@@ -40,9 +40,8 @@ __all__ = ["causal_conv1d_naive", "causal_conv1d_state_at", "causal_conv1d_updat
 _ACTIVATIONS = (None, "silu", "swish")
 
 
-def check_args(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None
-) -> tuple[int, int]:
+def check_args(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+               activation: str | None) -> tuple[int, int]:
     """Validate shapes shared by all variants; return ``(C, K)``."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; expected one of {_ACTIVATIONS}")
@@ -64,16 +63,10 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return y if activation is None else F.silu(y)
 
 
-def causal_conv1d_naive(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    activation: str | None = "silu",
-    *,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                        activation: str | None = "silu", *, per_token_states: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference implementation: explicit loop over sequences and tokens.
 
     Shapes: x (T, C), weight (C, K), bias (C,) | None, conv_state (N, C, K-1),
@@ -105,18 +98,11 @@ def causal_conv1d_naive(
     return y.to(x.dtype), new_state if states is None else states
 
 
-def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    activation: str | None = "silu",
-    *,
-    per_token_states: bool = False,
-    compiled: bool = True,
-    capture: Capture | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                         activation: str | None = "silu", *, per_token_states: bool = False,
+                         compiled: bool = True, capture: Capture | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorized varlen causal conv: one pass over all sequences.
 
     ``compiled`` (default): on the CPU with the kernels on, the compiled conv
@@ -195,13 +181,9 @@ def causal_conv1d_varlen(
     return y.to(x.dtype), new_state.to(x.dtype).contiguous()
 
 
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, activation: str | None = "silu"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode fast path: exactly one new token per sequence, fully batched.
 
     Shapes: x (N, C), weight (C, K), bias (C,) | None, conv_state (N, C, K-1).
@@ -219,9 +201,8 @@ def causal_conv1d_update(
     return y.to(x.dtype), window[:, :, 1:].to(x.dtype).contiguous()
 
 
-def causal_conv1d_state_at(
-    x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor, after: torch.Tensor
-) -> torch.Tensor:
+def causal_conv1d_state_at(x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                           after: torch.Tensor) -> torch.Tensor:
     """The conv state right after flat token ``after[m]`` (a prefix-cache checkpoint taken
     inside a chunk): its sequence's last ``K-1`` inputs up to and including that token, the
     old state in front. x (T, C) the conv *input*, conv_state (N, C, K-1), after (M,).
@@ -251,13 +232,6 @@ def causal_conv1d_state_at(
     return out
 
 
-def causal_conv1d_verify_naive(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv1d_naive` with ``per_token_states=True``: ``(y, states (T, C,
-    K-1))``, ``states[t]`` the window right after token ``t`` (a speculative verify step's)."""
-    return causal_conv1d_naive(*args, per_token_states=True, **kwargs)
-
-
-def causal_conv1d_verify(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv1d_varlen` with ``per_token_states=True`` (the form the engine
-    runs)."""
-    return causal_conv1d_varlen(*args, per_token_states=True, **kwargs)
+# The verify forms (speculative decoding): the state after every token.
+causal_conv1d_verify_naive = per_token(causal_conv1d_naive)
+causal_conv1d_verify = per_token(causal_conv1d_varlen)

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagefold.ops.common.capture import Capture, PagedOut, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, PagedOut, capture_plan, check_capture, per_token
 from pagefold.ops.ssd import cpu as ssd_cpu  # looked up per call: tests count the calls
 
 __all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent", "ssd_verify",
@@ -55,16 +55,9 @@ __all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurren
 SSDKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def check_inputs(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-) -> tuple[int, int, int, int, int]:
+def check_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> tuple[int, int, int, int, int]:
     """Validate shapes; return (T, H, P, G, N)."""
     if x.dim() != 3:
         raise ValueError(f"x must be (T, H, P), got {tuple(x.shape)}")
@@ -101,13 +94,8 @@ def seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]:
     return cu[:-1], lens
 
 
-def discretize_dt(
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    dt_min: float,
-    dt_max: float,
-) -> torch.Tensor:
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_min: float,
+                  dt_max: float) -> torch.Tensor:
     """(T, H) float32 time step: bias, softplus, then clamp to [dt_min, dt_max] (HF order)."""
     out = dt.float()
     if dt_bias is not None:
@@ -125,14 +113,8 @@ def _heads_view(t: torch.Tensor, H: int) -> torch.Tensor:
     return t.unsqueeze(-2).expand(*lead, G, H // G, N).reshape(*lead, H, N)
 
 
-def _step(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+          C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One recurrence step for a batch of M independent sequences, all float32.
 
     state (M, H, P, N), x (M, H, P), dt (M, H), A (H,), B/C (M, H, N) already per head.
@@ -149,24 +131,11 @@ def _step(
     return y, new_state
 
 
-def ssd_naive(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool = True,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_naive(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: torch.Tensor | None, initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+              dt_bias: torch.Tensor | None, dt_softplus: bool = True, dt_min: float = 0.0,
+              dt_max: float = math.inf, chunk_size: int = 64, capture: Capture | None = None,
+              per_token_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference SSD: the literal per-token recurrence, one sequence and one token at a time.
 
     Slow by design (it is the definition the other kernels are tested against).
@@ -202,24 +171,12 @@ def ssd_naive(
     return y.to(x.dtype), final if states is None else states
 
 
-def ssd_recurrent(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool = True,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_recurrent(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+                  cu_seqlens: torch.Tensor, *, dt_bias: torch.Tensor | None,
+                  dt_softplus: bool = True, dt_min: float = 0.0, dt_max: float = math.inf,
+                  chunk_size: int = 64, capture: Capture | None = None,
+                  per_token_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent (decode) SSD, batched across sequences.
 
     When every sequence has exactly one new token (T == S, the decode step) this is a single
@@ -257,11 +214,8 @@ def ssd_recurrent(
     state = state0.index_select(0, order_t).clone() if S > 0 else state0.clone()
     y = torch.empty_like(xf)
     max_len = sorted_lens[0] if S > 0 else 0
-    at: dict[int, list[tuple[int, int]]] = {}  # offset -> (capture, rank in sorted order)
-    if cap:
-        rank = {s: r for r, s in enumerate(order)}
-        for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
-            at.setdefault(off, []).append((m, rank[s]))
+    # offset -> (capture, rank in sorted order)
+    at = capture_plan([*starts, T], cap[0], order)[1] if cap else {}
     n_active = S
     states = (torch.empty((T, *state0.shape[1:]), dtype=torch.float32, device=x.device)
               if per_token_states else None)
@@ -322,24 +276,12 @@ def _capture_row(out: torch.Tensor, h0: torch.Tensor, xc: torch.Tensor, decay_ro
     out.copy_(h0 * torch.exp(acum_row)[:, None, None] + upd)
 
 
-def ssd_chunked(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool = True,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    compiled: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+                cu_seqlens: torch.Tensor, *, dt_bias: torch.Tensor | None, dt_softplus: bool = True,
+                dt_min: float = 0.0, dt_max: float = math.inf, chunk_size: int = 64,
+                capture: Capture | None = None, compiled: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel SSD (Mamba-2's "state space duality" form) over a varlen batch.
 
     Each sequence is cut into chunks of ``L = min(chunk_size, longest sequence)`` tokens (the
@@ -418,15 +360,7 @@ def ssd_chunked(
     # Chunk position -> (capture, rank, row in the chunk); ``at_end``: captures whose token is
     # the last of its chunk's real ones, which are the chunk-end state itself (copied after the
     # state passing; the interval targets are multiples of the block size, mostly of L).
-    at: dict[int, list[tuple[int, int, int]]] = {}
-    at_end: dict[int, list[tuple[int, int]]] = {}
-    if cap:
-        rank = {s: r for r, s in enumerate(order)}
-        for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
-            if off % L == L - 1 or off == lens[s] - 1:
-                at_end.setdefault(off // L, []).append((m, rank[s]))
-            else:
-                at.setdefault(off // L, []).append((m, rank[s], off % L))
+    at, at_end = capture_plan([*starts, T], cap[0], order, L) if cap else ({}, {})
 
     # Sequences go through a chunk position in groups whose (H, L, L) and (H, L, P) float32
     # tables stay around 2 MB: a dozen passes over them then hit the cache, not memory
@@ -496,12 +430,6 @@ SSD_KERNELS: dict[str, SSDKernel] = {
 }
 
 
-def ssd_verify_naive(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ssd_naive` with ``per_token_states=True``: ``(y, states (T, H, P, N))``,
-    ``states[t]`` the state right after token ``t`` (a speculative verify step's)."""
-    return ssd_naive(*args, per_token_states=True, **kwargs)
-
-
-def ssd_verify(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ssd_recurrent` with ``per_token_states=True`` (the form the engine runs)."""
-    return ssd_recurrent(*args, per_token_states=True, **kwargs)
+# The verify forms (speculative decoding): the state after every token.
+ssd_verify_naive = per_token(ssd_naive)
+ssd_verify = per_token(ssd_recurrent)

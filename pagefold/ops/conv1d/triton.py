@@ -9,7 +9,17 @@ block) computes them all in parallel; a second launch then writes each sequence'
 (the last ``K-1`` inputs of ``[state | tokens]``), after every read of the old one.
 
 :func:`causal_conv1d_triton` has the signature of ``causal_conv1d_naive`` (dense state, not
-modified); :func:`conv_paged` is the in-place form the layers use.
+modified); :func:`conv_paged` is the in-place form the state ops' Triton steps use.
+
+The windows of the GDN / Mamba-2 special steps are here too. **Captures** (prefix-cache
+checkpoints inside a prefill chunk, ``capture=(after, pages)``): :func:`capture_conv_and_plan`
+writes the window after each capture token to the checkpoint pages (:func:`conv_windows`,
+launched *before* the conv kernel replaces the old window: a window near a sequence's start
+still reads it; exactly the bytes a step ending there leaves) and plans the recurrent
+state's captures (:class:`~pagefold.ops.common.triton.Captures`) for the chunked kernels.
+**Verify** (a speculative step; nothing stored): :func:`verify_conv` gives the conv outputs
+and the window after every token (T, C, K-1), from the pages or from dense initial states
+(:func:`verify_initial`: a drafter's chained passes).
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp
 from pagefold.distributed.worker import WorkerInit
 from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
-from pagefold.layers.attention.kv_quant import apply_checkpoint_kv_scales
 from pagefold.layers.attention_block import split_heads
 from pagefold.models.registry import model_class
+from pagefold.models.weights import apply_checkpoint_kv_scales
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports

@@ -2,14 +2,14 @@
 
 One program per (sequence, head, tile of ``BLOCK_P`` head channels) keeps ``h[tile, :]``
 (BLOCK_P x N, float32) in registers and walks the sequence's tokens, the definition of
-:mod:`pagefold.layers.mamba.ssd`::
+:mod:`pagefold.ops.ssd.reference`::
 
     h <- exp(dt A) h + dt x B^T;   y = h C + D x
 
 (``dt`` already discretised). B and C of group ``head // (H/G)`` are loaded per token; the
 state is read from its pages once (zeros for a fresh sequence) and written back once. Decode
 batches take this kernel; :func:`mamba_scan_layer` sends batches with a prefill chunk to the
-chunked kernel of :mod:`pagefold.kernels.triton.ssd_chunked`.
+chunked kernel of :mod:`pagefold.ops.ssd.triton_chunked`.
 ``intermediate`` (optional, (T, H, P, N) float32) receives the state after every token.
 
 :func:`ssd_triton` has the signature of ``ssd_naive``; :func:`mamba_scan_layer` runs a Mamba-2
@@ -24,18 +24,27 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import (
+from pagefold.ops.common.triton import (
     INTERPRET,
     PagedState,
     load_state,
     pow2,
+    prefill_chunk_size,
+    seq_args,
     store_state,
 )
-from pagefold.kernels.triton.conv import conv_paged
+from pagefold.ops.conv1d.triton import (
+    capture_conv_and_plan,
+    conv_paged,
+    verify_conv,
+    verify_initial,
+)
+from pagefold.ops.ssd import triton_chunked
+from pagefold.ops.ssd.reference import check_inputs, discretize_dt, seq_bounds
 
 
 @triton.jit
-def _ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc_sg, d_ptr,
+def ssd_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc_sg, d_ptr,
                 cu_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off, y_ptr, y_st, y_sh,
                 inter_ptr, H, HG, P, N,
                 HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, STORE_INTER: tl.constexpr,
@@ -89,11 +98,9 @@ def ssd_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         return
     assert B.stride() == C.stride() and B.stride(2) == 1 and x.stride(2) == 1
     dt = dt.float().contiguous()
-    cu = cu_seqlens.to(x.device, torch.int64).contiguous()
-    init = has_initial_state.to(x.device, torch.int8).contiguous() \
-        if has_initial_state is not None else cu
+    cu, init = seq_args(cu_seqlens, has_initial_state, x.device)
     block_p = pow2(p) if INTERPRET else min(pow2(p), 32)  # interpreter: fewer programs
-    _ssd_kernel[(ns, h, triton.cdiv(p, block_p))](
+    ssd_kernel[(ns, h, triton.cdiv(p, block_p))](
         x, x.stride(0), x.stride(1), dt, dt.stride(0), A.float().contiguous(), B, C,
         B.stride(0), B.stride(1), D.contiguous() if D is not None else dt, cu, init,
         state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset, out,
@@ -109,20 +116,26 @@ def ssd_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                dt_softplus: bool = True, dt_min: float = 0.0, dt_max: float = math.inf,
                chunk_size: int = 64, intermediate: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.layers.mamba.ssd.ssd_naive` (``chunk_size``
+    """The signature of :func:`pagefold.ops.ssd.reference.ssd_naive` (``chunk_size``
     ignored): ``(y (T, H, P) in x's dtype, final_state (S, H, P, N) float32)``;
     ``initial_state`` is not modified."""
     del chunk_size
-    from pagefold.layers.mamba.ssd import _check_inputs, _discretize_dt, _seq_bounds
-
-    T = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)[0]
-    _seq_bounds(cu_seqlens, T)
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    seq_bounds(cu_seqlens, check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)[0])
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     final = initial_state.float().contiguous().clone()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ssd_paged(x.contiguous(), dtf, A, B.contiguous(), C.contiguous(), D,
               PagedState.dense(final), cu_seqlens, None, y, intermediate)
     return y, final
+
+
+def _split(y: torch.Tensor, num_heads: int, head_dim: int, n_groups: int, state_size: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (T, H, P), B, C (T, G, N): views of the conv output ``[x | B | C]``."""
+    t, inter, gn = y.shape[0], num_heads * head_dim, n_groups * state_size
+    return (y[:, :inter].view(t, num_heads, head_dim),
+            y[:, inter : inter + gn].view(t, n_groups, state_size),
+            y[:, inter + gn : inter + 2 * gn].view(t, n_groups, state_size))
 
 
 def mamba_scan_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
@@ -143,26 +156,42 @@ def mamba_scan_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tens
     t = xbc.shape[0]
     caps = None
     if capture is not None:
-        from pagefold.kernels.triton.state_steps import capture_conv_and_plan
-
         caps = capture_conv_and_plan(view, xbc, conv, cu_seqlens, has_initial_state, capture,
                                      conv_weight.shape[1])
         if caps is None:
             return None
     y = conv_paged(xbc, conv_weight, conv_bias, conv, cu_seqlens, has_initial_state, "silu")
-    inter = num_heads * head_dim
-    gn = n_groups * state_size
-    xs = y[:, :inter].view(t, num_heads, head_dim)
-    B = y[:, inter : inter + gn].view(t, n_groups, state_size)
-    C = y[:, inter + gn : inter + 2 * gn].view(t, n_groups, state_size)
+    xs, B, C = _split(y, num_heads, head_dim, n_groups, state_size)
     out = torch.empty((t, num_heads, head_dim), dtype=y_dtype, device=xbc.device)
     n = cu_seqlens.shape[0] - 1
     if t > n or caps is not None:  # a prefill chunk in the batch: the chunked form
-        from pagefold.kernels.triton.gdn import prefill_chunk_size
-        from pagefold.kernels.triton.ssd_chunked import ssd_chunked_paged
-
-        ssd_chunked_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out,
-                          chunk_size=prefill_chunk_size(t, n), captures=caps)
+        triton_chunked.ssd_chunked_paged(xs, dt, A, B, C, D, ssm, cu_seqlens,
+                                         has_initial_state, out,
+                                         chunk_size=prefill_chunk_size(t, n), captures=caps)
     else:  # decode: one token per sequence, the token loop
         ssd_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out)
     return out
+
+
+def mamba_verify_layer(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
+                       cu_seqlens: torch.Tensor, xbc: torch.Tensor, conv_weight: torch.Tensor,
+                       conv_bias: torch.Tensor | None, dt: torch.Tensor, A: torch.Tensor,
+                       D: torch.Tensor | None, *, num_heads: int, head_dim: int, n_groups: int,
+                       state_size: int, initial: dict[str, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """A Mamba-2 mixer's verify pass: ``(y (T, H, P) in xbc's dtype, {"conv": (T, C, K-1),
+    "ssm": (T, H, P, N) float32})``; ``dt`` (T, H) discretised. Pages only read; None when
+    the pool cannot be addressed."""
+    conv, ssm = verify_initial(view, page_ids, initial)
+    if conv is None or ssm is None or (initial is None and
+                                       view.spec.component("conv").dtype != xbc.dtype):
+        return None
+    t = xbc.shape[0]
+    y, windows = verify_conv(xbc, conv_weight, conv_bias, conv, cu_seqlens, has_initial_state)
+    xs, B, C = _split(y, num_heads, head_dim, n_groups, state_size)
+    out = torch.empty((t, num_heads, head_dim), dtype=xbc.dtype, device=xbc.device)
+    states = torch.empty((t, num_heads, head_dim, state_size), dtype=torch.float32,
+                         device=xbc.device)
+    ssd_paged(xs, dt, A, B, C, D, ssm, cu_seqlens, has_initial_state, out, states,
+              store_final=False)
+    return out, {"conv": windows, "ssm": states}

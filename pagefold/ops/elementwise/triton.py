@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import INTERPRET, pow2
+from pagefold.ops.common.triton import INTERPRET, pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_st, r_ptr, r_st, w_ptr, out_ptr, R, D, eps,
+def rms_norm_kernel(x_ptr, x_st, r_ptr, r_st, w_ptr, out_ptr, R, D, eps,
                      HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr):
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
@@ -49,7 +49,7 @@ def _rows(n: int, width: int) -> int:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
              residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """See :func:`pagefold.csrc.cpu_ops.rms_norm`: with ``residual``, ``residual += x`` in
+    """See :func:`pagefold.ops.elementwise.cpu.rms_norm`: with ``residual``, ``residual += x`` in
     place and the sum is normalised. None when not handled."""
     d = x.shape[-1]
     if x.numel() == 0 or weight.numel() != d or x.dtype != weight.dtype:
@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[0]
     rows = _rows(n, d)
-    _rms_norm_kernel[(triton.cdiv(n, rows),)](
+    rms_norm_kernel[(triton.cdiv(n, rows),)](
         x2, x2.stride(0), r2 if r2 is not None else x2, r2.stride(0) if r2 is not None else 0,
         weight.contiguous(), out, n, d, float(eps), HAS_RES=r2 is not None,
         ZERO_CENTERED=bool(zero_centered), ROWS=rows, BLOCK=pow2(d))
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, x_st, out_ptr, R, INTER, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(x_ptr, x_st, out_ptr, R, INTER, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     i = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     m = (row < R) & (i < INTER)
@@ -96,13 +96,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if n:
         block = pow2(i) if INTERPRET else min(pow2(i), 1024)
         rows = _rows(n, block)
-        _silu_mul_kernel[(triton.cdiv(n, rows), triton.cdiv(i, block))](
+        silu_mul_kernel[(triton.cdiv(n, rows), triton.cdiv(i, block))](
             gate_up, gate_up.stride(0), out, n, i, ROWS=rows, BLOCK=block)
     return out
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, row_st, q_off, q_hs, k_off, pos_ptr, cos_ptr, sin_ptr, ROT,
+def qk_norm_rope_kernel(qkv_ptr, row_st, q_off, q_hs, k_off, pos_ptr, cos_ptr, sin_ptr, ROT,
                          qw_ptr, kw_ptr, eps, q_out, k_out, H, KVH, D,
                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                          BLOCK_J: tl.constexpr, BLOCK: tl.constexpr):
@@ -148,7 +148,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                  q_off: int, q_head_stride: int, k_off: int, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, zero_centered: bool
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """See :func:`pagefold.csrc.cpu_ops.qk_norm_rope`; fresh contiguous q (T, H, D) and
+    """See :func:`pagefold.ops.elementwise.cpu.qk_norm_rope`; fresh contiguous q (T, H, D) and
     k (T, KVH, D), or None when not handled."""
     if (qkv.dim() != 2 or qkv.stride(1) != 1 or (q_weight is None) != (k_weight is None)
             or cos.dtype != torch.float32 or cos.shape[1] % 2):
@@ -158,7 +158,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if t:
         w = q_weight if q_weight is not None else cos
-        _qk_norm_rope_kernel[(t,)](
+        qk_norm_rope_kernel[(t,)](
             qkv, qkv.stride(0), q_off, q_head_stride, k_off, positions.contiguous(),
             cos.contiguous(), sin.contiguous(), cos.shape[1], w.contiguous(),
             (k_weight if k_weight is not None else w).contiguous(), float(eps), q, k,
@@ -169,7 +169,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
-def _rms_norm_gated_kernel(x_ptr, x_st, x_sh, g_ptr, g_st, g_sh, w_ptr, out_ptr, R, H, D, eps,
+def rms_norm_gated_kernel(x_ptr, x_st, x_sh, g_ptr, g_st, g_sh, w_ptr, out_ptr, R, H, D, eps,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # token * H + head
     t = r // H
@@ -195,7 +195,7 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
     if n:
         rows = _rows(n * h, d)
-        _rms_norm_gated_kernel[(triton.cdiv(n * h, rows),)](
+        rms_norm_gated_kernel[(triton.cdiv(n * h, rows),)](
             x, x.stride(0), x.stride(1), gate, gate.stride(0), gate.stride(1),
             weight.contiguous(), out, n * h, h, d, float(eps), ROWS=rows, BLOCK=pow2(d))
     return out

@@ -1,6 +1,6 @@
 """Paged attention in Triton: the K/V write, decode rows and prefill chunks, read in place.
 
-Same cache layout and metadata as :mod:`pagefold.layers.attention.backend`: per layer
+Same cache layout and metadata as :mod:`pagefold.ops.attention`: per layer
 ``(num_blocks, block_size, 2, KVH, D)``, flat slot ``s = block * block_size + offset``.
 
 * :func:`write_kv` stores each new token's K and V at its slot (a negative slot is skipped:
@@ -14,7 +14,7 @@ Same cache layout and metadata as :mod:`pagefold.layers.attention.backend`: per 
   own K/V already written), causal and sliding-window masks from positions.
 
 :func:`paged_attention` has the signature of the torch path
-(:func:`pagefold.layers.attention.backend.paged_attention`).
+(:func:`pagefold.ops.attention.paged_attention`).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import INTERPRET, dot_dtype, pow2
+from pagefold.ops.common.triton import INTERPRET, dot_dtype, pow2
 
 # Running maxima start at a finite "minus infinity" (-1e30, written inline: Triton kernels may
 # read only constexpr globals), so exp(m_old - m_new) stays defined for rows with no key yet.
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, slots_ptr, cache_ptr, N, KVH, D,
+def write_kv_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, slots_ptr, cache_ptr, N, KVH, D,
                      ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slot = tl.load(slots_ptr + i, mask=i < N, other=-1).to(tl.int64)[:, None]
@@ -56,13 +56,13 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     if v.stride(2) != 1:
         v = v.contiguous()
     rows = min(pow2(n), 64) if INTERPRET else 1
-    _write_kv_kernel[(triton.cdiv(n, rows),)](
+    write_kv_kernel[(triton.cdiv(n, rows),)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.contiguous(), cache, n,
         kvh, d, ROWS=rows, BLOCK_F=pow2(kvh * d))
 
 
 @triton.jit
-def _decode_kernel(q_ptr, q_st, q_sh, rows_ptr, cache_ptr, tables_ptr, t_st, seq_lens_ptr,
+def decode_kernel(q_ptr, q_st, q_sh, rows_ptr, cache_ptr, tables_ptr, t_st, seq_lens_ptr,
                    kv_start_ptr, out_ptr, o_st, o_sh, scale, KVH, G, D, BS,
                    HAS_ROWS: tl.constexpr, HAS_START: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
@@ -112,7 +112,7 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Te
                      tables: torch.Tensor, seq_lens: torch.Tensor,
                      kv_starts: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
     """Single-token attention of the decode rows (``rows`` of q/out, or all rows when None);
-    same contract as :func:`pagefold.csrc.cpu_ops.decode_attention`."""
+    same contract as :func:`pagefold.ops.attention.cpu.decode_attention`."""
     _, h, d = q.shape
     _, bs, _, kvh, _ = cache.shape
     nb = seq_lens.shape[0]
@@ -121,7 +121,7 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Te
     g = h // kvh
     tables = tables.contiguous()
     dummy = seq_lens
-    _decode_kernel[(nb, kvh)](
+    decode_kernel[(nb, kvh)](
         q, q.stride(0), q.stride(1), rows if rows is not None else dummy, cache, tables,
         tables.stride(0), seq_lens.contiguous(),
         kv_starts.contiguous() if kv_starts is not None else dummy, out, out.stride(0),
@@ -131,7 +131,7 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor | None, cache: torch.Te
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, q_st, q_sh, cache_ptr, slots_ptr, rows_ptr, tiles_ptr, out_ptr,
+def prefill_kernel(q_ptr, q_st, q_sh, cache_ptr, slots_ptr, rows_ptr, tiles_ptr, out_ptr,
                     o_st, o_sh, scale, KVH, G, D, WINDOW,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT: tl.constexpr, PREC: tl.constexpr):
@@ -215,7 +215,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, pack, window: int | 
         return
     _, h, d = q.shape
     kvh = cache.shape[3]
-    _prefill_kernel[(tiles.shape[0], h)](
+    prefill_kernel[(tiles.shape[0], h)](
         q, q.stride(0), q.stride(1), cache, slots, rows, tiles, out, out.stride(0),
         out.stride(1), float(scale), kvh, h // kvh, d, int(window or 0),
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=32, BLOCK_D=pow2(d, 16), DOT=dot_dtype(q.dtype),
@@ -225,7 +225,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, pack, window: int | 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta, scale: float) -> torch.Tensor:
     """q (T, H, D), k/v (T, KVH, D) -> (T, H, D); writes k/v into the cache first. The
-    signature of :func:`pagefold.layers.attention.backend.paged_attention`."""
+    signature of :func:`pagefold.ops.attention.paged_attention`."""
     write_kv(cache, meta.slot_mapping, k, v)
     if q.stride(2) != 1:
         q = q.contiguous()

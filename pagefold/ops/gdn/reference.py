@@ -27,7 +27,7 @@ All three kernels share one signature::
 * Returns ``o`` ``(T, H, Dv)`` in ``v``'s dtype and ``final_state`` ``(N, H, Dk, Dv)`` float32.
   All arithmetic is float32, so feeding ``final_state`` into a later call over the next tokens
   equals one pass over the concatenation up to float32 rounding.
-* ``capture=(after, out)`` (optional; :mod:`pagefold.layers.state_capture`): ``out[m]``
+* ``capture=(after, out)`` (optional; :mod:`pagefold.ops.common.capture`): ``out[m]``
   (float32, ``(M, H, Dk, Dv)``) receives the state right after flat token ``after[m]``, as a
   call ending there would return it (prefix-cache checkpoints without cutting the chunk).
 * ``per_token_states=True`` (naive and recurrent; speculative verification): the second
@@ -41,9 +41,10 @@ from collections.abc import Callable
 
 import torch
 
-from pagefold.layers.state_capture import Capture, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, capture_plan, check_capture, per_token
 
-__all__ = ["GDN_KERNELS", "gdn_chunked", "gdn_naive", "gdn_recurrent", "l2norm"]
+__all__ = ["GDN_KERNELS", "gdn_chunked", "gdn_naive", "gdn_recurrent", "gdn_verify",
+           "gdn_verify_naive", "l2norm", "torch_chunk_size"]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -51,17 +52,9 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
-def _prepare(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float | None,
-    use_qk_l2norm: bool,
-) -> tuple[torch.Tensor, ...]:
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
+            use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
     """Validate shapes, upcast to float32, normalize and scale ``q``/``k``."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be (T, H, Dk), got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -81,14 +74,8 @@ def _prepare(
     return qf, kf, v.float(), g.float(), beta.float(), initial_state.float()
 
 
-def _step(
-    state: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+          beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for a batch of rows, written literally as the definition.
 
     state (B, H, Dk, Dv); q, k (B, H, Dk); v (B, H, Dv); g, beta (B, H).
@@ -102,14 +89,8 @@ def _step(
     return out, state
 
 
-def _step_fused(
-    state: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _step_fused(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`_step`, arranged to touch the (large) state fewer times.
 
     With ``a = exp(g)`` and ``S_new = a S + k d^T``, both reads can use the *old* state:
@@ -140,27 +121,17 @@ def _active_counts(sorted_desc: list[int]) -> list[int]:
     return out
 
 
-def gdn_naive(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+              scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+              capture: Capture | None = None, per_token_states: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition of the gated delta rule: loop over sequences, then over tokens.
 
     Slow; the reference the other kernels are tested against. ``chunk_size`` is ignored.
     """
     del chunk_size  # part of the shared signature only
-    qf, kf, vf, gf, bf, state0 = _prepare(
+    qf, kf, vf, gf, bf, state0 = prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
     cap = check_capture(capture, q.shape[0], tuple(state0.shape[1:]))
@@ -186,21 +157,11 @@ def gdn_naive(
     return out.to(v.dtype), final if states is None else states
 
 
-def gdn_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                  scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+                  capture: Capture | None = None, per_token_states: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-recurrent kernel, batched across sequences; the decode path.
 
     When every sequence has exactly one token (``T == N``) this is a single batched step with no
@@ -209,7 +170,7 @@ def gdn_recurrent(
     batch, and each step is one batched update over them. ``chunk_size`` is ignored.
     """
     del chunk_size  # part of the shared signature only
-    qf, kf, vf, gf, bf, state0 = _prepare(
+    qf, kf, vf, gf, bf, state0 = prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
     total, num_seqs = q.shape[0], cu_seqlens.numel() - 1
@@ -229,11 +190,8 @@ def gdn_recurrent(
     sorted_lengths = lengths[order].tolist()
     starts = cu[:-1][order]
     state = state0[order]
-    at: dict[int, list[tuple[int, int]]] = {}  # offset -> (capture, rank in sorted order)
-    if cap:
-        rank = {s: r for r, s in enumerate(order.tolist())}
-        for m, (s, off) in enumerate(seq_of(cu.tolist(), cap[0])):
-            at.setdefault(off, []).append((m, rank[s]))
+    # offset -> (capture, rank in sorted order)
+    at = capture_plan(cu.tolist(), cap[0], order.tolist())[1] if cap else {}
     states = (torch.empty((total, *state0.shape[1:]), dtype=torch.float32, device=device)
               if per_token_states else None)
     for p, n_act in enumerate(_active_counts(sorted_lengths)):
@@ -252,9 +210,8 @@ def gdn_recurrent(
     return out.to(v.dtype), final
 
 
-def _chunk_layout(
-    cu: torch.Tensor, total: int, chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]:
+def _chunk_layout(cu: torch.Tensor, total: int, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]:
     """Place every token in a padded buffer of chunks laid out step-major.
 
     Sequences are sorted by chunk count (descending) so that at scan step ``j`` the sequences
@@ -288,20 +245,10 @@ def _chunk_layout(
     return flat_index, order, step_offsets, step_counts, num_chunks
 
 
-def gdn_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+                capture: Capture | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel kernel (WY / UT-transform form); the prefill path.
 
     Each sequence is cut into chunks of ``chunk_size`` tokens, the last one zero-padded (padded
@@ -325,7 +272,7 @@ def gdn_chunked(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    qf, kf, vf, gf, bf, state0 = _prepare(
+    qf, kf, vf, gf, bf, state0 = prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm
     )
     total, heads, dk = qf.shape
@@ -338,16 +285,7 @@ def gdn_chunked(
     # Scan step -> captures: ``at_end`` (capture, rank) at the last real token of their chunk
     # (the chunk's exit state, copied); ``at`` (capture, rank, row) inside a chunk (computed
     # from the chunk's entry state, see below).
-    at: dict[int, list[tuple[int, int, int]]] = {}
-    at_end: dict[int, list[tuple[int, int]]] = {}
-    if cap:
-        cu_l = cu.tolist()
-        rank = {s: r for r, s in enumerate(order.tolist())}
-        for m, (s, off) in enumerate(seq_of(cu_l, cap[0])):
-            if off % c == c - 1 or off == cu_l[s + 1] - cu_l[s] - 1:
-                at_end.setdefault(off // c, []).append((m, rank[s]))
-            else:
-                at.setdefault(off // c, []).append((m, rank[s], off % c))
+    at, at_end = capture_plan(cu.tolist(), cap[0], order.tolist(), c) if cap else ({}, {})
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:
         # (T, H, ...) -> zero-padded (M, H, C, ...) in the step-major chunk layout.
@@ -411,3 +349,17 @@ GDN_KERNELS: dict[str, GdnKernel] = {
     "chunked": gdn_chunked,
     "recurrent": gdn_recurrent,
 }
+
+
+# The verify forms (speculative decoding): the state after every token.
+gdn_verify_naive = per_token(gdn_naive)
+gdn_verify = per_token(gdn_recurrent)
+
+
+def torch_chunk_size(cu_seqlens: torch.Tensor, largest: int = 64) -> int:
+    """Chunk length for ``gdn_chunked``: the longest sequence rounded up to a power of two,
+    at most ``largest``. Every sequence is padded to whole chunks, so under chunked prefill
+    (a few tokens per request per step) 64-token chunks would be mostly padding; the result
+    is the same up to float rounding whatever the chunk length."""
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 1
+    return min(largest, 1 << max(longest - 1, 0).bit_length())

@@ -26,9 +26,7 @@ per attention layer (vLLM's ``calculate_kv_scales`` idea plus K smoothing):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -86,35 +84,3 @@ class KVScales:
         """``kv`` (..., 2, kv_heads, head_dim) stored -> K (shift omitted) and V in ``dtype``."""
         scale = torch.stack((self.k_scale, self.v_scale))[:, :, None]  # (2, kvh, 1)
         return (kv.float() * scale).to(dtype)
-
-
-_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
-
-
-def apply_checkpoint_kv_scales(model_dir: Path, cache) -> int:
-    """Take FP8 K/V scales a checkpoint provides (vLLM's convention: ``...layers.N.self_attn
-    .k_scale`` / ``v_scale``, a scalar or one per KV head) for the cache's FP8 layers named
-    ``layers.N``; no shift. Returns how many layers got them; the others calibrate."""
-    from safetensors import safe_open
-
-    from pagefold.models.weights import safetensors_files
-
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                m = _SCALE_RE.search(name)
-                if m:
-                    found.setdefault(f"layers.{m.group(1)}", {})[m.group(2)] = \
-                        fh.get_tensor(name).float().reshape(-1)
-    n = 0
-    for layer, kv in found.items():
-        view = cache.attn.get(layer)
-        if view is None or not is_fp8(view.dtype) or set(kv) != {"k", "v"}:
-            continue
-        heads, dim = view.shape[3], view.shape[4]
-        k_s, v_s = (kv[c].expand(heads).clone().to(view.device) for c in ("k", "v"))
-        cache.kv_scales[layer] = KVScales(k_s, v_s, torch.zeros(heads, dim, device=view.device),
-                                          "checkpoint")
-        n += 1
-    return n

@@ -12,8 +12,8 @@ all as ``tl.dot`` over the chunk (tensor cores on a GPU). B and C are those of t
 group. Padded rows (past the sequence, or before it when the grid is shifted by
 ``start_pos``) load ``dt = x = B = C = 0``: they decay by ``exp(0)`` and add nothing.
 
-Captures as :mod:`pagefold.kernels.triton.gdn_chunked`: ``chunk_states`` (M, H, P, N) rows
-``chunk_offsets[s] + c`` (:func:`~pagefold.kernels.triton.gdn_chunked.chunk_layout`), the
+Captures as :mod:`pagefold.ops.gdn.triton_chunked`: ``chunk_states`` (M, H, P, N) rows
+``chunk_offsets[s] + c`` (:func:`~pagefold.ops.common.triton.chunk_layout`), the
 state after each chunk; ``intermediate`` (T, H, P, N), the state after every token (rank-1
 replay within the chunk); ``captures``, the state after given tokens (``h_end``'s formula cut
 at the capture row).
@@ -30,20 +30,26 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import (
+from pagefold.ops.common.triton import (
     INTERPRET,
     Captures,
     PagedState,
+    block_chunk,
+    chunk_args,
+    chunk_prec,
+    dense_chunk_offsets,
     gate,
     load_state,
     pow2,
+    seq_args,
     store_state,
+    tile_row,
 )
-from pagefold.kernels.triton.gdn_chunked import _prec, _row, block_chunk, chunk_layout
+from pagefold.ops.ssd.reference import check_inputs, discretize_dt, seq_bounds
 
 
 @triton.jit
-def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc_sg,
+def ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_st, bc_sg,
                       d_ptr, cu_ptr, pos_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off,
                       y_ptr, y_st, y_sh, inter_ptr, cst_ptr, coff_ptr, cap_ptr, capcu_ptr,
                       cb_ptr, cpages_ptr, cpps, cpe, coffs, H, HG, P, N,
@@ -106,8 +112,8 @@ def _ssd_chunk_kernel(x_ptr, x_st, x_sh, dt_ptr, dt_st, a_ptr, b_ptr, c_ptr, bc_
             Si = S
             for m in range(0, BLOCK_C):
                 tt = base + ci * BLOCK_C + m
-                xdt_m = _row(Xdt, r, m)
-                b_m = _row(Bc, r, m)
+                xdt_m = tile_row(Xdt, r, m)
+                b_m = tile_row(Bc, r, m)
                 a_m = tl.sum(tl.where(r == m, a, 0.0), 0)
                 Si = Si * tl.exp(a_m) + xdt_m[:, None] * b_m[None, :]
                 ok = (tt >= c0) & (tt < c1)
@@ -144,7 +150,7 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
                       captures: Captures | None = None) -> None:
     """The scan over a varlen batch in chunks, states (H, P, N) updated in place.
 
-    Layouts as :func:`pagefold.kernels.triton.ssd.ssd_paged` (x (T, H, P); B/C (T, G, N) with
+    Layouts as :func:`pagefold.ops.ssd.triton.ssd_paged` (x (T, H, P); B/C (T, G, N) with
     one stride layout; dt (T, H) discretised; A, D (H,)). ``chunk_size`` becomes
     ``block_chunk(chunk_size)`` (a power of two in [16, 64]); ``chunk_states`` needs
     ``chunk_offsets`` (``chunk_layout``); ``captures`` as in ``gdn_chunked_paged``."""
@@ -155,18 +161,12 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         return
     if h % g:
         raise ValueError(f"num heads {h} must be divisible by num groups {g}")
-    if chunk_states is not None and chunk_offsets is None:
-        raise ValueError("chunk_states needs chunk_offsets (see chunk_layout)")
     assert B.stride() == C.stride() and B.stride(2) == 1 and x.stride(2) == 1
     dt = dt.float().contiguous()
-    cu = cu_seqlens.to(x.device, torch.int64).contiguous()
-    init = has_initial_state.to(x.device, torch.int8).contiguous() \
-        if has_initial_state is not None else cu
-    pos = start_pos.to(x.device, torch.int64).contiguous() if start_pos is not None else cu
-    coff = chunk_offsets.to(x.device, torch.int64).contiguous() \
-        if chunk_offsets is not None else cu
+    cu, init = seq_args(cu_seqlens, has_initial_state, x.device)
+    pos, coff = chunk_args(cu, start_pos, chunk_offsets, chunk_states, x.device)
     block_p = pow2(p, 16) if INTERPRET else min(pow2(p, 16), 32)
-    _ssd_chunk_kernel[(ns, h, triton.cdiv(p, block_p))](
+    ssd_chunk_kernel[(ns, h, triton.cdiv(p, block_p))](
         x, x.stride(0), x.stride(1), dt, dt.stride(0), A.float().contiguous(), B, C,
         B.stride(0), B.stride(1), D.contiguous() if D is not None else dt, cu, pos, init,
         state.base, state.pages, state.pages.shape[1], state.page_elems, state.offset, out,
@@ -174,7 +174,8 @@ def ssd_chunked_paged(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         chunk_states if chunk_states is not None else dt, coff, *Captures.args(captures, cu),
         h, h // g, p, nst, HAS_D=D is not None, HAS_INIT=has_initial_state is not None,
         HAS_POS=start_pos is not None, STORE_INTER=intermediate is not None,
-        STORE_CHUNKS=chunk_states is not None, CAPTURE=captures is not None, PREC=_prec(x.dtype),
+        STORE_CHUNKS=chunk_states is not None, CAPTURE=captures is not None,
+        PREC=chunk_prec(x.dtype),
         BLOCK_C=block_chunk(chunk_size), BLOCK_P=block_p, BLOCK_N=pow2(nst, 16),
         num_warps=4 if INTERPRET else 8)
 
@@ -188,23 +189,14 @@ def ssd_chunked_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
                        chunk_states: torch.Tensor | None = None,
                        capture: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.layers.mamba.ssd.ssd_naive`: ``(y (T, H, P) in x's
+    """The signature of :func:`pagefold.ops.ssd.reference.ssd_naive`: ``(y (T, H, P) in x's
     dtype, final_state (S, H, P, N) float32)``; ``initial_state`` is not modified. Captures
     as the module docstring."""
-    from pagefold.layers.mamba.ssd import _check_inputs, _discretize_dt, _seq_bounds
-
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    T = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)[0]
-    _seq_bounds(cu_seqlens, T)
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    coff = dense_chunk_offsets(cu_seqlens, chunk_size, start_pos, chunk_states)
+    seq_bounds(cu_seqlens, check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)[0])
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     final = initial_state.float().contiguous().clone()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    coff = None
-    if chunk_states is not None:
-        coff, m = chunk_layout(cu_seqlens, block_chunk(chunk_size), start_pos)
-        if chunk_states.shape[0] < m:
-            raise ValueError(f"chunk_states needs {m} rows, has {chunk_states.shape[0]}")
     ssd_chunked_paged(x.contiguous(), dtf, A, B.contiguous(), C.contiguous(), D,
                       PagedState.dense(final), cu_seqlens, None, y, chunk_size=chunk_size,
                       start_pos=start_pos, intermediate=intermediate,

@@ -31,7 +31,7 @@ for prefill; ``ssd_recurrent`` is the decode form (fully batched when every sequ
 single token). Splitting a sequence into pieces and carrying ``final_state`` into the next
 piece's ``initial_state`` gives the same result as one pass, up to float32 rounding.
 
-``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.layers.state_capture`):
+``capture=(after, out)`` (optional, every kernel; :mod:`pagefold.ops.common.capture`):
 ``out[m]`` (float32, (M, H, P, N)) receives the state right after flat token ``after[m]``;
 ``ssd_chunked`` also takes a ``PagedOut`` (the checkpoint pages themselves) as ``out``.
 ``per_token_states=True`` (naive and recurrent; speculative verification): the second result
@@ -46,23 +46,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.state_capture import Capture, PagedOut, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, PagedOut, capture_plan, check_capture, per_token
+from pagefold.ops.ssd import cpu as ssd_cpu  # looked up per call: tests count the calls
 
-__all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent"]
+__all__ = ["SSD_KERNELS", "SSDKernel", "ssd_chunked", "ssd_naive", "ssd_recurrent", "ssd_verify",
+           "ssd_verify_naive"]
 
 SSDKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def _check_inputs(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-) -> tuple[int, int, int, int, int]:
+def check_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> tuple[int, int, int, int, int]:
     """Validate shapes; return (T, H, P, G, N)."""
     if x.dim() != 3:
         raise ValueError(f"x must be (T, H, P), got {tuple(x.shape)}")
@@ -88,7 +83,7 @@ def _check_inputs(
     return T, H, P, G, N
 
 
-def _seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]:
+def seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]:
     """Host-side (starts, lengths) per sequence; validates monotonicity and the total."""
     cu = [int(v) for v in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != T:
@@ -99,13 +94,8 @@ def _seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[list[int], list[int]]
     return cu[:-1], lens
 
 
-def _discretize_dt(
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    dt_min: float,
-    dt_max: float,
-) -> torch.Tensor:
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_min: float,
+                  dt_max: float) -> torch.Tensor:
     """(T, H) float32 time step: bias, softplus, then clamp to [dt_min, dt_max] (HF order)."""
     out = dt.float()
     if dt_bias is not None:
@@ -123,14 +113,8 @@ def _heads_view(t: torch.Tensor, H: int) -> torch.Tensor:
     return t.unsqueeze(-2).expand(*lead, G, H // G, N).reshape(*lead, H, N)
 
 
-def _step(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+          C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One recurrence step for a batch of M independent sequences, all float32.
 
     state (M, H, P, N), x (M, H, P), dt (M, H), A (H,), B/C (M, H, N) already per head.
@@ -147,33 +131,20 @@ def _step(
     return y, new_state
 
 
-def ssd_naive(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool = True,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_naive(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: torch.Tensor | None, initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+              dt_bias: torch.Tensor | None, dt_softplus: bool = True, dt_min: float = 0.0,
+              dt_max: float = math.inf, chunk_size: int = 64, capture: Capture | None = None,
+              per_token_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference SSD: the literal per-token recurrence, one sequence and one token at a time.
 
     Slow by design (it is the definition the other kernels are tested against).
     ``chunk_size`` is accepted for signature compatibility and ignored.
     """
     del chunk_size
-    T, H, _, _, _ = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
-    starts, lens = _seq_bounds(cu_seqlens, T)
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    T, H, _, _, _ = check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
+    starts, lens = seq_bounds(cu_seqlens, T)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     xf, Af = x.float(), A.float()
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     y = torch.empty_like(xf)
@@ -200,24 +171,12 @@ def ssd_naive(
     return y.to(x.dtype), final if states is None else states
 
 
-def ssd_recurrent(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool = True,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_recurrent(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+                  cu_seqlens: torch.Tensor, *, dt_bias: torch.Tensor | None,
+                  dt_softplus: bool = True, dt_min: float = 0.0, dt_max: float = math.inf,
+                  chunk_size: int = 64, capture: Capture | None = None,
+                  per_token_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent (decode) SSD, batched across sequences.
 
     When every sequence has exactly one new token (T == S, the decode step) this is a single
@@ -227,9 +186,9 @@ def ssd_recurrent(
     offset ``t`` together. ``chunk_size`` is ignored.
     """
     del chunk_size
-    T, H, _, _, _ = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
+    T, H, _, _, _ = check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     S = cu_seqlens.numel() - 1
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     xf, Af = x.float(), A.float()
     Bh, Ch = _heads_view(B.float(), H), _heads_view(C.float(), H)
     state0 = initial_state.float()
@@ -246,7 +205,7 @@ def ssd_recurrent(
                 y = y + D.float()[:, None] * xf
             return y.to(x.dtype), final
 
-    starts, lens = _seq_bounds(cu_seqlens, T)
+    starts, lens = seq_bounds(cu_seqlens, T)
     # Longest sequences first, so the sequences still running at offset t are a prefix.
     order = sorted(range(S), key=lambda s: -lens[s])
     order_t = torch.tensor(order, dtype=torch.long, device=x.device)
@@ -255,11 +214,8 @@ def ssd_recurrent(
     state = state0.index_select(0, order_t).clone() if S > 0 else state0.clone()
     y = torch.empty_like(xf)
     max_len = sorted_lens[0] if S > 0 else 0
-    at: dict[int, list[tuple[int, int]]] = {}  # offset -> (capture, rank in sorted order)
-    if cap:
-        rank = {s: r for r, s in enumerate(order)}
-        for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
-            at.setdefault(off, []).append((m, rank[s]))
+    # offset -> (capture, rank in sorted order)
+    at = capture_plan([*starts, T], cap[0], order)[1] if cap else {}
     n_active = S
     states = (torch.empty((T, *state0.shape[1:]), dtype=torch.float32, device=x.device)
               if per_token_states else None)
@@ -320,24 +276,12 @@ def _capture_row(out: torch.Tensor, h0: torch.Tensor, xc: torch.Tensor, decay_ro
     out.copy_(h0 * torch.exp(acum_row)[:, None, None] + upd)
 
 
-def ssd_chunked(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool = True,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    chunk_size: int = 64,
-    capture: Capture | None = None,
-    compiled: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor | None, initial_state: torch.Tensor,
+                cu_seqlens: torch.Tensor, *, dt_bias: torch.Tensor | None, dt_softplus: bool = True,
+                dt_min: float = 0.0, dt_max: float = math.inf, chunk_size: int = 64,
+                capture: Capture | None = None, compiled: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel SSD (Mamba-2's "state space duality" form) over a varlen batch.
 
     Each sequence is cut into chunks of ``L = min(chunk_size, longest sequence)`` tokens (the
@@ -365,15 +309,15 @@ def ssd_chunked(
     (``csrc/ssd.cpp``) runs instead; it agrees with this torch form up to float32 rounding
     (other summation orders). ``compiled=False`` or kernels off: the torch form.
     """
-    T, H, P, G, N = _check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
+    T, H, P, G, N = check_inputs(x, dt, A, B, C, D, initial_state, cu_seqlens)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     S = cu_seqlens.numel() - 1
-    starts, lens = _seq_bounds(cu_seqlens, T)
+    starts, lens = seq_bounds(cu_seqlens, T)
     dev = x.device
     Hg = H // G
 
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max)
     max_len = max(lens, default=0)
     if max_len == 0:
         return x.new_zeros((T, H, P)), initial_state.float().clone()
@@ -385,9 +329,7 @@ def ssd_chunked(
         # (mamba_ssm_dtype bf16) takes its captures through a buffer, cast when written.
         cap = (cap[0], paged.buffer())
     if compiled:  # the compiled scan (csrc/ssd.cpp): same chunking, same steps
-        from pagefold.layers.mamba.ssd_cpu import ssd_chunked_cpu
-
-        res = ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
+        res = ssd_cpu.ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
         if res is not None:
             if paged is not None and cap[1] is not paged:
                 paged.write(cap[1])
@@ -422,15 +364,7 @@ def ssd_chunked(
     # Chunk position -> (capture, rank, row in the chunk); ``at_end``: captures whose token is
     # the last of its chunk's real ones, which are the chunk-end state itself (copied after the
     # state passing; the interval targets are multiples of the block size, mostly of L).
-    at: dict[int, list[tuple[int, int, int]]] = {}
-    at_end: dict[int, list[tuple[int, int]]] = {}
-    if cap:
-        rank = {s: r for r, s in enumerate(order)}
-        for m, (s, off) in enumerate(seq_of([*starts, T], cap[0])):
-            if off % L == L - 1 or off == lens[s] - 1:
-                at_end.setdefault(off // L, []).append((m, rank[s]))
-            else:
-                at.setdefault(off // L, []).append((m, rank[s], off % L))
+    at, at_end = capture_plan([*starts, T], cap[0], order, L) if cap else ({}, {})
 
     # Sequences go through a chunk position in groups whose (H, L, L) and (H, L, P) float32
     # tables stay around 2 MB: a dozen passes over them then hit the cache, not memory
@@ -498,3 +432,8 @@ SSD_KERNELS: dict[str, SSDKernel] = {
     "chunked": ssd_chunked,
     "recurrent": ssd_recurrent,
 }
+
+
+# The verify forms (speculative decoding): the state after every token.
+ssd_verify_naive = per_token(ssd_naive)
+ssd_verify = per_token(ssd_recurrent)

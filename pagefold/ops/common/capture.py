@@ -18,12 +18,13 @@ drop out), see ``ssd_chunked`` and ``gdn_chunked``.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Capture", "PagedOut", "check_capture", "seq_of"]
+__all__ = ["Capture", "PagedOut", "capture_plan", "check_capture", "per_token", "seq_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +105,33 @@ def seq_of(cu: list[int], after: list[int]) -> list[tuple[int, int]]:
             s += 1
         res.append((s, a - cu[s]))
     return res
+
+
+def capture_plan(cu: list[int], after: list[int], order: list[int], chunk: int = 1
+                 ) -> tuple[dict[int, list[tuple[int, ...]]], dict[int, list[tuple[int, ...]]]]:
+    """Where a scan over the sequences in ``order`` (rank ``r``: sequence ``order[r]``) takes
+    its captures, keyed by step (a chunk position; a token offset with ``chunk=1``):
+    ``at_end[j]`` lists ``(capture, rank)`` whose token is the last of chunk ``j``'s real ones
+    (the state after step ``j``), ``at[j]`` lists ``(capture, rank, row)`` inside chunk ``j``."""
+    rank = {s: r for r, s in enumerate(order)}
+    at: dict[int, list[tuple[int, ...]]] = {}
+    at_end: dict[int, list[tuple[int, ...]]] = {}
+    for m, (s, off) in enumerate(seq_of(cu, after)):
+        if off % chunk == chunk - 1 or off == cu[s + 1] - cu[s] - 1:
+            at_end.setdefault(off // chunk, []).append((m, rank[s]))
+        else:
+            at.setdefault(off // chunk, []).append((m, rank[s], off % chunk))
+    return at, at_end
+
+
+def per_token(kernel: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``kernel`` (a naive or recurrent form) with ``per_token_states=True``: the verify form,
+    ``(outputs, states (T, ...))`` with ``states[t]`` the state right after flat token ``t``
+    (a speculative verify step's; the commit selects the accepted one,
+    :func:`pagefold.spec_decode.state_verify.select_states`)."""
+    def verify(*args, **kwargs):
+        return kernel(*args, per_token_states=True, **kwargs)
+
+    verify.__name__ = verify.__qualname__ = f"{kernel.__name__}_per_token"
+    verify.__doc__ = f"``{kernel.__name__}`` with ``per_token_states=True`` (see per_token)."
+    return verify

@@ -1,7 +1,7 @@
 """Compile every Triton kernel for a GPU target without a GPU (Triton's own compiler and
 ``ptxas``): the check that the kernels the interpreter runs in CI also build for Hopper.
 
-    TRITON_INTERPRET=0 python -m pagefold.kernels.triton.compile_check [--arch 90]
+    TRITON_INTERPRET=0 python -m pagefold.ops.compile_check [--arch 90]
 
 The interpreter accepts code the compiler rejects (non-constexpr globals, type mismatches
 across branches, unsupported ops), so CI runs this in a subprocess (``TRITON_INTERPRET`` must
@@ -49,46 +49,50 @@ def cases():
     """(label, kernel, constexprs, element dtype, pointer overrides) for every kernel."""
     import triton.language as tl
 
-    from pagefold.kernels.triton import attention as at
-    from pagefold.kernels.triton import conv, gdn, gdn_chunked, ssd, ssd_chunked, state_steps
-    from pagefold.kernels.triton import elementwise as ew
+    from pagefold.ops.attention import triton as at
+    from pagefold.ops.conv1d import triton as conv
+    from pagefold.ops.elementwise import triton as ew
+    from pagefold.ops.gdn import triton as gdn
+    from pagefold.ops.gdn import triton_chunked as gdn_chunked
+    from pagefold.ops.ssd import triton as ssd
+    from pagefold.ops.ssd import triton_chunked as ssd_chunked
 
     f32, bf16 = tl.float32, tl.bfloat16
     out = [
-        ("write_kv", at._write_kv_kernel, dict(ROWS=1, BLOCK_F=1024), "bf16", {}),
-        ("rms_norm", ew._rms_norm_kernel,
+        ("write_kv", at.write_kv_kernel, dict(ROWS=1, BLOCK_F=1024), "bf16", {}),
+        ("rms_norm", ew.rms_norm_kernel,
          dict(HAS_RES=True, ZERO_CENTERED=False, ROWS=4, BLOCK=1024), "bf16", {}),
-        ("silu_mul", ew._silu_mul_kernel, dict(ROWS=1, BLOCK=1024), "bf16", {}),
-        ("qk_norm_rope", ew._qk_norm_rope_kernel,
+        ("silu_mul", ew.silu_mul_kernel, dict(ROWS=1, BLOCK=1024), "bf16", {}),
+        ("qk_norm_rope", ew.qk_norm_rope_kernel,
          dict(HAS_NORM=True, ZERO_CENTERED=False, BLOCK_J=32, BLOCK=128), "bf16", {}),
-        ("rms_norm_gated", ew._rms_norm_gated_kernel, dict(ROWS=32, BLOCK=128), "bf16", {}),
-        ("conv", conv._conv_kernel,
+        ("rms_norm_gated", ew.rms_norm_gated_kernel, dict(ROWS=32, BLOCK=128), "bf16", {}),
+        ("conv", conv.conv_kernel,
          dict(HAS_BIAS=True, SILU=True, HAS_INIT=True, BLOCK_C=256), "bf16", {}),
-        ("conv_state", conv._conv_state_kernel, dict(HAS_INIT=True, BLOCK_C=256, BLOCK_K=4),
+        ("conv_state", conv.conv_state_kernel, dict(HAS_INIT=True, BLOCK_C=256, BLOCK_K=4),
          "bf16", {}),
-        ("conv_window", state_steps._conv_window_kernel,
+        ("conv_window", conv.conv_window_kernel,
          dict(HAS_INIT=True, BLOCK_C=256, BLOCK_K=4), "bf16", {}),
         # The verify pass's form (per-token states, the pages only read).
-        ("gdn", gdn._gdn_kernel,
+        ("gdn", gdn.gdn_kernel,
          dict(HAS_INIT=True, L2NORM=True, STORE_INTER=True, STORE_FINAL=False, BLOCK_K=128,
               BLOCK_V=32), "bf16", {"st_ptr": "*fp32"}),
-        ("ssd", ssd._ssd_kernel,
+        ("ssd", ssd.ssd_kernel,
          dict(HAS_D=True, HAS_INIT=True, STORE_INTER=False, STORE_FINAL=True, BLOCK_P=32,
               BLOCK_N=128), "bf16", {"st_ptr": "*fp32", "y_ptr": "*fp32"}),
-        ("gdn_chunk", gdn_chunked._gdn_chunk_kernel,
+        ("gdn_chunk", gdn_chunked.gdn_chunk_kernel,
          dict(HAS_INIT=True, HAS_POS=True, L2NORM=True, STORE_INTER=True, STORE_CHUNKS=True,
               CAPTURE=True, PREC="tf32", BLOCK_C=64, BLOCK_K=128, BLOCK_V=32), "bf16",
          {"st_ptr": "*fp32", "cb_ptr": "*fp32"}),
-        ("ssd_chunk", ssd_chunked._ssd_chunk_kernel,
+        ("ssd_chunk", ssd_chunked.ssd_chunk_kernel,
          dict(HAS_D=True, HAS_INIT=True, HAS_POS=True, STORE_INTER=True, STORE_CHUNKS=True,
               CAPTURE=True, PREC="tf32", BLOCK_C=64, BLOCK_P=32, BLOCK_N=128), "bf16",
          {"st_ptr": "*fp32", "y_ptr": "*fp32", "cb_ptr": "*fp32"}),
     ]
     for name, dt, prec, el in (("bf16", bf16, "tf32", "bf16"), ("fp32", f32, "ieee", "fp32")):
-        out.append((f"decode_{name}", at._decode_kernel,
+        out.append((f"decode_{name}", at.decode_kernel,
                     dict(HAS_ROWS=True, HAS_START=True, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
                          DOT=dt, PREC=prec), el, {}))
-        out.append((f"prefill_{name}", at._prefill_kernel,
+        out.append((f"prefill_{name}", at.prefill_kernel,
                     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_D=128, DOT=dt, PREC=prec), el, {}))
     return out
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagefold.ops.common.capture import check_capture
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -153,11 +155,9 @@ class Captures:
     def dense(cu_seqlens: torch.Tensor, capture: tuple[torch.Tensor, torch.Tensor] | None,
               final: torch.Tensor) -> Captures | None:
         """The dense-signature kernels' ``capture=(after, out)`` (``out`` (M, ...) float32,
-        shaped as one state of ``final``; see :mod:`pagefold.layers.state_capture`)."""
+        shaped as one state of ``final``; see :mod:`pagefold.ops.common.capture`)."""
         if capture is None:
             return None
-        from pagefold.layers.state_capture import check_capture
-
         after, out = capture
         check_capture(capture, int(cu_seqlens[-1]), tuple(final.shape[1:]))
         if out.dtype != torch.float32 or not out.is_contiguous():
@@ -172,3 +172,84 @@ class Captures:
             return dummy, dummy, dummy, dummy, 1, 1, 0
         t = caps.target
         return caps.after, caps.cu, t.base, t.pages, t.pages.shape[1], t.page_elems, t.offset
+
+
+def seq_args(cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor | None,
+             device: torch.device, cu_dtype: torch.dtype = torch.int64
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' ``(cu, init)`` arguments: ``cu_seqlens`` on ``device``, and the int8
+    fresh-or-not flags (``cu`` as a dummy pointer when every sequence is read as it is)."""
+    cu = cu_seqlens.to(device, cu_dtype).contiguous()
+    init = has_initial_state.to(device, torch.int8).contiguous() \
+        if has_initial_state is not None else cu
+    return cu, init
+
+
+@triton.jit
+def tile_row(M, r, i):
+    """Row ``i`` of a (BLOCK_C, X) register tile whose row indices are ``r`` (no slicing in
+    Triton: a masked reduction)."""
+    return tl.sum(tl.where(r[:, None] == i, M, 0.0), 0)
+
+
+def chunk_prec(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision of the chunked kernels. Tiles stay float32 (the WY inverse loses
+    too much in bf16). Half models on a GPU: tf32 tensor cores; float32 models: 3xTF32
+    (float32-level products on tensor cores; "ieee" compiles these 64-row dots to FMA loops:
+    minutes of ptxas, measured 205 s for sm_90)."""
+    if INTERPRET:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def block_chunk(chunk_size: int) -> int:
+    """The chunk length the kernels use for ``chunk_size``: a power of two in [16, 64]."""
+    return pow2(min(chunk_size, 64), 16)
+
+
+def prefill_chunk_size(t: int, n: int, largest: int = 64) -> int:
+    """Chunk length of the chunked kernels for ``t`` tokens over ``n`` sequences: the
+    longest a sequence can be (``t - n + 1``, known without a host sync) rounded up to a power
+    of two, between 16 (``tl.dot``'s smallest tile) and ``largest``: chunked prefill steps of
+    a few tokens per request do not pay for 64-row chunks of padding."""
+    return min(largest, pow2(t - n + 1, 16))
+
+
+def chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int,
+                 start_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """``(chunk_offsets (N,) int64, M)``: sequence ``s``'s chunks are rows
+    ``chunk_offsets[s] ..`` of a ``chunk_states`` capture of ``M`` rows (a host sync)."""
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    shift = start_pos.to(cu.device, torch.int64) % chunk_size if start_pos is not None else 0
+    n = torch.where(lens > 0, (lens + shift + chunk_size - 1) // chunk_size, 0)
+    offs = torch.cumsum(n, 0) - n
+    return offs, int(n.sum())
+
+
+def dense_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int,
+                        start_pos: torch.Tensor | None, chunk_states: torch.Tensor | None
+                        ) -> torch.Tensor | None:
+    """The dense-signature chunked kernels' ``chunk_offsets`` for a ``chunk_states`` capture
+    (None without one), checking that it has the rows :func:`chunk_layout` asks for."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_states is None:
+        return None
+    coff, m = chunk_layout(cu_seqlens, block_chunk(chunk_size), start_pos)
+    if chunk_states.shape[0] < m:
+        raise ValueError(f"chunk_states needs {m} rows, has {chunk_states.shape[0]}")
+    return coff
+
+
+def chunk_args(cu: torch.Tensor, start_pos: torch.Tensor | None,
+               chunk_offsets: torch.Tensor | None, chunk_states: torch.Tensor | None,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked kernels' ``(start positions, chunk offsets)`` pointers (``cu`` as the
+    dummy where absent); raises when ``chunk_states`` comes without its offsets."""
+    if chunk_states is not None and chunk_offsets is None:
+        raise ValueError("chunk_states needs chunk_offsets (see chunk_layout)")
+    pos = start_pos.to(device, torch.int64).contiguous() if start_pos is not None else cu
+    coff = chunk_offsets.to(device, torch.int64).contiguous() \
+        if chunk_offsets is not None else cu
+    return pos, coff

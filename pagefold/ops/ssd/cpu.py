@@ -1,6 +1,7 @@
-"""The compiled chunked SSD scan (``pagefold/csrc/ssd.cpp``) behind ``ssd_chunked``'s contract.
+"""The compiled Mamba-2 kernels through ctypes: the chunked SSD scan (``csrc/ssd.cpp``) behind
+``ssd_chunked``'s contract, and the decode step on paged states (``csrc/mamba2.cpp``).
 
-:func:`ssd_chunked_cpu` takes the arguments of :func:`pagefold.layers.mamba.ssd.ssd_chunked`
+:func:`ssd_chunked_cpu` takes the arguments of :func:`pagefold.ops.ssd.reference.ssd_chunked`
 after its checks (the time step already discretised) and returns ``(y, final_state)`` -- y
 (T, H, P) in ``x.dtype``, the final states (S, H, P, N) float32 -- or ``None`` when the kernel
 does not take the inputs (not on the CPU, kernels off, dtypes other than float32 / bf16; x
@@ -14,12 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from pagefold.csrc import cpu_ops
-from pagefold.layers.state_capture import PagedOut
+from pagefold.csrc.cpu_ops import (
+    DTYPE_CODE,
+    fresh_flags,
+    kernels,
+    neg_exp,
+    ptr,
+    rows_ok,
+    state_kernel,
+    usable,
+)
+from pagefold.ops.common.capture import PagedOut
 
-__all__ = ["ssd_chunked_cpu"]
-
-_CODE = {torch.float32: 0, torch.bfloat16: 1}
+__all__ = ["mamba2_decode", "ssd_chunked_cpu"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -37,8 +45,8 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
     the host token bounds (S + 1 values), ``L`` the chunk length, ``cap`` the checked capture
     request (flat token indices, out (M, H, P, N) float32 or a ``PagedOut``: written straight
     into the pages) or None."""
-    lib = cpu_ops.kernels()
-    code, bc_code = _CODE.get(x.dtype), _CODE.get(B.dtype)
+    lib = kernels()
+    code, bc_code = DTYPE_CODE.get(x.dtype), DTYPE_CODE.get(B.dtype)
     if (lib is None or code is None or bc_code is None or C.dtype != B.dtype
             or any(t.device.type != "cpu" for t in (x, dtf, B, C, initial_state))):
         return None
@@ -79,3 +87,44 @@ def ssd_chunked_cpu(x: torch.Tensor, dtf: torch.Tensor, A: torch.Tensor, B: torc
     if cap_out is not None and cap_out is not cap[1]:
         cap[1].copy_(cap_out)
     return y.to(x.dtype), final
+
+
+def mamba2_decode(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
+                  xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
+                  conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                  D: torch.Tensor, *, num_heads: int, head_dim: int, n_groups: int,
+                  state_size: int) -> torch.Tensor | None:
+    """A Mamba-2 mixer's decode step (one token per sequence): the conv and the SSM update on
+    the states in their pages (read once, written back in place: no gather, no scatter).
+
+    ``xbc`` (N, conv_dim) the conv input, ``dt`` (N, H) the raw time step, ``conv_weight``
+    (conv_dim, K); A = ``-exp(A_log)``. Equals ``causal_conv1d_update`` + softplus +
+    ``ssd_recurrent`` (with the D term) + storing both states, up to float32 rounding. Returns
+    ``y`` (N, H * head_dim) in xbc's dtype, or None when not handled (nothing written): other
+    dtypes, a conv window longer than K - 1 (speculative decoding), a non-float32 SSM state.
+    """
+    found = state_kernel(view)
+    if found is None:
+        return None
+    lib, conv, ssm, offs = found
+    n, c = xbc.shape
+    k = conv_weight.shape[1]
+    code = usable(xbc, dt, conv_weight, *(() if conv_bias is None else (conv_bias,)))
+    if (code is None or conv.dtype != xbc.dtype or conv.shape != (c, k - 1)
+            or ssm.dtype != torch.float32
+            or ssm.shape != (num_heads, head_dim, state_size)
+            or not view.raw.is_contiguous() or not rows_ok(xbc) or not rows_ok(dt)
+            or not conv_weight.is_contiguous() or page_ids.shape[0] != n):
+        return None
+    pages = page_ids.contiguous()
+    fresh = fresh_flags(has_initial_state)
+    small = [dt_bias.detach().float().contiguous(), neg_exp(A_log),
+             D.detach().float().contiguous()]
+    y = torch.empty((n, num_heads * head_dim), dtype=xbc.dtype)
+    rc = lib.pf_mamba2_decode(
+        code, ptr(view.raw), view.page_bytes, ptr(pages), pages.shape[1], offs["conv"],
+        offs["ssm"], ptr(fresh) if fresh is not None else None, ptr(xbc), xbc.stride(0),
+        ptr(dt), dt.stride(0), ptr(conv_weight),
+        ptr(conv_bias) if conv_bias is not None else None, *(ptr(t) for t in small),
+        ptr(y), n, c, k, num_heads, head_dim, n_groups, state_size, torch.get_num_threads())
+    return y if rc == 0 else None

@@ -4,7 +4,7 @@ One program per (sequence, value head, tile of ``BLOCK_V`` value channels) carri
 ``S[:, tile]`` (Dk x BLOCK_V, float32) across the sequence's chunks of ``BLOCK_C`` tokens. In a
 chunk with entry state ``S0``, cumulative log-decay ``G_i = g_1 + .. + g_i`` and
 ``D_ij = exp(G_i - G_j)`` (``j <= i``), the recurrence of
-:mod:`pagefold.layers.linear_attention.gdn` unrolls to (the algebra of ``gdn_chunked``)::
+:mod:`pagefold.ops.gdn.reference` unrolls to (the algebra of ``gdn_chunked``)::
 
     A     = strict_lower(diag(beta) K K^T * D)            X = (I + A)^-1 (unit lower)
     U     = X diag(beta) V                                W = X diag(beta exp(G)) K
@@ -27,10 +27,10 @@ Captures, for prefix-cache checkpoints and speculative verification:
   (each sequence's absolute position of its first token) the grid is aligned to absolute
   positions: chunk boundaries fall on multiples of ``chunk_size`` (the first chunk is
   shortened), i.e. on page boundaries whenever ``chunk_size`` is a multiple of the page size.
-  :func:`chunk_layout` gives the offsets and ``M``.
+  :func:`~pagefold.ops.common.triton.chunk_layout` gives the offsets and ``M``.
 * ``intermediate`` (T, H, Dk, Dv) float32: the state after every token, replayed from
   ``Delta`` as rank-1 updates within each chunk (``S_t = exp(g_t) S_{t-1} + k_t d_t^T``).
-* ``captures`` (:class:`~pagefold.kernels.triton.common.Captures`): the state right after
+* ``captures`` (:class:`~pagefold.ops.common.triton.Captures`): the state right after
   given tokens, written to their rows of a target (a checkpoint's pages): for a capture at
   row ``m`` of a chunk, ``S_m = exp(G_m) S0 + (K * exp(G_m - G) [j <= m])^T Delta``, the
   exit-state formula cut at ``m`` (one more ``tl.dot``; the carried state is untouched).
@@ -46,22 +46,22 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefold.kernels.triton.common import (
+from pagefold.ops.common.triton import (
     INTERPRET,
     Captures,
     PagedState,
+    block_chunk,
+    chunk_args,
+    chunk_prec,
+    dense_chunk_offsets,
     gate,
     load_state,
     pow2,
+    seq_args,
     store_state,
+    tile_row,
 )
-
-
-@triton.jit
-def _row(M, r, i):
-    """Row ``i`` of a (BLOCK_C, X) register tile whose row indices are ``r`` (no slicing in
-    Triton: a masked reduction)."""
-    return tl.sum(tl.where(r[:, None] == i, M, 0.0), 0)
+from pagefold.ops.gdn.reference import prepare
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _inv_unit_lower(A, r, eye, PREC: tl.constexpr, BLOCK_C: tl.constexpr, SUB: t
 
 
 @triton.jit
-def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta_ptr, gb_st,
+def gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta_ptr, gb_st,
                       cu_ptr, pos_ptr, init_ptr, st_ptr, pages_ptr, pps, pe, off,
                       o_ptr, o_st, o_sh, inter_ptr, cst_ptr, coff_ptr, cap_ptr, capcu_ptr,
                       cb_ptr, cpages_ptr, cpps, cpe, coffs, scale, H, REP, DK, DV,
@@ -160,8 +160,8 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
             Si = S
             for m in range(0, BLOCK_C):
                 tt = base + ci * BLOCK_C + m
-                k_m = _row(K, r, m)
-                d_m = _row(Delta, r, m)
+                k_m = tile_row(K, r, m)
+                d_m = tile_row(Delta, r, m)
                 g_m = tl.sum(tl.where(r == m, gc, 0.0), 0)
                 Si = Si * tl.exp(g_m) + k_m[:, None] * d_m[None, :]
                 ok = (tt >= c0) & (tt < c1)
@@ -187,32 +187,6 @@ def _gdn_chunk_kernel(q_ptr, k_ptr, qk_st, qk_sh, v_ptr, v_st, v_sh, g_ptr, beta
     store_state(st_ptr, pages_ptr, s, pps, pe, off, e, m2, live, S)
 
 
-def chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int,
-                 start_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """``(chunk_offsets (N,) int64, M)``: sequence ``s``'s chunks are rows
-    ``chunk_offsets[s] ..`` of a ``chunk_states`` capture of ``M`` rows (a host sync)."""
-    cu = cu_seqlens.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    shift = start_pos.to(cu.device, torch.int64) % chunk_size if start_pos is not None else 0
-    n = torch.where(lens > 0, (lens + shift + chunk_size - 1) // chunk_size, 0)
-    offs = torch.cumsum(n, 0) - n
-    return offs, int(n.sum())
-
-
-def block_chunk(chunk_size: int) -> int:
-    """The chunk length the kernels use for ``chunk_size``: a power of two in [16, 64]."""
-    return pow2(min(chunk_size, 64), 16)
-
-
-def _prec(dtype: torch.dtype) -> str:
-    # Tiles stay float32 (the WY inverse loses too much in bf16). Half models on a GPU: tf32
-    # tensor cores; float32 models: 3xTF32 (float32-level products on tensor cores; "ieee"
-    # compiles these 64-row dots to FMA loops: minutes of ptxas, measured 205 s for sm_90).
-    if INTERPRET:
-        return "ieee"
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
 def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, state: PagedState, cu_seqlens: torch.Tensor,
                       has_initial_state: torch.Tensor | None, out: torch.Tensor, *,
@@ -224,11 +198,12 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       captures: Captures | None = None) -> None:
     """The delta rule over a varlen batch in chunks, states (H, Dk, Dv) updated in place.
 
-    Layouts as :func:`pagefold.kernels.triton.gdn.gdn_paged` (q, k (T, Hk, Dk); v (T, H, Dv);
+    Layouts as :func:`pagefold.ops.gdn.triton.gdn_paged` (q, k (T, Hk, Dk); v (T, H, Dv);
     g, beta (T, H); any token/head strides, contiguous channels). ``chunk_size`` is rounded
     up to a power of two in [16, 64] (:func:`block_chunk`: ``tl.dot``'s smallest tile; the
-    inverse's join). ``chunk_states`` needs ``chunk_offsets`` from :func:`chunk_layout` with
-    that chunk length and the same ``start_pos``. ``captures``: the state right after each
+    inverse's join). ``chunk_states`` needs ``chunk_offsets`` from
+    :func:`~pagefold.ops.common.triton.chunk_layout` with that chunk length and the same
+    ``start_pos``. ``captures``: the state right after each
     capture token is written to its row of ``captures.target`` (in the target's dtype)."""
     t, hk, dk = q.shape
     h, dv = v.shape[1], v.shape[2]
@@ -237,20 +212,14 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         return
     if h % hk:
         raise ValueError(f"value heads {h} must be a multiple of key heads {hk}")
-    if chunk_states is not None and chunk_offsets is None:
-        raise ValueError("chunk_states needs chunk_offsets (see chunk_layout)")
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
     block_c = block_chunk(chunk_size)
     g = g.float().contiguous()
     beta = beta.float().contiguous()
-    cu = cu_seqlens.to(q.device, torch.int64).contiguous()
-    init = has_initial_state.to(q.device, torch.int8).contiguous() \
-        if has_initial_state is not None else cu
-    pos = start_pos.to(q.device, torch.int64).contiguous() if start_pos is not None else cu
-    coff = chunk_offsets.to(q.device, torch.int64).contiguous() \
-        if chunk_offsets is not None else cu
+    cu, init = seq_args(cu_seqlens, has_initial_state, q.device)
+    pos, coff = chunk_args(cu, start_pos, chunk_offsets, chunk_states, q.device)
     block_v = pow2(dv, 16) if INTERPRET else min(pow2(dv, 16), 32)
-    _gdn_chunk_kernel[(n, h, triton.cdiv(dv, block_v))](
+    gdn_chunk_kernel[(n, h, triton.cdiv(dv, block_v))](
         q, k, q.stride(0), q.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu,
         pos, init, state.base, state.pages, state.pages.shape[1], state.page_elems,
         state.offset, out, out.stride(0), out.stride(1),
@@ -259,7 +228,7 @@ def gdn_chunked_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         float(scale), h, h // hk, dk, dv, HAS_INIT=has_initial_state is not None,
         HAS_POS=start_pos is not None, L2NORM=bool(use_qk_l2norm),
         STORE_INTER=intermediate is not None, STORE_CHUNKS=chunk_states is not None,
-        CAPTURE=captures is not None, PREC=_prec(v.dtype), BLOCK_C=block_c,
+        CAPTURE=captures is not None, PREC=chunk_prec(v.dtype), BLOCK_C=block_c,
         BLOCK_K=pow2(dk, 16), BLOCK_V=block_v, num_warps=4 if INTERPRET else 8)
 
 
@@ -272,24 +241,16 @@ def gdn_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        chunk_states: torch.Tensor | None = None,
                        capture: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signature of :func:`pagefold.layers.linear_attention.gdn.gdn_naive`:
+    """The signature of :func:`pagefold.ops.gdn.reference.gdn_naive`:
     ``(o (T, H, Dv) in v's dtype, final_state (N, H, Dk, Dv) float32)``; ``initial_state``
     is not modified. Captures as the module docstring (``chunk_states`` rows as
-    :func:`chunk_layout` with :func:`block_chunk` of ``chunk_size``)."""
-    from pagefold.layers.linear_attention.gdn import _prepare
-
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    _prepare(q[:0], k[:0], v[:0], g[:0], beta[:0], initial_state, cu_seqlens, scale, False)
+    :func:`~pagefold.ops.common.triton.chunk_layout` with :func:`block_chunk` of ``chunk_size``)."""
+    coff = dense_chunk_offsets(cu_seqlens, chunk_size, start_pos, chunk_states)
+    prepare(q[:0], k[:0], v[:0], g[:0], beta[:0], initial_state, cu_seqlens, scale, False)
     if q.shape[0] != v.shape[0] or g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
         raise ValueError("q, k, v, g, beta must share the token and head dimensions")
     final = initial_state.float().contiguous().clone()
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    coff = None
-    if chunk_states is not None:
-        coff, m = chunk_layout(cu_seqlens, block_chunk(chunk_size), start_pos)
-        if chunk_states.shape[0] < m:
-            raise ValueError(f"chunk_states needs {m} rows, has {chunk_states.shape[0]}")
     gdn_chunked_paged(q.contiguous(), k.contiguous(), v.contiguous(), g, beta,
                       PagedState.dense(final), cu_seqlens, None, out,
                       scale=q.shape[2] ** -0.5 if scale is None else scale,

@@ -31,21 +31,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.state_capture import Capture, PagedOut, check_capture, seq_of
+from pagefold.ops.common.capture import Capture, PagedOut, check_capture, per_token, seq_of
+from pagefold.ops.conv1d import cpu as conv_cpu  # looked up per call: tests count the calls
 
-__all__ = [
-    "causal_conv1d_naive",
-    "causal_conv1d_state_at",
-    "causal_conv1d_update",
-    "causal_conv1d_varlen",
-]
+__all__ = ["causal_conv1d_naive", "causal_conv1d_state_at", "causal_conv1d_update",
+           "causal_conv1d_varlen", "causal_conv1d_verify", "causal_conv1d_verify_naive"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
 
-def _check_args(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None
-) -> tuple[int, int]:
+def check_args(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+               activation: str | None) -> tuple[int, int]:
     """Validate shapes shared by all variants; return ``(C, K)``."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; expected one of {_ACTIVATIONS}")
@@ -67,23 +63,17 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return y if activation is None else F.silu(y)
 
 
-def causal_conv1d_naive(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    activation: str | None = "silu",
-    *,
-    per_token_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                        activation: str | None = "silu", *, per_token_states: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference implementation: explicit loop over sequences and tokens.
 
     Shapes: x (T, C), weight (C, K), bias (C,) | None, conv_state (N, C, K-1),
     cu_seqlens (N+1,). Returns ``(y (T, C), new_conv_state (N, C, K-1))``.
     Meant for testing; it is slow by design.
     """
-    channels, kernel = _check_args(x, weight, conv_state, activation)
+    channels, kernel = check_args(x, weight, conv_state, activation)
     w = weight.float()
     b = bias.float() if bias is not None else None
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -108,25 +98,18 @@ def causal_conv1d_naive(
     return y.to(x.dtype), new_state if states is None else states
 
 
-def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    activation: str | None = "silu",
-    *,
-    per_token_states: bool = False,
-    compiled: bool = True,
-    capture: Capture | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                         activation: str | None = "silu", *, per_token_states: bool = False,
+                         compiled: bool = True, capture: Capture | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorized varlen causal conv: one pass over all sequences.
 
     ``compiled`` (default): on the CPU with the kernels on, the compiled conv
     (``csrc/conv.cpp``: the same products and order, fused multiply-adds, so equal up to
     float32 rounding) runs instead of the torch form below (not for ``per_token_states``).
 
-    ``capture=(after, out)`` (:mod:`pagefold.layers.state_capture`): ``out[m]`` receives the
+    ``capture=(after, out)`` (:mod:`pagefold.ops.common.capture`): ``out[m]`` receives the
     state right after flat token ``after[m]`` (:func:`causal_conv1d_state_at`'s); ``out`` a
     buffer or a ``PagedOut``, which the compiled conv writes straight into the pages.
 
@@ -136,7 +119,7 @@ def causal_conv1d_varlen(
     sequences are computed and discarded, ``N*(K-1)`` of them). The new state of each sequence
     is the last ``K-1`` columns of its extended segment, which may include old state columns.
     """
-    channels, kernel = _check_args(x, weight, conv_state, activation)
+    channels, kernel = check_args(x, weight, conv_state, activation)
     hist = kernel - 1
     num_seqs = cu_seqlens.numel() - 1
     if conv_state.shape[0] != num_seqs:
@@ -147,7 +130,7 @@ def causal_conv1d_varlen(
     res, written = None, False
     if compiled and not per_token_states:
         paged = cap if cap is not None and isinstance(cap[1], PagedOut) else None
-        res = _conv_varlen_cpu(x, weight, bias, conv_state, cu_seqlens, activation, paged)
+        res = conv_cpu.conv_varlen_cpu(x, weight, bias, conv_state, cu_seqlens, activation, paged)
         written = res is not None and paged is not None
     if cap is not None and not written:  # the windows of the inputs
         states = causal_conv1d_state_at(x, conv_state, cu_seqlens, capture[0])
@@ -198,60 +181,16 @@ def causal_conv1d_varlen(
     return y.to(x.dtype), new_state.to(x.dtype).contiguous()
 
 
-def _conv_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                     activation: str | None, capture: tuple[list[int], PagedOut] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``causal_conv1d_varlen`` through ``pf_conv_varlen``, or None (nothing done) when the
-    kernel does not take the inputs: kernels off, not on the CPU, float32 / bf16 not shared by
-    every tensor, rows of ``x`` not contiguous, a capture destination in other pages or of
-    another dtype. ``capture``: (flat token indices, a ``PagedOut``) written into the pages."""
-    from pagefold.csrc import cpu_ops
-
-    lib = cpu_ops.kernels()
-    tensors = (x, weight, conv_state, *(() if bias is None else (bias,)))
-    code = {torch.float32: 0, torch.bfloat16: 1}.get(x.dtype)
-    if (lib is None or code is None or any(t.dtype != x.dtype or t.device.type != "cpu"
-                                           for t in tensors) or x.stride(1) != 1):
-        return None
-    cap_args: tuple = (None, 0, None, 0, None, 0, 0)
-    if capture:
-        found = capture[1].kernel_args() if capture[1].dtype == x.dtype else None
-        if found is None:
-            return None
-        pages, paged = found  # pages: kept alive over the call
-        tok = torch.tensor(capture[0], dtype=torch.int64)
-        cap_args = (tok.data_ptr(), len(capture[0]), *paged)
-    t, c = x.shape
-    k = weight.shape[1]
-    w = weight.contiguous()
-    b = bias.contiguous() if bias is not None else None
-    state = conv_state.contiguous()
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    y = torch.empty((t, c), dtype=x.dtype)
-    new_state = torch.empty_like(state)
-    rc = lib.pf_conv_varlen(code, x.data_ptr(), x.stride(0), w.data_ptr(),
-                            b.data_ptr() if b is not None else None, state.data_ptr(),
-                            new_state.data_ptr(), cu.data_ptr(), cu.numel() - 1, y.data_ptr(),
-                            c, k, int(activation is not None), *cap_args,
-                            torch.get_num_threads())
-    return (y, new_state) if rc == 0 else None
-
-
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, activation: str | None = "silu"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode fast path: exactly one new token per sequence, fully batched.
 
     Shapes: x (N, C), weight (C, K), bias (C,) | None, conv_state (N, C, K-1).
     Returns ``(y (N, C), new_conv_state (N, C, K-1))``; equivalent to
     :func:`causal_conv1d_varlen` with ``cu_seqlens = arange(N+1)``.
     """
-    _check_args(x, weight, conv_state, activation)
+    check_args(x, weight, conv_state, activation)
     if conv_state.shape[0] != x.shape[0]:
         raise ValueError(f"conv_state has {conv_state.shape[0]} rows for {x.shape[0]} tokens")
     window = torch.cat([conv_state.float(), x.float().unsqueeze(2)], dim=2)  # (N, C, K)
@@ -262,9 +201,8 @@ def causal_conv1d_update(
     return y.to(x.dtype), window[:, :, 1:].to(x.dtype).contiguous()
 
 
-def causal_conv1d_state_at(
-    x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor, after: torch.Tensor
-) -> torch.Tensor:
+def causal_conv1d_state_at(x: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                           after: torch.Tensor) -> torch.Tensor:
     """The conv state right after flat token ``after[m]`` (a prefix-cache checkpoint taken
     inside a chunk): its sequence's last ``K-1`` inputs up to and including that token, the
     old state in front. x (T, C) the conv *input*, conv_state (N, C, K-1), after (M,).
@@ -292,3 +230,8 @@ def causal_conv1d_state_at(
         else:
             out[torch.tensor(full, dtype=torch.long, device=x.device)] = win
     return out
+
+
+# The verify forms (speculative decoding): the state after every token.
+causal_conv1d_verify_naive = per_token(causal_conv1d_naive)
+causal_conv1d_verify = per_token(causal_conv1d_varlen)

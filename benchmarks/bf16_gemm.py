@@ -37,7 +37,7 @@ def kernel_table() -> None:
 
     os.environ["PAGEFOLD_BF16_UPCAST"] = "force"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; native bf16 GEMM: "
-          f"{gemm._cpu_has_fast_bf16()}")
+          f"{gemm.cpu_has_fast_bf16()}")
     print(f"{'N x K':>12} {'M':>5} {'bf16 ms':>9} {'fp32-slice ms':>14} {'speed-up':>9} "
           f"{'bf16 GFLOP/s':>13} {'slice GFLOP/s':>14}")
     for n, k in SHAPES:

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["PAGEFOLD_BF16_UPCAST"] = "force"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ONEDNN_MAX_CPU_ISA="
           f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}, native bf16 GEMM (torch probe): "
-          f"{gemm._cpu_has_fast_bf16()}; best of {args.reps}, us")
+          f"{gemm.cpu_has_fast_bf16()}; best of {args.reps}, us")
     head = f"{'N x K':>10} {'M':>3} {'F.linear':>9} {'fp32-up':>8} {'fma':>8} {'F/fma':>6}"
     print(head + (f" {'dpbf16':>8}" if dp is not None else ""))
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             t_k = _best(lambda x=x, w=w: cpu_ops.linear_fma(x, w, None), args.reps)
             row = f"{shape:>10} {m:>3} {t_f:>9.0f} {t_u:>8.0f} {t_k:>8.0f} {t_f / t_k:>6.2f}"
             if dp is not None:
-                t_d = _best(lambda x=x, w=w: cpu_ops._linear_call(dp, x, w, None), args.reps)
+                t_d = _best(lambda x=x, w=w: cpu_ops.linear_call(dp, x, w, None), args.reps)
                 row += f" {t_d:>8.0f}"
             print(row, flush=True)
 

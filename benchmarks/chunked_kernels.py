@@ -76,11 +76,11 @@ def _matmul_tflops(dev: torch.device) -> float | None:
 
 
 def run(quick: bool, seqs: int, seq_len: int, reps: int) -> dict:
-    from pagefold.kernels.triton.common import PagedState
-    from pagefold.kernels.triton.gdn import gdn_paged
-    from pagefold.kernels.triton.gdn_chunked import gdn_chunked_paged
-    from pagefold.kernels.triton.ssd import ssd_paged
-    from pagefold.kernels.triton.ssd_chunked import ssd_chunked_paged
+    from pagefold.ops.common.triton import PagedState
+    from pagefold.ops.gdn.triton import gdn_paged
+    from pagefold.ops.gdn.triton_chunked import gdn_chunked_paged
+    from pagefold.ops.ssd.triton import ssd_paged
+    from pagefold.ops.ssd.triton_chunked import ssd_chunked_paged
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

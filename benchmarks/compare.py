@@ -447,9 +447,8 @@ def decode_step_bytes(model_dir: str, ctx: int) -> int:
     """Bytes a batch-1 decode step reads at context ``ctx``: every bf16 weight except the
     input embedding (one row of it is read), plus each attention layer's K/V up to ``ctx``
     and each state layer's states (read and written)."""
+    from pagefold.checkpoint import load_hf_config, text_config
     from pagefold.core.spec_from_config import layer_specs_from_config
-    from pagefold.engine.core import load_hf_config
-    from pagefold.models.registry import text_config
 
     _, cfg = load_hf_config(model_dir)
     import safetensors

@@ -32,7 +32,7 @@ SHAPES = [
 def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> dict:
     import torch
 
-    from pagefold.csrc import cpu_ops
+    from pagefold.ops.attention import cpu as attn_cpu
 
     bs = 16
     per_row = -(-ctx // bs)
@@ -47,7 +47,7 @@ def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> 
 
     def step() -> None:
         for c in caches:
-            assert cpu_ops.decode_attention(q, None, c, tables, seq_lens, None, scale, out)
+            assert attn_cpu.decode_attention(q, None, c, tables, seq_lens, None, scale, out)
 
     best = best_seconds(step, repeats)
     kv_bytes = layers * batch * ctx * 2 * kv_heads * head_dim * 2

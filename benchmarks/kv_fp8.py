@@ -26,8 +26,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.common import print_table
     from pagefold import LLM, SamplingParams
-    from pagefold.layers.attention import kv_quant
     from pagefold.models.smollm2 import smollm2_checkpoint
+    from pagefold.ops.attention import kv_quant
     from pagefold.testing.kv_quality import SAMPLE_TEXT, mean_kl, prompt_logprobs
 
     model = str(smollm2_checkpoint())

@@ -103,7 +103,8 @@ BUILTIN = (
 
 
 def specs_for(config: dict, tp: int, kv_cache_dtype: str) -> dict:
-    from pagefold.core.spec_from_config import config_model_dtype, layer_specs_from_config
+    from pagefold.core.config_fields import config_model_dtype
+    from pagefold.core.spec_from_config import layer_specs_from_config
 
     dtype = getattr(torch, config_model_dtype(config) or "bfloat16")
     return layer_specs_from_config(config, model_dtype=dtype, kv_cache_dtype=kv_cache_dtype,

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = LAYER * args.layers + [HEAD]
     ws = [(torch.randn(n, k) * k**-0.5).bfloat16() for n, k in shapes]
     # oneDNN's packed bf16 weights need AVX512 or AVX-NE-CONVERT (None elsewhere: no column).
-    packed = [cpu_ops._prepack(w) for w in ws]
+    packed = [cpu_ops.prepack(w) for w in ws]
     nt = torch.get_num_threads()
     names = [*fns, *(["onednn"] if all(p is not None for p in packed) else []), "F.linear"]
     print(f"{len(ws)} weights, {sum(w.numel() * 2 for w in ws) / 2**20:.0f} MiB bf16, "

@@ -11,7 +11,7 @@ Per (heads, kv heads, head dim, cached tokens, chunk tokens), the best time in m
     ``csrc/prefill.cpp``);
   * ``sdpa``: ATen's flash attention as the backend calls it for head dims the blocked kernels
     decline (a fresh chunk: one causal call; a later chunk: the cached prefix and the chunk
-    as two calls merged by their log-sum-exps, ``backend._sdpa_after_prefix``).
+    as two calls merged by their log-sum-exps, ``backend.sdpa_after_prefix``).
 
 The kernels read K/V from a paged cache (pages in order); SDPA gets them as contiguous tensors
 (the gather it would need is not counted). GFLOP/s counts 4 * head dim flops per (query, key,
@@ -56,7 +56,8 @@ def _once(fn) -> float:
 def _case(h: int, kvh: int, d: int, ctx: int, n: int, reps: int) -> dict:
     """One chunk of ``n`` tokens after ``ctx`` cached ones: each kernel's best time."""
     from pagefold.csrc import cpu_ops
-    from pagefold.layers.attention.backend import _flash_cpu, _sdpa_after_prefix
+    from pagefold.ops.attention import cpu as attn_cpu
+    from pagefold.ops.attention.reference import flash_cpu, sdpa_after_prefix
 
     length = ctx + n
     cache = torch.randn(-(-length // BLOCK), BLOCK, 2, kvh, d).to(torch.bfloat16)
@@ -68,13 +69,13 @@ def _case(h: int, kvh: int, d: int, ctx: int, n: int, reps: int) -> dict:
     times = {}
 
     def run(kernel: str) -> bool:
-        return cpu_ops.prefill_attention(q, cache, rows, slots, None, scale, out, kernel=kernel)
+        return attn_cpu.prefill_attention(q, cache, rows, slots, None, scale, out, kernel=kernel)
 
     if cpu_ops.kernels() is not None:
         for name in ("amx", "blocked", "rows"):
             if run(name):
                 times[name] = _best(lambda name=name: run(name), reps)
-    if _flash_cpu is not None:
+    if flash_cpu is not None:
         kv = cache.flatten(0, 1)[:length]
 
         def heads(t: torch.Tensor) -> torch.Tensor:  # (L, KVH, D) -> (1, H, L, D)
@@ -84,9 +85,9 @@ def _case(h: int, kvh: int, d: int, ctx: int, n: int, reps: int) -> dict:
             kv[:ctx, 1])
         qs = q.transpose(0, 1).unsqueeze(0)
         if ctx:
-            times["sdpa"] = _best(lambda: _sdpa_after_prefix(qs, k, v, pk, pv, scale), reps)
+            times["sdpa"] = _best(lambda: sdpa_after_prefix(qs, k, v, pk, pv, scale), reps)
         else:
-            times["sdpa"] = _best(lambda: _flash_cpu(qs, k, v, 0.0, True, scale=scale), reps)
+            times["sdpa"] = _best(lambda: flash_cpu(qs, k, v, 0.0, True, scale=scale), reps)
     row = {"shape": f"{h}/{kvh}/{d}", "cached": ctx, "chunk": n}
     flops = 4 * (n * ctx + n * (n + 1) / 2) * h * d
     for name, t in times.items():

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         finally:
             stop(proc)
             log.close()
-    from pagefold.llm import load_tokenizer
+    from pagefold.checkpoint import load_tokenizer
     from pagefold.structured_output import StructuredOutputsParams
     from pagefold.structured_output.backend import GrammarCompiler
 

@@ -164,8 +164,8 @@ def kernel_overhead(args: argparse.Namespace) -> list[dict]:
     best CPU time of each."""
     import torch
 
-    from pagefold.layers.linear_attention.gdn import gdn_chunked
-    from pagefold.layers.mamba.ssd import ssd_chunked
+    from pagefold.ops.gdn.reference import gdn_chunked
+    from pagefold.ops.ssd.reference import ssd_chunked
 
     n, g = args.kernel_len, torch.Generator().manual_seed(args.seed)
     last = (n - 1) // 16 * 16

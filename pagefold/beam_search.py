@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from pagefold.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagefold.llm import LLM
+    from pagefold.engine.core import EngineCore
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,10 @@ class _Instance:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def beam_search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams
-                ) -> list[BeamSearchOutput]:
-    engine = llm.engine
+def beam_search(engine: EngineCore, tokenizer, prompts: list[list[int]],
+                params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search over ``engine`` (idle of other requests while it runs); ``tokenizer``
+    (may be None) decodes the finished sequences' text."""
     eos = engine.eos_token_id
     bw = params.beam_width
     sp = SamplingParams(temperature=0, logprobs=2 * bw, max_tokens=params.max_tokens + 1,
@@ -90,7 +91,7 @@ def beam_search(llm: LLM, prompts: list[list[int]], params: BeamSearchParams
     finally:
         engine.abort([b.engine_id for inst in instances for b in inst.beams])
         engine.flush()
-    tok = llm.get_tokenizer()
+    tok = tokenizer
     outs = []
     for inst in instances:
         inst.completed.extend(b.seq for b in inst.beams)

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from pagefold.sampling_params import MAX_LOGPROBS
+from pagefold.spec_decode.config import SpeculativeConfig
+
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -120,8 +123,6 @@ class EngineConfig:
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
     def __post_init__(self) -> None:
-        from pagefold.spec_decode.config import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         if self.quantization is not None:
             from pagefold.quantization.config import check_option
@@ -169,8 +170,6 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        from pagefold.sampling_params import MAX_LOGPROBS
-
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.max_logprobs}")

@@ -8,9 +8,10 @@ a folder holding a ``generation_config.json``. A request's own fields always win
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
+
+from pagefold.checkpoint import read_generation_config
 
 logger = logging.getLogger("pagefold")
 
@@ -24,15 +25,11 @@ def generation_defaults(model: str, mode: str = "auto") -> dict:
     if mode == "vllm":
         return {}
     folder = Path(model) if mode == "auto" else Path(mode)
-    f = folder / "generation_config.json"
-    if not f.is_file():
+    cfg = read_generation_config(folder)
+    if cfg is None:
         if mode != "auto":
             raise ValueError(f"--generation-config {mode}: no generation_config.json in {folder}")
         return {}
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from None
     out = {}
     for key, field in KEYS.items():
         value = cfg.get(key)

@@ -10,7 +10,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagefold.architectures import resolve_architecture
 from pagefold.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pagefold.checkpoint import generation_eos_ids, load_tokenizer, read_config_dict
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore
 from pagefold.engine.output_processor import OutputProcessor
@@ -19,35 +21,13 @@ from pagefold.generation_defaults import (
     log_generation_defaults,
     truncate_prompt,
 )
-from pagefold.models.registry import read_config_dict, resolve_architecture
+from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagefold")
 
 PromptType = str | dict[str, Any]
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - re-raised with what to do
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
-
-
-def generation_eos_ids(model: str) -> list[int]:
-    """EOS ids a checkpoint's generation_config adds (e.g. Qwen's <|im_end|>)."""
-    import json
-
-    f = Path(model) / "generation_config.json"
-    if not f.exists():
-        return []
-    eos = json.loads(f.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 class LLM:
@@ -58,8 +38,6 @@ class LLM:
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
-        from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
-
         try:
             model = resolve_model(str(model))
         except GGUFConversionError as e:
@@ -191,7 +169,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         ids = [self._prompt_ids(p)[1] for p in prompts]
-        return beam_search(self, ids, params)
+        return beam_search(self.engine, self.get_tokenizer(), ids, params)
 
     def chat(
         self,

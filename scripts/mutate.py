@@ -136,7 +136,7 @@ MUTANTS: list[Mutant] = [
            "self.abort(list(pending))", "        except Exception:\n            "
            "self.abort(list(pending))", ("tests/test_engine_hardening.py",),
            "Ctrl-C leaves requests holding blocks"),
-    Mutant("config_error_unnamed", P + "models/registry.py",
+    Mutant("config_error_unnamed", P + "checkpoint.py",
            'raise ValueError(f"{cfg} is not valid JSON', 'raise ValueError(f"not valid JSON',
            ("tests/test_engine_hardening.py",), "corrupt config.json not named"),
     Mutant("preempt_log_info", P + "core/kv_cache_manager.py",

@@ -19,8 +19,8 @@ from pagefold.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, cd
 from pagefold.executor import input_batch
 from pagefold.executor.cache_tensors import CacheTensors
 from pagefold.executor.input_batch import build_inputs
-from pagefold.layers.attention import backend
-from pagefold.layers.attention.backend import paged_attention, read_kv, write_kv
+from pagefold.ops import attention as backend
+from pagefold.ops.attention import paged_attention, read_kv, write_kv
 
 BLOCK = 4
 WINDOW = 6
@@ -169,18 +169,18 @@ def test_fresh_prefills_routed_to_sdpa(monkeypatch):
     with ``SDPA_MIN_PAIRS`` (query, key) pairs go to SDPA (a later chunk as two calls merged by
     their log-sum-exps) and only the others reach the compiled kernel; the step's output still
     matches the reference."""
-    from pagefold.csrc import cpu_ops
+    from pagefold.ops.attention import cpu as attn_cpu
 
     seen = []
-    kernel = cpu_ops.prefill_attention
+    kernel = attn_cpu.prefill_attention
 
     def spy(q, cache, rows, *args):
         seen.append(rows[:, 1:3].tolist())  # (q_len, ctx_len) per row handed to the kernel
         return kernel(q, cache, rows, *args)
 
-    monkeypatch.setattr(cpu_ops, "prefill_attention", spy)
-    monkeypatch.setattr(cpu_ops, "SDPA_MIN_TOKENS", 6)
-    monkeypatch.setattr(cpu_ops, "prefill_tiles", lambda head_dim: False)  # a dim it declines
+    monkeypatch.setattr(attn_cpu, "prefill_attention", spy)
+    monkeypatch.setattr(attn_cpu, "SDPA_MIN_TOKENS", 6)
+    monkeypatch.setattr(attn_cpu, "prefill_tiles", lambda head_dim: False)  # a dim it declines
     # Later chunks by their (query, key) pairs: 6 x (13 + 3) = 96 in, 5 x (7 + 2) = 45 out.
     monkeypatch.setattr(backend, "SDPA_MIN_PAIRS", 90)
     monkeypatch.setattr(input_batch, "SHORT_CHUNK_AS_DECODE", 1)  # chunks > 1 are prefills
@@ -198,18 +198,18 @@ def test_tile_kernel_takes_every_prefill(monkeypatch):
     """Where the AMX tile kernel takes the head dim, no chunk goes to SDPA whatever
     ``SDPA_MIN_TOKENS`` says: every row reaches the compiled kernels, and the step still
     matches the reference."""
-    from pagefold.csrc import cpu_ops
+    from pagefold.ops.attention import cpu as attn_cpu
 
     seen = []
-    kernel = cpu_ops.prefill_attention
+    kernel = attn_cpu.prefill_attention
 
     def spy(q, cache, rows, *args):
         seen.append(rows[:, 1:3].tolist())
         return kernel(q, cache, rows, *args)
 
-    monkeypatch.setattr(cpu_ops, "prefill_attention", spy)
-    monkeypatch.setattr(cpu_ops, "SDPA_MIN_TOKENS", 6)
-    monkeypatch.setattr(cpu_ops, "prefill_tiles", lambda head_dim: True)
+    monkeypatch.setattr(attn_cpu, "prefill_attention", spy)
+    monkeypatch.setattr(attn_cpu, "SDPA_MIN_TOKENS", 6)
+    monkeypatch.setattr(attn_cpu, "prefill_tiles", lambda head_dim: True)
     monkeypatch.setattr(backend, "SDPA_MIN_PAIRS", 90)
     monkeypatch.setattr(input_batch, "SHORT_CHUNK_AS_DECODE", 1)
     _, results = _run_step(2, torch.bfloat16, seed=22, q_dtype=torch.bfloat16)

@@ -133,7 +133,7 @@ def test_model_pass_products_benchmark_tiny(monkeypatch, capsys):
     names = lines[1].split()
     assert names[0] == "M" and names[-1] == "F.linear"
     # oneDNN's packed bf16 weights exist only with AVX512 / AVX-NE-CONVERT: a column then.
-    packs = cpu_ops._prepack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
+    packs = cpu_ops.prepack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
     assert ("onednn" in names) == packs
     rows = {ln.split()[0]: ln.split()[1:] for ln in lines[2:]}
     assert set(rows) == {"1", "33"}

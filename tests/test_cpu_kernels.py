@@ -16,12 +16,16 @@ import torch.nn.functional as F
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec
 from pagefold.csrc import cpu_ops
 from pagefold.executor.cache_tensors import StateView
-from pagefold.layers.attention.backend import AttentionMetadata, _decode
-from pagefold.layers.causal_conv1d import causal_conv1d_update
-from pagefold.layers.linear_attention.gdn import gdn_recurrent
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import lm_head_linear
+from pagefold.ops.attention import cpu as attn_cpu
+from pagefold.ops.attention.reference import AttentionMetadata, decode_torch
+from pagefold.ops.conv1d.reference import causal_conv1d_update
+from pagefold.ops.elementwise import cpu as elementwise_cpu
+from pagefold.ops.gdn import cpu as gdn_cpu
+from pagefold.ops.gdn.reference import gdn_recurrent
+from pagefold.ops.ssd import cpu as ssd_cpu
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None,
                                 reason="no C++ compiler: the torch paths run instead")
@@ -88,7 +92,7 @@ def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
                                                               seed=h * d + bs)
     out = torch.full_like(q, float("nan"))
     scale = d**-0.5
-    assert cpu_ops.decode_attention(q, None, cache, tables, lens, starts, scale, out)
+    assert attn_cpu.decode_attention(q, None, cache, tables, lens, starts, scale, out)
     ref = _dense(q, keys, lens, starts, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
@@ -97,7 +101,7 @@ def test_decode_attention_matches_dense(dtype, h, kvh, d, bs, window):
                              decode_tok=torch.arange(5), decode_tables=tables,
                              decode_seq_lens=lens, decode_kv_start=starts, block_size=bs,
                              all_decode=True)
-    torch.testing.assert_close(_decode(q, cache, meta, scale).double(), ref, atol=2e-2,
+    torch.testing.assert_close(decode_torch(q, cache, meta, scale).double(), ref, atol=2e-2,
                                rtol=2e-2)
 
 
@@ -142,12 +146,12 @@ def test_decode_attention_shared_prefix_rows_are_each_rows_own(dtype, h, kvh, d)
         for nt in (1, 2):
             torch.set_num_threads(nt)
             out = torch.full_like(q, float("nan"))
-            assert cpu_ops.decode_attention(q, None, cache, tables, lens_t, None, scale, out)
+            assert attn_cpu.decode_attention(q, None, cache, tables, lens_t, None, scale, out)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
             for i in range(len(lens)):
                 one = torch.full_like(q[i : i + 1], float("nan"))
-                assert cpu_ops.decode_attention(q[i : i + 1], None, cache, tables[i : i + 1],
+                assert attn_cpu.decode_attention(q[i : i + 1], None, cache, tables[i : i + 1],
                                                 lens_t[i : i + 1], None, scale, one)
                 assert torch.equal(one[0], out[i]), f"row {i} differs from itself alone"
     finally:
@@ -159,12 +163,12 @@ def _has_prefill_kernel() -> bool:
     q = torch.zeros(1, 1, 2, dtype=torch.bfloat16)
     cache = torch.zeros(2, 16, 2, 1, 2, dtype=torch.bfloat16)
     rows = torch.tensor([[0, 1, 0, 0, 0]])
-    return cpu_ops.prefill_attention(q, cache, rows, torch.tensor([16]), None, 1.0,
+    return attn_cpu.prefill_attention(q, cache, rows, torch.tensor([16]), None, 1.0,
                                      torch.empty_like(q))
 
 
 def _skip_unless_prefill_kernel(kernel: str) -> None:
-    """Skips where this CPU or build lacks ``kernel`` (cpu_ops.prefill_attention's names)."""
+    """Skips where this CPU or build lacks ``kernel`` (attn_cpu.prefill_attention's names)."""
     if not _has_prefill_kernel():
         pytest.skip("this CPU has no AVX-512 BF16: prefill attention stays on SDPA")
     lib = cpu_ops.kernels()
@@ -192,15 +196,15 @@ def test_prefill_attention_matches_dense(h, kvh, d, window, kernel):
     out = torch.zeros_like(q)
     blocked = kernel != "rows"
     if blocked and d % 32:  # head dims the blocked kernels decline
-        assert not cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out,
+        assert not attn_cpu.prefill_attention(q, cache, rows, slots, window, scale, out,
                                              kernel=kernel)
         assert not out.any()
         return
-    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out, kernel=kernel)
+    assert attn_cpu.prefill_attention(q, cache, rows, slots, window, scale, out, kernel=kernel)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     if blocked:  # the blocked kernel computed this, not the row kernel
         other = torch.zeros_like(q)
-        assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, other,
+        assert attn_cpu.prefill_attention(q, cache, rows, slots, window, scale, other,
                                          kernel="rows")
         assert not torch.equal(out, other)
 
@@ -221,10 +225,10 @@ def test_prefill_blocked_every_alignment(h, kvh, window, kernel):
     chunks += [(50, 1), (3, 2)]  # a token or two: small rows at one and two query heads
     q, cache, rows, slots, scale, ref = _prefill_case(h, kvh, 64, window, chunks, seed=6)
     out = torch.zeros_like(q)
-    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, out, kernel=kernel)
+    assert attn_cpu.prefill_attention(q, cache, rows, slots, window, scale, out, kernel=kernel)
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
     avx = torch.zeros_like(q)
-    assert cpu_ops.prefill_attention(q, cache, rows, slots, window, scale, avx, kernel="rows")
+    assert attn_cpu.prefill_attention(q, cache, rows, slots, window, scale, avx, kernel="rows")
     small = [r for r in rows.tolist() if r[1] * (h // kvh) < 8]
     assert len(small) < len(rows) and (small or h // kvh >= 8)
     for tok, n, *_ in small:
@@ -278,7 +282,7 @@ def test_decode_attention_row_subset_leaves_other_rows():
     rows = torch.tensor([5, 0, 3, 6])
     big[rows] = q
     out = torch.zeros_like(big)
-    assert cpu_ops.decode_attention(big, rows, cache, tables, lens, None, 0.125, out)
+    assert attn_cpu.decode_attention(big, rows, cache, tables, lens, None, 0.125, out)
     torch.testing.assert_close(out[rows].double(), _dense(q, keys, lens, None, 0.125),
                                atol=1e-5, rtol=1e-5)
     assert not out[[1, 2, 4]].any()
@@ -287,17 +291,17 @@ def test_decode_attention_row_subset_leaves_other_rows():
 def test_unsupported_inputs_fall_back():
     q, cache, tables, lens, _, _ = _paged_decode_case(2, 4, 2, 64, 16, torch.float32, None, 0)
     out = torch.empty_like(q)
-    assert not cpu_ops.decode_attention(q.half(), None, cache.half(), tables, lens, None, 1.0,
+    assert not attn_cpu.decode_attention(q.half(), None, cache.half(), tables, lens, None, 1.0,
                                         out.half())
-    assert cpu_ops.rms_norm(torch.ones(3, 8, dtype=torch.float16),
+    assert elementwise_cpu.rms_norm(torch.ones(3, 8, dtype=torch.float16),
                             torch.ones(8, dtype=torch.float16), 1e-6, False) is None
-    assert cpu_ops.silu_and_mul(torch.ones(3, 8, dtype=torch.float64)) is None
+    assert elementwise_cpu.silu_and_mul(torch.ones(3, 8, dtype=torch.float64)) is None
 
 
 def test_disabled_kernels_return_nothing(kernels_off):
     q, cache, tables, lens, _, _ = _paged_decode_case(2, 4, 2, 64, 16, torch.float32, None, 0)
-    assert not cpu_ops.decode_attention(q, None, cache, tables, lens, None, 1.0, q.clone())
-    assert cpu_ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6, False) is None
+    assert not attn_cpu.decode_attention(q, None, cache, tables, lens, None, 1.0, q.clone())
+    assert elementwise_cpu.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6, False) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -306,7 +310,7 @@ def test_write_kv(dtype):
     kv = torch.randn(5, 3, 2, 16).to(dtype)  # a fused (k, v, extra) projection: strided views
     k, v = kv[:, 0], kv[:, 1]
     slots = torch.tensor([3, 9, 17, 22, 4])
-    assert cpu_ops.write_kv(cache, slots, k, v)
+    assert attn_cpu.write_kv(cache, slots, k, v)
     flat = cache.view(-1, 2, 2, 16)
     assert torch.equal(flat[slots, 0], k) and torch.equal(flat[slots, 1], v)
     assert flat.abs().sum(dim=(1, 2, 3)).count_nonzero() == 5
@@ -352,7 +356,7 @@ def test_qk_norm_rope_matches_torch(dtype, rotary_dim, qk_norm):
     t = 9
     qkv = (torch.randn(t, (h + 2 * kvh) * d, generator=g) * 2).to(dtype)
     pos = torch.randint(0, 512, (t,), generator=g)
-    got = cpu_ops.qk_norm_rope(qkv, pos, rope.cos, rope.sin, num_heads=h, num_kv_heads=kvh,
+    got = elementwise_cpu.qk_norm_rope(qkv, pos, rope.cos, rope.sin, num_heads=h, num_kv_heads=kvh,
                                head_dim=d, q_off=0, q_head_stride=d, k_off=h * d,
                                q_weight=qn.weight if qk_norm else None,
                                k_weight=kn.weight if qk_norm else None, eps=1e-6,
@@ -376,7 +380,7 @@ def test_silu_and_mul(dtype, inter):
     gu = (torch.randn(17, 2 * inter, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # overflow edges of exp
     gu[1, inter - 3:inter] = torch.tensor([-100.0, 100.0, 3.0])  # the same in the tail
-    got = cpu_ops.silu_and_mul(gu)
+    got = elementwise_cpu.silu_and_mul(gu)
     ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     if dtype == torch.bfloat16:
         _close_bits(got, ref)
@@ -400,7 +404,7 @@ def test_rms_norm_gated_matches_module(dtype, d):
     wide = (torch.randn(t, h * d + 5, generator=g) * 4).to(dtype)
     gate = wide[:, 5:].reshape(t, h, d)  # rows t*(h*d+5) apart
     gate[0, 0, :2] = torch.tensor([-100.0, 100.0])  # exp overflow edges
-    got = cpu_ops.rms_norm_gated(x, gate, norm.weight, norm.eps)
+    got = elementwise_cpu.rms_norm_gated(x, gate, norm.weight, norm.eps)
     assert got is not None
     ref = norm.reference(x, gate)
     if dtype == torch.bfloat16:
@@ -410,7 +414,7 @@ def test_rms_norm_gated_matches_module(dtype, d):
     with torch.no_grad():
         assert torch.equal(norm(x, gate), got)  # the module takes the kernel
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
-    assert cpu_ops.rms_norm_gated(x, gate.to(other), norm.weight, norm.eps) is None  # mixed
+    assert elementwise_cpu.rms_norm_gated(x, gate.to(other), norm.weight, norm.eps) is None  # mixed
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -503,7 +507,7 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
     saved = (cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS)
     w = (torch.randn(96, 40) * 0.2).bfloat16()
     try:
-        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
         cpu_ops._choose_gemv(lib)  # the float32-upcast GEMM on (default): from 33 rows
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.FMA_MAX_ROWS
         assert cpu_ops._gemv_f32 is lib.pf_linear_bf16_fma_f32out
@@ -518,7 +522,7 @@ def test_gemv_row_limit_follows_native_bf16(monkeypatch):
         cpu_ops.use_fast_linears(lin)
         with torch.no_grad():
             assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
-        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
         monkeypatch.setenv("PAGEFOLD_AMX", "0")
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
@@ -545,7 +549,7 @@ def test_float_logits_are_the_fma_sums_unrounded(monkeypatch):
         pytest.skip("no AVX2 + FMA kernel on this CPU")
     saved = (cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS)
     try:
-        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
         cpu_ops._choose_gemv(lib)
         g = torch.Generator().manual_seed(11)
         k, n = 203, 1000
@@ -574,7 +578,7 @@ def test_float_logits_are_the_fma_sums_unrounded(monkeypatch):
         with torch.no_grad():
             assert top.lm_head(x[:3]).dtype == torch.float32
             assert top.proj(x[:3]).dtype == torch.bfloat16
-        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
         monkeypatch.setenv("PAGEFOLD_AMX", "0")
         cpu_ops._choose_gemv(lib)
         assert cpu_ops.float_logits(x[:3], w, None) is None
@@ -681,7 +685,7 @@ def test_gdn_decode_in_place_matches_torch_path(dtype, ssm_dtype):
     o_ref, ssm_new = gdn_recurrent(q, k, v, gg, b.sigmoid(), states["ssm"],
                                    torch.arange(n + 1), use_qk_l2norm=True)
 
-    o = cpu_ops.gdn(view, page_ids, ~fresh, torch.arange(n + 1), mixed, a, b, weight, a_log,
+    o = gdn_cpu.gdn_layer(view, page_ids, ~fresh, torch.arange(n + 1), mixed, a, b, weight, a_log,
                     dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
     tol = 1e-5 if dtype == torch.float32 and ssm_dtype == torch.float32 else 2e-2
     _assert_gdn_matches(view, page_ids, o, o_ref, conv_new, ssm_new, ssm_dtype, tol)
@@ -692,7 +696,7 @@ def test_mamba2_decode_in_place_matches_torch_path(dtype):
     """The compiled Mamba-2 decode step: y and the states it leaves in the pages equal the
     torch path's (conv window exactly); a fresh row reads zeros; states span non-adjacent
     pages and SSM rows (24 floats) cross page boundaries."""
-    from pagefold.layers.mamba.ssd import ssd_recurrent
+    from pagefold.ops.ssd.reference import ssd_recurrent
 
     g = torch.Generator().manual_seed(8)
     n, heads, hd, groups, ns, kernel = 3, 4, 8, 2, 24, 4
@@ -726,7 +730,7 @@ def test_mamba2_decode_in_place_matches_torch_path(dtype):
         -a_log.float().exp(), bm.reshape(n, groups, ns), cm.reshape(n, groups, ns), d,
         states["ssm"], torch.arange(n + 1), dt_bias=None, dt_softplus=False)
 
-    y = cpu_ops.mamba2_decode(view, page_ids, ~fresh, xbc, dt, weight, bias, dt_bias, a_log,
+    y = ssd_cpu.mamba2_decode(view, page_ids, ~fresh, xbc, dt, weight, bias, dt_bias, a_log,
                               d, num_heads=heads, head_dim=hd, n_groups=groups, state_size=ns)
     assert y is not None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -778,8 +782,8 @@ GDN_SHAPES = [(1, 2, 16, 16, [5, 1, 12, 3], 512), (2, 4, 16, 24, [9, 1, 40], 384
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype, shape):
     """Prefill chunks of different lengths, continuing and fresh, as one flat batch."""
-    from pagefold.layers.causal_conv1d import causal_conv1d_varlen
-    from pagefold.layers.linear_attention.gdn import gdn_chunked
+    from pagefold.ops.conv1d.reference import causal_conv1d_varlen
+    from pagefold.ops.gdn.reference import gdn_chunked
 
     g = torch.Generator().manual_seed(7)
     hk, hv, dk, dv, lens, page_bytes = shape
@@ -810,7 +814,7 @@ def test_gdn_varlen_prefill_matches_chunked_torch_path(dtype, ssm_dtype, shape):
     o_ref, ssm_new = gdn_chunked(q, k, v, gg, b.sigmoid(), states["ssm"], cu,
                                  use_qk_l2norm=True, chunk_size=4)
 
-    o = cpu_ops.gdn(view, page_ids, has_init, cu, mixed, a, b, weight, a_log, dt_bias,
+    o = gdn_cpu.gdn_layer(view, page_ids, has_init, cu, mixed, a, b, weight, a_log, dt_bias,
                     num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
     tol = 1e-4 if dtype == torch.float32 and ssm_dtype == torch.float32 else 3e-2
     _assert_gdn_matches(view, page_ids, o, o_ref, conv_new, ssm_new, ssm_dtype, tol)

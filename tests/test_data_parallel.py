@@ -57,7 +57,7 @@ def test_two_replicas_serve_exactly_and_a_dead_one_is_an_error(tiny_model_factor
     model_dir = tiny_model_factory("llama")
     prompts = random_prompts(6, 5, 40, 500, seed=11)
     ref = hf_greedy(model_dir, prompts, 6)
-    from pagefold.llm import load_tokenizer
+    from pagefold.checkpoint import load_tokenizer
 
     config = EngineConfig(model=str(model_dir), max_model_len=128, kv_cache_memory=1 << 22,
                           warm_up=False)

@@ -1,6 +1,6 @@
 """The small kernels of the native decode step against torch: ``pf_relu2`` (Nemotron-H's
 relu^2 MLP, bit for bit torch's), ``pf_sigmoid_gate`` (gated attention's output gate, through
-:func:`pagefold.layers.attention_gate.sigmoid_gate`), ``pf_moe_route`` and
+:func:`pagefold.ops.elementwise.sigmoid_gate`), ``pf_moe_route`` and
 ``pf_moe_shared_add`` (a sparse MoE block's router and shared-expert add). The module path and
 the decode plans share the last three, whose exp is the kernels' own: torch's bits up to rare
 one-step rounding flips."""
@@ -12,7 +12,7 @@ import torch
 
 from pagefold.csrc import cpu_ops
 from pagefold.layers import activations
-from pagefold.layers.attention_gate import sigmoid_gate
+from pagefold.ops.elementwise import sigmoid_gate
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
 

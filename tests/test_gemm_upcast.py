@@ -81,9 +81,9 @@ def test_plain_path_where_upcast_does_not_apply(upcast_on, monkeypatch):
     monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "0")
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is None
     monkeypatch.delenv("PAGEFOLD_BF16_UPCAST")  # by default: on only without native bf16
-    monkeypatch.setattr(gemm, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(gemm, "cpu_has_fast_bf16", lambda: True)
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is None
-    monkeypatch.setattr(gemm, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(gemm, "cpu_has_fast_bf16", lambda: False)
     assert gemm.linear(torch.randn(gemm.MIN_ROWS, 16).bfloat16(), w) is not None
     x3 = torch.randn(2, 3, 16).bfloat16()
     assert torch.equal(gemm.matmul_t(x3, w), F.linear(x3, w))

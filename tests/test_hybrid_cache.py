@@ -9,7 +9,7 @@ from pagefold import LLM, SamplingParams
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
 from pagefold.executor.cache_tensors import CacheTensors
-from pagefold.layers.attention.backend import read_kv, write_kv
+from pagefold.ops.attention import read_kv, write_kv
 from pagefold.testing.oracle import hf_greedy
 
 GDN = StateSpec("gdn", (StateComponent("conv", (40, 3), torch.bfloat16),

@@ -1,4 +1,4 @@
-"""FP8 KV encoding (``pagefold.layers.attention.kv_quant``) on synthetic data and tiny models.
+"""FP8 KV encoding (``pagefold.ops.attention.kv_quant``) on synthetic data and tiny models.
 
 The real-activation checks (Paris, KL bound) are in ``tests/test_smollm2.py``.
 """
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagefold import LLM, SamplingParams
-from pagefold.layers.attention.backend import read_kv, write_kv
-from pagefold.layers.attention.kv_quant import KVScales
+from pagefold.ops.attention import read_kv, write_kv
+from pagefold.ops.attention.kv_quant import KVScales
 
 F8 = torch.float8_e4m3fn
 

@@ -224,7 +224,9 @@ def test_nemotron_h_decode_dt_matches_hf_generate(tiny_model_factory, random_pro
 def _load(model_dir: Path, weights):
     from transformers import AutoConfig
 
-    from pagefold.models.registry import model_class, read_config_dict, resolve_architecture
+    from pagefold.architectures import resolve_architecture
+    from pagefold.checkpoint import read_config_dict
+    from pagefold.models.registry import model_class
 
     cls = model_class(resolve_architecture(read_config_dict(model_dir)))
     model = cls(AutoConfig.from_pretrained(str(model_dir)), max_positions=128)

@@ -141,12 +141,12 @@ def test_branch_hit_at_a_prefill_checkpoint_equals_cache_off(qwen3_5_dir):
 def test_top_p_one_keeps_every_token_despite_rounding():
     """One dominant logit and a long tail: float32 running mass reaches 1.0 before the tail
     ends; a row with top_p = 1 must still keep every token (and one with p < 1 may not)."""
-    from pagefold.executor.sampler import _apply_top_p
+    from pagefold.executor.sampler import apply_top_p
 
     logits = torch.zeros(2, 4096)
     logits[:, 7] = 30.0
     probs = logits[0].softmax(0).sort(descending=True).values
     assert (probs.cumsum(0) - probs)[-1] >= 1.0  # the rounding this test is about
-    out = _apply_top_p(logits.clone(), torch.tensor([1.0, 0.5]))
+    out = apply_top_p(logits.clone(), torch.tensor([1.0, 0.5]))
     assert torch.isfinite(out[0]).all()
     assert int(torch.isfinite(out[1]).sum()) == 1

@@ -19,6 +19,7 @@ from pagefold import LLM, SamplingParams
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec
 from pagefold.csrc import cpu_ops
 from pagefold.executor.cache_tensors import StateView
+from pagefold.ops.gdn import cpu as gdn_cpu
 from pagefold.testing.oracle import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -62,7 +63,7 @@ def test_compiled_gdn_capture_is_bytewise_the_cut_call(dtype, ssm_dtype, shape):
         view = StateView(raw, spec, pages)
         rows_ = torch.cat([torch.arange(cu[s], cu[s] + u) for s, u in zip(seqs, upto)])
         cu_ = torch.tensor([0, *torch.tensor(upto).cumsum(0).tolist()])
-        o = cpu_ops.gdn(view, page_ids[seqs], has_init[seqs], cu_, mixed[rows_], a[rows_],
+        o = gdn_cpu.gdn_layer(view, page_ids[seqs], has_init[seqs], cu_, mixed[rows_], a[rows_],
                         b[rows_], weight, a_log, dt_bias, capture=capture, **heads)
         assert o is not None
         return o, view

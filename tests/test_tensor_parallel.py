@@ -22,6 +22,7 @@ error naming it, never a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -207,14 +208,16 @@ def test_architectures_without_shards_are_refused(monkeypatch):
     part that does not split (or as unknown), before anything is sized."""
     from transformers import LlamaConfig
 
+    from pagefold import architectures
     from pagefold.engine import core
 
+    assert (architectures.tensor_parallel_architectures()
+            == architectures.served_architectures())
     cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     with pytest.raises(ValueError, match="not supported for FooForCausalLM yet"):
         core.check_tensor_parallel("FooForCausalLM", cfg, 2)
-    monkeypatch.setitem(core.TP_UNSUPPORTED, "LlamaForCausalLM", "its widgets do not split")
+    llama = architectures.ARCHITECTURES["LlamaForCausalLM"]
+    monkeypatch.setitem(architectures.ARCHITECTURES, "LlamaForCausalLM",
+                        dataclasses.replace(llama, tensor_parallel="its widgets do not split"))
     with pytest.raises(ValueError, match="LlamaForCausalLM: its widgets do not split"):
         core.check_tensor_parallel("LlamaForCausalLM", cfg, 2)
-    from pagefold.models.registry import supported_architectures
-
-    assert set(supported_architectures()) == set(core.TP_ARCHITECTURES)

@@ -21,20 +21,21 @@ pytest.importorskip("triton")
 
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec  # noqa: E402
 from pagefold.executor.cache_tensors import StateView  # noqa: E402
-from pagefold.kernels.triton.common import PagedState  # noqa: E402
-from pagefold.kernels.triton.gdn import gdn_layer, prefill_chunk_size  # noqa: E402
-from pagefold.kernels.triton.gdn_chunked import (  # noqa: E402
+from pagefold.ops.common.triton import (  # noqa: E402
+    PagedState,
     block_chunk,
     chunk_layout,
-    gdn_chunked_paged,
-    gdn_chunked_triton,
+    prefill_chunk_size,
 )
-from pagefold.kernels.triton.ssd import mamba_scan_layer  # noqa: E402
-from pagefold.kernels.triton.ssd_chunked import ssd_chunked_triton  # noqa: E402
-from pagefold.layers.causal_conv1d import causal_conv1d_naive  # noqa: E402
-from pagefold.layers.linear_attention.gdn import gdn_naive  # noqa: E402
-from pagefold.layers.mamba.ssd import ssd_naive  # noqa: E402
-from pagefold.spec_decode.state_verify import gdn_verify_naive, ssd_verify_naive  # noqa: E402
+from pagefold.ops.conv1d.reference import causal_conv1d_naive  # noqa: E402
+from pagefold.ops.gdn import gdn_verify_naive  # noqa: E402
+from pagefold.ops.gdn.reference import gdn_naive  # noqa: E402
+from pagefold.ops.gdn.triton import gdn_layer  # noqa: E402
+from pagefold.ops.gdn.triton_chunked import gdn_chunked_paged, gdn_chunked_triton  # noqa: E402
+from pagefold.ops.ssd import ssd_verify_naive  # noqa: E402
+from pagefold.ops.ssd.reference import ssd_naive  # noqa: E402
+from pagefold.ops.ssd.triton import mamba_scan_layer  # noqa: E402
+from pagefold.ops.ssd.triton_chunked import ssd_chunked_triton  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Lengths 37, 1, 0, 80, 16: past one 64-chunk, a decode row, an empty row, exactly a chunk.
@@ -180,7 +181,8 @@ def _view(components, pages_per_state, num_blocks):
 def test_layers_take_the_chunked_kernels_for_prefill(monkeypatch):
     """``gdn_layer`` / ``mamba_scan_layer`` on a batch with a prefill chunk run the chunked
     kernels (states over 3 non-adjacent pages, some requests fresh) and match conv + naive."""
-    from pagefold.kernels.triton import gdn_chunked, ssd_chunked
+    from pagefold.ops.gdn import triton_chunked as gdn_chunked
+    from pagefold.ops.ssd import triton_chunked as ssd_chunked
 
     calls = {"gdn": 0, "ssd": 0}
     for mod, name, key in ((gdn_chunked, "gdn_chunked_paged", "gdn"),

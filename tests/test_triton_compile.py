@@ -21,7 +21,7 @@ def test_all_kernels_compile_for_sm90():
         pytest.skip("triton has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    res = subprocess.run([sys.executable, "-m", "pagefold.kernels.triton.compile_check"],
+    res = subprocess.run([sys.executable, "-m", "pagefold.ops.compile_check"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.count(" ok ") == 16, res.stdout

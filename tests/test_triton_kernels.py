@@ -18,15 +18,15 @@ pytest.importorskip("triton")
 
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec  # noqa: E402
 from pagefold.executor.cache_tensors import StateView  # noqa: E402
-from pagefold.kernels.triton import attention as tattn  # noqa: E402
-from pagefold.kernels.triton import elementwise as tew  # noqa: E402
-from pagefold.kernels.triton.conv import causal_conv1d_triton  # noqa: E402
-from pagefold.kernels.triton.gdn import gdn_layer, gdn_triton  # noqa: E402
-from pagefold.kernels.triton.ssd import mamba_scan_layer, ssd_triton  # noqa: E402
-from pagefold.layers.attention import backend  # noqa: E402
-from pagefold.layers.causal_conv1d import causal_conv1d_naive  # noqa: E402
-from pagefold.layers.linear_attention.gdn import gdn_naive  # noqa: E402
-from pagefold.layers.mamba.ssd import ssd_naive  # noqa: E402
+from pagefold.ops import attention as backend  # noqa: E402
+from pagefold.ops.attention import triton as tattn  # noqa: E402
+from pagefold.ops.conv1d.reference import causal_conv1d_naive  # noqa: E402
+from pagefold.ops.conv1d.triton import causal_conv1d_triton  # noqa: E402
+from pagefold.ops.elementwise import triton as tew  # noqa: E402
+from pagefold.ops.gdn.reference import gdn_naive  # noqa: E402
+from pagefold.ops.gdn.triton import gdn_layer, gdn_triton  # noqa: E402
+from pagefold.ops.ssd.reference import ssd_naive  # noqa: E402
+from pagefold.ops.ssd.triton import mamba_scan_layer, ssd_triton  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CU = [0, 5, 6, 6, 13]  # lengths 5, 1, 0, 7: a decode-like row and an empty one

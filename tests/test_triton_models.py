@@ -47,7 +47,8 @@ def triton_mode(monkeypatch):
 
     monkeypatch.setattr(dispatch, "use_triton", counting)
     # Prefill chunks of the state layers must reach the chunked kernels.
-    from pagefold.kernels.triton import gdn_chunked, ssd_chunked
+    from pagefold.ops.gdn import triton_chunked as gdn_chunked
+    from pagefold.ops.ssd import triton_chunked as ssd_chunked
 
     for mod, name in ((gdn_chunked, "gdn_chunked_paged"), (ssd_chunked, "ssd_chunked_paged")):
         calls[name] = 0

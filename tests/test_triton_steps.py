@@ -1,4 +1,5 @@
-"""The Triton state steps (``kernels.triton.state_steps``) against the naive / torch paths.
+"""The Triton state steps (``pagefold.ops.{conv1d,gdn,ssd}.triton``) against the naive /
+torch paths.
 
 * In-kernel captures: the chunked Triton kernels' ``capture=`` equals the naive kernels'
   (first token, mid-chunk, chunk end, two in one chunk, a one-token sequence, an empty one,
@@ -26,24 +27,24 @@ pytest.importorskip("triton")
 
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec  # noqa: E402
 from pagefold.executor.cache_tensors import StateView  # noqa: E402
-from pagefold.kernels.triton.common import PagedState  # noqa: E402
-from pagefold.kernels.triton.gdn import gdn_layer  # noqa: E402
-from pagefold.kernels.triton.gdn_chunked import gdn_chunked_triton  # noqa: E402
-from pagefold.kernels.triton.ssd import mamba_scan_layer  # noqa: E402
-from pagefold.kernels.triton.ssd_chunked import ssd_chunked_triton  # noqa: E402
-from pagefold.kernels.triton.state_steps import (  # noqa: E402
-    conv_windows,
-    gdn_verify_layer,
-    mamba_verify_layer,
+from pagefold.ops.common.triton import PagedState  # noqa: E402
+from pagefold.ops.conv1d import causal_conv1d_verify  # noqa: E402
+from pagefold.ops.conv1d.reference import causal_conv1d_naive, causal_conv1d_state_at  # noqa: E402
+from pagefold.ops.conv1d.triton import conv_windows  # noqa: E402
+from pagefold.ops.gdn import gdn_verify  # noqa: E402
+from pagefold.ops.gdn.reference import gdn_naive  # noqa: E402
+from pagefold.ops.gdn.triton import (
+    gdn_layer,  # noqa: E402
+    gdn_verify_layer,  # noqa: E402
 )
-from pagefold.layers.causal_conv1d import causal_conv1d_naive, causal_conv1d_state_at  # noqa: E402
-from pagefold.layers.linear_attention.gdn import gdn_naive  # noqa: E402
-from pagefold.layers.mamba.ssd import ssd_naive  # noqa: E402
-from pagefold.spec_decode.state_verify import (  # noqa: E402
-    causal_conv1d_verify,
-    gdn_verify,
-    ssd_verify,
+from pagefold.ops.gdn.triton_chunked import gdn_chunked_triton  # noqa: E402
+from pagefold.ops.ssd import ssd_verify  # noqa: E402
+from pagefold.ops.ssd.reference import ssd_naive  # noqa: E402
+from pagefold.ops.ssd.triton import (
+    mamba_scan_layer,  # noqa: E402
+    mamba_verify_layer,  # noqa: E402
 )
+from pagefold.ops.ssd.triton_chunked import ssd_chunked_triton  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(atol=1e-4, rtol=1e-4) if DEV.type == "cuda" else dict(atol=2e-5, rtol=2e-5)

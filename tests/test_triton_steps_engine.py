@@ -1,6 +1,6 @@
 """End to end with ``PAGEFOLD_KERNELS=triton`` (the interpreter without CUDA): the state
 layers' capture steps and speculative verify steps run on the Triton kernels of
-``kernels.triton.state_steps``, never on the torch fallback, for a Gated DeltaNet (qwen3_5)
+``pagefold.ops.{gdn,ssd}.triton``, never on the torch fallback, for a Gated DeltaNet (qwen3_5)
 and a Mamba-2 hybrid (nemotron_h) tiny model.
 
 * Prefix caching with in-kernel captures: one prefill step per prompt takes checkpoints at
@@ -41,14 +41,15 @@ def _forbid(*_a, **_k):
 def _triton_steps(monkeypatch) -> dict[str, int]:
     """Triton on (the caller restores the mode), the torch capture / verify helpers of the
     state layers forbidden, and the Triton capture and verify entry points counted."""
-    from pagefold.kernels.triton import ops, state_steps
-    from pagefold.models import mamba2_hybrid, qwen3_5
+    from pagefold.ops import conv1d, gdn, ssd
+    from pagefold.ops.gdn import triton as gdn_triton
+    from pagefold.ops.ssd import triton as ssd_triton
 
     dispatch.set_mode("triton")
-    calls = {}
-    for mod, name in ((state_steps, "capture_conv_and_plan"), (ops, "gdn_verify_layer"),
-                      (ops, "mamba_verify_layer")):
-        calls[name] = 0
+    calls = {"capture_conv_and_plan": 0}
+    for mod, name in ((gdn_triton, "capture_conv_and_plan"), (ssd_triton, "capture_conv_and_plan"),
+                      (gdn_triton, "gdn_verify_layer"), (ssd_triton, "mamba_verify_layer")):
+        calls.setdefault(name, 0)
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -56,11 +57,11 @@ def _triton_steps(monkeypatch) -> dict[str, int]:
             return _real(*a, **kw)
 
         monkeypatch.setattr(mod, name, counted)
-    for mod in (qwen3_5, mamba2_hybrid):
-        for name in ("causal_conv1d_state_at", "causal_conv1d_verify"):
-            monkeypatch.setattr(mod, name, _forbid)
-    monkeypatch.setattr(qwen3_5, "gdn_verify", _forbid)
-    monkeypatch.setattr(mamba2_hybrid, "ssd_verify", _forbid)
+    for mod in (gdn, ssd):
+        monkeypatch.setattr(mod, "causal_conv1d_state_at", _forbid)
+    monkeypatch.setattr(conv1d, "causal_conv1d_verify", _forbid)
+    monkeypatch.setattr(gdn, "gdn_verify", _forbid)
+    monkeypatch.setattr(ssd, "ssd_verify", _forbid)
     return calls
 
 

@@ -52,7 +52,7 @@ def num_layers(cfg: Any) -> int:
     return int(config_get(cfg, "num_hidden_layers", "n_layer", "num_layers"))
 
 
-def _unknown(family: str, index: int, value: Any, allowed: list[str]) -> ValueError:
+def unknown_layer_type(family: str, index: int, value: Any, allowed: list[str]) -> ValueError:
     return ValueError(
         f"layer {index} of this {family} config has unknown layer type {value!r}; "
         f"supported layer types: {', '.join(allowed)}"
@@ -63,7 +63,7 @@ def _map_kinds(types: list[Any], table: dict[str, str], family: str) -> list[str
     out = []
     for i, t in enumerate(types):
         if t not in table:
-            raise _unknown(family, i, t, list(table))
+            raise unknown_layer_type(family, i, t, list(table))
         out.append(table[t])
     return out
 

@@ -1,11 +1,11 @@
 """Cache specs for the families added after the first hybrids (issue 17), one reader each.
 
-:func:`extra_layer_specs` is consulted by :func:`pagefold.core.spec_from_config.
-layer_specs_from_config` before its own families; it returns None for a config it does not
-know. Every reader takes a transformers config or a ``config.json`` dict (``_get`` reads both)
-and returns ``{layer name: spec}`` per tensor-parallel rank. Layer names are ``layers.{i}``,
-except where one model layer keeps two caches (Falcon-H1: ``layers.{i}`` attention and
-``layers.{i}.mamba`` state).
+:data:`FAMILY_READERS` maps a family (``pagefold.architectures``) to its reader;
+:func:`pagefold.core.spec_from_config.layer_specs_from_config` consults it before its own
+families. Every reader takes a transformers config or a ``config.json`` dict (``config_get``
+reads both) and returns ``{layer name: spec}`` per tensor-parallel rank. Layer names are
+``layers.{i}``, except where one model layer keeps two caches (Falcon-H1: ``layers.{i}``
+attention and ``layers.{i}.mamba`` state).
 
 New state kinds (all :class:`~pagefold.core.kv_cache_spec.StateSpec`, so the one generic state
 manager serves them: checkpoints and forks copy whole pages):
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pagefold.core.config_fields import config_head_dim, parse_dtype, split_for_tp
 from pagefold.core.kv_cache_spec import (
     FullAttentionSpec,
     LayerSpec,
@@ -37,31 +38,20 @@ from pagefold.core.kv_cache_spec import (
     StateComponent,
     StateSpec,
 )
-from pagefold.core.layer_kinds import _unknown
+from pagefold.core.layer_kinds import config_get, num_layers, unknown_layer_type
 
-__all__ = ["EXTRA_ARCHITECTURES", "EXTRA_MODEL_TYPES", "extra_layer_specs"]
+__all__ = ["FAMILY_READERS"]
 
-
-def _h():
-    # Imported late: spec_from_config imports this module.
-    from pagefold.core import spec_from_config as s
-
-    return s
-
-
-def _split(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size {tp}")
-    return n // tp
+_get = config_get
+_split = split_for_tp
 
 
 def _ssm_dtype(cfg: Any, model_dtype: torch.dtype, override: str | None) -> torch.dtype:
-    s = _h()
     if override is not None and override != "auto":
-        return s._dtype(override, "mamba_ssm_cache_dtype")
-    named = s._get(cfg, "mamba_ssm_dtype", "mamba_ssm_cache_dtype", default=None)
+        return parse_dtype(override, "mamba_ssm_cache_dtype")
+    named = _get(cfg, "mamba_ssm_dtype", "mamba_ssm_cache_dtype", default=None)
     if named is not None and named != "auto":
-        return s._dtype(named, "the config's mamba_ssm_dtype")
+        return parse_dtype(named, "the config's mamba_ssm_dtype")
     return model_dtype
 
 
@@ -84,25 +74,23 @@ def mamba2_state(
 
 
 def _attention(cfg: Any, tp: int, kv_dtype: torch.dtype) -> FullAttentionSpec:
-    s = _h()
-    kv_heads = int(s._get(cfg, "num_key_value_heads", "num_attention_heads"))
-    return FullAttentionSpec(max(1, kv_heads // tp), s._head_dim(cfg), kv_dtype)
+    kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
+    return FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype)
 
 
 def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
                      family: str) -> dict[str, LayerSpec]:
-    s = _h()
     full = _attention(cfg, tp, kv_dtype)
     out: dict[str, LayerSpec] = {}
     for i, t in enumerate(types):
         if t == "full_attention":
             out[f"layers.{i}"] = full
         elif t == "sliding_attention":
-            window = int(s._get(cfg, "sliding_window"))
+            window = int(_get(cfg, "sliding_window"))
             out[f"layers.{i}"] = SlidingWindowSpec(full.num_kv_heads, full.head_dim, kv_dtype,
                                                    window)
         else:
-            raise _unknown(family, i, t, ["full_attention", "sliding_attention"])
+            raise unknown_layer_type(family, i, t, ["full_attention", "sliding_attention"])
     return out
 
 
@@ -110,26 +98,24 @@ def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
 
 
 def _mamba2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
-    heads = int(s._get(cfg, "num_heads"))
+    heads = int(_get(cfg, "num_heads"))
     spec = mamba2_state(
-        heads=heads, head_dim=int(s._get(cfg, "head_dim")), groups=int(s._get(cfg, "n_groups")),
-        state=int(s._get(cfg, "state_size")), kernel=int(s._get(cfg, "conv_kernel")), tp=tp,
+        heads=heads, head_dim=int(_get(cfg, "head_dim")), groups=int(_get(cfg, "n_groups")),
+        state=int(_get(cfg, "state_size")), kernel=int(_get(cfg, "conv_kernel")), tp=tp,
         num_spec=num_spec, conv_dtype=model_dtype,
         ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
-    return {f"layers.{i}": spec for i in range(s._num_layers(cfg))}
+    return {f"layers.{i}": spec for i in range(num_layers(cfg))}
 
 
 def gemma3_layer_types(cfg: Any) -> list[str]:
     """``layer_types``, else transformers' rule: every ``sliding_window_pattern``-th layer is
     full attention, the others sliding."""
-    s = _h()
-    types = s._get(cfg, "layer_types", default=None)
+    types = _get(cfg, "layer_types", default=None)
     if types is not None:
         return list(types)
-    pattern = int(s._get(cfg, "sliding_window_pattern", default=6))
+    pattern = int(_get(cfg, "sliding_window_pattern", default=6))
     return ["sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(s._num_layers(cfg))]
+            for i in range(num_layers(cfg))]
 
 
 def _gemma3(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
@@ -138,12 +124,11 @@ def _gemma3(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
 
 def gpt_oss_layer_types(cfg: Any) -> list[str]:
     """``layer_types``, else transformers' default: even layers sliding, odd layers full."""
-    s = _h()
-    types = s._get(cfg, "layer_types", default=None)
+    types = _get(cfg, "layer_types", default=None)
     if types is not None:
         return list(types)
     return ["sliding_attention" if i % 2 == 0 else "full_attention"
-            for i in range(s._num_layers(cfg))]
+            for i in range(num_layers(cfg))]
 
 
 def _gpt_oss(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
@@ -153,25 +138,23 @@ def _gpt_oss(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
 def lfm2_layer_types(cfg: Any) -> list[str]:
     """``layer_types`` (``conv`` / ``full_attention``), else from ``full_attn_idxs`` (all
     attention when neither is given, as transformers defaults)."""
-    s = _h()
-    types = s._get(cfg, "layer_types", default=None)
+    types = _get(cfg, "layer_types", default=None)
     if types is None:
-        n = s._num_layers(cfg)
-        idxs = s._get(cfg, "full_attn_idxs", default=None)
+        n = num_layers(cfg)
+        idxs = _get(cfg, "full_attn_idxs", default=None)
         full = set(range(n) if idxs is None else idxs)
         types = ["full_attention" if i in full else "conv" for i in range(n)]
     for i, t in enumerate(types):
         if t not in ("conv", "full_attention"):
-            raise _unknown("LFM2", i, t, ["conv", "full_attention"])
+            raise unknown_layer_type("LFM2", i, t, ["conv", "full_attention"])
     return list(types)
 
 
 def _lfm2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
-    hidden = int(s._get(cfg, "hidden_size"))
-    kernel = int(s._get(cfg, "conv_L_cache"))
-    heads = int(s._get(cfg, "num_attention_heads"))
-    attn = FullAttentionSpec(max(1, int(s._get(cfg, "num_key_value_heads", "num_attention_heads"))
+    hidden = int(_get(cfg, "hidden_size"))
+    kernel = int(_get(cfg, "conv_L_cache"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    attn = FullAttentionSpec(max(1, int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
                                  // tp), hidden // heads, kv_dtype)
     conv = StateSpec(kind="shortconv", components=(
         StateComponent("conv", (_split(hidden, tp, "LFM2 hidden_size"), kernel - 1 + num_spec),
@@ -181,21 +164,20 @@ def _lfm2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
 
 
 def _falcon_h1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
-    heads = int(s._get(cfg, "mamba_n_heads"))
-    inter = s._get(cfg, "mamba_d_ssm", default=None)
+    heads = int(_get(cfg, "mamba_n_heads"))
+    inter = _get(cfg, "mamba_d_ssm", default=None)
     if inter is None:
-        inter = int(s._get(cfg, "mamba_expand")) * int(s._get(cfg, "hidden_size"))
-    head_dim = s._get(cfg, "mamba_d_head", default="auto")
+        inter = int(_get(cfg, "mamba_expand")) * int(_get(cfg, "hidden_size"))
+    head_dim = _get(cfg, "mamba_d_head", default="auto")
     head_dim = int(inter) // heads if head_dim == "auto" else int(head_dim)
     state = mamba2_state(
-        heads=heads, head_dim=head_dim, groups=int(s._get(cfg, "mamba_n_groups")),
-        state=int(s._get(cfg, "mamba_d_state")), kernel=int(s._get(cfg, "mamba_d_conv")), tp=tp,
+        heads=heads, head_dim=head_dim, groups=int(_get(cfg, "mamba_n_groups")),
+        state=int(_get(cfg, "mamba_d_state")), kernel=int(_get(cfg, "mamba_d_conv")), tp=tp,
         num_spec=num_spec, conv_dtype=model_dtype,
         ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
     attn = _attention(cfg, tp, kv_dtype)
     out: dict[str, LayerSpec] = {}
-    for i in range(s._num_layers(cfg)):
+    for i in range(num_layers(cfg)):
         out[f"layers.{i}"] = attn
         out[f"layers.{i}.mamba"] = state
     return out
@@ -203,33 +185,31 @@ def _falcon_h1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
 
 def zamba2_hybrid_layers(cfg: Any) -> list[int]:
     """Indices of Zamba2's hybrid layers (Mamba-2 plus a use of a shared attention block)."""
-    s = _h()
-    types = s._get(cfg, "layers_block_type", "layer_types")
+    types = _get(cfg, "layers_block_type", "layer_types")
     table = {"mamba": "mamba", "mamba2": "mamba", "linear_attention": "mamba", "m": "mamba",
              "hybrid": "hybrid", "g": "hybrid"}
     out = []
     for i, t in enumerate(types):
         if t not in table:
-            raise _unknown("Zamba2", i, t, list(table))
+            raise unknown_layer_type("Zamba2", i, t, list(table))
         if table[t] == "hybrid":
             out.append(i)
     return out
 
 
 def _zamba2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
-    hidden = int(s._get(cfg, "hidden_size"))
-    heads = int(s._get(cfg, "n_mamba_heads"))
-    inter = int(s._get(cfg, "mamba_expand")) * hidden
+    hidden = int(_get(cfg, "hidden_size"))
+    heads = int(_get(cfg, "n_mamba_heads"))
+    inter = int(_get(cfg, "mamba_expand")) * hidden
     state = mamba2_state(
-        heads=heads, head_dim=inter // heads, groups=int(s._get(cfg, "mamba_ngroups")),
-        state=int(s._get(cfg, "mamba_d_state")), kernel=int(s._get(cfg, "mamba_d_conv")), tp=tp,
+        heads=heads, head_dim=inter // heads, groups=int(_get(cfg, "mamba_ngroups")),
+        state=int(_get(cfg, "mamba_d_state")), kernel=int(_get(cfg, "mamba_d_conv")), tp=tp,
         num_spec=num_spec, conv_dtype=model_dtype,
         ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
-    attn_heads = int(s._get(cfg, "num_attention_heads"))
-    kv_heads = int(s._get(cfg, "num_key_value_heads", "num_attention_heads"))
+    attn_heads = int(_get(cfg, "num_attention_heads"))
+    kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
     attn = FullAttentionSpec(max(1, kv_heads // tp), 2 * hidden // attn_heads, kv_dtype)
-    out: dict[str, LayerSpec] = {f"layers.{i}": state for i in range(s._num_layers(cfg))}
+    out: dict[str, LayerSpec] = {f"layers.{i}": state for i in range(num_layers(cfg))}
     for i in zamba2_hybrid_layers(cfg):
         out[f"layers.{i}.attn"] = attn  # one KV cache per use of a shared block
     return out
@@ -239,12 +219,11 @@ def jamba_layer_kinds(cfg: Any) -> list[tuple[str, bool]]:
     """Per layer ``(mixer, moe)``: mixer ``attention`` when ``i % attn_layer_period ==
     attn_layer_offset`` else ``mamba``; MoE when ``i % expert_layer_period ==
     expert_layer_offset`` and there is more than one expert (transformers' rules)."""
-    s = _h()
-    ap, ao = int(s._get(cfg, "attn_layer_period")), int(s._get(cfg, "attn_layer_offset"))
-    ep, eo = int(s._get(cfg, "expert_layer_period")), int(s._get(cfg, "expert_layer_offset"))
-    experts = int(s._get(cfg, "num_experts", "num_local_experts", default=1))
+    ap, ao = int(_get(cfg, "attn_layer_period")), int(_get(cfg, "attn_layer_offset"))
+    ep, eo = int(_get(cfg, "expert_layer_period")), int(_get(cfg, "expert_layer_offset"))
+    experts = int(_get(cfg, "num_experts", "num_local_experts", default=1))
     return [("attention" if i % ap == ao else "mamba", experts > 1 and i % ep == eo)
-            for i in range(s._num_layers(cfg))]
+            for i in range(num_layers(cfg))]
 
 
 def mamba1_state(*, inter: int, state: int, kernel: int, tp: int, num_spec: int,
@@ -258,10 +237,9 @@ def mamba1_state(*, inter: int, state: int, kernel: int, tp: int, num_spec: int,
 
 
 def _jamba(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
     state = mamba1_state(
-        inter=int(s._get(cfg, "mamba_expand")) * int(s._get(cfg, "hidden_size")),
-        state=int(s._get(cfg, "mamba_d_state")), kernel=int(s._get(cfg, "mamba_d_conv")), tp=tp,
+        inter=int(_get(cfg, "mamba_expand")) * int(_get(cfg, "hidden_size")),
+        state=int(_get(cfg, "mamba_d_state")), kernel=int(_get(cfg, "mamba_d_conv")), tp=tp,
         num_spec=num_spec, conv_dtype=model_dtype,
         ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
     attn = _attention(cfg, tp, kv_dtype)
@@ -273,25 +251,23 @@ def minimax_layer_types(cfg: Any) -> list[str]:
     """``layer_types`` (``linear_attention`` / ``full_attention``), else the original
     checkpoints' ``attn_type_list`` (0 lightning, 1 full), else transformers' default (full
     attention at even layers)."""
-    s = _h()
-    types = s._get(cfg, "layer_types", default=None)
+    types = _get(cfg, "layer_types", default=None)
     if types is None:
-        flags = s._get(cfg, "attn_type_list", default=None)
+        flags = _get(cfg, "attn_type_list", default=None)
         if flags is not None:
             types = ["full_attention" if int(f) else "linear_attention" for f in flags]
         else:
             types = ["full_attention" if (i + 1) % 2 else "linear_attention"
-                     for i in range(s._num_layers(cfg))]
+                     for i in range(num_layers(cfg))]
     for i, t in enumerate(types):
         if t not in ("linear_attention", "full_attention"):
-            raise _unknown("MiniMax", i, t, ["linear_attention", "full_attention"])
+            raise unknown_layer_type("MiniMax", i, t, ["linear_attention", "full_attention"])
     return list(types)
 
 
 def _minimax(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
-    heads = int(s._get(cfg, "num_attention_heads"))
-    d = s._head_dim(cfg)
+    heads = int(_get(cfg, "num_attention_heads"))
+    d = config_head_dim(cfg)
     lightning = StateSpec(kind="lightning", components=(
         StateComponent("kv", (_split(heads, tp, "MiniMax heads"), d, d),
                        _ssm_dtype(cfg, model_dtype, ssm_override)),))
@@ -301,12 +277,11 @@ def _minimax(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
 
 
 def _kimi_linear_cfg(cfg: Any) -> dict[str, Any]:
-    s = _h()
-    sub = s._get(cfg, "linear_attn_config", default=None) or {}
+    sub = _get(cfg, "linear_attn_config", default=None) or {}
     return {
-        "heads": sub.get("num_heads") or s._get(cfg, "linear_num_heads", default=32),
-        "head_dim": sub.get("head_dim") or s._get(cfg, "linear_head_dim", default=128),
-        "kernel": sub.get("short_conv_kernel_size") or s._get(cfg, "linear_conv_kernel_dim",
+        "heads": sub.get("num_heads") or _get(cfg, "linear_num_heads", default=32),
+        "head_dim": sub.get("head_dim") or _get(cfg, "linear_head_dim", default=128),
+        "kernel": sub.get("short_conv_kernel_size") or _get(cfg, "linear_conv_kernel_dim",
                                                               default=4),
         "sub": sub,
     }
@@ -316,9 +291,8 @@ def kimi_layer_types(cfg: Any) -> list[str]:
     """``layer_types``; else the checkpoint's ``linear_attn_config`` (1-indexed
     ``full_attn_layers`` / ``kda_layers``); else transformers' default (MLA every 4th layer
     from layer 4 on)."""
-    s = _h()
-    types = s._get(cfg, "layer_types", default=None)
-    n = s._num_layers(cfg)
+    types = _get(cfg, "layer_types", default=None)
+    n = num_layers(cfg)
     if types is None:
         sub = _kimi_linear_cfg(cfg)["sub"]
         if "full_attn_layers" in sub and "kda_layers" in sub:
@@ -332,12 +306,11 @@ def kimi_layer_types(cfg: Any) -> list[str]:
                      for i in range(n)]
     for i, t in enumerate(types):
         if t not in ("linear_attention", "full_attention"):
-            raise _unknown("Kimi Linear", i, t, ["linear_attention", "full_attention"])
+            raise unknown_layer_type("Kimi Linear", i, t, ["linear_attention", "full_attention"])
     return list(types)
 
 
 def _kimi_linear(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
-    s = _h()
     lin = _kimi_linear_cfg(cfg)
     heads, d = _split(int(lin["heads"]), tp, "KDA heads"), int(lin["head_dim"])
     ssm = (torch.float32 if ssm_override in (None, "auto")
@@ -346,13 +319,15 @@ def _kimi_linear(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
         StateComponent("conv", (3 * heads * d, int(lin["kernel"]) - 1 + num_spec), model_dtype),
         StateComponent("ssm", (heads, d, d), ssm),
     ))
-    latent = int(s._get(cfg, "kv_lora_rank")) + int(s._get(cfg, "qk_rope_head_dim"))
+    latent = int(_get(cfg, "kv_lora_rank")) + int(_get(cfg, "qk_rope_head_dim"))
     mla = MLASpec(latent, kv_dtype)  # the latent is shared by all heads: not split across ranks
     return {f"layers.{i}": mla if t == "full_attention" else kda
             for i, t in enumerate(kimi_layer_types(cfg))}
 
 
-_READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
+# family -> its reader (keyword arguments: model_dtype, kv_dtype, tp, ssm_override,
+# num_spec); ``core/spec_from_config`` picks the family from the architecture registry.
+FAMILY_READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "kimi_linear": _kimi_linear,
     "minimax": _minimax,
     "jamba": _jamba,
@@ -363,55 +338,3 @@ _READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "gemma3": _gemma3,
     "gpt_oss": _gpt_oss,
 }
-EXTRA_MODEL_TYPES: dict[str, str] = {
-    "kimi_linear": "kimi_linear",
-    "minimax": "minimax",
-    "jamba": "jamba",
-    "zamba2": "zamba2",
-    "falcon_h1": "falcon_h1",
-    "lfm2": "lfm2",
-    "mamba2": "mamba2",
-    "gemma3_text": "gemma3",
-    "gpt_oss": "gpt_oss",
-}
-EXTRA_ARCHITECTURES: dict[str, str] = {
-    "KimiLinearForCausalLM": "kimi_linear",
-    "MiniMaxForCausalLM": "minimax",
-    "JambaForCausalLM": "jamba",
-    "Zamba2ForCausalLM": "zamba2",
-    "FalconH1ForCausalLM": "falcon_h1",
-    "Lfm2ForCausalLM": "lfm2",
-    "Mamba2ForCausalLM": "mamba2",
-    "Gemma3ForCausalLM": "gemma3",
-    "GptOssForCausalLM": "gpt_oss",
-}
-
-
-def extra_family(hf_config: Any) -> str | None:
-    s = _h()
-    text = s.unwrap_text_config(hf_config)
-    for c in (text, hf_config):
-        mt = s._get(c, "model_type", default=None)
-        if mt in EXTRA_MODEL_TYPES:
-            return EXTRA_MODEL_TYPES[mt]
-    for c in (hf_config, text):
-        for arch in s._get(c, "architectures", default=None) or []:
-            if arch in EXTRA_ARCHITECTURES:
-                return EXTRA_ARCHITECTURES[arch]
-    return None
-
-
-def extra_layer_specs(
-    hf_config: Any, *, model_dtype: torch.dtype, kv_dtype: torch.dtype, tp: int,
-    ssm_override: str | None, num_spec: int,
-) -> dict[str, LayerSpec] | None:
-    """Specs for a family of this module, or None when ``hf_config`` is not one of them."""
-    family = extra_family(hf_config)
-    if family is None:
-        return None
-    cfg = _h().unwrap_text_config(hf_config)
-    specs = _READERS[family](cfg, model_dtype=model_dtype, kv_dtype=kv_dtype, tp=tp,
-                             ssm_override=ssm_override, num_spec=num_spec)
-    if not specs:
-        raise ValueError(f"this {family} config declares no layer that keeps a cache")
-    return specs

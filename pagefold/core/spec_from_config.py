@@ -30,6 +30,13 @@ from typing import Any
 
 import torch
 
+from pagefold.architectures import ARCHITECTURES, MODEL_TYPES
+from pagefold.core.config_fields import (
+    config_head_dim,
+    parse_dtype,
+    split_for_tp,
+    unwrap_text_config,
+)
 from pagefold.core.kv_cache_spec import (
     FullAttentionSpec,
     LayerSpec,
@@ -37,141 +44,68 @@ from pagefold.core.kv_cache_spec import (
     StateComponent,
     StateSpec,
 )
-from pagefold.core.layer_kinds import CACHED_KINDS, config_get, layer_kinds, num_layers
-from pagefold.core.spec_families import (
-    EXTRA_ARCHITECTURES,
-    EXTRA_MODEL_TYPES,
-    extra_layer_specs,
-)
+from pagefold.core.layer_kinds import CACHED_KINDS, config_get, layer_kinds
+from pagefold.core.spec_families import FAMILY_READERS
 
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 KV_CACHE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
     "fp8": torch.float8_e4m3fn,
 }
-
-# model_type -> family. The family decides how layer kinds and state shapes are read.
-_MODEL_TYPES = {
-    "llama": "attention",
-    "qwen2": "attention",
-    "qwen3": "attention",
-    "qwen3_moe": "attention",
-    "qwen3_5": "gdn",
-    "qwen3_5_text": "gdn",
-    "qwen3_5_moe": "gdn",
-    "qwen3_5_moe_text": "gdn",
-    "qwen3_next": "gdn",
-    "nemotron_h": "nemotron_h",
-    "granitemoehybrid": "granite",
-    "bamba": "bamba",
-}
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "attention",
-    "Qwen2ForCausalLM": "attention",
-    "Qwen3ForCausalLM": "attention",
-    "Qwen3MoeForCausalLM": "attention",
-    "Qwen3_5ForConditionalGeneration": "gdn",
-    "Qwen3_5ForCausalLM": "gdn",
-    "Qwen3_5MoeForConditionalGeneration": "gdn",
-    "Qwen3_5MoeForCausalLM": "gdn",
-    "Qwen3NextForCausalLM": "gdn",
-    "NemotronHForCausalLM": "nemotron_h",
-    "GraniteMoeHybridForCausalLM": "granite",
-    "BambaForCausalLM": "bamba",
-}
-# head_dim when a config omits it: transformers' class default for these model types,
-# hidden_size // num_attention_heads for the rest.
-_HEAD_DIM_DEFAULTS = {
-    "qwen3": 128,
-    "qwen3_moe": 128,
-    "qwen3_5_text": 256,
-    "qwen3_5_moe_text": 256,
-    "qwen3_next": 256,
-}
+# The families this module reads (layer kinds from ``core/layer_kinds``); the others have a
+# reader in ``core/spec_families`` (``FAMILY_READERS``), consulted first.
+BASE_FAMILIES = frozenset({"attention", "gdn", "nemotron_h", "granite", "bamba"})
 _get = config_get
-_num_layers = num_layers
 
 
-def _dtype(value: str | torch.dtype, what: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    name = str(value).removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
-        raise ValueError(f"{what} must be one of {', '.join(_DTYPE_NAMES)}; got {value!r}")
-    return _DTYPE_NAMES[name]
-
-
-def _split(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size {tp}")
-    return n // tp
-
-
-def unwrap_text_config(hf_config: Any) -> Any:
-    """The language model's config: ``text_config`` when the checkpoint nests one (Qwen3.5)."""
-    text = _get(hf_config, "text_config", default=None)
-    return text if text is not None else hf_config
-
-
-def config_model_dtype(hf_config: Any) -> str | None:
-    """The dtype a checkpoint's config names (``dtype`` or ``torch_dtype``), text config first."""
-    for cfg in (unwrap_text_config(hf_config), hf_config):
-        value = _get(cfg, "dtype", "torch_dtype", default=None)
-        if value is not None:
-            return str(value).removeprefix("torch.")
+def _family_among(hf_config: Any, families: frozenset[str] | set[str]) -> str | None:
+    """The first of ``families`` the config names: by ``model_type`` (text config, then
+    top level), else by an ``architectures`` entry (top level, then text config)."""
+    text = unwrap_text_config(hf_config)
+    for c in (text, hf_config):
+        family = MODEL_TYPES.get(_get(c, "model_type", default=None))
+        if family in families:
+            return family
+    for c in (hf_config, text):
+        for arch in _get(c, "architectures", default=None) or []:
+            entry = ARCHITECTURES.get(arch)
+            if entry is not None and entry.family in families:
+                return entry.family
     return None
 
 
 def detect_family(hf_config: Any) -> str:
-    """Map a config to one of the supported families, or raise listing what is supported."""
+    """Map a config to one of the supported families, or raise listing what is supported.
+    A family of ``core/spec_families`` named anywhere in the config wins over one of this
+    module's (how the two readers were consulted when they were separate)."""
+    family = (_family_among(hf_config, set(FAMILY_READERS))
+              or _family_among(hf_config, BASE_FAMILIES))
+    if family is not None:
+        return family
     text = unwrap_text_config(hf_config)
     model_types = [
         _get(text, "model_type", default=None),
         _get(hf_config, "model_type", default=None),
     ]
-    for mt in model_types:
-        if mt in _MODEL_TYPES:
-            return _MODEL_TYPES[mt]
     archs = list(_get(hf_config, "architectures", default=None) or [])
     archs += list(_get(text, "architectures", default=None) or [])
-    for arch in archs:
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
     raise ValueError(
         f"unsupported architecture (model_type {[m for m in model_types if m] or None}, "
         f"architectures {archs or None}); supported model types: "
-        f"{', '.join([*_MODEL_TYPES, *EXTRA_MODEL_TYPES])}; "
-        f"supported architectures: {', '.join([*_ARCHITECTURES, *EXTRA_ARCHITECTURES])}"
+        f"{', '.join(MODEL_TYPES)}; supported architectures: {', '.join(ARCHITECTURES)}"
     )
-
-
-def _head_dim(cfg: Any) -> int:
-    value = _get(cfg, "head_dim", "attention_head_dim", default=None)
-    if value is not None:
-        return int(value)
-    mt = _get(cfg, "model_type", default=None)
-    if mt in _HEAD_DIM_DEFAULTS:
-        return _HEAD_DIM_DEFAULTS[mt]
-    return int(_get(cfg, "hidden_size")) // int(_get(cfg, "num_attention_heads"))
 
 
 def _ssm_dtype(
     cfg: Any, top: Any, family: str, model_dtype: torch.dtype, override: str | None
 ) -> torch.dtype:
     if override is not None and override != "auto":
-        return _dtype(override, "mamba_ssm_cache_dtype")
+        return parse_dtype(override, "mamba_ssm_cache_dtype")
     for c in (cfg, top):
         named = _get(c, "mamba_ssm_dtype", "mamba_ssm_cache_dtype", default=None)
         if named is not None and named != "auto":
-            return _dtype(named, "the config's mamba_ssm_dtype")
+            return parse_dtype(named, "the config's mamba_ssm_dtype")
     if family == "nemotron_h":
         return torch.float32  # NemotronHConfig's default for mamba_ssm_cache_dtype
     return model_dtype
@@ -185,15 +119,15 @@ def _gdn_spec(
     k_dim = int(_get(cfg, "linear_key_head_dim"))
     v_dim = int(_get(cfg, "linear_value_head_dim"))
     kernel = int(_get(cfg, "linear_conv_kernel_dim"))
-    _split(k_heads, tp, "linear_num_key_heads")
+    split_for_tp(k_heads, tp, "linear_num_key_heads")
     conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
     return StateSpec(
         kind="gdn",
         components=(
             StateComponent("conv", (conv_dim // tp, kernel - 1 + num_spec), conv_dtype),
             StateComponent(
-                "ssm", (_split(v_heads, tp, "linear_num_value_heads"), k_dim, v_dim), ssm_dtype
-            ),
+                "ssm", (split_for_tp(v_heads, tp, "linear_num_value_heads"), k_dim, v_dim),
+                ssm_dtype),
         ),
     )
 
@@ -233,11 +167,11 @@ def _mamba2_spec(
         components=(
             StateComponent(
                 "conv",
-                (_split(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
+                (split_for_tp(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
                 conv_dtype,
             ),
             StateComponent(
-                "ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype
+                "ssm", (split_for_tp(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype
             ),
         ),
     )
@@ -275,13 +209,15 @@ def layer_specs_from_config(
             f"got {kv_cache_dtype!r}"
         )
 
-    extra = extra_layer_specs(hf_config, model_dtype=model_dtype, kv_dtype=kv_dtype, tp=tp,
-                              ssm_override=mamba_ssm_cache_dtype,
-                              num_spec=num_speculative_tokens)
-    if extra is not None:
-        return extra
     family = detect_family(hf_config)
     cfg = unwrap_text_config(hf_config)
+    if family in FAMILY_READERS:
+        specs = FAMILY_READERS[family](cfg, model_dtype=model_dtype, kv_dtype=kv_dtype, tp=tp,
+                                       ssm_override=mamba_ssm_cache_dtype,
+                                       num_spec=num_speculative_tokens)
+        if not specs:
+            raise ValueError(f"this {family} config declares no layer that keeps a cache")
+        return specs
     # One parser for the cache and the models; MLP / MoE blocks cache nothing.
     kinds = [k if k in CACHED_KINDS else None for k in layer_kinds(cfg, family)]
 
@@ -293,7 +229,7 @@ def layer_specs_from_config(
         if kind in ("full", "sliding") and attn is None:
             kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
             # Fewer KV heads than ranks: each rank keeps (a replica of) one head.
-            attn = FullAttentionSpec(max(1, kv_heads // tp), _head_dim(cfg), kv_dtype)
+            attn = FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype)
         if kind == "full":
             specs[f"layers.{i}"] = attn
         elif kind == "sliding":

@@ -38,7 +38,7 @@ _scratch = threading.local()
 
 
 @functools.cache
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX (torch's probes); ``PAGEFOLD_NATIVE_BF16=0``/``1`` overrides, e.g.
     to measure with ``ONEDNN_MAX_CPU_ISA=AVX2`` how a CPU without them behaves."""
     flag = os.environ.get("PAGEFOLD_NATIVE_BF16")
@@ -58,7 +58,7 @@ def upcast_enabled() -> bool:
     flag = os.environ.get("PAGEFOLD_BF16_UPCAST", "auto")
     if flag == "force":
         return True
-    return flag != "0" and not _cpu_has_fast_bf16()
+    return flag != "0" and not cpu_has_fast_bf16()
 
 
 def _buffer(n: int) -> torch.Tensor:

@@ -14,11 +14,14 @@ import os
 import pickle
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from pagefold.checkpoint import load_hf_config
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
+from pagefold.executor.model_runner import ModelRunner
+from pagefold.executor.runner_builder import build_runner
 
 logger = logging.getLogger("pagefold")
 
@@ -40,17 +43,13 @@ class WorkerInit:
     warm_up_seq_len: int
 
 
-def build_runner(init: WorkerInit):
-    from pagefold.engine.core import load_hf_config
-    from pagefold.executor.model_runner import ModelRunner
-    from pagefold.models.registry import load_model
-
+def build_rank_runner(init: WorkerInit) -> ModelRunner:
+    """This rank's runner (``executor/runner_builder``, as the engine builds it at TP 1),
+    warmed up when ``init`` asks."""
     _, hf_config = load_hf_config(init.model)
-    device = torch.device(init.device)
-    model = load_model(Path(init.model), hf_config, init.arch, init.dtype, init.max_positions,
-                       device)
-    runner = ModelRunner(model, init.kv_config, device, cache_fill=init.cache_fill,
-                         num_host_blocks=init.num_host_blocks)
+    runner = build_runner(init.model, hf_config, init.arch, init.dtype, init.max_positions,
+                          torch.device(init.device), init.kv_config,
+                          cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks)
     if init.warm_up_tokens:
         runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
     return runner
@@ -59,14 +58,12 @@ def build_runner(init: WorkerInit):
 def worker_main(rank: int, size: int, conn) -> None:
     """Serve one rank: read the ``WorkerInit``, join the group, build the shard, then run the
     step messages until an empty message (or the engine's end of the connection)."""
-    from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
-
     try:
         init: WorkerInit = conn.recv()
         torch.set_num_threads(max(1, init.threads))
         backend = "nccl" if init.device.startswith("cuda") else "gloo"
         init_tensor_parallel(rank, size, backend)
-        runner = build_runner(init)
+        runner = build_rank_runner(init)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
         conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel))

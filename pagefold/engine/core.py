@@ -12,6 +12,10 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
+from pagefold.architectures import ARCHITECTURES, tensor_parallel_architectures
+from pagefold.checkpoint import generation_eos_ids, load_hf_config, load_tokenizer, text_config
 from pagefold.config import EngineConfig, kv_dtype, pool_bytes, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
 from pagefold.core.kv_cache_manager import KVCacheManager
@@ -22,36 +26,29 @@ from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
-from pagefold.executor.model_runner import ModelRunner
+from pagefold.csrc import cpu_ops
+from pagefold.distributed.executor import TPExecutor
+from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
+from pagefold.distributed.worker import WorkerInit
+from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
-from pagefold.layers.attention.kv_quant import apply_checkpoint_kv_scales
-from pagefold.models.registry import (
-    load_model,
-    read_config_dict,
-    resolve_architecture,
-    text_config,
-)
+from pagefold.layers.attention_block import split_heads
+from pagefold.models.registry import model_class
+from pagefold.models.weights import apply_checkpoint_kv_scales
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
-from pagefold.spec_decode.config import check_model_supports, check_verify_support
+from pagefold.spec_decode.config import check_model_supports
+from pagefold.spec_decode.draft_model import (
+    DraftModelProposer,
+    draft_layer_specs,
+    load_draft_model,
+)
 from pagefold.spec_decode.engine import SpecDecoder
+from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
+from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagefold")
-
-# Architectures whose layers have tensor-parallel shards (every registered one).
-TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                    "Qwen3NextForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
-                    "GraniteMoeHybridForCausalLM", "Gemma3ForCausalLM", "Mamba2ForCausalLM",
-                    "FalconH1ForCausalLM", "Lfm2ForCausalLM", "GptOssForCausalLM",
-                    "MiniMaxForCausalLM", "JambaForCausalLM", "KimiLinearForCausalLM",
-                    "Zamba2ForCausalLM")
-
-# Registered architectures without shards, with the part that does not split (none today;
-# a model added without shards goes here or is refused as unknown).
-TP_UNSUPPORTED: dict[str, str] = {}
-
 
 def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
     """Raise a ValueError when ``arch`` cannot run on ``tp`` ranks: an architecture without
@@ -60,20 +57,15 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
     Divisibility is checked the way the ranks will meet it: rank 0's shard of the model is
     built on the meta device (no memory) in this process, so every layer's own check runs
     here, before any worker starts."""
-    import torch
-
-    from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
-    from pagefold.layers.attention_block import split_heads
-    from pagefold.models.registry import model_class
-    from pagefold.models.registry import text_config as _text
-
-    if arch in TP_UNSUPPORTED:
+    entry = ARCHITECTURES.get(arch)
+    if entry is not None and entry.model is not None and entry.tensor_parallel is not True:
         raise ValueError(f"tensor_parallel_size {tp} is not supported for {arch}: "
-                         f"{TP_UNSUPPORTED[arch]}; use tensor_parallel_size 1")
-    if arch not in TP_ARCHITECTURES:
+                         f"{entry.tensor_parallel}; use tensor_parallel_size 1")
+    supported = tensor_parallel_architectures()
+    if arch not in supported:
         raise ValueError(f"tensor_parallel_size {tp} is not supported for {arch} yet; "
-                         f"supported: {', '.join(TP_ARCHITECTURES)}")
-    tcfg = _text(hf_config)
+                         f"supported: {', '.join(supported)}")
+    tcfg = text_config(hf_config)
     heads = getattr(tcfg, "num_attention_heads", None)
     if heads:
         split_heads(heads, getattr(tcfg, "num_key_value_heads", None) or heads, tp)
@@ -93,11 +85,6 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
                           warm_len: int):
-    import torch
-
-    from pagefold.distributed.executor import TPExecutor
-    from pagefold.distributed.worker import WorkerInit
-
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
@@ -106,15 +93,6 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
 
 
 __all__ = ["EngineCore", "EngineCoreOutput"]
-
-
-def load_hf_config(model: str):
-    from transformers import AutoConfig
-
-    path = Path(model)
-    cfg_dict = read_config_dict(path)
-    arch = resolve_architecture(cfg_dict)
-    return arch, AutoConfig.from_pretrained(str(path))
 
 
 def check_pool_fits(kv_config: KVCacheConfig, memory: int, max_model_len: int) -> None:
@@ -177,10 +155,11 @@ class EngineCore:
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
         if self.tp == 1:
-            self.model = load_model(Path(config.model), hf_config, arch, self.dtype,
-                                    max_positions, self.device, config.quantization)
-            self.runner = ModelRunner(self.model, self.kv_config, self.device,
-                                      cache_fill=cache_fill, num_host_blocks=host_blocks)
+            self.runner = build_runner(config.model, hf_config, arch, self.dtype,
+                                       max_positions, self.device, self.kv_config,
+                                       cache_fill=cache_fill, num_host_blocks=host_blocks,
+                                       quantization=config.quantization)
+            self.model = self.runner.model
             self.runner.proposer = self._load_proposer(spec_specs, max_positions)
             if config.speculative_config is not None:
                 state_layers = {n for n, s in specs.items() if isinstance(s, StateSpec)}
@@ -243,11 +222,7 @@ class EngineCore:
             raise ValueError(f"speculative method {sc.method!r} needs tensor_parallel_size 1; "
                              f"use {{\"method\": \"ngram\", ...}} with tensor parallelism")
         if sc.method == "mtp":
-            from pagefold.spec_decode.mtp import mtp_layer_specs
-
             return mtp_layer_specs(specs, text_config(hf_config))
-        from pagefold.spec_decode.draft_model import draft_layer_specs
-
         if not Path(sc.model).is_dir():
             raise ValueError(f"speculative_config 'model' {sc.model!r} is not a local model "
                              f"folder")
@@ -264,22 +239,14 @@ class EngineCore:
         if sc is None or sc.method == "ngram":
             return None
         if sc.method == "mtp":
-            from pagefold.spec_decode.mtp import MtpProposer, load_mtp
-
             mtp = load_mtp(self.config.model, text_config(self.hf_config), self.model,
                            self.dtype, max_positions, self.device)
             if self.device.type == "cpu":
-                from pagefold.csrc import cpu_ops
-
                 cpu_ops.use_fast_linears(mtp)
             return MtpProposer(mtp, self.model)
-        from pagefold.spec_decode.draft_model import DraftModelProposer, load_draft_model
-
         draft, _ = load_draft_model(sc.model, self.hf_config, self.dtype, max_positions,
                                     self.device)
         if self.device.type == "cpu":
-            from pagefold.csrc import cpu_ops
-
             cpu_ops.use_fast_linears(draft)
         return DraftModelProposer.for_specs(draft, spec_specs)
 
@@ -290,8 +257,6 @@ class EngineCore:
             close()
 
     def _structured_output_manager(self) -> StructuredOutputManager:
-        from pagefold.llm import generation_eos_ids, load_tokenizer
-
         cfg = self.config
         stops = [t for t in [self.eos_token_id, *generation_eos_ids(cfg.model)] if t is not None]
         return StructuredOutputManager(lambda: load_tokenizer(cfg.tokenizer or cfg.model),

@@ -45,8 +45,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagefold.checkpoint import text_config
 from pagefold.config import EngineConfig
-from pagefold.engine.core import EngineCoreOutput
+from pagefold.engine.core import EngineCore, EngineCoreOutput
 from pagefold.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagefold.core_proc")
@@ -445,9 +446,6 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     code = 0
     try:
         try:
-            from pagefold.engine.core import EngineCore
-            from pagefold.models.registry import text_config
-
             core = EngineCore(config)
         except Exception as e:  # noqa: BLE001 - reported to the API process, then exit
             msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

@@ -21,11 +21,8 @@ from typing import Any
 
 from pagefold.config import parse_bytes, resolve_dtype
 from pagefold.core.capacity import LAYOUTS, capacity_report, render_report
-from pagefold.core.spec_from_config import (
-    config_model_dtype,
-    layer_specs_from_config,
-    unwrap_text_config,
-)
+from pagefold.core.config_fields import config_model_dtype, unwrap_text_config
+from pagefold.core.spec_from_config import layer_specs_from_config
 
 HELP = "report the KV-cache capacity of a model for a memory budget (needs only config.json)"
 

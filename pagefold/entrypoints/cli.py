@@ -8,7 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+from pagefold import __version__
 from pagefold.entrypoints import capacity_cmd, chat_cmd, engine_args
+from pagefold.llm import LLM
+from pagefold.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +35,6 @@ DEMO_CHATS = ["What is the capital of France?",
 
 def _generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pagefold import LLM, SamplingParams
-
     model = chat_cmd.resolve_cli_model(args.model)
     engine_args.log_ignored(args)
     kw = engine_kwargs(args)
@@ -157,8 +158,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagefold import __version__
-
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="pagefold", description=__doc__, formatter_class=fmt)
     parser.add_argument("--version", "-V", action="version",

@@ -19,8 +19,8 @@ from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, is_attention
 from pagefold.csrc import cpu_ops
 from pagefold.executor import huge_pages
-from pagefold.layers.attention.kv_quant import KVScales
-from pagefold.layers.state_capture import PagedOut
+from pagefold.ops.attention.kv_quant import KVScales
+from pagefold.ops.common.capture import PagedOut
 
 
 def wide_rows(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import SlidingWindowSpec, StateSpec, cdiv
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
-from pagefold.layers.attention.backend import AttentionMetadata
+from pagefold.ops.attention import AttentionMetadata
 
 
 def capture_sizes(max_batch: int) -> list[int]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from pagefold.executor.cache_tensors import CacheTensors, StateView
-from pagefold.layers.attention.backend import AttentionMetadata, paged_attention
-from pagefold.layers.attention.kv_quant import KVScales, is_fp8
+from pagefold.ops.attention import AttentionMetadata, paged_attention
+from pagefold.ops.attention.kv_quant import KVScales, is_fp8
 
 
 @dataclass(slots=True)
@@ -21,7 +21,7 @@ class StateMetadata:
     ``all_decode``: every request has exactly one token this step (the recurrent fast path).
     ``capture_after`` (M,) / ``capture_pages`` (M, pages_per_state), or None: checkpoints to
     take inside this step, the states right after flat token ``capture_after[m]`` written to
-    ``capture_pages[m]`` (see :mod:`pagefold.layers.state_capture`).
+    ``capture_pages[m]`` (see :mod:`pagefold.ops.common.capture`).
     """
 
     page_ids: torch.Tensor

@@ -17,7 +17,7 @@ import torch
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import SlidingWindowSpec, StateSpec
 from pagefold.executor.forward_context import StateMetadata
-from pagefold.layers.attention.backend import AttentionMetadata, PrefillRow
+from pagefold.ops.attention import AttentionMetadata, PrefillRow
 
 _i64 = np.int64
 # On the CPU, every row of a request's chunk of at most this many tokens (a speculative verify

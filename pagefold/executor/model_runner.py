@@ -14,16 +14,17 @@ import torch
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, cdiv
 from pagefold.core.managers import PageCopy
-from pagefold.core.sched_output import SampledToken, SchedulerOutput
+from pagefold.core.sched_output import SampledToken, SchedulerOutput, VerifiedTokens
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.copy_stream import CopyStream
+from pagefold.executor.cuda_graphs import DecodeGraphs
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.host_malloc import keep_freed_memory
 from pagefold.executor.huge_pages import weights_on_huge_pages
-from pagefold.executor.input_batch import build_inputs
+from pagefold.executor.input_batch import StepInputs, build_inputs
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
 from pagefold.executor.sampler import (
     Sampler,
@@ -31,6 +32,7 @@ from pagefold.executor.sampler import (
     gather_logprobs,
     make_generator,
 )
+from pagefold.spec_decode.verify import verify_drafts
 
 __all__ = ["ModelRunner", "SampledToken"]
 
@@ -103,8 +105,6 @@ class ModelRunner:
         """Replay all-decode steps of up to ``max_batch`` rows from CUDA graphs over static
         buffers (:mod:`pagefold.executor.cuda_graphs`); ``capture=False`` runs the same padded
         static step eagerly (how CPU tests check it)."""
-        from pagefold.executor.cuda_graphs import DecodeGraphs
-
         self.graphs = DecodeGraphs(self.model, self.cache, self.kv_config, max_batch,
                                    max_model_len, self.device, capture=capture)
 
@@ -144,7 +144,10 @@ class ModelRunner:
                 t_[0].copy_(row)
         return time.perf_counter() - t
 
-    def _generator(self, st: CachedRequestState) -> torch.Generator | None:
+    def generator_for(self, st: CachedRequestState) -> torch.Generator | None:
+        """The request's own sampling generator (seeded, non-greedy requests only: None
+        otherwise), made on first use and kept until the request ends; the proposers and
+        the verify step draw from it too, so a seeded request's draws form one sequence."""
         seed = st.sampling_params.seed
         if seed is None or st.sampling_params.is_greedy:
             return None
@@ -215,8 +218,7 @@ class ModelRunner:
             if not batch.reqs:
                 return {}
             if out.spec_token_ids:  # speculative verify step (pagefold.spec_decode)
-                from pagefold.spec_decode.runner import execute_verify
-                return execute_verify(self, batch, out.spec_token_ids)
+                return self._execute_verify(batch, out.spec_token_ids)
             return self._execute(batch)
 
     def move_pages(self, out: SchedulerOutput) -> None:
@@ -225,16 +227,28 @@ class ModelRunner:
             self.copy_pages(out.copies)
         self.swap([op for op in out.swaps if not op.to_host])
 
-    @torch.inference_mode()
-    def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:
-        reqs, starts, counts = batch.reqs, batch.starts, batch.counts
-        tokens = [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
-        nt = len(self.kv_config.groups)
-        per_group = [[r.block_ids[g] for r in reqs] for g in range(nt)]
-        inp = build_inputs(self.kv_config, tokens, starts, counts,
-                           [len(r.token_ids) for r in reqs], per_group, self.device,
-                           batch.captures)
+    def _forward(self, batch: StepBatch, tokens: list[list[int]], totals: list[int], *,
+                 captures=None, drafted: list[bool] | None = None
+                 ) -> tuple[StepInputs, ForwardContext, torch.Tensor]:
+        """The step's flat inputs and the model's forward over ``tokens`` (request ``i``'s at
+        positions ``batch.starts[i]...``; ``totals[i]`` its token count with them).
+
+        ``drafted`` marks a verify step's requests with drafts: their state layers keep the
+        state after every token (``ctx.spec_states``) and store nothing. Any other step may
+        replay from the decode CUDA graphs."""
+        reqs = batch.reqs
+        per_group = [[r.block_ids[g] for r in reqs] for g in range(len(self.kv_config.groups))]
+        inp = build_inputs(self.kv_config, tokens, batch.starts, batch.counts, totals,
+                           per_group, self.device, captures)
+        if drafted is not None:
+            spec_rows = torch.tensor(drafted, device=self.device)
+            for m in inp.state_meta:
+                if m is not None:
+                    m.spec_rows = spec_rows
         self.num_forward_tokens += int(inp.input_ids.numel())
+        if drafted is not None:
+            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={})
+            return inp, ctx, self.model(inp.input_ids, inp.positions, ctx)
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
         hidden = None
         if self.graphs is not None:
@@ -242,6 +256,43 @@ class ModelRunner:
                                      inp.state_meta)
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, ctx)
+        return inp, ctx, hidden
+
+    @torch.inference_mode()
+    def _execute_verify(self, batch: StepBatch, spec_token_ids: dict[str, list[int]]
+                        ) -> dict[str, VerifiedTokens]:
+        """A step where some requests carry drafts. A drafted request is decoding: its count
+        is ``1 + len(drafts)`` and its tokens are its last token followed by the drafts (which
+        never enter the runner's copy of the request). The proposer (draft model / MTP) first
+        fills placeholder drafts; after the forward, ``spec_decode.verify`` accepts or rejects
+        them and commits the kept tokens' states."""
+        reqs, starts, counts = batch.reqs, batch.starts, batch.counts
+        drafts = [spec_token_ids.get(r.req_id, []) for r in reqs]
+        drafted = None
+        if self.proposer is not None:  # fills the placeholders (spec_decode.drafting)
+            drafted = self.proposer.propose(self, batch, drafts)
+            drafts = drafted.drafts
+        elif any(t < 0 for d in drafts for t in d):
+            raise ValueError("drafts to fill in the runner, but the runner has no proposer")
+        tokens = []
+        for r, s, n, d in zip(reqs, starts, counts, drafts, strict=True):
+            if d:
+                if n != 1 + len(d) or s + 1 != len(r.token_ids):
+                    raise ValueError(f"request {r.req_id}: drafts need a decode step of 1 + k")
+                tokens.append(r.token_ids[s : s + 1] + list(d))
+            else:
+                tokens.append(r.token_ids[s : s + n])
+        totals = [len(r.token_ids) + len(d) for r, d in zip(reqs, drafts, strict=True)]
+        inp, ctx, hidden = self._forward(batch, tokens, totals,
+                                         drafted=[bool(d) for d in drafts])
+        return verify_drafts(self, batch, drafts, drafted, inp, ctx, hidden)
+
+    @torch.inference_mode()
+    def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        reqs, starts, counts = batch.reqs, batch.starts, batch.counts
+        tokens = [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
+        inp, ctx, hidden = self._forward(batch, tokens, [len(r.token_ids) for r in reqs],
+                                         captures=batch.captures)
         self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             if self.proposer is not None:
@@ -262,7 +313,7 @@ class ModelRunner:
                sreqs: list[CachedRequestState]) -> dict[str, SampledToken]:
         gens = {}
         for row, r in enumerate(sreqs):
-            g = self._generator(r)
+            g = self.generator_for(r)
             if g is not None:
                 gens[row] = g
         meta = SamplingMetadata.build(

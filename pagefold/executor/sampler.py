@@ -35,6 +35,7 @@ from itertools import chain
 import torch
 
 from pagefold.sampling_params import SAMPLING_EPS, SamplingParams
+from pagefold.structured_output.manager import apply_token_bitmask
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -236,8 +237,6 @@ def apply_token_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
     b, v = logits.shape
     dev = logits.device
     if meta.token_bitmask is not None:
-        from pagefold.structured_output.manager import apply_token_bitmask
-
         apply_token_bitmask(logits, meta.token_bitmask)
     if meta.allowed_token_ids:
         keep = torch.zeros((b, v), dtype=torch.bool, device=dev)
@@ -341,7 +340,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits - meta.presence_penalties.to(device).unsqueeze(1) * out_seen
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Mask (in place) everything below each row's k-th largest logit; ``k = 0`` keeps all.
 
     ``max_top_k`` is the largest ``k`` in ``top_k`` (known on the host, so no device sync).
@@ -359,7 +358,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
     return logits.masked_fill_(logits < thresh, float("-inf"))
 
 
-def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest most-likely set whose mass reaches ``p`` (at least one token).
 
     A token is dropped when the mass of the tokens sorted before it is already ``>= p``; the
@@ -374,7 +373,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(drop, float("-inf"))
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below ``min_p * max_prob`` (the best one survives)."""
     probs = logits.softmax(dim=1)
     thresh = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
@@ -447,11 +446,11 @@ class Sampler:
         # Greedy rows divide by 1 (their result is discarded); a new tensor, safe to mask.
         logits = logits / torch.where(is_greedy, 1.0, temp).unsqueeze(1)
         if meta.top_k is not None:
-            logits = _apply_top_k(logits, meta.top_k.to(logits.device), meta.max_top_k)
+            logits = apply_top_k(logits, meta.top_k.to(logits.device), meta.max_top_k)
         if meta.top_p is not None:
-            logits = _apply_top_p(logits, meta.top_p.to(logits.device))
+            logits = apply_top_p(logits, meta.top_p.to(logits.device))
         if meta.min_p is not None:
-            logits = _apply_min_p(logits, meta.min_p.to(logits.device))
+            logits = apply_min_p(logits, meta.min_p.to(logits.device))
         probs = logits.softmax(dim=1)
         random_tokens = _draw(probs, meta.generators)
         if greedy_tokens is None:

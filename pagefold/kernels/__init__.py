@@ -1,2 +1,2 @@
-"""Kernel back ends beyond the pure-torch paths: the dispatch point (:mod:`.dispatch`) and the
-Triton kernels (:mod:`.triton`). The compiled CPU kernels live in :mod:`pagefold.csrc`."""
+"""The kernel mode policy (:mod:`.dispatch`, ``PAGEFOLD_KERNELS``); the kernels themselves live
+with their ops in :mod:`pagefold.ops`, the compiled CPU library in :mod:`pagefold.csrc`."""

@@ -1,7 +1,7 @@
 """The one place that chooses which kernels run: ``PAGEFOLD_KERNELS``.
 
 * ``auto`` (default): the best for the tensors' device: Triton on CUDA (when ``triton``
-  imports), the compiled C++ kernels on the CPU (:mod:`pagefold.csrc.cpu_ops`), else torch.
+  imports), the compiled C++ kernels on the CPU (``pagefold/ops/<op>/cpu.py``), else torch.
 * ``triton``: the Triton kernels on any device; without CUDA they run under Triton's
   interpreter (``TRITON_INTERPRET=1`` is set before ``triton`` is first imported; slow, for
   tests). An error if ``triton`` cannot be imported.
@@ -11,9 +11,8 @@
 ``PAGEFOLD_CPU_KERNELS=0`` still switches the C++ kernels off whatever the mode. The mode is
 read once, at import; :func:`set_mode` changes it for this process (tests compare paths).
 
-The ``*`` ops below have the signatures of their :mod:`pagefold.csrc.cpu_ops` counterparts and
-the same contract (``None`` / ``False``: not handled, the caller takes its torch path); the
-layers call these instead of ``cpu_ops`` so that the choice is made here only.
+This module holds the mode policy only; each op's entry (:mod:`pagefold.ops`) asks
+:func:`use_triton` and owns the rest of its route.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ MODES = ("auto", "triton", "cpu", "torch")
 _CPU_ENV = cpu_ops.enabled()  # False under PAGEFOLD_CPU_KERNELS=0
 _mode = "auto"
 _triton_ok: bool | None = None
-_T = None  # the namespace of Triton entry points, once imported
 
 
 def mode() -> str:
@@ -67,13 +65,13 @@ def prepare_interpreter() -> None:
 
 
 def _load_triton(required: bool = False) -> bool:
-    global _triton_ok, _T
+    global _triton_ok
     if _triton_ok is None:
         try:
             prepare_interpreter()
-            from pagefold.kernels.triton import ops as t_ops
+            import triton.language  # noqa: F401 - the ops import their Triton modules lazily
 
-            _T, _triton_ok = t_ops, True
+            _triton_ok = True
         except ImportError as e:
             _triton_ok = False
             if required:
@@ -100,88 +98,6 @@ def backend(device: torch.device) -> str:
     if device.type == "cpu" and cpu_ops.kernels() is not None:
         return "cpu"
     return "torch"
-
-
-# --- ops: one routing per hot path ------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    if use_triton(x.device):
-        return _T.rms_norm(x, weight, eps, zero_centered, residual=residual)
-    return cpu_ops.rms_norm(x, weight, eps, zero_centered, residual=residual)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    if use_triton(gate_up.device):
-        return _T.silu_and_mul(gate_up)
-    return cpu_ops.silu_and_mul(gate_up)
-
-
-def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if use_triton(qkv.device):
-        return _T.qk_norm_rope(qkv, positions, cos, sin, **kw)
-    return cpu_ops.qk_norm_rope(qkv, positions, cos, sin, **kw)
-
-
-def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> torch.Tensor | None:
-    if use_triton(x.device):
-        return _T.rms_norm_gated(x, gate, weight, eps)
-    return cpu_ops.rms_norm_gated(x, gate, weight, eps)
-
-
-def gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight, A_log,
-        dt_bias, **kw) -> torch.Tensor | None:
-    """A Gated DeltaNet layer (conv + delta rule) over its pages; see ``cpu_ops.gdn``. On
-    Triton: the chunked (WY) kernel when the batch holds a prefill chunk or state captures
-    (``capture=``, prefix-cache checkpoints inside the step; ``kernels.triton.state_steps``),
-    the token loop for all-decode batches (``kernels.triton.gdn.gdn_layer``)."""
-    if use_triton(mixed.device):
-        return _T.gdn_layer(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
-                            conv_weight, A_log, dt_bias, **kw)
-    return cpu_ops.gdn(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
-                       conv_weight, A_log, dt_bias, **kw)
-
-
-def gdn_verify(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b, conv_weight, A_log,
-               dt_bias, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """A GDN layer's speculative verify pass (Triton only; None: the torch path):
-    ``(o, {"conv": (T, C, K-1), "ssm": (T, H, Dk, Dv)})``, the states after every token, as
-    ``spec_decode.state_verify``'s kernels give them; nothing is stored in the pages."""
-    if use_triton(mixed.device):
-        return _T.gdn_verify_layer(view, page_ids, has_initial_state, cu_seqlens, mixed, a, b,
-                                   conv_weight, A_log, dt_bias, **kw)
-    return None
-
-
-def mamba_scan(view, page_ids, has_initial_state, cu_seqlens, xbc, conv_weight, conv_bias,
-               dt, A, D, **kw) -> torch.Tensor | None:
-    """A Mamba-2 mixer's conv + SSD scan over its pages (Triton only; None: torch path):
-    the chunked SSD kernel for batches with a prefill chunk or state captures (``capture=``),
-    the token loop for decode."""
-    if use_triton(xbc.device):
-        return _T.mamba_scan_layer(view, page_ids, has_initial_state, cu_seqlens, xbc,
-                                   conv_weight, conv_bias, dt, A, D, **kw)
-    return None
-
-
-def mamba_verify(view, page_ids, has_initial_state, cu_seqlens, xbc, conv_weight, conv_bias,
-                 dt, A, D, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """A Mamba-2 mixer's speculative verify pass (Triton only; None: the torch path); see
-    :func:`gdn_verify`."""
-    if use_triton(xbc.device):
-        return _T.mamba_verify_layer(view, page_ids, has_initial_state, cu_seqlens, xbc,
-                                     conv_weight, conv_bias, dt, A, D, **kw)
-    return None
-
-
-def paged_attention(q, k, v, cache, meta, scale) -> torch.Tensor | None:
-    """The Triton paged attention (None: the caller's own path)."""
-    if use_triton(q.device):
-        return _T.paged_attention(q, k, v, cache, meta, scale)
-    return None
 
 
 set_mode(os.environ.get("PAGEFOLD_KERNELS", "auto"))

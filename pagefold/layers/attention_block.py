@@ -13,10 +13,10 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.kernels import dispatch
 from pagefold.layers.linear import column_linear, row_linear
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
+from pagefold.ops import elementwise
 
 FULL_ROTARY = -1  # rotary_dim value: rotate every channel of the head
 
@@ -73,7 +73,7 @@ class GQAAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk = None
         if self.fused_rope:  # one pass for q/k norm + RoPE when the compiled kernel takes it
-            qk = dispatch.qk_norm_rope(
+            qk = elementwise.qk_norm_rope(
                 qkv, positions, self.rotary.cos, self.rotary.sin, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_off=0,
                 q_head_stride=self.head_dim, k_off=self.q_size,

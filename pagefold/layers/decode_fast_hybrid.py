@@ -72,7 +72,7 @@ class Gdn:
     def usable(self, ctx) -> bool:
         """This step's states and metadata suit the kernel (checked once per step)."""
         view, meta = ctx.state(self.name)
-        found = cpu_ops._state_kernel(view)
+        found = cpu_ops.state_kernel(view)
         if found is None or not meta.all_decode or meta.capture_after is not None:
             return False
         _, conv, ssm, _ = found
@@ -101,8 +101,8 @@ class Gdn:
         proj, rc = st.project(self.inp, self.mods[0], h, "in_proj")
         view, meta = st.ctx.state(self.name)
         s = _state_step(st, meta)
-        _, _, ssm, offs = cpu_ops._state_kernel(view)
-        neg_exp = cpu_ops._neg_exp(self.a_log)
+        _, _, ssm, offs = cpu_ops.state_kernel(view)
+        neg_exp = cpu_ops.neg_exp(self.a_log)
         o = st.buf("gdn", t, self.Hv, self.Dv)
         base, row = proj.data_ptr(), proj.stride(0)
         b_ptr = base + 2 * (self.C + self.V)  # in_proj rows: mixed | z | b | a (bf16)
@@ -126,9 +126,9 @@ def state_dyn(st: Step, name: str, a_log) -> tuple[list[int], tuple, torch.Tenso
     ``-exp(A_log)``), with the step's :func:`_state_step` tuple and the ssm component."""
     view, meta = st.ctx.state(name)
     s = _state_step(st, meta)
-    _, _, ssm, offs = cpu_ops._state_kernel(view)
+    _, _, ssm, offs = cpu_ops.state_kernel(view)
     return ([view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
-             s[2] or 0, cpu_ops._neg_exp(a_log).data_ptr()], s, ssm)
+             s[2] or 0, cpu_ops.neg_exp(a_log).data_ptr()], s, ssm)
 
 
 def _state_step(st: Step, meta) -> tuple:
@@ -139,7 +139,7 @@ def _state_step(st: Step, meta) -> tuple:
     if s is None:
         pages = meta.page_ids.contiguous()
         cu = meta.cu_seqlens.to(torch.int64).contiguous()
-        fresh = cpu_ops._fresh_flags(meta.has_initial_state)
+        fresh = cpu_ops.fresh_flags(meta.has_initial_state)
         st.keep += [pages, cu, fresh]
         s = st.groups[key] = (pages.data_ptr(), pages.shape[1],
                               fresh.data_ptr() if fresh is not None else None, cu.data_ptr(),

@@ -91,7 +91,7 @@ class Mamba:
     def usable(self, ctx, rows: int) -> bool:
         """This step's states and metadata suit the kernel (checked once per step)."""
         view, meta = ctx.state(self.name)
-        found = cpu_ops._state_kernel(view)
+        found = cpu_ops.state_kernel(view)
         if (found is None or not meta.all_decode or meta.capture_after is not None
                 or meta.page_ids.shape[0] != rows):
             return False
@@ -123,8 +123,8 @@ class Mamba:
         proj, rc = st.project(self.inp, self.mods[0], h, "in_proj")
         view, meta = st.ctx.state(self.name)
         s = _state_step(st, meta)
-        _, _, _, offs = cpu_ops._state_kernel(view)
-        neg_exp = cpu_ops._neg_exp(self.a_log)
+        _, _, _, offs = cpu_ops.state_kernel(view)
+        neg_exp = cpu_ops.neg_exp(self.a_log)
         y = st.buf("ssm_y", t, self.inter)
         base, row = proj.data_ptr(), proj.stride(0)
         xbc = base + 2 * self.inter  # in_proj rows: z | xBC | dt (bf16)

@@ -7,9 +7,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagefold.distributed.parallel_state import tp_size
-from pagefold.kernels import dispatch
 from pagefold.layers.activations import get_activation
 from pagefold.layers.linear import column_linear, row_linear
+from pagefold.ops import elementwise
 
 
 class GatedMLP(nn.Module):
@@ -31,7 +31,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        h = dispatch.silu_and_mul(gate_up) if self.act is F.silu else None
+        h = elementwise.silu_and_mul(gate_up) if self.act is F.silu else None
         if h is None:
             gate, up = gate_up.split(self.inter, dim=-1)
             h = self.act(gate) * up

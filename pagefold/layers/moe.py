@@ -58,7 +58,7 @@ def _no_gemv(*args: object) -> int:
     return 1  # the GEMV's "not handled" code: every product falls back to matmul_t
 
 
-_BF16 = cpu_ops._DTYPE_CODE[torch.bfloat16]  # the kernels' dtype code
+_BF16 = cpu_ops.DTYPE_CODE[torch.bfloat16]  # the kernels' dtype code
 # ``PAGEFOLD_NATIVE_DECODE=0`` keeps the few-token experts in Python too (tests flip this).
 NATIVE = os.environ.get("PAGEFOLD_NATIVE_DECODE", "1") != "0"
 
@@ -166,7 +166,7 @@ class MoEExperts(nn.Module):
             if gemv(h.data_ptr(), h.stride(0), gu_w.data_ptr() + e * gu_step, None,
                     gu.data_ptr(), 2 * inter, n, 2 * inter, hidden, threads) != 0:
                 gu = matmul_t(h, gu_w[e])
-            # silu(gate) * up rounded like the torch ops (cpu_ops.silu_and_mul without its
+            # silu(gate) * up rounded like the torch ops (elementwise.cpu.silu_and_mul without its
             # per-call checks: gu is a fresh contiguous bf16 (n, 2I) tensor).
             act = torch.empty((n, inter), dtype=torch.bfloat16)
             if silu is None or silu(_BF16, gu.data_ptr(), gu.stride(0), act.data_ptr(), n, inter,

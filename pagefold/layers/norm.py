@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagefold.kernels import dispatch
+from pagefold.ops import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
     add would (decoder layers carry the residual this way so the add and the norm are one
     pass); the sum may be written into ``residual``'s storage.
 
-    A fused kernel (C++ on the CPU, Triton on CUDA; :mod:`pagefold.kernels.dispatch`) does the
+    A fused kernel (C++ on the CPU, Triton on CUDA; :mod:`pagefold.ops.elementwise`) does the
     whole row in one pass with the same roundings; :meth:`reference` is the torch formulation,
     used elsewhere.
     """
@@ -31,9 +31,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            out = dispatch.rms_norm(x, self.weight, self.eps, self.zero_centered)
+            out = elementwise.rms_norm(x, self.weight, self.eps, self.zero_centered)
             return out if out is not None else self.reference(x)
-        out = dispatch.rms_norm(x, self.weight, self.eps, self.zero_centered, residual=residual)
+        out = elementwise.rms_norm(x, self.weight, self.eps, self.zero_centered, residual=residual)
         if out is not None:
             return out, residual
         residual = x + residual

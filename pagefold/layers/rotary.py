@@ -33,8 +33,9 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to the first ``rotary_dim`` channels of each head (all of them by default).
 
     ``cos``/``sin`` are float32 (max_positions, rotary_dim) tables; the compiled q/k norm +
-    RoPE kernel (:func:`pagefold.csrc.cpu_ops.qk_norm_rope`) reads them directly and rounds as
-    :meth:`forward` does (tables cast to the input dtype, each product and the sum rounded).
+    RoPE kernel (:func:`pagefold.ops.elementwise.cpu.qk_norm_rope`) reads them directly and
+    rounds as :meth:`forward` does (tables cast to the input dtype, each product and the sum
+    rounded).
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, rotary_dim: int | None = None):

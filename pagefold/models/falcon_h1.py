@@ -26,15 +26,15 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import split_heads
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear import RowCut, column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
-from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import gather_logits, vocab_embedding
 from pagefold.models.llama import CausalLM
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer, dt_limit
+from pagefold.ops.conv1d import causal_conv1d
+from pagefold.ops.ssd import ssd_scan
 
 __all__ = ["FalconH1ForCausalLM", "falcon_h1_mamba_dims", "mup_vector"]
 
@@ -100,24 +100,20 @@ class FalconH1Mixer(Mamba2Mixer):
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
         weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
-        if meta.all_decode:
-            xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
-                                                   activation="silu")
-        else:
-            xbc, conv_state = causal_conv1d_varlen(xbc, weight, self.conv1d.bias, states["conv"],
-                                                   meta.cu_seqlens, activation="silu")
+        xbc, conv_state = causal_conv1d(xbc, weight, self.conv1d.bias, states["conv"],
+                                        meta.cu_seqlens, activation="silu",
+                                        decode=meta.all_decode)
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
         A = -torch.exp(self.A_log.float())
         dt = self._dt(dt, meta)
-        kernel = ssd_recurrent if meta.all_decode else ssd_chunked
         xs = xs.reshape(t, c.num_heads, c.head_dim)
         if not meta.all_decode:
             xs = xs.float()
-        y, ssm_state = kernel(
+        y, ssm_state = ssd_scan(
             xs, dt, A,
             b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
             self.D, states["ssm"].float(), meta.cu_seqlens,
-            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, decode=meta.all_decode,
         )
         ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         y = y.reshape(t, inter)

@@ -29,15 +29,15 @@ from torch import nn
 
 from pagefold.core.spec_families import jamba_layer_kinds
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
-from pagefold.layers.mamba.selective_scan import selective_scan_chunked, selective_scan_recurrent
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.nemotron_h import NemotronHAttention
 from pagefold.models.qwen3_5 import HybridCausalLM
+from pagefold.ops.conv1d import causal_conv1d
+from pagefold.ops.selective_scan import selective_scan
 
 __all__ = ["JambaForCausalLM", "Mamba1Mixer"]
 
@@ -77,19 +77,14 @@ class Mamba1Mixer(nn.Module):
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
         weight = self.conv1d.weight.view(self.inter, self.kernel)
-        if meta.all_decode:
-            xs, conv = causal_conv1d_update(xs, weight, self.conv1d.bias, states["conv"],
-                                            activation="silu")
-        else:
-            xs, conv = causal_conv1d_varlen(xs, weight, self.conv1d.bias, states["conv"],
-                                            meta.cu_seqlens, activation="silu")
+        xs, conv = causal_conv1d(xs, weight, self.conv1d.bias, states["conv"], meta.cu_seqlens,
+                                 activation="silu", decode=meta.all_decode)
         dt, b, c = self.x_proj(xs).split([self.rank, self.state_size, self.state_size], dim=-1)
         dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
         b, c = self.b_layernorm(b), self.c_layernorm(c)
-        kernel = selective_scan_recurrent if meta.all_decode else selective_scan_chunked
-        y, ssm = kernel(xs, dt, -torch.exp(self.A_log.float()), b, c, self.D, z,
-                        states["ssm"], meta.cu_seqlens, dt_bias=self.dt_proj.bias,
-                        dt_softplus=True)
+        y, ssm = selective_scan(xs, dt, -torch.exp(self.A_log.float()), b, c, self.D, z,
+                                states["ssm"], meta.cu_seqlens, dt_bias=self.dt_proj.bias,
+                                dt_softplus=True, decode=meta.all_decode)
         ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
         return self.out_proj(y.to(x.dtype))
 

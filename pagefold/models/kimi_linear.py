@@ -5,7 +5,7 @@ Per layer: ``h = x + mixer(input_norm(x))``, ``y = h + ffn(post_attention_norm(h
 * KDA (``linear_attention``): ``q, k, v`` projections, each through its own depthwise causal
   conv + silu (one conv state over the concatenated channels), per-channel forget gate
   ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``, ``beta = sigmoid(b_proj(x))``, the delta
-  rule (:mod:`pagefold.layers.linear_attention.kda`) with L2-normalised q/k, then a per-head
+  rule (:mod:`pagefold.ops.kda.reference`) with L2-normalised q/k, then a per-head
   RMSNorm gated by ``sigmoid(g_b(g_a(x)))`` and ``o_proj``. State ``StateSpec(kind="kda")``:
   ``conv (3 H D, K - 1)``, ``ssm (H, D, D)`` float32.
 * MLA (``full_attention``, no positional encoding): ``q`` (optionally through a LoRA pair with a
@@ -37,15 +37,15 @@ from pagefold.core.spec_families import kimi_layer_types
 from pagefold.distributed.parallel_state import all_reduce, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.mla import paged_mla_attention
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
-from pagefold.layers.linear_attention.kda import kda_chunked, kda_recurrent
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import MoEExperts
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.nemotron_h import NemotronHRouter
 from pagefold.models.qwen3_5 import HybridCausalLM
+from pagefold.ops.conv1d import causal_conv1d
+from pagefold.ops.kda import kda
 
 __all__ = ["KimiDeltaAttention", "KimiLinearForCausalLM", "KimiMLA"]
 
@@ -93,19 +93,14 @@ class KimiDeltaAttention(nn.Module):
                             self.v_conv1d.weight)).view(3 * h * d, self.kernel)
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
-        if meta.all_decode:
-            mixed, conv = causal_conv1d_update(mixed, weight, None, states["conv"],
-                                               activation="silu")
-        else:
-            mixed, conv = causal_conv1d_varlen(mixed, weight, None, states["conv"],
-                                               meta.cu_seqlens, activation="silu")
+        mixed, conv = causal_conv1d(mixed, weight, None, states["conv"], meta.cu_seqlens,
+                                    activation="silu", decode=meta.all_decode)
         q, k, v = (m.reshape(t, h, d) for m in mixed.split(h * d, dim=-1))
         g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))  # transformers' softplus
         g = -torch.exp(self.A_log.float()).view(h, 1) * g.view(t, h, d)
         beta = torch.sigmoid(self.b_proj(x))
-        kernel = kda_recurrent if meta.all_decode else kda_chunked
-        o, ssm = kernel(q, k, v, g, beta, states["ssm"], meta.cu_seqlens)
+        o, ssm = kda(q, k, v, g, beta, states["ssm"], meta.cu_seqlens, decode=meta.all_decode)
         ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         o = self.o_norm.reference(o.to(x.dtype).float()) * torch.sigmoid(gate.float())

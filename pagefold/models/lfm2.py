@@ -25,12 +25,12 @@ from torch import nn
 from pagefold.core.spec_families import lfm2_layer_types
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import split_heads
-from pagefold.layers.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM
+from pagefold.ops.conv1d import causal_conv1d
 
 __all__ = ["Lfm2ForCausalLM", "Lfm2ShortConv", "lfm2_ffn_width"]
 
@@ -113,11 +113,8 @@ class Lfm2ShortConv(nn.Module):
         _, meta = ctx.state(self.layer_name)
         state = ctx.load_states(self.layer_name)["conv"]
         weight = self.conv.weight.view(self.conv.weight.shape[0], self.kernel)
-        if meta.all_decode:
-            y, state = causal_conv1d_update(bx, weight, self.conv.bias, state, activation=None)
-        else:
-            y, state = causal_conv1d_varlen(bx, weight, self.conv.bias, state, meta.cu_seqlens,
-                                            activation=None)
+        y, state = causal_conv1d(bx, weight, self.conv.bias, state, meta.cu_seqlens,
+                                 activation=None, decode=meta.all_decode)
         ctx.store_states(self.layer_name, {"conv": state})
         return self.out_proj(c * y)
 

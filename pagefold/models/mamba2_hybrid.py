@@ -26,19 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
-from pagefold.kernels import dispatch
-from pagefold.layers.causal_conv1d import (
-    causal_conv1d_state_at,
-    causal_conv1d_update,
-    causal_conv1d_varlen,
-)
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
-from pagefold.layers.mamba.ssd import ssd_chunked, ssd_recurrent
-from pagefold.spec_decode.state_verify import causal_conv1d_verify, ssd_verify
+from pagefold.ops.ssd import mamba2_mixer
 
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
 
@@ -229,92 +221,15 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         c = self.cfg
         t = x.shape[0]
-        inter, gn = c.intermediate, c.n_groups * c.state_size
+        inter = c.intermediate
         z, xbc, dt = self.in_proj(x).split([inter, c.conv_dim, c.num_heads], dim=-1)
-
-        view, meta = ctx.state(self.layer_name)
-        weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
-        A = -torch.exp(self.A_log.float())
-        # Triton path (CUDA by default): conv and scan read and write the states in their
-        # pages, checkpoints inside the step included; y in the dtype the torch path gives it
-        # (see below). A verify step reads the pages and keeps the state after every token.
-        after = meta.capture_after
-        heads = dict(num_heads=c.num_heads, head_dim=c.head_dim, n_groups=c.n_groups,
-                     state_size=c.state_size)
-        if ctx.verify and dispatch.use_triton(x.device):
-            initial = (ctx.initial_states or {}).get(self.layer_name)
-            res = dispatch.mamba_verify(
-                view, meta.page_ids, None if initial is not None else meta.has_initial_state,
-                meta.cu_seqlens, xbc, weight, self.conv1d.bias, self._dt(dt, meta, True), A,
-                self.D, **heads, initial=initial)
-            if res is not None:
-                ctx.store_token_states(self.layer_name, res[1])
-                y = self.norm(res[0].reshape(t, inter), z)
-                return self.out_proj(y.to(x.dtype))
-        elif dispatch.use_triton(x.device):
-            y = dispatch.mamba_scan(view, meta.page_ids, meta.has_initial_state,
-                                    meta.cu_seqlens, xbc, weight, self.conv1d.bias,
-                                    self._dt(dt, meta), A, self.D, **heads,
-                                    y_dtype=x.dtype if meta.all_decode else torch.float32,
-                                    capture=None if after is None else
-                                    (after, meta.capture_pages))
-            if y is not None:
-                y = self.norm(y.reshape(t, inter), z)
-                return self.out_proj(y.to(x.dtype))
-        if (meta.all_decode and not ctx.verify and after is None and x.device.type == "cpu"
-                and ctx.initial_states is None):
-            # Compiled decode step on the states in their pages (no gather / scatter).
-            y = cpu_ops.mamba2_decode(view, meta.page_ids, meta.has_initial_state, xbc, dt,
-                                      weight, self.conv1d.bias, self.dt_bias, self.A_log,
-                                      self.D, **heads)
-            if y is not None:
-                return self.out_proj(self.norm(y, z).to(x.dtype))
-        states = ctx.load_states(self.layer_name)
-        kernel = ssd_verify if ctx.verify else ssd_recurrent if meta.all_decode else ssd_chunked
-        capture, conv_ck, extra, paged = None, None, {}, False
-        if after is not None:
-            paged = kernel is ssd_chunked
-            if paged:  # the varlen conv and the chunked scan write into the checkpoint pages
-                conv_ck = (after, view.paged(meta.capture_pages, "conv"))
-                capture = (after, view.paged(meta.capture_pages, "ssm"))
-            else:
-                conv_ck = causal_conv1d_state_at(xbc, states["conv"], meta.cu_seqlens, after)
-                capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
-                                              dtype=torch.float32, device=x.device))
-            extra["capture"] = capture
-        if ctx.verify:  # state after every token: the commit selects the accepted one
-            xbc, conv_state = causal_conv1d_verify(xbc, weight, self.conv1d.bias, states["conv"],
-                                                   meta.cu_seqlens, activation="silu")
-        elif meta.all_decode:
-            xbc, conv_state = causal_conv1d_update(xbc, weight, self.conv1d.bias, states["conv"],
-                                                   activation="silu")
-        else:
-            xbc, conv_state = causal_conv1d_varlen(xbc, weight, self.conv1d.bias, states["conv"],
-                                                   meta.cu_seqlens, activation="silu",
-                                                   capture=conv_ck if paged else None)
-        xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
-
-        dt = self._dt(dt, meta, ctx.verify)
-        # transformers' chunked scan keeps y in float32 up to the gated norm, while its decode
-        # update rounds y to the model dtype first; feeding x in the matching dtype makes the
-        # kernels return y the same way (a no-op in float32).
-        xs = xs.reshape(t, c.num_heads, c.head_dim)
-        if not meta.all_decode and not ctx.verify:
-            xs = xs.float()
-        y, ssm_state = kernel(
-            xs, dt, A,
-            b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
-            self.D, states["ssm"].float(), meta.cu_seqlens,
-            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, **extra,
-        )
-        if ctx.verify:
-            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
-        else:
-            ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
-        if capture is not None:
-            if paged:  # both components are in the pages: the gaps are left to zero
-                ctx.store_checkpoints(self.layer_name, {}, written=("conv", "ssm"))
-            else:
-                ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
+        meta = ctx.state(self.layer_name)[1]
+        y = mamba2_mixer(ctx, self.layer_name, xbc, dt,
+                         conv_weight=self.conv1d.weight.view(c.conv_dim, c.conv_kernel),
+                         conv_bias=self.conv1d.bias, dt_bias=self.dt_bias, A_log=self.A_log,
+                         D=self.D, discretize=lambda d, verify: self._dt(d, meta, verify),
+                         num_heads=c.num_heads, head_dim=c.head_dim, n_groups=c.n_groups,
+                         state_size=c.state_size, chunk_size=c.chunk_size,
+                         model_dtype=x.dtype)
         y = self.norm(y.reshape(t, inter), z)
         return self.out_proj(y.to(x.dtype))

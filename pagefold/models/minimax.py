@@ -8,7 +8,7 @@ Layer (transformers' MiniMaxDecoderLayer; note the residual is the *normed* inpu
 with (alpha_a, beta_a) the linear- or full-attention factors of the layer's kind.
 
 * Lightning attention layer ``i``: ``q, k, v = split_per_head(silu(qkv_proj(x)))``, a decayed
-  linear attention (:mod:`pagefold.layers.linear_attention.lightning`) with per-head rate
+  linear attention (:mod:`pagefold.ops.lightning.reference`) with per-head rate
   ``s_h = base^(h+1) * (1 - i / (L - 1 + 1e-5) + 1e-5)``, ``base = 2^(-8/H)``; then
   ``out_proj(sigmoid(output_gate(x)) * RMSNorm(o))``. Its state, ``StateSpec(kind="lightning")``
   with one ``kv (H, D, D)`` component, lives in the pool like any state.
@@ -32,11 +32,11 @@ from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import GQAAttention
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
-from pagefold.layers.linear_attention.lightning import lightning_chunked, lightning_recurrent
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.qwen3_5 import HybridCausalLM
+from pagefold.ops.lightning import lightning
 
 __all__ = ["LightningAttention", "MiniMaxForCausalLM", "lightning_slopes"]
 
@@ -98,9 +98,8 @@ class LightningAttention(nn.Module):
         q, k, v = F.silu(self.qkv_proj(x)).view(t, h, 3 * d).split(d, dim=-1)
         _, meta = ctx.state(self.layer_name)
         state = ctx.load_states(self.layer_name)["kv"]
-        kernel = lightning_recurrent if meta.all_decode else lightning_chunked
-        o, state = kernel(q, k, v, self.slope, state, meta.cu_seqlens,
-                          chunk_size=self.chunk_size)
+        o, state = lightning(q, k, v, self.slope, state, meta.cu_seqlens,
+                             decode=meta.all_decode, chunk_size=self.chunk_size)
         ctx.store_states(self.layer_name, {"kv": state})
         o = self.norm(o.to(x.dtype).reshape(t, h * d))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * o)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.core.layer_kinds import FULL, MAMBA2, MLP, MOE, layer_kinds
-from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import all_reduce
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.activations import get_activation
@@ -30,6 +29,7 @@ from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer
 from pagefold.models.weights import load_into
+from pagefold.ops import elementwise
 
 __all__ = ["NemotronHForCausalLM", "nemotron_h_block_kinds"]
 
@@ -46,13 +46,14 @@ class NemotronHRMSNorm(RMSNorm):
     """RMSNorm whose weight multiply stays in float32 before the cast back (transformers'
     NemotronHRMSNorm; differs from the Llama norm only below float32).
 
-    On the CPU the compiled norm's mode 2 (``cpu_ops.NORM_FLOAT_WEIGHT``) computes it in one
+    On the CPU the compiled norm's mode 2 (``elementwise.NORM_FLOAT_WEIGHT``) computes it in one
     pass with the same roundings (the sum of squares in another order); elsewhere, or with
     the kernels off, :meth:`reference`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            out = cpu_ops.rms_norm(x, self.weight, self.eps, cpu_ops.NORM_FLOAT_WEIGHT)
+            out = elementwise.rms_norm(x, self.weight, self.eps,
+                                      elementwise.NORM_FLOAT_WEIGHT)
             if out is not None:
                 return out
         return self.reference(x)

@@ -28,25 +28,19 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
-from pagefold.layers.attention_gate import sigmoid_gate
-from pagefold.layers.causal_conv1d import (
-    causal_conv1d_state_at,
-    causal_conv1d_update,
-    causal_conv1d_varlen,
-)
 from pagefold.layers.decode_fast import cached_plan
 from pagefold.layers.decode_fast_hybrid import HybridPlan
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
-from pagefold.layers.linear_attention.gdn import gdn_chunked, gdn_recurrent
 from pagefold.layers.moe import ExpertWeightRouter
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM, GatedMLP, head_dim_of
 from pagefold.models.weights import load_into
-from pagefold.spec_decode.state_verify import causal_conv1d_verify, gdn_verify
+from pagefold.ops import elementwise
+from pagefold.ops.elementwise import sigmoid_gate
+from pagefold.ops.gdn import gdn_mixer
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +78,7 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # (tokens, heads, dim) on the CPU: the compiled kernel, same roundings.
-        out = dispatch.rms_norm_gated(x, gate, self.weight, self.eps)
+        out = elementwise.rms_norm_gated(x, gate, self.weight, self.eps)
         return out if out is not None else self.reference(x, gate)
 
     def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -199,81 +193,13 @@ class GatedDeltaNet(nn.Module):
         """x (T, hidden) -> (T, hidden); reads and writes this layer's states in ``ctx``."""
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
-        view, meta = ctx.state(self.layer_name)
-        weight = self.conv1d.weight.view(self.conv_dim, self.kernel)
-        heads = dict(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
-                     head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
-        after = meta.capture_after
-        if ctx.verify:  # Triton: the states after every token, the pages only read
-            initial = (ctx.initial_states or {}).get(self.layer_name)
-            res = dispatch.gdn_verify(
-                view, meta.page_ids, None if initial is not None else meta.has_initial_state,
-                meta.cu_seqlens, mixed, a, b, weight, self.A_log, self.dt_bias, **heads,
-                initial=initial)
-            if res is not None:
-                ctx.store_token_states(self.layer_name, res[1])
-                o = self.norm(res[0], z.reshape(t, self.num_v_heads, self.head_v_dim))
-                return self.out_proj(o.reshape(t, self.value_dim))
-            o = None
-        else:  # compiled paths: states (and captures) read from and written to their pages
-            o = dispatch.gdn(
-                view, meta.page_ids, meta.has_initial_state, meta.cu_seqlens, mixed, a, b,
-                weight, self.A_log, self.dt_bias, **heads,
-                capture=None if after is None else (after, meta.capture_pages))
-        if o is not None:
-            o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
-            return self.out_proj(o.reshape(t, self.value_dim))
-        states = ctx.load_states(self.layer_name)
-        capture, conv_ck = None, None
-        if after is not None:
-            conv_ck = causal_conv1d_state_at(mixed, states["conv"], meta.cu_seqlens, after)
-            capture = (after, torch.empty((after.shape[0], *states["ssm"].shape[1:]),
-                                          dtype=torch.float32, device=x.device))
-        if ctx.verify:  # state after every token: the commit selects the accepted one
-            mixed, conv_state = causal_conv1d_verify(mixed, weight, None, states["conv"],
-                                                     meta.cu_seqlens, "silu")
-        elif meta.all_decode:
-            mixed, conv_state = causal_conv1d_update(mixed, weight, None, states["conv"], "silu")
-        else:
-            mixed, conv_state = causal_conv1d_varlen(mixed, weight, None, states["conv"],
-                                                     meta.cu_seqlens, "silu")
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.num_v_heads // self.num_k_heads
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        # float32 like transformers: in half precision exp(A_log) could overflow.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if ctx.verify:
-            o, ssm_state = gdn_verify(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
-                                      use_qk_l2norm=True)
-            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
-            o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
-            return self.out_proj(o.reshape(t, self.value_dim))
-        if meta.all_decode:
-            o, ssm_state = gdn_recurrent(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
-                                         use_qk_l2norm=True, capture=capture)
-        else:
-            o, ssm_state = gdn_chunked(q, k, v, g, beta, states["ssm"], meta.cu_seqlens,
-                                       use_qk_l2norm=True, chunk_size=_chunk_size(meta.cu_seqlens),
-                                       capture=capture)
-        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
-        if capture is not None:
-            ctx.store_checkpoints(self.layer_name, {"conv": conv_ck, "ssm": capture[1]})
+        o = gdn_mixer(ctx, self.layer_name, mixed, a, b,
+                      conv_weight=self.conv1d.weight.view(self.conv_dim, self.kernel),
+                      A_log=self.A_log, dt_bias=self.dt_bias, num_k_heads=self.num_k_heads,
+                      num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
+                      head_v_dim=self.head_v_dim)
         o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))
-
-
-def _chunk_size(cu_seqlens: torch.Tensor, largest: int = 64) -> int:
-    """Chunk length for ``gdn_chunked``: the longest sequence rounded up to a power of two,
-    at most ``largest``. Every sequence is padded to whole chunks, so under chunked prefill
-    (a few tokens per request per step) 64-token chunks would be mostly padding; the result
-    is the same up to float rounding whatever the chunk length."""
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 1
-    return min(largest, 1 << max(longest - 1, 0).bit_length())
 
 
 MlpFactory = Callable[[object, int], nn.Module]

@@ -1,97 +1,45 @@
-"""Architecture name -> pagefold model class; loading a local Hugging Face directory."""
+"""Building and loading a pagefold model: the class named by the architecture registry
+(``pagefold.architectures``), weights from a local Hugging Face directory."""
 
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from pathlib import Path
 
 import torch
 
+from pagefold.architectures import ARCHITECTURES
+from pagefold.checkpoint import text_config
+from pagefold.models.weights import iter_weights
+from pagefold.quantization import (
+    Quantizer,
+    finalize_all,
+    quantize_loaded,
+    resolve,
+    weights_summary,
+)
+
 logger = logging.getLogger(__name__)
 
-# architecture -> (module, class). Hybrid models register here as they land.
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("pagefold.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("pagefold.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("pagefold.models.llama", "Qwen3ForCausalLM"),
-    "NemotronHForCausalLM": ("pagefold.models.nemotron_h", "NemotronHForCausalLM"),
-    "GraniteMoeHybridForCausalLM": ("pagefold.models.granite_hybrid",
-                                    "GraniteMoeHybridForCausalLM"),
-    "BambaForCausalLM": ("pagefold.models.granite_hybrid", "BambaForCausalLM"),
-    "Qwen3_5ForCausalLM": ("pagefold.models.qwen3_5", "Qwen3_5ForCausalLM"),
-    "Qwen3_5ForConditionalGeneration": ("pagefold.models.qwen3_5",
-                                        "Qwen3_5ForConditionalGeneration"),
-    "Qwen3NextForCausalLM": ("pagefold.models.qwen3_next", "Qwen3NextForCausalLM"),
-    "Mamba2ForCausalLM": ("pagefold.models.mamba2", "Mamba2ForCausalLM"),
-    "Gemma3ForCausalLM": ("pagefold.models.gemma3", "Gemma3ForCausalLM"),
-    "GptOssForCausalLM": ("pagefold.models.gpt_oss", "GptOssForCausalLM"),
-    "Lfm2ForCausalLM": ("pagefold.models.lfm2", "Lfm2ForCausalLM"),
-    "FalconH1ForCausalLM": ("pagefold.models.falcon_h1", "FalconH1ForCausalLM"),
-    "Zamba2ForCausalLM": ("pagefold.models.zamba2", "Zamba2ForCausalLM"),
-    "JambaForCausalLM": ("pagefold.models.jamba", "JambaForCausalLM"),
-    "MiniMaxForCausalLM": ("pagefold.models.minimax", "MiniMaxForCausalLM"),
-    "KimiLinearForCausalLM": ("pagefold.models.kimi_linear", "KimiLinearForCausalLM"),
-}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
-
-
-def register(arch: str, module: str, cls: str) -> None:
-    _MODELS[arch] = (module, cls)
-
-
-def read_config_dict(model_dir: Path) -> dict:
-    cfg = model_dir / "config.json"
-    if not model_dir.exists():
-        raise ValueError(f"model path {str(model_dir)!r} does not exist; give a local Hugging Face "
-                         "model directory (config.json, *.safetensors, tokenizer files)")
-    if not cfg.exists():
-        raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
-    try:
-        return json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg} is not valid JSON ({e}); the model's config file is corrupt or "
-                         "truncated") from None
-
-
-def resolve_architecture(config: dict) -> str:
-    archs = config.get("architectures") or []
-    for a in archs:
-        if a in _MODELS:
-            return a
-    raise ValueError(
-        f"unsupported architecture {archs or config.get('model_type')!r}; pagefold supports: "
-        f"{', '.join(supported_architectures())}"
-    )
+__all__ = ["load_model", "model_class"]
 
 
 def model_class(arch: str):
-    mod, cls = _MODELS[arch]
-    return getattr(importlib.import_module(mod), cls)
-
-
-def text_config(hf_config):
-    """Multimodal checkpoints nest the language model's config under ``text_config``."""
-    return getattr(hf_config, "text_config", None) or hf_config
+    """The pagefold model class of ``arch`` (imported on first use); ``KeyError`` for an
+    architecture pagefold does not serve."""
+    path = ARCHITECTURES[arch].model
+    if path is None:
+        raise KeyError(arch)
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_positions: int,
                device: torch.device, quantization: str | None = None):
-    """The model in ``model_dir`` with its weights; ``quantization``: the option (vLLM's
-    ``--quantization``), checked against the checkpoint's own ``quantization_config``."""
-    from pagefold.models.weights import iter_weights
-    from pagefold.quantization import (
-        Quantizer,
-        finalize_all,
-        quantize_loaded,
-        resolve,
-        weights_summary,
-    )
-
+    """``arch``'s model built in ``dtype`` on ``device`` with the weights of ``model_dir``,
+    in eval mode without gradients. ``quantization``: the option (vLLM's ``--quantization``),
+    checked against the checkpoint's own ``quantization_config``."""
     plan = resolve(hf_config, quantization)
     cls = model_class(arch)
     prev = torch.get_default_dtype()

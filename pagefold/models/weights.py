@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 # Fused-shard loading lives on the layer shelf; these names stay importable from here.
 from pagefold.layers.linear import FusedShards, fuse, load_into  # noqa: F401
+from pagefold.ops.attention.kv_quant import KVScales, is_fp8
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -47,3 +49,30 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weights from {f}: {e} (is the file truncated or "
                              "corrupt? re-download it)") from None
 
+
+_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
+
+
+def apply_checkpoint_kv_scales(model_dir: Path, cache) -> int:
+    """Take FP8 K/V scales a checkpoint provides (vLLM's convention: ``...layers.N.self_attn
+    .k_scale`` / ``v_scale``, a scalar or one per KV head) for the cache's FP8 layers named
+    ``layers.N``; no shift. Returns how many layers got them; the others calibrate."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                m = _SCALE_RE.search(name)
+                if m:
+                    found.setdefault(f"layers.{m.group(1)}", {})[m.group(2)] = \
+                        fh.get_tensor(name).float().reshape(-1)
+    n = 0
+    for layer, kv in found.items():
+        view = cache.attn.get(layer)
+        if view is None or not is_fp8(view.dtype) or set(kv) != {"k", "v"}:
+            continue
+        heads, dim = view.shape[3], view.shape[4]
+        k_s, v_s = (kv[c].expand(heads).clone().to(view.device) for c in ("k", "v"))
+        cache.kv_scales[layer] = KVScales(k_s, v_s, torch.zeros(heads, dim, device=view.device),
+                                          "checkpoint")
+        n += 1
+    return n

@@ -24,7 +24,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["METHODS", "SpeculativeConfig", "check_model_supports", "check_verify_support"]
+from pagefold.core.config_fields import unwrap_text_config
+from pagefold.core.spec_from_config import detect_family
+
+__all__ = ["METHODS", "SpeculativeConfig", "check_model_supports"]
 
 METHODS = ("ngram", "draft_model", "mtp")
 # Aliases vLLM accepts for the same methods.
@@ -159,8 +162,6 @@ def check_model_supports(spec: SpeculativeConfig, hf_config: Any,
       declares them (``mtp_num_hidden_layers >= 1``).
     * ``draft_model`` needs the draft's vocabulary to match the target's (same tokenizer).
     """
-    from pagefold.core.spec_from_config import detect_family, unwrap_text_config
-
     text = unwrap_text_config(hf_config)
     if spec.method == "mtp":
         family = detect_family(hf_config)
@@ -181,23 +182,3 @@ def check_model_supports(spec: SpeculativeConfig, hf_config: Any,
                 f"the draft model's vocab_size {dv} differs from the target's {tv}; a draft "
                 f"model must share the target's tokenizer"
             )
-
-
-def check_verify_support(model: Any, state_layers: set[str], what: str = "this model") -> None:
-    """Raise ``ValueError`` when a state layer of ``model`` (a module whose ``layer_name`` is
-    in ``state_layers``) cannot run a verify pass (return the state after every token instead
-    of storing it): speculating on it would leave rejected drafts in its recurrent state.
-    Gated DeltaNet (Qwen3.5 / Qwen3-Next) and the Mamba-2 mixer (Nemotron-H, Bamba,
-    Granite-4.0-H, Mamba-2) can; subclasses qualify only if they keep the verify forward."""
-    from pagefold.models.mamba2_hybrid import Mamba2Mixer
-    from pagefold.models.qwen3_5 import GatedDeltaNet
-
-    able = (GatedDeltaNet.forward, Mamba2Mixer.forward)
-    for m in model.modules():
-        name = getattr(m, "layer_name", None)
-        if name in state_layers and getattr(type(m), "forward", None) not in able:
-            raise ValueError(
-                f"speculative decoding cannot verify drafts on {what}'s "
-                f"{type(m).__name__} state layers yet (their states would absorb rejected "
-                f"drafts); supported state layers: Gated DeltaNet and Mamba-2. Turn "
-                f"speculative_config off for this model.")

@@ -31,10 +31,14 @@ from pathlib import Path
 
 import torch
 
+from pagefold.checkpoint import load_hf_config, text_config
 from pagefold.core.kv_cache_planner import page_bytes_for
 from pagefold.core.kv_cache_spec import LayerSpec, StateSpec, is_attention
+from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import StepInputs
 from pagefold.executor.runner_state import StepBatch
+from pagefold.models.registry import load_model
+from pagefold.spec_decode.config import SpeculativeConfig, check_model_supports
 from pagefold.spec_decode.drafting import (
     PLACEHOLDER,
     DraftResult,
@@ -83,10 +87,6 @@ def draft_layer_specs(target: dict[str, LayerSpec], draft: dict[str, LayerSpec],
 def load_draft_model(path: str, target_hf_config, dtype: torch.dtype, max_positions: int,
                      device: torch.device):
     """``(model, hf_config)`` of the draft at ``path`` (layer names prefixed)."""
-    from pagefold.engine.core import load_hf_config
-    from pagefold.models.registry import load_model, text_config
-    from pagefold.spec_decode.config import SpeculativeConfig, check_model_supports
-
     if not Path(path).is_dir():
         raise ValueError(f"speculative_config 'model' {path!r} is not a local model folder")
     arch, cfg = load_hf_config(path)
@@ -111,8 +111,6 @@ class DraftModelProposer(Proposer):
 
     def sync(self, runner, batch: StepBatch, inp: StepInputs, hidden: torch.Tensor,
              emitted: dict[int, list[int]]) -> None:
-        from pagefold.executor.forward_context import ForwardContext
-
         ctx = ForwardContext(runner.cache, inp.attn_meta, inp.state_meta)
         self.model(inp.input_ids, inp.positions, ctx)
 
@@ -163,7 +161,7 @@ class DraftModelProposer(Proposer):
         sel = torch.tensor([rows[i] for i in want], dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, sel))
         toks, qs = draft_tokens(logits, [reqs[i] for i in want],
-                                lambda r: runner._generator(r))
+                                runner.generator_for)
         for i, t, q in zip(want, toks, qs, strict=True):
             drafts[i][j] = t
             probs[i].append(q)

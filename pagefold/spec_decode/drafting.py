@@ -4,7 +4,7 @@ scheduler sends, one forward pass over some requests' tokens, and drafting one t
 A speculative step for a proposer that runs *in the runner* is scheduled like any other: the
 scheduler gives the request ``1 + k`` tokens and ``SchedulerOutput.spec_token_ids`` carries
 ``k`` placeholders (:data:`PLACEHOLDER`); the runner's proposer replaces them with drafted ids
-before the verify forward (``spec_decode.runner.execute_verify``). A proposer never changes
+before the verify forward (``ModelRunner``'s verify path). A proposer never changes
 ``k`` (the scheduler allocated the slots for it).
 
 Drafting rule (what rejection sampling needs): a greedy request drafts the argmax of the

@@ -3,7 +3,7 @@
 Per step: :meth:`SpecDecoder.propose` leaves drafts for every eligible decoding request in
 ``Scheduler.spec_token_ids``; the scheduler gives such a request ``1 + k`` tokens (its native
 unit stays "n tokens for request X") and puts the drafts it kept in the step message; the
-runner runs the verify forward (``spec_decode.runner``) and
+runner runs the verify forward (its verify path, ``spec_decode.verify``) and
 ``Scheduler.update_from_output`` advances each request by ``1 + accepted`` computed tokens,
 appending the accepted drafts and the one sampled token (stopping at the first stop token,
 exactly as single-token steps would).

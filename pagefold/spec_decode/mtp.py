@@ -34,7 +34,12 @@ from pagefold.core.kv_cache_spec import LayerSpec, is_attention
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import StepInputs
 from pagefold.executor.runner_state import StepBatch
+from pagefold.layers.linear import load_into
+from pagefold.layers.moe import ExpertWeightRouter
 from pagefold.layers.norm import RMSNorm
+from pagefold.models.qwen3_5 import HybridCausalLM, HybridDecoderLayer
+from pagefold.models.qwen3_next import next_mlp
+from pagefold.models.weights import iter_weights
 from pagefold.spec_decode.drafting import (
     PLACEHOLDER,
     DraftResult,
@@ -70,9 +75,6 @@ class MultiTokenPredictor(nn.Module):
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        from pagefold.models.qwen3_5 import HybridDecoderLayer
-        from pagefold.models.qwen3_next import next_mlp
-
         n = num_mtp_layers(cfg)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         # The MTP layers come after the target's in the layer numbering, all full attention.
@@ -104,11 +106,6 @@ def load_mtp(model_dir: str | Path, cfg, target: nn.Module, dtype: torch.dtype,
              max_positions: int, device: torch.device) -> MultiTokenPredictor:
     """Build the MTP block and fill it from the checkpoint's ``mtp.*`` tensors (raises a
     ``ValueError`` naming what is missing when the checkpoint lacks them)."""
-    from pagefold.layers.linear import load_into
-    from pagefold.layers.moe import ExpertWeightRouter
-    from pagefold.models.qwen3_5 import HybridCausalLM
-    from pagefold.models.weights import iter_weights
-
     if not num_mtp_layers(cfg):
         raise ValueError("the config declares no MTP layers (mtp_num_hidden_layers)")
     prev = torch.get_default_dtype()
@@ -179,7 +176,7 @@ class MtpProposer(Proposer):
                 self.mtp, runner, [reqs[i] for i in live], [[drafts[i][j - 1]] for i in live],
                 [starts[i] + j - 1 for i in live], hidden=hid, step=j)
             toks, qs = draft_tokens(self.target.compute_logits(out), [reqs[i] for i in live],
-                                    lambda r: runner._generator(r))
+                                    runner.generator_for)
             for n, i in enumerate(live):
                 drafts[i][j] = toks[n]
                 probs[i].append(qs[n])
@@ -233,6 +230,6 @@ class MtpProposer(Proposer):
         last = g.index_select(0, rows)
         sreqs = [batch.reqs[i] for i in sampled]
         toks, qs = draft_tokens(self.target.compute_logits(last), sreqs,
-                                lambda r: runner._generator(r))
+                                runner.generator_for)
         for n, r in enumerate(sreqs):
             self.pending[r.req_id] = (toks[n], qs[n], last[n])

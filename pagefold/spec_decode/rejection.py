@@ -28,10 +28,10 @@ import torch
 
 from pagefold.executor.sampler import (
     SamplingMetadata,
-    _apply_min_p,
-    _apply_top_k,
-    _apply_top_p,
+    apply_min_p,
     apply_penalties,
+    apply_top_k,
+    apply_top_p,
 )
 from pagefold.sampling_params import SAMPLING_EPS
 
@@ -69,11 +69,11 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     temp = meta.temperature.to(logits.device)
     x = logits / torch.where(temp < SAMPLING_EPS, 1.0, temp).unsqueeze(1)
     if meta.top_k is not None:
-        x = _apply_top_k(x, meta.top_k.to(x.device), meta.max_top_k)
+        x = apply_top_k(x, meta.top_k.to(x.device), meta.max_top_k)
     if meta.top_p is not None:
-        x = _apply_top_p(x, meta.top_p.to(x.device))
+        x = apply_top_p(x, meta.top_p.to(x.device))
     if meta.min_p is not None:
-        x = _apply_min_p(x, meta.min_p.to(x.device))
+        x = apply_min_p(x, meta.min_p.to(x.device))
     return x.softmax(dim=1)
 
 

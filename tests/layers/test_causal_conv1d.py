@@ -1,4 +1,4 @@
-"""Tests for pagefold.layers.causal_conv1d: varlen and decode paths against the naive loop and
+"""Tests for pagefold.ops.conv1d.reference: varlen and decode paths against the naive loop and
 against transformers' depthwise-conv usage."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.causal_conv1d import (
+from pagefold.ops.conv1d.reference import (
     causal_conv1d_naive,
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -151,17 +151,17 @@ def test_rejects_bad_shapes() -> None:
 @pytest.fixture
 def conv_calls(monkeypatch):
     """Counts the compiled conv calls that returned a result."""
-    from pagefold.layers import causal_conv1d as mod
+    from pagefold.ops.conv1d import cpu as mod
 
     n = [0]
-    real = mod._conv_varlen_cpu
+    real = mod.conv_varlen_cpu
 
     def counting(*a, **k):
         res = real(*a, **k)
         n[0] += res is not None
         return res
 
-    monkeypatch.setattr(mod, "_conv_varlen_cpu", counting)
+    monkeypatch.setattr(mod, "conv_varlen_cpu", counting)
     return n
 
 
@@ -208,7 +208,7 @@ def test_varlen_captures_into_pages(conv_calls, dtype, compiled) -> None:
     from pagefold.core.kv_cache_spec import StateComponent, StateSpec
     from pagefold.csrc import cpu_ops
     from pagefold.executor.cache_tensors import StateView
-    from pagefold.layers.causal_conv1d import causal_conv1d_state_at
+    from pagefold.ops.conv1d.reference import causal_conv1d_state_at
 
     if cpu_ops.kernels() is None:
         pytest.skip("no C++ compiler")

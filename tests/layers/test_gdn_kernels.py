@@ -1,4 +1,4 @@
-"""Tests for pagefold.layers.linear_attention.gdn: chunked and recurrent kernels against the
+"""Tests for pagefold.ops.gdn.reference: chunked and recurrent kernels against the
 naive definition, state hand-off across arbitrary splits, and transformers' reference kernels."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.linear_attention.gdn import (
+from pagefold.ops.gdn.reference import (
     GDN_KERNELS,
     gdn_chunked,
     gdn_naive,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefold.layers.linear_attention.kda import kda_chunked, kda_naive, kda_recurrent
+from pagefold.ops.kda.reference import kda_chunked, kda_naive, kda_recurrent
 
 H, DK, DV = 2, 6, 5
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefold.layers.linear_attention.lightning import (
+from pagefold.models.minimax import lightning_slopes
+from pagefold.ops.lightning.reference import (
     lightning_chunked,
     lightning_naive,
     lightning_recurrent,
 )
-from pagefold.models.minimax import lightning_slopes
 
 H, DK, DV = 3, 6, 5
 

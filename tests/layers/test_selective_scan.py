@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefold.layers.mamba.selective_scan import (
+from pagefold.ops.selective_scan.reference import (
     selective_scan_chunked,
     selective_scan_naive,
     selective_scan_recurrent,

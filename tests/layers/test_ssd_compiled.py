@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pagefold.csrc import cpu_ops
-from pagefold.layers.mamba import ssd_cpu
-from pagefold.layers.mamba.ssd import ssd_chunked, ssd_naive
+from pagefold.ops.ssd import cpu as ssd_cpu
+from pagefold.ops.ssd.reference import ssd_chunked, ssd_naive
 
 pytestmark = pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
 
@@ -130,14 +130,14 @@ def test_gated_norm_kernel_matches_torch(monkeypatch, dtypes):
     from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 
     n = [0]
-    real = gated_norm._gate_first_cpu
+    real = gated_norm.gated_norm_gate_first
 
     def counting(*a, **k):
         res = real(*a, **k)
         n[0] += res is not None
         return res
 
-    monkeypatch.setattr(gated_norm, "_gate_first_cpu", counting)
+    monkeypatch.setattr(gated_norm, "gated_norm_gate_first", counting)
     gen = torch.Generator().manual_seed(2)
     xd, gd, wd = dtypes
     norm = GatedRMSNorm(64, 1e-5, group_size=32).to(wd)
@@ -183,7 +183,7 @@ def test_paged_captures_land_in_their_pages(calls, page_bytes, compiled):
     """``capture=(after, PagedOut)``: the captures land in the checkpoint pages, bit for bit
     the buffer capture of the same kernel form, crossing page boundaries (odd page sizes
     too), and no other byte of the pool moves (the conv component is left as it was)."""
-    from pagefold.layers.state_capture import PagedOut
+    from pagefold.ops.common.capture import PagedOut
 
     inp = _inputs(LENS, H=4, P=16, G=2, N=16, seed=8)
     after = torch.tensor([0, 1 + 3, 8 + 15, 8 + 32, 41 + 63, 105 + 20, 105 + 64, 170 + 129,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm  # noqa: E402
-from pagefold.layers.mamba.ssd import (  # noqa: E402
+from pagefold.ops.ssd.reference import (  # noqa: E402
     SSD_KERNELS,
     ssd_chunked,
     ssd_naive,
@@ -343,7 +343,7 @@ def test_chunked_groups_of_sequences_are_bitwise_one_group(monkeypatch) -> None:
     groups; any grouping (one sequence at a time, pairs, all) gives the same bits: outputs,
     final states and captures, including captures inside and at the end of chunks of later
     groups."""
-    from pagefold.layers.mamba import ssd
+    from pagefold.ops.ssd import reference as ssd
 
     lens = [37, 70, 5, 66, 32, 1]
     inp = _inputs(lens, H=4, P=8, G=2, N=8, seed=11)

@@ -1,4 +1,4 @@
-"""State checkpoints captured inside the kernels (pagefold.layers.state_capture).
+"""State checkpoints captured inside the kernels (pagefold.ops.common.capture).
 
 Each kernel of the GDN and SSD triples, given ``capture=(after, out)``, must write into
 ``out[m]`` the state a call cut right after token ``after[m]`` returns, and leave its own
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.causal_conv1d import causal_conv1d_state_at, causal_conv1d_varlen
-from pagefold.layers.linear_attention.gdn import GDN_KERNELS
-from pagefold.layers.mamba.ssd import SSD_KERNELS
+from pagefold.ops.conv1d.reference import causal_conv1d_state_at, causal_conv1d_varlen
+from pagefold.ops.gdn.reference import GDN_KERNELS
+from pagefold.ops.ssd.reference import SSD_KERNELS
 
 LENGTHS = [1, 7, 33, 64, 0, 65, 130, 40]
 # Flat indices: first/last token of sequences, chunk-aligned and unaligned boundaries,

@@ -23,12 +23,12 @@ def row_independent_routing(request, monkeypatch):
     if request.param == "fma":
         if lib is None or not lib.pf_gemv_kinds() & 2:
             pytest.skip("no AVX2 + FMA kernel on this CPU")
-        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: False)
+        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
         monkeypatch.delenv("PAGEFOLD_BF16_UPCAST", raising=False)
     else:
         if lib is None or not lib.pf_amx_ready():
             pytest.skip("no AMX on this CPU")
-        monkeypatch.setattr(cpu_ops.gemm, "_cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
         monkeypatch.setenv("PAGEFOLD_AMX", "1")
     saved = (cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS)
     cpu_ops._choose_gemv(lib)

@@ -7,18 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.layers.causal_conv1d import causal_conv1d_naive
-from pagefold.layers.linear_attention.gdn import gdn_naive
-from pagefold.layers.mamba.ssd import ssd_naive
-from pagefold.spec_decode.state_verify import (
+from pagefold.ops.conv1d import (
+    causal_conv1d_naive,
     causal_conv1d_verify,
     causal_conv1d_verify_naive,
-    gdn_verify,
-    gdn_verify_naive,
-    select_states,
-    ssd_verify,
-    ssd_verify_naive,
 )
+from pagefold.ops.gdn import gdn_naive, gdn_verify, gdn_verify_naive
+from pagefold.ops.ssd import ssd_naive, ssd_verify, ssd_verify_naive
+from pagefold.spec_decode.state_verify import select_states
 
 LENGTHS = [4, 1, 3, 4, 2]  # verify chunks of 1 + k tokens (k up to 3), mixed
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -34,6 +34,8 @@ from collections.abc import Awaitable, Callable
 
 from pagefold.beam_search import BeamSearchSequence, best_sequences, expand
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
+from pagefold.entrypoints.openai.engine_calls import engine_error, race_disconnect
+from pagefold.entrypoints.openai.errors import bad_request
 from pagefold.entrypoints.openai.memory import json_response
 from pagefold.entrypoints.openai.options import log_request
 from pagefold.entrypoints.openai.protocol import (
@@ -41,7 +43,6 @@ from pagefold.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
-    bad_request,
 )
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
@@ -148,8 +149,6 @@ async def run_beam_search(
 async def _finals(serving, raw, req, prompts: list, params: list, base: str
                   ) -> list[RequestOutput]:
     """Run the beam search of every prompt, cancelled if the client disconnects."""
-    from pagefold.entrypoints.openai.serving_completion import engine_error, race_disconnect
-
     check_beam_request(req, serving.client.config.max_logprobs)
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string", "cache_salt")
@@ -181,10 +180,10 @@ async def beam_completion(serving, raw, req: CompletionRequest, prompts: list, p
 
     finals = await _finals(serving, raw, req, prompts, params, base)
     if not req.stream:
-        return json_response(serving._response(req, base, created, prompts, params[0].n,
-                                               finals))
-    body = serving._stream(req, base, created, prompts, params, (0, finals[0]),
-                           _after(finals))
+        return json_response(serving.response_json(req, base, created, prompts, params[0].n,
+                                                   finals))
+    body = serving.stream_events(req, base, created, prompts, params, (0, finals[0]),
+                                 _after(finals))
     return AbortingStreamingResponse(body, media_type="text/event-stream")
 
 
@@ -198,6 +197,6 @@ async def beam_chat(serving, raw, req: ChatCompletionRequest, prompt: tuple, par
                           "use_beam_search", "tool_choice")
     (final,) = await _finals(serving, raw, req, [prompt], [params], rid)
     if not req.stream:
-        return json_response(serving._response(req, rid, created, final, mode))
-    body = serving._stream(req, rid, created, params, (0, final), _after([final]), mode)
+        return json_response(serving.response_json(req, rid, created, final, mode))
+    body = serving.stream_events(req, rid, created, params, (0, final), _after([final]), mode)
     return AbortingStreamingResponse(body, media_type="text/event-stream")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagefold.entrypoints.openai.protocol import SamplingRequest, bad_request
+from pagefold.entrypoints.openai.errors import bad_request
+from pagefold.entrypoints.openai.protocol import SamplingRequest
 from pagefold.structured_output import StructuredOutputsParams
 
 # field -> (values that mean "off", why a different value is refused)

@@ -13,7 +13,7 @@ from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 _MIN_LOGPROB = -9999.0
 
 
-def _clamp(lp: float) -> float:
+def clamp_logprob(lp: float) -> float:
     return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
 
 
@@ -35,7 +35,8 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
     if out.prompt_logprobs is None:
         return None
     return [None if e is None else {
-        str(t): {"logprob": _clamp(x.logprob), "rank": x.rank, "decoded_token": x.decoded_token}
+        str(t): {"logprob": clamp_logprob(x.logprob), "rank": x.rank,
+                 "decoded_token": x.decoded_token}
         for t, x in e.items()} for e in out.prompt_logprobs]
 
 
@@ -49,12 +50,12 @@ def completion_logprobs(comp: CompletionOutput, t0: int, t1: int, num: int, offs
         s = lp.decoded_token or ""
         name = token_name(tid, s, as_ids)
         tokens.append(name)
-        token_lps.append(_clamp(lp.logprob))
+        token_lps.append(clamp_logprob(lp.logprob))
         offsets.append(offset)
         offset += len(s)
-        top = {token_name(t, x.decoded_token, as_ids): _clamp(x.logprob)
+        top = {token_name(t, x.decoded_token, as_ids): clamp_logprob(x.logprob)
                for t, x in ranked_ids(entry, num)}
-        top.setdefault(name, _clamp(lp.logprob))
+        top.setdefault(name, clamp_logprob(lp.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
@@ -76,10 +77,10 @@ def echo_logprobs(tokenizer, out: RequestOutput, num: int, after: dict | None,
             tops.append(None)
             continue
         lp = entry[tid]
-        token_lps.append(_clamp(lp.logprob))
-        top = {token_name(t, x.decoded_token, as_ids): _clamp(x.logprob)
+        token_lps.append(clamp_logprob(lp.logprob))
+        top = {token_name(t, x.decoded_token, as_ids): clamp_logprob(x.logprob)
                for t, x in ranked_ids(entry, num)}
-        top.setdefault(tokens[-1], _clamp(lp.logprob))
+        top.setdefault(tokens[-1], clamp_logprob(lp.logprob))
         tops.append(top)
     after = after or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                       "text_offset": []}

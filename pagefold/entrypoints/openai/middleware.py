@@ -22,7 +22,7 @@ import secrets
 
 from starlette.responses import JSONResponse
 
-from pagefold.entrypoints.openai.protocol import APIError, error_body
+from pagefold.entrypoints.openai.errors import APIError, error_body
 
 # Routes that answer without the key (``/metrics`` only unless metrics_require_key).
 OPEN_PATHS = ("/health",)

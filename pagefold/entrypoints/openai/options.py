@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pagefold.entrypoints.openai.chat_parsing import REASONING_PARSERS, TOOL_PARSERS
 from pagefold.metrics import ServerMetrics, stats_line
 
 logger = logging.getLogger("pagefold.server")
@@ -41,8 +42,6 @@ class ServeOptions:
 
 def serve_options(args) -> ServeOptions:
     """ServeOptions from ``pagefold serve``'s parsed flags (missing flags: defaults)."""
-    from pagefold.entrypoints.openai.chat_parsing import REASONING_PARSERS, TOOL_PARSERS
-
     d = ServeOptions()
     opts = ServeOptions(
         log_requests=getattr(args, "log_requests", d.log_requests),

@@ -3,7 +3,7 @@
 Requests are parsed with ``Model.model_validate_json(body, strict=True)`` (see
 :func:`parse_request`): wrong JSON types are errors (``"5"`` is not an int, ``true`` not a
 float), unknown fields are ignored as OpenAI ignores them. Every error the server returns has
-OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:func:`error_body`).
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (``errors.error_body``).
 """
 
 from __future__ import annotations
@@ -13,53 +13,10 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import StreamingResponse
 
-# --------------------------------------------------------------------------- errors
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 422: "invalid_request_error",
-                499: "invalid_request_error", 500: "server_error", 503: "server_error"}
-
-
-class APIError(Exception):
-    """An error answered to the client as ``status`` with an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:  # noqa: A002
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status)
-
-
-def error_body(message: str, type: str = "invalid_request_error",  # noqa: A002
-               param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code or "invalid_value")
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """A 400 naming the first offending field (``param``) and every problem found."""
-    problems, param = [], None
-    for err in exc.errors()[:4]:
-        loc = [str(x) for x in err.get("loc", ())]
-        field = loc[0] if loc else None
-        param = param or field
-        where = ".".join(loc) if loc else "body"
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {json.dumps(value)[:80]})"
-        problems.append(f"{where}: {err.get('msg', 'invalid')}{shown}")
-    return bad_request("invalid request: " + "; ".join(problems), param)
+from pagefold.entrypoints.openai.errors import bad_request, validation_error
+from pagefold.entrypoints.openai.validation import check_numbers
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
@@ -77,8 +34,6 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
             raise bad_request("the request body must be a JSON object",
                               code="invalid_json") from None
         raise validation_error(e) from None
-    from pagefold.entrypoints.openai.validation import check_numbers  # imports this module
-
     check_numbers(req)  # NaN / Infinity / integers past 64 bits: 400 naming the field
     return req
 

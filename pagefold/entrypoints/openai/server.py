@@ -38,25 +38,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pagefold import __version__
+from pagefold.architectures import resolve_architecture
+from pagefold.checkpoint import generation_eos_ids, load_tokenizer, read_config_dict
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
+from pagefold.engine.dp_client import DPEngineClient
+from pagefold.entrypoints.openai.engine_calls import ClientDisconnected
+from pagefold.entrypoints.openai.errors import APIError, bad_request, error_body
 from pagefold.entrypoints.openai.memory import MemoryTrimmer
 from pagefold.entrypoints.openai.middleware import GateMiddleware, InFlight
 from pagefold.entrypoints.openai.options import ServeOptions, serve_options, stats_loop
 from pagefold.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    bad_request,
-    error_body,
     parse_request,
 )
 from pagefold.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagefold.entrypoints.openai.serving_completion import (
     DEFAULT_MAX_REQUEST_OUTPUT_TOKENS,
-    ClientDisconnected,
     OpenAIServingCompletion,
 )
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
@@ -108,8 +110,6 @@ def build_state(config: EngineConfig, *, served_model_name: str | list[str] | No
                 ) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
-    from pagefold.llm import generation_eos_ids, load_tokenizer
-
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or []))
     name = names[0] if names else config.model
@@ -150,8 +150,6 @@ def build_app(state: ServerState) -> FastAPI:
             yield
         finally:
             await state.client.shutdown()
-
-    from pagefold import __version__
 
     app = FastAPI(title="pagefold", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url="/openapi.json")
@@ -213,8 +211,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:
-        from pagefold import __version__
-
         return JSONResponse({"version": __version__})
 
     @app.get("/load")
@@ -406,16 +402,12 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     keep_alive_seconds()  # a bad value fails before the model loads
     config = EngineConfig(model=args.model, tokenizer=args.tokenizer, **engine_kwargs)
-    from pagefold.models.registry import read_config_dict, resolve_architecture
-
     # Cheap checks first, each naming what is wrong: the model's config, then the port.
     resolve_architecture(read_config_dict(Path(args.model)))
     sock = bind_socket(args.host, args.port)  # before the model loads: fail fast on a busy port
     options = serve_options(args)
     dp = getattr(args, "data_parallel_size", 1) or 1
     if dp > 1:
-        from pagefold.engine.dp_client import DPEngineClient
-
         client = DPEngineClient(config, dp, log_level=getattr(args, "log_level", "INFO"))
     else:
         client = AsyncEngineClient(config, log_level=getattr(args, "log_level", "INFO"))

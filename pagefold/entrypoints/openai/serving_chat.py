@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagefold.entrypoints.openai.beam import beam_chat
 from pagefold.entrypoints.openai.chat_parsing import (
     ToolCall,
     named_choice,
@@ -30,9 +31,10 @@ from pagefold.entrypoints.openai.chat_parsing import (
     tool_function,
     tool_start_marker,
 )
+from pagefold.entrypoints.openai.errors import bad_request
 from pagefold.entrypoints.openai.fields import refuse_unsupported
 from pagefold.entrypoints.openai.logprobs import (
-    _clamp,
+    clamp_logprob,
     prompt_logprobs_json,
     ranked_ids,
     token_name,
@@ -44,7 +46,6 @@ from pagefold.entrypoints.openai.protocol import (
     AbortingStreamingResponse,
     ChatCompletionRequest,
     ChatMessage,
-    bad_request,
     sse,
     usage,
 )
@@ -60,7 +61,7 @@ from pagefold.sampling_params import SamplingParams
 
 
 def _token_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 # Fields that shape the chat template's rendering: meaningless with ``prompt_token_ids``.
@@ -223,15 +224,14 @@ class OpenAIServingChat(OpenAIServing):
         rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
-            from pagefold.entrypoints.openai.beam import beam_chat
             return await beam_chat(self, raw, req, (text, ids), params, rid, created, mode)
         stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
-            body = self._stream(req, rid, created, params, first, stream, mode)
+            body = self.stream_events(req, rid, created, params, first, stream, mode)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         (final,) = await self.collect(raw, stream, 1)
-        return json_response(self._response(req, rid, created, final, mode))
+        return json_response(self.response_json(req, rid, created, final, mode))
 
     @staticmethod
     def _token_in(req: ChatCompletionRequest) -> list[int]:
@@ -287,8 +287,8 @@ class OpenAIServingChat(OpenAIServing):
             msg["reasoning_content"] = reasoning
         return msg, bool(calls) and mode != "named"
 
-    def _response(self, req: ChatCompletionRequest, rid: str, created: int,
-                  out: RequestOutput, mode: str = "none") -> dict:
+    def response_json(self, req: ChatCompletionRequest, rid: str, created: int,
+                      out: RequestOutput, mode: str = "none") -> dict:
         choices = []
         echo = self._echo_prefix(req)
         as_ids = self.as_token_ids(req)
@@ -319,10 +319,10 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body
 
-    async def _stream(self, req: ChatCompletionRequest, rid: str, created: int,
-                      params: SamplingParams, first: tuple[int, RequestOutput],
-                      stream: AsyncIterator[tuple[int, RequestOutput]],
-                      mode: str = "none") -> AsyncIterator[str]:
+    async def stream_events(self, req: ChatCompletionRequest, rid: str, created: int,
+                            params: SamplingParams, first: tuple[int, RequestOutput],
+                            stream: AsyncIterator[tuple[int, RequestOutput]],
+                            mode: str = "none") -> AsyncIterator[str]:
         include_usage, continuous = stream_usage(self.options, req.stream_options)
         as_ids = self.as_token_ids(req)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,

@@ -20,16 +20,22 @@ Shared rules (chat follows them too):
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError, RequestRejectedError
+from pagefold.entrypoints.openai.beam import beam_completion
+from pagefold.entrypoints.openai.engine_calls import (
+    engine_error,
+    merge_generations,
+    race_disconnect,
+)
+from pagefold.entrypoints.openai.errors import APIError, bad_request, error_body
 from pagefold.entrypoints.openai.fields import refuse_unsupported, structured_outputs
 from pagefold.entrypoints.openai.logprobs import (
     completion_logprobs,
@@ -41,11 +47,8 @@ from pagefold.entrypoints.openai.options import ServeOptions, log_request, strea
 from pagefold.entrypoints.openai.protocol import (
     SSE_DONE,
     AbortingStreamingResponse,
-    APIError,
     CompletionRequest,
     SamplingRequest,
-    bad_request,
-    error_body,
     held_back,
     sse,
     usage,
@@ -61,81 +64,6 @@ MAX_SAMPLES = 128
 MAX_SHOWN = 1 << 30
 # Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
 DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the answer was ready."""
-
-
-async def _wait_for_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def race_disconnect(raw: Request, aw: Awaitable[T]) -> T:
-    """Await ``aw`` unless the client disconnects first: then cancel it (which aborts the
-    engine requests inside) and raise :class:`ClientDisconnected`. The body must be read."""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-async def merge_generations(
-        gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several engine streams as ``(index, output)``; the first error wins.
-
-    Closing this generator (or an error) cancels every stream, which aborts its request.
-    """
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, done))
-        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def engine_error(e: Exception) -> APIError:
-    """Map engine-side failures to HTTP errors (400 rejected, 503 dead)."""
-    if isinstance(e, RequestRejectedError):
-        msg = str(e)
-        return bad_request(msg, "structured_outputs" if "structured output" in msg
-                           else "prompt")
-    if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
-    if isinstance(e, APIError):
-        return e
-    raise e
 
 
 class OpenAIServing:
@@ -478,15 +406,14 @@ class OpenAIServingCompletion(OpenAIServing):
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
         if req.use_beam_search:
-            from pagefold.entrypoints.openai.beam import beam_completion
             return await beam_completion(self, raw, req, prompts, params, base, created)
         stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
         if req.stream:
             first = await self.prime(raw, stream)
-            body = self._stream(req, base, created, prompts, params, first, stream)
+            body = self.stream_events(req, base, created, prompts, params, first, stream)
             return AbortingStreamingResponse(body, media_type="text/event-stream")
         finals = await self.collect(raw, stream, len(prompts))
-        return json_response(self._response(req, base, created, prompts, params[0].n, finals))
+        return json_response(self.response_json(req, base, created, prompts, params[0].n, finals))
 
     async def _prompts(self, prompt, req: CompletionRequest | None = None
                        ) -> list[tuple[str | None, list[int]]]:
@@ -521,8 +448,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
 
-    def _response(self, req: CompletionRequest, rid: str, created: int,
-                  prompts: list, n: int, finals: list[RequestOutput]) -> dict:
+    def response_json(self, req: CompletionRequest, rid: str, created: int,
+                      prompts: list, n: int, finals: list[RequestOutput]) -> dict:
         choices, n_prompt, n_cached = [], 0, 0
         as_ids = self.as_token_ids(req)
         for i, ((text, ids), out) in enumerate(zip(prompts, finals)):
@@ -552,9 +479,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 "model": self.served_model_name, "choices": choices,
                 "usage": usage(n_prompt, completion_tokens(finals), n_cached)}
 
-    async def _stream(self, req: CompletionRequest, rid: str, created: int, prompts: list,
-                      params: list[SamplingParams], first: tuple[int, RequestOutput],
-                      stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream_events(self, req: CompletionRequest, rid: str, created: int, prompts: list,
+                            params: list[SamplingParams], first: tuple[int, RequestOutput],
+                            stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         include_usage, continuous = stream_usage(self.options, req.stream_options)
         as_ids = self.as_token_ids(req)
         n = params[0].n

@@ -21,14 +21,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagefold.entrypoints.openai.protocol import bad_request
+from pagefold.entrypoints.openai.errors import bad_request
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 
 def check_numbers(req: BaseModel) -> None:
-    """Raise :class:`~pagefold.entrypoints.openai.protocol.APIError` 400 on the first NaN,
+    """Raise :class:`~pagefold.entrypoints.openai.errors.APIError` 400 on the first NaN,
     infinity or out-of-range integer in ``req`` (see the module docstring)."""
     for name, value in _fields(req):
         _check(value, name, name)

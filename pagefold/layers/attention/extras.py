@@ -1,6 +1,6 @@
 """Paged attention with per-head sinks and/or logit soft-capping (gpt-oss, soft-capped Gemma).
 
-Same cache layout, metadata and call shape as :func:`pagefold.layers.attention.backend.
+Same cache layout, metadata and call shape as :func:`pagefold.ops.attention.
 paged_attention`; the scores are computed explicitly (float32), so two extras the fast paths do
 not have can enter the softmax:
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from pagefold.layers.attention.backend import AttentionMetadata, read_kv, write_kv
+from pagefold.ops.attention import AttentionMetadata, read_kv, write_kv
 
 __all__ = ["paged_attention_extras"]
 

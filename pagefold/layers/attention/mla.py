@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagefold.layers.attention.backend import AttentionMetadata
+from pagefold.ops.attention import AttentionMetadata
 
 __all__ = ["paged_mla_attention"]
 

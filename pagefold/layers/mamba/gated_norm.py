@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.distributed.parallel_state import all_reduce, tp_size
+from pagefold.ops.elementwise import gated_norm_gate_first
 
 __all__ = ["GatedRMSNorm"]
 
@@ -78,7 +79,7 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"gate shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
         if (gate is not None and not self.norm_before_gate and not self.spans_ranks
                 and x.device.type == "cpu" and x.dim() == 2):
-            out = _gate_first_cpu(x, gate, self.weight, self.group_size, self.eps)
+            out = gated_norm_gate_first(x, gate, self.weight, self.group_size, self.eps)
             if out is not None:
                 return out
         in_dtype = x.dtype
@@ -97,28 +98,3 @@ class GatedRMSNorm(nn.Module):
             f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
             f"norm_before_gate={self.norm_before_gate}"
         )
-
-
-_CODE = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _gate_first_cpu(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int,
-                    eps: float) -> torch.Tensor | None:
-    """The gate-first form through ``pf_gated_norm_gate_first`` (csrc/gated_norm.cpp: the same
-    steps and roundings, equal up to float32 rounding), or None (nothing done) when the
-    kernel does not take the inputs: kernels off, dtypes other than all float32, all bf16 or
-    float32 x with bf16 gate and weight (the prefill's float32 y), rows not contiguous."""
-    from pagefold.csrc import cpu_ops
-
-    lib = cpu_ops.kernels()
-    codes = (_CODE.get(x.dtype), _CODE.get(gate.dtype), _CODE.get(weight.dtype))
-    if (lib is None or None in codes or codes[1] != codes[2] or x.stride(1) != 1
-            or gate.dim() != 2 or gate.stride(1) != 1 or not weight.is_contiguous()
-            or gate.device.type != "cpu"):
-        return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    rc = lib.pf_gated_norm_gate_first(*codes, x.data_ptr(), x.stride(0), gate.data_ptr(),
-                                      gate.stride(0), weight.data_ptr(), out.data_ptr(),
-                                      x.shape[0], x.shape[1], group, float(eps),
-                                      torch.get_num_threads())
-    return out if rc == 0 else None

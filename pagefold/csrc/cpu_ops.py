@@ -383,6 +383,24 @@ def _neg_exp(a_log: torch.Tensor) -> torch.Tensor:
     return val
 
 
+
+# Public names for the compiled decode step (``layers.decode_native``), which passes the same
+# per-step values the state kernels below take.
+def state_layout(view) -> tuple | None:
+    """(library, conv component, ssm component, {name: byte offset}) of a conv + SSM state
+    view, as the state kernels read it; None without the kernels or both components."""
+    return _state_kernel(view)
+
+
+def fresh_flags(has_initial_state: torch.Tensor) -> torch.Tensor | None:
+    """(N,) uint8 of the sequences starting fresh, None if none (as the state kernels take)."""
+    return _fresh_flags(has_initial_state)
+
+
+def neg_exp(a_log: torch.Tensor) -> torch.Tensor:
+    """``-exp(A_log)`` in float32, cached on the parameter (as the state kernels take it)."""
+    return _neg_exp(a_log)
+
 def gdn(view, page_ids: torch.Tensor, has_initial_state: torch.Tensor,
         cu_seqlens: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,

@@ -1,11 +1,12 @@
-// A whole decode step of a decoder stack in one call: dense (Llama / Qwen2 / Qwen3) layers,
-// Gated DeltaNet hybrids (Qwen3.5) and Nemotron-H's Mamba-2 hybrid blocks.
+// A whole decode step of a decoder stack in one call (pagefold.layers.decode_native): the
+// blocks of any model whose parts have compiled kernels (dense Llama / Qwen2 / Qwen3, the Gated
+// DeltaNet hybrids, the Mamba-2 hybrids).
 //
-// pagefold.layers.decode_fast's plans call, per layer, about ten kernels through ctypes; each
-// call costs ~4-5 us of argument conversion, as much as a small kernel's work, and a 30-layer
-// model's step makes ~300 of them. This driver makes the same calls, with the same arguments,
-// in the same order, from C: one ctypes call per step. The results are the Python plans' bit
-// for bit (tested), since every number comes out of the same kernels.
+// The module path calls, per layer, about ten kernels through ctypes; each call costs ~4-5 us
+// of argument conversion, as much as a small kernel's work, and a 30-layer model's step makes
+// ~300 of them. This driver makes the same kernel calls, with the same arguments, in the same
+// order, from C: one ctypes call per step. The results are the module path's bit for bit
+// (tested), since every number comes out of the same kernels.
 //
 // A step is a list of blocks, each `part(norm(x + residual))`: the residual add folded into the
 // norm (pf_rms_norm), then one part: attention (with or without q/k norm + RoPE, with or
@@ -13,7 +14,7 @@
 // DeltaNet mixer, a sparse MoE block. A dense or Qwen3.5 / Qwen3-Next layer is two blocks
 // (mixer, MLP), a Nemotron-H layer one.
 // The block records (int64, kFields per block, see enum Field) and their floats (kFloats per
-// block) are built once per plan; the per-step inputs are the rows, the positions, each
+// block) are built once per model; the per-step inputs are the rows, the positions, each
 // attention group's decode metadata and each block's per-step values (a cache, a state pool's
 // pages). The GEMV is a function pointer: cpu_ops' choice for this CPU
 // (pf_linear_bf16 / _fma / _amx).
@@ -41,7 +42,7 @@ enum Field : int {
   // attention: rot 0 = no q/k norm and no RoPE (q, k and v read where they lie in qkv's rows);
   // gated: q rows hold per head [query | gate], the output is o * sigmoid(gate)
   kHeads, kKvHeads, kHeadDim, kQSize, kKvSize, kQHeadStride, kQNormW, kKNormW, kQkZc,
-  kCos, kSin, kRot, kGroup, kGated,
+  kCos, kSin, kRot, kGated,
   // Mamba-2 (intermediate = k1) and GDN (value heads / dim as ssm heads / head dim, value
   // dim = k1, the norm's group = the value head dim)
   kConvDim, kConvK, kSsmHeads, kSsmHeadDim, kSsmGroups, kSsmState, kConvW, kConvB, kDtBias,
@@ -54,13 +55,15 @@ enum Field : int {
 };
 // eps2: the q/k norm's or the gated norm's; scale: attention's or GDN's query scale.
 enum FloatField : int { kNormEps, kEps2, kScale, kFloats };
-// Per-step values of a block (kDyn each): attention: cache, block size; Mamba-2 and GDN: state
-// pool base, page bytes, pages, pages per state, conv offset, ssm offset, fresh flags,
-// -exp(A_log); GDN also cu_seqlens, requests, the ssm state's dtype code.
+// Per-step values of a block (kDyn each): attention: cache, block size, its group's index in
+// `groups` (kAttnGroup); Mamba-2 and GDN: state pool base, page bytes, pages, pages per state,
+// conv offset, ssm offset, fresh flags, -exp(A_log); GDN also cu_seqlens, requests, the ssm
+// state's dtype code.
 enum Dyn : int {
   kRaw, kPageBytes, kPages, kPagesPer, kConvOff, kSsmOff, kFresh, kNegExp, kCu, kRequests,
   kSsmDtype, kDyn
 };
+constexpr int kAttnGroup = kPages;
 constexpr int kGroupFields = 6;  // tables, table stride, seq_lens, kv starts or 0, slots, rows
 
 template <typename P>
@@ -68,8 +71,7 @@ P* ptr(int64_t v) {
   return reinterpret_cast<P*>(static_cast<intptr_t>(v));
 }
 
-// Scratch rows, each role as the Python plans' buffers; every role is read before the next
-// block writes it.
+// Scratch rows, one region per role; every role is read before the next block writes it.
 struct Scratch {
   std::vector<uint16_t> mem;
   uint16_t *h, *mo, *p0, *q, *k, *a1, *a2;
@@ -106,7 +108,7 @@ struct StepArgs {
 int attention(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s,
               Scratch& m, uint16_t* dst) {
   const int64_t t = s.t, d = s.d, n0 = B[kN0];
-  const int64_t* g = s.groups + B[kGroup] * kGroupFields;
+  const int64_t* g = s.groups + dy[kAttnGroup] * kGroupFields;
   const int H = static_cast<int>(B[kHeads]), KVH = static_cast<int>(B[kKvHeads]);
   const int D = static_cast<int>(B[kHeadDim]);
   const int64_t qo = static_cast<int64_t>(H) * D, kv = static_cast<int64_t>(KVH) * D;

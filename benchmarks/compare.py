@@ -517,6 +517,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--systems", nargs="+", default=None,
                    help="default: pagefold pagefold-t1 transformers vllm vllm-r0 (--sweep: "
                    "without pagefold-t1)")
+    p.add_argument("--base", default=None, metavar="REV",
+                   help="--sweep: add a pagefold-base row running that git revision's pagefold/ "
+                   "(exported with git archive) and a /base ratio per workload (> 1: this tree "
+                   "faster)")
     p.add_argument("--sweep", action="store_true",
                    help="the grid of model shapes (benchmarks/sweep.py) instead of the workloads")
     p.add_argument("--quick", action="store_true", help="--sweep: 4 shapes, halved workloads")
@@ -566,7 +570,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         from benchmarks.sweep import run_sweep
 
+        base_env = None
+        if args.base:
+            from benchmarks.decode_b1 import export
+
+            base_env = dict(os.environ, PYTHONPATH=str(export(args.base, tmp)))
+            systems.insert(systems.index("pagefold") + 1 if "pagefold" in systems else 0,
+                           "pagefold-base")
+
         def run_one(system: str, spec: dict) -> dict | None:
+            if system == "pagefold-base":
+                return run_worker(system, sys.executable, spec, tmp, base_env, log)
             if system.startswith("vllm"):
                 env = _vllm_env(args.vllm_python, tmp, system == "vllm-r0")
                 return run_worker(system, args.vllm_python, spec, tmp, env, log)

@@ -161,8 +161,12 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
             pf = res.get("pagefold")
             vl = [v for s, v in res.items() if s.startswith("vllm")]
             hf = res.get("transformers")
+            base = res.get("pagefold-base")
             if pf is None:
                 continue
+            if base:  # this tree against another revision (--base): > 1, this tree faster
+                key = "tpot" if w == "b1" else "seconds"
+                row[f"{w} /base"] = base[key] / pf[key] if base[key] and pf[key] else None
             if w == "b1":  # decode speed: TPOT
                 best = min((v["tpot"] for v in vl if v["tpot"]), default=None)
                 row["b1 TPOT ms"] = pf["tpot"] * 1e3
@@ -194,7 +198,8 @@ def _report(args, rows: list[dict], bw_rows: list[dict], final: bool) -> None:
     from benchmarks.common import print_table
 
     cols = ["shape", "tput /vLLM", "b1 /vLLM", "long /vLLM", "sys /vLLM", "conv /vLLM",
-            "tput /HF", "b1 /HF", "long /HF", "b1 TPOT ms"]
+            "tput /HF", "b1 /HF", "long /HF", "tput /base", "b1 /base", "long /base",
+            "sys /base", "conv /base", "b1 TPOT ms"]
     cols = [c for c in cols if any(r.get(c) for r in rows)]
     gm = {"shape": "geometric mean"}
     for c in cols[1:]:

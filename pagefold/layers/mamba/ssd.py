@@ -379,16 +379,20 @@ def ssd_chunked(
         return x.new_zeros((T, H, P)), initial_state.float().clone()
     L = min(chunk_size, max_len)
     cap = check_capture(capture, T, (H, P, N), paged=True)
-    if cap is not None and isinstance(cap[1], PagedOut) and cap[1].dtype != torch.float32:
-        raise ValueError(f"paged SSD captures need a float32 component, got {cap[1].dtype}")
+    paged = cap[1] if cap is not None and isinstance(cap[1], PagedOut) else None
+    if paged is not None and paged.dtype != torch.float32:
+        # The compiled scan stores float32 states only: a state pool in another dtype
+        # (mamba_ssm_dtype bf16) takes its captures through a buffer, cast when written.
+        cap = (cap[0], paged.buffer())
     if compiled:  # the compiled scan (csrc/ssd.cpp): same chunking, same steps
         from pagefold.layers.mamba.ssd_cpu import ssd_chunked_cpu
 
         res = ssd_chunked_cpu(x, dtf, A, B, C, D, initial_state, [*starts, T], L, cap)
         if res is not None:
+            if paged is not None and cap[1] is not paged:
+                paged.write(cap[1])
             return res
-    paged = cap[1] if cap is not None and isinstance(cap[1], PagedOut) else None
-    if paged is not None:  # the torch form fills a buffer, stored in the pages at the end
+    if paged is not None and cap[1] is paged:  # the torch form fills a buffer, stored at the end
         cap = (cap[0], paged.buffer())
     Af = A.float()
     # Row T of every padded table is all zeros: the target of padding indices. (Filled in

@@ -3,12 +3,13 @@ module path's bits: same tokens and same logprobs (bf16, greedy) with it on and 
 family whose blocks have compiled kernels: Llama (GQA 4:2), Qwen2 (qkv bias, MQA), Qwen3 (q/k
 norm; MHA and GQA 4:1 variants), Qwen3.5 (GDN + gated attention with partial RoPE), Qwen3-Next
 (sparse MoE blocks), Nemotron-H (Mamba-2, RoPE-free attention, relu^2 MLP; random norm
-weights) and Bamba (Mamba-2 + partial-RoPE attention, SwiGLU MLP). Batches of 1, 2 and 3
+weights), Bamba (Mamba-2 + partial-RoPE attention, SwiGLU MLP; float32 SSM states) and
+Mamba-2 (a bf16 residual stream; float32 SSM states). Batches of 1, 2 and 3
 requests, the first prompt again in every batch (prefix-cache hits, and for the state models
 checkpoint captures, which take the module path for their step); with the GEMV's row limit at 1
 every batch above 1 takes the module path. The native step must actually have run (and not
 run with it off); a family whose part has no compiled kernel (Nemotron-H's MoE, Granite's
-scaled residuals) never takes it."""
+scaled residuals, Mamba-2's float32 residual stream) never takes it."""
 
 from __future__ import annotations
 
@@ -31,16 +32,21 @@ NEMOTRON_MOE = dict(layers_block_type=["linear_attention", "moe", "full_attentio
                     n_routed_experts=8, moe_intermediate_size=32,
                     moe_shared_expert_intermediate_size=48, num_experts_per_tok=2, n_group=2,
                     topk_group=1, moe_latent_size=24)
+# Bamba's SSM states default to the KV cache dtype (bf16), which the compiled Mamba-2 decode
+# step does not take (the module path's torch step runs): its float32 pool runs natively.
+ENGINE = {v: {"mamba_ssm_cache_dtype": "float32"} for v in ("bamba", "mamba2")}
 VARIANTS = {
     "llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
     "qwen3_mha": ("qwen3", {"num_key_value_heads": 4}),
     "qwen3_gqa4": ("qwen3", {"num_key_value_heads": 1}),
     "qwen3_5": ("qwen3_5", {}), "qwen3_next": ("qwen3_next", {}),
     "nemotron_h": ("nemotron_h", {}), "bamba": ("bamba", {}),
+    "mamba2": ("mamba2", {"residual_in_fp32": False}),
+    "mamba2_fp32_residual": ("mamba2", {"residual_in_fp32": True}),
     "nemotron_h_moe": ("nemotron_h", NEMOTRON_MOE),
     "granitemoehybrid": ("granitemoehybrid", {}),
 }
-NOT_NATIVE = {"nemotron_h_moe", "granitemoehybrid"}
+NOT_NATIVE = {"nemotron_h_moe", "granitemoehybrid", "mamba2_fp32_residual"}
 needs_kernels = pytest.mark.skipif(cpu_ops.kernels() is None, reason="no C++ compiler")
 
 
@@ -71,8 +77,9 @@ def count_native_steps(monkeypatch) -> list[int]:
     return steps
 
 
-def _run(model_dir, prompts: list[list[int]]) -> list[tuple]:
-    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
+def _run(model_dir, prompts: list[list[int]], **engine) -> list[tuple]:
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB",
+              **engine)
     out = []
     for group in (prompts[:1], prompts[:2], prompts):  # 1, 2, then 3 concurrent requests
         for o in llm.generate([{"prompt_token_ids": p} for p in group], SP, use_tqdm=False):
@@ -96,10 +103,10 @@ def test_native_step_is_bitwise_the_module_path(variant, gemv_rows, tiny_model_f
     prompts = random_prompts(3, 5, 40, 400, seed=4)
     steps = count_native_steps(monkeypatch)
     monkeypatch.setattr(decode_native, "ENABLED", True)
-    native = _run(model, prompts)
+    native = _run(model, prompts, **ENGINE.get(variant, {}))
     ran = steps[0]
     monkeypatch.setattr(decode_native, "ENABLED", False)
-    module = _run(model, prompts)
+    module = _run(model, prompts, **ENGINE.get(variant, {}))
     assert steps[0] == ran  # off: the module path only
     assert (ran > 0) == (variant not in NOT_NATIVE)
     if gemv_rows == 1:

@@ -16,12 +16,13 @@ The protocol (see :mod:`pagefold.layers.native_record`):
   each block being ``part(norm(x + residual))``;
 * a norm has ``native_norm()``, a part ``native_record(hidden)`` and ``native_dyn(step)``.
 
-A model whose every block answers runs its small decode steps here (:func:`run`); any other
-model, or a step that does not qualify (prefill rows, more rows than the GEMV takes, a float32
-or FP8 cache, Triton, a verify step through a state layer, ...), takes the module path.
-Steps above ``cpu_ops.GEMV_MAX_ROWS`` rows take the module path too: their linears go through
-the batched GEMM, whose time dwarfs the Python saved (measured equal within noise at 64 rows,
-see ``docs/ARCHITECTURE.md``).
+A model whose every block answers runs its decode steps of up to :data:`MAX_ROWS` rows here
+(:func:`run`); any other model, or a step that does not qualify (prefill rows, a float32 or
+FP8 cache, Triton, a verify step through a state layer, ...), takes the module path. The
+driver's linears are the GEMV up to ``cpu_ops.GEMV_MAX_ROWS`` rows; above, each linear's own
+forward (:class:`LinearCallback`: the batched GEMM the module path routes them to, so the same
+bits), except in models with sparse MoE blocks, whose larger steps take the module path (their
+experts leave the few-row kernel there).
 """
 
 from __future__ import annotations
@@ -53,10 +54,47 @@ FIELDS = (
 )
 FLOATS = ("norm_eps", "eps2", "scale")
 DYN = 11
+# Steps of more rows than this take the module path (the linears' time dwarfs the Python saved,
+# and the driver's scratch holds every role's rows).
+MAX_ROWS = 256
+# The driver's linear: decode_step.cpp's GemvFn (x, x stride, w, bias, y, y stride, M, N, K,
+# threads).
+LINEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
 
 
 def _code() -> int:
     return (len(FIELDS) * 100 + len(FLOATS)) * 100 + DYN
+
+
+def _rows(address: int, m: int, n: int, stride: int) -> torch.Tensor:
+    """The (m, n) bf16 rows at ``address`` (row stride ``stride``) as a tensor, no copy."""
+    buf = (ctypes.c_uint16 * ((m - 1) * stride + n)).from_address(address)
+    return torch.frombuffer(buf, dtype=torch.bfloat16).as_strided((m, n), (stride, 1))
+
+
+class LinearCallback:
+    """The blocks' linears as the driver's GEMV function pointer, each through its own
+    ``forward`` (the routing ``use_fast_linears`` set up: the batched GEMM above the GEMV's
+    rows), found by its weight's address; the result is copied into the driver's rows. An
+    exception inside is kept in ``error`` (the driver sees a nonzero result)."""
+
+    def __init__(self, parts: list) -> None:
+        self.by_weight = {m.weight.data_ptr(): m for p in parts for m in p.modules()
+                          if type(m) is torch.nn.Linear}
+        self.error: BaseException | None = None
+        self.fn = LINEAR_FN(self._call)  # kept: the pointer lives as long as this object
+        self.address = ctypes.cast(self.fn, ctypes.c_void_p)
+
+    def _call(self, x, x_stride, w, bias, y, y_stride, m, n, k, nthreads) -> int:
+        try:
+            out = self.by_weight[w](_rows(x, m, k, x_stride))
+            _rows(y, m, n, y_stride).copy_(out)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised by NativeBlocks.forward
+            self.error = e
+            return 1
 
 
 class NativeBlocks:
@@ -89,14 +127,18 @@ class NativeBlocks:
         self.blocks = (ctypes.c_int64 * len(vals))(*vals)
         flts = [float(r[1].get(f, 0.0)) for r in recs for f in FLOATS]
         self.floats = (ctypes.c_float * len(flts))(*flts)
+        # MoE experts call the GEMV on weight slices no linear owns: the GEMV's rows only.
+        self.has_moe = any(r[0]["kind"] == KINDS["moe"] for r in recs)
+        self.linears = LinearCallback(self.parts)
         self.ok = True
 
     def usable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """The per-step conditions on the rows: bf16 on the CPU, contiguous, at most the
-        GEMV's rows (the driver's linears are the GEMV), kernels on, no Triton."""
+        """The per-step conditions on the rows: bf16 on the CPU, contiguous, not too many
+        (the GEMV's rows with MoE blocks), kernels on, no Triton."""
         t = x.shape[0]
         return (ENABLED and self.ok and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and 1 <= t <= cpu_ops.GEMV_MAX_ROWS and x.is_contiguous()
+                and 1 <= t <= (cpu_ops.GEMV_MAX_ROWS if self.has_moe else MAX_ROWS)
+                and x.is_contiguous()
                 and x.shape[1] == self.hidden and cpu_ops.kernels() is not None
                 and (residual is None or residual.is_contiguous())
                 and not dispatch.use_triton(x.device))
@@ -117,11 +159,17 @@ class NativeBlocks:
             dyn += d + [0] * (DYN - len(d))
         groups = st.group_values() or [0]
         out = torch.empty_like(x)
+        t = x.shape[0]
+        gemv = t <= cpu_ops.GEMV_MAX_ROWS
+        self.linears.error = None
         rc = self.lib.pf_blocks_decode(
             self.blocks, self.floats, len(self.parts), (ctypes.c_int64 * len(dyn))(*dyn),
-            (ctypes.c_int64 * len(groups))(*groups), cpu_ops.gemv_address(), x.data_ptr(),
-            residual.data_ptr() if residual is not None else None, out.data_ptr(), x.shape[0],
+            (ctypes.c_int64 * len(groups))(*groups),
+            cpu_ops.gemv_address() if gemv else self.linears.address, x.data_ptr(),
+            residual.data_ptr() if residual is not None else None, out.data_ptr(), t,
             x.shape[1], st.pos, torch.get_num_threads())
+        if self.linears.error is not None:
+            raise self.linears.error
         if rc:
             raise RuntimeError("a CPU kernel refused checked inputs in the native decode step")
         return out, (residual if residual is not None else x)

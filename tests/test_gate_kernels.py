@@ -2,8 +2,8 @@
 relu^2 MLP, bit for bit torch's), ``pf_sigmoid_gate`` (gated attention's output gate, through
 :func:`pagefold.layers.attention_gate.sigmoid_gate`), ``pf_moe_route`` and
 ``pf_moe_shared_add`` (a sparse MoE block's router and shared-expert add). The module path and
-the decode plans share the last three, whose exp is the kernels' own: torch's bits up to rare
-one-step rounding flips."""
+the native decode step share the last three, whose exp is the kernels' own: torch's bits up to
+rare one-step rounding flips."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 On the CPU in bf16 with the kernels built this is ``pf_sigmoid_gate`` (``csrc/layers.cpp``),
 rounded as torch rounds ``o * torch.sigmoid(gate)`` (the sigmoid to bf16, then the product)
-but with the kernels' own ``exp``: the module path and the fast decode plans
-(``decode_fast``, ``decode_native``) call the same kernel, so both give the same bits. Other
+but with the kernels' own ``exp``: the module path and the native decode step
+(``decode_native``) call the same kernel, so both give the same bits. Other
 dtypes and devices use torch.
 """
 

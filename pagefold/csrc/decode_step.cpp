@@ -23,6 +23,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 
@@ -71,10 +72,15 @@ P* ptr(int64_t v) {
   return reinterpret_cast<P*>(static_cast<intptr_t>(v));
 }
 
-// Scratch rows, one region per role; every role is read before the next block writes it.
+// Scratch rows, one region per role; every role is read before the next block writes it. Each
+// region starts on a 64-byte line (as torch's tensors do): the batched GEMM that larger steps
+// call back into (decode_native.LinearCallback) reads its rows as it reads the module path's.
 struct Scratch {
+  static constexpr int64_t kLine = 32;  // uint16 elements per 64 bytes
   std::vector<uint16_t> mem;
   uint16_t *h, *mo, *p0, *q, *k, *a1, *a2;
+
+  static int64_t lines(int64_t n) { return (n + kLine - 1) / kLine * kLine; }
 
   Scratch(const int64_t* blocks, int n, int64_t t, int64_t d) {
     int64_t n0 = 0, qo = 0, kv = 0, k1 = d;  // a2 holds a MoE shared expert's (t, d) too
@@ -85,14 +91,17 @@ struct Scratch {
       kv = std::max(kv, B[kKvHeads] * B[kHeadDim]);
       k1 = std::max({k1, B[kK1], B[kSharedInter]});
     }
-    mem.resize(static_cast<size_t>(t) * (2 * d + n0 + qo + kv + 2 * k1));
-    h = mem.data();
-    mo = h + t * d;
-    p0 = mo + t * d;
-    q = p0 + t * n0;
-    k = q + t * qo;
-    a1 = k + t * kv;
-    a2 = a1 + t * k1;
+    const int64_t sizes[7] = {t * d, t * d, t * n0, t * qo, t * kv, t * k1, t * k1};
+    int64_t total = kLine;
+    for (int64_t sz : sizes) total += lines(sz);
+    mem.resize(static_cast<size_t>(total));
+    const auto addr = reinterpret_cast<uintptr_t>(mem.data());
+    uint16_t* at = mem.data() + ((64 - addr % 64) % 64) / 2;
+    uint16_t** regions[7] = {&h, &mo, &p0, &q, &k, &a1, &a2};
+    for (int i = 0; i < 7; ++i) {
+      *regions[i] = at;
+      at += lines(sizes[i]);
+    }
   }
 };
 

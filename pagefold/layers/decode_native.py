@@ -130,6 +130,7 @@ class NativeBlocks:
         # MoE experts call the GEMV on weight slices no linear owns: the GEMV's rows only.
         self.has_moe = any(r[0]["kind"] == KINDS["moe"] for r in recs)
         self.linears = LinearCallback(self.parts)
+        self.max_block = lib.pf_max_block()
         self.ok = True
 
     def usable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -150,7 +151,7 @@ class NativeBlocks:
         returns ``(last part's output, residual)``, whose sum is the blocks' output (``x`` or
         ``residual`` takes the residual stream in place, as the module path's first add), or
         None where a part's ``native_dyn`` declined this step (nothing has run then)."""
-        st = Step(self.lib, ctx, x.shape[0], positions)
+        st = Step(self.lib, ctx, x.shape[0], positions, self.max_block)
         dyn: list[int] = []
         for p in self.parts:
             d = p.native_dyn(st)
@@ -188,11 +189,10 @@ def model_blocks(layers) -> list | None:
     return blocks
 
 
-def _key(blocks: list) -> tuple:
-    """What the packed records depend on beyond the modules themselves: the GEMV routing of
-    every linear (``use_fast_linears`` sets a new ``pf_gemv`` when it runs again)."""
-    return tuple(id(getattr(m, "pf_gemv", None)) for _, part in blocks[:1] + blocks[-1:]
-                 for m in part.modules() if type(m) is torch.nn.Linear)
+def _routing(linears: tuple) -> tuple:
+    """The GEMV routing of ``linears`` (``use_fast_linears`` sets a new ``pf_gemv`` on every
+    linear when it runs again: the first and last block's stand for all)."""
+    return tuple(id(getattr(m, "pf_gemv", None)) for m in linears)
 
 
 def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor, ctx
@@ -206,17 +206,18 @@ def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor
     cached = owner.__dict__.get("_pf_native_blocks")
     if cached is None:
         blocks = model_blocks(layers)
-        if blocks is None:
-            owner.__dict__["_pf_native_blocks"] = cached = ((), None, None)
-        else:
-            cached = (_key(blocks), blocks, NativeBlocks(blocks, x.shape[1]))
-            owner.__dict__["_pf_native_blocks"] = cached
-    key, blocks, native = cached
+        lins = () if blocks is None else tuple(
+            m for _, part in blocks[:1] + blocks[-1:] for m in part.modules()
+            if type(m) is torch.nn.Linear)
+        cached = (lins, _routing(lins), blocks,
+                  None if blocks is None else NativeBlocks(blocks, x.shape[1]))
+        owner.__dict__["_pf_native_blocks"] = cached
+    lins, key, blocks, native = cached
     if native is None:
         return None
-    if _key(blocks) != key:
+    if _routing(lins) != key:
         native = NativeBlocks(blocks, x.shape[1])
-        owner.__dict__["_pf_native_blocks"] = (_key(blocks), blocks, native)
+        owner.__dict__["_pf_native_blocks"] = (lins, _routing(lins), blocks, native)
     if not native.usable(x, None):
         return None
     return native.forward(x, positions, ctx)

@@ -101,10 +101,11 @@ class Step:
 
     __slots__ = ("lib", "ctx", "t", "pos", "max_block", "groups", "states", "keep")
 
-    def __init__(self, lib, ctx, t: int, positions: torch.Tensor) -> None:
+    def __init__(self, lib, ctx, t: int, positions: torch.Tensor, max_block: int) -> None:
+        """``max_block``: the decode attention kernel's largest cache block (``pf_max_block``)."""
         positions = positions.contiguous()
         self.lib, self.ctx, self.t, self.pos = lib, ctx, t, positions.data_ptr()
-        self.max_block = lib.pf_max_block()
+        self.max_block = max_block
         self.groups: dict[int, tuple[int, list[int]]] = {}  # cache group -> (index, values)
         self.states: dict[int, tuple] = {}
         self.keep: list = [positions]

@@ -65,7 +65,8 @@ enum Dyn : int {
   kSsmDtype, kDyn
 };
 constexpr int kAttnGroup = kPages;
-constexpr int kGroupFields = 6;  // tables, table stride, seq_lens, kv starts or 0, slots, rows
+constexpr int kGroupFields = 6;
+using MoeFn = int (*)(int block, const void* h, int64_t t, int64_t d, void* dst);  // tables, table stride, seq_lens, kv starts or 0, slots, rows
 
 template <typename P>
 P* ptr(int64_t v) {
@@ -253,12 +254,15 @@ int pf_blocks_decode_fields() { return (kFields * 100 + kFloats) * 100 + kDyn; }
 
 // Every block on x (t rows of d, contiguous bf16). res: the residual stream (t x d, updated in
 // place), or null: the first block's input is the residual (x is then updated in place, as the
-// module path's first add writes into it). out (t x d): the last block's part output. dyn:
+// module path's first add writes into it). out (t x d): the last block's part output. moe_fn:
+// null, or what runs the sparse MoE blocks instead of moe() (steps above the few-row experts'
+// kernel: the Python block's own forward), called with (block index, normed rows, t, d, dst). dyn:
 // kDyn per block. groups: kGroupFields per attention group. Returns 0, -1 for a bad block, or
 // the first nonzero kernel result OR-ed over a block (the kernels refused an input).
 int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
                      const int64_t* dyn, const int64_t* groups, void* gemv_fn, void* x, void* res,
-                     void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads) {
+                     void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads,
+                     void* moe_fn) {
   if (n_blocks < 1 || t < 1 || gemv_fn == nullptr) return -1;
   const StepArgs s{reinterpret_cast<GemvFn>(gemv_fn), t, d, pos, groups, nthreads};
   Scratch m(blocks, n_blocks, t, d);
@@ -280,7 +284,9 @@ int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
       case kMlpRelu2: rc |= mlp(B, s, m, dst); break;
       case kMamba2: rc |= mamba2(B, F, dy, s, m, dst); break;
       case kGdn: rc |= gdn(B, F, dy, s, m, dst); break;
-      case kMoe: rc |= moe(B, s, m, dst); break;
+      case kMoe:
+        rc |= moe_fn ? reinterpret_cast<MoeFn>(moe_fn)(i, m.h, t, d, dst) : moe(B, s, m, dst);
+        break;
       default: return -1;
     }
     if (rc) return rc;

@@ -20,9 +20,8 @@ A model whose every block answers runs its decode steps of up to :data:`MAX_ROWS
 (:func:`run`); any other model, or a step that does not qualify (prefill rows, a float32 or
 FP8 cache, Triton, a verify step through a state layer, ...), takes the module path. The
 driver's linears are the GEMV up to ``cpu_ops.GEMV_MAX_ROWS`` rows; above, each linear's own
-forward (:class:`LinearCallback`: the batched GEMM the module path routes them to, so the same
-bits), except in models with sparse MoE blocks, whose larger steps take the module path (their
-experts leave the few-row kernel there).
+forward and each sparse MoE block's own forward (:class:`ModuleCallbacks`: the batched GEMM and
+the grouped experts the module path routes them to, so the same bits).
 """
 
 from __future__ import annotations
@@ -62,6 +61,9 @@ MAX_ROWS = 256
 LINEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+# A sparse MoE block run by its own forward: decode_step.cpp's MoeFn (block, rows, t, d, dst).
+MOE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                          ctypes.c_int64, ctypes.c_void_p)
 
 
 def _code() -> int:
@@ -74,23 +76,36 @@ def _rows(address: int, m: int, n: int, stride: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.bfloat16).as_strided((m, n), (stride, 1))
 
 
-class LinearCallback:
-    """The blocks' linears as the driver's GEMV function pointer, each through its own
-    ``forward`` (the routing ``use_fast_linears`` set up: the batched GEMM above the GEMV's
-    rows), found by its weight's address; the result is copied into the driver's rows. An
-    exception inside is kept in ``error`` (the driver sees a nonzero result)."""
+class ModuleCallbacks:
+    """For steps above the GEMV's rows: the blocks' linears as the driver's GEMV function
+    pointer (``linear``), each through its own ``forward`` (the routing ``use_fast_linears``
+    set up: the batched GEMM), found by its weight's address, and the sparse MoE blocks
+    through their own forward (``moe``: their experts leave the few-row kernel there); the
+    results are copied into the driver's rows, so they are the module path's. An exception
+    inside is kept in ``error`` (the driver sees a nonzero result)."""
 
     def __init__(self, parts: list) -> None:
+        self.parts = parts
         self.by_weight = {m.weight.data_ptr(): m for p in parts for m in p.modules()
                           if type(m) is torch.nn.Linear}
         self.error: BaseException | None = None
-        self.fn = LINEAR_FN(self._call)  # kept: the pointer lives as long as this object
-        self.address = ctypes.cast(self.fn, ctypes.c_void_p)
+        # Kept: the pointers live as long as this object.
+        self.linear_fn, self.moe_fn = LINEAR_FN(self._linear), MOE_FN(self._moe)
+        self.linear = ctypes.cast(self.linear_fn, ctypes.c_void_p)
+        self.moe = ctypes.cast(self.moe_fn, ctypes.c_void_p)
 
-    def _call(self, x, x_stride, w, bias, y, y_stride, m, n, k, nthreads) -> int:
+    def _linear(self, x, x_stride, w, bias, y, y_stride, m, n, k, nthreads) -> int:
         try:
             out = self.by_weight[w](_rows(x, m, k, x_stride))
             _rows(y, m, n, y_stride).copy_(out)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised by NativeBlocks.forward
+            self.error = e
+            return 1
+
+    def _moe(self, block, h, t, d, dst) -> int:
+        try:
+            _rows(dst, t, d, d).copy_(self.parts[block](_rows(h, t, d, d)))
             return 0
         except BaseException as e:  # noqa: BLE001 - re-raised by NativeBlocks.forward
             self.error = e
@@ -127,19 +142,16 @@ class NativeBlocks:
         self.blocks = (ctypes.c_int64 * len(vals))(*vals)
         flts = [float(r[1].get(f, 0.0)) for r in recs for f in FLOATS]
         self.floats = (ctypes.c_float * len(flts))(*flts)
-        # MoE experts call the GEMV on weight slices no linear owns: the GEMV's rows only.
-        self.has_moe = any(r[0]["kind"] == KINDS["moe"] for r in recs)
-        self.linears = LinearCallback(self.parts)
+        self.callbacks = ModuleCallbacks(self.parts)
         self.max_block = lib.pf_max_block()
         self.ok = True
 
     def usable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """The per-step conditions on the rows: bf16 on the CPU, contiguous, not too many
-        (the GEMV's rows with MoE blocks), kernels on, no Triton."""
+        """The per-step conditions on the rows: bf16 on the CPU, contiguous, not too many,
+        kernels on, no Triton."""
         t = x.shape[0]
         return (ENABLED and self.ok and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and 1 <= t <= (cpu_ops.GEMV_MAX_ROWS if self.has_moe else MAX_ROWS)
-                and x.is_contiguous()
+                and 1 <= t <= MAX_ROWS and x.is_contiguous()
                 and x.shape[1] == self.hidden and cpu_ops.kernels() is not None
                 and (residual is None or residual.is_contiguous())
                 and not dispatch.use_triton(x.device))
@@ -162,15 +174,16 @@ class NativeBlocks:
         out = torch.empty_like(x)
         t = x.shape[0]
         gemv = t <= cpu_ops.GEMV_MAX_ROWS
-        self.linears.error = None
+        cb = self.callbacks
+        cb.error = None
         rc = self.lib.pf_blocks_decode(
             self.blocks, self.floats, len(self.parts), (ctypes.c_int64 * len(dyn))(*dyn),
             (ctypes.c_int64 * len(groups))(*groups),
-            cpu_ops.gemv_address() if gemv else self.linears.address, x.data_ptr(),
+            cpu_ops.gemv_address() if gemv else cb.linear, x.data_ptr(),
             residual.data_ptr() if residual is not None else None, out.data_ptr(), t,
-            x.shape[1], st.pos, torch.get_num_threads())
-        if self.linears.error is not None:
-            raise self.linears.error
+            x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe)
+        if cb.error is not None:
+            raise cb.error
         if rc:
             raise RuntimeError("a CPU kernel refused checked inputs in the native decode step")
         return out, (residual if residual is not None else x)

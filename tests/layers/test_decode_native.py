@@ -7,8 +7,8 @@ weights), Bamba (Mamba-2 + partial-RoPE attention, SwiGLU MLP; float32 SSM state
 Mamba-2 (a bf16 residual stream; float32 SSM states). Batches of 1, 2 and 3
 requests, the first prompt again in every batch (prefix-cache hits, and for the state models
 checkpoint captures, which take the module path for their step); with the GEMV's row limit at 1
-every batch above 1 runs natively with each linear through its own forward (the batched GEMM;
-models with MoE blocks take the module path there). The native step must actually have run (and not
+every batch above 1 runs natively with each linear and MoE block through its own forward (the
+batched GEMM, the grouped experts). The native step must actually have run (and not
 run with it off); a family whose part has no compiled kernel (Nemotron-H's MoE, Granite's
 scaled residuals, Mamba-2's float32 residual stream) never takes it."""
 
@@ -113,8 +113,8 @@ def test_native_step_is_bitwise_the_module_path(variant, gemv_rows, tiny_model_f
     module = _run(model, prompts, **ENGINE.get(variant, {}))
     assert len(rows) == ran  # off: the module path only
     assert (ran > 0) == (variant not in NOT_NATIVE)
-    if gemv_rows == 1:  # above the GEMV's rows: each linear's own forward, MoE models excepted
-        assert (max(rows) > 1) == (variant != "qwen3_next")
+    if gemv_rows == 1:  # above the GEMV's rows: each linear's and MoE block's own forward
+        assert max(rows) > 1
     assert native == module
 
 

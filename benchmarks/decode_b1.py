@@ -4,6 +4,7 @@ bandwidth.
     python -m benchmarks.decode_b1 --base HEAD~3                 # SmolLM2 + GDN hybrid + dense
     python -m benchmarks.decode_b1 --base main --models smollm2 --rounds 5
     python -m benchmarks.decode_b1 --profile smollm2              # where one step's time goes
+    python -m benchmarks.decode_b1 --base main --batch 32 --requests 32 --out 32  # batched
 
 Each (code, model) runs in its own subprocess, one after another, rounds interleaved (the
 order flips every round) so that load from other processes on a shared machine falls on both
@@ -104,8 +105,10 @@ def worker(spec: dict) -> dict:
         import cProfile
 
         prof = cProfile.Profile(time.process_time)
-    for i, p in enumerate(prompts):
-        llm.add_request({"prompt_token_ids": p}, sp)
+    batch = spec.get("batch", 1)
+    for i in range(0, len(prompts), batch):
+        for p in prompts[i:i + batch]:  # --batch requests decode side by side
+            llm.add_request({"prompt_token_ids": p}, sp)
         last, out = None, []
         steps = 0
         while llm.engine.has_unfinished():
@@ -123,9 +126,9 @@ def worker(spec: dict) -> dict:
                     cpus.append(cpu)
                 last = now
                 if o.finished:
-                    out = list(o.outputs[0].token_ids)
-        tokens.append(out)
-    result = {"tpot": statistics.median(tpots), "cpu": statistics.median(cpus),
+                    out.append(list(o.outputs[0].token_ids))
+        tokens.append(sorted(out))
+    result = {"tpot": statistics.median(tpots) / batch, "cpu": statistics.median(cpus),
               "tokens": tokens,
               "threads": torch.get_num_threads(), "bytes": step_bytes(llm),
               "copy_bw": copy_bandwidth()}
@@ -175,13 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in the workers (default: torch's)")
     p.add_argument("--profile", default=None, metavar="MODEL")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests decoding together (--requests of them in all; tok/s and "
+                        "TPOT count every request's tokens)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from benchmarks.common import print_table
 
     tmp = Path(tempfile.mkdtemp(prefix="pagefold-decode-b1-"))
     spec = {"requests": args.requests, "prompt": args.prompt, "out": args.out,
-            "threads": args.threads}
+            "threads": args.threads, "batch": args.batch}
     if args.profile:
         run_worker(REPO, dict(spec, model=model_path(args.profile), profile=True,
                               requests=1, out=max(args.out, 48)), tmp)

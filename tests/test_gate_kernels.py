@@ -2,8 +2,8 @@
 relu^2 MLP, bit for bit torch's), ``pf_sigmoid_gate`` (gated attention's output gate, through
 :func:`pagefold.ops.elementwise.sigmoid_gate`), ``pf_moe_route`` and
 ``pf_moe_shared_add`` (a sparse MoE block's router and shared-expert add). The module path and
-the decode plans share the last three, whose exp is the kernels' own: torch's bits up to rare
-one-step rounding flips."""
+the native decode step share the last three, whose exp is the kernels' own: torch's bits up to
+rare one-step rounding flips."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_relu2_is_torchs(dtype, inter):
                                     x.stride(0), out.data_ptr(), 9, inter,
                                     torch.get_num_threads())
     assert rc == 0
-    ref = activations._relu2(x[:, :inter].clone())
+    ref = activations.relu2(x[:, :inter].clone())
     torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
 
 

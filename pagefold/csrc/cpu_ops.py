@@ -175,7 +175,7 @@ AMX_MAX_ROWS = 32
 NATIVE_MAX_ROWS = 2
 GEMV_MAX_ROWS = NATIVE_MAX_ROWS if gemm.cpu_has_fast_bf16() else FMA_MAX_ROWS
 PREPACK_LIMIT_BYTES = 2 << 30
-_gemv = None  # the C function linear() and the decode plans call (set with the library)
+_gemv = None  # the C function linear() and the native decode step call (set with the library)
 _gemv_f32 = None  # its float32-output twin where there is one (the AVX2 + FMA kernel)
 
 

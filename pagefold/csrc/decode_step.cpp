@@ -1,11 +1,12 @@
-// A whole decode step of a decoder stack in one call: dense (Llama / Qwen2 / Qwen3) layers,
-// Gated DeltaNet hybrids (Qwen3.5) and Nemotron-H's Mamba-2 hybrid blocks.
+// A whole decode step of a decoder stack in one call (pagefold.layers.decode_native): the
+// blocks of any model whose parts have compiled kernels (dense Llama / Qwen2 / Qwen3, the Gated
+// DeltaNet hybrids, the Mamba-2 hybrids).
 //
-// pagefold.layers.decode_fast's plans call, per layer, about ten kernels through ctypes; each
-// call costs ~4-5 us of argument conversion, as much as a small kernel's work, and a 30-layer
-// model's step makes ~300 of them. This driver makes the same calls, with the same arguments,
-// in the same order, from C: one ctypes call per step. The results are the Python plans' bit
-// for bit (tested), since every number comes out of the same kernels.
+// The module path calls, per layer, about ten kernels through ctypes; each call costs ~4-5 us
+// of argument conversion, as much as a small kernel's work, and a 30-layer model's step makes
+// ~300 of them. This driver makes the same kernel calls, with the same arguments, in the same
+// order, from C: one ctypes call per step. The results are the module path's bit for bit
+// (tested), since every number comes out of the same kernels.
 //
 // A step is a list of blocks, each `part(norm(x + residual))`: the residual add folded into the
 // norm (pf_rms_norm), then one part: attention (with or without q/k norm + RoPE, with or
@@ -13,7 +14,7 @@
 // DeltaNet mixer, a sparse MoE block. A dense or Qwen3.5 / Qwen3-Next layer is two blocks
 // (mixer, MLP), a Nemotron-H layer one.
 // The block records (int64, kFields per block, see enum Field) and their floats (kFloats per
-// block) are built once per plan; the per-step inputs are the rows, the positions, each
+// block) are built once per model; the per-step inputs are the rows, the positions, each
 // attention group's decode metadata and each block's per-step values (a cache, a state pool's
 // pages). The GEMV is a function pointer: cpu_ops' choice for this CPU
 // (pf_linear_bf16 / _fma / _amx).
@@ -22,6 +23,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 
@@ -41,7 +43,7 @@ enum Field : int {
   // attention: rot 0 = no q/k norm and no RoPE (q, k and v read where they lie in qkv's rows);
   // gated: q rows hold per head [query | gate], the output is o * sigmoid(gate)
   kHeads, kKvHeads, kHeadDim, kQSize, kKvSize, kQHeadStride, kQNormW, kKNormW, kQkZc,
-  kCos, kSin, kRot, kGroup, kGated,
+  kCos, kSin, kRot, kGated,
   // Mamba-2 (intermediate = k1) and GDN (value heads / dim as ssm heads / head dim, value
   // dim = k1, the norm's group = the value head dim)
   kConvDim, kConvK, kSsmHeads, kSsmHeadDim, kSsmGroups, kSsmState, kConvW, kConvB, kDtBias,
@@ -54,25 +56,32 @@ enum Field : int {
 };
 // eps2: the q/k norm's or the gated norm's; scale: attention's or GDN's query scale.
 enum FloatField : int { kNormEps, kEps2, kScale, kFloats };
-// Per-step values of a block (kDyn each): attention: cache, block size; Mamba-2 and GDN: state
-// pool base, page bytes, pages, pages per state, conv offset, ssm offset, fresh flags,
-// -exp(A_log); GDN also cu_seqlens, requests, the ssm state's dtype code.
+// Per-step values of a block (kDyn each): attention: cache, block size, its group's index in
+// `groups` (kAttnGroup); Mamba-2 and GDN: state pool base, page bytes, pages, pages per state,
+// conv offset, ssm offset, fresh flags, -exp(A_log); GDN also cu_seqlens, requests, the ssm
+// state's dtype code.
 enum Dyn : int {
   kRaw, kPageBytes, kPages, kPagesPer, kConvOff, kSsmOff, kFresh, kNegExp, kCu, kRequests,
   kSsmDtype, kDyn
 };
-constexpr int kGroupFields = 6;  // tables, table stride, seq_lens, kv starts or 0, slots, rows
+constexpr int kAttnGroup = kPages;
+constexpr int kGroupFields = 6;
+using MoeFn = int (*)(int block, const void* h, int64_t t, int64_t d, void* dst);  // tables, table stride, seq_lens, kv starts or 0, slots, rows
 
 template <typename P>
 P* ptr(int64_t v) {
   return reinterpret_cast<P*>(static_cast<intptr_t>(v));
 }
 
-// Scratch rows, each role as the Python plans' buffers; every role is read before the next
-// block writes it.
+// Scratch rows, one region per role; every role is read before the next block writes it. Each
+// region starts on a 64-byte line (as torch's tensors do): the batched GEMM that larger steps
+// call back into (decode_native.LinearCallback) reads its rows as it reads the module path's.
 struct Scratch {
+  static constexpr int64_t kLine = 32;  // uint16 elements per 64 bytes
   std::vector<uint16_t> mem;
   uint16_t *h, *mo, *p0, *q, *k, *a1, *a2;
+
+  static int64_t lines(int64_t n) { return (n + kLine - 1) / kLine * kLine; }
 
   Scratch(const int64_t* blocks, int n, int64_t t, int64_t d) {
     int64_t n0 = 0, qo = 0, kv = 0, k1 = d;  // a2 holds a MoE shared expert's (t, d) too
@@ -83,14 +92,17 @@ struct Scratch {
       kv = std::max(kv, B[kKvHeads] * B[kHeadDim]);
       k1 = std::max({k1, B[kK1], B[kSharedInter]});
     }
-    mem.resize(static_cast<size_t>(t) * (2 * d + n0 + qo + kv + 2 * k1));
-    h = mem.data();
-    mo = h + t * d;
-    p0 = mo + t * d;
-    q = p0 + t * n0;
-    k = q + t * qo;
-    a1 = k + t * kv;
-    a2 = a1 + t * k1;
+    const int64_t sizes[7] = {t * d, t * d, t * n0, t * qo, t * kv, t * k1, t * k1};
+    int64_t total = kLine;
+    for (int64_t sz : sizes) total += lines(sz);
+    mem.resize(static_cast<size_t>(total));
+    const auto addr = reinterpret_cast<uintptr_t>(mem.data());
+    uint16_t* at = mem.data() + ((64 - addr % 64) % 64) / 2;
+    uint16_t** regions[7] = {&h, &mo, &p0, &q, &k, &a1, &a2};
+    for (int i = 0; i < 7; ++i) {
+      *regions[i] = at;
+      at += lines(sizes[i]);
+    }
   }
 };
 
@@ -106,7 +118,7 @@ struct StepArgs {
 int attention(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s,
               Scratch& m, uint16_t* dst) {
   const int64_t t = s.t, d = s.d, n0 = B[kN0];
-  const int64_t* g = s.groups + B[kGroup] * kGroupFields;
+  const int64_t* g = s.groups + dy[kAttnGroup] * kGroupFields;
   const int H = static_cast<int>(B[kHeads]), KVH = static_cast<int>(B[kKvHeads]);
   const int D = static_cast<int>(B[kHeadDim]);
   const int64_t qo = static_cast<int64_t>(H) * D, kv = static_cast<int64_t>(KVH) * D;
@@ -242,12 +254,15 @@ int pf_blocks_decode_fields() { return (kFields * 100 + kFloats) * 100 + kDyn; }
 
 // Every block on x (t rows of d, contiguous bf16). res: the residual stream (t x d, updated in
 // place), or null: the first block's input is the residual (x is then updated in place, as the
-// module path's first add writes into it). out (t x d): the last block's part output. dyn:
+// module path's first add writes into it). out (t x d): the last block's part output. moe_fn:
+// null, or what runs the sparse MoE blocks instead of moe() (steps above the few-row experts'
+// kernel: the Python block's own forward), called with (block index, normed rows, t, d, dst). dyn:
 // kDyn per block. groups: kGroupFields per attention group. Returns 0, -1 for a bad block, or
 // the first nonzero kernel result OR-ed over a block (the kernels refused an input).
 int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
                      const int64_t* dyn, const int64_t* groups, void* gemv_fn, void* x, void* res,
-                     void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads) {
+                     void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads,
+                     void* moe_fn) {
   if (n_blocks < 1 || t < 1 || gemv_fn == nullptr) return -1;
   const StepArgs s{reinterpret_cast<GemvFn>(gemv_fn), t, d, pos, groups, nthreads};
   Scratch m(blocks, n_blocks, t, d);
@@ -269,7 +284,9 @@ int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
       case kMlpRelu2: rc |= mlp(B, s, m, dst); break;
       case kMamba2: rc |= mamba2(B, F, dy, s, m, dst); break;
       case kGdn: rc |= gdn(B, F, dy, s, m, dst); break;
-      case kMoe: rc |= moe(B, s, m, dst); break;
+      case kMoe:
+        rc |= moe_fn ? reinterpret_cast<MoeFn>(moe_fn)(i, m.h, t, d, dst) : moe(B, s, m, dst);
+        break;
       default: return -1;
     }
     if (rc) return rc;

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _relu2(x: torch.Tensor) -> torch.Tensor:
+def relu2(x: torch.Tensor) -> torch.Tensor:
     # Squared in place in relu's fresh output: the same bits, one activation-sized buffer less.
     return F.relu(x).square_()
 
@@ -26,7 +26,7 @@ _ACTIVATIONS: dict[str, Activation] = {
     "gelu_pytorch_tanh": _gelu_tanh,
     "gelu_new": _gelu_tanh,
     "relu": F.relu,
-    "relu2": _relu2,
+    "relu2": relu2,
 }
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.linear import column_linear, row_linear
+from pagefold.layers.native_record import Step, attention_record
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.ops import elementwise
@@ -91,3 +92,15 @@ class GQAAttention(nn.Module):
                 q, k = self.rotary(positions, q, k)
         o = ctx.attention(self.layer_name, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record (``native_record``): the kernels this forward
+        calls on decode rows (qkv, q/k norm + RoPE, K/V write, decode attention, o)."""
+        return attention_record(
+            hidden, qkv=self.qkv_proj, o=self.o_proj, heads=self.num_heads,
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_size=self.q_size,
+            kv_size=self.kv_size, q_norm=self.q_norm, k_norm=self.k_norm, rotary=self.rotary,
+            scale=self.scale, gated=False)
+
+    def native_dyn(self, step: Step) -> list[int] | None:
+        return step.attention_dyn(self.layer_name)

@@ -1,21 +1,27 @@
-"""A decode step's blocks in one C call (``csrc/decode_step.cpp``, ``pf_blocks_decode``).
+"""The CPU decode step of any model whose blocks have compiled kernels, in one C call
+(``csrc/decode_step.cpp``, ``pf_blocks_decode``).
 
-The plans of ``decode_fast`` call about ten kernels per layer through ctypes, and each ctypes
-call converts its ~12 arguments in ~4-5 us: on a 30-layer model (SmolLM2-135M) that is ~1.5 ms
-of a ~15 ms batch-1 step, with the Python around it more. :class:`NativeBlocks` packs each
-block's fixed arguments (the pointers and sizes the plan's parts already hold) into one int64
-record and its floats into another, once per plan; a step then passes the rows, positions,
-each attention group's decode metadata and each block's per-step values (a KV cache, a state
-pool's pages), and the C side makes the plan's calls in the plan's order with the plan's
-arguments. Same kernels, same arguments: the same bits (``tests/layers/test_decode_fast.py``
-runs every plan with this on and off).
+The module path calls about ten kernels per layer through ctypes, and each ctypes call
+converts its ~12 arguments in ~4-5 us: on a 30-layer model (SmolLM2-135M) that is ~1.5 ms of a
+~15 ms batch-1 step, with the Python around it (module calls, wrappers re-checking their
+inputs, the forward context's lookups) more. Here a model's blocks are packed once into int64
+and float records, and a step passes the rows, the positions, each attention group's decode
+metadata and each block's per-step values: the C side makes the module path's kernel calls in
+the module path's order with the same arguments, so the results are its bits (tested:
+``tests/layers/test_decode_native.py`` runs every covered family with this on and off).
 
-A block is ``part(norm(x + residual))``; a plan part that can run natively has
-``native() -> (kind, ints, floats) | None`` and ``native_dyn(step) -> [ints]``. Dense layers are
-two blocks (attention, gated MLP), Qwen3.5's and Qwen3-Next's two (GDN or gated attention,
-gated MLP or sparse MoE), Nemotron-H's one (Mamba-2, attention or relu^2 MLP). Used
-for the steps whose linears take the GEMV (``Step.small``) with contiguous rows; larger steps
-keep the Python plan, whose linears route through each layer's own forward.
+The protocol (see :mod:`pagefold.layers.native_record`):
+
+* a decoder layer lists its blocks in order with ``native_blocks() -> [(norm, part), ...]``,
+  each block being ``part(norm(x + residual))``;
+* a norm has ``native_norm()``, a part ``native_record(hidden)`` and ``native_dyn(step)``.
+
+A model whose every block answers runs its decode steps of up to :data:`MAX_ROWS` rows here
+(:func:`run`); any other model, or a step that does not qualify (prefill rows, a float32 or
+FP8 cache, Triton, a verify step through a state layer, ...), takes the module path. The
+driver's linears are the GEMV up to ``cpu_ops.GEMV_MAX_ROWS`` rows; above, each linear's own
+forward and each sparse MoE block's own forward (:class:`ModuleCallbacks`: the batched GEMM and
+the grouped experts the module path routes them to, so the same bits).
 """
 
 from __future__ import annotations
@@ -26,17 +32,20 @@ import os
 import torch
 
 from pagefold.csrc import cpu_ops
+from pagefold.distributed.parallel_state import tp_size
+from pagefold.kernels import dispatch
+from pagefold.layers.native_record import Step
 
-# ``PAGEFOLD_NATIVE_DECODE=0`` keeps the Python plans (to compare the two; tests flip this).
+# ``PAGEFOLD_NATIVE_DECODE=0`` keeps the module path (to compare the two; tests flip this).
 ENABLED = os.environ.get("PAGEFOLD_NATIVE_DECODE", "1") != "0"
 
 # decode_step.cpp's enum Kind, Field, FloatField and Dyn, in order (checked against the
-# library's ``pf_blocks_decode_fields`` when a plan is built).
+# library's ``pf_blocks_decode_fields`` when a model's blocks are packed).
 KINDS = {"attention": 1, "mlp_silu": 2, "mlp_relu2": 3, "mamba2": 4, "gdn": 5, "moe": 6}
 FIELDS = (
     "kind", "norm_w", "norm_zc", "w0", "b0", "n0", "w1", "b1", "k1",
     "heads", "kv_heads", "head_dim", "q_size", "kv_size", "q_head_stride", "q_norm_w",
-    "k_norm_w", "qk_zc", "cos", "sin", "rot", "group", "gated",
+    "k_norm_w", "qk_zc", "cos", "sin", "rot", "gated",
     "conv_dim", "conv_k", "ssm_heads", "ssm_head_dim", "ssm_groups", "ssm_state", "conv_w",
     "conv_b", "dt_bias", "d_skip", "gnorm_w", "gnorm_group", "k_heads", "k_head_dim",
     "top_k", "norm_topk", "experts_gu", "experts_down", "moe_inter", "shared_gu", "shared_down",
@@ -44,92 +53,184 @@ FIELDS = (
 )
 FLOATS = ("norm_eps", "eps2", "scale")
 DYN = 11
-GROUP_FIELDS = 6  # Step.attn_group's tuple
-
-
-def linears(first: tuple, second: tuple, hidden: int, inner: int) -> dict | None:
-    """The record's two linears from ``decode_fast._spec`` tuples, or None unless the first
-    maps ``hidden`` -> its outputs and the second ``inner`` -> ``hidden`` (the driver takes
-    every linear's input width from the block)."""
-    w0, b0, n0, k0 = first
-    w1, b1, n1, k1 = second
-    if (k0, n1, k1) != (hidden, hidden, inner):
-        return None
-    return {"w0": w0, "b0": b0 or 0, "n0": n0, "w1": w1, "b1": b1 or 0, "k1": inner}
+# Steps of more rows than this take the module path (the linears' time dwarfs the Python saved,
+# and the driver's scratch holds every role's rows).
+MAX_ROWS = 256
+# The driver's linear: decode_step.cpp's GemvFn (x, x stride, w, bias, y, y stride, M, N, K,
+# threads).
+LINEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+# A sparse MoE block run by its own forward: decode_step.cpp's MoeFn (block, rows, t, d, dst).
+MOE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                          ctypes.c_int64, ctypes.c_void_p)
 
 
 def _code() -> int:
     return (len(FIELDS) * 100 + len(FLOATS)) * 100 + DYN
 
 
-class NativeBlocks:
-    """The packed records of a plan's ``(norm, part)`` blocks, or unusable (``ok`` False: the
-    library lacks the driver or a part cannot run natively)."""
+def _rows(address: int, m: int, n: int, stride: int) -> torch.Tensor:
+    """The (m, n) bf16 rows at ``address`` (row stride ``stride``) as a tensor, no copy."""
+    buf = (ctypes.c_uint16 * ((m - 1) * stride + n)).from_address(address)
+    return torch.frombuffer(buf, dtype=torch.bfloat16).as_strided((m, n), (stride, 1))
 
-    def __init__(self, lib, blocks: list, hidden: int) -> None:
+
+class ModuleCallbacks:
+    """For steps above the GEMV's rows: the blocks' linears as the driver's GEMV function
+    pointer (``linear``), each through its own ``forward`` (the routing ``use_fast_linears``
+    set up: the batched GEMM), found by its weight's address, and the sparse MoE blocks
+    through their own forward (``moe``: their experts leave the few-row kernel there); the
+    results are copied into the driver's rows, so they are the module path's. An exception
+    inside is kept in ``error`` (the driver sees a nonzero result)."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.by_weight = {m.weight.data_ptr(): m for p in parts for m in p.modules()
+                          if type(m) is torch.nn.Linear}
+        self.error: BaseException | None = None
+        # Kept: the pointers live as long as this object.
+        self.linear_fn, self.moe_fn = LINEAR_FN(self._linear), MOE_FN(self._moe)
+        self.linear = ctypes.cast(self.linear_fn, ctypes.c_void_p)
+        self.moe = ctypes.cast(self.moe_fn, ctypes.c_void_p)
+
+    def _linear(self, x, x_stride, w, bias, y, y_stride, m, n, k, nthreads) -> int:
+        try:
+            out = self.by_weight[w](_rows(x, m, k, x_stride))
+            _rows(y, m, n, y_stride).copy_(out)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised by NativeBlocks.forward
+            self.error = e
+            return 1
+
+    def _moe(self, block, h, t, d, dst) -> int:
+        try:
+            _rows(dst, t, d, d).copy_(self.parts[block](_rows(h, t, d, d)))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised by NativeBlocks.forward
+            self.error = e
+            return 1
+
+
+class NativeBlocks:
+    """The packed records of a model's ``(norm, part)`` blocks, or unusable (``ok`` False: no
+    kernels, tensor parallelism, or a norm or part the kernels do not take). The records
+    hold pointers: the modules' tensors must stay as they are while this is used (the
+    cache in :func:`run` rebuilds it when ``use_fast_linears`` routed the linears anew)."""
+
+    def __init__(self, blocks: list, hidden: int) -> None:
+        lib = cpu_ops.kernels()
         self.lib, self.hidden, self.ok = lib, hidden, False
-        fn = getattr(lib, "pf_blocks_decode", None) if lib is not None else None
-        if fn is None or not blocks:
+        self.parts = [part for _, part in blocks]
+        if (lib is None or getattr(lib, "pf_blocks_decode", None) is None or not blocks
+                or tp_size() != 1):
             return
         if lib.pf_blocks_decode_fields() != _code():
             raise RuntimeError("pf_blocks_decode's block record differs from decode_native's")
         recs = []
         for norm, part in blocks:
-            native = getattr(part, "native", None)
-            r = native(hidden) if native is not None else None
-            if r is None:
+            n = getattr(norm, "native_norm", None)
+            rec = getattr(part, "native_record", None)
+            n = n() if n is not None else None
+            r = rec(hidden) if rec is not None else None
+            if n is None or r is None:
                 return
             kind, ints, flts = r
-            ints = {**ints, "kind": KINDS[kind], "norm_w": norm.w, "norm_zc": norm.zc}
-            recs.append((ints, {**flts, "norm_eps": norm.eps}))
+            recs.append(({**ints, "kind": KINDS[kind], "norm_w": n[0], "norm_zc": n[2]},
+                         {**flts, "norm_eps": n[1]}))
         vals = [r[0].get(f, 0) for r in recs for f in FIELDS]
         self.blocks = (ctypes.c_int64 * len(vals))(*vals)
         flts = [float(r[1].get(f, 0.0)) for r in recs for f in FLOATS]
         self.floats = (ctypes.c_float * len(flts))(*flts)
-        self.parts = [part for _, part in blocks]
-        # Attention blocks: their group field follows the runner's cache grouping.
-        self.attn = [(i, p.name) for i, p in enumerate(self.parts)
-                     if recs[i][0]["kind"] == KINDS["attention"]]
-        self.group_at = FIELDS.index("group")
-        self.groups_seen: list[int] = []
+        self.callbacks = ModuleCallbacks(self.parts)
+        self.max_block = lib.pf_max_block()
         self.ok = True
 
-    def usable(self, x: torch.Tensor, residual: torch.Tensor | None, small: bool) -> bool:
-        return (ENABLED and self.ok and small and x.is_contiguous() and x.shape[1] == self.hidden
-                and (residual is None or residual.is_contiguous()))
+    def usable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """The per-step conditions on the rows: bf16 on the CPU, contiguous, not too many,
+        kernels on, no Triton."""
+        t = x.shape[0]
+        return (ENABLED and self.ok and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and 1 <= t <= MAX_ROWS and x.is_contiguous()
+                and x.shape[1] == self.hidden and cpu_ops.kernels() is not None
+                and (residual is None or residual.is_contiguous())
+                and not dispatch.use_triton(x.device))
 
-    def _groups(self, st, ctx) -> list[int]:
-        """Each attention group's decode metadata (``Step.attn_group``), by group index; the
-        records' group fields set anew when the runner's cache grouped the layers anew."""
-        if not self.attn:
-            return [0] * GROUP_FIELDS
-        lg = ctx.cache.layer_group
-        gids = [lg[name] for _, name in self.attn]
-        if gids != self.groups_seen:
-            for (i, _), g in zip(self.attn, gids, strict=True):
-                self.blocks[i * len(FIELDS) + self.group_at] = g
-            self.groups_seen = gids
-        groups = [0] * (GROUP_FIELDS * (max(gids) + 1))
-        for g, (_, name) in zip(gids, self.attn, strict=True):
-            groups[g * GROUP_FIELDS:(g + 1) * GROUP_FIELDS] = [
-                v or 0 for v in st.attn_group(name)]
-        return groups
-
-    def forward(self, st, x: torch.Tensor, ctx, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every block on ``x`` as the plan's Python loop would run them (``usable`` holds);
-        returns ``(last part's output, residual)``."""
-        groups = self._groups(st, ctx)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx,
+                residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every block on ``x`` (T, hidden) as the module path runs them, ``usable`` holding;
+        returns ``(last part's output, residual)``, whose sum is the blocks' output (``x`` or
+        ``residual`` takes the residual stream in place, as the module path's first add), or
+        None where a part's ``native_dyn`` declined this step (nothing has run then)."""
+        st = Step(self.lib, ctx, x.shape[0], positions, self.max_block)
         dyn: list[int] = []
         for p in self.parts:
             d = p.native_dyn(st)
+            if d is None:
+                return None
             dyn += d + [0] * (DYN - len(d))
+        groups = st.group_values() or [0]
         out = torch.empty_like(x)
+        t = x.shape[0]
+        gemv = t <= cpu_ops.GEMV_MAX_ROWS
+        cb = self.callbacks
+        cb.error = None
         rc = self.lib.pf_blocks_decode(
             self.blocks, self.floats, len(self.parts), (ctypes.c_int64 * len(dyn))(*dyn),
-            (ctypes.c_int64 * len(groups))(*groups), cpu_ops.gemv_address(), x.data_ptr(),
-            residual.data_ptr() if residual is not None else None, out.data_ptr(), x.shape[0],
-            x.shape[1], st.pos, st.nt)
+            (ctypes.c_int64 * len(groups))(*groups),
+            cpu_ops.gemv_address() if gemv else cb.linear, x.data_ptr(),
+            residual.data_ptr() if residual is not None else None, out.data_ptr(), t,
+            x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe)
+        if cb.error is not None:
+            raise cb.error
         if rc:
             raise RuntimeError("a CPU kernel refused checked inputs in the native decode step")
         return out, (residual if residual is not None else x)
+
+
+def model_blocks(layers) -> list | None:
+    """Every ``(norm, part)`` block of ``layers`` in order, or None when a layer does not
+    list its blocks."""
+    blocks = []
+    for layer in layers:
+        fn = getattr(layer, "native_blocks", None)
+        got = fn() if fn is not None else None
+        if got is None:
+            return None
+        blocks += got
+    return blocks
+
+
+def _routing(linears: tuple) -> tuple:
+    """The GEMV routing of ``linears`` (``use_fast_linears`` sets a new ``pf_gemv`` on every
+    linear when it runs again: the first and last block's stand for all)."""
+    return tuple(id(getattr(m, "pf_gemv", None)) for m in linears)
+
+
+def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor, ctx
+        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``owner``'s decoder ``layers`` on the embeddings ``x`` in one native step, or None where
+    the step takes the module path (nothing has run then). Returns ``(last part's output,
+    residual)``: the final norm of their sum is the model's output. The packed records are
+    kept on ``owner`` and rebuilt when the linears' GEMV routing changed."""
+    if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not len(layers):
+        return None
+    cached = owner.__dict__.get("_pf_native_blocks")
+    if cached is None:
+        blocks = model_blocks(layers)
+        lins = () if blocks is None else tuple(
+            m for _, part in blocks[:1] + blocks[-1:] for m in part.modules()
+            if type(m) is torch.nn.Linear)
+        cached = (lins, _routing(lins), blocks,
+                  None if blocks is None else NativeBlocks(blocks, x.shape[1]))
+        owner.__dict__["_pf_native_blocks"] = cached
+    lins, key, blocks, native = cached
+    if native is None:
+        return None
+    if _routing(lins) != key:
+        native = NativeBlocks(blocks, x.shape[1])
+        owner.__dict__["_pf_native_blocks"] = (lins, _routing(lins), blocks, native)
+    if not native.usable(x, None):
+        return None
+    return native.forward(x, positions, ctx)

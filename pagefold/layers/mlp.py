@@ -7,8 +7,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagefold.distributed.parallel_state import tp_size
-from pagefold.layers.activations import get_activation
+from pagefold.layers.activations import get_activation, relu2
 from pagefold.layers.linear import column_linear, row_linear
+from pagefold.layers.native_record import Step, linears
 from pagefold.ops import elementwise
 
 
@@ -37,6 +38,16 @@ class GatedMLP(nn.Module):
             h = self.act(gate) * up
         return self.down_proj(h)
 
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record: gate_up, ``pf_silu_mul``, down (SiLU only)."""
+        lin = linears(self.gate_up_proj, self.down_proj, hidden, self.inter)
+        if self.act is not F.silu or lin is None or lin["n0"] != 2 * self.inter:
+            return None
+        return "mlp_silu", lin, {}
+
+    def native_dyn(self, step: Step) -> list[int]:
+        return []
+
 
 class UngatedMLP(nn.Module):
     """``down_proj(act(up_proj(x)))`` (Nemotron-H's relu^2 MLP); ``reduce`` as in GatedMLP."""
@@ -50,3 +61,13 @@ class UngatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
+
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record for relu^2 (``pf_relu2`` rounds as torch does)."""
+        lin = linears(self.up_proj, self.down_proj, hidden, self.up_proj.weight.shape[0])
+        if self.act is not relu2 or lin is None:
+            return None
+        return "mlp_relu2", lin, {}
+
+    def native_dyn(self, step: Step) -> list[int]:
+        return []

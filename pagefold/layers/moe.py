@@ -41,6 +41,7 @@ from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.layers.linear import shard_rows
 from pagefold.layers.mlp import GatedMLP
+from pagefold.layers.native_record import Step, gemv_ready
 
 __all__ = ["ExpertWeightRouter", "MoEExperts", "SparseMoeBlock"]
 
@@ -307,6 +308,36 @@ class SparseMoeBlock(nn.Module):
             else:
                 out = out + (torch.sigmoid(gate) * shared if gate is not None else shared)
         return all_reduce(out)
+
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record: the kernels this forward calls on decode rows
+        (the router's GEMV, ``pf_moe_route``, ``pf_moe_experts_few``, the shared expert and
+        its gate, ``pf_moe_shared_add``); None unless they take its weights as they are
+        (GEMV-routed linears without biases, bf16 stacked experts, one rank)."""
+        ex, sh, gate = self.experts, self.shared_expert, self.shared_expert_gate
+        lins = [self.gate, *((sh.gate_up_proj, sh.down_proj) if sh is not None else ()),
+                *((gate,) if gate is not None else ())]
+        if not (NATIVE and ex.use_gemv and tp_size() == 1
+                and all(gemv_ready(lin) and lin.bias is None for lin in lins)
+                and self.gate.weight.shape == (ex.num_experts, hidden)
+                and all(w.dtype == torch.bfloat16 and w.is_contiguous()
+                        for w in (ex.gate_up_proj, ex.down_proj))
+                and ex.gate_up_proj.shape[2] == hidden
+                and (sh is None or (sh.act is F.silu and sh.gate_up_proj.weight.shape[1] == hidden))
+                and (gate is None or gate.weight.shape == (1, hidden))):
+            return None
+        return "moe", {
+            "w0": self.gate.weight.data_ptr(), "n0": ex.num_experts, "top_k": self.top_k,
+            "norm_topk": int(self.norm_topk_prob), "experts_gu": ex.gate_up_proj.data_ptr(),
+            "experts_down": ex.down_proj.data_ptr(), "moe_inter": ex.inter,
+            "shared_gu": sh.gate_up_proj.weight.data_ptr() if sh is not None else 0,
+            "shared_down": sh.down_proj.weight.data_ptr() if sh is not None else 0,
+            "shared_inter": sh.inter if sh is not None else 0,
+            "shared_gate": gate.weight.data_ptr() if gate is not None else 0,
+        }, {}
+
+    def native_dyn(self, step: Step) -> list[int]:
+        return []
 
 
 _PER_EXPERT = re.compile(r"^(?P<mod>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"

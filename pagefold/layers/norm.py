@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagefold.layers.native_record import bf16_vector
 from pagefold.ops import elementwise
 
 
@@ -38,6 +39,14 @@ class RMSNorm(nn.Module):
             return out, residual
         residual = x + residual
         return self.reference(residual), residual
+
+    def native_norm(self) -> tuple[int, float, int] | None:
+        """(weight pointer, eps, kernel mode) for the native decode step (``decode_native``),
+        whose ``pf_rms_norm`` call is this forward's on the CPU; None for a weight the
+        kernel does not read as it is."""
+        if not bf16_vector(self.weight):
+            return None
+        return self.weight.data_ptr(), float(self.eps), int(bool(self.zero_centered))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -29,6 +29,7 @@ from pagefold.core.layer_kinds import FULL, layer_kinds
 from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_size
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers import decode_native
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
 from pagefold.layers.linear import row_linear, shard_rows
@@ -195,6 +196,11 @@ class BambaDecoderLayer(nn.Module):
                                      bias=bool(getattr(cfg, "mlp_bias", False)),
                                      act=getattr(cfg, "hidden_act", "silu"))
 
+    def native_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The native decode step's blocks: (input norm, mixer), (pre-FF norm, MLP)."""
+        mixer = self.mamba if self.kind == _MAMBA else self.self_attn
+        return [(self.input_layernorm, mixer), (self.pre_ff_layernorm, self.feed_forward)]
+
     def forward(self, positions, x, ctx):
         h = self.input_layernorm(x)
         h = self.mamba(h, ctx) if self.kind == _MAMBA else self.self_attn(positions, h, ctx)
@@ -217,6 +223,11 @@ class _HybridModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
+        # Small CPU decode steps of layers that list their blocks (Bamba's; Granite's scale
+        # their residual adds): the same kernels in one C call (decode_native, same bits).
+        native = decode_native.run(self, self.layers, x, positions, ctx)
+        if native is not None:
+            return getattr(self, self.final_norm_name)(*native)[0]
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return getattr(self, self.final_norm_name)(x)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers import decode_native
 from pagefold.layers.attention_block import GQAAttention, head_dim_of
-from pagefold.layers.decode_fast import DensePlan, cached_plan
 from pagefold.layers.linear import load_into
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import GatedMLP
@@ -49,6 +49,10 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def native_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The native decode step's blocks: (input norm, attention), (post norm, MLP)."""
+        return [(self.input_layernorm, self.self_attn), (self.post_attention_layernorm, self.mlp)]
+
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg, max_positions: int, **attn_kw) -> None:
@@ -60,30 +64,18 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    # Small CPU decode steps skip the modules (same kernels, same bits): see decode_fast.
-    fast_decode = True
-
     def forward(self, input_ids, positions, ctx):
         x = self.embed_tokens(input_ids)
+        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
+        native = decode_native.run(self, self.layers, x, positions, ctx)
+        if native is not None:
+            return self.norm(*native)[0]
         residual = None
-        plan = self._fast_plan() if self.fast_decode else None
-        if plan is not None and plan.usable(x, ctx):
-            x, residual = plan.forward(x, positions, ctx, residual)
-        else:
-            for layer in self.layers:
-                x, residual = layer(positions, x, ctx, residual)
+        for layer in self.layers:
+            x, residual = layer(positions, x, ctx, residual)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
-
-
-    def _fast_plan(self) -> DensePlan | None:
-        """The fast decode plan (built on first use, rebuilt when the linears' GEMV weights
-        changed); None where it cannot apply."""
-        if not len(self.layers):
-            return None
-        return cached_plan(self, self.layers[0].self_attn.qkv_proj,
-                           self.layers[-1].mlp.down_proj, lambda: DensePlan(list(self.layers)))
 
 
 class CausalLM(CausalLMHead):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers import decode_native
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import gather_logits, lm_head_linear, vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer, dt_limit
@@ -40,6 +41,11 @@ class Mamba2Block(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.mixer = Mamba2Mixer(mamba2_mixer_config(cfg), f"layers.{layer_idx}")
 
+    def native_blocks(self) -> list[tuple[nn.Module, nn.Module]] | None:
+        """The native decode step's block (norm, mixer); None with a float32 residual stream
+        (``residual_in_fp32``), which the driver's bf16 stream is not."""
+        return None if self.residual_in_fp32 else [(self.norm, self.mixer)]
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.mixer(self.norm(x.to(self.norm.weight.dtype)), ctx)
         residual = x.float() if self.residual_in_fp32 else x
@@ -55,6 +61,11 @@ class Mamba2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embeddings(input_ids)
+        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
+        # No RoPE: the positions are never read; the token ids stand in for them.
+        native = decode_native.run(self, self.layers, x, input_ids, ctx)
+        if native is not None:
+            return self.norm_f(*native)[0]
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm_f(x.to(self.norm_f.weight.dtype))

@@ -30,6 +30,7 @@ from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
+from pagefold.layers.native_record import Step, bf16_vector, linears
 from pagefold.ops.ssd import mamba2_mixer
 
 __all__ = ["Mamba2Config", "Mamba2Mixer"]
@@ -217,6 +218,37 @@ class Mamba2Mixer(nn.Module):
         clamped = out.clamp(min=lo, max=hi)
         mask = _clamped_token_mask(meta, out.shape[0], out.device, verify)
         return torch.where(mask[:, None], clamped, out)
+
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record: the kernels :meth:`forward` calls on CPU decode
+        rows (in_proj, ``pf_mamba2_decode`` with the arguments ``cpu_ops.mamba2_decode``
+        passes, the gated norm in its bf16 gate-first form, out_proj); None unless they take
+        the weights as they are."""
+        c, n = self.cfg, self.norm
+        w, b = self.conv1d.weight, self.conv1d.bias
+        lin = linears(self.in_proj, self.out_proj, hidden, c.intermediate)
+        if (lin is None or self.shared_group or not bf16_vector(w)
+                or (b is not None and not bf16_vector(b))
+                or lin["n0"] != c.intermediate + c.conv_dim + c.num_heads
+                or n.norm_before_gate or n.spans_ranks or not bf16_vector(n.weight)):
+            return None
+        conv_w = w.view(c.conv_dim, c.conv_kernel)
+        # As cpu_ops.mamba2_decode passes them: float32 copies, kept with the record.
+        dt_bias = self.dt_bias.detach().float().contiguous()
+        d_skip = self.D.detach().float().contiguous()
+        self.native_keep = (conv_w, dt_bias, d_skip)
+        return "mamba2", {
+            **lin, "conv_dim": c.conv_dim, "conv_k": c.conv_kernel, "ssm_heads": c.num_heads,
+            "ssm_head_dim": c.head_dim, "ssm_groups": c.n_groups, "ssm_state": c.state_size,
+            "conv_w": conv_w.data_ptr(), "conv_b": b.data_ptr() if b is not None else 0,
+            "dt_bias": dt_bias.data_ptr(), "d_skip": d_skip.data_ptr(),
+            "gnorm_w": n.weight.data_ptr(), "gnorm_group": n.group_size,
+        }, {"eps2": float(n.eps)}
+
+    def native_dyn(self, step: Step) -> list[int] | None:
+        c = self.cfg
+        return step.state_dyn(self.layer_name, self.A_log, (c.conv_dim, c.conv_kernel - 1),
+                              (c.num_heads, c.head_dim, c.state_size), (torch.float32,))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         c = self.cfg

@@ -19,10 +19,9 @@ from torch import nn
 from pagefold.core.layer_kinds import FULL, MAMBA2, MLP, MOE, layer_kinds
 from pagefold.distributed.parallel_state import all_reduce
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers import decode_native
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
-from pagefold.layers.decode_fast import cached_plan
-from pagefold.layers.decode_fast_nemotron import NemotronHPlan
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import UngatedMLP
 from pagefold.layers.norm import RMSNorm
@@ -57,6 +56,11 @@ class NemotronHRMSNorm(RMSNorm):
             if out is not None:
                 return out
         return self.reference(x)
+
+    def native_norm(self) -> tuple[int, float, int] | None:
+        """The native decode step's norm: the kernel's float32-weight mode, as forward."""
+        base = super().native_norm()
+        return None if base is None else (base[0], base[1], elementwise.NORM_FLOAT_WEIGHT)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -182,6 +186,10 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NemotronHMoE(cfg)
 
+    def native_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The native decode step's block: (norm, mixer)."""
+        return [(self.norm, self.mixer)]
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.norm(x)
         if self.kind in ("mamba", "attention"):
@@ -197,36 +205,16 @@ class NemotronHModel(nn.Module):
                                     for i, kind in enumerate(nemotron_h_block_kinds(cfg)))
         self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
-    # Small CPU decode steps skip the modules (same kernels, same bits): decode_fast_nemotron.
-    fast_decode = True
-
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embeddings(input_ids)
-        plan = self._fast_plan() if self.fast_decode else None
-        if plan is not None and plan.usable(x, ctx):
-            return plan.forward(x, input_ids, ctx)
+        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
+        # No RoPE: the positions are never read; the token ids stand in for them.
+        native = decode_native.run(self, self.layers, x, input_ids, ctx)
+        if native is not None:  # the module path's last add, then the norm
+            return self.norm_f(native[0] + native[1])
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm_f(x)
-
-    def _fast_plan(self) -> NemotronHPlan | None:
-        if not len(self.layers):
-            return None
-        first, last = _linears(self.layers[0])[0], _linears(self.layers[-1])[1]
-        return cached_plan(self, first, last,
-                           lambda: NemotronHPlan(list(self.layers), self.norm_f))
-
-
-def _linears(block: NemotronHBlock) -> tuple[nn.Module, nn.Module]:
-    """A block's first and last linear (whose GEMV weights key the cached decode plan)."""
-    m = block.mixer
-    if block.kind == "mamba":
-        return m.in_proj, m.out_proj
-    if block.kind == "attention":
-        return m.qkv_proj, m.o_proj
-    if block.kind == "moe":
-        m = m.shared_experts
-    return m.up_proj, m.down_proj
 
 
 class NemotronHForCausalLM(CausalLMHead):

@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
+from pagefold.layers import decode_native
 from pagefold.layers.attention_block import split_heads
-from pagefold.layers.decode_fast import cached_plan
-from pagefold.layers.decode_fast_hybrid import HybridPlan
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.moe import ExpertWeightRouter
+from pagefold.layers.native_record import STATE_CODE, Step, attention_record, bf16_vector, linears
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
@@ -132,6 +133,18 @@ class GatedAttention(nn.Module):
         o = sigmoid_gate(o.reshape(t, -1), gate)
         return self.o_proj(o)
 
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record: :meth:`forward`'s kernels on decode rows (qkv,
+        zero-centred q/k norm + partial RoPE, K/V write, decode attention, sigmoid gate, o)."""
+        return attention_record(
+            hidden, qkv=self.qkv_proj, o=self.o_proj, heads=self.num_heads,
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_size=self.q_size,
+            kv_size=self.kv_size, q_norm=self.q_norm, k_norm=self.k_norm, rotary=self.rotary,
+            scale=self.scale, gated=True)
+
+    def native_dyn(self, step: Step) -> list[int] | None:
+        return step.attention_dyn(self.layer_name)
+
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (Qwen3.5's layout; Qwen3-Next's weights are converted to it).
@@ -189,6 +202,34 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = row_linear(nv * dv, cfg.hidden_size, bias=False,
                                    what="Gated DeltaNet output")
 
+    def native_record(self, hidden: int) -> tuple | None:
+        """The native decode step's record: :meth:`forward`'s kernels on CPU decode rows
+        (in_proj, ``pf_gdn`` on the states in their pages, the gated norm, out_proj); None
+        unless they take the weights as ``cpu_ops.gdn`` and ``rms_norm_gated`` check them."""
+        lib = cpu_ops.kernels()
+        w, n = self.conv1d.weight, self.norm
+        lin = linears(self.in_proj, self.out_proj, hidden, self.value_dim)
+        if (lib is None or lin is None
+                or lin["n0"] != self.conv_dim + self.value_dim + 2 * self.num_v_heads
+                or not bf16_vector(w) or self.conv1d.bias is not None
+                or not bf16_vector(self.dt_bias) or self.head_k_dim > lib.pf_max_head_dim()
+                or self.kernel < 2 or not bf16_vector(n.weight)
+                or n.weight.numel() != self.head_v_dim):
+            return None
+        conv_w = w.view(self.conv_dim, self.kernel)
+        return "gdn", {
+            **lin, "conv_dim": self.conv_dim, "conv_k": self.kernel,
+            "ssm_heads": self.num_v_heads, "ssm_head_dim": self.head_v_dim,
+            "k_heads": self.num_k_heads, "k_head_dim": self.head_k_dim,
+            "conv_w": conv_w.data_ptr(), "dt_bias": self.dt_bias.data_ptr(),
+            "gnorm_w": n.weight.data_ptr(),
+        }, {"eps2": float(n.eps), "scale": float(self.head_k_dim**-0.5)}
+
+    def native_dyn(self, step: Step) -> list[int] | None:
+        return step.state_dyn(
+            self.layer_name, self.A_log, (self.conv_dim, self.kernel - 1),
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim), tuple(STATE_CODE))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); reads and writes this layer's states in ``ctx``."""
         t = x.shape[0]
@@ -227,11 +268,10 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 zero_centered=True)
 
-    def mixer_linears(self) -> tuple[nn.Module, nn.Module]:
-        """The token mixer's input and output projections."""
-        if self.layer_type == "linear_attention":
-            return self.linear_attn.in_proj, self.linear_attn.out_proj
-        return self.self_attn.qkv_proj, self.self_attn.o_proj
+    def native_blocks(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The native decode step's blocks: (input norm, mixer), (post norm, MLP)."""
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        return [(self.input_layernorm, mixer), (self.post_attention_layernorm, self.mlp)]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
@@ -259,25 +299,16 @@ class HybridModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
 
-    # Small CPU decode steps skip the modules (same kernels, same bits): decode_fast_hybrid.
-    fast_decode = True
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        plan = self._fast_plan() if self.fast_decode else None
-        if plan is not None and plan.usable(x, ctx):
-            x, residual = plan.forward(x, positions, ctx)
-            return self.norm(x, residual)[0]
+        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
+        native = decode_native.run(self, self.layers, x, positions, ctx)
+        if native is not None:
+            return self.norm(*native)[0]
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
-
-    def _fast_plan(self) -> HybridPlan | None:
-        if not len(self.layers):
-            return None
-        first, last = (la.mixer_linears() for la in (self.layers[0], self.layers[-1]))
-        return cached_plan(self, first[0], last[1], lambda: HybridPlan(list(self.layers)))
 
 
 class HybridCausalLM(CausalLM):

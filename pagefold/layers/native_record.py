@@ -1,0 +1,175 @@
+"""What a layer module tells the compiled decode step (``decode_native``) about itself.
+
+A module that the native step can run has two public methods:
+
+* ``native_record(hidden) -> (kind, ints, floats) | None``: its fixed arguments (weights'
+  pointers and sizes, keyed by ``decode_native.FIELDS`` / ``FLOATS``; ``kind`` one of
+  ``decode_native.KINDS``), checked once per model; None where the kernels do not take the
+  module as it is (another dtype, a layout the kernel lacks, tensor parallelism, ...).
+* ``native_dyn(step) -> list[int] | None``: its per-step values (a KV cache, a state pool's
+  pages, ``-exp(A_log)``) from a :class:`Step`; None where this step's cache, states or
+  metadata do not suit the kernels (the step then takes the module path).
+
+A norm in front of a part has ``native_norm() -> (weight pointer, eps, mode) | None``.
+
+The helpers here are what the modules share to build those: a linear's GEMV readiness, the
+two-linears record, the attention record, and :class:`Step` with its per-step lookups. The
+records pass exactly the arguments the modules' own kernel calls pass, so the native step's
+results are the module path's bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagefold.csrc import cpu_ops
+
+STATE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # the state kernels' ssm dtype codes
+
+
+def gemv_ready(lin) -> bool:
+    """``lin`` is a plain linear whose weights the GEMV takes as they are (``use_fast_linears``
+    routed it and its weights are unchanged since)."""
+    ready = getattr(lin, "pf_gemv", None)
+    return (type(lin) is torch.nn.Linear and ready is not None and ready[0] is lin.weight
+            and ready[1] is lin.bias)
+
+
+def bf16_vector(t: torch.Tensor | None) -> bool:
+    """A bf16 contiguous tensor (a norm weight, a bias) the kernels read as it is."""
+    return t is not None and t.dtype == torch.bfloat16 and t.is_contiguous()
+
+
+def linears(first, second, hidden: int, inner: int) -> dict | None:
+    """The record's two linears: ``first`` (hidden -> its outputs) and ``second`` (``inner``
+    -> hidden), or None unless both take the GEMV with those widths (the driver takes every
+    linear's input width from the block)."""
+    if not (gemv_ready(first) and gemv_ready(second)):
+        return None
+    (n0, k0), (n1, k1) = first.weight.shape, second.weight.shape
+    if (k0, n1, k1) != (hidden, hidden, inner):
+        return None
+    return {"w0": first.weight.data_ptr(),
+            "b0": first.bias.data_ptr() if first.bias is not None else 0, "n0": n0,
+            "w1": second.weight.data_ptr(),
+            "b1": second.bias.data_ptr() if second.bias is not None else 0, "k1": inner}
+
+
+def attention_record(hidden: int, *, qkv, o, heads: int, kv_heads: int, head_dim: int,
+                     q_size: int, kv_size: int, q_norm, k_norm, rotary, scale: float,
+                     gated: bool) -> tuple | None:
+    """The record of a paged attention block: qkv, q/k RMSNorm (both or neither, one flavour)
+    and RoPE on the first ``rot`` channels of each head (``rotary`` None: no RoPE, then no
+    q/k norm: q, k and v are read where they lie in qkv's rows), the K/V write, decode
+    attention, an optional sigmoid output gate (``gated``: each head's q rows are
+    ``[query | gate]``), o. None where the kernels do not take it."""
+    lib = cpu_ops.kernels()
+    lin = linears(qkv, o, hidden, heads * head_dim)
+    if lib is None or lin is None or (q_norm is None) != (k_norm is None):
+        return None
+    if (head_dim > lib.pf_max_head_dim() or heads % kv_heads
+            or heads // kv_heads > lib.pf_max_group()):
+        return None
+    rec = {**lin, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "q_size": q_size,
+           "kv_size": kv_size, "q_head_stride": 2 * head_dim if gated else head_dim,
+           "gated": int(gated)}
+    flts = {"scale": float(scale)}
+    if rotary is None:
+        return ("attention", rec, flts) if q_norm is None and not gated else None
+    cos, sin = rotary.cos, rotary.sin
+    rot = cos.shape[1]
+    if not (cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+            and 0 < rot <= head_dim and rot % 2 == 0):
+        return None
+    rec.update(cos=cos.data_ptr(), sin=sin.data_ptr(), rot=rot)
+    if q_norm is not None:
+        if not (all(bf16_vector(n.weight) and n.weight.numel() == head_dim
+                    for n in (q_norm, k_norm)) and q_norm.zero_centered == k_norm.zero_centered
+                and q_norm.eps == k_norm.eps):
+            return None
+        rec.update(q_norm_w=q_norm.weight.data_ptr(), k_norm_w=k_norm.weight.data_ptr(),
+                   qk_zc=int(bool(q_norm.zero_centered)))
+        flts["eps2"] = float(q_norm.eps)
+    return "attention", rec, flts
+
+
+class Step:
+    """One native step's shared values: the library, the rows, the positions, and the
+    per-step lookups the parts' ``native_dyn`` make (each attention group's decode metadata
+    and each state group's pages, looked up once per step). ``keep`` holds the tensors
+    behind the pointers until the step has run."""
+
+    __slots__ = ("lib", "ctx", "t", "pos", "max_block", "groups", "states", "keep")
+
+    def __init__(self, lib, ctx, t: int, positions: torch.Tensor, max_block: int) -> None:
+        """``max_block``: the decode attention kernel's largest cache block (``pf_max_block``)."""
+        positions = positions.contiguous()
+        self.lib, self.ctx, self.t, self.pos = lib, ctx, t, positions.data_ptr()
+        self.max_block = max_block
+        self.groups: dict[int, tuple[int, list[int]]] = {}  # cache group -> (index, values)
+        self.states: dict[int, tuple] = {}
+        self.keep: list = [positions]
+
+    def attention_dyn(self, name: str) -> list[int] | None:
+        """Attention layer ``name``'s per-step values (its cache, block size, group index),
+        or None unless its cache is contiguous bf16 in blocks the kernel takes and every row
+        of this step attends as a decode row (decode steps, short verify chunks)."""
+        ctx = self.ctx
+        c = ctx.cache.attn.get(name)
+        if (c is None or c.dtype != torch.bfloat16 or not c.is_contiguous()
+                or c.shape[1] > self.max_block):
+            return None
+        gid = ctx.cache.layer_group[name]
+        g = self.groups.get(gid)
+        if g is None:
+            meta = ctx.attn_meta[gid]
+            if meta.prefills or meta.decode_tok.numel() != self.t:
+                return None
+            tables = meta.decode_tables.contiguous()
+            seq_lens = meta.decode_seq_lens.contiguous()
+            kvs = meta.decode_kv_start
+            kvs = kvs.contiguous() if kvs is not None else None
+            slots = meta.slot_mapping.contiguous()
+            self.keep += [tables, seq_lens, kvs, slots]
+            g = self.groups[gid] = (len(self.groups), [
+                tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+                kvs.data_ptr() if kvs is not None else 0, slots.data_ptr(), seq_lens.shape[0]])
+        return [c.data_ptr(), c.shape[1], g[0]]
+
+    def group_values(self) -> list[int]:
+        """Every attention group's decode metadata, in the order of their indices."""
+        return [v for _, vals in sorted(self.groups.values()) for v in vals]
+
+    def state_dyn(self, name: str, a_log: torch.Tensor, conv_shape: tuple, ssm_shape: tuple,
+                  ssm_dtypes: tuple) -> list[int] | None:
+        """State layer ``name``'s per-step values as its decode kernel takes them (the state
+        pool, page bytes, pages, pages per state, conv and ssm offsets, fresh flags,
+        ``-exp(A_log)``, cu_seqlens, requests, the ssm dtype code), or None unless this is a
+        plain decode step (no verify, no given initial states, no checkpoint captures, one
+        row per request) on a bf16 conv state of ``conv_shape`` and an ssm state of
+        ``ssm_shape`` in one of ``ssm_dtypes``."""
+        ctx = self.ctx
+        if ctx.verify or ctx.initial_states is not None:
+            return None
+        view, meta = ctx.state(name)
+        found = cpu_ops.state_kernel(view)
+        if (found is None or not meta.all_decode or meta.capture_after is not None
+                or meta.page_ids.shape[0] != self.t or not view.raw.is_contiguous()):
+            return None
+        _, conv, ssm, offs = found
+        if (conv.dtype != torch.bfloat16 or conv.shape != conv_shape
+                or ssm.dtype not in ssm_dtypes or ssm.shape != ssm_shape):
+            return None
+        s = self.states.get(id(meta))
+        if s is None:
+            pages = meta.page_ids.contiguous()
+            cu = meta.cu_seqlens.to(torch.int64).contiguous()
+            fresh = cpu_ops.fresh_flags(meta.has_initial_state)
+            self.keep += [pages, cu, fresh, meta]
+            s = self.states[id(meta)] = (pages.data_ptr(), pages.shape[1],
+                                         fresh.data_ptr() if fresh is not None else 0,
+                                         cu.data_ptr(), pages.shape[0])
+        neg_exp = cpu_ops.neg_exp(a_log)
+        self.keep.append(neg_exp)
+        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
+                s[2], neg_exp.data_ptr(), s[3], s[4], STATE_CODE[ssm.dtype]]

@@ -139,8 +139,8 @@ void relu2_all(const T* x, int64_t stride, T* out, int64_t N, int I, int nthread
 // out = T(o * T(sigmoid(g))) per row and head: Qwen3.5 / Qwen3-Next's attention output gate,
 // rounded as torch's `o * torch.sigmoid(gate)` on bf16 (the sigmoid rounded, then the
 // product). o's and out's heads are contiguous in their rows; g's heads ghs apart (the gate
-// halves of the [query | gate] q rows). The module path and the decode plans both call this,
-// so they give the same bits. out may be o.
+// halves of the [query | gate] q rows). The module path and the native decode step both call
+// this, so they give the same bits. out may be o.
 template <typename T>
 void sigmoid_gate_all(const T* o, int64_t os, const T* g, int64_t gs, int64_t ghs, T* out,
                       int64_t outs, int64_t N, int H, int D, int nthreads) {

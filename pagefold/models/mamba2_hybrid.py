@@ -221,7 +221,7 @@ class Mamba2Mixer(nn.Module):
 
     def native_record(self, hidden: int) -> tuple | None:
         """The native decode step's record: the kernels :meth:`forward` calls on CPU decode
-        rows (in_proj, ``pf_mamba2_decode`` with the arguments ``cpu_ops.mamba2_decode``
+        rows (in_proj, ``pf_mamba2_decode`` with the arguments ``ops.ssd.cpu.mamba2_decode``
         passes, the gated norm in its bf16 gate-first form, out_proj); None unless they take
         the weights as they are."""
         c, n = self.cfg, self.norm
@@ -233,7 +233,7 @@ class Mamba2Mixer(nn.Module):
                 or n.norm_before_gate or n.spans_ranks or not bf16_vector(n.weight)):
             return None
         conv_w = w.view(c.conv_dim, c.conv_kernel)
-        # As cpu_ops.mamba2_decode passes them: float32 copies, kept with the record.
+        # As ops.ssd.cpu.mamba2_decode passes them: float32 copies, kept with the record.
         dt_bias = self.dt_bias.detach().float().contiguous()
         d_skip = self.D.detach().float().contiguous()
         self.native_keep = (conv_w, dt_bias, d_skip)

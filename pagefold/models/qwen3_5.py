@@ -205,7 +205,8 @@ class GatedDeltaNet(nn.Module):
     def native_record(self, hidden: int) -> tuple | None:
         """The native decode step's record: :meth:`forward`'s kernels on CPU decode rows
         (in_proj, ``pf_gdn`` on the states in their pages, the gated norm, out_proj); None
-        unless they take the weights as ``cpu_ops.gdn`` and ``rms_norm_gated`` check them."""
+        unless they take the weights as ``ops.gdn.cpu.gdn_layer`` and ``rms_norm_gated``
+        check them."""
         lib = cpu_ops.kernels()
         w, n = self.conv1d.weight, self.norm
         lin = linears(self.in_proj, self.out_proj, hidden, self.value_dim)

@@ -60,7 +60,7 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``o * sigmoid(gate)`` for ``o`` (T, H * D) and ``gate`` (T, H, D) (any row and head
     strides, contiguous heads); a new (T, H * D) tensor in ``o``'s dtype: the compiled kernel
-    in bf16 on the CPU (the same bits as the fast decode plans, which call it too), else
+    in bf16 on the CPU (the same bits as the native decode step, which calls it too), else
     torch."""
     out = cpu.sigmoid_gate(o, gate)
     return out if out is not None else o * torch.sigmoid(gate.reshape(gate.shape[0], -1))

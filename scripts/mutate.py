@@ -45,6 +45,7 @@ class Mutant:
 P = "pagefold/"
 SRV = "tests/test_server_hardening.py"
 MUT = "tests/test_mutant_killers.py"
+CAP = "tests/test_capacity_reality.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- issue 16's survivors
@@ -262,6 +263,47 @@ MUTANTS: list[Mutant] = [
            "for n in range(min(len(s) - 1, len(text)), held, -1):",
            "for n in range(min(len(s) - 2, len(text)), held, -1):",
            ("tests/test_detokenizer.py",), "streaming sends the start of a stop string"),
+    # ---------------------------------------------------------------- issue 44: capacity
+    # Planted to check tests/test_capacity_reality.py: each moves the planner's (or the
+    # allocator's) arithmetic by one block; the reality tests compare the two.
+    Mutant("window_span_plus", P + "core/kv_cache_planner.py",
+           "return min(full, cdiv(window + chunk - 2, block_size) + 1)",
+           "return min(full, cdiv(window + chunk - 1, block_size) + 1)",
+           (CAP,), "a window's span one token long: one block too many when aligned"),
+    Mutant("window_span_minus", P + "core/kv_cache_planner.py",
+           "return min(full, cdiv(window + chunk - 2, block_size) + 1)",
+           "return min(full, cdiv(window + chunk - 2, block_size))",
+           (CAP,), "a window one block short"),
+    Mutant("window_floor", P + "core/kv_cache_planner.py",
+           "return min(full, cdiv(window + chunk - 2, block_size) + 1)",
+           "return min(full, (window + chunk - 2) // block_size + 1)",
+           (CAP,), "floor for ceil: windows not a block multiple under-counted"),
+    Mutant("window_ignores_chunk", P + "core/kv_cache_planner.py",
+           "chunk = max(1, min(max_num_batched_tokens, num_tokens))", "chunk = 1",
+           (CAP,), "the decode-only window figure (the bug issue 44 found)"),
+    Mutant("ckpt_one_page", P + "core/kv_cache_planner.py",
+           "return group.pages_per_state * (2 if enable_prefix_caching else 1)",
+           "return group.pages_per_state + (1 if enable_prefix_caching else 0)",
+           (CAP,), "the prefix-cache checkpoint counted as one page, not a state's worth"),
+    Mutant("state_pages_plus", P + "core/kv_cache_planner.py",
+           "pages_per_state=cdiv(spec.state_bytes, page) if isinstance(spec, StateSpec) else 0",
+           "pages_per_state=cdiv(spec.state_bytes, page) + 1 if isinstance(spec, StateSpec) "
+           "else 0",
+           (CAP, "tests/test_capacity.py"), "a state a page longer (planner and allocator agree: "
+           "the independent byte check in test_capacity.py must see it)"),
+    Mutant("allocator_window_late", P + "core/managers.py",
+           "first_needed = max(0, num_computed - window + 1)",
+           "first_needed = max(0, num_computed - window)",
+           (CAP,), "the allocator keeps one token more than the window: the report disagrees"),
+    Mutant("draft_past_max_tokens", P + "spec_decode/engine.py",
+           "room = min(room, mt - r.num_output_tokens - 1)",
+           "room = min(room, mt - r.num_output_tokens)",
+           (CAP,), "a draft slot past the request's end: one more block at a block boundary"),
+    Mutant("cli_spec_state_rows", P + "entrypoints/capacity_cmd.py",
+           'num_speculative_tokens=args.num_speculative_tokens if args.layout == "vllm" else 0,',
+           "num_speculative_tokens=args.num_speculative_tokens,",
+           (CAP,), "the pagefold report sizes states with vLLM's speculative conv rows"),
+
 ]
 
 
@@ -303,12 +345,21 @@ def run_one(m: Mutant, *, full: bool, timeout: float) -> tuple[str, float, str]:
         except subprocess.TimeoutExpired:
             return "killed (timeout)", time.monotonic() - t0, ""
         took = time.monotonic() - t0
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        # The short summary's "FAILED node" names the killing test; the traceback's "E" lines
+        # say whether an assertion killed it (a crash proves only that the code ran).
+        failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+        tail = failed[0] if failed else (lines[-1] if lines else "")
         if proc.returncode == 0:
-            return "SURVIVED", took, tail[0]
+            return "SURVIVED", took, tail
+        asserted = any(ln.startswith("E ") and ("AssertionError" in ln
+                                                  or ln[1:].strip().startswith("assert "))
+                       for ln in lines)
+        if proc.returncode == 1 and not asserted:
+            return "killed (crash)", took, tail
         if proc.returncode in (1, 3):  # tests failed / internal error
-            return "killed", took, tail[0]
-        return f"killed (pytest exit {proc.returncode})", took, tail[0]
+            return "killed", took, tail
+        return f"killed (pytest exit {proc.returncode})", took, tail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in chosen:
         status, took, tail = run_one(m, full=args.full, timeout=args.timeout)
         rows.append((m, status, took))
-        print(f"{m.name:30s} {status:22s} {took:6.1f} s  {tail[:70]}", flush=True)
+        print(f"{m.name:30s} {status:22s} {took:6.1f} s  {tail[:160]}", flush=True)
     killed = sum(1 for _, s, _ in rows if s.startswith("killed"))
     print("\n| mutant | file | status | seconds |\n|---|---|---|---|")
     for m, s, took in rows:

@@ -46,6 +46,7 @@ P = "pagefold/"
 SRV = "tests/test_server_hardening.py"
 MUT = "tests/test_mutant_killers.py"
 CAP = "tests/test_capacity_reality.py"
+DP = "tests/test_dp_routing_property.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- issue 16's survivors
@@ -303,6 +304,33 @@ MUTANTS: list[Mutant] = [
            'num_speculative_tokens=args.num_speculative_tokens if args.layout == "vllm" else 0,',
            "num_speculative_tokens=args.num_speculative_tokens,",
            (CAP,), "the pagefold report sizes states with vLLM's speculative conv rows"),
+
+    # ---------------------------------------------------------------- issue 44: routing
+    Mutant("route_waiting_double", P + "engine/dp_client.py",
+           "return (self.in_flight + self.waiting, self.kv_usage)",
+           "return (self.in_flight + 2 * self.waiting, self.kv_usage)",
+           (DP,), "waiting requests weigh twice"),
+    Mutant("route_kv_reversed", P + "engine/dp_client.py",
+           "return (self.in_flight + self.waiting, self.kv_usage)",
+           "return (self.in_flight + self.waiting, -self.kv_usage)",
+           (DP,), "the fuller KV cache wins a tie"),
+    Mutant("route_slack_strict", P + "engine/dp_client.py",
+           "if busy <= floor + self.prefix_slack:", "if busy < floor + self.prefix_slack:",
+           (DP,), "the prefix loses exactly at the slack"),
+    Mutant("route_owner_ignores_waiting", P + "engine/dp_client.py",
+           "busy = loads[owner].in_flight + loads[owner].waiting",
+           "busy = loads[owner].in_flight", (DP,), "the owner's queue not counted"),
+    Mutant("route_tie_last", P + "engine/dp_client.py",
+           "least = min(range(self.n), key=lambda i: (loads[i].key, i))",
+           "least = min(range(self.n), key=lambda i: (loads[i].key, -i))",
+           (DP,), "full ties go to the last replica"),
+    Mutant("route_prefix_whole_prompt", P + "engine/dp_client.py",
+           "while blocks * self.block_size <= len(prompt) - 1:",
+           "while blocks * self.block_size <= len(prompt):",
+           (DP,), "a prefix that leaves no token after it"),
+    Mutant("route_shortest_prefix", P + "engine/dp_client.py",
+           "for k in reversed(keys):", "for k in keys:",
+           (DP,), "the shortest known prefix decides, not the longest"),
 
 ]
 

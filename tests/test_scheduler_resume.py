@@ -1,0 +1,83 @@
+"""Where a preempted request resumes (issue 44): swap keeps every computed token, recompute
+starts over, recompute with prefix caching starts at the cached prefix it gets back. Asserted
+on the step that re-admits it (its ``NewRequestData.num_computed_tokens`` and the tokens it is
+scheduled), not only through the final tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.sched_output import SampledToken
+from pagefold.core.scheduler import Scheduler
+from pagefold.core.swap import PreemptionCost
+from pagefold.request import Request
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+def _setup(mode: str, caching: bool) -> Scheduler:
+    cfg = plan_pagefold({"layers.0": ATTN}, BS, 7 * ATTN.page_bytes(BS))  # 6 usable blocks
+    kv = KVCacheManager(cfg, enable_prefix_caching=caching)
+    if mode == "swap":
+        kv.attach_swap(16, "swap", PreemptionCost(flops_per_token=1.0))
+    s = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=8, max_model_len=200)
+    # Two blocks each fill the pool; a needs its third block on step 2, before b, so c (the
+    # latest arrival) is preempted with 7 computed tokens: one full block, one partial. a ends
+    # on that step, so c comes back on the next one, its cached block still there.
+    for i, (rid, n, m) in enumerate([("a", 8, 2), ("b", 5, 8), ("c", 7, 8)]):
+        ids = [100 * i + j for j in range(n)]
+        s.add_request(Request(rid, ids, SamplingParams(max_tokens=m, ignore_eos=True),
+                              arrival_time=float(i)))
+    return s
+
+
+def _finish(s: Scheduler, out) -> None:
+    sampled = {rid: SampledToken(7) for rid, n in out.num_scheduled.items()
+               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+    s.update_from_output(out, sampled)
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    _finish(s, out)
+    return out
+
+
+@pytest.mark.parametrize("mode,caching", [("swap", False), ("recompute", False),
+                                          ("recompute", True)])
+def test_preempted_request_resumes_where_it_should(mode, caching):
+    s = _setup(mode, caching)
+    c = s.requests["c"]
+    computed = None
+    for _ in range(40):
+        before = c.num_computed_tokens
+        out = _step(s)
+        if "c" in out.preempted_ids:
+            computed = before
+            break
+    assert computed == 7
+    assert s.kv.preempt_log.decisions[-1][1] == mode
+    credit = s.kv.preempt_log.credited_tokens
+    # swap: everything stays computed; recompute: nothing; with the prefix cache: c's one
+    # full block (its partial block is never cached), which nothing evicted meanwhile.
+    want = {("swap", False): 7, ("recompute", False): 0, ("recompute", True): BS}[mode, caching]
+    out = s.schedule()  # a ended on the step that preempted c: c is back at once
+    (back,) = [r for r in out.new_reqs if r.req_id == "c"]
+    assert back.num_computed_tokens == want
+    # It is scheduled from there to its end: its tokens are the prompt and 1 sampled token.
+    assert c.num_output_tokens == 1
+    assert out.num_scheduled["c"] == 8 - want
+    assert bool(out.swaps) == (mode == "swap")
+    if caching:
+        assert credit == want and s.kv.stats.hits == want
+    _finish(s, out)
+    while s.has_unfinished():
+        _step(s)
+    assert c.num_output_tokens == 8
+    s.kv.check_whole()

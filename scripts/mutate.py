@@ -47,6 +47,8 @@ SRV = "tests/test_server_hardening.py"
 MUT = "tests/test_mutant_killers.py"
 CAP = "tests/test_capacity_reality.py"
 DP = "tests/test_dp_routing_property.py"
+EDGE = "tests/test_length_edges.py"
+RES = "tests/test_scheduler_resume.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- issue 16's survivors
@@ -331,6 +333,29 @@ MUTANTS: list[Mutant] = [
     Mutant("route_shortest_prefix", P + "engine/dp_client.py",
            "for k in reversed(keys):", "for k in keys:",
            (DP,), "the shortest known prefix decides, not the longest"),
+
+    # ---------------------------------------------------------------- issue 44: edges, resume
+    Mutant("edge_prompt_at_limit", P + "entrypoints/openai/serving_completion.py",
+           "if len(ids) >= self.max_model_len:", "if len(ids) > self.max_model_len:",
+           (EDGE,), "a prompt of max_model_len tokens passes the server's first check"),
+    Mutant("edge_room_by_one", P + "entrypoints/openai/serving_completion.py",
+           "if max_tokens is not None and max_tokens > room:",
+           "if max_tokens is not None and max_tokens >= room:",
+           (EDGE,), "max_tokens exactly at the room refused"),
+    Mutant("edge_offline_at_limit", P + "engine/core.py",
+           "if n >= self.max_model_len:", "if n > self.max_model_len:",
+           (EDGE + "::test_offline_llm_edges",), "the offline engine takes a full-length prompt"),
+    Mutant("resume_hit_covers_last", P + "core/kv_cache_manager.py",
+           "max_blocks = (req.num_tokens - 1) // bs", "max_blocks = req.num_tokens // bs",
+           (RES,), "a prefix hit may cover the last token (nothing left to compute)"),
+    Mutant("resume_no_swap", P + "core/kv_cache_manager.py",
+           'self.preemption_mode = mode if self.host is not None else "recompute"',
+           'self.preemption_mode = "recompute"', (RES,), "swap mode silently recomputes"),
+    Mutant("resume_swap_loses_progress", P + "core/kv_cache_manager.py",
+           "        self.swapped[req.request_id] = SwappedRequest(host_lists, nbytes)\n",
+           "        self.swapped[req.request_id] = SwappedRequest(host_lists, nbytes)\n"
+           "        req.num_computed_tokens -= req.num_computed_tokens % self.block_size\n",
+           (RES,), "a swapped request resumes at its last block boundary"),
 
 ]
 

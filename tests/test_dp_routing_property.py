@@ -46,9 +46,11 @@ class Reference:
         return choice
 
 
-BASES = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4],
-         [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3, 5, 3],
-         [3, 1, 4, 1, 5, 9, 2, 6, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]]  # shares 8 with BASES[0]
+_PI = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+# Prompts share 2, 4, 8 or 16 leading tokens with the first, so prefixes of several lengths
+# are known at once, owned by different replicas.
+BASES = [_PI, [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3, 5, 3]]
+BASES += [_PI[:k] + [0] * (20 - k) for k in (2, 4, 8, 16)]
 
 
 @st.composite
@@ -78,6 +80,29 @@ def test_router_equals_the_reference(case):
     for prompt, loads in steps:
         got = lb.pick(list(prompt), [ReplicaLoad(f, w, u) for f, w, u in loads])
         assert got == ref.pick(prompt, loads), (prompt, loads)
+
+
+# Hand-picked sequences the random search may miss: (prompt, loads) per pick, at bs 2, slack 0.
+SEQUENCES = {
+    # The longest known prefix decides: _PI[:4]'s owner moved to 1, _PI[:2]'s stayed on 0.
+    "longest_prefix_wins": [(_PI[:5], [(0, 0, 0.0)] * 2),
+                            (_PI[:2] + [10], [(5, 0, 0.0), (0, 0, 0.0)]),
+                            (_PI[:4] + [11], [(0, 0, 0.0), (0, 0, 0.5)])],
+    # A prompt is never its own prefix: _PI[:8] alone must not record the 8-token key, else
+    # a later _PI[:8] + [10] follows it there instead of its 4-token prefix's new owner.
+    "no_whole_prompt_key": [(_PI[:8], [(0, 0, 0.0)] * 2),
+                            (_PI[:4] + [10, 11, 12], [(5, 0, 0.0), (0, 0, 0.0)]),
+                            (_PI[:8] + [10], [(0, 0, 0.0)] * 2)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCES))
+def test_router_equals_the_reference_on_chosen_sequences(name):
+    lb, ref = LoadBalancer(2, block_size=2, prefix_slack=0), Reference(2, 2, 0)
+    picks = [(lb.pick(list(p), [ReplicaLoad(*x) for x in loads]), ref.pick(p, loads))
+             for p, loads in SEQUENCES[name]]
+    assert [a for a, _ in picks] == [b for _, b in picks]
+    assert len({b for _, b in picks}) == 2  # the sequence does move between replicas
 
 
 @pytest.mark.parametrize("busy,slack,expect", [

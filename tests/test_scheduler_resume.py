@@ -81,3 +81,23 @@ def test_preempted_request_resumes_where_it_should(mode, caching):
         _step(s)
     assert c.num_output_tokens == 8
     s.kv.check_whole()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block():
+    """A prompt whose every block is cached (another request computed it and more) resumes
+    one block short: the last prompt token must be computed to sample from it."""
+    cfg = plan_pagefold({"layers.0": ATTN}, BS, 21 * ATTN.page_bytes(BS))
+    s = Scheduler(KVCacheManager(cfg, enable_prefix_caching=True), max_num_batched_tokens=100,
+                  max_num_seqs=8, max_model_len=200)
+    prompt = list(range(8))  # two full blocks
+    for rid in ("first", "again"):
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+        out = s.schedule()
+        (new,) = out.new_reqs
+        if rid == "again":  # both blocks are cached now; the hit stops one block short
+            assert new.num_computed_tokens == BS and out.num_scheduled[rid] == 8 - BS
+        _finish(s, out)
+        while s.has_unfinished():
+            _step(s)
+    assert s.kv.stats.hits == BS
+    s.kv.check_whole()

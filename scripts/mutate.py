@@ -405,7 +405,7 @@ def run_one(m: Mutant, *, full: bool, timeout: float) -> tuple[str, float, str]:
         tail = failed[0] if failed else (lines[-1] if lines else "")
         if proc.returncode == 0:
             return "SURVIVED", took, tail
-        asserted = any(ln.startswith("E ") and ("AssertionError" in ln
+        asserted = any(ln.startswith("E ") and ("AssertionError" in ln or "DID NOT RAISE" in ln
                                                   or ln[1:].strip().startswith("assert "))
                        for ln in lines)
         if proc.returncode == 1 and not asserted:

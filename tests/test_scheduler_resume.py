@@ -68,7 +68,8 @@ def test_preempted_request_resumes_where_it_should(mode, caching):
     # full block (its partial block is never cached), which nothing evicted meanwhile.
     want = {("swap", False): 7, ("recompute", False): 0, ("recompute", True): BS}[mode, caching]
     out = s.schedule()  # a ended on the step that preempted c: c is back at once
-    (back,) = [r for r in out.new_reqs if r.req_id == "c"]
+    assert [r.req_id for r in out.new_reqs] == ["c"]
+    (back,) = out.new_reqs
     assert back.num_computed_tokens == want
     # It is scheduled from there to its end: its tokens are the prompt and 1 sampled token.
     assert c.num_output_tokens == 1
@@ -93,6 +94,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_block():
     for rid in ("first", "again"):
         s.add_request(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
         out = s.schedule()
+        assert [r.req_id for r in out.new_reqs] == [rid]  # scheduled, with tokens to compute
         (new,) = out.new_reqs
         if rid == "again":  # both blocks are cached now; the hit stops one block short
             assert new.num_computed_tokens == BS and out.num_scheduled[rid] == 8 - BS

@@ -444,3 +444,15 @@ def test_cli_text_and_errors(tmp_path, capsys):
     assert capacity_cmd.main([nem, "--kv-cache-memory", "4GB", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["max_model_len"] == 4096 and r["layer_counts"] == {"mamba2": 4, "full_attention": 2}
+
+
+def test_attention_layers_must_share_one_page_size():
+    """Two attention page sizes cannot share a pool: refused, naming both and the block size."""
+    from pagefold.core.kv_cache_planner import page_bytes_for
+
+    a, b = FullAttentionSpec(2, 64, BF16), FullAttentionSpec(2, 32, BF16)
+    with pytest.raises(ValueError) as e:
+        page_bytes_for([a, b, a], 16)
+    assert str(e.value) == ("attention layers have different page sizes [4096, 8192] at "
+                            "block_size 16; pagefold needs one page size per pool")
+    assert page_bytes_for([a, a], 16) == 16 * 2 * 2 * 64 * 2 == 8192

@@ -133,6 +133,8 @@ def _specs(case: str) -> dict:
         return _config_specs("qwen3_5", "qwen3_5_text", tensor_parallel_size=2)
     if case == "mamba2":  # 3 pages per state
         return _config_specs("nemotron_h", "nemotron_h")
+    if case == "mamba2_only":  # no attention: the page is the largest state
+        return _config_specs("mamba2", "mamba2")
     if case == "mamba2_tp2":
         return _config_specs("nemotron_h", "nemotron_h", tensor_parallel_size=2)
     if case == "mamba1":  # jamba: 2 pages per state
@@ -168,6 +170,7 @@ CASES = [
     ("mamba2", 80, 64, False),
     ("mamba2", 80, 64, True),
     ("mamba2_tp2", 50, 16, True),
+    ("mamba2_only", 40, 16, False),  # with caching the checkpoint is best-effort
     ("mamba1", 60, 64, True),
     ("shortconv", 60, 64, True),
     ("kda_mla", 60, 64, True),

@@ -456,3 +456,17 @@ def test_attention_layers_must_share_one_page_size():
     assert str(e.value) == ("attention layers have different page sizes [4096, 8192] at "
                             "block_size 16; pagefold needs one page size per pool")
     assert page_bytes_for([a, a], 16) == 16 * 2 * 2 * 64 * 2 == 8192
+
+
+def test_state_pages_must_be_whole_16_byte_units():
+    """A page of 8 bytes (1 token x 2 x 1 head x 2 dims x fp16) cannot carry a state's 16-byte
+    aligned components, though it divides the state's widest element (4 bytes)."""
+    from pagefold.core.kv_cache_planner import page_bytes_for
+
+    attn = FullAttentionSpec(1, 2, torch.float16)
+    state = StateSpec("gdn", (StateComponent("ssm", (2, 4), torch.float32),))
+    with pytest.raises(ValueError) as e:
+        page_bytes_for([attn, state], 1)
+    assert str(e.value) == ("a gdn state (32 bytes) cannot be split into pages of 8 bytes: the "
+                            "page must be a multiple of 16 bytes; change block_size")
+    assert page_bytes_for([attn, state], 2) == 16

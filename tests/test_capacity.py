@@ -470,3 +470,19 @@ def test_state_pages_must_be_whole_16_byte_units():
     assert str(e.value) == ("a gdn state (32 bytes) cannot be split into pages of 8 bytes: the "
                             "page must be a multiple of 16 bytes; change block_size")
     assert page_bytes_for([attn, state], 2) == 16
+
+
+def test_no_cached_layers_is_refused():
+    with pytest.raises(ValueError) as e:
+        plan_pagefold({}, 16, GIB)
+    assert str(e.value) == "the model declares no cached layers"
+
+
+def test_a_budget_under_one_block_has_no_usable_block():
+    """A one-page state and a budget smaller than that page: no block at all, so not even
+    one request fits (the null block is never handed out)."""
+    spec = StateSpec("gdn", (StateComponent("ssm", (4,), torch.float32),))  # 16 bytes
+    with pytest.raises(ValueError, match="gives 0 usable blocks"):
+        capacity_report({"s": spec}, memory_bytes=10, max_model_len=8)
+    r = capacity_report({"s": spec}, memory_bytes=32, max_model_len=8)
+    assert (r["num_blocks"], r["usable_blocks"], r["blocks_per_request"]) == (2, 1, 1)

@@ -340,6 +340,8 @@ def test_group_size_rule(counts, size, groups):
     got_size, grouped = group_layers(specs)
     assert got_size == size
     assert [len(names) for _, names in grouped] == groups
+    # Every layer once, by name, in first-seen order (the runner finds its tensors by name).
+    assert [n for _, names in grouped for n in names] == list(specs)
     r = capacity_report(specs, memory_bytes=GIB, max_model_len=4096)
     assert r["layers_per_group"] == size and r["group_sizes"] == groups
     assert r["padding_layers"] == size * len(groups) - sum(counts)

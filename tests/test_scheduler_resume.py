@@ -10,7 +10,7 @@ import torch
 
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
-from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
 from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.swap import PreemptionCost
@@ -102,4 +102,41 @@ def test_a_fully_cached_prompt_still_computes_its_last_block():
         while s.has_unfinished():
             _step(s)
     assert s.kv.stats.hits == BS
+    s.kv.check_whole()
+
+
+def test_recompute_resumes_at_the_state_checkpoint_not_the_attention_prefix():
+    """A hybrid (attention + a one-page state), prefix caching, checkpoints every 4 tokens:
+    c (10 prompt tokens) is preempted with 8 computed. Its attention blocks cover 8 tokens,
+    but its state was saved only at 4 (at 8 the pool had no free page for the copy), so it
+    resumes at 4: the longest prefix that *every* group can serve."""
+    state = StateSpec("gdn", (StateComponent("ssm", (8,), torch.float32),))
+    cfg = plan_pagefold({"attn": ATTN, "state": state}, BS, 13 * ATTN.page_bytes(BS))
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=BS)
+    s = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=8, max_model_len=200)
+    for i, (rid, n, m) in enumerate([("a", 8, 3), ("b", 5, 8), ("c", 10, 8)]):
+        s.add_request(Request(rid, [100 * i + j for j in range(n)],
+                              SamplingParams(max_tokens=m, ignore_eos=True),
+                              arrival_time=float(i)))
+    c = s.requests["c"]
+    _step(s)  # prompts cut at their checkpoint targets: 4 tokens each
+    out = s.schedule()
+    assert out.num_scheduled["c"] == 4 and kv.pool.num_free == 0  # no page for c's copy at 8
+    _finish(s, out)
+    out = s.schedule()
+    assert out.preempted_ids == ["c"] and c.num_computed_tokens == 0
+    attention_hit = kv.managers[0].hit_lengths(c.block_hashes, 2)
+    assert attention_hit == 2 and kv.preempt_log.credited_tokens == BS
+    _finish(s, out)
+    while True:
+        out = s.schedule()
+        if out.new_reqs:
+            break
+        _finish(s, out)
+    assert [r.req_id for r in out.new_reqs] == ["c"]
+    assert out.new_reqs[0].num_computed_tokens == BS
+    _finish(s, out)
+    while s.has_unfinished():
+        _step(s)
+    assert c.num_output_tokens == 8
     s.kv.check_whole()

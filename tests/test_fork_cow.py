@@ -1,0 +1,85 @@
+"""Copy-on-write of a forked request's shared partial block, on a hand-built pool with a
+stand-in for the model (issue 44: mutmut's survivors in ``FullAttentionManager`` were all on
+this path, which only the model-level fork tests reached).
+
+The documented rule (``core/managers.py``): a fork shares every attention block by reference;
+before a request writes into a partly filled block that another request also holds, it gets
+its own copy of that one block (a ``PageCopy`` the runner executes before the forward).
+Full blocks stay shared; a block written by only one holder is never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.managers import PageCopy
+from pagefold.core.sched_output import SampledToken
+from pagefold.core.scheduler import Scheduler
+from pagefold.request import Request
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+def _run(s: Scheduler, out) -> None:
+    sampled = {rid: SampledToken(7) for rid, n in out.num_scheduled.items()
+               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+    s.update_from_output(out, sampled)
+
+
+def test_forked_partial_block_is_copied_once_before_it_is_written():
+    cfg = plan_pagefold({"layers.0": ATTN}, BS, 17 * ATTN.page_bytes(BS))
+    s = Scheduler(KVCacheManager(cfg), max_num_batched_tokens=100, max_num_seqs=8,
+                  max_model_len=100)
+    s.add_request(Request("p", list(range(10, 16)), SamplingParams(max_tokens=6,
+                                                                   ignore_eos=True)))
+    _run(s, s.schedule())  # 6 prompt tokens: one full block, one block holding 2
+    free = s.kv.pool.num_free
+    s.fork_request("p", "c")
+    (full, partial), = s.kv.block_ids("p")
+    assert s.kv.block_ids("c") == [[full, partial]]  # shared, nothing taken yet
+    assert s.kv.pool.num_free == free and s.kv.take_copies() == []
+    out = s.schedule()  # both write position 6, inside the shared partial block
+    assert out.num_scheduled == {"p": 1, "c": 1}
+    (p_table,) = s.kv.block_ids("p")
+    (c_table,) = s.kv.block_ids("c")
+    # The parent (first in the running order) copies; the child then holds the original
+    # alone and writes it in place. The full block stays shared.
+    assert p_table[0] == c_table[0] == full
+    assert c_table[1] == partial and p_table[1] != partial
+    assert out.copies == [PageCopy(0, [partial], [p_table[1]])]
+    assert s.kv.pool.num_free == free - 1
+    _run(s, out)
+    out = s.schedule()  # position 7: each now owns its partial block, no more copies
+    assert out.copies == [] and s.kv.pool.num_free == free - 1
+    _run(s, out)
+    out = s.schedule()  # position 8: a new block each
+    assert out.copies == [] and s.kv.pool.num_free == free - 3
+    _run(s, out)
+    while s.has_unfinished():
+        _run(s, s.schedule())
+    s.kv.check_whole()
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    cfg = plan_pagefold({"layers.0": ATTN}, BS, 17 * ATTN.page_bytes(BS))
+    s = Scheduler(KVCacheManager(cfg), max_num_batched_tokens=100, max_num_seqs=8,
+                  max_model_len=100)
+    s.add_request(Request("p", list(range(10, 18)), SamplingParams(max_tokens=4,
+                                                                   ignore_eos=True)))
+    _run(s, s.schedule())  # 8 tokens: two full blocks
+    free = s.kv.pool.num_free
+    s.fork_request("p", "c")
+    out = s.schedule()  # position 8 starts a fresh block for each: nothing to copy
+    assert out.copies == [] and s.kv.pool.num_free == free - 2
+    (p_table,) = s.kv.block_ids("p")
+    (c_table,) = s.kv.block_ids("c")
+    assert p_table[:2] == c_table[:2] and p_table[2] != c_table[2]
+    _run(s, out)
+    while s.has_unfinished():
+        _run(s, s.schedule())
+    s.kv.check_whole()

@@ -10,6 +10,7 @@ Full blocks stay shared; a block written by only one holder is never copied.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagefold.core.kv_cache_manager import KVCacheManager
@@ -31,19 +32,21 @@ def _run(s: Scheduler, out) -> None:
     s.update_from_output(out, sampled)
 
 
-def test_forked_partial_block_is_copied_once_before_it_is_written():
+@pytest.mark.parametrize("used", [1, 2, 3])
+def test_forked_partial_block_is_copied_once_before_it_is_written(used):
+    """The prompt fills one block and ``used`` slots of the next, which the fork shares."""
     cfg = plan_pagefold({"layers.0": ATTN}, BS, 17 * ATTN.page_bytes(BS))
     s = Scheduler(KVCacheManager(cfg), max_num_batched_tokens=100, max_num_seqs=8,
                   max_model_len=100)
-    s.add_request(Request("p", list(range(10, 16)), SamplingParams(max_tokens=6,
-                                                                   ignore_eos=True)))
-    _run(s, s.schedule())  # 6 prompt tokens: one full block, one block holding 2
+    s.add_request(Request("p", list(range(10, 14 + used)),
+                          SamplingParams(max_tokens=8, ignore_eos=True)))
+    _run(s, s.schedule())
     free = s.kv.pool.num_free
     s.fork_request("p", "c")
     (full, partial), = s.kv.block_ids("p")
     assert s.kv.block_ids("c") == [[full, partial]]  # shared, nothing taken yet
     assert s.kv.pool.num_free == free and s.kv.take_copies() == []
-    out = s.schedule()  # both write position 6, inside the shared partial block
+    out = s.schedule()  # both write the next position, inside the shared partial block
     assert out.num_scheduled == {"p": 1, "c": 1}
     (p_table,) = s.kv.block_ids("p")
     (c_table,) = s.kv.block_ids("c")
@@ -54,10 +57,11 @@ def test_forked_partial_block_is_copied_once_before_it_is_written():
     assert out.copies == [PageCopy(0, [partial], [p_table[1]])]
     assert s.kv.pool.num_free == free - 1
     _run(s, out)
-    out = s.schedule()  # position 7: each now owns its partial block, no more copies
-    assert out.copies == [] and s.kv.pool.num_free == free - 1
-    _run(s, out)
-    out = s.schedule()  # position 8: a new block each
+    for _ in range(BS - 1 - used):  # the rest of the block: each owns its own, no copies
+        out = s.schedule()
+        assert out.copies == [] and s.kv.pool.num_free == free - 1
+        _run(s, out)
+    out = s.schedule()  # the next block boundary: a new block each
     assert out.copies == [] and s.kv.pool.num_free == free - 3
     _run(s, out)
     while s.has_unfinished():

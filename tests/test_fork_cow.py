@@ -87,3 +87,31 @@ def test_fork_at_a_block_boundary_copies_nothing():
     while s.has_unfinished():
         _run(s, s.schedule())
     s.kv.check_whole()
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_the_copy_counts_against_the_pool(spare):
+    """A pool with ``spare`` free blocks after the prefill: with one, the parent's copy fits
+    and nobody is preempted; with none, the child (the latest arrival) is preempted, which
+    leaves the parent the block's only holder, so it writes in place and nothing is copied."""
+    cfg = plan_pagefold({"layers.0": ATTN}, BS, (3 + spare) * ATTN.page_bytes(BS))
+    s = Scheduler(KVCacheManager(cfg), max_num_batched_tokens=100, max_num_seqs=8,
+                  max_model_len=100)
+    s.add_request(Request("p", list(range(10, 16)), SamplingParams(max_tokens=2,
+                                                                   ignore_eos=True)))
+    _run(s, s.schedule())  # two blocks, the second holding 2 tokens
+    assert s.kv.pool.num_free == spare
+    s.fork_request("p", "c")
+    (before,) = s.kv.block_ids("p")
+    out = s.schedule()
+    (after,) = s.kv.block_ids("p")
+    if spare:
+        assert out.preempted_ids == [] and out.num_scheduled == {"p": 1, "c": 1}
+        assert out.copies == [PageCopy(0, [before[1]], [after[1]])]
+    else:
+        assert out.preempted_ids == ["c"] and out.num_scheduled == {"p": 1}
+        assert out.copies == [] and after == before
+    _run(s, out)
+    while s.has_unfinished():
+        _run(s, s.schedule())
+    s.kv.check_whole()

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench mutants
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -29,3 +29,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.throughput
+
+# Generated mutants (mutmut) over one or more modules, with a fast test selection; survivors are
+# printed with their diffs (docs/TESTING.md keeps the verdict on each). Bounded on purpose:
+#   make mutants PKG=pagefold/core/kv_cache_planner.py \
+#       TESTS="tests/test_capacity.py tests/test_capacity_reality.py"
+PKG ?= pagefold/core/kv_cache_planner.py
+TESTS ?= tests/test_capacity.py tests/test_capacity_reality.py
+mutants: $(STAMP)
+	$(BIN)/pip install -q -e '.[mutation]'
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/mutmut_run.py $(PKG) --tests $(TESTS)

@@ -45,6 +45,10 @@ class Mutant:
 P = "pagefold/"
 SRV = "tests/test_server_hardening.py"
 MUT = "tests/test_mutant_killers.py"
+CAP = "tests/test_capacity_reality.py"
+DP = "tests/test_dp_routing_property.py"
+EDGE = "tests/test_length_edges.py"
+RES = "tests/test_scheduler_resume.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- issue 16's survivors
@@ -262,6 +266,97 @@ MUTANTS: list[Mutant] = [
            "for n in range(min(len(s) - 1, len(text)), held, -1):",
            "for n in range(min(len(s) - 2, len(text)), held, -1):",
            ("tests/test_detokenizer.py",), "streaming sends the start of a stop string"),
+    # ---------------------------------------------------------------- issue 44: capacity
+    # Planted to check tests/test_capacity_reality.py: each moves the planner's (or the
+    # allocator's) arithmetic by one block; the reality tests compare the two.
+    Mutant("window_span_plus", P + "core/kv_cache_planner.py",
+           "return min(full, cdiv(window + chunk - 2, block_size) + 1)",
+           "return min(full, cdiv(window + chunk - 1, block_size) + 1)",
+           (CAP,), "a window's span one token long: one block too many when aligned"),
+    Mutant("window_span_minus", P + "core/kv_cache_planner.py",
+           "return min(full, cdiv(window + chunk - 2, block_size) + 1)",
+           "return min(full, cdiv(window + chunk - 2, block_size))",
+           (CAP,), "a window one block short"),
+    Mutant("window_floor", P + "core/kv_cache_planner.py",
+           "return min(full, cdiv(window + chunk - 2, block_size) + 1)",
+           "return min(full, (window + chunk - 2) // block_size + 1)",
+           (CAP,), "floor for ceil: windows not a block multiple under-counted"),
+    Mutant("window_ignores_chunk", P + "core/kv_cache_planner.py",
+           "chunk = max(1, min(max_num_batched_tokens, num_tokens))", "chunk = 1",
+           (CAP,), "the decode-only window figure (the bug issue 44 found)"),
+    Mutant("ckpt_one_page", P + "core/kv_cache_planner.py",
+           "return group.pages_per_state * (2 if enable_prefix_caching else 1)",
+           "return group.pages_per_state + (1 if enable_prefix_caching else 0)",
+           (CAP,), "the prefix-cache checkpoint counted as one page, not a state's worth"),
+    Mutant("state_pages_plus", P + "core/kv_cache_planner.py",
+           "pages_per_state=cdiv(spec.state_bytes, page) if isinstance(spec, StateSpec) else 0",
+           "pages_per_state=cdiv(spec.state_bytes, page) + 1 if isinstance(spec, StateSpec) "
+           "else 0",
+           (CAP, "tests/test_capacity.py"), "a state a page longer (planner and allocator agree: "
+           "the independent byte check in test_capacity.py must see it)"),
+    Mutant("allocator_window_late", P + "core/managers.py",
+           "first_needed = max(0, num_computed - window + 1)",
+           "first_needed = max(0, num_computed - window)",
+           (CAP,), "the allocator keeps one token more than the window: the report disagrees"),
+    Mutant("draft_past_max_tokens", P + "spec_decode/engine.py",
+           "room = min(room, mt - r.num_output_tokens - 1)",
+           "room = min(room, mt - r.num_output_tokens)",
+           (CAP,), "a draft slot past the request's end: one more block at a block boundary"),
+    Mutant("cli_spec_state_rows", P + "entrypoints/capacity_cmd.py",
+           'num_speculative_tokens=args.num_speculative_tokens if args.layout == "vllm" else 0,',
+           "num_speculative_tokens=args.num_speculative_tokens,",
+           (CAP,), "the pagefold report sizes states with vLLM's speculative conv rows"),
+
+    # ---------------------------------------------------------------- issue 44: routing
+    Mutant("route_waiting_double", P + "engine/dp_client.py",
+           "return (self.in_flight + self.waiting, self.kv_usage)",
+           "return (self.in_flight + 2 * self.waiting, self.kv_usage)",
+           (DP,), "waiting requests weigh twice"),
+    Mutant("route_kv_reversed", P + "engine/dp_client.py",
+           "return (self.in_flight + self.waiting, self.kv_usage)",
+           "return (self.in_flight + self.waiting, -self.kv_usage)",
+           (DP,), "the fuller KV cache wins a tie"),
+    Mutant("route_slack_strict", P + "engine/dp_client.py",
+           "if busy <= floor + self.prefix_slack:", "if busy < floor + self.prefix_slack:",
+           (DP,), "the prefix loses exactly at the slack"),
+    Mutant("route_owner_ignores_waiting", P + "engine/dp_client.py",
+           "busy = loads[owner].in_flight + loads[owner].waiting",
+           "busy = loads[owner].in_flight", (DP,), "the owner's queue not counted"),
+    Mutant("route_tie_last", P + "engine/dp_client.py",
+           "least = min(range(self.n), key=lambda i: (loads[i].key, i))",
+           "least = min(range(self.n), key=lambda i: (loads[i].key, -i))",
+           (DP,), "full ties go to the last replica"),
+    Mutant("route_prefix_whole_prompt", P + "engine/dp_client.py",
+           "while blocks * self.block_size <= len(prompt) - 1:",
+           "while blocks * self.block_size <= len(prompt):",
+           (DP,), "a prefix that leaves no token after it"),
+    Mutant("route_shortest_prefix", P + "engine/dp_client.py",
+           "for k in reversed(keys):", "for k in keys:",
+           (DP,), "the shortest known prefix decides, not the longest"),
+
+    # ---------------------------------------------------------------- issue 44: edges, resume
+    Mutant("edge_prompt_at_limit", P + "entrypoints/openai/serving_completion.py",
+           "if len(ids) >= self.max_model_len:", "if len(ids) > self.max_model_len:",
+           (EDGE,), "a prompt of max_model_len tokens passes the server's first check"),
+    Mutant("edge_room_by_one", P + "entrypoints/openai/serving_completion.py",
+           "if max_tokens is not None and max_tokens > room:",
+           "if max_tokens is not None and max_tokens >= room:",
+           (EDGE,), "max_tokens exactly at the room refused"),
+    Mutant("edge_offline_at_limit", P + "engine/core.py",
+           "if n >= self.max_model_len:", "if n > self.max_model_len:",
+           (EDGE + "::test_offline_llm_edges",), "the offline engine takes a full-length prompt"),
+    Mutant("resume_hit_covers_last", P + "core/kv_cache_manager.py",
+           "max_blocks = (req.num_tokens - 1) // bs", "max_blocks = req.num_tokens // bs",
+           (RES,), "a prefix hit may cover the last token (nothing left to compute)"),
+    Mutant("resume_no_swap", P + "core/kv_cache_manager.py",
+           'self.preemption_mode = mode if self.host is not None else "recompute"',
+           'self.preemption_mode = "recompute"', (RES,), "swap mode silently recomputes"),
+    Mutant("resume_swap_loses_progress", P + "core/kv_cache_manager.py",
+           "        self.swapped[req.request_id] = SwappedRequest(host_lists, nbytes)\n",
+           "        self.swapped[req.request_id] = SwappedRequest(host_lists, nbytes)\n"
+           "        req.num_computed_tokens -= req.num_computed_tokens % self.block_size\n",
+           (RES,), "a swapped request resumes at its last block boundary"),
+
 ]
 
 
@@ -303,12 +398,21 @@ def run_one(m: Mutant, *, full: bool, timeout: float) -> tuple[str, float, str]:
         except subprocess.TimeoutExpired:
             return "killed (timeout)", time.monotonic() - t0, ""
         took = time.monotonic() - t0
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        # The short summary's "FAILED node" names the killing test; the traceback's "E" lines
+        # say whether an assertion killed it (a crash proves only that the code ran).
+        failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+        tail = failed[0] if failed else (lines[-1] if lines else "")
         if proc.returncode == 0:
-            return "SURVIVED", took, tail[0]
+            return "SURVIVED", took, tail
+        asserted = any(ln.startswith("E ") and ("AssertionError" in ln or "DID NOT RAISE" in ln
+                                                  or ln[1:].strip().startswith("assert "))
+                       for ln in lines)
+        if proc.returncode == 1 and not asserted:
+            return "killed (crash)", took, tail
         if proc.returncode in (1, 3):  # tests failed / internal error
-            return "killed", took, tail[0]
-        return f"killed (pytest exit {proc.returncode})", took, tail[0]
+            return "killed", took, tail
+        return f"killed (pytest exit {proc.returncode})", took, tail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in chosen:
         status, took, tail = run_one(m, full=args.full, timeout=args.timeout)
         rows.append((m, status, took))
-        print(f"{m.name:30s} {status:22s} {took:6.1f} s  {tail[:70]}", flush=True)
+        print(f"{m.name:30s} {status:22s} {took:6.1f} s  {tail[:160]}", flush=True)
     killed = sum(1 for _, s, _ in rows if s.startswith("killed"))
     print("\n| mutant | file | status | seconds |\n|---|---|---|---|")
     for m, s, took in rows:

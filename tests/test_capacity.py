@@ -340,6 +340,8 @@ def test_group_size_rule(counts, size, groups):
     got_size, grouped = group_layers(specs)
     assert got_size == size
     assert [len(names) for _, names in grouped] == groups
+    # Every layer once, by name, in first-seen order (the runner finds its tensors by name).
+    assert [n for _, names in grouped for n in names] == list(specs)
     r = capacity_report(specs, memory_bytes=GIB, max_model_len=4096)
     assert r["layers_per_group"] == size and r["group_sizes"] == groups
     assert r["padding_layers"] == size * len(groups) - sum(counts)
@@ -444,3 +446,45 @@ def test_cli_text_and_errors(tmp_path, capsys):
     assert capacity_cmd.main([nem, "--kv-cache-memory", "4GB", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["max_model_len"] == 4096 and r["layer_counts"] == {"mamba2": 4, "full_attention": 2}
+
+
+def test_attention_layers_must_share_one_page_size():
+    """Two attention page sizes cannot share a pool: refused, naming both and the block size."""
+    from pagefold.core.kv_cache_planner import page_bytes_for
+
+    a, b = FullAttentionSpec(2, 64, BF16), FullAttentionSpec(2, 32, BF16)
+    with pytest.raises(ValueError) as e:
+        page_bytes_for([a, b, a], 16)
+    assert str(e.value) == ("attention layers have different page sizes [4096, 8192] at "
+                            "block_size 16; pagefold needs one page size per pool")
+    assert page_bytes_for([a, a], 16) == 16 * 2 * 2 * 64 * 2 == 8192
+
+
+def test_state_pages_must_be_whole_16_byte_units():
+    """A page of 8 bytes (1 token x 2 x 1 head x 2 dims x fp16) cannot carry a state's 16-byte
+    aligned components, though it divides the state's widest element (4 bytes)."""
+    from pagefold.core.kv_cache_planner import page_bytes_for
+
+    attn = FullAttentionSpec(1, 2, torch.float16)
+    state = StateSpec("gdn", (StateComponent("ssm", (2, 4), torch.float32),))
+    with pytest.raises(ValueError) as e:
+        page_bytes_for([attn, state], 1)
+    assert str(e.value) == ("a gdn state (32 bytes) cannot be split into pages of 8 bytes: the "
+                            "page must be a multiple of 16 bytes; change block_size")
+    assert page_bytes_for([attn, state], 2) == 16
+
+
+def test_no_cached_layers_is_refused():
+    with pytest.raises(ValueError) as e:
+        plan_pagefold({}, 16, GIB)
+    assert str(e.value) == "the model declares no cached layers"
+
+
+def test_a_budget_under_one_block_has_no_usable_block():
+    """A one-page state and a budget smaller than that page: no block at all, so not even
+    one request fits (the null block is never handed out)."""
+    spec = StateSpec("gdn", (StateComponent("ssm", (4,), torch.float32),))  # 16 bytes
+    with pytest.raises(ValueError, match="gives 0 usable blocks"):
+        capacity_report({"s": spec}, memory_bytes=10, max_model_len=8)
+    r = capacity_report({"s": spec}, memory_bytes=32, max_model_len=8)
+    assert (r["num_blocks"], r["usable_blocks"], r["blocks_per_request"]) == (2, 1, 1)

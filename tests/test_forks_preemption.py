@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from pagefold import LLM, BeamSearchParams, SamplingParams
-from pagefold.beam_search import beam_score
 from pagefold.testing.oracle import hf_greedy, load_hf_model
 
 ARCHS = ["qwen3", "qwen3_5", "nemotron_h"]
@@ -77,7 +76,12 @@ def test_best_of_returns_highest_cumulative_logprob(family_llm, random_prompts):
 
 
 def _reference_beam_search(model_dir, prompt, width, steps, eos):
-    """Straightforward beam search over the transformers model (vLLM's semantics)."""
+    """Straightforward beam search over the transformers model (vLLM's semantics, scored here:
+    cumulative logprob over the length, prompt included, a final EOS not)."""
+
+    def score(toks, cum):
+        return cum / (len(toks) - (toks[-1] == eos))
+
     m = load_hf_model(model_dir)
     beams, done = [(list(prompt), 0.0)], []
     for _ in range(steps):
@@ -88,10 +92,10 @@ def _reference_beam_search(model_dir, prompt, width, steps, eos):
             top = torch.topk(lp, 2 * width)
             for t, v in zip(top.indices.tolist(), top.values.tolist()):
                 (done if t == eos else cands).append((toks + [t], cum + v))
-        cands.sort(key=lambda x: beam_score(x[0], x[1], eos, 1.0), reverse=True)
+        cands.sort(key=lambda x: score(*x), reverse=True)
         beams = cands[:width]
     done += beams
-    done.sort(key=lambda x: beam_score(x[0], x[1], eos, 1.0), reverse=True)
+    done.sort(key=lambda x: score(*x), reverse=True)
     return done[:width]
 
 

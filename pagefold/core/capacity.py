@@ -24,6 +24,7 @@ from collections import Counter
 from typing import Any
 
 from pagefold.core.kv_cache_planner import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     NUM_NULL_BLOCKS,
     group_pages_for_request,
     pages_for_request,
@@ -56,6 +57,7 @@ def capacity_report(
     enable_prefix_caching: bool = False,
     num_speculative_tokens: int = 0,
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> dict[str, Any]:
     """The capacity of ``memory_bytes`` of KV cache for ``layer_specs`` (one TP rank).
 
@@ -63,7 +65,8 @@ def capacity_report(
     the vLLM layout also charges one state block per speculative token per state group, the
     pagefold layout keeps speculative states outside the pool. Raises ``ValueError`` when one
     request of ``max_model_len`` does not fit. Concurrency is reported at each of ``lengths``
-    below ``max_model_len`` and at ``max_model_len``.
+    below ``max_model_len`` and at ``max_model_len``. ``max_num_batched_tokens`` (the engine's
+    step budget, the longest prefill chunk) sizes the pagefold layout's sliding-window groups.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
@@ -86,13 +89,22 @@ def capacity_report(
                 "num_layers": len(g.layer_names),
                 "pages_per_state": g.pages_per_state,
                 "blocks_per_request": group_pages_for_request(
-                    g, block_size, max_model_len, enable_prefix_caching=enable_prefix_caching
+                    g,
+                    block_size,
+                    max_model_len,
+                    enable_prefix_caching=enable_prefix_caching,
+                    max_num_batched_tokens=max_num_batched_tokens,
                 ),
             }
             for g in cfg.groups
         ]
         per_request = {
-            n: pages_for_request(cfg, n, enable_prefix_caching=enable_prefix_caching)
+            n: pages_for_request(
+                cfg,
+                n,
+                enable_prefix_caching=enable_prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
             for n in points
         }
         biggest = max(state_specs, key=lambda s: s.state_bytes, default=None)
@@ -145,6 +157,7 @@ def capacity_report(
         "max_model_len": max_model_len,
         "enable_prefix_caching": enable_prefix_caching,
         "num_speculative_tokens": num_speculative_tokens,
+        "max_num_batched_tokens": max_num_batched_tokens,
         "layer_counts": dict(counts),
         "attention_block_size": attn_block,
         "state_page_bytes": state_page,

@@ -129,15 +129,28 @@ def usable_blocks(config: KVCacheConfig) -> int:
     return max(0, config.num_blocks - NUM_NULL_BLOCKS)
 
 
+# The engine's token budget per step when none is configured (``EngineCore``): a prefill chunk
+# can be this long, which is what a sliding-window group holds at its peak.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
+
 def group_pages_for_request(
-    group: CacheGroup, block_size: int, num_tokens: int, *, enable_prefix_caching: bool
+    group: CacheGroup,
+    block_size: int,
+    num_tokens: int,
+    *,
+    enable_prefix_caching: bool,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> int:
     """Pages one sequence of ``num_tokens`` tokens holds in ``group`` at its peak.
 
-    Full attention: ``cdiv(num_tokens, block_size)``. Sliding window: the pages that can
-    overlap the last ``window`` tokens, ``cdiv(window - 1, block_size) + 1``, capped by the
-    full count. State: ``pages_per_state`` for the running state, and one more state's worth
-    with prefix caching (the checkpoint kept for reuse).
+    Full attention: ``cdiv(num_tokens, block_size)``. Sliding window: a step computing a chunk
+    of ``c`` tokens (``c`` at most ``max_num_batched_tokens`` and ``num_tokens``) reads keys
+    back to ``window - 1`` tokens before its first token, so it holds the pages that a span of
+    ``window - 1 + c`` tokens can overlap, ``cdiv(window + c - 2, block_size) + 1``, capped by
+    the full count (a decode step, ``c = 1``, needs ``cdiv(window - 1, block_size) + 1``).
+    State: ``pages_per_state`` for the running state, and one more state's worth with prefix
+    caching (the checkpoint kept for reuse).
     """
     spec = group.spec
     if isinstance(spec, StateSpec):
@@ -145,17 +158,26 @@ def group_pages_for_request(
     full = cdiv(num_tokens, block_size)
     window = getattr(spec, "window", None)
     if window is not None:
-        return min(full, cdiv(window - 1, block_size) + 1)
+        chunk = max(1, min(max_num_batched_tokens, num_tokens))
+        return min(full, cdiv(window + chunk - 2, block_size) + 1)
     return full
 
 
 def pages_for_request(
-    config: KVCacheConfig, num_tokens: int, *, enable_prefix_caching: bool
+    config: KVCacheConfig,
+    num_tokens: int,
+    *,
+    enable_prefix_caching: bool,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> int:
     """Pages (block ids) one sequence of ``num_tokens`` tokens takes from the pool, all groups."""
     return sum(
         group_pages_for_request(
-            g, config.block_size, num_tokens, enable_prefix_caching=enable_prefix_caching
+            g,
+            config.block_size,
+            num_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         for g in config.groups
     )

@@ -22,6 +22,7 @@ from typing import Any
 from pagefold.config import parse_bytes, resolve_dtype
 from pagefold.core.capacity import LAYOUTS, capacity_report, render_report
 from pagefold.core.config_fields import config_model_dtype, unwrap_text_config
+from pagefold.core.kv_cache_planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagefold.core.spec_from_config import layer_specs_from_config
 
 HELP = "report the KV-cache capacity of a model for a memory budget (needs only config.json)"
@@ -48,6 +49,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
     )
     p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="the engine's tokens per step: the longest prefill chunk, which sizes what a "
+        "sliding-window layer holds (default: the engine's, %(default)s)",
+    )
     p.add_argument("--layout", choices=LAYOUTS, default="pagefold")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
     p.add_argument(
@@ -100,7 +108,9 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-        num_speculative_tokens=args.num_speculative_tokens,
+        # vLLM keeps the speculative tokens' conv rows in each state; pagefold's engine sizes
+        # its pool from specs without them (verify states live outside the pool).
+        num_speculative_tokens=args.num_speculative_tokens if args.layout == "vllm" else 0,
     )
     report = capacity_report(
         specs,
@@ -110,6 +120,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         num_speculative_tokens=args.num_speculative_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     report["model"] = {
         "path": str(args.path),

@@ -145,7 +145,8 @@ class EngineCore:
                                  checkpoint_interval=config.state_checkpoint_interval)
         log_capacity(logger, capacity_report(
             specs, layout="pagefold", memory_bytes=int(memory), max_model_len=self.max_model_len,
-            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching))
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            max_num_batched_tokens=self.max_num_batched_tokens))
         logger.info("%s: %s weights, kv cache %s, max_model_len %d, max_num_batched_tokens %d",
                     arch, self.dtype, kv_dtype(config.kv_cache_dtype, self.dtype),
                     self.max_model_len, self.max_num_batched_tokens)

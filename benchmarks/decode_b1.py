@@ -4,6 +4,7 @@ bandwidth.
     python -m benchmarks.decode_b1 --base HEAD~3                 # SmolLM2 + GDN hybrid + dense
     python -m benchmarks.decode_b1 --base main --models smollm2 --rounds 5
     python -m benchmarks.decode_b1 --profile smollm2              # where one step's time goes
+    python -m benchmarks.decode_b1 --models smollm2 --quantization fp8 int8 int4
     python -m benchmarks.decode_b1 --base main --batch 32 --requests 32 --out 32  # batched
 
 Each (code, model) runs in its own subprocess, one after another, rounds interleaved (the
@@ -82,7 +83,12 @@ def step_bytes(llm) -> int:
         if p is emb and not (head is not None and head.weight is emb):
             continue  # an untied input table: one row per token
         total += p.numel() * p.element_size()
-    return total
+    try:  # quantized linears hold their weights outside parameters (kernel layout)
+        from pagefold.quantization import QuantLinear
+    except ImportError:  # a revision without quantization (--base)
+        return total
+    return total + sum(m.nbytes for m in model.modules()
+                       if isinstance(m, QuantLinear) and m.packed is not None)
 
 
 def worker(spec: dict) -> dict:
@@ -92,8 +98,9 @@ def worker(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    extra = {"quantization": spec["quantization"]} if spec.get("quantization") else {}
     llm = LLM(spec["model"], dtype="bfloat16", max_model_len=2048, kv_cache_memory=1 << 30,
-              seed=0)
+              seed=0, **extra)
     sp = SamplingParams(temperature=0, max_tokens=spec["out"], ignore_eos=True)
     prompts = [[(17 * i + 31 * j) % 400 + 5 for j in range(spec["prompt"])]
                for i in range(spec["requests"])]
@@ -177,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=int, default=128)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in the workers (default: torch's)")
+    p.add_argument("--quantization", nargs="+", default=[], metavar="Q",
+                   help="also run this tree with the weights quantized on load (fp8, int8, "
+                   "int4): a row per format, its ratio against this tree in bf16")
     p.add_argument("--profile", default=None, metavar="MODEL")
     p.add_argument("--batch", type=int, default=1,
                    help="requests decoding together (--requests of them in all; tok/s and "
@@ -195,12 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     codes = {"this": REPO}
     if args.base:
         codes["base"] = export(args.base, tmp)
+    quant = {f"this+{q}": q for q in args.quantization}
+    codes.update({c: REPO for c in quant})
     got: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         for m in args.models:
             order = list(codes) if r % 2 == 0 else list(reversed(codes))
             for c in order:
-                res = run_worker(codes[c], dict(spec, model=model_path(m)), tmp)
+                res = run_worker(codes[c], dict(spec, model=model_path(m),
+                                                quantization=quant.get(c)), tmp)
                 got.setdefault((m, c), []).append(res)
                 print(f"round {r} {m} {c}: {1 / res['tpot']:.1f} tok/s", flush=True)
     rows = []
@@ -215,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
                    "MB/step": b["bytes"] / 1e6, "GB/s": gbs,
                    "of copy": gbs * 1e9 / b["copy_bw"]}
             row["CPU ms"] = min(x["cpu"] for x in got[(m, c)]) * 1e3
+            if c in quant:
+                row["ratio"] = best["this"]["tpot"] / b["tpot"]
+                row["CPU ratio"] = (min(x["cpu"] for x in got[(m, "this")])
+                                    / min(x["cpu"] for x in got[(m, c)]))
             if c == "this" and "base" in best:
                 row["ratio"] = best["base"]["tpot"] / b["tpot"]
                 row["CPU ratio"] = (min(x["cpu"] for x in got[(m, "base")])

@@ -345,3 +345,17 @@ def test_fused_layer_with_mixed_shards_is_refused(tiny_model_factory, tmp_path):
                     "gptq-int4-g32-actorder")
     with pytest.raises(ValueError, match=r"linear_attn\.in_proj.*(plain|do not align)"):
         LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+
+
+@pytest.mark.parametrize("qcfg, name", [
+    (dict(quant_method="fp8", weight_block_size=[128, 128]), "weight_scale_inv"),
+    (dict(quant_method="gptq", bits=4, group_size=128), "g_idx"),
+    (dict(quant_method="awq", bits=4, group_size=96), "qzeros"),
+])
+def test_quantizer_knows_the_format_tensors_of_any_block(qcfg, name):
+    """The loader recognises a format's tensors whatever its group or block size (a 128-row
+    fp8 block once made the tensor lookup raise for a width it did not divide)."""
+    from pagefold.quantization import Quantizer, resolve
+
+    quantizer = Quantizer(resolve({"quantization_config": qcfg}, None))
+    assert quantizer.is_format_tensor(name) and not quantizer.is_format_tensor("weight_x")

@@ -30,6 +30,7 @@ the format before anything is loaded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,15 @@ class QuantMethod:
 
     def params(self, n: int, k: int, layer: str) -> dict[str, ParamSpec]:
         raise NotImplementedError
+
+    def tensor_names(self) -> set[str]:
+        """The names of the format's tensors (for a layer of a width every group and block
+        of this format divides)."""
+        size = 256
+        for v in (getattr(self, "group_size", None), *(getattr(self, "block", None) or ())):
+            if v and v > 0:
+                size = math.lcm(size, v)
+        return set(self.params(size, size, "?"))
 
     def fill(self, name: str, n: int, k: int) -> torch.Tensor:
         """The value of optional tensor ``name`` (one shard's) when the checkpoint omits it."""

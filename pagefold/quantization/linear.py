@@ -187,10 +187,10 @@ class Quantizer:
         self.plan = plan
         self.converted = 0
         self.plain: set[str] = set()  # fused layers that took a plain weight shard
-        self._names = (set(plan.checkpoint.params(64, 64, "?")) if plan.checkpoint is not None
+        self._names = (plan.checkpoint.tensor_names() if plan.checkpoint is not None
                        else set())
 
-    def _is_format_tensor(self, name: str) -> bool:
+    def is_format_tensor(self, name: str) -> bool:
         return name in self._names
 
     def before_load(self, model: nn.Module, target: str, tensor: torch.Tensor) -> str | None:
@@ -213,7 +213,7 @@ class Quantizer:
         if isinstance(mod, QuantLinear):  # converted already: the tensor loads into it
             return None
         if not isinstance(mod, nn.Linear):
-            if name not in ("weight", "bias") and self._is_format_tensor(name):
+            if name not in ("weight", "bias") and self.is_format_tensor(name):
                 raise QuantizationError(f"{target}: {method.name} tensors of a "
                                         f"{type(mod).__name__} (not a linear layer) are not "
                                         "supported yet")

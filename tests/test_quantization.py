@@ -315,9 +315,10 @@ def test_truncated_tensor_names_tensor_and_format(tiny_model_factory, tmp_path):
 def test_group_size_must_divide(tiny_model_factory, tmp_path):
     write_quantized(tiny_model_factory("llama"), tmp_path / "q", tmp_path / "r", "awq-int4-g32")
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
-    cfg["quantization_config"]["group_size"] = 48  # 64 inputs: does not divide
+    cfg["quantization_config"]["group_size"] = 48  # divides no layer's inputs (64, 160)
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="awq group size 48 does not divide its 64 input"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: awq group size 48 "
+                                         r"does not divide its 160 input features"):
         LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
 
 

@@ -80,3 +80,40 @@ def test_fused_shards_with_their_own_permutations():
     want = x.double() @ torch.cat([wa, wb]).t()
     torch.testing.assert_close(iw.matmul(x).double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(iw.matmul(x.bfloat16()).double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scale, n, k", [("channel", 24, 72), ("tensor", 8, 40),
+                                         ("block", 32, 96), ("channel", 8, 37)])
+def test_fp8_kernel_matches_torch_decode(scale, n, k):
+    """FP8 weights through the same kernel: every finite float8_e4m3fn byte (subnormals and
+    negative zero included) decoded as torch decodes it, times per-channel, per-tensor or
+    (16 x 32) block scales; 37 inputs leave a tail past the 8-wide vector loop."""
+    from pagefold.quantization.formats import FP8
+
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x42  # the format's NaN: never a weight
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # zero and the subnormals
+    codes[1, :16] = torch.arange(16, dtype=torch.uint8) | 0x80
+    codes[1, -5:] = torch.tensor([0x81, 0xC0, 0x85, 0xB7, 0x80], dtype=torch.uint8)  # the tail
+    wf = codes.view(torch.float8_e4m3fn).to(torch.float64)
+    if scale == "tensor":
+        t = {"weight_scale": torch.tensor([0.03])}
+        w = wf * 0.03
+        method = FP8("tensor")
+    elif scale == "channel":
+        s = torch.rand(n, 1, generator=gen) * 0.05
+        t = {"weight_scale": s}
+        w = wf * s.double()
+        method = FP8("channel")
+    else:
+        s = torch.rand(n // 16, k // 32, generator=gen) * 0.05
+        t = {"weight_scale_inv": s}
+        w = wf * s.double().repeat_interleave(16, 0).repeat_interleave(32, 1)
+        method = FP8("block", (16, 32))
+    t["weight"] = codes.view(torch.float8_e4m3fn)
+    iw = IntWeight(method, t, {"": (0, n)}, n, k)
+    x = torch.randn(5, k, generator=gen)
+    assert iw._kernel(x) is not None
+    torch.testing.assert_close(iw.matmul(x).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(iw.dequantize(slice(0, n)).double(), w, rtol=1e-6, atol=0)

@@ -156,7 +156,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_moe_shared_add.argtypes = [p, p, p, i64, p, i64, i64, i32]
     lib.pf_moe_shared_add.restype = i32
     lib.pf_gemv_kinds.restype = i32
-    lib.pf_qgemv_int.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, p, i64, i32]
+    lib.pf_qgemv_int.argtypes = [p, i64, i64, i64, p, i32, i32, i64, p, p, p, i64, i32]
     lib.pf_qgemv_int.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
         getattr(lib, name).restype = i32

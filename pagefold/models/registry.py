@@ -61,7 +61,4 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
     logger.info("loaded %s from %s: %.1fM parameters, %s%s", arch, model_dir, nparams / 1e6,
                 dtype, f", {plan.label}" if plan is not None else "")
     logger.info("weights: %s", weights_summary(model))
-    if plan is not None and (plan.on_load == "fp8" or "fp8" in plan.label):
-        logger.warning("fp8 weights multiply through the torch reference (a tile decoded per "
-                       "call, no compiled kernel yet): decode is much slower than bf16")
     return model

@@ -136,13 +136,19 @@ class IntFormat(QuantMethod):
     what the compiled kernel's layout is built from (``quantization.int_kernel``)."""
 
     bits = 4
+    fp8 = False  # codes are float8_e4m3fn bytes, not unsigned integers
 
     def int_parts(self, t, rows, shard, n, k):
         raise NotImplementedError
 
     def dequantize(self, t, rows, shard, n, k):
         q, s, z, g = self.int_parts(t, rows, shard, n, k)
-        return (q.float() - z[:, g]) * s[:, g]
+        return (decode_codes(q, self.fp8) - z[:, g]) * s[:, g]
+
+
+def decode_codes(q: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Codes as float32: unsigned integers, or float8_e4m3fn bytes."""
+    return q.view(torch.float8_e4m3fn).float() if fp8 else q.float()
 
 
 @dataclass(frozen=True)
@@ -242,13 +248,20 @@ class PackedInt(IntFormat):
 
 
 @dataclass(frozen=True)
-class FP8(QuantMethod):
+class FP8(IntFormat):
     """float8_e4m3fn weights; ``scale``: ``tensor`` (one per checkpoint shard), ``channel``
-    (n, 1) or ``block`` (``block`` = (bn, bk), ``weight_scale_inv``)."""
+    (n, 1) or ``block`` (``block`` = (bn, bk), ``weight_scale_inv``). As integer-format parts:
+    the weight's bytes are the codes, zero points 0, one group per scale."""
 
     scale: str = "tensor"
     block: tuple[int, int] | None = None
     name = "fp8"
+    bits = 8
+    fp8 = True
+
+    @property
+    def label(self) -> str:
+        return f"fp8 ({self.scale} scales)"
 
     def params(self, n: int, k: int, layer: str) -> dict[str, ParamSpec]:
         w = ParamSpec((n, k), torch.float8_e4m3fn)
@@ -265,14 +278,23 @@ class FP8(QuantMethod):
                     ParamSpec((n // bn, -(-k // bk)), torch.float32, out_div=bn)}
         raise QuantizationError(f"{layer}: fp8 scale layout {self.scale!r} is not supported")
 
-    def dequantize(self, t, rows, shard, n, k):
-        w = t["weight"][rows].float()
+    def kernel_layout(self, k: int) -> bool:
+        """Whether the scales form whole groups of inputs (the kernel's layout): not for
+        blocks that do not divide the inputs."""
+        return self.scale != "block" or k % self.block[1] == 0
+
+    def int_parts(self, t, rows, shard, n, k):
+        q = t["weight"][rows].view(torch.uint8)
+        r = q.shape[0]
+        g = torch.zeros(k, dtype=torch.int64)
         if self.scale == "tensor":
-            return w * t["weight_scale"][shard].float()
-        if self.scale == "channel":
-            return w * t["weight_scale"][rows].float()
-        bn, bk = self.block
-        r0, r1 = rows.start, rows.stop
-        s = t["weight_scale_inv"][r0 // bn:(r1 + bn - 1) // bn].float()
-        s = s.repeat_interleave(bn, 0)[r0 - (r0 // bn) * bn:][: r1 - r0]
-        return w * s.repeat_interleave(bk, 1)[:, :k]
+            s = t["weight_scale"][shard].float().expand(r, 1)
+        elif self.scale == "channel":
+            s = t["weight_scale"][rows].float()
+        else:
+            bn, bk = self.block
+            r0, r1 = rows.start, rows.stop
+            s = t["weight_scale_inv"][r0 // bn:(r1 + bn - 1) // bn].float()
+            s = s.repeat_interleave(bn, 0)[r0 - (r0 // bn) * bn:][:r1 - r0]
+            g = torch.arange(k) // bk
+        return q, s.contiguous(), torch.zeros_like(s), g

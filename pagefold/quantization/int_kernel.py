@@ -1,11 +1,12 @@
-"""Integer weights in the compiled kernel's layout, and their product.
+"""Integer and FP8 weights in the compiled kernel's layout, and their product.
 
 :class:`IntWeight` is built once at load from any :class:`~.formats.IntFormat` (GPTQ, AWQ,
-compressed-tensors int, int8 / int4 on load): per output row the unsigned codes in input order
-(4-bit codes two to a byte), and per row and group of inputs a float32 scale and zero, so
-``w = scale * (code - zero)``. A shard whose groups are permuted (GPTQ act-order) has its
-codes reordered so each group's inputs are contiguous, and the product gathers ``x``'s columns
-in that order (``perm``): the same sums, grouped.
+compressed-tensors int, int8 / int4 on load, FP8): per output row the codes in input order
+(4-bit codes two to a byte; FP8 weights keep their float8_e4m3fn bytes), and per row and group
+of inputs a float32 scale and zero, so ``w = scale * (code - zero)`` (FP8: zeros 0). A shard
+whose groups are permuted (GPTQ act-order) has its codes reordered so each group's inputs are
+contiguous, and the product gathers ``x``'s columns in that order (``perm``): the same sums,
+grouped.
 
 ``matmul`` runs ``pf_qgemv_int`` (``csrc/quant.cpp``) for 1..``KERNEL_MAX_ROWS`` rows on the
 CPU, else :meth:`IntWeight.dequantize` one tile at a time and ``F.linear`` in the
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
-from pagefold.quantization.formats import IntFormat
+from pagefold.quantization.formats import IntFormat, decode_codes
 
 __all__ = ["IntWeight", "KERNEL_MAX_ROWS"]
 
@@ -44,7 +45,7 @@ class IntWeight:
 
     def __init__(self, method: IntFormat, tensors: dict[str, torch.Tensor],
                  shards: dict[str, tuple[int, int]], n: int, k: int) -> None:
-        self.bits, self.n, self.k = method.bits, n, k
+        self.bits, self.fp8, self.n, self.k = method.bits, method.fp8, n, k
         codes, scales, zeros = [], [], []
         self.segments: list[tuple[int, int, torch.Tensor | None]] = []  # (row0, rows, perm)
         group = None
@@ -77,7 +78,7 @@ class IntWeight:
         c = self.codes[rows]
         q = _unpack_nibbles(c) if self.bits == 4 else c
         g = torch.arange(self.k) // self.group
-        return (q.float() - self.zero[rows][:, g]) * self.scale[rows][:, g]
+        return (decode_codes(q, self.fp8) - self.zero[rows][:, g]) * self.scale[rows][:, g]
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         lib = cpu_ops.kernels()
@@ -91,8 +92,9 @@ class IntWeight:
             xs = xf if perm is None else xf[:, perm].contiguous()
             rc = lib.pf_qgemv_int(
                 xs.data_ptr(), xs.shape[0], self.k, rows,
-                self.codes[off].data_ptr(), self.bits, self.group, self.scale[off].data_ptr(),
-                self.zero[off].data_ptr(), y[:, off:].data_ptr(), self.n, nt)
+                self.codes[off].data_ptr(), self.bits, int(self.fp8), self.group,
+                self.scale[off].data_ptr(), self.zero[off].data_ptr(), y[:, off:].data_ptr(),
+                self.n, nt)
             if rc != 0:
                 return None
         return y.to(x.dtype)

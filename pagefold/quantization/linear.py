@@ -121,6 +121,9 @@ class QuantLinear(nn.Module):
         (:class:`IntWeight`; the checkpoint's tensors are dropped)."""
         if self.packed is not None or not isinstance(self.method, IntFormat):
             return
+        layout_ok = getattr(self.method, "kernel_layout", None)
+        if layout_ok is not None and not layout_ok(self.in_features):
+            return  # scale blocks that do not divide the inputs: the reference path
         self.packed = IntWeight(self.method, self.tensors(), self.shards, self.out_features,
                                 self.in_features)
         for name in self.specs:

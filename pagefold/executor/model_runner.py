@@ -240,13 +240,12 @@ class ModelRunner:
         per_group = [[r.block_ids[g] for r in reqs] for g in range(len(self.kv_config.groups))]
         inp = build_inputs(self.kv_config, tokens, batch.starts, batch.counts, totals,
                            per_group, self.device, captures)
+        self.num_forward_tokens += int(inp.input_ids.numel())
         if drafted is not None:
             spec_rows = torch.tensor(drafted, device=self.device)
             for m in inp.state_meta:
                 if m is not None:
                     m.spec_rows = spec_rows
-        self.num_forward_tokens += int(inp.input_ids.numel())
-        if drafted is not None:
             ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={})
             return inp, ctx, self.model(inp.input_ids, inp.positions, ctx)
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)

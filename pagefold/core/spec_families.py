@@ -12,8 +12,9 @@ manager serves them: checkpoints and forks copy whole pages):
 
 * ``mamba2`` (Mamba2ForCausalLM, Falcon-H1): as in ``spec_from_config``.
 * ``shortconv`` (LFM2): ``conv (hidden / tp, L_cache - 1)`` in the model dtype.
-* ``mamba1`` (Jamba): ``conv (I / tp, K - 1)`` in the model dtype, ``ssm (I / tp, N)`` in the SSM
-  dtype, ``I = mamba_expand * hidden``.
+* ``mamba1`` (Jamba, Mamba, Falcon-Mamba): ``conv (I / tp, K - 1)`` in the model dtype,
+  ``ssm (I / tp, N)`` in the SSM dtype, ``I = mamba_expand * hidden`` (Jamba) or
+  ``expand * hidden`` (Mamba, Falcon-Mamba).
 * ``lightning`` (MiniMax): ``kv (H / tp, D, D)`` in the SSM dtype.
 * ``kda`` (Kimi Linear): ``conv (3 H D / tp, K - 1)`` in the model dtype, ``ssm (H / tp, D, D)``
   float32 unless ``mamba_ssm_cache_dtype`` says otherwise.
@@ -247,6 +248,16 @@ def _jamba(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
             for i, (mixer, _) in enumerate(jamba_layer_kinds(cfg))}
 
 
+def _mamba1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    """Mamba / Falcon-Mamba: a Mamba-1 state in every layer, ``I = expand * hidden_size``."""
+    state = mamba1_state(
+        inter=int(float(_get(cfg, "expand")) * int(_get(cfg, "hidden_size"))),
+        state=int(_get(cfg, "state_size")), kernel=int(_get(cfg, "conv_kernel")), tp=tp,
+        num_spec=num_spec, conv_dtype=model_dtype,
+        ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
+    return {f"layers.{i}": state for i in range(num_layers(cfg))}
+
+
 def minimax_layer_types(cfg: Any) -> list[str]:
     """``layer_types`` (``linear_attention`` / ``full_attention``), else the original
     checkpoints' ``attn_type_list`` (0 lightning, 1 full), else transformers' default (full
@@ -331,6 +342,7 @@ FAMILY_READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "kimi_linear": _kimi_linear,
     "minimax": _minimax,
     "jamba": _jamba,
+    "mamba1": _mamba1,
     "zamba2": _zamba2,
     "falcon_h1": _falcon_h1,
     "lfm2": _lfm2,

@@ -263,6 +263,20 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         expand=2, conv_kernel=3, chunk_size=16, use_bias=False, use_conv_bias=True,
         layer_norm_epsilon=1e-5, tie_word_embeddings=False,
     ),
+    # Mamba-1 only: 3 layers, hidden 40, width 80 (expand 2), state 12, conv 3, dt rank 3;
+    # biased projections. Untied (tied, a tiny random Mamba-1 repeats its input token: the
+    # residual stream dominates). Falcon-Mamba: the same shapes with 4 layers and its weightless
+    # dt/B/C norms (eps 1e-5).
+    "mamba": dict(
+        hidden_size=40, num_hidden_layers=3, state_size=12, expand=2, conv_kernel=3,
+        time_step_rank=3, use_bias=True, use_conv_bias=True, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "falcon_mamba": dict(
+        hidden_size=40, num_hidden_layers=4, state_size=12, expand=2, conv_kernel=3,
+        time_step_rank=3, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
+        mixer_rms_eps=1e-5, tie_word_embeddings=False,
+    ),
     # Gemma 3 text: 7 layers, sliding 5:1 (layers 0-4 and 6 sliding, 5 full), window 11 (prompts
     # cross it), local/global RoPE thetas, the global one linearly scaled; 3 heads x 24, 1 kv
     # head, query_pre_attn_scalar 20, final logit soft cap 30. Tied.
@@ -383,6 +397,8 @@ _CONFIG_CLASSES: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "bamba": "BambaConfig",
     "mamba2": "Mamba2Config",
+    "mamba": "MambaConfig",
+    "falcon_mamba": "FalconMambaConfig",
     "gemma3": "Gemma3TextConfig",
     "gpt_oss": "GptOssConfig",
     "lfm2": "Lfm2Config",

@@ -61,6 +61,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Mamba2ForCausalLM": Architecture("mamba2", _m("mamba2", "Mamba2ForCausalLM")),
     "MambaForCausalLM": Architecture("mamba1", _m("mamba1", "MambaForCausalLM")),
     "FalconMambaForCausalLM": Architecture("mamba1", _m("mamba1", "FalconMambaForCausalLM")),
+    "Llama4ForCausalLM": Architecture("llama4", _m("llama4", "Llama4ForCausalLM")),
+    "Llama4ForConditionalGeneration": Architecture("llama4"),
     "Gemma3ForCausalLM": Architecture("gemma3", _m("gemma3", "Gemma3ForCausalLM")),
     "GptOssForCausalLM": Architecture("gpt_oss", _m("gpt_oss", "GptOssForCausalLM")),
 }
@@ -88,6 +90,8 @@ MODEL_TYPES: dict[str, str] = {
     "mamba2": "mamba2",
     "mamba": "mamba1",
     "falcon_mamba": "mamba1",
+    "llama4_text": "llama4",
+    "llama4": "llama4",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
 }

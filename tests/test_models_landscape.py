@@ -36,7 +36,7 @@ from pagefold.testing.oracle import hf_greedy
 N_NEW, VOCAB, MAX_LEN = 6, 512, 50
 MAX_MODEL_LEN = 72
 ARCHS = ["mamba2", "gemma3", "gpt_oss", "lfm2", "falcon_h1", "zamba2", "jamba", "minimax",
-         "kimi_linear", "mamba", "falcon_mamba"]
+         "kimi_linear", "mamba", "falcon_mamba", "llama4"]
 SCENARIOS = ["batch", "chunk7", "preempt", "prefix", "fork"]
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 

@@ -12,8 +12,9 @@ states, an output norm spanning the ranks), Jamba, Mamba and Falcon-Mamba (Mamba
 row-parallel x_proj, Falcon-Mamba's dt/B/C norms over the reduced vectors) and
 Kimi Linear (KDA heads, MLA query heads over a shared latent), Zamba2 (shared blocks with
 LoRA adapters cut like the projections they add to) and Llama-4 (chunked local and NoPE
-attention heads, input-scaled experts and a shared expert summed in one all-reduce). MoE experts split their intermediate
-dimension over the ranks. Fields that do not divide are named before any worker starts.
+attention heads, input-scaled experts and a shared expert summed in one all-reduce). MoE
+experts split their intermediate dimension over the ranks. Fields that do not divide are
+named before any worker starts.
 
 One engine per architecture runs prompts sharing a prefix under chunked prefill at an odd
 budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and

@@ -59,6 +59,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "FalconH1ForCausalLM": Architecture("falcon_h1", _m("falcon_h1", "FalconH1ForCausalLM")),
     "Lfm2ForCausalLM": Architecture("lfm2", _m("lfm2", "Lfm2ForCausalLM")),
     "Mamba2ForCausalLM": Architecture("mamba2", _m("mamba2", "Mamba2ForCausalLM")),
+    "MambaForCausalLM": Architecture("mamba1", _m("mamba1", "MambaForCausalLM")),
+    "FalconMambaForCausalLM": Architecture("mamba1", _m("mamba1", "FalconMambaForCausalLM")),
+    "Llama4ForCausalLM": Architecture("llama4", _m("llama4", "Llama4ForCausalLM")),
+    "Llama4ForConditionalGeneration": Architecture("llama4"),
     "Gemma3ForCausalLM": Architecture("gemma3", _m("gemma3", "Gemma3ForCausalLM")),
     "GptOssForCausalLM": Architecture("gpt_oss", _m("gpt_oss", "GptOssForCausalLM")),
 }
@@ -84,6 +88,10 @@ MODEL_TYPES: dict[str, str] = {
     "falcon_h1": "falcon_h1",
     "lfm2": "lfm2",
     "mamba2": "mamba2",
+    "mamba": "mamba1",
+    "falcon_mamba": "mamba1",
+    "llama4_text": "llama4",
+    "llama4": "llama4",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
 }

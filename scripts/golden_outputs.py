@@ -9,7 +9,8 @@ the sweep's hybrid shapes at reduced depth) and runs ``LLM.generate`` greedily w
 logprobs in bfloat16 (the compiled CPU paths: native decode steps, GEMV, state kernels) and in
 float32 (the module path), over batches that mix prefill chunks at an odd budget, decode rows
 and prefix-cache hits. The comparison demands bit equality: the same token ids and the same
-logprob floats (``float.hex``), case by case.
+logprob floats (``float.hex``), case by case; a case only the second file has (an architecture
+added in between) is listed as new, not counted as a difference.
 """
 
 from __future__ import annotations
@@ -109,7 +110,13 @@ def record(out: str, only: list[str] | None) -> None:
 def compare(a: str, b: str) -> int:
     ra, rb = json.loads(Path(a).read_text()), json.loads(Path(b).read_text())
     bad = 0
+    # A case only AFTER has (an architecture added since BEFORE) has nothing to compare with.
+    new = sorted(set(rb) - set(ra))
+    for k in new:
+        print(f"NEW {k} (not in {a})")
     for k in sorted(set(ra) | set(rb)):
+        if k in new:
+            continue
         if ra.get(k) != rb.get(k):
             bad += 1
             va, vb = ra.get(k), rb.get(k)
@@ -125,7 +132,8 @@ def compare(a: str, b: str) -> int:
             elif va != vb:
                 why = f"{str(va)[:80]} vs {str(vb)[:80]}"
             print(f"DIFF {k}: {why}")
-    print(f"{len(set(ra) | set(rb)) - bad} identical, {bad} different")
+    print(f"{len(set(ra) | set(rb)) - bad - len(new)} identical, {bad} different, "
+          f"{len(new)} new")
     return 1 if bad else 0
 
 

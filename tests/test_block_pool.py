@@ -11,12 +11,14 @@ from pagefold.core.block_pool import BlockPool
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     SlidingWindowSpec,
     StateComponent,
     StateSpec,
 )
 from pagefold.core.managers import (
+    ChunkedLocalManager,
     FullAttentionManager,
     SlidingWindowManager,
     StateManager,
@@ -205,6 +207,35 @@ def test_sliding_window_manager_frees_blocks_outside_window():
     assert after[:2] == [0, 0]  # null block keeps logical indices stable
     assert after[2:4] == ids[2:4] and len(after) == 5
     assert kv.pool.num_free == 11 - 3
+    kv.free(r)
+    kv.check_whole()
+
+
+def test_chunked_local_manager_frees_blocks_before_the_current_chunk():
+    """Chunk 10, blocks of 4: a query at position p reads keys from p - p % 10 on."""
+    local = ChunkedLocalAttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk=10)
+    kv = KVCacheManager(_config({"layers.0": local}, 12))
+    (m,) = kv.managers
+    assert isinstance(m, ChunkedLocalManager)
+    r = _req("a", 19)
+    assert kv.allocate_slots(r, 19)
+    ids = kv.block_ids("a")[0]
+    assert len(ids) == 5 and kv.pool.num_free == 11 - 5
+    r.num_computed_tokens = 19
+    # The next query (19) is in chunk 10..19: block 2 (tokens 8..11) holds keys 10 and 11,
+    # blocks 0 and 1 (tokens 0..7) are dead.
+    assert kv.blocks_needed(r, 1) == 0 - 2
+    assert kv.allocate_slots(r, 1)
+    after = kv.block_ids("a")[0]
+    assert after[:2] == [0, 0] and after[2:] == ids[2:]
+    r.num_computed_tokens = 20
+    # Position 20 opens chunk 20..29: every block before token 20 (blocks 2..4) is dead (a
+    # sliding window of 10 would still keep blocks 2..4).
+    assert kv.blocks_needed(r, 1) == 1 - 3
+    assert kv.allocate_slots(r, 1)
+    after = kv.block_ids("a")[0]
+    assert after[:5] == [0] * 5 and len(after) == 6
+    assert kv.pool.num_free == 11 - 1
     kv.free(r)
     kv.check_whole()
 

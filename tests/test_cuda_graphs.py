@@ -116,3 +116,36 @@ def test_static_batch_fill_pads_inert_rows(qwen3_5_dir):
     with pytest.raises(ValueError, match="bucket"):
         StaticBatch(cfg, 2, 64, torch.device("cpu")).fill(
             inp.input_ids, inp.positions, inp.attn_meta, inp.state_meta)
+
+
+def test_chunked_local_rows_start_at_their_chunk(tiny_model_factory):
+    """Llama-4's chunked local groups (chunk 13): decode rows read keys from their own chunk
+    start (positions 20, 5, 17 -> 13, 0, 13), in the eager metadata and in the static batch a
+    graph replays; a prefill row starts at its first query's chunk (15 -> 13); full-attention
+    groups read from 0."""
+    import json
+
+    from pagefold.core.kv_cache_planner import plan_pagefold
+    from pagefold.core.kv_cache_spec import ChunkedLocalAttentionSpec
+    from pagefold.core.spec_from_config import layer_specs_from_config
+    from pagefold.executor.cuda_graphs import StaticBatch
+    from pagefold.executor.input_batch import build_inputs
+
+    model = tiny_model_factory("llama4")
+    specs = layer_specs_from_config(json.loads((model / "config.json").read_text()),
+                                    model_dtype=torch.float32)
+    cfg = plan_pagefold(specs, 16, 1 << 20)
+    chunked = [isinstance(g.spec, ChunkedLocalAttentionSpec) for g in cfg.groups]
+    assert sorted(chunked) == [False, True, True]
+    tables = [[[3 + i, 9 + i, 15 + i] for i in range(3)] for _ in cfg.groups]
+    inp = build_inputs(cfg, [[7], [8], [9]], [20, 5, 17], [1, 1, 1], [21, 6, 18], tables)
+    sb = StaticBatch(cfg, 8, 64, torch.device("cpu"))
+    sb.fill(inp.input_ids, inp.positions, inp.attn_meta, inp.state_meta)
+    for local, am, g in zip(chunked, inp.attn_meta, sb.groups, strict=True):
+        if local:
+            assert am.decode_kv_start.tolist() == [13, 0, 13]
+            assert g.attn.decode_kv_start[:3].tolist() == [13, 0, 13]
+        else:
+            assert am.decode_kv_start is None and g.attn.decode_kv_start is None
+    pre = build_inputs(cfg, [list(range(20))], [15], [20], [40], [t[:1] for t in tables])
+    assert [am.prefills[0].kv_start for am in pre.attn_meta] == [13 if c else 0 for c in chunked]

@@ -27,16 +27,21 @@ import pytest
 
 from pagefold import LLM, SamplingParams
 from pagefold.core.kv_cache_manager import KVCacheManager
-from pagefold.core.kv_cache_planner import pages_for_request, plan_pagefold
+from pagefold.core.kv_cache_planner import (
+    group_pages_for_request,
+    pages_for_request,
+    plan_pagefold,
+)
 from pagefold.core.kv_cache_spec import is_attention
 from pagefold.core.spec_from_config import layer_specs_from_config
+from pagefold.core.vllm_layout import plan_vllm
 from pagefold.entrypoints.capacity_cmd import main as capacity_main
 from pagefold.testing.oracle import hf_greedy
 
 N_NEW, VOCAB, MAX_LEN = 6, 512, 50
 MAX_MODEL_LEN = 72
 ARCHS = ["mamba2", "gemma3", "gpt_oss", "lfm2", "falcon_h1", "zamba2", "jamba", "minimax",
-         "kimi_linear"]
+         "kimi_linear", "mamba", "falcon_mamba", "llama4"]
 SCENARIOS = ["batch", "chunk7", "preempt", "prefix", "fork"]
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
@@ -189,3 +194,21 @@ def test_vllm_layout_by_hand(tiny_model_factory, capsys) -> None:
     # groups: 3 KDA layers, 1 MLA layer -> groups of 1 layer; 4 groups share the pool
     assert k["usable_blocks"] == memory // 2048
     assert k["blocks_per_request"] == 3 * 2 + -(-MAX_MODEL_LEN // 16)
+
+
+def test_llama4_chunked_groups_by_hand(tiny_model_factory) -> None:
+    """Llama-4's chunked layers (chunk 13) at 19 tokens per step and max_model_len 72, 16-token
+    blocks. vLLM holds ``chunk + max_num_batched_tokens`` tokens: cdiv(32, 16) = 2 blocks.
+    pagefold's peak: keys from the first query's chunk start (at most 12 tokens back) through a
+    19-token step span 31 tokens, overlapping up to cdiv(30, 16) + 1 = 3 blocks; full layers
+    take cdiv(72, 16) = 5 either way."""
+    specs = _specs(tiny_model_factory("llama4"))
+    vllm = plan_vllm(specs, memory_bytes=1 << 20, max_model_len=MAX_MODEL_LEN,
+                     enable_prefix_caching=True, max_num_batched_tokens=19)
+    assert sorted((g.kind, g.blocks_per_request) for g in vllm.groups) == [
+        ("chunked_local", 2), ("chunked_local", 2), ("full_attention", 5)]
+    cfg = plan_pagefold(specs, 16, 1 << 20)
+    per_group = sorted((g.spec.manager_kind, group_pages_for_request(
+        g, 16, MAX_MODEL_LEN, enable_prefix_caching=True, max_num_batched_tokens=19))
+        for g in cfg.groups)
+    assert per_group == [("chunked_local", 3), ("chunked_local", 3), ("full_attention", 5)]

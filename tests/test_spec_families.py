@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefold.core.kv_cache_spec import FullAttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
+from pagefold.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MLASpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 from pagefold.core.spec_from_config import layer_specs_from_config
 
 F32 = torch.float32
@@ -36,6 +42,27 @@ def test_mamba2_state_and_tp() -> None:
     two = specs(cfg, tensor_parallel_size=2)["layers.1"]  # the single group is replicated
     assert two.component("conv").shape == ((128 + 2 * 2 * 32) // 2, 3)
     assert two.component("ssm").shape == (4, 16, 32)
+
+
+def test_mamba1_states_and_llama4_chunked_layers() -> None:
+    """Mamba / Falcon-Mamba: a Mamba-1 state per layer, I = expand * hidden split over the
+    ranks. Llama-4 without layer_types: RoPE layers (all but every 4th) are chunked local
+    attention, NoPE layers full; no chunk size makes every layer full."""
+    mamba = dict(model_type="falcon_mamba", num_hidden_layers=2, hidden_size=48, expand=2,
+                 state_size=16, conv_kernel=4)
+    one = specs(mamba)["layers.1"]
+    assert one.kind == "mamba1" and one.component("conv").shape == (96, 3)
+    assert one.component("ssm").shape == (96, 16)
+    assert specs(mamba, tensor_parallel_size=2)["layers.0"].component("ssm").shape == (48, 16)
+    llama4 = dict(model_type="llama4_text", num_hidden_layers=5, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=16, hidden_size=64, attention_chunk_size=32)
+    got = specs(llama4, tensor_parallel_size=2)
+    local = ChunkedLocalAttentionSpec(2, 16, F32, 32)
+    assert [got[f"layers.{i}"] for i in range(5)] == [local] * 3 + [
+        FullAttentionSpec(2, 16, F32), local]
+    wrapped = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+               "text_config": {**llama4, "attention_chunk_size": None}}
+    assert set(specs(wrapped).values()) == {FullAttentionSpec(4, 16, F32)}
 
 
 def test_jamba_periods_minimax_flags_kimi_one_indexed() -> None:

@@ -8,10 +8,13 @@ by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Gra
 Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1 (parallel
 attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels), gpt-oss
 (attention sinks per head, biased interleaved experts), MiniMax (lightning heads and their
-states, an output norm spanning the ranks), Jamba (Mamba-1 channels, row-parallel x_proj) and
-Kimi Linear (KDA heads, MLA query heads over a shared latent) and Zamba2 (shared blocks with
-LoRA adapters cut like the projections they add to). MoE experts split their intermediate
-dimension over the ranks. Fields that do not divide are named before any worker starts.
+states, an output norm spanning the ranks), Jamba, Mamba and Falcon-Mamba (Mamba-1 channels,
+row-parallel x_proj, Falcon-Mamba's dt/B/C norms over the reduced vectors) and
+Kimi Linear (KDA heads, MLA query heads over a shared latent), Zamba2 (shared blocks with
+LoRA adapters cut like the projections they add to) and Llama-4 (chunked local and NoPE
+attention heads, input-scaled experts and a shared expert summed in one all-reduce). MoE
+experts split their intermediate dimension over the ranks. Fields that do not divide are
+named before any worker starts.
 
 One engine per architecture runs prompts sharing a prefix under chunked prefill at an odd
 budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
@@ -56,16 +59,17 @@ def _config(model_dir) -> dict:
 # cache keeps checkpoints), few enough that they get preempted. Large states need more.
 # Nemotron-H's (checkpoints captured inside chunks, no cuts) preempts at 4 (not at 3 or 5).
 EXTRA_BLOCKS = {"bamba": 10, "nemotron_h_moe": 4, "granitemoehybrid": 10, "mamba2": 1,
-                "falcon_h1": 6, "gemma3": 1}
-# Gemma 3's sliding layers free their old pages, so its requests hold far less than the pool
-# floor (one request of max_model_len, counted as if nothing slid): a shorter max_model_len
-# (still above every prompt + NEW) keeps its pool small enough to preempt.
-MAX_LENS = {"gemma3": 80}
+                "falcon_h1": 6, "gemma3": 1, "mamba": 1, "falcon_mamba": 1,
+                "llama4": 1}
+# Gemma 3's sliding and Llama-4's chunked layers free their old pages, so requests hold far
+# less than the pool floor (one request of max_model_len, counted as if nothing slid): a
+# shorter max_model_len (still above every prompt + NEW) keeps the pool small enough to preempt.
+MAX_LENS = {"gemma3": 80, "llama4": 80}
 # Checkpoints whose zero-initialised biases are made random, so a bias added on every rank
 # (instead of once) would change the tokens.
-RANDOM_BIASES = {"gpt_oss"}
+RANDOM_BIASES = {"gpt_oss", "mamba"}
 # A state-only model's requests never grow, so nothing is ever preempted to make room.
-NEVER_PREEMPTED = {"mamba2"}
+NEVER_PREEMPTED = {"mamba2", "mamba", "falcon_mamba"}
 # Models whose GDN / Mamba-2 kernels capture state checkpoints inside prefill chunks.
 CAPTURING = {"qwen3_5", "nemotron_h_moe", "bamba"}
 
@@ -113,7 +117,7 @@ def _run(model_dir, llm: LLM, preempts: bool = True) -> None:
 # Nemotron-H runs with MoE blocks (its Mamba-2, attention and MLP blocks as well).
 TP_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next", "nemotron_h_moe",
             "bamba", "granitemoehybrid", "gemma3", "mamba2", "falcon_h1", "lfm2", "gpt_oss",
-            "minimax", "jamba", "kimi_linear", "zamba2"]
+            "minimax", "jamba", "kimi_linear", "zamba2", "mamba", "falcon_mamba", "llama4"]
 
 
 def _with_random_biases(src, dst):

@@ -149,6 +149,8 @@ def group_pages_for_request(
     back to ``window - 1`` tokens before its first token, so it holds the pages that a span of
     ``window - 1 + c`` tokens can overlap, ``cdiv(window + c - 2, block_size) + 1``, capped by
     the full count (a decode step, ``c = 1``, needs ``cdiv(window - 1, block_size) + 1``).
+    Chunked local attention (chunk ``C``): a step's keys start at its first token's chunk
+    start, at most ``C - 1`` tokens before it, so the same count with ``window = C``.
     State: ``pages_per_state`` for the running state, and one more state's worth with prefix
     caching (the checkpoint kept for reuse).
     """
@@ -156,7 +158,7 @@ def group_pages_for_request(
     if isinstance(spec, StateSpec):
         return group.pages_per_state * (2 if enable_prefix_caching else 1)
     full = cdiv(num_tokens, block_size)
-    window = getattr(spec, "window", None)
+    window = getattr(spec, "window", None) or getattr(spec, "chunk", None)
     if window is not None:
         chunk = max(1, min(max_num_batched_tokens, num_tokens))
         return min(full, cdiv(window + chunk - 2, block_size) + 1)

@@ -78,6 +78,23 @@ class SlidingWindowSpec(_KVPages):
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkedLocalAttentionSpec(_KVPages):
+    """K and V rows for the tokens of the current attention chunk (Llama-4's local layers).
+
+    A query at position ``p`` reads keys ``[p - p % chunk, p]``: the sequence is cut into
+    chunks of ``chunk`` tokens and attention never crosses a chunk start, so blocks wholly
+    before the current chunk go back to the pool (a chunked-attention dialect of the sliding
+    window, whose reach restarts at every chunk instead of trailing the query)."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    chunk: int
+
+    manager_kind = "chunked_local"
+
+
+@dataclass(frozen=True, slots=True)
 class StateComponent:
     """One tensor of a recurrent layer's per-sequence state, e.g. the conv window or the SSM."""
 
@@ -151,8 +168,19 @@ class MLASpec:
         return (block_size, self.latent_dim)
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | StateSpec | MLASpec
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | StateSpec | MLASpec
 
 
 def is_attention(spec: LayerSpec) -> bool:
-    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec | MLASpec)
+    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec
+                      | MLASpec)
+
+
+def first_key(spec: LayerSpec, position: int) -> int:
+    """The first key position a query at ``position`` reads under ``spec``'s attention:
+    ``position - window + 1`` (sliding window), the chunk start (chunked local), else 0."""
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, position - spec.window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return position - position % spec.chunk
+    return 0

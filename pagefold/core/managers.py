@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import CacheGroup
-from pagefold.core.kv_cache_spec import SlidingWindowSpec, cdiv
+from pagefold.core.kv_cache_spec import SlidingWindowSpec, cdiv, first_key
 
 
 @dataclass(slots=True)
@@ -224,6 +224,15 @@ class SlidingWindowManager(FullAttentionManager):
         super().allocate(req_id, num_computed, num_tokens, copies)
 
 
+class ChunkedLocalManager(SlidingWindowManager):
+    """Chunked local attention: a query reads keys from its chunk's start on, so blocks that
+    end before the chunk of the next step's earliest query (``num_computed``) are dead; they
+    become the null block like a sliding window's."""
+
+    def _dead_prefix(self, num_computed: int) -> int:
+        return first_key(self.group.spec, num_computed) // self.block_size
+
+
 class StateManager(GroupManager):
     """A fixed state per sequence: ``pages_per_state`` pages, taken at admission.
 
@@ -342,6 +351,7 @@ class StateManager(GroupManager):
 MANAGER_BY_KIND: dict[str, type[GroupManager]] = {
     "full_attention": FullAttentionManager,
     "sliding_window": SlidingWindowManager,
+    "chunked_local": ChunkedLocalManager,
     "state": StateManager,
 }
 

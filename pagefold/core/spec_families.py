@@ -12,8 +12,12 @@ manager serves them: checkpoints and forks copy whole pages):
 
 * ``mamba2`` (Mamba2ForCausalLM, Falcon-H1): as in ``spec_from_config``.
 * ``shortconv`` (LFM2): ``conv (hidden / tp, L_cache - 1)`` in the model dtype.
-* ``mamba1`` (Jamba): ``conv (I / tp, K - 1)`` in the model dtype, ``ssm (I / tp, N)`` in the SSM
-  dtype, ``I = mamba_expand * hidden``.
+* ``mamba1`` (Jamba, Mamba, Falcon-Mamba): ``conv (I / tp, K - 1)`` in the model dtype,
+  ``ssm (I / tp, N)`` in the SSM dtype, ``I = mamba_expand * hidden`` (Jamba) or
+  ``expand * hidden`` (Mamba, Falcon-Mamba).
+* Llama-4 text: RoPE layers are chunked local attention
+  (:class:`~pagefold.core.kv_cache_spec.ChunkedLocalAttentionSpec`, ``attention_chunk_size``),
+  NoPE layers full attention.
 * ``lightning`` (MiniMax): ``kv (H / tp, D, D)`` in the SSM dtype.
 * ``kda`` (Kimi Linear): ``conv (3 H D / tp, K - 1)`` in the model dtype, ``ssm (H / tp, D, D)``
   float32 unless ``mamba_ssm_cache_dtype`` says otherwise.
@@ -31,6 +35,7 @@ import torch
 
 from pagefold.core.config_fields import config_head_dim, parse_dtype, split_for_tp
 from pagefold.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     LayerSpec,
     MLASpec,
@@ -247,6 +252,44 @@ def _jamba(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
             for i, (mixer, _) in enumerate(jamba_layer_kinds(cfg))}
 
 
+def _mamba1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    """Mamba / Falcon-Mamba: a Mamba-1 state in every layer, ``I = expand * hidden_size``."""
+    state = mamba1_state(
+        inter=int(float(_get(cfg, "expand")) * int(_get(cfg, "hidden_size"))),
+        state=int(_get(cfg, "state_size")), kernel=int(_get(cfg, "conv_kernel")), tp=tp,
+        num_spec=num_spec, conv_dtype=model_dtype,
+        ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
+    return {f"layers.{i}": state for i in range(num_layers(cfg))}
+
+
+def llama4_layer_types(cfg: Any) -> list[str]:
+    """``layer_types`` (``chunked_attention`` / ``full_attention``), else transformers' rule:
+    RoPE layers (``no_rope_layers[i] == 1``, by default all but every
+    ``no_rope_layer_interval``-th) are chunked when ``attention_chunk_size`` is set."""
+    types = _get(cfg, "layer_types", default=None)
+    if types is None:
+        n = num_layers(cfg)
+        rope = _get(cfg, "no_rope_layers", default=None)
+        if not rope:
+            every = int(_get(cfg, "no_rope_layer_interval", default=4))
+            rope = [int((i + 1) % every != 0) for i in range(n)]
+        chunked = _get(cfg, "attention_chunk_size", default=None) is not None
+        types = ["chunked_attention" if r and chunked else "full_attention" for r in rope[:n]]
+    for i, t in enumerate(types):
+        if t not in ("chunked_attention", "full_attention"):
+            raise unknown_layer_type("Llama-4", i, t, ["chunked_attention", "full_attention"])
+    return list(types)
+
+
+def _llama4(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
+    full = _attention(cfg, tp, kv_dtype)
+    out: dict[str, LayerSpec] = {}
+    for i, t in enumerate(llama4_layer_types(cfg)):
+        out[f"layers.{i}"] = full if t == "full_attention" else ChunkedLocalAttentionSpec(
+            full.num_kv_heads, full.head_dim, kv_dtype, int(_get(cfg, "attention_chunk_size")))
+    return out
+
+
 def minimax_layer_types(cfg: Any) -> list[str]:
     """``layer_types`` (``linear_attention`` / ``full_attention``), else the original
     checkpoints' ``attn_type_list`` (0 lightning, 1 full), else transformers' default (full
@@ -331,6 +374,8 @@ FAMILY_READERS: dict[str, Callable[..., dict[str, LayerSpec]]] = {
     "kimi_linear": _kimi_linear,
     "minimax": _minimax,
     "jamba": _jamba,
+    "mamba1": _mamba1,
+    "llama4": _llama4,
     "zamba2": _zamba2,
     "falcon_h1": _falcon_h1,
     "lfm2": _lfm2,

@@ -14,7 +14,8 @@ with the same memory. The steps, per TP rank:
    ``num_blocks = memory // (layers_per_group * page)``.
 4. A request of ``max_model_len`` tokens takes, per group (vLLM sums
    ``cdiv(max_memory_usage_bytes, page)`` over groups): full attention ``cdiv(len, block)``;
-   sliding window ``cdiv(min(window - 1 + max_num_batched_tokens, len), block) + 1``; a state
+   sliding window ``cdiv(min(window - 1 + max_num_batched_tokens, len), block) + 1``; chunked
+   local attention ``cdiv(min(chunk + max_num_batched_tokens, len), block)``; a state
    group ``1 + num_speculative_tokens`` blocks, or ``2 + num_speculative_tokens`` with prefix
    caching (``mamba_cache_mode="align"``). vLLM sets ``MambaSpec.num_speculative_blocks`` to the
    number of speculative tokens, one extra state block per draft position, so the note's
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from pagefold.core.kv_cache_planner import group_layers
 from pagefold.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     LayerSpec,
     MLASpec,
@@ -154,6 +156,8 @@ def _group_blocks(
     if isinstance(spec, SlidingWindowSpec):
         held = min(spec.window - 1 + max_num_batched_tokens, num_tokens)
         return cdiv(held, block) + 1
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return cdiv(min(spec.chunk + max_num_batched_tokens, num_tokens), block)
     assert isinstance(spec, FullAttentionSpec | MLASpec)
     return cdiv(num_tokens, block)
 

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
-from pagefold.core.kv_cache_spec import SlidingWindowSpec, StateSpec, cdiv
+from pagefold.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    SlidingWindowSpec,
+    StateSpec,
+    cdiv,
+)
 from pagefold.executor.forward_context import ForwardContext, StateMetadata
 from pagefold.ops.attention import AttentionMetadata
 
@@ -83,11 +88,12 @@ class StaticBatch:
                     all_decode=True, any_initial_state=True)))
                 continue
             window = spec.window if isinstance(spec, SlidingWindowSpec) else None
+            starts = window or isinstance(spec, ChunkedLocalAttentionSpec)  # a first key > 0
             self.groups.append(_Group(AttentionMetadata(
                 slot_mapping=torch.full((size,), -1, **i64), decode_tok=rows,
                 decode_tables=torch.zeros((size, width), **i64),
                 decode_seq_lens=torch.zeros(size, **i64),
-                decode_kv_start=torch.zeros(size, **i64) if window else None,
+                decode_kv_start=torch.zeros(size, **i64) if starts else None,
                 block_size=bs, sliding_window=window, all_decode=True), None))
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor,

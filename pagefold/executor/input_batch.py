@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
-from pagefold.core.kv_cache_spec import SlidingWindowSpec, StateSpec
+from pagefold.core.kv_cache_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec, StateSpec
 from pagefold.executor.forward_context import StateMetadata
 from pagefold.ops.attention import AttentionMetadata, PrefillRow
 
@@ -124,10 +124,15 @@ def build_inputs(
         dec_tables = tables if all_decode else tables[dec_req]
         seq_lens = dec_pos + 1
         kv_start = np.maximum(seq_lens - window, 0) if window else None
+        # Chunked local attention: every row reads from its first query's chunk start (the
+        # layer masks the later chunks' queries itself; the blocks before are freed).
+        chunk = spec.chunk if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        if chunk:
+            kv_start = dec_pos - dec_pos % chunk
         prefills = []
         for i in pre_rows:
             s, n = starts[i], counts[i]
-            lo = max(0, s - window + 1) if window else 0
+            lo = max(0, s - window + 1) if window else (s - s % chunk if chunk else 0)
             kp = np.arange(lo, s + n, dtype=_i64)
             prefills.append(PrefillRow(
                 tok_start=int(cu[i]), tok_end=int(cu[i + 1]), ctx_len=s, kv_start=lo,

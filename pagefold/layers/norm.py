@@ -1,4 +1,5 @@
-"""RMSNorm in the two flavours checkpoints use: ``x * w`` and zero-centred ``x * (1 + w)``."""
+"""RMSNorm in the two flavours checkpoints use: ``x * w`` and zero-centred ``x * (1 + w)``; and the
+weightless one (no ``w``: Falcon-Mamba's dt/B/C norms, Llama-4's query/key L2 norm)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,16 @@ class RMSNorm(nn.Module):
         if self.zero_centered:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps)`` computed in float32 and cast back to x's dtype, with no
+    weight (transformers' ``Llama4TextL2Norm`` / Falcon-Mamba's mixer norms)."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)

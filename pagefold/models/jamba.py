@@ -5,21 +5,11 @@ encoding), else a Mamba-1 mixer; its feed-forward is a softmax top-k MoE (no ren
 when ``i % expert_layer_period == expert_layer_offset`` and ``num_experts > 1``, else a SwiGLU
 MLP. Each layer: ``h = x + mixer(input_norm(x))``, ``y = h + ffn(pre_ff_norm(h))``.
 
-Mamba-1 mixer (transformers' JambaMambaMixer), for a flat batch::
-
-    xs, z = split(in_proj(x), 2)                      (T, I) each
-    xs = silu(causal_conv1d(xs))                      conv state (I, K - 1)
-    dt_r, B, C = split(x_proj(xs), [R, N, N]); RMS-normalise each (dt/b/c_layernorm)
-    dt = dt_proj.weight @ dt_r                        the bias goes inside the softplus
-    y = selective_scan(xs, dt, A = -exp(A_log), B, C, D, z)     ssm state (I, N) float32
-    out = out_proj(y)
-
-The state is ``StateSpec(kind="mamba1")``: ``conv (I, K - 1)``, ``ssm (I, N)``.
-
-Tensor parallelism (as vLLM's Mamba-1): the I channels split over the ranks -- in_proj's xs
-and z rows, conv channels, ``A_log``, ``D``, ``dt_proj`` rows and the states --; ``x_proj``
-is row-parallel (its dt/B/C read every channel: one all-reduce), so the small dt/B/C norms
-see the full vectors on every rank; ``out_proj`` is row-parallel.
+The Mamba-1 mixer is :class:`~pagefold.layers.mamba.mamba1.Mamba1Mixer` with learned RMS norms
+on dt, B and C (``dt_layernorm`` / ``b_layernorm`` / ``c_layernorm``); its state is
+``StateSpec(kind="mamba1")``: ``conv (I, K - 1)``, ``ssm (I, N)``, ``I = mamba_expand * hidden``.
+Tensor parallelism: as the mixer's (channels split, row-parallel ``x_proj``), attention heads
+and expert widths split.
 """
 
 from __future__ import annotations
@@ -28,65 +18,25 @@ import torch
 from torch import nn
 
 from pagefold.core.spec_families import jamba_layer_kinds
-from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers.linear import column_linear, row_linear, shard_rows
+from pagefold.layers.mamba.mamba1 import Mamba1Config, Mamba1Mixer
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.nemotron_h import NemotronHAttention
 from pagefold.models.qwen3_5 import HybridCausalLM
-from pagefold.ops.conv1d import causal_conv1d
-from pagefold.ops.selective_scan import selective_scan
 
-__all__ = ["JambaForCausalLM", "Mamba1Mixer"]
+__all__ = ["JambaForCausalLM", "jamba_mixer_config"]
 
 
-class Mamba1Mixer(nn.Module):
-    """Jamba's Mamba-1 mixer; ``layer_name`` is its state layer."""
-
-    def __init__(self, cfg, layer_name: str) -> None:
-        super().__init__()
-        self.layer_name = layer_name
-        h = cfg.hidden_size
-        full = cfg.mamba_expand * h
-        self.state_size = n = cfg.mamba_d_state
-        self.rank = r = int(cfg.mamba_dt_rank)
-        self.kernel = cfg.mamba_d_conv
-        bias = bool(cfg.mamba_proj_bias)
-        what = "Mamba-1 channels (mamba_expand * hidden_size)"
-        self.in_proj = column_linear(h, [full, full], bias=bias, what=what)  # xs | z rows
-        self.inter = inter = self.in_proj.out_features // 2  # this rank's channels
-        self.conv1d = nn.Conv1d(inter, inter, self.kernel, groups=inter,
-                                bias=bool(cfg.mamba_conv_bias), padding=self.kernel - 1)
-        self.x_proj = row_linear(full, r + 2 * n, bias=False, what=what)
-        self.dt_proj = column_linear(r, full, bias=True, what=what)
-        self.A_log = nn.Parameter(torch.zeros(inter, n))
-        self.D = nn.Parameter(torch.ones(inter))
-        for p in (*self.conv1d.parameters(), self.A_log, self.D):
-            shard_rows(p, [full], what)
-        self.out_proj = row_linear(full, h, bias=bias, what=what)
-        self.dt_layernorm = RMSNorm(r, cfg.rms_norm_eps)
-        self.b_layernorm = RMSNorm(n, cfg.rms_norm_eps)
-        self.c_layernorm = RMSNorm(n, cfg.rms_norm_eps)
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"Jamba's Mamba activation {cfg.hidden_act!r} is not supported")
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        xs, z = self.in_proj(x).chunk(2, dim=-1)
-        _, meta = ctx.state(self.layer_name)
-        states = ctx.load_states(self.layer_name)
-        weight = self.conv1d.weight.view(self.inter, self.kernel)
-        xs, conv = causal_conv1d(xs, weight, self.conv1d.bias, states["conv"], meta.cu_seqlens,
-                                 activation="silu", decode=meta.all_decode)
-        dt, b, c = self.x_proj(xs).split([self.rank, self.state_size, self.state_size], dim=-1)
-        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
-        b, c = self.b_layernorm(b), self.c_layernorm(c)
-        y, ssm = selective_scan(xs, dt, -torch.exp(self.A_log.float()), b, c, self.D, z,
-                                states["ssm"], meta.cu_seqlens, dt_bias=self.dt_proj.bias,
-                                dt_softplus=True, decode=meta.all_decode)
-        ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
-        return self.out_proj(y.to(x.dtype))
+def jamba_mixer_config(cfg) -> Mamba1Config:
+    """JambaConfig's field names -> the shared Mamba-1 mixer's shapes."""
+    return Mamba1Config(
+        hidden_size=cfg.hidden_size, intermediate=cfg.mamba_expand * cfg.hidden_size,
+        state_size=cfg.mamba_d_state, dt_rank=int(cfg.mamba_dt_rank),
+        conv_kernel=cfg.mamba_d_conv, proj_bias=bool(cfg.mamba_proj_bias),
+        conv_bias=bool(cfg.mamba_conv_bias), dt_norm="rms", norm_eps=cfg.rms_norm_eps,
+        activation=cfg.hidden_act, what="Mamba-1 channels (mamba_expand * hidden_size)")
 
 
 class JambaLayer(nn.Module):
@@ -96,7 +46,7 @@ class JambaLayer(nn.Module):
         if self.is_attention:
             self.self_attn = NemotronHAttention(cfg, layer_idx)
         else:
-            self.mamba = Mamba1Mixer(cfg, f"layers.{layer_idx}")
+            self.mamba = Mamba1Mixer(jamba_mixer_config(cfg), f"layers.{layer_idx}")
         if moe:
             self.feed_forward = SparseMoeBlock(
                 cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,

@@ -72,13 +72,18 @@ class Mamba2Model(nn.Module):
 
 
 class Mamba2ForCausalLM(nn.Module):
-    """``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)`` (positions unused)."""
+    """``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)`` (positions unused).
+
+    The state-only stacks share this shell (``backbone.`` weights, optionally tied head);
+    a subclass names its backbone in ``backbone_class`` (built from the config alone)."""
+
+    backbone_class: type[nn.Module] = Mamba2Model
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
         del max_positions
         self.config = cfg
-        self.backbone = Mamba2Model(cfg)
+        self.backbone = self.backbone_class(cfg)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.vocab_size = cfg.vocab_size
         self.lm_head = lm_head_linear(cfg.hidden_size, cfg.vocab_size)

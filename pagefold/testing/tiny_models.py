@@ -263,6 +263,33 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         expand=2, conv_kernel=3, chunk_size=16, use_bias=False, use_conv_bias=True,
         layer_norm_epsilon=1e-5, tie_word_embeddings=False,
     ),
+    # Mamba-1 only: 3 layers, hidden 40, width 80 (expand 2), state 12, conv 3, dt rank 3;
+    # biased projections. Untied (tied, a tiny random Mamba-1 repeats its input token: the
+    # residual stream dominates). Falcon-Mamba: the same shapes with 4 layers and its weightless
+    # dt/B/C norms (eps 1e-5).
+    "mamba": dict(
+        hidden_size=40, num_hidden_layers=3, state_size=12, expand=2, conv_kernel=3,
+        time_step_rank=3, use_bias=True, use_conv_bias=True, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "falcon_mamba": dict(
+        hidden_size=40, num_hidden_layers=4, state_size=12, expand=2, conv_kernel=3,
+        time_step_rank=3, use_bias=False, use_conv_bias=True, layer_norm_epsilon=1e-5,
+        mixer_rms_eps=1e-5, tie_word_embeddings=False,
+    ),
+    # Llama-4 text: 5 layers, NoPE (full attention, temperature tuning with floor_scale 6 so
+    # it varies within a prompt) at 2 and 4, chunked local RoPE attention (chunk 13: prompts
+    # cross chunks) elsewhere, q/k L2 norm; MoE (5 experts, top-2, width 40, shared expert) at
+    # 1, 3, 4, dense MLP (width 72) at 0, 2; 4 heads x 12, 2 kv heads. Untied.
+    "llama4": dict(
+        hidden_size=48, intermediate_size=40, intermediate_size_mlp=72, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=5,
+        num_experts_per_tok=2, moe_layers=[1, 3, 4], no_rope_layers=[1, 1, 0, 1, 0],
+        attention_chunk_size=13, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=6,
+        attn_scale=0.3, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
     # Gemma 3 text: 7 layers, sliding 5:1 (layers 0-4 and 6 sliding, 5 full), window 11 (prompts
     # cross it), local/global RoPE thetas, the global one linearly scaled; 3 heads x 24, 1 kv
     # head, query_pre_attn_scalar 20, final logit soft cap 30. Tied.
@@ -383,6 +410,9 @@ _CONFIG_CLASSES: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "bamba": "BambaConfig",
     "mamba2": "Mamba2Config",
+    "mamba": "MambaConfig",
+    "falcon_mamba": "FalconMambaConfig",
+    "llama4": "Llama4TextConfig",
     "gemma3": "Gemma3TextConfig",
     "gpt_oss": "GptOssConfig",
     "lfm2": "Lfm2Config",

@@ -1,6 +1,7 @@
 """Speculative decoding in the engine: greedy tokens with speculation equal transformers'
-(float32) on dense, GDN, Mamba-2 and sliding-window models, under batching, chunked prefill,
-preemption (swap and recompute), prefix-cache hits and forks; pools whole afterwards.
+(float32) on dense, GDN, Mamba-2, sliding-window and Llama-4 (chunked local) models, under
+batching, chunked prefill, preemption (swap and recompute), prefix-cache hits and forks; pools
+whole afterwards.
 
 Random tiny models rarely repeat themselves, so besides the n-gram proposer these tests use an
 *oracle drafter*: it drafts the reference continuation with some positions corrupted, so every
@@ -24,8 +25,10 @@ ARCHS = {
     "nemotron_h": {},
     "sliding": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                 "sliding_window": 24, "use_sliding_window": True, "max_window_layers": 0},
+    "llama4": {},  # chunked local (chunk 13) + NoPE layers: drafts cross chunk starts
 }
-SMALL_POOL = {"qwen3": 300_000, "qwen3_5": 150_000, "nemotron_h": 200_000, "sliding": 300_000}
+SMALL_POOL = {"qwen3": 300_000, "qwen3_5": 150_000, "nemotron_h": 200_000, "sliding": 300_000,
+              "llama4": 170_000}
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1, "disable_by_batch_size": 64}
 

@@ -132,3 +132,19 @@ def test_ranks_hold_blocks_of_the_full_weight(qcfg):
             torch.testing.assert_close(holder.lin(x2), x2 @ want.t(), rtol=1e-5, atol=1e-4)
     finally:
         set_tensor_parallel(0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ct-w8a16-channel", "int4"])
+def test_tp2_quantized_experts_match_one_rank(tiny_model_factory, tmp_path, how):
+    """Qwen3-Next's quantized experts split their intermediate dimension over the ranks as the
+    stacked ones do (a checkpoint's per-expert tensors, or int4 on load: the down projections'
+    per-channel scales over all 32 inputs, 16 a rank)."""
+    src = tiny_model_factory("qwen3_next", head_dim=16)  # o_proj: 64 inputs, per channel
+    if how == "int4":
+        assert _tokens(src, 2, quantization=how) == _tokens(src, 1, quantization=how)
+        return
+    write_quantized(src, tmp_path / "q", tmp_path / "ref", how, plain=("linear_attn",))
+    one = _tokens(tmp_path / "q", 1)
+    assert one == hf_greedy(tmp_path / "ref", PROMPTS, N_NEW)
+    assert _tokens(tmp_path / "q", 2) == one

@@ -1,18 +1,11 @@
-"""Quantized linear layers: converted while a checkpoint loads, or quantized once loaded.
+"""Quantized linear layers (loaded by ``quantization.loader``).
 
 :class:`QuantLinear` holds a linear's weight as its format stores it (:mod:`.formats`) and
 multiplies by decoding one tile of output rows at a time into the activations' dtype (the
 reference every compiled kernel of a format is tested against): the weight is never kept
 decoded, so a 4-bit layer holds about a quarter of its bf16 bytes.
 
-Loading: ``load_into`` (``layers/linear.py``) hands every checkpoint tensor to
-:meth:`Quantizer.before_load` first. When a tensor is one of the format's (a ``qweight``, an
-fp8 ``weight``, ...) and its layer is still a plain ``nn.Linear``, the layer is replaced by a
-:class:`QuantLinear` with the same output shards (a fused ``qkv_proj`` places ``q_proj``'s
-tensors at its rows) and the original bias parameter; the tensor then loads into it. Layers
-the checkpoint keeps plain (``lm_head``, a config's ignore list) stay ``nn.Linear``.
-``quantize_loaded`` quantizes the plain linears of a loaded model (``--quantization fp8`` /
-``int8`` / ``int4`` on a bf16 checkpoint), every one but the lm_head.
+``quantize_weight`` is the rule of ``--quantization fp8 | int8 | int4`` on load.
 """
 
 from __future__ import annotations
@@ -24,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefold.distributed.parallel_state import all_reduce, all_reduce_max, tp_rank
-from pagefold.layers.linear import FusedShards, RowParallelLinear
-from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan
+from pagefold.layers.linear import FusedShards
+from pagefold.quantization.config import ON_LOAD_GROUP
 from pagefold.quantization.formats import (
     FP8,
     FP8_MAX,
@@ -35,9 +28,9 @@ from pagefold.quantization.formats import (
     QuantizationError,
 )
 from pagefold.quantization.int_kernel import IntWeight
-from pagefold.quantization.tp import GROUP_INDEX, TPSplit, regroup, split_of
+from pagefold.quantization.tp import GROUP_INDEX, TPSplit, regroup
 
-__all__ = ["QuantLinear", "Quantizer", "finalize_all", "quantize_loaded", "weights_summary"]
+__all__ = ["QuantLinear", "finalize_all", "quantize_weight", "weights_summary"]
 
 logger = logging.getLogger("pagefold")
 
@@ -118,6 +111,10 @@ class QuantLinear(nn.Module):
             raise QuantizationError(f"{what}: {self.method.name} tensor of dtype {tensor.dtype}, "
                                     f"expected {spec.dtype}")
         dst.copy_(tensor)
+
+    def place(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
+        """Copy this rank's part ``tensor`` (already cut) of tensor ``name`` of ``shard``."""
+        self._place(name, getattr(self, name), tensor, shard)
 
     def _cut(self, name: str, tensor: torch.Tensor, shard: str) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (itself with one rank)."""
@@ -204,73 +201,7 @@ class QuantLinear(nn.Module):
                 f"shards={list(self.shards)}")
 
 
-def _shards(lin: nn.Linear) -> dict[str, tuple[int, int]]:
-    fused = getattr(lin.weight, "fused", None)
-    return dict(fused.shards) if fused is not None else {"": (0, lin.out_features)}
-
-
-def _swap(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_name, _, child = path.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-class Quantizer:
-    """The model-side half of loading a quantized checkpoint (set as ``model.pf_quant``)."""
-
-    def __init__(self, plan: QuantPlan) -> None:
-        self.plan = plan
-        self.converted = 0
-        self.plain: set[str] = set()  # fused layers that took a plain weight shard
-        self._names = (plan.checkpoint.tensor_names() if plan.checkpoint is not None
-                       else set())
-
-    def is_format_tensor(self, name: str) -> bool:
-        return name in self._names
-
-    def before_load(self, model: nn.Module, target: str, tensor: torch.Tensor) -> str | None:
-        """Convert ``target``'s layer when ``tensor`` is stored in the checkpoint's format:
-        ``"reload"`` (the model's parameters changed), ``"skip"`` (a tensor pagefold does not
-        keep: static activation scales, since activations run unquantized) or None."""
-        method = self.plan.checkpoint
-        if method is None:
-            return None
-        path, _, name = target.rpartition(".")
-        if name == "input_scale":
-            return "skip"
-        try:
-            mod = model.get_submodule(path)
-        except AttributeError:
-            return None
-        if isinstance(mod, QuantLinear) and name == "weight" and name not in mod.specs:
-            raise QuantizationError(f"{path}: the checkpoint stores part of this fused layer "
-                                    f"plain and part {method.name}-quantized (unsupported)")
-        if isinstance(mod, QuantLinear):  # converted already: the tensor loads into it
-            return None
-        if not isinstance(mod, nn.Linear):
-            if name not in ("weight", "bias") and self.is_format_tensor(name):
-                raise QuantizationError(f"{target}: {method.name} tensors of a "
-                                        f"{type(mod).__name__} (not a linear layer) are not "
-                                        "supported yet")
-            return None
-        if name in ("weight", "bias") and tensor.dtype != torch.float8_e4m3fn:
-            if name == "weight" and getattr(mod.weight, "fused", None) is not None:
-                self.plain.add(path)  # a shard loaded plain: the layer cannot convert later
-            return None
-        if path in self.plain:
-            raise QuantizationError(f"{path}: the checkpoint stores part of this fused layer "
-                                    f"plain and part {method.name}-quantized (unsupported)")
-        new = QuantLinear(method, mod.in_features, mod.out_features, _shards(mod), mod.bias,
-                          path, split_of(mod))
-        if name not in new.specs:
-            raise QuantizationError(f"{target}: not a tensor of the {method.name} format "
-                                    f"(expected {', '.join(new.specs)})")
-        _swap(model, path, new)
-        self.converted += 1
-        return "reload"
-
-
-def _quantize_weight(w: torch.Tensor, kind: str, full_k: int | None = None, layer: str = "?"
+def quantize_weight(w: torch.Tensor, kind: str, full_k: int | None = None, layer: str = "?"
                      ) -> tuple[object, dict[str, torch.Tensor]]:
     """Per-channel fp8, or symmetric int8 / int4 with groups of ``ON_LOAD_GROUP`` inputs (per
     channel when that does not divide the inputs), of a weight (n, k). ``full_k``: the full
@@ -301,32 +232,6 @@ def _quantize_weight(w: torch.Tensor, kind: str, full_k: int | None = None, laye
     packed = (u << shifts).sum(dim=-1)
     packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
     return PackedInt(bits, group), {"weight_packed": packed, "weight_scale": scale}
-
-
-def quantize_loaded(model: nn.Module, kind: str) -> int:
-    """Replace every plain linear of a loaded model but its lm_head by a per-channel fp8 or
-    grouped int8 / int4 :class:`QuantLinear`; returns how many were replaced. Under tensor
-    parallelism each rank quantizes its part as the one-rank model would (see
-    ``_quantize_weight``): the same codes and scales."""
-    todo = [(p, m) for p, m in model.named_modules()
-            if type(m) in (nn.Linear, RowParallelLinear) and not getattr(m, "pf_logits", False)
-            and not p.endswith("lm_head")]
-    for path, mod in todo:
-        split = split_of(mod)
-        full_k = split.full_in if split is not None and split.row else mod.in_features
-        if kind != "fp8" and full_k % (32 // (8 if kind == "int8" else 4)):
-            continue  # a width the packing cannot take stays as stored
-        method, tensors = _quantize_weight(mod.weight, kind, full_k, path)
-        new = QuantLinear(method, mod.in_features, mod.out_features, _shards(mod), mod.bias,
-                          path, split)
-        for name, t in tensors.items():
-            for shard, (off, n) in new.shards.items():
-                spec = new.specs[name]
-                part = t if spec.out_dim is None else t.narrow(spec.out_dim, off, n)
-                new._place(name, getattr(new, name), part, shard)
-        new.finalize()
-        _swap(model, path, new)
-    return len(todo)
 
 
 def finalize_all(model: nn.Module) -> None:

@@ -48,12 +48,20 @@ def test_quantized_checkpoint_weight_bytes(tiny_model_factory, tmp_path, capsys,
     assert plain["quantization"] is None and got["bytes"] < plain["bytes"]
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
 @pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
-def test_quantization_option_weight_bytes(tiny_model_factory, capsys, kind):
-    src = tiny_model_factory("qwen3")
+def test_quantization_option_weight_bytes(tiny_model_factory, capsys, kind, arch):
+    """Every linear and (Qwen3-Next) every MoE expert quantized on load."""
+    src = tiny_model_factory(arch)
     got = _reported(src, capsys, "--quantization", kind)
     assert got["bytes"] == _loaded_bytes(src, quantization=kind)
     assert _reported(src, capsys)["bytes"] == _loaded_bytes(src)
+
+
+def test_quantized_experts_checkpoint_weight_bytes(tiny_model_factory, tmp_path, capsys):
+    write_quantized(tiny_model_factory("qwen3_next"), tmp_path / "q", tmp_path / "r",
+                    "ct-w4a16-g32", plain=("linear_attn",))
+    assert _reported(tmp_path / "q", capsys)["bytes"] == _loaded_bytes(tmp_path / "q")
 
 
 def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):

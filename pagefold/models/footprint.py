@@ -23,6 +23,7 @@ from torch import nn
 from pagefold.checkpoint import text_config
 from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
 from pagefold.layers.linear import RowParallelLinear
+from pagefold.layers.moe import MoEExperts
 from pagefold.models.registry import model_class
 from pagefold.models.weights import safetensors_files
 from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan, resolve
@@ -68,6 +69,28 @@ def _checkpoint_layers(model_dir: Path, method: QuantMethod) -> set[str]:
     return out
 
 
+def _on_load(kind: str, full_k: int) -> QuantMethod | None:
+    if kind == "fp8":
+        return FP8("channel")
+    bits = 8 if kind == "int8" else 4
+    if full_k % (32 // bits):
+        return None
+    return PackedInt(bits, ON_LOAD_GROUP if full_k % ON_LOAD_GROUP == 0 else -1)
+
+
+def _experts_bytes(path: str, mod: MoEExperts, plan: QuantPlan, stored: set[str]) -> int | None:
+    """Bytes of quantized experts (per expert a gate_up and a down layer), None: plain."""
+    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
+    if plan.on_load is not None:
+        gu, dn = _on_load(plan.on_load, hidden), _on_load(plan.on_load, mod.full_inter)
+    elif _tail(f"{path}.0.down_proj") in stored:
+        gu = dn = plan.checkpoint
+    else:
+        return None
+    return mod.num_experts * (linear_bytes(gu, 2 * inter, hidden)
+                              + linear_bytes(dn, hidden, inter))
+
+
 def _quantized(path: str, mod: nn.Module, plan: QuantPlan, stored: set[str]):
     """The format ``mod`` loads in (None: as its plain weight), and its full inputs."""
     if type(mod) not in (nn.Linear, RowParallelLinear):
@@ -76,13 +99,7 @@ def _quantized(path: str, mod: nn.Module, plan: QuantPlan, stored: set[str]):
     if plan.on_load is not None:
         if getattr(mod, "pf_logits", False) or path.endswith("lm_head"):
             return None, 0
-        if plan.on_load == "fp8":
-            return FP8("channel"), full_k
-        bits = 8 if plan.on_load == "int8" else 4
-        if full_k % (32 // bits):
-            return None, 0
-        group = ON_LOAD_GROUP if full_k % ON_LOAD_GROUP == 0 else -1
-        return PackedInt(bits, group), full_k
+        return _on_load(plan.on_load, full_k), full_k
     fused = getattr(mod.weight, "fused", None)
     parent = path.rpartition(".")[0]
     names = [path] + ([f"{parent}.{s}" if parent else s for s in fused.shards]
@@ -107,6 +124,12 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
             model = model_class(arch)(text_config(hf_config), max_positions=2)
         total, seen = 0, set()
         for path, mod in model.named_modules():
+            if isinstance(mod, MoEExperts) and plan is not None:
+                nbytes = _experts_bytes(path, mod, plan, stored)
+                if nbytes is not None:
+                    seen.update((id(mod.gate_up_proj), id(mod.down_proj)))
+                    total += nbytes
+                continue
             method, _ = _quantized(path, mod, plan, stored) if plan else (None, 0)
             if method is None:
                 continue

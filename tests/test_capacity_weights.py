@@ -64,6 +64,15 @@ def test_quantized_experts_checkpoint_weight_bytes(tiny_model_factory, tmp_path,
     assert _reported(tmp_path / "q", capsys)["bytes"] == _loaded_bytes(tmp_path / "q")
 
 
+def test_mxfp4_experts_weight_bytes(tiny_model_factory, tmp_path, capsys):
+    from tests.test_mxfp4 import CONFIG, write_mxfp4
+
+    write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG), tmp_path / "q", tmp_path / "r")
+    got = _reported(tmp_path / "q", capsys)
+    assert got["bytes"] == _loaded_bytes(tmp_path / "q")
+    assert got["quantization"] == "mxfp4 experts"
+
+
 def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):
     src = tiny_model_factory("qwen3")
     assert capacity_cmd.main([str(src), "--kv-cache-memory", "4MiB", "--max-model-len", "64",

@@ -53,13 +53,16 @@ def _tail(name: str) -> str:
     return name[i:] if i >= 0 else name
 
 
-def _checkpoint_layers(model_dir: Path, method: QuantMethod) -> set[str]:
-    """Tails of the checkpoint's layers stored in ``method``'s format."""
-    names = method.tensor_names() - {"bias"}
+def _checkpoint_layers(model_dir: Path, method: QuantMethod | None) -> set[str]:
+    """Tails of the checkpoint's layers stored in ``method``'s format (and of its MXFP4
+    tensors, whole names)."""
+    names = method.tensor_names() - {"bias"} if method is not None else set()
     out = set()
     for f in safetensors_files(model_dir):
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
+                if key.endswith("_blocks"):
+                    out.add(_tail(key))
                 prefix, _, leaf = key.rpartition(".")
                 if leaf not in names:
                     continue
@@ -114,7 +117,7 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     ``model_dir`` loaded in ``dtype`` with the ``quantization`` option."""
     plan = resolve(hf_config, quantization)
     stored = (_checkpoint_layers(Path(model_dir), plan.checkpoint)
-              if plan is not None and plan.checkpoint is not None else set())
+              if plan is not None and plan.on_load is None else set())
     prev = (tp_rank(), tp_size())
     set_tensor_parallel(0, tensor_parallel_size)
     old = torch.get_default_dtype()
@@ -124,6 +127,13 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
             model = model_class(arch)(text_config(hf_config), max_positions=2)
         total, seen = 0, set()
         for path, mod in model.named_modules():
+            if getattr(mod, "mxfp4", None) is not None and _tail(
+                    f"{path}.gate_up_proj_blocks") in stored:
+                # gpt-oss MXFP4 experts: per 32 inputs 16 code bytes and one scale byte.
+                seen.update((id(mod.gate_up_proj), id(mod.down_proj)))
+                total += mod.num_experts * (2 * mod.inter * mod.hidden
+                                            + mod.hidden * mod.inter) * 17 // 32
+                continue
             if isinstance(mod, MoEExperts) and plan is not None:
                 nbytes = _experts_bytes(path, mod, plan, stored)
                 if nbytes is not None:

@@ -53,3 +53,12 @@ def test_quantization_on_load_quantizes_experts(tiny_model_factory, tmp_path, ki
     assert any(".experts.2.up_proj" in k and not out[k].equal(tensors[k]) for k in out)
     save_file(out, str(ref / "model.safetensors"))
     assert _pagefold(src, quantization=kind) == _oracle(ref)
+
+
+def test_quantized_qwen3_next_gdn_projections_are_refused(tiny_model_factory, tmp_path):
+    """Their rows are reshuffled on load (plain only): a quantized one is an error naming it."""
+    write_quantized(tiny_model_factory("qwen3_next"), tmp_path / "q", tmp_path / "r",
+                    "ct-w8a16-channel")
+    with pytest.raises(ValueError, match=r"linear_attn\.in_proj_(qkvz|ba)\.weight_\w+: "
+                                         r"Qwen3-Next's Gated DeltaNet input projections"):
+        LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)

@@ -91,7 +91,7 @@ class Quantizer:
             raise QuantizationError(f"{path}: the checkpoint stores part of this fused layer "
                                     f"plain and part {method.name}-quantized (unsupported)")
         new = QuantLinear(method, mod.in_features, mod.out_features, _shards(mod), mod.bias,
-                          path, split_of(mod))
+                          path, split_of(mod, path))
         if name not in new.specs:
             raise QuantizationError(f"{target}: not a tensor of the {method.name} format "
                                     f"(expected {', '.join(new.specs)})")
@@ -126,7 +126,7 @@ def quantize_loaded(model: nn.Module, kind: str) -> int:
             if type(m) in (nn.Linear, RowParallelLinear) and not getattr(m, "pf_logits", False)
             and not p.endswith("lm_head")]
     for path, mod in todo:
-        split = split_of(mod)
+        split = split_of(mod, path)
         full_k = split.full_in if split is not None and split.row else mod.in_features
         if kind != "fp8" and full_k % (32 // (8 if kind == "int8" else 4)):
             continue  # a width the packing cannot take stays as stored

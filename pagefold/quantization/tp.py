@@ -124,14 +124,20 @@ def _in_dim(spec: ParamSpec) -> int | None:
     return 1 - spec.out_dim
 
 
-def split_of(mod: nn.Module) -> TPSplit | None:
-    """The split of the plain layer ``mod`` replaces (None: one rank, or a replicated layer)."""
+def split_of(mod: nn.Module, path: str = "?") -> TPSplit | None:
+    """The split of the plain layer ``mod`` (at ``path``) a quantized layer replaces (None:
+    one rank, or a replicated layer). A layer cut by a model's own loader is refused."""
     if tp_size() == 1:
         return None
     if isinstance(mod, RowParallelLinear):
         return TPSplit(full_in=mod.in_features * tp_size(), reduce=mod.reduce)
     cuts = getattr(mod, "tp_cuts", None)
-    return TPSplit(cuts=cuts) if cuts else None
+    if cuts:
+        return TPSplit(cuts=cuts)
+    if getattr(getattr(mod, "weight", None), "tp_loader", None) is not None:
+        raise QuantizationError(f"{path}: quantized weights of this layer's tensor-parallel "
+                                "split are not supported (use tensor_parallel_size 1)")
+    return None
 
 
 class _Parts(IntFormat):

@@ -94,3 +94,49 @@ def test_int_weight_takes_the_triton_kernel(monkeypatch):
         dispatch.set_mode("auto")
     assert calls
     torch.testing.assert_close(got, weight.reference(x), rtol=1e-5, atol=1e-4)
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 96), (8, 32), (70, 160)])
+@pytest.mark.parametrize("m", [1, 6, 33])
+def test_mxfp4_gemm_matches_torch_reference(n, k, m):
+    """Every E2M1 code, scales from 2^-127 (s = 0, subnormal) to 2^10."""
+    from pagefold.ops.quant.triton import mxfp4_gemm
+
+    gen = torch.Generator().manual_seed(n + k + m)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 138, (n, k // 32), generator=gen, dtype=torch.uint8)
+    scales[0, 0] = 0
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).reshape(n, k // 32, 32).long()
+    w = (E2M1[codes].double() * torch.pow(2.0, scales.double() - 127)[..., None]).reshape(n, k)
+    x = torch.randn(m, k, generator=gen)
+    got = mxfp4_gemm(x.to(DEV), blocks.to(DEV), scales.to(DEV)).cpu()
+    want = x.double() @ w.t()
+    bound = 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30  # float32 sums of k terms
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_mxfp4_experts_take_the_triton_kernel(monkeypatch):
+    """With the Triton path on, gpt-oss's MXFP4 expert product is the kernel's, equal to the
+    tile-decoding torch product."""
+    from pagefold.quantization.mxfp4 import mxfp4_linear
+
+    gen = torch.Generator().manual_seed(9)
+    blocks = torch.randint(0, 256, (24, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (24, 2), generator=gen, dtype=torch.uint8)
+    x = torch.randn(3, 64, generator=gen)
+    want = mxfp4_linear(x, blocks, scales)
+    import pagefold.ops.quant.triton as tq
+
+    calls, real = [], tq.mxfp4_gemm
+    monkeypatch.setattr(tq, "mxfp4_gemm", lambda *a: (calls.append(1), real(*a))[1])
+    dispatch.set_mode("triton")
+    try:
+        got = mxfp4_linear(x, blocks, scales)
+    finally:
+        dispatch.set_mode("auto")
+    assert calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -8,7 +8,8 @@ values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Stacked experts carry a l
 expert dimension.
 
 The product decodes a tile of rows into float32 (every value and scale exact in float32) and
-multiplies; that is the reference any faster MXFP4 kernel is tested against.
+multiplies; that is the reference the Triton kernel (``ops/quant/triton.py``, where the
+Triton kernels run) is tested against.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagefold.kernels import dispatch
 from pagefold.quantization.formats import QuantizationError
 
 __all__ = ["E2M1", "MXFP4_BLOCK", "check_mxfp4", "dequantize_mxfp4", "mxfp4_linear"]
@@ -52,7 +54,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for the MXFP4 matrix ``w`` (R, K), decoded a tile of rows at a time into
-    ``x``'s dtype (float32 values: exact)."""
+    ``x``'s dtype (float32 values: exact); the Triton kernel where the Triton kernels run."""
+    if dispatch.use_triton(x.device) and x.dim() == 2:
+        from pagefold.ops.quant.triton import mxfp4_gemm  # imports triton: only where it runs
+
+        return mxfp4_gemm(x.float(), blocks, scales).to(x.dtype)
     rows = scales.shape[0]
     if rows <= TILE_ROWS:
         return F.linear(x, dequantize_mxfp4(blocks, scales).to(x.dtype))

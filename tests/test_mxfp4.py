@@ -109,3 +109,19 @@ def test_truncated_mxfp4_tensor_names_it(tiny_model_factory, tmp_path):
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj_blocks: mxfp4 "
                                          r"tensor .*truncated or corrupt"):
         LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_decode_is_exact(dtype):
+    """Every code with every scale byte whose values stay finite in float32 (up to 252: 6 *
+    2^125), decoded straight into float32 or bfloat16, equals the spec's value."""
+    from pagefold.quantization.mxfp4 import dequantize_mxfp4
+
+    blocks = torch.arange(256, dtype=torch.int64).to(torch.uint8).reshape(16, 1, 16)
+    blocks = blocks.repeat(253, 1, 1)  # (253 * 16 rows, 1 block, 16 bytes)
+    scales = torch.arange(253).repeat_interleave(16).to(torch.uint8).reshape(-1, 1)
+    lut = torch.cat([MAGNITUDES, -MAGNITUDES]).double()
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).reshape(-1, 32).long()
+    want = lut[codes] * torch.pow(2.0, scales.double() - 127)
+    got = dequantize_mxfp4(blocks, scales, dtype)
+    assert got.dtype == dtype and torch.equal(got.double(), want)

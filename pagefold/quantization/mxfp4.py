@@ -41,29 +41,45 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
         raise QuantizationError(f"{name}: mxfp4 scale 255 (NaN) in the checkpoint")
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(..., R, G, 16) codes and (..., R, G) scales -> float32 (..., R, G * 32)."""
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
+def _pair_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(256, 2): the two E2M1 values of each byte (low nibble first)."""
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    b = torch.arange(256)
+    return torch.stack((lut[b & 15], lut[b >> 4]), dim=-1).to(device=device, dtype=dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(..., R, G, 16) codes and (..., R, G) scales -> (..., R, G * 32) in ``dtype`` (exact in
+    float32 and bfloat16: E2M1 values times powers of two; one table lookup per byte)."""
     # 2 ** (s - 127) exactly: s as a float32 exponent field (s = 0: the subnormal 2 ** -127).
     e = scales.to(torch.int32)
     scale = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23).view(torch.float32)
-    w = vals.reshape(*blocks.shape[:-1], MXFP4_BLOCK) * scale[..., None]
+    pairs = F.embedding(blocks.reshape(-1, MXFP4_BLOCK // 2).to(torch.int32),
+                        _pair_lut(dtype, blocks.device))  # (rows * G, 16, 2)
+    w = pairs.view(*scales.shape, MXFP4_BLOCK) * scale.to(dtype)[..., None]
     return w.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
+
+
+def _decode_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float16's exponent range is too narrow for every scale: decode it through float32.
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for the MXFP4 matrix ``w`` (R, K), decoded a tile of rows at a time into
-    ``x``'s dtype (float32 values: exact); the Triton kernel where the Triton kernels run."""
+    ``x``'s dtype (exact in float32 and bfloat16); the Triton kernel where the Triton kernels
+    run."""
     if dispatch.use_triton(x.device) and x.dim() == 2:
         from pagefold.ops.quant.triton import mxfp4_gemm  # imports triton: only where it runs
 
         return mxfp4_gemm(x.float(), blocks, scales).to(x.dtype)
     rows = scales.shape[0]
     if rows <= TILE_ROWS:
-        return F.linear(x, dequantize_mxfp4(blocks, scales).to(x.dtype))
+        return F.linear(x, dequantize_mxfp4(blocks, scales, _decode_dtype(x.dtype)).to(x.dtype))
     y = x.new_empty((*x.shape[:-1], rows))
     for r0 in range(0, rows, TILE_ROWS):
         r1 = min(rows, r0 + TILE_ROWS)
-        y[..., r0:r1] = F.linear(x, dequantize_mxfp4(blocks[r0:r1], scales[r0:r1]).to(x.dtype))
+        w = dequantize_mxfp4(blocks[r0:r1], scales[r0:r1], _decode_dtype(x.dtype))
+        y[..., r0:r1] = F.linear(x, w.to(x.dtype))
     return y

@@ -13,6 +13,7 @@ two codes a byte, the even input in the low nibble. The gate/up matrix's rows ar
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 
@@ -72,10 +73,14 @@ def write_mxfp4(src, dst, ref) -> None:
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
-def test_mxfp4_experts_match_dequantized_transformers(tiny_model_factory, tmp_path):
+def test_mxfp4_experts_match_dequantized_transformers(tiny_model_factory, tmp_path, caplog):
     write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG), tmp_path / "q", tmp_path / "ref")
     assert _pagefold(tmp_path / "q") == hf_greedy(tmp_path / "ref", PROMPTS, N_NEW)
-    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+    with caplog.at_level(logging.INFO, logger="pagefold"):
+        llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64,
+                  kv_cache_memory=4 << 20)
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert "mxfp4: 8 tensors" in summary[-1], summary  # 2 projections x 4 layers
     experts = llm.engine.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj is None and experts.down_proj_blocks.dtype == torch.uint8
 

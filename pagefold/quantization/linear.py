@@ -254,12 +254,14 @@ def weights_summary(model: nn.Module) -> str:
             for t in mod.tensors().values():
                 seen.add(id(t))
             total += mod.nbytes
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        counts[str(p.dtype).removeprefix("torch.")] = counts.get(
-            str(p.dtype).removeprefix("torch."), 0) + 1
+        key = str(p.dtype).removeprefix("torch.")
+        if name.endswith("_blocks") and p.dtype == torch.uint8:
+            key = "mxfp4"  # gpt-oss experts' codes (their scales count as uint8)
+        counts[key] = counts.get(key, 0) + 1
         total += p.numel() * p.element_size()
     parts = "; ".join(f"{k}: {v} tensors" for k, v in sorted(counts.items()))
     return f"{total / 2**20:.1f} MiB ({parts})"

@@ -128,9 +128,6 @@ class EngineConfig:
             from pagefold.quantization.config import check_option
 
             self.quantization = check_option(self.quantization)
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size "
-                                 f"{self.tensor_parallel_size} is not supported yet")
         if self.block_size < 1 or self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise ValueError(
                 "block_size must be a power of two up to 8 or a multiple of 16, got "

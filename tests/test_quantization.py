@@ -172,9 +172,11 @@ FORMATS = {
 }
 
 
-def write_quantized(src: Path, dst: Path, ref: Path, fmt: str) -> int:
-    """``dst``: ``src`` with its layers' linears quantized in ``fmt``; ``ref``: the same
-    weights dequantized, plain float32. Returns how many linears were quantized."""
+def write_quantized(src: Path, dst: Path, ref: Path, fmt: str, plain: tuple[str, ...] = ()
+                    ) -> int:
+    """``dst``: ``src`` with its layers' linears quantized in ``fmt`` (but those whose name
+    holds one of ``plain``); ``ref``: the same weights dequantized, plain float32. Returns how
+    many linears were quantized."""
     qcfg, n_div, k_div, quant = FORMATS[fmt]
     gen = torch.Generator().manual_seed(7)
     for d in (dst, ref):
@@ -186,7 +188,7 @@ def write_quantized(src: Path, dst: Path, ref: Path, fmt: str) -> int:
         tensors.update(load_file(str(f)))
     qt, rt, count = {}, {}, 0
     for name, t in tensors.items():
-        if _quantizable(name, t, n_div, k_div):
+        if _quantizable(name, t, n_div, k_div) and not any(p in name for p in plain):
             stored, deq = quant(t.float(), gen)
             prefix = name.removesuffix(".weight")
             qt.update({f"{prefix}.{k}": v for k, v in stored.items()})

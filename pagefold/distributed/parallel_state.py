@@ -62,6 +62,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over ranks (in place when there are several)."""
+    if _STATE.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate the ranks' ``x`` along the last dimension (rank order)."""
     if _STATE.size == 1:

@@ -41,6 +41,7 @@ class WorkerInit:
     threads: int
     warm_up_tokens: int
     warm_up_seq_len: int
+    quantization: str | None = None  # the quantization option (see ``load_model``)
 
 
 def build_rank_runner(init: WorkerInit) -> ModelRunner:
@@ -49,7 +50,8 @@ def build_rank_runner(init: WorkerInit) -> ModelRunner:
     _, hf_config = load_hf_config(init.model)
     runner = build_runner(init.model, hf_config, init.arch, init.dtype, init.max_positions,
                           torch.device(init.device), init.kv_config,
-                          cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks)
+                          cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,
+                          quantization=init.quantization)
     if init.warm_up_tokens:
         runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
     return runner

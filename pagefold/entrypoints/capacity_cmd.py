@@ -3,7 +3,10 @@
 PATH is a ``config.json`` or a model directory holding one; no weights, no network, and the
 config is read as a plain dict, so transformers need not know the model type. Prints the
 rendered report, or one JSON object with ``--json``. Sizes are per GPU (tensor-parallel rank),
-so ``--kv-cache-memory`` is one GPU's budget, as vLLM logs it.
+so ``--kv-cache-memory`` is one GPU's budget, as vLLM logs it. For a model pagefold serves,
+the report also states the weight bytes a rank holds once loaded (``models/footprint.py``:
+quantized layers as their kernel layout holds them, a quantized checkpoint's from its
+safetensors headers, ``--quantization fp8|int8|int4`` as quantized on load).
 
 Example (vLLM's numbers for Qwen3.5-27B at TP 2 with an FP8 KV cache)::
 
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pagefold.config import parse_bytes, resolve_dtype
-from pagefold.core.capacity import LAYOUTS, capacity_report, render_report
+from pagefold.core.capacity import LAYOUTS, capacity_report, format_bytes, render_report
 from pagefold.core.config_fields import config_model_dtype, unwrap_text_config
 from pagefold.core.kv_cache_planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagefold.core.spec_from_config import layer_specs_from_config
@@ -65,6 +68,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="dtype of the recurrent (SSM) state (default: the config's, else the model dtype)",
     )
     p.add_argument("--block-size", type=int, default=16, help="attention tokens per page")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="weights quantized on load (fp8, int8, int4) for the weight bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -129,7 +134,32 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
     }
+    report["weights"] = _weights(args, model_dtype)
     return report
+
+
+def _weights(args: argparse.Namespace, model_dtype) -> dict[str, Any]:
+    """``{"bytes": per rank, "quantization": label}``, or ``{"error": why}`` when the model
+    cannot be built here (an architecture pagefold does not serve, a config transformers does
+    not read). A quantization option pagefold refuses is an error of the whole report."""
+    from pagefold.quantization.formats import QuantizationError
+
+    model_dir = Path(args.path)
+    model_dir = model_dir if model_dir.is_dir() else model_dir.parent
+    try:
+        from pagefold.checkpoint import load_hf_config
+        from pagefold.models.footprint import weight_bytes
+
+        arch, hf_config = load_hf_config(str(model_dir))
+        nbytes, label = weight_bytes(model_dir, hf_config, arch, model_dtype,
+                                     args.quantization, args.tensor_parallel_size)
+    except QuantizationError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the KV report stands without the weights
+        if args.quantization:
+            raise ValueError(f"weight bytes with --quantization {args.quantization}: {e}") from e
+        return {"error": str(e)}
+    return {"bytes": nbytes, "quantization": label}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
             f"{m['path']}: {', '.join(m['architectures'] or ['?'])}, {m['model_dtype']} weights, "
             f"{m['kv_cache_dtype']} KV cache, tensor parallel {m['tensor_parallel_size']}"
         )
+        w = report["weights"]
+        if "bytes" in w:
+            print(f"weights: {format_bytes(w['bytes'])} per rank "
+                  f"({w['quantization'] or m['model_dtype']})")
         print(render_report(report))
     return 0
 

@@ -147,6 +147,7 @@ def column_linear(in_features: int, sizes: dict[str, int | list[int]] | int, *, 
         if fused:
             prm.fused = FusedShards(offsets)  # type: ignore[attr-defined]
         prm.tp_loader = loader  # type: ignore[attr-defined]
+    lin.tp_cuts = cuts  # a quantized layer replacing this one cuts its tensors the same way
     return lin
 
 

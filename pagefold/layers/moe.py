@@ -78,6 +78,9 @@ class MoEExperts(nn.Module):
     for bit. float32 never takes the GEMV."""
 
     use_gemv: bool = True
+    # Quantized experts (``quantization.experts``): per expert a module whose ``gate_up_proj``
+    # and ``down_proj`` are its products; the stacked parameters are then gone (None).
+    quantized: list | None = None
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  what: str = "moe_intermediate_size") -> None:
@@ -97,7 +100,7 @@ class MoEExperts(nn.Module):
         t, k = top_idx.shape
         if t == 0:
             return torch.zeros_like(x)
-        out = self._few_rows(x, top_idx, top_w)
+        out = self._few_rows(x, top_idx, top_w) if self.quantized is None else None
         if out is not None:
             return out
         out = torch.zeros_like(x)
@@ -113,8 +116,11 @@ class MoEExperts(nn.Module):
                 continue
             rows = tokens[start : start + n]
             h = x.index_select(0, rows)
-            gate, up = matmul_t(h, self.gate_up_proj[e]).split(self.inter, dim=-1)
-            y = matmul_t(F.silu(gate) * up, self.down_proj[e])
+            q = self.quantized[e] if self.quantized is not None else None
+            gu = matmul_t(h, self.gate_up_proj[e]) if q is None else q.gate_up_proj(h)
+            gate, up = gu.split(self.inter, dim=-1)
+            act = F.silu(gate) * up
+            y = matmul_t(act, self.down_proj[e]) if q is None else q.down_proj(act)
             out.index_add_(0, rows, y * weights[start : start + n, None])
             start += n
         return out
@@ -203,6 +209,9 @@ class MoEExperts(nn.Module):
 
     def load_expert(self, e: int, proj: str, tensor: torch.Tensor) -> None:
         """Copy one per-expert checkpoint matrix (``gate_proj``/``up_proj``/``down_proj``)."""
+        if self.quantized is not None:
+            raise ValueError(f"expert {e} {proj}: a plain weight for quantized experts (the "
+                             "checkpoint stores some experts plain, some quantized)")
         if not 0 <= e < self.num_experts:
             raise ValueError(f"expert index {e} out of range for {self.num_experts} experts")
         if tp_size() > 1:  # the checkpoint's full matrix: this rank's slice of it
@@ -317,7 +326,7 @@ class SparseMoeBlock(nn.Module):
         ex, sh, gate = self.experts, self.shared_expert, self.shared_expert_gate
         lins = [self.gate, *((sh.gate_up_proj, sh.down_proj) if sh is not None else ()),
                 *((gate,) if gate is not None else ())]
-        if not (NATIVE and ex.use_gemv and tp_size() == 1
+        if not (NATIVE and ex.use_gemv and tp_size() == 1 and ex.quantized is None
                 and all(gemv_ready(lin) and lin.bias is None for lin in lins)
                 and self.gate.weight.shape == (ex.num_experts, hidden)
                 and all(w.dtype == torch.bfloat16 and w.is_contiguous()

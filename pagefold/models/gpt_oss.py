@@ -11,8 +11,10 @@ Per layer: ``h = x + attn(norm(x))``, ``y = h + moe(norm(h))`` (transformers' Gp
   ``down_proj (E, I, hidden)`` and biases; the activation is the clamped SwiGLU
   ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``.
 
-Checkpoints must hold unquantised expert tensors (as transformers saves them); the MXFP4
-``*_blocks`` / ``*_scales`` of the published weights are refused with a clear error.
+Expert weights load as transformers saves them, or as the published checkpoints store them:
+MXFP4 ``*_blocks`` / ``*_scales`` (``quantization/mxfp4.py``), kept as stored (blocks of 32
+inputs: the gate/up matrix's rows are its interleaved output columns) and decoded a tile at a
+time for each routed expert's product.
 
 Tensor parallelism: query heads (with their sinks) and KV heads split as in every GQA block;
 experts keep this rank's ``1/N`` of the intermediate dimension -- a contiguous run of the
@@ -31,12 +33,14 @@ from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.extras import paged_attention_extras
 from pagefold.layers.attention_block import split_heads
-from pagefold.layers.linear import column_linear, row_linear, shard_rows
+from pagefold.layers.linear import column_linear, load_into, row_linear, shard_rows
 from pagefold.layers.moe import split_expert_inter
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM
+from pagefold.quantization.formats import QuantizationError
+from pagefold.quantization.mxfp4 import MXFP4_BLOCK, check_mxfp4, mxfp4_linear
 
 __all__ = ["GptOssExperts", "GptOssForCausalLM"]
 
@@ -78,6 +82,8 @@ class GptOssExperts(nn.Module):
         super().__init__()
         e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         i = split_expert_inter(full, "intermediate_size")
+        self.num_experts, self.hidden, self.inter, self.full_inter = e, h, i, full
+        self.mxfp4: set[str] = set()  # projections loaded as MXFP4 blocks / scales
         self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj = nn.Parameter(torch.zeros(e, i, h))
@@ -96,12 +102,53 @@ class GptOssExperts(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def load_mxfp4(self, proj: str, part: str, tensor: torch.Tensor, name: str) -> None:
+        """Take one MXFP4 checkpoint tensor (``proj`` ``gate_up_proj`` / ``down_proj``,
+        ``part`` ``blocks`` / ``scales``), this rank's part of it: the gate/up rows of its
+        intermediate channels, the down blocks of its inputs (whole blocks of 32)."""
+        if proj not in ("gate_up_proj", "down_proj") or part not in ("blocks", "scales"):
+            raise QuantizationError(f"{name}: not a gpt-oss mxfp4 expert tensor")
+        rows, k = ((2 * self.full_inter, self.hidden) if proj == "gate_up_proj"
+                   else (self.hidden, self.full_inter))
+        want = (self.num_experts, rows, k // MXFP4_BLOCK) + ((16,) if part == "blocks" else ())
+        if k % MXFP4_BLOCK or tuple(tensor.shape) != want or tensor.dtype != torch.uint8:
+            raise QuantizationError(f"{name}: mxfp4 tensor {tuple(tensor.shape)} {tensor.dtype}"
+                                    f", expected {want} uint8 (inputs {k} in blocks of "
+                                    f"{MXFP4_BLOCK}; truncated or corrupt checkpoint)")
+        if self.inter != self.full_inter:  # tensor parallelism: this rank's share
+            r = tp_rank()
+            if proj == "gate_up_proj":
+                tensor = tensor.narrow(1, r * 2 * self.inter, 2 * self.inter)
+            elif self.inter % MXFP4_BLOCK:
+                raise QuantizationError(f"{name}: tensor parallelism gives each rank "
+                                        f"{self.inter} of the {self.full_inter} intermediate "
+                                        f"channels, which cuts mxfp4 blocks of {MXFP4_BLOCK}")
+            else:
+                g = self.inter // MXFP4_BLOCK
+                tensor = tensor.narrow(2, r * g, g)
+        if proj not in self.mxfp4:
+            self.mxfp4.add(proj)
+            delattr(self, proj)  # the plain stacked weight is not kept
+            setattr(self, proj, None)
+        self.register_parameter(f"{proj}_{part}",
+                                nn.Parameter(tensor.contiguous(), requires_grad=False))
+        other = getattr(self, f"{proj}_{'scales' if part == 'blocks' else 'blocks'}", None)
+        if other is not None:
+            b, sc = ((tensor, other) if part == "blocks" else (other, tensor))
+            check_mxfp4(b, sc, name)
+
+    def _product(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
+        if proj in self.mxfp4:
+            return mxfp4_linear(x, getattr(self, f"{proj}_blocks")[e],
+                                getattr(self, f"{proj}_scales")[e])
+        return x @ getattr(self, proj)[e]
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), idx/w (T, k) -> (T, hidden): each token's chosen experts, weighted."""
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -109,8 +156,8 @@ class GptOssExperts(nn.Module):
             sel = order[start : start + n]
             start += n
             tok, slot = sel // idx.shape[1], sel % idx.shape[1]
-            h = self._glu(x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = h @ self.down_proj[e]
+            h = self._glu(self._product(x[tok], "gate_up_proj", e) + self.gate_up_proj_bias[e])
+            y = self._product(h, "down_proj", e)
             if self.add_down_bias:
                 y = y + self.down_proj_bias[e]
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(x.dtype))
@@ -174,12 +221,24 @@ class GptOssForCausalLM(CausalLM):
         super().__init__(cfg, GptOssModel(cfg, max_positions))
 
     def load_weights(self, weights) -> None:
-        def checked():
-            for name, tensor in weights:
-                if name.endswith(("_blocks", "_scales")):
-                    raise ValueError(
-                        f"{name}: MXFP4-quantised gpt-oss experts are not supported; give a "
-                        "checkpoint with dequantised (bf16/fp32) expert weights")
-                yield name, tensor
+        mxfp4: set[str] = set()
 
-        super().load_weights(checked())
+        def routed():
+            for name, tensor in weights:
+                if not name.endswith(("_blocks", "_scales")):
+                    yield name, tensor
+                    continue
+                path, _, leaf = name.rpartition(".")
+                proj, _, part = leaf.rpartition("_")
+                try:
+                    experts = self.get_submodule(path)
+                except AttributeError:
+                    experts = None
+                if not isinstance(experts, GptOssExperts):
+                    raise QuantizationError(f"{name}: mxfp4 tensors of something other than "
+                                            "gpt-oss experts are not supported")
+                experts.load_mxfp4(proj, part, tensor, name)
+                mxfp4.add(f"{path}.{leaf}")
+
+        self.check_loaded(load_into(self, routed(), rename=self.fused_names,
+                                    skip_prefixes=self.head_skip_prefixes), mxfp4)

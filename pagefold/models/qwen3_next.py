@@ -23,6 +23,7 @@ from torch import nn
 
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.models.qwen3_5 import HybridCausalLM, HybridModel, dense_mlp
+from pagefold.quantization.formats import QuantizationError
 
 __all__ = ["Qwen3NextForCausalLM", "split_ba", "split_qkvz"]
 
@@ -78,6 +79,12 @@ class Qwen3NextForCausalLM(HybridCausalLM):
     def convert_weight(self, name: str, tensor: torch.Tensor
                        ) -> Iterator[tuple[str, torch.Tensor]]:
         nk, dk, nv, dv = self._dims
+        if (".linear_attn.in_proj_qkvz." in name or ".linear_attn.in_proj_ba." in name) and (
+                not name.endswith(".weight") or tensor.dtype == torch.float8_e4m3fn):
+            # Their rows are reshuffled here; a quantized layout (packed rows, group scales)
+            # would need the same reshuffle per tensor.
+            raise QuantizationError(f"{name}: Qwen3-Next's Gated DeltaNet input projections "
+                                    "stored quantized are not supported (keep them plain)")
         if ".linear_attn.in_proj_qkvz." in name:
             qkv, z = split_qkvz(tensor, nk, dk, nv, dv)
             yield name.replace("in_proj_qkvz", "in_proj_qkv"), qkv

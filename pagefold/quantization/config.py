@@ -19,10 +19,10 @@ from pagefold.quantization.formats import AWQ, FP8, GPTQ, PackedInt, Quantizatio
 __all__ = ["QUANTIZATIONS", "ON_LOAD", "QuantPlan", "check_option", "resolve"]
 
 ON_LOAD = ("fp8", "int8", "int4")
-CHECKPOINT_FORMATS = ("fp8", "gptq", "awq", "compressed-tensors")
+CHECKPOINT_FORMATS = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4")
 QUANTIZATIONS = tuple(dict.fromkeys(ON_LOAD + CHECKPOINT_FORMATS))
 # Named by vLLM users, not loaded by pagefold yet: refused with that said, not as unknown.
-NOT_YET = ("gguf", "mxfp4", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8",
+NOT_YET = ("gguf", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8",
            "modelopt", "experts_int8", "hqq")
 ON_LOAD_GROUP = 128
 
@@ -110,6 +110,8 @@ def _from_checkpoint(q: dict) -> QuantPlan:
         return QuantPlan("fp8", FP8("tensor"))
     if method == "compressed-tensors":
         return _compressed_tensors(q)
+    if method == "mxfp4":  # gpt-oss experts: the model loads its blocks / scales itself
+        return QuantPlan("mxfp4 experts")
     if method in NOT_YET:
         raise QuantizationError(f"the checkpoint is {method}-quantized, which pagefold does not "
                                 "load yet")

@@ -9,7 +9,8 @@ contiguous, and the product gathers ``x``'s columns in that order (``perm``): th
 grouped.
 
 ``matmul`` runs ``pf_qgemv_int`` (``csrc/quant.cpp``) for 1..``KERNEL_MAX_ROWS`` rows on the
-CPU, else :meth:`IntWeight.dequantize` one tile at a time and ``F.linear`` in the
+CPU, ``ops.quant.triton.qgemm`` where the Triton kernels run (CUDA, or the interpreter in
+tests), else :meth:`IntWeight.dequantize` one tile at a time and ``F.linear`` in the
 activations' dtype: the reference the kernel is tested against (float32 sums; the kernel's
 summation order differs, so the two agree to float32 rounding, not bitwise).
 """
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
+from pagefold.kernels import dispatch
 from pagefold.quantization.formats import IntFormat, decode_codes
 
 __all__ = ["IntWeight", "KERNEL_MAX_ROWS"]
@@ -110,7 +112,21 @@ class IntWeight:
                 y[..., r0:r1] = F.linear(xs, self.dequantize(slice(r0, r1)))
         return y.to(x.dtype)
 
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from pagefold.ops.quant.triton import qgemm  # imports triton: only where it runs
+
+        x2 = x.reshape(-1, self.k).float()
+        y = torch.empty((x2.shape[0], self.n), dtype=torch.float32, device=x.device)
+        for off, rows, perm in self.segments:
+            xs = x2 if perm is None else x2[:, perm.to(x.device)]
+            qgemm(xs, self.codes[off:off + rows], self.scale[off:off + rows],
+                  self.zero[off:off + rows], self.bits, self.fp8, self.group,
+                  y[:, off:off + rows])
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.n)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if dispatch.use_triton(x.device):
+            return self._triton(x)
         y = self._kernel(x)
         if y is not None:
             return y

@@ -1,18 +1,11 @@
-"""Quantized linear layers: converted while a checkpoint loads, or quantized once loaded.
+"""Quantized linear layers (loaded by ``quantization.loader``).
 
 :class:`QuantLinear` holds a linear's weight as its format stores it (:mod:`.formats`) and
 multiplies by decoding one tile of output rows at a time into the activations' dtype (the
 reference every compiled kernel of a format is tested against): the weight is never kept
 decoded, so a 4-bit layer holds about a quarter of its bf16 bytes.
 
-Loading: ``load_into`` (``layers/linear.py``) hands every checkpoint tensor to
-:meth:`Quantizer.before_load` first. When a tensor is one of the format's (a ``qweight``, an
-fp8 ``weight``, ...) and its layer is still a plain ``nn.Linear``, the layer is replaced by a
-:class:`QuantLinear` with the same output shards (a fused ``qkv_proj`` places ``q_proj``'s
-tensors at its rows) and the original bias parameter; the tensor then loads into it. Layers
-the checkpoint keeps plain (``lm_head``, a config's ignore list) stay ``nn.Linear``.
-``quantize_loaded`` quantizes the plain linears of a loaded model (``--quantization fp8`` /
-``int8`` / ``int4`` on a bf16 checkpoint), every one but the lm_head.
+``quantize_weight`` is the rule of ``--quantization fp8 | int8 | int4`` on load.
 """
 
 from __future__ import annotations
@@ -23,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefold.distributed.parallel_state import tp_size
+from pagefold.distributed.parallel_state import all_reduce, all_reduce_max, tp_rank
 from pagefold.layers.linear import FusedShards
-from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan
+from pagefold.quantization.config import ON_LOAD_GROUP
 from pagefold.quantization.formats import (
     FP8,
     FP8_MAX,
@@ -35,8 +28,9 @@ from pagefold.quantization.formats import (
     QuantizationError,
 )
 from pagefold.quantization.int_kernel import IntWeight
+from pagefold.quantization.tp import GROUP_INDEX, TPSplit, regroup
 
-__all__ = ["QuantLinear", "Quantizer", "finalize_all", "quantize_loaded", "weights_summary"]
+__all__ = ["QuantLinear", "finalize_all", "quantize_weight", "weights_summary"]
 
 logger = logging.getLogger("pagefold")
 
@@ -48,17 +42,23 @@ class QuantLinear(nn.Module):
 
     ``shards``: checkpoint sub-name -> (first output row, rows), as ``FusedShards`` gives them
     (``{"": (0, out)}`` for an unfused layer); parameters named as the checkpoint names them.
+    ``split``: the tensor-parallel split of the layer it replaces (``quantization.tp``): the
+    loaders cut each full checkpoint tensor to this rank's part, and a row-parallel layer sums
+    the ranks' outputs as ``RowParallelLinear`` does.
     """
 
     def __init__(self, method, in_features: int, out_features: int,
                  shards: dict[str, tuple[int, int]], bias: nn.Parameter | None,
-                 layer: str) -> None:
+                 layer: str, split: TPSplit | None = None) -> None:
         super().__init__()
-        self.method, self.layer = method, layer
+        self.method, self.layer, self.split = method, layer, split
         self.in_features, self.out_features = in_features, out_features
         self.shards = dict(shards)
         self.shard_index = {s: i for i, s in enumerate(self.shards)}
-        self.specs: dict[str, ParamSpec] = method.params(out_features, in_features, layer)
+        self.in_index: torch.Tensor | None = None  # row-parallel act-order: padded inputs
+        self.specs: dict[str, ParamSpec] = (
+            split.specs(method, out_features, in_features, layer) if split is not None
+            else method.params(out_features, in_features, layer))
         for name, spec in self.specs.items():
             if spec.out_div > 1:
                 bad = [s for s, (off, n) in self.shards.items()
@@ -74,8 +74,10 @@ class QuantLinear(nn.Module):
                 p.fused = FusedShards(self.shards)  # type: ignore[attr-defined]
             if spec.optional:
                 p.optional = True  # type: ignore[attr-defined]
+                full_in = split.full_in if split is not None and split.row else in_features
                 for s in self.shards:  # the format's default until the checkpoint says else
-                    self._place(name, p, method.fill(name, out_features, in_features), s)
+                    self._place(name, p, self._cut(name, method.fill(name, out_features,
+                                                                     full_in), s), s)
             self.register_parameter(name, p)
         self.bias = bias
         self.packed: IntWeight | None = None
@@ -91,8 +93,11 @@ class QuantLinear(nn.Module):
             d = spec.out_div
             dst = p.data.narrow(spec.out_dim, off // d, n // d)
         if name == "weight_shape":  # the shard's (rows, in) as stored: checked, not kept
-            rows = self.shards[shard][1]
-            want = [rows if int(tensor[0]) != -1 else -1, self.in_features]
+            rows, k = self.shards[shard][1], self.in_features
+            if self.split is not None:
+                rows = self.split.full_rows(shard, rows)
+                k = self.split.full_in or k
+            want = [rows if int(tensor[0]) != -1 else -1, k]
             if [int(v) for v in tensor.reshape(-1).tolist()] != want:
                 raise QuantizationError(f"{what}: stored shape {tensor.tolist()} != "
                                         f"({rows}, {self.in_features})")
@@ -107,13 +112,23 @@ class QuantLinear(nn.Module):
                                     f"expected {spec.dtype}")
         dst.copy_(tensor)
 
+    def place(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
+        """Copy this rank's part ``tensor`` (already cut) of tensor ``name`` of ``shard``."""
+        self._place(name, getattr(self, name), tensor, shard)
+
+    def _cut(self, name: str, tensor: torch.Tensor, shard: str) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor (itself with one rank)."""
+        if self.split is None:
+            return tensor
+        return self.split.take(name, self.specs[name], tensor, shard, self.layer)
+
     def _loader(self, name: str):
         def load(param: torch.Tensor, tensor: torch.Tensor, shard: str | None) -> None:
             key = shard if shard is not None else ""
             if key not in self.shards:
                 raise QuantizationError(f"{self.layer}.{name}: no shard {shard!r} "
                                         f"(has {list(self.shards)})")
-            self._place(name, param, tensor, key)
+            self._place(name, param, self._cut(name, tensor, key), key)
         return load
 
     def finalize(self) -> None:
@@ -124,8 +139,11 @@ class QuantLinear(nn.Module):
         layout_ok = getattr(self.method, "kernel_layout", None)
         if layout_ok is not None and not layout_ok(self.in_features):
             return  # scale blocks that do not divide the inputs: the reference path
-        self.packed = IntWeight(self.method, self.tensors(), self.shards, self.out_features,
-                                self.in_features)
+        method, k = self.method, self.in_features
+        if self.split is not None and self.split.row and GROUP_INDEX.keys() & self.specs.keys():
+            method, k, self.in_index = regroup(self.method, self.tensors(), self.shards,
+                                               self.out_features, self.in_features, self.layer)
+        self.packed = IntWeight(method, self.tensors(), self.shards, self.out_features, k)
         for name in self.specs:
             delattr(self, name)
         self.specs = {}
@@ -154,9 +172,20 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            y = self.packed.matmul(x)
+        y = self._product(x)
+        if self.split is None or not self.split.row:
             return y if self.bias is None else y + self.bias
+        if not self.split.reduce:  # the caller sums the ranks' partials: bias once
+            return y if self.bias is None or tp_rank() else y + self.bias
+        y = all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` of this rank's weight (no bias, no reduction)."""
+        if self.packed is not None:
+            if self.in_index is not None:
+                x = F.pad(x, (0, 1))[..., self.in_index]
+            return self.packed.matmul(x)
         t = self.tensors()
         y = x.new_empty((*x.shape[:-1], self.out_features))
         for shard, (off, n) in self.shards.items():
@@ -165,128 +194,44 @@ class QuantLinear(nn.Module):
                 rows = slice(r0, min(off + n, r0 + TILE_ROWS))
                 w = self.method.dequantize(t, rows, i, self.out_features, self.in_features)
                 y[..., rows] = F.linear(x, w.to(x.dtype))
-        return y if self.bias is None else y + self.bias
+        return y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {self.method.name}, "
                 f"shards={list(self.shards)}")
 
 
-def _shards(lin: nn.Linear) -> dict[str, tuple[int, int]]:
-    fused = getattr(lin.weight, "fused", None)
-    return dict(fused.shards) if fused is not None else {"": (0, lin.out_features)}
-
-
-def _swap(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_name, _, child = path.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-class Quantizer:
-    """The model-side half of loading a quantized checkpoint (set as ``model.pf_quant``)."""
-
-    def __init__(self, plan: QuantPlan) -> None:
-        self.plan = plan
-        self.converted = 0
-        self.plain: set[str] = set()  # fused layers that took a plain weight shard
-        self._names = (plan.checkpoint.tensor_names() if plan.checkpoint is not None
-                       else set())
-
-    def is_format_tensor(self, name: str) -> bool:
-        return name in self._names
-
-    def before_load(self, model: nn.Module, target: str, tensor: torch.Tensor) -> str | None:
-        """Convert ``target``'s layer when ``tensor`` is stored in the checkpoint's format:
-        ``"reload"`` (the model's parameters changed), ``"skip"`` (a tensor pagefold does not
-        keep: static activation scales, since activations run unquantized) or None."""
-        method = self.plan.checkpoint
-        if method is None:
-            return None
-        path, _, name = target.rpartition(".")
-        if name == "input_scale":
-            return "skip"
-        try:
-            mod = model.get_submodule(path)
-        except AttributeError:
-            return None
-        if isinstance(mod, QuantLinear) and name == "weight" and name not in mod.specs:
-            raise QuantizationError(f"{path}: the checkpoint stores part of this fused layer "
-                                    f"plain and part {method.name}-quantized (unsupported)")
-        if isinstance(mod, QuantLinear):  # converted already: the tensor loads into it
-            return None
-        if not isinstance(mod, nn.Linear):
-            if name not in ("weight", "bias") and self.is_format_tensor(name):
-                raise QuantizationError(f"{target}: {method.name} tensors of a "
-                                        f"{type(mod).__name__} (not a linear layer) are not "
-                                        "supported yet")
-            return None
-        if name in ("weight", "bias") and tensor.dtype != torch.float8_e4m3fn:
-            if name == "weight" and getattr(mod.weight, "fused", None) is not None:
-                self.plain.add(path)  # a shard loaded plain: the layer cannot convert later
-            return None
-        if path in self.plain:
-            raise QuantizationError(f"{path}: the checkpoint stores part of this fused layer "
-                                    f"plain and part {method.name}-quantized (unsupported)")
-        if tp_size() > 1:
-            raise QuantizationError(f"{path}: {self.plan.label} weights under tensor "
-                                    "parallelism are not supported yet")
-        new = QuantLinear(method, mod.in_features, mod.out_features, _shards(mod), mod.bias,
-                          path)
-        if name not in new.specs:
-            raise QuantizationError(f"{target}: not a tensor of the {method.name} format "
-                                    f"(expected {', '.join(new.specs)})")
-        _swap(model, path, new)
-        self.converted += 1
-        return "reload"
-
-
-def _quantize_weight(w: torch.Tensor, kind: str) -> tuple[object, dict[str, torch.Tensor]]:
+def quantize_weight(w: torch.Tensor, kind: str, full_k: int | None = None, layer: str = "?"
+                     ) -> tuple[object, dict[str, torch.Tensor]]:
     """Per-channel fp8, or symmetric int8 / int4 with groups of ``ON_LOAD_GROUP`` inputs (per
-    channel when that does not divide the inputs), of a weight (n, k)."""
+    channel when that does not divide the inputs), of a weight (n, k). ``full_k``: the full
+    layer's inputs when ``w`` is a row-parallel rank's slice of them: groups follow the full
+    layer's (a slice cutting one is an error), and a scale over the whole row takes the
+    maximum over the ranks, so every rank holds exactly its block of the one-rank weight."""
     w = w.detach().float()
     n, k = w.shape
+    full_k = full_k or k
+    amax_all = all_reduce_max if full_k != k else (lambda t: t)
     if kind == "fp8":
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        scale = (amax_all(w.abs().amax(dim=1, keepdim=True)) / FP8_MAX).clamp(min=1e-12)
         q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return FP8("channel"), {"weight": q, "weight_scale": scale}
     bits = 8 if kind == "int8" else 4
-    group = ON_LOAD_GROUP if k % ON_LOAD_GROUP == 0 else -1
+    group = ON_LOAD_GROUP if full_k % ON_LOAD_GROUP == 0 else -1
+    if group != -1 and k % group:
+        raise QuantizationError(f"{layer}: tensor parallelism splits its {full_k} inputs "
+                                f"inside a group of {group} (int{bits} on load)")
     g = k if group == -1 else group
     qmax = (1 << (bits - 1)) - 1
     wg = w.reshape(n, k // g, g)
-    scale = (wg.abs().amax(dim=2) / qmax).clamp(min=1e-12)  # (n, groups)
+    amax = wg.abs().amax(dim=2)
+    scale = ((amax_all(amax) if group == -1 else amax) / qmax).clamp(min=1e-12)  # (n, groups)
     q = torch.round(wg / scale[..., None]).clamp(-qmax - 1, qmax).reshape(n, k).to(torch.int32)
     u = (q + (1 << (bits - 1))).to(torch.int64).reshape(n, k * bits // 32, 32 // bits)
     shifts = torch.arange(0, 32, bits, dtype=torch.int64)
     packed = (u << shifts).sum(dim=-1)
     packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
     return PackedInt(bits, group), {"weight_packed": packed, "weight_scale": scale}
-
-
-def quantize_loaded(model: nn.Module, kind: str) -> int:
-    """Replace every plain linear of a loaded model but its lm_head by a per-channel fp8 or
-    grouped int8 / int4 :class:`QuantLinear`; returns how many were replaced."""
-    if tp_size() > 1:
-        raise QuantizationError(f"quantization {kind!r} on load under tensor parallelism is "
-                                "not supported yet")
-    todo = [(p, m) for p, m in model.named_modules()
-            if type(m) is nn.Linear and not getattr(m, "pf_logits", False)
-            and not p.endswith("lm_head")]
-    for path, mod in todo:
-        if kind != "fp8" and mod.in_features % (32 // (8 if kind == "int8" else 4)):
-            continue  # a width the packing cannot take stays as stored
-        method, tensors = _quantize_weight(mod.weight, kind)
-        new = QuantLinear(method, mod.in_features, mod.out_features, _shards(mod), mod.bias,
-                          path)
-        for name, t in tensors.items():
-            for shard, (off, n) in new.shards.items():
-                spec = new.specs[name]
-                part = t if spec.out_dim is None else t.narrow(spec.out_dim, off, n)
-                new._place(name, getattr(new, name), part, shard)
-        new.finalize()
-        _swap(model, path, new)
-    return len(todo)
 
 
 def finalize_all(model: nn.Module) -> None:
@@ -309,12 +254,14 @@ def weights_summary(model: nn.Module) -> str:
             for t in mod.tensors().values():
                 seen.add(id(t))
             total += mod.nbytes
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        counts[str(p.dtype).removeprefix("torch.")] = counts.get(
-            str(p.dtype).removeprefix("torch."), 0) + 1
+        key = str(p.dtype).removeprefix("torch.")
+        if name.endswith("_blocks") and p.dtype == torch.uint8:
+            key = "mxfp4"  # gpt-oss experts' codes (their scales count as uint8)
+        counts[key] = counts.get(key, 0) + 1
         total += p.numel() * p.element_size()
     parts = "; ".join(f"{k}: {v} tensors" for k, v in sorted(counts.items()))
     return f"{total / 2**20:.1f} MiB ({parts})"

@@ -1,0 +1,90 @@
+"""Quantized MoE experts: each expert's two products as quantized linears.
+
+An :class:`~pagefold.layers.moe.MoEExperts` module holds its experts stacked
+(``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)). Quantized, expert ``e`` becomes an
+:class:`ExpertLinears` registered as the module's child ``"e"``: ``gate_up_proj`` (a
+:class:`QuantLinear` of 2I rows, shards ``gate_proj`` / ``up_proj``) and ``down_proj``, so a
+quantized checkpoint's per-expert tensors (``mlp.experts.3.gate_proj.qweight``, renamed by the
+model's fused names to ``experts.3.gate_up_proj`` shard ``gate_proj``) load by name. The
+stacked parameters are dropped; ``MoEExperts.quantized`` lists the experts, and its forward
+runs the routed tokens of each expert through them (the product per routed expert).
+
+Under tensor parallelism an expert splits as the stacked weights do: this rank's rows of the
+gate and up shards (column-parallel), its columns of ``down_proj`` (row-parallel, partial sums
+that the MoE block all-reduces).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagefold.distributed.parallel_state import tp_size
+from pagefold.layers.linear import RowCut
+from pagefold.layers.moe import MoEExperts
+from pagefold.quantization.formats import QuantMethod
+from pagefold.quantization.linear import QuantLinear, quantize_weight
+from pagefold.quantization.tp import TPSplit
+
+__all__ = ["ExpertLinears", "convert_experts", "quantize_experts"]
+
+
+class ExpertLinears(nn.Module):
+    """One expert's ``gate_up_proj`` and ``down_proj`` quantized linears."""
+
+    def __init__(self, gate_up_proj: QuantLinear, down_proj: QuantLinear) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+
+def _splits(mod: MoEExperts) -> tuple[TPSplit | None, TPSplit | None]:
+    if tp_size() == 1:
+        return None, None
+    what = "moe_intermediate_size"
+    cuts = {s: RowCut([mod.full_inter], tp_size(), what) for s in ("gate_proj", "up_proj")}
+    return TPSplit(cuts=cuts), TPSplit(full_in=mod.full_inter, reduce=False)
+
+
+def _install(mod: MoEExperts, experts: list[ExpertLinears]) -> None:
+    del mod.gate_up_proj, mod.down_proj
+    mod.gate_up_proj = mod.down_proj = None  # the stacked weights are gone
+    for e, ex in enumerate(experts):
+        mod.add_module(str(e), ex)
+    mod.quantized = experts
+
+
+def _layers(mod: MoEExperts, methods: tuple[QuantMethod, QuantMethod], path: str, e: int
+            ) -> ExpertLinears:
+    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
+    gu_split, dn_split = _splits(mod)
+    gu = QuantLinear(methods[0], hidden, 2 * inter,
+                     {"gate_proj": (0, inter), "up_proj": (inter, inter)}, None,
+                     f"{path}.{e}.gate_up_proj", gu_split)
+    dn = QuantLinear(methods[1], inter, hidden, {"": (0, hidden)}, None,
+                     f"{path}.{e}.down_proj", dn_split)
+    return ExpertLinears(gu, dn)
+
+
+def convert_experts(mod: MoEExperts, method: QuantMethod, path: str) -> None:
+    """Make every expert of ``mod`` a pair of ``method`` layers, to load a quantized
+    checkpoint's per-expert tensors into."""
+    _install(mod, [_layers(mod, (method, method), path, e) for e in range(mod.num_experts)])
+
+
+def quantize_experts(mod: MoEExperts, kind: str, path: str) -> None:
+    """``quantization=fp8|int8|int4`` on load: every expert of a loaded ``mod`` quantized as
+    the linears are (``quantize_weight``), each rank its part as the one-rank model would."""
+    experts = []
+    for e in range(mod.num_experts):
+        m_gu, t_gu = quantize_weight(mod.gate_up_proj[e], kind, layer=f"{path}.{e}.gate_up_proj")
+        m_dn, t_dn = quantize_weight(mod.down_proj[e], kind, mod.full_inter,
+                                     f"{path}.{e}.down_proj")
+        ex = _layers(mod, (m_gu, m_dn), path, e)
+        for lin, tensors in ((ex.gate_up_proj, t_gu), (ex.down_proj, t_dn)):
+            for name, t in tensors.items():
+                for shard, (off, n) in lin.shards.items():
+                    spec = lin.specs[name]
+                    part = t if spec.out_dim is None else t.narrow(spec.out_dim, off, n)
+                    lin.place(name, part, shard)
+            lin.finalize()
+        experts.append(ex)
+    _install(mod, experts)

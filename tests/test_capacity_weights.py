@@ -1,0 +1,81 @@
+"""``pagefold capacity`` states the weight bytes a rank holds: a quantized checkpoint's and
+``--quantization int4`` / ``fp8`` report exactly the bytes the loaded model holds (counted
+here from the loaded model's tensors: every parameter once, a quantized layer's kernel-layout
+codes, scales and zeros)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagefold import LLM
+from pagefold.entrypoints import capacity_cmd
+from tests.test_quantization import write_quantized
+
+
+def _loaded_bytes(model_dir, **kw) -> int:
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20, **kw)
+    model = llm.engine.model
+    seen, total = set(), 0
+    for mod in model.modules():
+        packed = getattr(mod, "packed", None)
+        if packed is not None:
+            total += sum(t.numel() * t.element_size()
+                         for t in (packed.codes, packed.scale, packed.zero))
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _reported(model_dir, capsys, *extra: str) -> dict:
+    rc = capacity_cmd.main([str(model_dir), "--kv-cache-memory", "4MiB", "--max-model-len", "64",
+                            "--dtype", "float32", "--json", *extra])
+    assert rc == 0
+    return json.loads(capsys.readouterr().out)["weights"]
+
+
+@pytest.mark.parametrize("fmt", ["gptq-int4-g32-actorder", "awq-int4-g32", "ct-w8a16-channel",
+                                 "fp8-block", "fp8-tensor"])
+def test_quantized_checkpoint_weight_bytes(tiny_model_factory, tmp_path, capsys, fmt):
+    write_quantized(tiny_model_factory("llama"), tmp_path / "q", tmp_path / "r", fmt)
+    got = _reported(tmp_path / "q", capsys)
+    assert got["bytes"] == _loaded_bytes(tmp_path / "q")
+    assert got["quantization"]
+    plain = _reported(tmp_path / "r", capsys)
+    assert plain["quantization"] is None and got["bytes"] < plain["bytes"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_quantization_option_weight_bytes(tiny_model_factory, capsys, kind, arch):
+    """Every linear and (Qwen3-Next) every MoE expert quantized on load."""
+    src = tiny_model_factory(arch)
+    got = _reported(src, capsys, "--quantization", kind)
+    assert got["bytes"] == _loaded_bytes(src, quantization=kind)
+    assert _reported(src, capsys)["bytes"] == _loaded_bytes(src)
+
+
+def test_quantized_experts_checkpoint_weight_bytes(tiny_model_factory, tmp_path, capsys):
+    write_quantized(tiny_model_factory("qwen3_next"), tmp_path / "q", tmp_path / "r",
+                    "ct-w4a16-g32", plain=("linear_attn",))
+    assert _reported(tmp_path / "q", capsys)["bytes"] == _loaded_bytes(tmp_path / "q")
+
+
+def test_mxfp4_experts_weight_bytes(tiny_model_factory, tmp_path, capsys):
+    from tests.test_mxfp4 import CONFIG, write_mxfp4
+
+    write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG), tmp_path / "q", tmp_path / "r")
+    got = _reported(tmp_path / "q", capsys)
+    assert got["bytes"] == _loaded_bytes(tmp_path / "q")
+    assert got["quantization"] == "mxfp4 experts"
+
+
+def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):
+    src = tiny_model_factory("qwen3")
+    assert capacity_cmd.main([str(src), "--kv-cache-memory", "4MiB", "--max-model-len", "64",
+                              "--quantization", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "weights: " in out and "int4 (quantized on load)" in out

@@ -1,7 +1,9 @@
 """Speculative decoding in the engine: greedy tokens with speculation equal transformers'
-(float32) on dense, GDN, Mamba-2, sliding-window and Llama-4 (chunked local) models, under
-batching, chunked prefill, preemption (swap and recompute), prefix-cache hits and forks; pools
-whole afterwards.
+(float32, what the engine gives without speculation) on dense, sliding-window, Llama-4
+(chunked local), Gemma 3, gpt-oss and on every state kind -- GDN, Mamba-2 (Nemotron-H,
+Mamba-2, Zamba2, Falcon-H1), Mamba-1 (Jamba, Mamba, Falcon-Mamba), short conv (LFM2),
+lightning attention (MiniMax), KDA (Kimi Linear) -- under batching, chunked prefill,
+preemption (swap and recompute), prefix-cache hits and forks; pools whole afterwards.
 
 Random tiny models rarely repeat themselves, so besides the n-gram proposer these tests use an
 *oracle drafter*: it drafts the reference continuation with some positions corrupted, so every
@@ -36,12 +38,19 @@ ARCHS = {
     "falcon_h1": {},
     "minimax": {},
     "kimi_linear": {},
+    # Speculation already allowed, now tested: Mamba-2 alone, Zamba2's shared attention
+    # blocks (one KV cache per use), Gemma 3 (sliding + full), gpt-oss (sinks, MoE).
+    "mamba2": {},
+    "zamba2": {},
+    "gemma3": {},
+    "gpt_oss": {},
 }
 SMALL_POOL = {"qwen3": 300_000, "qwen3_5": 150_000, "nemotron_h": 200_000, "sliding": 300_000,
               "llama4": 170_000, "jamba": 140_000, "mamba": 65_000, "falcon_mamba": 86_000,
-              "lfm2": 130_000, "falcon_h1": 130_000, "minimax": 75_000, "kimi_linear": 50_000}
+              "lfm2": 130_000, "falcon_h1": 130_000, "minimax": 75_000, "kimi_linear": 50_000,
+              "mamba2": 70_000, "zamba2": 600_000, "gemma3": 280_000, "gpt_oss": 140_000}
 # States only: fixed-size states never outgrow the pool, so these preempt by force.
-FORCED_PREEMPT = ("mamba", "falcon_mamba")
+FORCED_PREEMPT = ("mamba", "falcon_mamba", "mamba2")
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1, "disable_by_batch_size": 64}
 

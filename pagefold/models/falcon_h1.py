@@ -34,7 +34,7 @@ from pagefold.layers.vocab import gather_logits, vocab_embedding
 from pagefold.models.llama import CausalLM
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer, dt_limit
 from pagefold.ops.conv1d import causal_conv1d
-from pagefold.ops.ssd import ssd_scan
+from pagefold.ops.ssd import ssd_scan, ssd_verify
 
 __all__ = ["FalconH1ForCausalLM", "falcon_h1_mamba_dims", "mup_vector"]
 
@@ -100,22 +100,29 @@ class FalconH1Mixer(Mamba2Mixer):
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
         weight = self.conv1d.weight.view(c.conv_dim, c.conv_kernel)
+        # A verify step keeps the states after every token (conv window and ssm), as the
+        # shared mixer does: the commit selects the accepted one.
+        verify = ctx.verify
         xbc, conv_state = causal_conv1d(xbc, weight, self.conv1d.bias, states["conv"],
                                         meta.cu_seqlens, activation="silu",
-                                        decode=meta.all_decode)
+                                        decode=meta.all_decode, verify=verify)
         xs, b, cmat = xbc.split([inter, gn, gn], dim=-1)
         A = -torch.exp(self.A_log.float())
-        dt = self._dt(dt, meta)
+        dt = self._dt(dt, meta, verify)
         xs = xs.reshape(t, c.num_heads, c.head_dim)
-        if not meta.all_decode:
+        if not meta.all_decode and not verify:  # a verify chunk rounds y like decode steps
             xs = xs.float()
-        y, ssm_state = ssd_scan(
+        y, ssm_state = (ssd_verify if verify else ssd_scan)(
             xs, dt, A,
             b.reshape(t, c.n_groups, c.state_size), cmat.reshape(t, c.n_groups, c.state_size),
             self.D, states["ssm"].float(), meta.cu_seqlens,
-            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size, decode=meta.all_decode,
+            dt_bias=None, dt_softplus=False, chunk_size=c.chunk_size,
+            **({} if verify else {"decode": meta.all_decode}),
         )
-        ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        if verify:
+            ctx.store_token_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
+        else:
+            ctx.store_states(self.layer_name, {"conv": conv_state, "ssm": ssm_state})
         y = y.reshape(t, inter)
         if self.norm is not None:
             y = self.norm(y, z)

@@ -93,15 +93,22 @@ class KimiDeltaAttention(nn.Module):
                             self.v_conv1d.weight)).view(3 * h * d, self.kernel)
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
+        # A verify step keeps the states after every token (conv window and ssm): the commit
+        # selects the accepted one.
         mixed, conv = causal_conv1d(mixed, weight, None, states["conv"], meta.cu_seqlens,
-                                    activation="silu", decode=meta.all_decode)
+                                    activation="silu", decode=meta.all_decode,
+                                    verify=ctx.verify)
         q, k, v = (m.reshape(t, h, d) for m in mixed.split(h * d, dim=-1))
         g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))  # transformers' softplus
         g = -torch.exp(self.A_log.float()).view(h, 1) * g.view(t, h, d)
         beta = torch.sigmoid(self.b_proj(x))
-        o, ssm = kda(q, k, v, g, beta, states["ssm"], meta.cu_seqlens, decode=meta.all_decode)
-        ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
+        o, ssm = kda(q, k, v, g, beta, states["ssm"], meta.cu_seqlens, decode=meta.all_decode,
+                     verify=ctx.verify)
+        if ctx.verify:
+            ctx.store_token_states(self.layer_name, {"conv": conv, "ssm": ssm})
+        else:
+            ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         o = self.o_norm.reference(o.to(x.dtype).float()) * torch.sigmoid(gate.float())
         return self.o_proj(o.to(x.dtype).reshape(t, h * d))

@@ -113,9 +113,13 @@ class Lfm2ShortConv(nn.Module):
         _, meta = ctx.state(self.layer_name)
         state = ctx.load_states(self.layer_name)["conv"]
         weight = self.conv.weight.view(self.conv.weight.shape[0], self.kernel)
+        # A verify step keeps the window after every token: the commit selects the accepted one.
         y, state = causal_conv1d(bx, weight, self.conv.bias, state, meta.cu_seqlens,
-                                 activation=None, decode=meta.all_decode)
-        ctx.store_states(self.layer_name, {"conv": state})
+                                 activation=None, decode=meta.all_decode, verify=ctx.verify)
+        if ctx.verify:
+            ctx.store_token_states(self.layer_name, {"conv": state})
+        else:
+            ctx.store_states(self.layer_name, {"conv": state})
         return self.out_proj(c * y)
 
 

@@ -98,9 +98,14 @@ class LightningAttention(nn.Module):
         q, k, v = F.silu(self.qkv_proj(x)).view(t, h, 3 * d).split(d, dim=-1)
         _, meta = ctx.state(self.layer_name)
         state = ctx.load_states(self.layer_name)["kv"]
+        # A verify step keeps the state after every token: the commit selects the accepted one.
         o, state = lightning(q, k, v, self.slope, state, meta.cu_seqlens,
-                             decode=meta.all_decode, chunk_size=self.chunk_size)
-        ctx.store_states(self.layer_name, {"kv": state})
+                             decode=meta.all_decode, verify=ctx.verify,
+                             chunk_size=self.chunk_size)
+        if ctx.verify:
+            ctx.store_token_states(self.layer_name, {"kv": state})
+        else:
+            ctx.store_states(self.layer_name, {"kv": state})
         o = self.norm(o.to(x.dtype).reshape(t, h * d))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * o)
 

@@ -1,7 +1,7 @@
 """Draft-model speculation: greedy tokens with a draft model equal transformers' (float32) and
-speculation off, for a dense (Qwen3) and a Gated DeltaNet hybrid (Qwen3.5) target, under
-batching, chunked prefill at an odd chunk size, preemption, prefix hits and n=2; the pool is
-whole after each scenario.
+speculation off, for a dense (Qwen3), a Gated DeltaNet hybrid (Qwen3.5) and a Mamba-1 hybrid
+(Jamba) target, under batching, chunked prefill at an odd chunk size, preemption, prefix hits
+and n=2; the pool is whole after each scenario.
 
 Drafts: ``self`` is an exact copy of the target (it agrees with the target on every greedy
 token, so acceptance is near 100% unless its caches or recurrent states fall out of step with
@@ -20,11 +20,12 @@ from pagefold.testing.spec_models import perturbed_copy
 
 K = 3
 NEW = 10
-NOISE = {"qwen3": 0.1, "qwen3_5": 0.01}  # partial acceptance (the hybrid is more sensitive)
-SMALL_POOL = {"qwen3": 350_000, "qwen3_5": 230_000}
+# Partial acceptance (the hybrids are more sensitive). Jamba: a Mamba-1 target and draft.
+NOISE = {"qwen3": 0.1, "qwen3_5": 0.01, "jamba": 0.01}
+SMALL_POOL = {"qwen3": 350_000, "qwen3_5": 230_000, "jamba": 260_000}
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "jamba"])
 def case(request, tiny_model_factory, tmp_path_factory):
     arch = request.param
     target = tiny_model_factory(arch)
@@ -137,9 +138,25 @@ def test_bad_draft_models_are_refused(tiny_model_factory, tmp_path) -> None:
         LLM(str(target), speculative_config=_spec(tmp_path / "nothing"))
 
 
-def test_state_layers_without_a_verify_pass_are_refused(tiny_model_factory) -> None:
-    """LFM2's short-conv layers store their state during every forward: speculating on them
-    would keep rejected drafts in it, so speculation is refused up front."""
-    lfm2 = tiny_model_factory("lfm2")
-    with pytest.raises(ValueError, match="cannot verify drafts"):
-        LLM(str(lfm2), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_state_layers_without_a_verify_pass_are_refused() -> None:
+    """A state layer whose forward is not a known verify forward stores its state during
+    every forward: speculating on it would keep rejected drafts in it, so speculation is
+    refused up front -- also for a subclass of a verifying layer that replaces its forward."""
+    from torch import nn
+
+    from pagefold.layers.mamba.mamba1 import Mamba1Config, Mamba1Mixer
+    from pagefold.spec_decode.verify_support import check_verify_support
+
+    cfg = Mamba1Config(hidden_size=8, intermediate=16, state_size=4, dt_rank=2, conv_kernel=4,
+                       proj_bias=False, conv_bias=True)
+
+    class Replaced(Mamba1Mixer):
+        def forward(self, x, ctx):
+            return x
+
+    ok = nn.Sequential(Mamba1Mixer(cfg, "layers.0"))
+    check_verify_support(ok, {"layers.0"})
+    bad = nn.Sequential(Mamba1Mixer(cfg, "layers.0"), Replaced(cfg, "layers.1"))
+    check_verify_support(bad, {"layers.0"})  # layers.1 is not a state layer here
+    with pytest.raises(ValueError, match="cannot verify drafts .*Replaced"):
+        check_verify_support(bad, {"layers.0", "layers.1"})

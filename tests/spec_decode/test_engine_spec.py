@@ -1,7 +1,9 @@
 """Speculative decoding in the engine: greedy tokens with speculation equal transformers'
-(float32) on dense, GDN, Mamba-2, sliding-window and Llama-4 (chunked local) models, under
-batching, chunked prefill, preemption (swap and recompute), prefix-cache hits and forks; pools
-whole afterwards.
+(float32, what the engine gives without speculation) on dense, sliding-window, Llama-4
+(chunked local), Gemma 3, gpt-oss and on every state kind -- GDN, Mamba-2 (Nemotron-H,
+Mamba-2, Zamba2, Falcon-H1), Mamba-1 (Jamba, Mamba, Falcon-Mamba), short conv (LFM2),
+lightning attention (MiniMax), KDA (Kimi Linear) -- under batching, chunked prefill,
+preemption (swap and recompute), prefix-cache hits and forks; pools whole afterwards.
 
 Random tiny models rarely repeat themselves, so besides the n-gram proposer these tests use an
 *oracle drafter*: it drafts the reference continuation with some positions corrupted, so every
@@ -26,9 +28,29 @@ ARCHS = {
     "sliding": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                 "sliding_window": 24, "use_sliding_window": True, "max_window_layers": 0},
     "llama4": {},  # chunked local (chunk 13) + NoPE layers: drafts cross chunk starts
+    # The state kinds whose verify forms step their decode forms: Mamba-1 (Jamba with
+    # attention and MoE; Mamba and Falcon-Mamba states only), short conv (LFM2), Falcon-H1's
+    # Mamba-2 mixer beside attention, lightning attention (MiniMax), KDA (Kimi Linear).
+    "jamba": {},
+    "mamba": {},
+    "falcon_mamba": {},
+    "lfm2": {},
+    "falcon_h1": {},
+    "minimax": {},
+    "kimi_linear": {},
+    # Speculation already allowed, now tested: Mamba-2 alone, Zamba2's shared attention
+    # blocks (one KV cache per use), Gemma 3 (sliding + full), gpt-oss (sinks, MoE).
+    "mamba2": {},
+    "zamba2": {},
+    "gemma3": {},
+    "gpt_oss": {},
 }
 SMALL_POOL = {"qwen3": 300_000, "qwen3_5": 150_000, "nemotron_h": 200_000, "sliding": 300_000,
-              "llama4": 170_000}
+              "llama4": 170_000, "jamba": 140_000, "mamba": 65_000, "falcon_mamba": 86_000,
+              "lfm2": 130_000, "falcon_h1": 130_000, "minimax": 75_000, "kimi_linear": 50_000,
+              "mamba2": 70_000, "zamba2": 600_000, "gemma3": 280_000, "gpt_oss": 140_000}
+# States only: fixed-size states never outgrow the pool, so these preempt by force.
+FORCED_PREEMPT = ("mamba", "falcon_mamba", "mamba2")
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1, "disable_by_batch_size": 64}
 
@@ -65,6 +87,23 @@ def _run(llm: LLM, prompts, n: int = 1):
     return outs
 
 
+def _run_preempting(llm: LLM, prompts, forced: int = 2) -> list[list[int]]:
+    """Generate greedily, preempting the last decoding request (the pool's mode) after each
+    of the first ``forced`` steps that has one, then drain; the token ids per prompt."""
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": p}, sp) for p in prompts]
+    final: dict[str, object] = {}
+    done, sched = 0, llm.engine.scheduler
+    while len(final) < len(ids):
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+        decoding = [r for r in sched.running if r.num_computed_tokens > r.num_prompt_tokens]
+        if done < forced and decoding:
+            sched._preempt(decoding[-1])
+            done += 1
+    assert done == forced
+    return [list(final[i].outputs[0].token_ids) for i in ids]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["ngram", "chunk7", "preempt", "prefix_fork"])
 def test_greedy_spec_equals_transformers(arch_case, scenario: str) -> None:
@@ -83,8 +122,11 @@ def test_greedy_spec_equals_transformers(arch_case, scenario: str) -> None:
     llm = LLM(str(model), speculative_config=SPEC, **kw)
     if scenario != "ngram":
         _oracle(llm, prompts, ref)
-    outs = _run(llm, prompts)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    if scenario == "preempt" and name in FORCED_PREEMPT:
+        assert _run_preempting(llm, prompts) == ref
+    else:
+        outs = _run(llm, prompts)
+        assert [o.outputs[0].token_ids for o in outs] == ref
     m = llm.engine.spec.metrics
     assert m.num_drafts > 0
     if scenario != "ngram" and (name in ("qwen3", "sliding") or scenario == "prefix_fork"):

@@ -1,5 +1,9 @@
 """Verify-pass state kernels: states after every token equal the plain kernels run on every
-prefix, outputs equal the plain kernels, and select_states picks the accepted prefix."""
+prefix, outputs equal the plain kernels, and select_states picks the accepted prefix.
+
+The references are the naive (token by token) forms; the Mamba-1, lightning and KDA verify
+forms step their recurrent (decode) forms, a separate implementation, and are reached through
+the ops' entries with ``verify=True`` (what the layers call)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ from pagefold.ops.conv1d import (
     causal_conv1d_verify_naive,
 )
 from pagefold.ops.gdn import gdn_naive, gdn_verify, gdn_verify_naive
+from pagefold.ops.kda import kda, kda_naive
+from pagefold.ops.lightning import lightning, lightning_naive
+from pagefold.ops.selective_scan import selective_scan, selective_scan_naive
 from pagefold.ops.ssd import ssd_naive, ssd_verify, ssd_verify_naive
 from pagefold.spec_decode.state_verify import select_states
 
@@ -102,6 +109,78 @@ def test_ssd_verify(fn) -> None:
         lambda ts, st, c: ssd_naive(ts[0], ts[1], A, ts[2], ts[3], D, st, c, dt_bias=dt_bias)[1],
         [x, dt, B, Cm], s0, cu)
     torch.testing.assert_close(states, ref, **TOL)
+
+
+def _check_stepwise(verify, naive, per_tok, shared_after, state0, lengths=LENGTHS) -> None:
+    """``verify(*per_tok, *shared_after, state0, cu)`` against ``naive`` on every prefix:
+    outputs, states after every token, and the final states at the last token."""
+    cu = _cu(lengths)
+    o, states = verify(*per_tok, *shared_after, state0, cu)
+    o_ref, final = naive(*per_tok, *shared_after, state0, cu)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    ref = _prefix_states(lambda ts, st, c: naive(*ts, *shared_after, st, c)[1], per_tok,
+                         state0, cu)
+    assert states.shape == (int(cu[-1]), *state0.shape[1:])
+    torch.testing.assert_close(states, ref, **TOL)
+    if min(lengths) > 0:  # select_states takes sequences with a token only
+        last = [n - 1 for n in lengths]
+        torch.testing.assert_close(select_states(states, cu, last), final, **TOL)
+
+
+@pytest.mark.parametrize("with_z", [True, False])
+@pytest.mark.parametrize("lengths", [LENGTHS, [1, 1, 1, 1, 1], [4, 0, 2, 1, 2]])
+def test_selective_scan_verify(with_z: bool, lengths: list[int]) -> None:
+    """Mamba-1 (Jamba, Mamba, Falcon-Mamba): x, dt, B, C, z per token; A, D, dt_bias shared."""
+    g = torch.Generator().manual_seed(3)
+    T, CH, N = sum(lengths), 6, 4
+    x, dt, z = (torch.randn(T, CH, generator=g) for _ in range(3))
+    A = -torch.rand(CH, N, generator=g) - 0.1
+    B, C = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+    D, dt_bias = torch.randn(CH, generator=g), torch.randn(CH, generator=g)
+    s0 = torch.randn(len(lengths), CH, N, generator=g)
+
+    def run(fn):  # the per-token inputs first, as _check_stepwise passes them
+        def call(x, dt, B, C, *rest):
+            *zz, st, cu = rest
+            return fn(x, dt, A, B, C, D, zz[0] if zz else None, st, cu, dt_bias=dt_bias,
+                      dt_softplus=True)
+        return call
+
+    def verify(*a, **kw):
+        return selective_scan(*a, decode=False, verify=True, **kw)
+
+    _check_stepwise(run(verify), run(selective_scan_naive),
+                    [x, dt, B, C, *([z] if with_z else [])], [], s0, lengths)
+
+
+def test_lightning_verify() -> None:
+    """MiniMax: q, k, v per token; the per-head decay rate shared."""
+    g = torch.Generator().manual_seed(4)
+    T, H, DK, DV = sum(LENGTHS), 3, 4, 5
+    q, k = torch.randn(T, H, DK, generator=g), torch.randn(T, H, DK, generator=g)
+    v = torch.randn(T, H, DV, generator=g)
+    slope = torch.rand(H, generator=g) + 0.05
+    s0 = torch.randn(len(LENGTHS), H, DK, DV, generator=g)
+
+    def verify(*a):
+        return lightning(*a, decode=False, verify=True)
+
+    _check_stepwise(verify, lightning_naive, [q, k, v], [slope], s0)
+
+
+def test_kda_verify() -> None:
+    """Kimi Linear: q, k, v, the per-channel decay g and beta per token."""
+    g_ = torch.Generator().manual_seed(5)
+    T, H, D = sum(LENGTHS), 2, 4
+    q, k, v = (torch.randn(T, H, D, generator=g_) for _ in range(3))
+    g = -F.softplus(torch.randn(T, H, D, generator=g_))
+    beta = torch.rand(T, H, generator=g_)
+    s0 = torch.randn(len(LENGTHS), H, D, D, generator=g_) * 0.3
+
+    def verify(*a):
+        return kda(*a, decode=False, verify=True)
+
+    _check_stepwise(verify, kda_naive, [q, k, v, g, beta], [], s0)
 
 
 def test_select_states_rejects_bad_counts() -> None:

@@ -103,14 +103,19 @@ class Mamba1Mixer(nn.Module):
         _, meta = ctx.state(self.layer_name)
         states = ctx.load_states(self.layer_name)
         weight = self.conv1d.weight.view(self.inter, self.kernel)
+        # A verify step keeps the states after every token (conv window and ssm): the commit
+        # selects the accepted one.
         xs, conv = causal_conv1d(xs, weight, self.conv1d.bias, states["conv"], meta.cu_seqlens,
-                                 activation="silu", decode=meta.all_decode)
+                                 activation="silu", decode=meta.all_decode, verify=ctx.verify)
         dt, b, c = self.x_proj(xs).split([self.rank, self.state_size, self.state_size], dim=-1)
         if self.normed:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = dt @ self.dt_proj.weight.t()
         y, ssm = selective_scan(xs, dt, -torch.exp(self.A_log.float()), b, c, self.D, z,
                                 states["ssm"], meta.cu_seqlens, dt_bias=self.dt_proj.bias,
-                                dt_softplus=True, decode=meta.all_decode)
-        ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
+                                dt_softplus=True, decode=meta.all_decode, verify=ctx.verify)
+        if ctx.verify:
+            ctx.store_token_states(self.layer_name, {"conv": conv, "ssm": ssm})
+        else:
+            ctx.store_states(self.layer_name, {"conv": conv, "ssm": ssm})
         return self.out_proj(y.to(x.dtype))

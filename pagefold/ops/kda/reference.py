@@ -15,6 +15,9 @@ float32)``; all arithmetic is float32, as in transformers and FLA.
 * :func:`kda_chunked` -- chunks of ``chunk_size`` (transformers' chunk form: the intra-chunk
   delta system solved by forward substitution, the state carried chunk to chunk).
 * :func:`kda_recurrent` -- one token per request (decode), all requests at once.
+* :func:`kda_verify` -- the recurrent form step by step over a speculative verify chunk: the
+  second result is the state after *every* token, (T, H, Dk, Dv) float32
+  (:func:`pagefold.ops.common.stepwise.stepwise`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_chunked", "kda_naive", "kda_recurrent", "l2norm"]
+from pagefold.ops.common.stepwise import stepwise
+
+__all__ = ["kda_chunked", "kda_naive", "kda_recurrent", "kda_verify", "l2norm"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -117,3 +122,7 @@ def kda_recurrent(q, k, v, g, beta, state, cu_seqlens, *, use_qk_l2norm: bool = 
     delta = (v - torch.einsum("rhk,rhkv->rhv", k, s)) * beta[..., None]
     s = s + k[..., None] * delta[:, :, None, :]
     return torch.einsum("rhk,rhkv->rhv", q, s), s
+
+
+# Per-token inputs: q, k, v, g, beta.
+kda_verify = stepwise(kda_recurrent, (0, 1, 2, 3, 4))

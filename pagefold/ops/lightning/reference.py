@@ -13,13 +13,18 @@ Every variant returns ``(o (T, H, Dv) float32, final states (R, H, Dk, Dv) float
   the inter-block part ``(q * exp(-s (i + 1))) S``, then
   ``S <- exp(-s n) S + (k * exp(-s (n - 1 - j)))^T v`` for a block of ``n`` tokens.
 * :func:`lightning_recurrent` -- one token per request (decode), all requests at once.
+* :func:`lightning_verify` -- the recurrent form step by step over a speculative verify chunk:
+  the second result is the state after *every* token, (T, H, Dk, Dv) float32
+  (:func:`pagefold.ops.common.stepwise.stepwise`).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["lightning_chunked", "lightning_naive", "lightning_recurrent"]
+from pagefold.ops.common.stepwise import stepwise
+
+__all__ = ["lightning_chunked", "lightning_naive", "lightning_recurrent", "lightning_verify"]
 
 
 def lightning_naive(q, k, v, slope, state, cu_seqlens, *, chunk_size: int = 64):
@@ -72,3 +77,7 @@ def lightning_recurrent(q, k, v, slope, state, cu_seqlens, *, chunk_size: int = 
     ratio = torch.exp(-slope.float())[None, :, None, None]
     s = ratio * state.float() + k.float()[..., None] * v.float()[:, :, None, :]
     return torch.einsum("rhk,rhkv->rhv", q.float(), s), s
+
+
+# Per-token inputs: q, k, v.
+lightning_verify = stepwise(lightning_recurrent, (0, 1, 2))

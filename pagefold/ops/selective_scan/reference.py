@@ -17,6 +17,9 @@ and leaves its inputs untouched.
   all requests at once: within a chunk a log-depth prefix scan of the affine steps
   ``h -> a h + b``; only the state hand-over between consecutive chunks is sequential.
 * :func:`selective_scan_recurrent` -- one token per request (decode), all requests at once.
+* :func:`selective_scan_verify` -- the recurrent form step by step over a speculative verify
+  chunk: the second result is the state after *every* token, (T, I, N) float32
+  (:func:`pagefold.ops.common.stepwise.stepwise`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["selective_scan_chunked", "selective_scan_naive", "selective_scan_recurrent"]
+from pagefold.ops.common.stepwise import stepwise
+
+__all__ = ["selective_scan_chunked", "selective_scan_naive", "selective_scan_recurrent",
+           "selective_scan_verify"]
 
 
 def _discretise(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool):
@@ -137,3 +143,7 @@ def selective_scan_recurrent(x, dt, A, B, C, D, z, state, cu_seqlens, *, dt_bias
          + (dt * x.float())[:, :, None] * B.float()[:, None, :])
     y = torch.einsum("rin,rn->ri", h, C.float())
     return _finish(y, x, D, z), h
+
+
+# Per-token inputs: x, dt, B, C, z.
+selective_scan_verify = stepwise(selective_scan_recurrent, (0, 1, 3, 4, 6))

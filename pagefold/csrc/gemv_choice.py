@@ -83,13 +83,20 @@ _memo: dict[tuple, dict[tuple[int, int], tuple[str, int]]] = {}
 _available: dict[int, list[Candidate]] = {}
 
 
+def check_option(name: str) -> str:
+    """``name`` lower-cased when it is one of :data:`MODES` or a kernel name (whether this
+    machine runs it is checked at load, where the error lists the ones it does)."""
+    got = name.strip().lower()
+    if got not in MODES + gemv_registry.NAMES:
+        raise ValueError(f"cpu_gemv_kernel must be one of "
+                         f"{', '.join(MODES + gemv_registry.NAMES)}, got {name!r}")
+    return got
+
+
 def set_forced(name: str | None) -> None:
-    """The engine option ``cpu_gemv_kernel``: one of :data:`MODES` or a kernel name (None:
-    the environment decides). Checked against this machine at the next :func:`choose`."""
-    if name is not None and name not in MODES + gemv_registry.NAMES:
-        raise ValueError(f"cpu_gemv_kernel must be one of {MODES + gemv_registry.NAMES}, "
-                         f"got {name!r}")
-    _forced[0] = name
+    """The engine option ``cpu_gemv_kernel`` for this process (None: ``PAGEFOLD_GEMV``, else
+    auto). Checked against this machine at the next :func:`choose`."""
+    _forced[0] = check_option(name) if name is not None else None
 
 
 def requested() -> str:

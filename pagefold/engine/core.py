@@ -26,7 +26,7 @@ from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.distributed.executor import TPExecutor
 from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
 from pagefold.distributed.worker import WorkerInit
@@ -155,6 +155,7 @@ class EngineCore:
         max_positions = max(self.max_model_len, max_pos)
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
+        gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
         if self.tp == 1:
             self.runner = build_runner(config.model, hf_config, arch, self.dtype,
                                        max_positions, self.device, self.kv_config,

@@ -51,7 +51,7 @@ ROW_WEIGHT = {1: 4.0, 2: 2.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0}
 KEEP = 0.9  # another (kernel, rows) replaces the flags' one only when it costs <= 0.9 of it
 PRUNE = 3.0  # a kernel this much slower than the best at some rows is not timed at more
 MIN_TIMED_BYTES = 256 << 10
-BUDGET_S = 3.0
+BUDGET_S = 2.0
 # Below this a product's least time is a preemption, not a measurement (any machine that runs
 # a model reads memory at several GB/s).
 MIN_BANDWIDTH = 1e9

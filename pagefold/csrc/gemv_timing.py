@@ -108,16 +108,16 @@ def calls_for(nbytes: int) -> int:
 
 
 def time_rows(paths: dict[str, tuple[Callable, Callable[[], object]]], x: torch.Tensor,
-              calls: int) -> dict[str, float]:
+              calls: int, budget_s: float = ROUNDS_S) -> dict[str, float]:
     """Seconds of each path's ``run(x, w)``, ``paths`` name -> ``(run, weights)``, each call
     on the next weight from its ``weights``: the least over ``calls`` rounds (a busy machine
     only adds time: preemption, a neighbour's traffic) in which the paths take turns, so a
     burst of noise hits all of them; after one untimed round (first-call costs are not a
-    step's)."""
+    step's). Past :data:`MIN_CALLS` rounds, no round starts after ``budget_s``."""
     best = dict.fromkeys(paths, math.inf)
     t_start = time.perf_counter()
     for i in range(calls + 1):
-        if i > MIN_CALLS and time.perf_counter() - t_start > ROUNDS_S:
+        if i > MIN_CALLS and time.perf_counter() - t_start > budget_s:
             break  # a busy machine: enough rounds for a least time, within the load budget
         for name, (run, weights) in paths.items():
             w = weights()

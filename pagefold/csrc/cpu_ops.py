@@ -1,6 +1,7 @@
 """The compiled CPU kernels' library (built on first use by :mod:`pagefold.csrc.build`, called
-through ctypes), the helpers every ctypes wrapper shares, and the generic bf16 GEMV / linear
-routing. The wrappers of each op live with the op (``pagefold/ops/<op>/cpu.py``).
+through ctypes), the helpers every ctypes wrapper shares, and the bf16 linear routing (each
+weight's GEMV from :mod:`pagefold.csrc.gemv_choice`, oneDNN or the upcast GEMM above). The
+wrappers of each op live with the op (``pagefold/ops/<op>/cpu.py``).
 
 ``attention.cpp`` (paged decode attention, the K/V write), ``prefill.cpp`` (prefill
 attention over the paged cache, one query row at a time, AVX512-BF16), ``prefill_blocked.cpp``

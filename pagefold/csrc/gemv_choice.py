@@ -79,7 +79,7 @@ class Choice:
 
 NO_GEMV = Choice(TORCH, 0)
 _forced: list[str | None] = [None]  # the engine option (set_forced)
-_memo: dict[tuple, dict[tuple[int, int], tuple[str, int]]] = {}
+_memo: dict[str, dict[tuple[int, int], tuple[str, int]]] = {}  # by cache path
 _available: dict[int, list[Candidate]] = {}
 
 
@@ -115,6 +115,7 @@ def available(lib: ctypes.CDLL | None) -> list[Candidate]:
 
 
 def make_choice(lib: ctypes.CDLL, name: str, rows: int) -> Choice:
+    """The :class:`Choice` of kernel ``name`` (a registry name, or ``torch``) for ``rows``."""
     if name == TORCH:
         return NO_GEMV
     c = gemv_registry.by_name(name)

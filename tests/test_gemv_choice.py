@@ -59,6 +59,15 @@ def test_decide_keeps_the_incumbent_within_the_margin():
     assert gemv_choice.decide(table, gemm, ("b", 32)) == ("a", 32)
 
 
+def test_decide_reads_a_slow_reading_at_fewer_rows_as_noise():
+    """The incumbent's 1-row call was preempted (100 against 10 at every other count): more
+    rows bound fewer rows' time from above, so it stays."""
+    table = {"a": {1: 100, 2: 10, 4: 10, 8: 11, 16: 12, 32: 13}, "b": _flat(10.5)}
+    assert gemv_choice.decide(table, _flat(100.0), ("a", 32)) == ("a", 32)
+    table["a"] = {1: 10, 2: 100, 4: 100, 8: 100, 16: 100, 32: 100}  # really slow: b
+    assert gemv_choice.decide(table, _flat(100.0), ("a", 32)) == ("b", 32)
+
+
 def test_decide_skips_pruned_rows_and_takes_at_least_one_row():
     table = {"a": {1: 5, 2: 6, 4: INF, 8: INF, 16: INF, 32: INF}}
     gemm = {1: 1, 2: 1, 4: 1, 8: 1, 16: 1, 32: 1}  # the GEMM faster everywhere
@@ -67,7 +76,7 @@ def test_decide_skips_pruned_rows_and_takes_at_least_one_row():
 
 
 def _fake_timer(fastest: str, calls: list):
-    def timer(shape, kernels):
+    def timer(shape, kernels, keep):
         calls.append((shape, sorted(kernels)))
         table = {name: _flat(10.0 if name == fastest else 40.0) for name in kernels}
         return table, _flat(100.0)
@@ -224,3 +233,19 @@ def test_every_candidate_matches_the_float_product(lib, n, k, bias):
             assert d.max().item() <= 1, (c.name, m)
             assert (d > 0).float().mean().item() <= 0.03, (c.name, m)
             assert torch.equal(got, torch.cat(singles[:m])), (c.name, m)
+
+
+def test_a_shape_too_busy_to_time_keeps_the_flags_choice_and_is_timed_again(lib):
+    calls: list = []
+
+    def preempted(shape, kernels, keep):
+        calls.append(shape)
+        return None  # measure's answer when every call was preempted
+
+    names = [c.name for c in gemv_choice.available(lib)]
+    got = gemv_choice.choose(lib, [(1024, 512)], timer=preempted)
+    assert got[(1024, 512)].name == gemv_registry.flag_default(names)
+    gemv_choice._memo.clear()
+    gemv_choice.choose(lib, [(1024, 512)], timer=preempted)
+    assert calls == [(1024, 512)] * 2  # nothing cached for it
+    assert gemv_choice.plausible(1e-3, 4 << 20) and not gemv_choice.plausible(20e-3, 4 << 20)

@@ -61,7 +61,9 @@ MODES = ("auto", "flags", TORCH)
 GEMM = " gemm"  # the GEMM path's key while timing (no kernel has a space)
 
 Table = dict[str, dict[int, float]]  # path name -> rows -> seconds (inf: not timed)
-Timer = Callable[[tuple[int, int], dict[str, object]], tuple[Table, dict[int, float]] | None]
+# (shape, kernels by name, the flags' kernel) -> the timings, or None (too busy to time)
+Timer = Callable[[tuple[int, int], dict[str, object], str],
+                 tuple[Table, dict[int, float]] | None]
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,16 @@ def make_choice(lib: ctypes.CDLL, name: str, rows: int) -> Choice:
                   ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
+def monotone(times: dict[int, float]) -> dict[int, float]:
+    """``times`` (rows -> seconds) with each value lowered to the least at as many rows or
+    more (the suffix minimum over :data:`ROWS`)."""
+    out, low = {}, math.inf
+    for r in reversed(ROWS):
+        low = min(low, times[r])
+        out[r] = low
+    return out
+
+
 def decide(table: Table, gemm_times: dict[int, float],
            incumbent: tuple[str, int] | None) -> tuple[str, int]:
     """The (kernel, rows) of least weighted relative cost over :data:`ROWS`, a row count
@@ -132,6 +144,10 @@ def decide(table: Table, gemm_times: dict[int, float],
     least 1 row; (``torch``, 0) when the table has no kernel."""
     if not table:
         return TORCH, 0
+    # A product of more rows reads the same weight and computes more: its time bounds the
+    # time of fewer rows from above, so a slower reading at fewer rows was noise.
+    table = {name: monotone(t) for name, t in table.items()}
+    gemm_times = monotone(gemm_times)
     best = {r: min([gemm_times[r]] + [t[r] for t in table.values()]) for r in ROWS}
 
     def cost(name: str, limit: int) -> float:
@@ -169,20 +185,20 @@ class StreamTimer:
         self.sources, self.pool = sources, None
         self.gemm_path = gemv_timing.gemm_path()
 
-    def __call__(self, shape: tuple[int, int], kernels: dict[str, object]
+    def __call__(self, shape: tuple[int, int], kernels: dict[str, object], keep: str
                  ) -> tuple[Table, dict[int, float]] | None:
         if self.pool is None:
             self.pool = gemv_timing.StreamPool(self.sources)
-        return measure(shape, kernels, self.pool, self.gemm_path)
+        return measure(shape, kernels, self.pool, self.gemm_path, keep)
 
 
 def measure(shape: tuple[int, int], kernels: dict[str, object], pool: gemv_timing.StreamPool,
-            gemm_path: str) -> tuple[Table, dict[int, float]] | None:
+            gemm_path: str, keep: str | None = None) -> tuple[Table, dict[int, float]] | None:
     """Time every kernel of ``kernels`` (name -> ctypes function) and the GEMM path at
     :data:`ROWS` on streamed (N, K) weights; a kernel :data:`PRUNE` times slower than the best
-    at some rows is not timed at more (inf). None when even the fastest path's least time at
-    some row count is not :func:`plausible` (every call was preempted: a machine too busy to
-    time on)."""
+    at some rows is not timed at more (inf), but ``keep`` (the flags' choice, the one to
+    beat) always is. None when even the fastest path's least time at some row count is not
+    :func:`plausible` (every call was preempted: a machine too busy to time on)."""
     n, k = shape
     calls = gemv_timing.calls_for(2 * n * k)
     g = torch.Generator().manual_seed(n * 131 + k)
@@ -206,7 +222,7 @@ def measure(shape: tuple[int, int], kernels: dict[str, object], pool: gemv_timin
         fastest = min(fastest, gemm_times[r])
         if not plausible(fastest, 2 * n * k):
             return None
-        alive = [nm for nm in alive if table[nm][r] <= PRUNE * fastest]
+        alive = [nm for nm in alive if nm == keep or table[nm][r] <= PRUNE * fastest]
     return table, gemm_times
 
 
@@ -330,7 +346,7 @@ def choose(lib: ctypes.CDLL | None, shapes: Iterable[tuple[int, int]], *,
         for s in todo:
             if time.perf_counter() - t0 > BUDGET_S:
                 break  # the rest keep the flags' choice this time and are timed next load
-            got = timer(s, kernels)
+            got = timer(s, kernels, incumbent[0])
             if got is None:
                 noisy += 1
                 continue  # the flags' choice this time, timed again next load
@@ -352,9 +368,11 @@ def _log(picked: dict, measured: int, noisy: int, seconds: float, path: Path,
     groups: dict[tuple[str, int], int] = {}
     for c in picked.values():
         groups[c] = groups.get(c, 0) + 1
-    parts = [f"{name} for 1-{rows} rows on {n} shape{'s' if n > 1 else ''}"
-             if name != TORCH else f"none on {n} shape{'s' if n > 1 else ''}"
-             for (name, rows), n in sorted(groups.items(), key=lambda kv: -kv[1])]
+    parts = []
+    for (name, rows), n in sorted(groups.items(), key=lambda kv: -kv[1]):
+        on = f"on {n} shape{'s' if n > 1 else ''}"
+        span = "1 row" if rows == 1 else f"1-{rows} rows"
+        parts.append(f"{name} for {span} {on}" if name != TORCH else f"none {on}")
     how = (f"measured {measured} shapes in {seconds:.2f} s, cached at {path}" if timed
            else "no timing: cached, or weights too small to time")
     if noisy:

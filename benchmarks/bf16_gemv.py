@@ -8,11 +8,12 @@ float32-upcast GEMM on CPUs without native bf16) are timed the way the chooser t
 (``pagefold.csrc.gemv_timing``): each call on the next copy of the weight from a buffer larger
 than the last-level cache, the paths taking turns, the least time over ``--calls`` rounds.
 Each cell prints microseconds and the fraction of the read bandwidth measured in the same run
-(the best of five torch sums over a float32 buffer of the same size): weight bytes / time /
+(the best of 15 torch sums over a float32 buffer of the same size): weight bytes / time /
 bandwidth. ``pick`` is what the chooser decides from these numbers.
 
     python -m benchmarks.bf16_gemv
     python -m benchmarks.bf16_gemv --rows 1 2 --shapes 49152x576 576x576
+    python -m benchmarks.bf16_gemv --threads 1 --stream-mib 1024 --calls 40
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ SHAPES = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]
 ROWS = [1, 2, 4, 8, 16, 32]
 
 
-def read_bandwidth(nbytes: int, reps: int = 5) -> float:
+def read_bandwidth(nbytes: int, reps: int = 15) -> float:
     """Bytes per second of the best of ``reps`` torch sums over ``nbytes`` of float32."""
     buf = torch.ones(nbytes // 4)
     buf.sum()
@@ -43,9 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="N x K, e.g. 1536x576")
     ap.add_argument("--rows", nargs="+", type=int, default=ROWS)
     ap.add_argument("--calls", type=int, default=20, help="timed rounds per cell")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 holds up better on a busy host")
     ap.add_argument("--stream-mib", type=int, default=None,
                     help="weight buffer (default: the chooser's, 2x the LLC within 64-256 MiB)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from pagefold.csrc import build, cpu_ops, gemv_choice, gemv_timing
 

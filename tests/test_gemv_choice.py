@@ -94,9 +94,24 @@ def test_choose_takes_the_fastest_runnable_kernel(lib):
                              timer=_fake_timer(other, calls))
     assert got[(1024, 512)].name == other and got[(1024, 512)].max_rows == 32
     assert got[(1024, 512)].fn is getattr(lib, gemv_registry.by_name(other).symbol)
-    # weights too small to time take the flags' choice, untimed
+    # weights too small to time take the flags' choice, untimed; a change is timed twice
     assert got[(64, 64)].name == gemv_registry.flag_default(names)
-    assert calls == [((1024, 512), sorted(names))]
+    assert calls == [((1024, 512), sorted(names))] * 2
+
+
+def test_a_change_two_measurements_disagree_on_keeps_the_flags_choice(lib):
+    names = [c.name for c in gemv_choice.available(lib)]
+    if len(names) < 2:
+        pytest.skip("one GEMV kernel on this CPU: nothing to choose")
+    flags = gemv_registry.flag_default(names)
+    other = next(n for n in names if n != flags)
+    answers = [_fake_timer(other, []), _fake_timer(flags, [])]  # noise: then the flags' one
+
+    def timer(shape, kernels, keep):
+        return answers.pop(0)(shape, kernels, keep)
+
+    got = gemv_choice.choose(lib, [(1024, 512)], timer=timer)
+    assert got[(1024, 512)].name == flags and not answers
 
 
 def test_choose_skips_a_kernel_that_fails_its_self_check(lib):
@@ -130,7 +145,8 @@ def test_self_check_rejects_a_wrong_kernel(lib):
 def test_cache_round_trip_then_corrupt_and_foreign_files_are_rewritten(lib, caplog):
     calls: list = []
     shapes = [(1024, 512), (512, 1536)]
-    first = gemv_choice.choose(lib, shapes, timer=_fake_timer("fma", calls))
+    flags = gemv_registry.flag_default([c.name for c in gemv_choice.available(lib)])
+    first = gemv_choice.choose(lib, shapes, timer=_fake_timer(flags, calls))
     key = gemv_choice.cache_key(lib, [c.name for c in gemv_choice.available(lib)])
     path = gemv_choice.cache_path(key)
     data = json.loads(path.read_text())
@@ -138,7 +154,7 @@ def test_cache_round_trip_then_corrupt_and_foreign_files_are_rewritten(lib, capl
     assert len(calls) == 2
 
     gemv_choice._memo.clear()  # a later process: read, no timing
-    again = gemv_choice.choose(lib, shapes, timer=_fake_timer("fma", calls))
+    again = gemv_choice.choose(lib, shapes, timer=_fake_timer(flags, calls))
     assert len(calls) == 2 and again == first
 
     text = path.read_text()
@@ -150,7 +166,7 @@ def test_cache_round_trip_then_corrupt_and_foreign_files_are_rewritten(lib, capl
         gemv_choice._memo.clear()
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pagefold"):
-            got = gemv_choice.choose(lib, shapes, timer=_fake_timer("fma", calls))
+            got = gemv_choice.choose(lib, shapes, timer=_fake_timer(flags, calls))
         assert "ignoring the choice cache" in caplog.text
         assert got == first  # timed again (the fake table decides as before)
         assert json.loads(path.read_text())["key"] == key  # rewritten, valid

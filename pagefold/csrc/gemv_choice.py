@@ -10,13 +10,16 @@ the CPU lacks native bf16). It keeps per shape ONE kernel for all its GEMV rows 
 step's rows then have a decode step's bits) and the row count above which the GEMM path takes
 over, scored by :func:`decide`: time relative to the best path at each row count, weighted
 towards 1-2 rows (most steps are batch-1 decode), the flags' choice kept unless another is at
-least ``1 / KEEP`` faster overall, so noise does not flip kernels between loads.
+least ``1 / KEEP`` faster overall and a second measurement agrees, so noise does not flip
+kernels. A shape whose fastest path never read its weight at :data:`MIN_BANDWIDTH` (every
+call preempted) keeps the flags' choice and is timed again at the next load.
 
 The table is cached as JSON under ``<pagefold cache>/gemv/`` keyed by the CPU model, its
 flags, the thread count, the kernel build and the runnable kernels; a later load reads it (no
 timing). A corrupt, truncated or foreign file (other CPU, build or kernels) is ignored and
 rewritten, with a log line. Weights under :data:`MIN_TIMED_BYTES` (a few microseconds; noise
-would decide) and shapes past the load's :data:`BUDGET_S` take the flags' choice.
+would decide) and shapes past the load's :data:`BUDGET_S` take the flags' choice (the
+largest weights are timed first).
 
 Overrides, each about the GEMV only (the GEMM path above its rows is unchanged):
 ``PAGEFOLD_GEMV=<kernel>`` or the engine option ``cpu_gemv_kernel`` (which wins) force one
@@ -181,24 +184,26 @@ class StreamTimer:
     """The default timer of :func:`choose`: :func:`measure` on a :class:`.StreamPool` over
     ``sources``, made at the first shape timed (none when every shape is cached)."""
 
-    def __init__(self, sources: list[torch.Tensor] | None) -> None:
-        self.sources, self.pool = sources, None
+    def __init__(self, sources: list[torch.Tensor] | None, deadline: float = math.inf) -> None:
+        self.sources, self.pool, self.deadline = sources, None, deadline
         self.gemm_path = gemv_timing.gemm_path()
 
     def __call__(self, shape: tuple[int, int], kernels: dict[str, object], keep: str
                  ) -> tuple[Table, dict[int, float]] | None:
         if self.pool is None:
             self.pool = gemv_timing.StreamPool(self.sources)
-        return measure(shape, kernels, self.pool, self.gemm_path, keep)
+        return measure(shape, kernels, self.pool, self.gemm_path, keep, self.deadline)
 
 
 def measure(shape: tuple[int, int], kernels: dict[str, object], pool: gemv_timing.StreamPool,
-            gemm_path: str, keep: str | None = None) -> tuple[Table, dict[int, float]] | None:
+            gemm_path: str, keep: str | None = None, deadline: float = math.inf
+            ) -> tuple[Table, dict[int, float]] | None:
     """Time every kernel of ``kernels`` (name -> ctypes function) and the GEMM path at
     :data:`ROWS` on streamed (N, K) weights; a kernel :data:`PRUNE` times slower than the best
     at some rows is not timed at more (inf), but ``keep`` (the flags' choice, the one to
     beat) always is. None when even the fastest path's least time at some row count is not
-    :func:`plausible` (every call was preempted: a machine too busy to time on)."""
+    :func:`plausible` (every call was preempted: a machine too busy to time on), or when
+    ``deadline`` (a ``time.perf_counter`` value) passes before the last row count."""
     n, k = shape
     calls = gemv_timing.calls_for(2 * n * k)
     g = torch.Generator().manual_seed(n * 131 + k)
@@ -212,6 +217,8 @@ def measure(shape: tuple[int, int], kernels: dict[str, object], pool: gemv_timin
     gemm_times: dict[int, float] = {}
     alive = list(kernels)
     for r in ROWS:
+        if time.perf_counter() > deadline:
+            return None
         x = torch.randn(r, k, generator=g).bfloat16()
         got = gemv_timing.time_rows({**{nm: runs[nm] for nm in alive}, GEMM: gemm_src}, x,
                                     calls)
@@ -336,22 +343,29 @@ def choose(lib: ctypes.CDLL | None, shapes: Iterable[tuple[int, int]], *,
         cached = read_cache(path, key)
         stale = cached is None and path.exists()  # ignored: rewrite it
     known = dict(cached or {})
-    todo = [s for s in shapes if s not in known and 2 * s[0] * s[1] >= MIN_TIMED_BYTES]
+    # The largest weights first: they take most of a step's time.
+    todo = sorted((s for s in shapes if s not in known and 2 * s[0] * s[1] >= MIN_TIMED_BYTES),
+                  key=lambda s: -s[0] * s[1])
     times: dict[tuple[int, int], dict] = {}
-    noisy = 0
     t0 = time.perf_counter()
     if todo:
         kernels = {c.name: getattr(lib, c.symbol) for c in cands}
-        timer = timer or StreamTimer(sources)
+        timer = timer or StreamTimer(sources, t0 + BUDGET_S)
         for s in todo:
             if time.perf_counter() - t0 > BUDGET_S:
                 break  # the rest keep the flags' choice this time and are timed next load
             got = timer(s, kernels, incumbent[0])
             if got is None:
-                noisy += 1
                 continue  # the flags' choice this time, timed again next load
             table, gemm_times = got
-            known[s] = decide(table, gemm_times, incumbent)
+            pick = decide(table, gemm_times, incumbent)
+            if pick != incumbent:  # a change must be measured twice (noise is not cached)
+                again = timer(s, kernels, incumbent[0])
+                if again is None:
+                    continue
+                if decide(*again, incumbent) != pick:
+                    pick = incumbent
+            known[s] = pick
             times[s] = {nm: {r: round(v * 1e6, 1) for r, v in t.items()}
                         for nm, t in {**table, "gemm": gemm_times}.items()}
         timer = None  # drops the stream pool
@@ -359,11 +373,12 @@ def choose(lib: ctypes.CDLL | None, shapes: Iterable[tuple[int, int]], *,
         write_cache(path, key, known, times)
     _memo[memo_key] = known
     picked = {s: known.get(s, incumbent) for s in shapes}
-    _log(picked, len(times), noisy, time.perf_counter() - t0, path, bool(times))
+    _log(picked, len(times), len(todo) - len(times), time.perf_counter() - t0, path,
+         bool(times))
     return {s: make_choice(lib, *c) for s, c in picked.items()}
 
 
-def _log(picked: dict, measured: int, noisy: int, seconds: float, path: Path,
+def _log(picked: dict, measured: int, left: int, seconds: float, path: Path,
          timed: bool) -> None:
     groups: dict[tuple[str, int], int] = {}
     for c in picked.values():
@@ -373,9 +388,10 @@ def _log(picked: dict, measured: int, noisy: int, seconds: float, path: Path,
         on = f"on {n} shape{'s' if n > 1 else ''}"
         span = "1 row" if rows == 1 else f"1-{rows} rows"
         parts.append(f"{name} for {span} {on}" if name != TORCH else f"none {on}")
-    how = (f"measured {measured} shapes in {seconds:.2f} s, cached at {path}" if timed
+    how = (f"measured {measured} shape(s) in {seconds:.2f} s, cached at {path}" if timed
+           else f"nothing measured ({seconds:.2f} s)" if left
            else "no timing: cached, or weights too small to time")
-    if noisy:
-        how += (f"; {noisy} shapes kept the flags' choice: the machine was too busy to time "
-                "them (retried next load)")
+    if left:
+        how += (f"; {left} shape(s) kept the flags' choice: too busy a machine or past the "
+                f"{BUDGET_S:.0f} s budget, timed at the next load")
     logger.info("gemv: %s; %s above (%s)", ", ".join(parts), gemv_timing.gemm_path(), how)

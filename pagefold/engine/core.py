@@ -88,7 +88,7 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
-                      cache_fill, host_blocks, threads, warm, warm_len)
+                      cache_fill, host_blocks, threads, warm, warm_len, config.cpu_gemv_kernel)
     return TPExecutor(init, config.tensor_parallel_size)
 
 

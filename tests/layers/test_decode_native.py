@@ -181,3 +181,33 @@ def test_nemotron_norm_kernel_is_the_reference(dtype):
         assert (got == ref).float().mean() > 0.98
         llama = elementwise.rms_norm(x, norm.weight, norm.eps, False)
         assert not torch.equal(llama, got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant,kw", [
+    ("qwen3", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64)),
+    ("qwen3_next", dict(hidden_size=512, moe_intermediate_size=256,
+                        shared_expert_intermediate_size=384))],
+    ids=["qwen3-h512", "qwen3_next-h512"])
+def test_native_step_takes_each_matrixs_own_gemv(variant, kw, tiny_model_factory, monkeypatch):
+    """Weight shapes routed to different kernels (round robin over the kernels this CPU runs,
+    by shape): the driver calls each matrix's own GEMV (its record's address; the MoE experts'
+    gate_up / down pair), so its tokens and logprobs stay the module path's."""
+    names = [c.name for c in gemv_choice.available(cpu_ops.kernels())]
+    if len(names) < 2:
+        pytest.skip("one GEMV kernel on this CPU")
+
+    def mixed(lib, shapes, **_):
+        return {s: gemv_choice.make_choice(lib, names[i % len(names)], 32)
+                for i, s in enumerate(sorted(set(shapes)))}
+
+    monkeypatch.setattr(gemv_choice, "choose", mixed)
+    model = tiny_model_factory(variant, **kw)
+    prompts = random_prompts(3, 5, 40, 400, seed=4)
+    rows = count_native_steps(monkeypatch)
+    monkeypatch.setattr(decode_native, "ENABLED", True)
+    native = _run(model, prompts)
+    assert rows
+    monkeypatch.setattr(decode_native, "ENABLED", False)
+    assert native == _run(model, prompts)

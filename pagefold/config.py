@@ -119,11 +119,19 @@ class EngineConfig:
     # max_model_len above the model's positions (rope scaling included) is refused unless
     # this is set (or PAGEFOLD_ALLOW_LONG_MAX_MODEL_LEN=1), see ``core.model_len``.
     allow_long_max_model_len: bool = False
+    # CPU bf16 linears' few-row GEMV for every weight: a kernel (amx, avx512bf16, fma, scalar),
+    # flags (the CPU flags' pick, no timing), torch (none), auto (measured per weight shape);
+    # none: PAGEFOLD_GEMV, else auto. Larger products keep their GEMM path either way.
+    cpu_gemv_kernel: str | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
+        if self.cpu_gemv_kernel is not None:
+            from pagefold.csrc.gemv_choice import check_option
+
+            self.cpu_gemv_kernel = check_option(self.cpu_gemv_kernel)
         if self.quantization is not None:
             from pagefold.quantization.config import check_option
 

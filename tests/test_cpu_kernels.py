@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.core.kv_cache_spec import StateComponent, StateSpec
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.executor.cache_tensors import StateView
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
@@ -432,7 +432,8 @@ def test_small_batch_linear_matches_torch(m, k, n, bias):
 
 def test_linear_leaves_other_inputs_to_torch():
     w = torch.randn(8, 16).bfloat16()
-    assert cpu_ops.linear(torch.randn(cpu_ops.GEMV_MAX_ROWS + 1, 16).bfloat16(), w, None) is None
+    assert cpu_ops.linear(torch.randn(cpu_ops.gemv_max_rows() + 1, 16).bfloat16(), w,
+                          None) is None
     assert cpu_ops.linear(torch.randn(2, 16), w.float(), None) is None
     lin = torch.nn.Linear(48, 40, dtype=torch.bfloat16)
     assert cpu_ops.use_fast_linears(torch.nn.Sequential(lin, torch.nn.ReLU())) == 1
@@ -440,7 +441,7 @@ def test_linear_leaves_other_inputs_to_torch():
         x = torch.randn(rows, 96).bfloat16()[:, :48]
         with torch.no_grad():
             _close_bits(lin(x), F.linear(x, lin.weight, lin.bias), max_frac=1e-2)
-            if rows > cpu_ops.GEMV_MAX_ROWS and lin.pf_packed_weight is not None:
+            if rows > lin.pf_gemv[2].max_rows and lin.pf_packed_weight is not None:
                 assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
     lin32 = torch.nn.Linear(16, 8)  # float32 layers keep F.linear
     cpu_ops.use_fast_linears(lin32)
@@ -498,45 +499,35 @@ def test_fma_kernel_bias_and_big_values():
     assert torch.equal(_fma_or_skip(x, w, None), x[:, 12:13].expand(3, 9))
 
 
-def test_gemv_row_limit_follows_native_bf16(monkeypatch):
-    """Where the CPU lacks native bf16 GEMM, up to FMA_MAX_ROWS rows take the AVX2 kernel (a
-    speculative verify step included); with it, only NATIVE_MAX_ROWS take the GEMV."""
+def test_flags_choice_follows_native_bf16(monkeypatch):
+    """``PAGEFOLD_GEMV=flags`` (no timing): where the CPU lacks native bf16 GEMM, the AVX2
+    kernel for up to 32 rows (a speculative verify step included) with its float32 twin;
+    with native bf16, the AMX tiles for 32 rows where they run, else the dot-product GEMV for
+    2 (oneDNN is as fast from 3 rows there)."""
     lib = cpu_ops.kernels()
     if lib is None or not lib.pf_gemv_kinds() & 2:
         pytest.skip("no AVX2 + FMA kernel on this CPU")
-    saved = (cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS)
+    monkeypatch.setenv("PAGEFOLD_GEMV", "flags")
+    monkeypatch.setattr(cpu_ops, "_defaults", {})
     w = (torch.randn(96, 40) * 0.2).bfloat16()
-    try:
-        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
-        cpu_ops._choose_gemv(lib)  # the float32-upcast GEMM on (default): from 33 rows
-        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.FMA_MAX_ROWS
-        assert cpu_ops._gemv_f32 is lib.pf_linear_bf16_fma_f32out
-        monkeypatch.setenv("PAGEFOLD_BF16_UPCAST", "0")
-        cpu_ops._choose_gemv(lib)
-        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.FMA_MAX_ROWS >= 8
-        x = torch.randn(cpu_ops.FMA_MAX_ROWS + 1, 40).bfloat16()
-        m = cpu_ops.FMA_MAX_ROWS
-        assert torch.equal(cpu_ops.linear(x[:m], w, None), cpu_ops.linear_fma(x[:m], w, None))
-        assert cpu_ops.linear(x, w, None) is None
-        lin = torch.nn.Linear(40, 96, dtype=torch.bfloat16)
-        cpu_ops.use_fast_linears(lin)
-        with torch.no_grad():
-            assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
-        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
-        monkeypatch.setenv("PAGEFOLD_AMX", "0")
-        cpu_ops._choose_gemv(lib)
-        assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
-        assert cpu_ops._gemv_f32 is None  # native bf16: logits as oneDNN / the GEMV round them
-        assert cpu_ops.linear(x[:3], w, None) is None
-        monkeypatch.setenv("PAGEFOLD_AMX", "1")  # with AMX, up to AMX_MAX_ROWS on the tiles
-        cpu_ops._choose_gemv(lib)
-        if lib.pf_amx_ready():
-            assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.AMX_MAX_ROWS
-            assert cpu_ops._gemv is lib.pf_linear_bf16_amx
-        else:
-            assert cpu_ops.GEMV_MAX_ROWS == cpu_ops.NATIVE_MAX_ROWS
-    finally:
-        cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS = saved
+    monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
+    c = gemv_choice.base_choice(lib)
+    assert (c.name, c.max_rows) == ("fma", 32) and c.f32 is lib.pf_linear_bf16_fma_f32out
+    x = torch.randn(33, 40).bfloat16()
+    assert torch.equal(cpu_ops.linear(x[:32], w, None, c), cpu_ops.linear_fma(x[:32], w, None))
+    assert cpu_ops.linear(x, w, None, c) is None
+    lin = torch.nn.Linear(40, 96, dtype=torch.bfloat16)
+    cpu_ops.use_fast_linears(lin)
+    with torch.no_grad():
+        assert torch.equal(lin(x[:5]), cpu_ops.linear_fma(x[:5], lin.weight, lin.bias))
+    monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
+    c = gemv_choice.base_choice(lib)
+    assert c.f32 is None  # native bf16: logits as oneDNN / the GEMV round them
+    if lib.pf_amx_ready():
+        assert (c.name, c.max_rows) == ("amx", 32) and c.fn is lib.pf_linear_bf16_amx
+    elif lib.pf_gemv_kinds() & 1:
+        assert (c.name, c.max_rows) == ("avx512bf16", 2)
+        assert cpu_ops.linear(x[:3], w, None, c) is None
 
 
 def test_float_logits_are_the_fma_sums_unrounded(monkeypatch):
@@ -547,45 +538,43 @@ def test_float_logits_are_the_fma_sums_unrounded(monkeypatch):
     lib = cpu_ops.kernels()
     if lib is None or not lib.pf_gemv_kinds() & 2:
         pytest.skip("no AVX2 + FMA kernel on this CPU")
-    saved = (cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS)
-    try:
-        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
-        cpu_ops._choose_gemv(lib)
-        g = torch.Generator().manual_seed(11)
-        k, n = 203, 1000
-        w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
-        x = torch.randn(40, k, generator=g).bfloat16()
-        few = cpu_ops.GEMV_MAX_ROWS
-        got = cpu_ops.float_logits(x[:few], w, None)
-        assert got.dtype == torch.float32
-        assert torch.equal(got.bfloat16(), cpu_ops.linear_fma(x[:few], w, None))
-        ref = x[:few].double() @ w.double().t()
-        assert (got.double() - ref).abs().max().item() < 1e-5
-        assert torch.equal(torch.cat([cpu_ops.float_logits(x[i:i + 1], w, None)
-                                      for i in range(few)]), got)
-        many = cpu_ops.float_logits(x, w, None)  # > GEMV_MAX_ROWS: the upcast GEMM
-        assert many.dtype == torch.float32
-        assert (many.double() - (x.double() @ w.double().t())).abs().max().item() < 1e-5
+    monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
+    fma = gemv_choice.make_choice(lib, "fma", 32)
+    g = torch.Generator().manual_seed(11)
+    k, n = 203, 1000
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    x = torch.randn(40, k, generator=g).bfloat16()
+    few = fma.max_rows
+    got = cpu_ops.float_logits(x[:few], w, None, fma)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.bfloat16(), cpu_ops.linear_fma(x[:few], w, None))
+    ref = x[:few].double() @ w.double().t()
+    assert (got.double() - ref).abs().max().item() < 1e-5
+    assert torch.equal(torch.cat([cpu_ops.float_logits(x[i:i + 1], w, None, fma)
+                                  for i in range(few)]), got)
+    many = cpu_ops.float_logits(x, w, None, fma)  # > the GEMV's rows: the upcast GEMM
+    assert many.dtype == torch.float32
+    assert (many.double() - (x.double() @ w.double().t())).abs().max().item() < 1e-5
 
-        class Top(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.proj = torch.nn.Linear(k, k, bias=False, dtype=torch.bfloat16)
-                self.lm_head = lm_head_linear(k, n).bfloat16()
+    class Top(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(k, k, bias=False, dtype=torch.bfloat16)
+            self.lm_head = lm_head_linear(k, n).bfloat16()
 
-        top = Top()
+    top = Top()
+    monkeypatch.setenv("PAGEFOLD_GEMV", "fma")
+    cpu_ops.use_fast_linears(top)
+    with torch.no_grad():
+        assert top.lm_head(x[:3]).dtype == torch.float32
+        assert top.proj(x[:3]).dtype == torch.bfloat16
+    native = [c.name for c in gemv_choice.available(lib) if c.name in ("amx", "avx512bf16")]
+    if native:  # a kernel without a float32 twin: bf16 logits
+        monkeypatch.setenv("PAGEFOLD_GEMV", native[0])
         cpu_ops.use_fast_linears(top)
-        with torch.no_grad():
-            assert top.lm_head(x[:3]).dtype == torch.float32
-            assert top.proj(x[:3]).dtype == torch.bfloat16
-        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
-        monkeypatch.setenv("PAGEFOLD_AMX", "0")
-        cpu_ops._choose_gemv(lib)
-        assert cpu_ops.float_logits(x[:3], w, None) is None
+        assert cpu_ops.float_logits(x[:3], w, None, top.lm_head.pf_gemv[2]) is None
         with torch.no_grad():
             assert top.lm_head(x[:3]).dtype == torch.bfloat16
-    finally:
-        cpu_ops._gemv, cpu_ops._gemv_f32, cpu_ops.GEMV_MAX_ROWS = saved
 
 
 def _amx(x, w, b):

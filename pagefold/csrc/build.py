@@ -25,21 +25,47 @@ _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocke
             _DIR / "moe.cpp", _DIR / "pages.cpp", _DIR / "quant.cpp"]
 _HEADERS = [_DIR / "common.h", _DIR / "kernels.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_loaded: list[str] = []  # the key of the library load() returned
+
+
+def cache_root() -> Path:
+    """pagefold's cache directory: ``$PAGEFOLD_CACHE``, default ``~/.cache/pagefold``."""
+    return Path(os.environ.get("PAGEFOLD_CACHE") or Path.home() / ".cache" / "pagefold")
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEFOLD_CACHE") or Path.home() / ".cache" / "pagefold"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(field: str) -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line
     except OSError:
         pass
+    return None
+
+
+def cpu_flags() -> str:
+    """This CPU's flags line (/proc/cpuinfo), else the platform's processor name."""
     import platform
 
-    return platform.processor() or platform.machine()
+    return _cpuinfo("flags") or platform.processor() or platform.machine()
+
+
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo), else the platform's processor name."""
+    import platform
+
+    line = _cpuinfo("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor() or "unknown"
+
+
+def build_id() -> str | None:
+    """The loaded library's build key (its sources, flags, compiler and CPU flags), None
+    before :func:`load` succeeded."""
+    return _loaded[-1] if _loaded else None
 
 
 def _compiler() -> str | None:
@@ -51,7 +77,7 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(s.encode() for s in (*(f.read_text() for f in _SOURCES + _HEADERS),
-                                         " ".join(_FLAGS), version, _cpu_flags()))
+                                         " ".join(_FLAGS), version, cpu_flags()))
     ).hexdigest()[:16]
     out = _cache_dir() / f"pf_cpu_ops-{key}.so"
     if out.exists():
@@ -149,7 +175,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_blocks_decode.argtypes = [p, p, i32, p, p, p, p, p, p, i64, i64, p, i32, p]
     lib.pf_blocks_decode.restype = i32
     lib.pf_blocks_decode_fields.restype = i32
-    lib.pf_moe_experts_few.argtypes = [p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p, i32]
+    lib.pf_moe_experts_few.argtypes = [p, p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p,
+                                        i32]
     lib.pf_moe_experts_few.restype = i32
     lib.pf_moe_route.argtypes = [p, i64, i32, i32, i32, i32, p, p, i32]
     lib.pf_moe_route.restype = i32
@@ -168,6 +195,8 @@ def load() -> ctypes.CDLL:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-    lib = ctypes.CDLL(str(_build(cxx)))
+    path = _build(cxx)
+    lib = ctypes.CDLL(str(path))
     _declare(lib)
+    _loaded.append(path.stem.rsplit("-", 1)[-1])
     return lib

@@ -1,6 +1,7 @@
 """The compiled CPU kernels' library (built on first use by :mod:`pagefold.csrc.build`, called
-through ctypes), the helpers every ctypes wrapper shares, and the generic bf16 GEMV / linear
-routing. The wrappers of each op live with the op (``pagefold/ops/<op>/cpu.py``).
+through ctypes), the helpers every ctypes wrapper shares, and the bf16 linear routing (each
+weight's GEMV from :mod:`pagefold.csrc.gemv_choice`, oneDNN or the upcast GEMM above). The
+wrappers of each op live with the op (``pagefold/ops/<op>/cpu.py``).
 
 ``attention.cpp`` (paged decode attention, the K/V write), ``prefill.cpp`` (prefill
 attention over the paged cache, one query row at a time, AVX512-BF16), ``prefill_blocked.cpp``
@@ -31,7 +32,8 @@ import threading
 
 import torch
 
-from pagefold.csrc import build, gemm
+from pagefold.csrc import build, gemm, gemv_choice, gemv_registry, gemv_timing
+from pagefold.csrc.gemv_choice import NO_GEMV, Choice
 
 logger = logging.getLogger("pagefold")
 
@@ -66,9 +68,7 @@ def kernels() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                lib = build.load()
-                _choose_gemv(lib)
-                _lib = lib
+                _lib = build.load()
             except Exception as e:  # noqa: BLE001 - any failure means the torch fallback
                 logger.warning("pagefold CPU kernels unavailable, using the torch path: %s", e)
             _tried = True
@@ -158,92 +158,59 @@ def neg_exp(a_log: torch.Tensor) -> torch.Tensor:
     a_log._pf_neg_exp = (version, val)
     return val
 
-# Rows up to which bf16 linears take the compiled GEMV, not the GEMM library. With native bf16
-# (AVX512-BF16 / AMX) oneDNN is as fast from 3 rows on. Elsewhere its bf16 GEMM costs about a
-# weight pass per row, and the AVX2 kernel (weights read once per call) stays 3-4x ahead up to
-# FMA_MAX_ROWS (benchmarks/bf16_gemv.py: decode batches, verify steps, short prefill chunks);
-# the float32-upcast GEMM (gemm.py, on by default there) takes more rows. In isolation it
-# caught up at ~20-24 rows, but in a model, whose weights stream from memory, a batch-32
-# SmolLM2 decode step took 140-183 ms with the kernel against 193-200 ms with the upcast from
-# 21 rows (Zen 3, interleaved): the kernel keeps its 32 either way. With AMX the tile kernel
-# (gemv_amx.cpp) costs about one weight pass for 1 to 16 rows (~1.2 for 17 to 32: each
-# weight tile times two x tiles), below both the AVX512-BF16 GEMV (compute bound from ~2
-# rows) and oneDNN (a fixed per-call cost):
-# AMX_MAX_ROWS (``PAGEFOLD_AMX=0`` keeps the AVX512-BF16 GEMV, for comparisons).
-FMA_MAX_ROWS = 32
-AMX_MAX_ROWS = 32
-NATIVE_MAX_ROWS = 2
-GEMV_MAX_ROWS = NATIVE_MAX_ROWS if gemm.cpu_has_fast_bf16() else FMA_MAX_ROWS
+# The GEMV of each routed weight is gemv_choice's (measured per shape); products no model
+# routed (``linear``, experts of a module never routed) take the process default: the forced
+# kernel, else the flags' choice. Either keeps a row's bits independent of how many rows share
+# a call, so verify steps compute what decode steps would.
 PREPACK_LIMIT_BYTES = 2 << 30
-_gemv = None  # the C function linear() and the native decode step call (set with the library)
-_gemv_f32 = None  # its float32-output twin where there is one (the AVX2 + FMA kernel)
+_defaults: dict[str, Choice] = {}
 
 
-def _choose_gemv(lib: ctypes.CDLL) -> None:
-    """Pick the GEMV and its row limit for this CPU: the AVX2 + FMA kernel where the CPU has
-    no native bf16 GEMM and the build has the kernel; the AMX tile kernel where the build has
-    it and the OS grants the tile state; else ``pf_linear_bf16`` (AVX512-BF16, or a scalar
-    loop: then only for ``NATIVE_MAX_ROWS`` rows). Each keeps a row's bits independent of how
-    many rows share a call, so verify steps compute what decode steps would."""
-    global _gemv, _gemv_f32, GEMV_MAX_ROWS
-    _gemv_f32 = None
-    if not gemm.cpu_has_fast_bf16() and lib.pf_gemv_kinds() & 2:
-        _gemv, _gemv_f32 = lib.pf_linear_bf16_fma, lib.pf_linear_bf16_fma_f32out
-        GEMV_MAX_ROWS = FMA_MAX_ROWS
-    elif (gemm.cpu_has_fast_bf16() and os.environ.get("PAGEFOLD_AMX", "1") != "0"
-          and lib.pf_amx_ready()):
-        _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16_amx, AMX_MAX_ROWS
-    else:
-        _gemv, GEMV_MAX_ROWS = lib.pf_linear_bf16, NATIVE_MAX_ROWS
+def default_choice() -> Choice:
+    """The GEMV (kernel, row limit) of unrouted products: ``PAGEFOLD_GEMV`` / the engine
+    option's kernel, else the one CPU flags pick; ``NO_GEMV`` when the kernels are off."""
+    lib = kernels()
+    if lib is None:
+        return NO_GEMV
+    mode = gemv_choice.requested()
+    got = _defaults.get(mode)
+    if got is None:
+        got = _defaults[mode] = gemv_choice.base_choice(lib)
+    return got
+
+
+def gemv_max_rows() -> int:
+    """:func:`default_choice`'s row limit (0 without a GEMV)."""
+    return default_choice().max_rows
 
 
 def gemv_function():
-    """The ctypes function behind :func:`linear` (``pf_linear_bf16``'s arguments), or None
-    when the kernels are off."""
-    return _gemv if kernels() is not None else None
+    """:func:`default_choice`'s ctypes function (``pf_linear_bf16``'s arguments), or None
+    when the kernels are off or there is no GEMV."""
+    return default_choice().fn
 
 
-_gemv_addr: tuple = (None, None)
-
-
-def gemv_address() -> ctypes.c_void_p | None:
+def gemv_address() -> int | None:
     """:func:`gemv_function`'s address, for the C drivers that call it themselves
-    (``pf_dense_decode``, ``pf_moe_experts_few``); None when the kernels are off."""
-    global _gemv_addr
-    fn = gemv_function()
-    if fn is None:
+    (``pf_moe_experts_few``); None without one."""
+    return default_choice().address or None
+
+
+linear_call = gemv_registry.call
+prepack = gemv_timing.prepack
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           choice: Choice | None = None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for bf16 inputs of at most ``choice.max_rows`` rows (default
+    :func:`default_choice`; decode steps of small batches, speculative verify steps), float32
+    sums and one rounding, as oneDNN's bf16 matmul; None otherwise (more rows: the GEMM
+    library is the faster one)."""
+    c = choice or default_choice()
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or c.fn is None \
+            or not 1 <= x.shape[0] <= c.max_rows:
         return None
-    if _gemv_addr[0] is not fn:
-        _gemv_addr = (fn, ctypes.cast(fn, ctypes.c_void_p))
-    return _gemv_addr[1]
-
-
-def linear_call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
-    if (weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 2
-            or x.shape[0] < 1 or x.device.type != "cpu" or weight.device.type != "cpu"
-            or weight.dim() != 2 or not weight.is_contiguous() or x.stride(1) != 1
-            or x.shape[1] != weight.shape[1]
-            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
-                                      or bias.numel() != weight.shape[0]))):
-        return None
-    n, k = weight.shape
-    m = x.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype)
-    rc = fn(ptr(x), x.stride(0), ptr(weight), ptr(bias) if bias is not None else None,
-            ptr(y), n, m, n, k, torch.get_num_threads())
-    return y if rc == 0 else None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-           ) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` for bf16 inputs of at most ``GEMV_MAX_ROWS`` rows (decode steps
-    of small batches, speculative verify steps), float32 sums and one rounding, as oneDNN's
-    bf16 matmul; None otherwise (more rows: the GEMM library is the faster one)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or kernels() is None \
-            or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
-        return None
-    return linear_call(_gemv, x, weight, bias)
+    return linear_call(c.fn, x, weight, bias)
 
 
 def linear_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -256,53 +223,52 @@ def linear_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return linear_call(lib.pf_linear_bf16_fma, x, weight, bias)
 
 
-def float_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                 ) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` as float32 (the sums unrounded) for bf16 inputs, on CPUs whose
-    bf16 products are pagefold's own float32 ones (no native bf16: the AVX2 + FMA kernel for
-    up to ``GEMV_MAX_ROWS`` rows, the float32-upcast GEMM above); None elsewhere. For lm_heads:
-    bf16-rounded logits tie (SmolLM2's "The" and "L" at -1.876 on the demo question), and a
-    tie is broken by token id, not by the model."""
-    if (_gemv_f32 is None or x.dtype != torch.bfloat16 or x.dim() != 2 or kernels() is None
-            or x.shape[0] < 1):
+def float_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 choice: Choice | None = None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` as float32 (the sums unrounded) for bf16 inputs where the
+    weight's GEMV (``choice``, default :func:`default_choice`) has a float32 twin (the AVX2
+    + FMA kernel): the twin for up to its rows, and above them too unless the float32-upcast
+    GEMM is on (then that, unrounded); None elsewhere. For lm_heads: bf16-rounded logits tie
+    (SmolLM2's "The" and "L" at -1.876 on the demo question), and a tie is broken by token
+    id, not by the model."""
+    c = choice or default_choice()
+    if c.f32 is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < 1:
         return None
-    if x.shape[0] <= GEMV_MAX_ROWS or not gemm.upcast_enabled():
-        return linear_call(_gemv_f32, x, weight, bias, torch.float32)
+    if x.shape[0] <= c.max_rows or not gemm.upcast_enabled():
+        return linear_call(c.f32, x, weight, bias, torch.float32)
     return gemm.linear(x, weight, bias, out_float=True)
 
 
-def _gemv_ready(mod: torch.nn.Linear) -> tuple | None:
-    """``(weight, bias)`` of ``mod`` when the GEMV takes them as they are (checked once per
-    weight object: the per-call checks of :func:`linear` cost more than a small GEMV)."""
+def _gemv_ready(mod: torch.nn.Linear, choice: Choice) -> tuple | None:
+    """``(weight, bias, choice)`` of ``mod`` when its GEMV takes them as they are (checked
+    once per weight object: the per-call checks of :func:`linear` cost more than a small
+    GEMV)."""
     w, b = mod.weight, mod.bias
-    if (_lib is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+    if (choice.fn is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
             or not w.is_contiguous() or w.dim() != 2
             or (b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()))):
         return None
-    return (w, b)
+    return (w, b, choice)
 
 
 def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.dtype == torch.bfloat16:
+        ready = self.pf_gemv
         if self.pf_float_out:
-            y = float_logits(x, self.weight, self.bias)
+            y = float_logits(x, self.weight, self.bias, ready[2] if ready else NO_GEMV)
             if y is not None:
                 return y
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            ready = self.pf_gemv
-            w, b = self.weight, self.bias
-            if ready is not None and ready[0] is w and ready[1] is b and x.is_cpu \
-                    and x.stride(1) == 1 and x.shape[0] >= 1 and x.shape[1] == w.shape[1]:
-                # The checks of linear() done once (same weight objects): straight to the GEMV.
-                n, k = w.shape
-                m = x.shape[0]
-                y = torch.empty((m, n), dtype=torch.bfloat16)
-                if _gemv(x.data_ptr(), x.stride(0), w.data_ptr(),
-                                       b.data_ptr() if b is not None else None, y.data_ptr(),
-                                       n, m, n, k, torch.get_num_threads()) == 0:
-                    return y
-            y = linear(x, self.weight, self.bias)
-            if y is not None:
+        w, b = self.weight, self.bias
+        if ready is not None and x.shape[0] <= ready[2].max_rows and ready[0] is w \
+                and ready[1] is b and x.is_cpu and x.stride(1) == 1 and x.shape[0] >= 1 \
+                and x.shape[1] == w.shape[1]:
+            # The checks of linear() done once (same weight objects): straight to the GEMV.
+            n, k = w.shape
+            m = x.shape[0]
+            y = torch.empty((m, n), dtype=torch.bfloat16)
+            if ready[2].fn(x.data_ptr(), x.stride(0), w.data_ptr(),
+                           b.data_ptr() if b is not None else None, y.data_ptr(), n, m, n, k,
+                           torch.get_num_threads()) == 0:
                 return y
         y = gemm.linear(x, self.weight, self.bias)  # no native bf16 GEMM on this CPU
         if y is not None:
@@ -313,30 +279,36 @@ def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    except (AttributeError, RuntimeError):
-        return None
+def _bf16_cpu_matrix(w: torch.Tensor) -> bool:
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
 
 
 def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_BYTES) -> int:
     """Route this model's ``nn.Linear`` layers (the instances, not the class) through the
-    fastest CPU path for bf16 inputs: :func:`linear` for up to ``GEMV_MAX_ROWS`` rows, else
-    oneDNN with the weight reordered once into its blocked layout (``F.linear`` reorders it
-    on every call, which for decode-sized batches costs more than the product); on CPUs with
-    no native bf16 GEMM, :func:`pagefold.csrc.gemm.linear` above ``GEMV_MAX_ROWS`` rows
-    (float32 sums and one rounding, as oneDNN; the packed copies are then not made). The
-    oneDNN results are the same bits as ``F.linear``. The reordered copies double the linear
-    weights' memory, so they are made only when those weights total at most
-    ``prepack_limit`` bytes. lm_heads (``pf_logits``, set by ``layers.vocab.lm_head_linear``)
-    return float32 logits where :func:`float_logits` applies. Call again after changing
-    weights. Returns how many layers were routed."""
+    fastest CPU path for bf16 inputs: each weight's own GEMV up to its rows (chosen per
+    weight shape by :func:`pagefold.csrc.gemv_choice.choose`: measured, cached), else oneDNN
+    with the weight reordered once into its blocked layout (``F.linear`` reorders it on every
+    call, which for decode-sized batches costs more than the product); on CPUs with no native
+    bf16 GEMM, :func:`pagefold.csrc.gemm.linear` above the GEMV's rows (float32 sums and one
+    rounding, as oneDNN; the packed copies are then not made). The oneDNN results are the
+    same bits as ``F.linear``. The reordered copies double the linear weights' memory, so
+    they are made only when those weights total at most ``prepack_limit`` bytes. lm_heads
+    (``pf_logits``, set by ``layers.vocab.lm_head_linear``) return float32 logits where
+    :func:`float_logits` applies. Modules with stacked matrices of their own (MoE experts)
+    take part through two methods: ``gemv_shapes() -> [(N, K), ...]`` and
+    ``set_gemv_choices([Choice, ...])`` (same order). Call again after changing weights.
+    Returns how many linears were routed."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    stacked = [m for m in model.modules() if hasattr(m, "gemv_shapes")]
     total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     # Where bf16 products go through float32 (gemm.py), a packed bf16 copy would only cost
     # memory.
     pack = total <= prepack_limit and not gemm.upcast_enabled()
+    lib = kernels()
+    shapes = [tuple(m.weight.shape) for m in linears if _bf16_cpu_matrix(m.weight)]
+    shapes += [s for m in stacked for s in m.gemv_shapes()]
+    choices = (gemv_choice.choose(lib, shapes, sources=list(model.parameters()))
+               if lib is not None and shapes else {})
     for mod in linears:
         w = mod.weight
         # lm_heads (a target's, a draft's): float32 logits where the products are pagefold's
@@ -344,6 +316,9 @@ def use_fast_linears(model: torch.nn.Module, prepack_limit: int = PREPACK_LIMIT_
         mod.pf_float_out = getattr(mod, "pf_logits", False)
         mod.pf_packed_weight = (prepack(w.detach()) if pack and w.dtype == torch.bfloat16
                                 and w.device.type == "cpu" else None)
-        mod.pf_gemv = _gemv_ready(mod) if kernels() is not None else None
+        choice = choices.get(tuple(w.shape), NO_GEMV) if _bf16_cpu_matrix(w) else NO_GEMV
+        mod.pf_gemv = _gemv_ready(mod, choice)
         mod.forward = _fast_linear_forward.__get__(mod)
+    for mod in stacked:
+        mod.set_gemv_choices([choices.get(s, NO_GEMV) for s in mod.gemv_shapes()])
     return len(linears)

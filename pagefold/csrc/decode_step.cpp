@@ -16,8 +16,9 @@
 // The block records (int64, kFields per block, see enum Field) and their floats (kFloats per
 // block) are built once per model; the per-step inputs are the rows, the positions, each
 // attention group's decode metadata and each block's per-step values (a cache, a state pool's
-// pages). The GEMV is a function pointer: cpu_ops' choice for this CPU
-// (pf_linear_bf16 / _fma / _amx).
+// pages). Each matrix's GEMV is a function pointer in its record (gemv_choice's kernel for
+// its shape: pf_linear_bf16 / _fma / _amx), or one pointer for all (larger steps: the
+// linears' own forwards, called back).
 
 #include "common.h"
 #include "kernels.h"
@@ -52,6 +53,8 @@ enum Field : int {
   // expert (gate_up, down, its width) and its optional gate (one output)
   kTopK, kNormTopK, kExpertsGu, kExpertsDown, kMoeInter, kSharedGu, kSharedDown, kSharedInter,
   kSharedGate,
+  // each matrix's GEMV (a GemvFn's address: the kernel chosen for its shape; 0 = none)
+  kG0, kG1, kGExpertsGu, kGExpertsDown, kGSharedGu, kGSharedDown, kGSharedGate,
   kFields
 };
 // eps2: the q/k norm's or the gated norm's; scale: attention's or GDN's query scale.
@@ -106,17 +109,29 @@ struct Scratch {
   }
 };
 
+int no_gemv(const void*, int64_t, const void*, const void*, void*, int64_t, int, int64_t,
+            int64_t, int) {
+  return -1;  // a matrix without a GEMV: the step is refused (decode_native never packs one)
+}
+
 struct StepArgs {
-  GemvFn gemv;
+  GemvFn all;  // every matrix's product when set (the callbacks), else each record's own
   int64_t t, d;
   const int64_t* pos;
   const int64_t* groups;
   int nt;
 };
 
+// The product of the matrix whose GEMV is field f of block B.
+GemvFn gemv(const StepArgs& s, const int64_t* B, int f) {
+  if (s.all) return s.all;
+  return B[f] ? reinterpret_cast<GemvFn>(static_cast<intptr_t>(B[f])) : no_gemv;
+}
+
 // qkv -> (q/k norm + RoPE) -> K/V write -> decode attention -> o (into dst).
 int attention(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s,
               Scratch& m, uint16_t* dst) {
+  const GemvFn g0 = gemv(s, B, kG0), g1 = gemv(s, B, kG1);
   const int64_t t = s.t, d = s.d, n0 = B[kN0];
   const int64_t* g = s.groups + dy[kAttnGroup] * kGroupFields;
   const int H = static_cast<int>(B[kHeads]), KVH = static_cast<int>(B[kKvHeads]);
@@ -124,7 +139,7 @@ int attention(const int64_t* B, const float* F, const int64_t* dy, const StepArg
   const int64_t qo = static_cast<int64_t>(H) * D, kv = static_cast<int64_t>(KVH) * D;
   void* cache = ptr<void>(dy[kRaw]);
   const int bs = static_cast<int>(dy[kPageBytes]);
-  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+  int rc = g0(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
                   n0, d, s.nt);
   const uint16_t* v = m.p0 + B[kQSize] + B[kKvSize];
   const uint16_t* q = m.p0;  // no RoPE: q and k where they lie in the qkv rows
@@ -145,21 +160,22 @@ int attention(const int64_t* B, const float* F, const int64_t* dy, const StepArg
                             static_cast<int>(g[5]), H, KVH, D, bs, F[kScale], s.nt);
   if (B[kGated])  // the gate: the second half of each head's q rows
     rc |= pf_sigmoid_gate(kBf16, m.a1, qo, m.p0 + D, n0, 2 * D, m.a1, qo, t, H, D, s.nt);
-  rc |= s.gemv(m.a1, qo, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t), d,
+  rc |= g1(m.a1, qo, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t), d,
                qo, s.nt);
   return rc;
 }
 
 // up (or gate_up) -> activation -> down (into dst).
 int mlp(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
+  const GemvFn g0 = gemv(s, B, kG0), g1 = gemv(s, B, kG1);
   const int64_t t = s.t, d = s.d, n0 = B[kN0], inter = B[kK1];
-  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+  int rc = g0(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
                   n0, d, s.nt);
   if (B[kKind] == kMlpSilu)
     rc |= pf_silu_mul(kBf16, m.p0, n0, m.a1, t, static_cast<int>(inter), s.nt);
   else
     rc |= pf_relu2(kBf16, m.p0, n0, m.a1, t, static_cast<int>(inter), s.nt);
-  rc |= s.gemv(m.a1, inter, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t),
+  rc |= g1(m.a1, inter, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t),
                d, inter, s.nt);
   return rc;
 }
@@ -168,8 +184,9 @@ int mlp(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
 // out_proj (into dst).
 int mamba2(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, Scratch& m,
            uint16_t* dst) {
+  const GemvFn g0 = gemv(s, B, kG0), g1 = gemv(s, B, kG1);
   const int64_t t = s.t, d = s.d, n0 = B[kN0], inter = B[kK1], C = B[kConvDim];
-  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+  int rc = g0(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
                   n0, d, s.nt);
   const uint16_t* xbc = m.p0 + inter;
   rc |= pf_mamba2_decode(kBf16, ptr<void>(dy[kRaw]), dy[kPageBytes], ptr<int64_t>(dy[kPages]),
@@ -183,7 +200,7 @@ int mamba2(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& 
   rc |= pf_gated_norm_gate_first(kBf16, kBf16, kBf16, m.a1, inter, m.p0, n0, ptr<void>(B[kGnormW]),
                                  m.a2, t, static_cast<int>(inter),
                                  static_cast<int>(B[kGnormGroup]), F[kEps2], s.nt);
-  rc |= s.gemv(m.a2, inter, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t),
+  rc |= g1(m.a2, inter, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t),
                d, inter, s.nt);
   return rc;
 }
@@ -192,9 +209,10 @@ int mamba2(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& 
 // z -> out_proj (into dst).
 int gdn(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, Scratch& m,
         uint16_t* dst) {
+  const GemvFn g0 = gemv(s, B, kG0), g1 = gemv(s, B, kG1);
   const int64_t t = s.t, d = s.d, n0 = B[kN0], V = B[kK1], C = B[kConvDim];
   const int Hv = static_cast<int>(B[kSsmHeads]), Dv = static_cast<int>(B[kSsmHeadDim]);
-  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
+  int rc = g0(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, n0, static_cast<int>(t),
                   n0, d, s.nt);
   const uint16_t* b = m.p0 + C + V;
   rc |= pf_gdn(kBf16, static_cast<int>(dy[kSsmDtype]), ptr<void>(dy[kRaw]), dy[kPageBytes],
@@ -206,7 +224,7 @@ int gdn(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, 
                nullptr, nullptr, nullptr, s.nt);
   rc |= pf_rms_norm_gated(kBf16, m.a1, V, Dv, m.p0 + C, n0, Dv, ptr<void>(B[kGnormW]), m.a2, t,
                           Hv, Dv, F[kEps2], s.nt);
-  rc |= s.gemv(m.a2, V, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t), d, V,
+  rc |= g1(m.a2, V, ptr<void>(B[kW1]), ptr<void>(B[kB1]), dst, d, static_cast<int>(t), d, V,
                s.nt);
   return rc;
 }
@@ -214,29 +232,32 @@ int gdn(const int64_t* B, const float* F, const int64_t* dy, const StepArgs& s, 
 // router (logits -> softmax top-k) -> the routed experts (into dst) -> the shared expert and
 // its gate, added into dst. The kernels SparseMoeBlock's forward calls on such rows.
 int moe(const int64_t* B, const StepArgs& s, Scratch& m, uint16_t* dst) {
+  const GemvFn g0 = gemv(s, B, kG0);
   const int64_t t = s.t, d = s.d, E = B[kN0];
   const int k = static_cast<int>(B[kTopK]);
   std::vector<int64_t> idx(static_cast<size_t>(t) * k);
   std::vector<uint16_t> w(static_cast<size_t>(t) * k), gate(static_cast<size_t>(t));
-  int rc = s.gemv(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, E, static_cast<int>(t),
+  int rc = g0(m.h, d, ptr<void>(B[kW0]), ptr<void>(B[kB0]), m.p0, E, static_cast<int>(t),
                   E, d, s.nt);
   rc |= pf_moe_route(m.p0, E, static_cast<int>(t), static_cast<int>(E), k,
                      static_cast<int>(B[kNormTopK]), idx.data(), w.data(), s.nt);
   if (rc) return rc;
-  rc |= pf_moe_experts_few(reinterpret_cast<void*>(s.gemv), m.h, d, static_cast<int>(t), k,
+  const int ti = static_cast<int>(t);
+  rc |= pf_moe_experts_few(reinterpret_cast<void*>(gemv(s, B, kGExpertsGu)),
+                           reinterpret_cast<void*>(gemv(s, B, kGExpertsDown)), m.h, d, ti, k,
                            idx.data(), w.data(), ptr<uint16_t>(B[kExpertsGu]),
                            ptr<uint16_t>(B[kExpertsDown]), static_cast<int>(E), d, B[kMoeInter],
                            dst, s.nt);
   const int64_t si = B[kSharedInter];
   if (rc || si == 0) return rc;
-  rc |= s.gemv(m.h, d, ptr<void>(B[kSharedGu]), nullptr, m.p0, 2 * si, static_cast<int>(t),
-               2 * si, d, s.nt);
+  rc |= gemv(s, B, kGSharedGu)(m.h, d, ptr<void>(B[kSharedGu]), nullptr, m.p0, 2 * si, ti,
+                               2 * si, d, s.nt);
   rc |= pf_silu_mul(kBf16, m.p0, 2 * si, m.a1, t, static_cast<int>(si), s.nt);
-  rc |= s.gemv(m.a1, si, ptr<void>(B[kSharedDown]), nullptr, m.a2, d, static_cast<int>(t), d,
-               si, s.nt);
+  rc |= gemv(s, B, kGSharedDown)(m.a1, si, ptr<void>(B[kSharedDown]), nullptr, m.a2, d, ti, d,
+                                 si, s.nt);
   if (B[kSharedGate])
-    rc |= s.gemv(m.h, d, ptr<void>(B[kSharedGate]), nullptr, gate.data(), 1,
-                 static_cast<int>(t), 1, d, s.nt);
+    rc |= gemv(s, B, kGSharedGate)(m.h, d, ptr<void>(B[kSharedGate]), nullptr, gate.data(), 1,
+                                   ti, 1, d, s.nt);
   rc |= pf_moe_shared_add(dst, m.a2, B[kSharedGate] ? gate.data() : nullptr, 1, dst, t, d,
                            s.nt);
   return rc;
@@ -254,7 +275,8 @@ int pf_blocks_decode_fields() { return (kFields * 100 + kFloats) * 100 + kDyn; }
 
 // Every block on x (t rows of d, contiguous bf16). res: the residual stream (t x d, updated in
 // place), or null: the first block's input is the residual (x is then updated in place, as the
-// module path's first add writes into it). out (t x d): the last block's part output. moe_fn:
+// module path's first add writes into it). out (t x d): the last block's part output. gemv_fn:
+// null (each matrix's own GEMV, from its record) or the product of every matrix. moe_fn:
 // null, or what runs the sparse MoE blocks instead of moe() (steps above the few-row experts'
 // kernel: the Python block's own forward), called with (block index, normed rows, t, d, dst). dyn:
 // kDyn per block. groups: kGroupFields per attention group. Returns 0, -1 for a bad block, or
@@ -263,7 +285,7 @@ int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
                      const int64_t* dyn, const int64_t* groups, void* gemv_fn, void* x, void* res,
                      void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads,
                      void* moe_fn) {
-  if (n_blocks < 1 || t < 1 || gemv_fn == nullptr) return -1;
+  if (n_blocks < 1 || t < 1) return -1;
   const StepArgs s{reinterpret_cast<GemvFn>(gemv_fn), t, d, pos, groups, nthreads};
   Scratch m(blocks, n_blocks, t, d);
   uint16_t* resid = static_cast<uint16_t*>(res ? res : x);

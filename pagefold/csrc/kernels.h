@@ -51,10 +51,10 @@ int pf_rms_norm_gated(int dtype, const void* x, int64_t xs0, int64_t xs1, const 
 int pf_gated_norm_gate_first(int x_dtype, int g_dtype, int w_dtype, const void* x, int64_t xs,
                              const void* gate, int64_t gs, const void* w, void* out, int64_t N,
                              int D, int group, float eps, int nthreads);
-int pf_moe_experts_few(void* gemv_fn, const uint16_t* x, int64_t x_stride, int t, int k,
-                       const int64_t* top_idx, const uint16_t* top_w, const uint16_t* gate_up,
-                       const uint16_t* down, int E, int64_t hidden, int64_t inter,
-                       uint16_t* out, int nthreads);
+int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
+                       int t, int k, const int64_t* top_idx, const uint16_t* top_w,
+                       const uint16_t* gate_up, const uint16_t* down, int E, int64_t hidden,
+                       int64_t inter, uint16_t* out, int nthreads);
 int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, int norm,
                  int64_t* idx, uint16_t* w, int nthreads);
 int pf_moe_shared_add(const uint16_t* routed, const uint16_t* shared, const uint16_t* gate,

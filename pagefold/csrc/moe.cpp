@@ -5,7 +5,8 @@
 // kernel, the GEMV for down, and adds the weighted rows into the output: a dozen Python and
 // torch operations per expert, far more time than the products of small experts. This does the
 // same in C: the same grouping (experts ascending, tokens ascending within one), the same
-// GEMV (a function pointer: cpu_ops' choice for this CPU) and SiLU kernel, and the same
+// GEMVs (function pointers: the kernels chosen for the gate_up and the down shapes) and SiLU
+// kernel, and the same
 // roundings as the torch ops it replaces (y * w rounded to bf16, then added to the output row
 // and rounded again, experts in ascending order into zeros): the Python path's bits.
 //
@@ -25,17 +26,19 @@ using namespace pf;
 
 extern "C" {
 
-// x (t, hidden) bf16 rows x_stride apart; top_idx (t, k) int64 expert ids (distinct within a
+// gemv_gu / gemv_down: the GEMVs (GemvFn) of the gate_up and the down products. x (t, hidden)
+// bf16 rows x_stride apart; top_idx (t, k) int64 expert ids (distinct within a
 // token) and top_w (t, k) bf16 weights, both contiguous; gate_up (E, 2 * inter, hidden) and
 // down (E, hidden, inter) bf16 contiguous; out (t, hidden) contiguous, overwritten. Returns 0,
 // -1 for an expert id out of range, or the kernels' nonzero code (nothing is then promised
 // about out).
-int pf_moe_experts_few(void* gemv_fn, const uint16_t* x, int64_t x_stride, int t, int k,
-                       const int64_t* top_idx, const uint16_t* top_w, const uint16_t* gate_up,
-                       const uint16_t* down, int E, int64_t hidden, int64_t inter,
-                       uint16_t* out, int nthreads) {
-  if (gemv_fn == nullptr || t < 1 || k < 1) return -1;
-  const GemvFn gemv = reinterpret_cast<GemvFn>(gemv_fn);
+int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
+                       int t, int k, const int64_t* top_idx, const uint16_t* top_w,
+                       const uint16_t* gate_up, const uint16_t* down, int E, int64_t hidden,
+                       int64_t inter, uint16_t* out, int nthreads) {
+  if (gemv_gu == nullptr || gemv_down == nullptr || t < 1 || k < 1) return -1;
+  const GemvFn gemv_g = reinterpret_cast<GemvFn>(gemv_gu);
+  const GemvFn gemv_dn = reinterpret_cast<GemvFn>(gemv_down);
   const int np = t * k;
   for (int p = 0; p < np; ++p)
     if (top_idx[p] < 0 || top_idx[p] >= E) return -1;
@@ -62,11 +65,11 @@ int pf_moe_experts_few(void* gemv_fn, const uint16_t* x, int64_t x_stride, int t
       hx = h.data();
       hs = hidden;
     }
-    rc |= gemv(hx, hs, gate_up + e * 2 * inter * hidden, nullptr, gu.data(), 2 * inter, n,
-               2 * inter, hidden, nthreads);
+    rc |= gemv_g(hx, hs, gate_up + e * 2 * inter * hidden, nullptr, gu.data(), 2 * inter, n,
+                 2 * inter, hidden, nthreads);
     rc |= pf_silu_mul(1, gu.data(), 2 * inter, act.data(), n, static_cast<int>(inter), nthreads);
-    rc |= gemv(act.data(), inter, down + e * hidden * inter, nullptr, y.data(), hidden, n, hidden,
-               inter, nthreads);
+    rc |= gemv_dn(act.data(), inter, down + e * hidden * inter, nullptr, y.data(), hidden, n,
+                  hidden, inter, nthreads);
     if (rc) return rc;
     for (int r = 0; r < n; ++r) {
       const int p = order[i + r];

@@ -19,6 +19,7 @@ import torch
 
 from pagefold.checkpoint import load_hf_config
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.csrc import gemv_choice
 from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
@@ -41,13 +42,18 @@ class WorkerInit:
     threads: int
     warm_up_tokens: int
     warm_up_seq_len: int
+<<<<<<< HEAD
     quantization: str | None = None  # the quantization option (see ``load_model``)
+=======
+    cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
+>>>>>>> wk/chooser
 
 
 def build_rank_runner(init: WorkerInit) -> ModelRunner:
     """This rank's runner (``executor/runner_builder``, as the engine builds it at TP 1),
     warmed up when ``init`` asks."""
     _, hf_config = load_hf_config(init.model)
+    gemv_choice.set_forced(init.cpu_gemv_kernel)  # before the linears are routed
     runner = build_runner(init.model, hf_config, init.arch, init.dtype, init.max_positions,
                           torch.device(init.device), init.kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,

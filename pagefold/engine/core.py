@@ -26,7 +26,7 @@ from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.distributed.executor import TPExecutor
 from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
 from pagefold.distributed.worker import WorkerInit
@@ -88,7 +88,8 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
-                      cache_fill, host_blocks, threads, warm, warm_len, config.quantization)
+                      cache_fill, host_blocks, threads, warm, warm_len, config.quantization,
+                      cpu_gemv_kernel=config.cpu_gemv_kernel)
     return TPExecutor(init, config.tensor_parallel_size)
 
 
@@ -155,6 +156,7 @@ class EngineCore:
         max_positions = max(self.max_model_len, max_pos)
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
+        gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
         if self.tp == 1:
             self.runner = build_runner(config.model, hf_config, arch, self.dtype,
                                        max_positions, self.device, self.kv_config,

@@ -66,7 +66,7 @@ class ModelRunner:
                  cache_fill: float | None = None, num_host_blocks: int = 0) -> None:
         self.model = model
         self.num_params = sum(p.numel() for p in model.parameters())
-        if device.type == "cpu":  # bf16 linears: few-row GEMV (cpu_ops.GEMV_MAX_ROWS), else oneDNN
+        if device.type == "cpu":  # bf16 linears: a GEMV per weight shape, else oneDNN
             weights_on_huge_pages(model)  # before any weight pointer is cached
             cpu_ops.use_fast_linears(model)
             keep_freed_memory()  # activations reuse faulted-in pages from step to step

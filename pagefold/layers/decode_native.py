@@ -19,7 +19,8 @@ The protocol (see :mod:`pagefold.layers.native_record`):
 A model whose every block answers runs its decode steps of up to :data:`MAX_ROWS` rows here
 (:func:`run`); any other model, or a step that does not qualify (prefill rows, a float32 or
 FP8 cache, Triton, a verify step through a state layer, ...), takes the module path. The
-driver's linears are the GEMV up to ``cpu_ops.GEMV_MAX_ROWS`` rows; above, each linear's own
+driver's linears are each matrix's own GEMV (the kernel chosen for its shape, its address in
+the record) up to the fewest rows any of them takes (``gemv_rows``); above, each linear's own
 forward and each sparse MoE block's own forward (:class:`ModuleCallbacks`: the batched GEMM and
 the grouped experts the module path routes them to, so the same bits).
 """
@@ -34,6 +35,7 @@ import torch
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.kernels import dispatch
+from pagefold.layers import native_record
 from pagefold.layers.native_record import Step
 
 # ``PAGEFOLD_NATIVE_DECODE=0`` keeps the module path (to compare the two; tests flip this).
@@ -50,6 +52,7 @@ FIELDS = (
     "conv_b", "dt_bias", "d_skip", "gnorm_w", "gnorm_group", "k_heads", "k_head_dim",
     "top_k", "norm_topk", "experts_gu", "experts_down", "moe_inter", "shared_gu", "shared_down",
     "shared_inter", "shared_gate",
+    "g0", "g1", "g_experts_gu", "g_experts_down", "g_shared_gu", "g_shared_down", "g_shared_gate",
 )
 FLOATS = ("norm_eps", "eps2", "scale")
 DYN = 11
@@ -77,7 +80,7 @@ def _rows(address: int, m: int, n: int, stride: int) -> torch.Tensor:
 
 
 class ModuleCallbacks:
-    """For steps above the GEMV's rows: the blocks' linears as the driver's GEMV function
+    """For steps above the GEMVs' rows: the blocks' linears as the driver's GEMV function
     pointer (``linear``), each through its own ``forward`` (the routing ``use_fast_linears``
     set up: the batched GEMM), found by its weight's address, and the sparse MoE blocks
     through their own forward (``moe``: their experts leave the few-row kernel there); the
@@ -127,7 +130,7 @@ class NativeBlocks:
             return
         if lib.pf_blocks_decode_fields() != _code():
             raise RuntimeError("pf_blocks_decode's block record differs from decode_native's")
-        recs = []
+        recs, self.gemv_rows = [], native_record.MAX_GEMV_ROWS
         for norm, part in blocks:
             n = getattr(norm, "native_norm", None)
             rec = getattr(part, "native_record", None)
@@ -136,6 +139,7 @@ class NativeBlocks:
             if n is None or r is None:
                 return
             kind, ints, flts = r
+            self.gemv_rows = min(self.gemv_rows, ints.get("gemv_rows", 0))
             recs.append(({**ints, "kind": KINDS[kind], "norm_w": n[0], "norm_zc": n[2]},
                          {**flts, "norm_eps": n[1]}))
         vals = [r[0].get(f, 0) for r in recs for f in FIELDS]
@@ -173,13 +177,13 @@ class NativeBlocks:
         groups = st.group_values() or [0]
         out = torch.empty_like(x)
         t = x.shape[0]
-        gemv = t <= cpu_ops.GEMV_MAX_ROWS
+        gemv = t <= self.gemv_rows  # each matrix's own GEMV (from the records), else callbacks
         cb = self.callbacks
         cb.error = None
         rc = self.lib.pf_blocks_decode(
             self.blocks, self.floats, len(self.parts), (ctypes.c_int64 * len(dyn))(*dyn),
             (ctypes.c_int64 * len(groups))(*groups),
-            cpu_ops.gemv_address() if gemv else cb.linear, x.data_ptr(),
+            None if gemv else cb.linear, x.data_ptr(),
             residual.data_ptr() if residual is not None else None, out.data_ptr(), t,
             x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe)
         if cb.error is not None:

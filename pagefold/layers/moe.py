@@ -41,7 +41,7 @@ from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.layers.linear import shard_rows
 from pagefold.layers.mlp import GatedMLP
-from pagefold.layers.native_record import Step, gemv_ready
+from pagefold.layers.native_record import Step, gemv_of, gemv_ready
 
 __all__ = ["ExpertWeightRouter", "MoEExperts", "SparseMoeBlock"]
 
@@ -70,8 +70,11 @@ class MoEExperts(nn.Module):
     Under tensor parallelism ``inter`` is this rank's share and the output a partial sum (the
     owning block all-reduces).
 
-    Steps of at most ``cpu_ops.GEMV_MAX_ROWS`` bf16 tokens (decode) take :meth:`_few_rows`.
-    With ``use_gemv`` (the default) their expert products are the GEMV's, whose float32 sums
+    Steps of at most as many bf16 tokens as both expert products' GEMVs take (decode) take
+    :meth:`_few_rows`: the GEMVs ``use_fast_linears`` chose for one expert's gate_up and down
+    shapes (:meth:`gemv_shapes` / :meth:`set_gemv_choices`), ``cpu_ops.default_choice()``'s
+    on a module never routed. With ``use_gemv`` (the default) their expert products are the
+    GEMVs', whose float32 sums
     can round the last bit of a rare output differently from oneDNN's ``F.linear`` (the same
     contract as every ``nn.Linear`` of such steps under ``cpu_ops.use_fast_linears``); without
     it they are ``F.linear``'s and the block's output is :meth:`forward`'s general path's bit
@@ -81,6 +84,7 @@ class MoEExperts(nn.Module):
     # Quantized experts (``quantization.experts``): per expert a module whose ``gate_up_proj``
     # and ``down_proj`` are its products; the stacked parameters are then gone (None).
     quantized: list | None = None
+    pf_gemv: tuple | None = None  # (gate_up's, down's) gemv_choice.Choice, set when routed
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  what: str = "moe_intermediate_size") -> None:
@@ -94,6 +98,26 @@ class MoEExperts(nn.Module):
         # its down columns.
         shard_rows(self.gate_up_proj, [self.full_inter] * 2, what, dim=1)
         shard_rows(self.down_proj, [self.full_inter], what, dim=2)
+
+    def gemv_shapes(self) -> list[tuple[int, int]]:
+        """One expert's gate_up and down (N, K), for ``cpu_ops.use_fast_linears`` to choose
+        their GEMVs ([] unless the stacked weights are bf16 on the CPU)."""
+        gu, dn = self.gate_up_proj, self.down_proj
+        if self.quantized is not None or not all(
+                w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in (gu, dn)):
+            return []
+        return [(gu.shape[1], gu.shape[2]), (dn.shape[1], dn.shape[2])]
+
+    def set_gemv_choices(self, choices: list) -> None:
+        """The GEMVs of :meth:`gemv_shapes`' products, in its order."""
+        self.pf_gemv = tuple(choices) if len(choices) == 2 else None
+
+    def gemv_pair(self) -> tuple:
+        """(gate_up's, down's) GEMV choice: routed, else the process default."""
+        if self.pf_gemv is not None:
+            return self.pf_gemv
+        c = cpu_ops.default_choice()
+        return c, c
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), top_idx (T, k) int64, top_w (T, k) in x's dtype -> (T, hidden)."""
@@ -127,18 +151,20 @@ class MoEExperts(nn.Module):
 
     def _few_rows(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
                   ) -> torch.Tensor | None:
-        """:meth:`forward` for bf16 steps of at most ``cpu_ops.GEMV_MAX_ROWS`` tokens (decode):
+        """:meth:`forward` for bf16 steps of at most as many tokens as both GEMVs take (decode):
         the same experts, token order, products and summation order, but each expert's two
-        products call the GEMV on its weight slices' pointers (as ``nn.Linear`` layers do for
+        products call their GEMVs on its weight slices' pointers (as ``nn.Linear`` layers do for
         such steps under ``use_fast_linears``) and the grouping is done on the host from one
         ``tolist`` instead of argsort / bincount / per-expert gathers. None when not handled."""
-        gemv = cpu_ops.gemv_function() if self.use_gemv else _no_gemv
+        gu_c, dn_c = self.gemv_pair()
+        gemv, gemv_dn = (gu_c.fn, dn_c.fn) if self.use_gemv else (_no_gemv, _no_gemv)
         gu_w, dn_w = self.gate_up_proj, self.down_proj
         t, k = top_idx.shape
-        if (gemv is None or x.dtype != torch.bfloat16 or gu_w.dtype != torch.bfloat16
-                or dn_w.dtype != torch.bfloat16 or top_w.dtype != torch.bfloat16
+        if (gemv is None or gemv_dn is None or x.dtype != torch.bfloat16
+                or gu_w.dtype != torch.bfloat16 or dn_w.dtype != torch.bfloat16
+                or top_w.dtype != torch.bfloat16
                 or x.dim() != 2 or not x.is_cpu or not gu_w.is_cpu
-                or t > cpu_ops.GEMV_MAX_ROWS
+                or t > min(gu_c.max_rows, dn_c.max_rows)
                 or x.stride(1) != 1 or not gu_w.is_contiguous() or not dn_w.is_contiguous()):
             return None
         if self.use_gemv and NATIVE and top_idx.dtype == torch.int64:
@@ -181,7 +207,7 @@ class MoEExperts(nn.Module):
                 gate, up = gu.split(inter, dim=-1)
                 act = F.silu(gate) * up
             y = torch.empty((n, hidden), dtype=torch.bfloat16)
-            if gemv(act.data_ptr(), act.stride(0), dn_w.data_ptr() + e * dn_step, None,
+            if gemv_dn(act.data_ptr(), act.stride(0), dn_w.data_ptr() + e * dn_step, None,
                     y.data_ptr(), hidden, n, hidden, inter, threads) != 0:
                 y = matmul_t(act, dn_w[e])
             w = w_col[ps[0] : ps[0] + 1] if n == 1 else w_col.index_select(0, torch.tensor(ps))
@@ -201,8 +227,9 @@ class MoEExperts(nn.Module):
         t, k = top_idx.shape
         idx, w = top_idx.contiguous(), top_w.contiguous()
         out = torch.empty((t, x.shape[1]), dtype=torch.bfloat16)
+        gu_c, dn_c = self.gemv_pair()
         rc = lib.pf_moe_experts_few(
-            cpu_ops.gemv_address(), x.data_ptr(), x.stride(0), t, k, idx.data_ptr(),
+            gu_c.address, dn_c.address, x.data_ptr(), x.stride(0), t, k, idx.data_ptr(),
             w.data_ptr(), self.gate_up_proj.data_ptr(), self.down_proj.data_ptr(),
             self.num_experts, x.shape[1], self.inter, out.data_ptr(), torch.get_num_threads())
         return out if rc == 0 else None
@@ -326,7 +353,9 @@ class SparseMoeBlock(nn.Module):
         ex, sh, gate = self.experts, self.shared_expert, self.shared_expert_gate
         lins = [self.gate, *((sh.gate_up_proj, sh.down_proj) if sh is not None else ()),
                 *((gate,) if gate is not None else ())]
+        gu_c, dn_c = ex.gemv_pair()
         if not (NATIVE and ex.use_gemv and tp_size() == 1 and ex.quantized is None
+                and gu_c.address and dn_c.address
                 and all(gemv_ready(lin) and lin.bias is None for lin in lins)
                 and self.gate.weight.shape == (ex.num_experts, hidden)
                 and all(w.dtype == torch.bfloat16 and w.is_contiguous()
@@ -343,6 +372,12 @@ class SparseMoeBlock(nn.Module):
             "shared_down": sh.down_proj.weight.data_ptr() if sh is not None else 0,
             "shared_inter": sh.inter if sh is not None else 0,
             "shared_gate": gate.weight.data_ptr() if gate is not None else 0,
+            "g0": gemv_of(self.gate)[0], "g_experts_gu": gu_c.address,
+            "g_experts_down": dn_c.address,
+            "g_shared_gu": gemv_of(sh.gate_up_proj)[0] if sh is not None else 0,
+            "g_shared_down": gemv_of(sh.down_proj)[0] if sh is not None else 0,
+            "g_shared_gate": gemv_of(gate)[0] if gate is not None else 0,
+            "gemv_rows": min([gu_c.max_rows, dn_c.max_rows] + [gemv_of(m)[1] for m in lins]),
         }, {}
 
     def native_dyn(self, step: Step) -> list[int]:

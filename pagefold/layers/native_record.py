@@ -12,6 +12,9 @@ A module that the native step can run has two public methods:
 
 A norm in front of a part has ``native_norm() -> (weight pointer, eps, mode) | None``.
 
+A record's ints may hold ``gemv_rows``: the most rows every GEMV in it takes (the driver runs a
+step through the records' GEMVs only up to the least of them).
+
 The helpers here are what the modules share to build those: a linear's GEMV readiness, the
 two-linears record, the attention record, and :class:`Step` with its per-step lookups. The
 records pass exactly the arguments the modules' own kernel calls pass, so the native step's
@@ -25,14 +28,21 @@ import torch
 from pagefold.csrc import cpu_ops
 
 STATE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # the state kernels' ssm dtype codes
+MAX_GEMV_ROWS = 1 << 30  # no record limits the rows (none has linears)
 
 
 def gemv_ready(lin) -> bool:
-    """``lin`` is a plain linear whose weights the GEMV takes as they are (``use_fast_linears``
+    """``lin`` is a plain linear whose weights its GEMV takes as they are (``use_fast_linears``
     routed it and its weights are unchanged since)."""
     ready = getattr(lin, "pf_gemv", None)
     return (type(lin) is torch.nn.Linear and ready is not None and ready[0] is lin.weight
-            and ready[1] is lin.bias)
+            and ready[1] is lin.bias and ready[2].address != 0)
+
+
+def gemv_of(lin) -> tuple[int, int]:
+    """A :func:`gemv_ready` linear's GEMV: (function address, most rows it takes)."""
+    choice = lin.pf_gemv[2]
+    return choice.address, choice.max_rows
 
 
 def bf16_vector(t: torch.Tensor | None) -> bool:
@@ -49,10 +59,12 @@ def linears(first, second, hidden: int, inner: int) -> dict | None:
     (n0, k0), (n1, k1) = first.weight.shape, second.weight.shape
     if (k0, n1, k1) != (hidden, hidden, inner):
         return None
+    (g0, r0), (g1, r1) = gemv_of(first), gemv_of(second)
     return {"w0": first.weight.data_ptr(),
             "b0": first.bias.data_ptr() if first.bias is not None else 0, "n0": n0,
             "w1": second.weight.data_ptr(),
-            "b1": second.bias.data_ptr() if second.bias is not None else 0, "k1": inner}
+            "b1": second.bias.data_ptr() if second.bias is not None else 0, "k1": inner,
+            "g0": g0, "g1": g1, "gemv_rows": min(r0, r1)}
 
 
 def attention_record(hidden: int, *, qkv, o, heads: int, kv_heads: int, head_dim: int,

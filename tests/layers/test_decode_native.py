@@ -14,6 +14,7 @@ scaled residuals, Mamba-2's float32 residual stream) never takes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagefold import LLM, SamplingParams
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.layers import decode_native
 from pagefold.ops import elementwise
 from pagefold.testing.tiny_models import random_prompts
@@ -99,8 +100,11 @@ def _run(model_dir, prompts: list[list[int]], **engine) -> list[tuple]:
     ("qwen3_next", 1), ("nemotron_h", 1), ("bamba", 1)])
 def test_native_step_is_bitwise_the_module_path(variant, gemv_rows, tiny_model_factory,
                                                 monkeypatch, tmp_path):
-    if gemv_rows is not None:
-        monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", gemv_rows)
+    if gemv_rows is not None:  # every weight's GEMV takes this many rows at most
+        choose = gemv_choice.choose
+        monkeypatch.setattr(gemv_choice, "choose", lambda *a, **kw: {
+            s: dataclasses.replace(c, max_rows=min(c.max_rows, gemv_rows))
+            for s, c in choose(*a, **kw).items()})
     arch, kw = VARIANTS[variant]
     model = tiny_model_factory(arch, **kw)
     if arch == "nemotron_h":
@@ -177,3 +181,33 @@ def test_nemotron_norm_kernel_is_the_reference(dtype):
         assert (got == ref).float().mean() > 0.98
         llama = elementwise.rms_norm(x, norm.weight, norm.eps, False)
         assert not torch.equal(llama, got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant,kw", [
+    ("qwen3", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64)),
+    ("qwen3_next", dict(hidden_size=512, moe_intermediate_size=256,
+                        shared_expert_intermediate_size=384))],
+    ids=["qwen3-h512", "qwen3_next-h512"])
+def test_native_step_takes_each_matrixs_own_gemv(variant, kw, tiny_model_factory, monkeypatch):
+    """Weight shapes routed to different kernels (round robin over the kernels this CPU runs,
+    by shape): the driver calls each matrix's own GEMV (its record's address; the MoE experts'
+    gate_up / down pair), so its tokens and logprobs stay the module path's."""
+    names = [c.name for c in gemv_choice.available(cpu_ops.kernels())]
+    if len(names) < 2:
+        pytest.skip("one GEMV kernel on this CPU")
+
+    def mixed(lib, shapes, **_):
+        return {s: gemv_choice.make_choice(lib, names[i % len(names)], 32)
+                for i, s in enumerate(sorted(set(shapes)))}
+
+    monkeypatch.setattr(gemv_choice, "choose", mixed)
+    model = tiny_model_factory(variant, **kw)
+    prompts = random_prompts(3, 5, 40, 400, seed=4)
+    rows = count_native_steps(monkeypatch)
+    monkeypatch.setattr(decode_native, "ENABLED", True)
+    native = _run(model, prompts)
+    assert rows
+    monkeypatch.setattr(decode_native, "ENABLED", False)
+    assert native == _run(model, prompts)

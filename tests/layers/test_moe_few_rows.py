@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.layers import moe
 from pagefold.layers.moe import MoEExperts
 
@@ -24,12 +24,15 @@ E, H, INTER, K = 6, 64, 16, 2
 
 @pytest.fixture(autouse=True)
 def _few_row_limit(monkeypatch) -> None:
-    """The few-token path takes steps of up to ``cpu_ops.GEMV_MAX_ROWS`` tokens, which depends
-    on the CPU: 2 where the CPU has native bf16 GEMM but no AMX (oneDNN is as fast from 3 rows
-    there), 32 elsewhere. These tests use steps of up to 5 tokens and 4-request engine decode
-    steps, so the limit is at least 8 on every host (the GEMV takes any number of rows, each
-    row's bits independent of the others)."""
-    monkeypatch.setattr(cpu_ops, "GEMV_MAX_ROWS", max(cpu_ops.GEMV_MAX_ROWS, 8))
+    """The few-token path takes steps of up to as many tokens as the experts' GEMVs take,
+    which depends on the CPU and its measurements: 2 for the dot-product GEMV where the CPU has
+    native bf16 GEMM but no AMX, 32 elsewhere. These tests use steps of up to 5 tokens and
+    4-request engine decode steps, so every GEMV takes at least 8 rows here (each takes any
+    number of rows, each row's bits independent of the others)."""
+    make = gemv_choice.make_choice
+    monkeypatch.setattr(gemv_choice, "make_choice", lambda lib, name, rows: make(
+        lib, name, max(rows, 8) if name != gemv_choice.TORCH else rows))
+    monkeypatch.setattr(cpu_ops, "_defaults", {})
 
 
 def _experts() -> MoEExperts:
@@ -112,7 +115,7 @@ def test_few_rows_declines_float32_and_large_steps() -> None:
     x, idx, w = _routing(2, 0)
     assert m.float()._few_rows(x.float(), idx, w.float()) is None
     m = _experts()
-    x, idx, w = _routing(cpu_ops.GEMV_MAX_ROWS + 1, 0)
+    x, idx, w = _routing(cpu_ops.gemv_max_rows() + 1, 0)
     assert m._few_rows(x, idx, w) is None
     assert torch.equal(m(x, idx, w), _general(m, x, idx, w))
 

@@ -1,8 +1,8 @@
 """bf16 greedy speculation on the CPU computes, bit for bit, what the decode steps would.
 
 Where the bf16 linears take a row-independent kernel for every few-row product (the AVX2
-kernel on CPUs without native bf16 GEMM, forced here when this one has it; the AMX tile kernel
-where the CPU has AMX), and a verify chunk's rows attend
+kernel, the AMX tile kernel: each forced here with ``cpu_gemv_kernel`` where the CPU runs it),
+and a verify chunk's rows attend
 as decode rows (``input_batch.SHORT_CHUNK_AS_DECODE``), every logit of a verify step equals
 the one a plain decode step produces: tokens *and* logprobs with speculation on equal those
 with it off, in bf16, not only in float32.
@@ -13,28 +13,21 @@ from __future__ import annotations
 import pytest
 
 from pagefold import LLM, SamplingParams
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_choice, gemv_registry
 from pagefold.testing import tiny_models
 
 
 @pytest.fixture(params=["fma", "amx"])
 def row_independent_routing(request, monkeypatch):
+    """Every linear on one row-independent kernel for up to 32 rows, forced (the engine
+    option ``cpu_gemv_kernel``, as a user would compare kernels)."""
     lib = cpu_ops.kernels()
-    if request.param == "fma":
-        if lib is None or not lib.pf_gemv_kinds() & 2:
-            pytest.skip("no AVX2 + FMA kernel on this CPU")
-        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: False)
-        monkeypatch.delenv("PAGEFOLD_BF16_UPCAST", raising=False)
-    else:
-        if lib is None or not lib.pf_amx_ready():
-            pytest.skip("no AMX on this CPU")
-        monkeypatch.setattr(cpu_ops.gemm, "cpu_has_fast_bf16", lambda: True)
-        monkeypatch.setenv("PAGEFOLD_AMX", "1")
-    saved = (cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS)
-    cpu_ops._choose_gemv(lib)
-    assert cpu_ops.GEMV_MAX_ROWS >= 5  # the verify steps (1 + 4 rows) take the kernel
-    yield
-    cpu_ops._gemv, cpu_ops.GEMV_MAX_ROWS = saved
+    names = [c.name for c in gemv_choice.available(lib)]
+    if request.param not in names:
+        pytest.skip(f"no {request.param} kernel on this CPU")
+    assert gemv_registry.by_name(request.param).default_rows >= 5  # verify steps: 1 + 4 rows
+    monkeypatch.setattr(gemv_choice, "_forced", [None])  # the option is process-wide: undone
+    return {"cpu_gemv_kernel": request.param}
 
 
 def _generate(llm: LLM, prompts):
@@ -50,7 +43,7 @@ def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, row_independe
     model = str(tiny_model_factory("qwen3", hidden_size=512, intermediate_size=1024,
                                    num_attention_heads=8, num_key_value_heads=2, head_dim=64))
     prompts = tiny_models.random_prompts(3, 30, 90, 512, seed=11)
-    kw = dict(dtype="bfloat16", max_model_len=128, warm_up=False)
+    kw = dict(dtype="bfloat16", max_model_len=128, warm_up=False, **row_independent_routing)
     off = _generate(LLM(model, **kw), prompts)
     table = {tuple(p): o[0] for p, o in zip(prompts, off)}
     spec = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,

@@ -42,11 +42,8 @@ class WorkerInit:
     threads: int
     warm_up_tokens: int
     warm_up_seq_len: int
-<<<<<<< HEAD
     quantization: str | None = None  # the quantization option (see ``load_model``)
-=======
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
->>>>>>> wk/chooser
 
 
 def build_rank_runner(init: WorkerInit) -> ModelRunner:

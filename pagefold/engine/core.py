@@ -35,6 +35,7 @@ from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
 from pagefold.models.registry import model_class
 from pagefold.models.weights import apply_checkpoint_kv_scales
+from pagefold.offload.setup import attach_offload
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports
@@ -188,6 +189,9 @@ class EngineCore:
                                      and self.runner.captures_in_kernel)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
+        # Offload tiers (host memory, disk) for the prefix cache: a KV connector.
+        self.offload = attach_offload(config, self.kv_config, self.kv, self.runner,
+                                      model_dtype=self.dtype)
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
@@ -252,7 +256,12 @@ class EngineCore:
         return DraftModelProposer.for_specs(draft, spec_specs)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do in one process)."""
+        """Save the pool's cached prefixes to the offload tiers (when no request is left),
+        then stop the tensor-parallel ranks (nothing to do in one process)."""
+        if self.offload is not None and not self.scheduler.requests:
+            self.flush()  # checkpoint copies still queued land (and unpin) first
+            self.kv.offload_cached()
+            self.flush()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -383,4 +392,5 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
-        return self.scheduler.update_from_output(out, sampled)
+        kv_out = self.runner.take_connector_output() if out.kv_ops else None
+        return self.scheduler.update_from_output(out, sampled, kv_out)

@@ -87,6 +87,10 @@ class ModelRunner:
         # Speculative decoding with a draft model or MTP heads: the runner-side proposer
         # (spec_decode.drafting.Proposer); None for n-gram or no speculation.
         self.proposer = None
+        # The KV connector's worker side (core.kv_connector.KVConnectorWorker: offload tiers)
+        # and its report on the last step's ops.
+        self.connector = None
+        self._connector_output = None
 
     @property
     def captures_in_kernel(self) -> bool:
@@ -221,7 +225,15 @@ class ModelRunner:
                 return self._execute_verify(batch, out.spec_token_ids)
             return self._execute(batch)
 
+    def take_connector_output(self):
+        """The KV connector's report on the last step's ops (None when it had none)."""
+        report, self._connector_output = self._connector_output, None
+        return report
+
     def move_pages(self, out: SchedulerOutput) -> None:
+        if out.kv_ops and self.connector is not None:
+            # First: a save reads pages this step's copies, swaps or forward may overwrite.
+            self._connector_output = self.connector.run(out.kv_ops)
         self.swap([op for op in out.swaps if op.to_host])
         if out.copies:
             self.copy_pages(out.copies)

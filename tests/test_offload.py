@@ -1,0 +1,249 @@
+"""Offload tiers for the prefix cache (issue 38): a host tier and a checksummed disk tier.
+
+The reference for exactness is the same engine with a pool large enough to keep every prefix
+(prefix caching on, no tier): its second pass hits the pool at the same lengths, so a tier hit
+must give bit-identical greedy tokens *and* logprobs (the pages come back byte for byte).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from pagefold import LLM, SamplingParams
+from pagefold.core.kv_connector import KVLoad, KVSave, key_name
+from pagefold.core.prefix_cache import hash_block, root_hash
+from pagefold.offload.index import OffloadIndex
+from pagefold.offload.page_file import (
+    PageFileError,
+    PageGeometry,
+    read_page_file,
+    scan,
+    write_page_file,
+)
+from pagefold.testing.tiny_models import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+# Pools that hold about two requests of max_model_len 128 (dense) or a few (hybrids), so that
+# running six prompts one after another evicts the earlier prompts' blocks and checkpoints.
+SMALL_POOL = {"qwen3": 400_000, "qwen3_5": 300_000, "nemotron_h": 150_000}
+
+
+def _run(llm: LLM, prompts):
+    # One at a time: every request meets the same pool state in every engine.
+    return [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0] for p in prompts]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _logprobs(outs):
+    return [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs]
+            for o in outs]
+
+
+def _engine(model: Path, arch: str, **kw) -> LLM:
+    return LLM(str(model), dtype="float32", max_model_len=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(6, 60, 90, 512, seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_factory, prompts):
+    """Per architecture: (first pass, second pass) of an engine whose pool keeps everything."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            llm = _engine(tiny_model_factory(arch), arch, kv_cache_memory="64MiB")
+            cache[arch] = (_run(llm, prompts), _run(llm, prompts))
+            assert llm.engine.kv.pool.stats.evictions == 0
+            llm.engine.kv.check_whole()
+        return cache[arch]
+
+    return get
+
+
+# ---------------------------------------------------------------------------- the disk format
+def test_page_file_round_trip_and_every_kind_of_damage_is_detected(tmp_path):
+    geom = PageGeometry(layers=2, pages=3, page_bytes=64)
+    payload = bytes(i * 7 % 251 for i in range(geom.payload_bytes))
+    path = tmp_path / "a0-00.kvpage"
+    write_page_file(path, key="a0-00", group=0, layout="L1", geom=geom, saved_tokens=16,
+                    payload=memoryview(payload))
+    assert bytes(read_page_file(path, key="a0-00", layout="L1", geom=geom)) == payload
+    good = path.read_bytes()
+    header_len = struct.unpack_from("<I", good, 12)[0]
+    payload_start = 20 + header_len
+    damages = {
+        "flip in the last page row": lambda b: b[:-1] + bytes([b[-1] ^ 1]),
+        "flip in the first page row": lambda b: (b[:payload_start] + bytes([b[payload_start] ^ 0x80])
+                                                 + b[payload_start + 1:]),
+        "truncated": lambda b: b[:-7],
+        "padded": lambda b: b + b"\0",
+        "header flipped": lambda b: b[:25] + bytes([b[25] ^ 4]) + b[26:],
+        "empty": lambda b: b"",
+    }
+    for what, damage in damages.items():
+        path.write_bytes(damage(good))
+        with pytest.raises(PageFileError):
+            read_page_file(path, key="a0-00", layout="L1", geom=geom)
+        assert what
+    path.write_bytes(good)
+    with pytest.raises(PageFileError, match="does not match"):
+        read_page_file(path, key="a0-00", layout="another model", geom=geom)
+    with pytest.raises(PageFileError, match="does not match"):
+        read_page_file(path, key="a0-01", layout="L1", geom=geom)
+    with pytest.raises(PageFileError, match="cannot read"):
+        read_page_file(tmp_path / "missing.kvpage", key="x", layout="L1", geom=geom)
+    (tmp_path / "half.kvpage.123.tmp").write_bytes(b"x")
+    assert scan(tmp_path) == [("a0-00", len(good))]
+    assert not (tmp_path / "half.kvpage.123.tmp").exists()  # crash leftovers are removed
+
+
+# ---------------------------------------------------------------------------- the index
+def test_index_lru_caps_and_pins():
+    idx = OffloadIndex(host_slots=3, page_bytes=10, group_layers=[2, 1])
+    k = [(0, bytes([i])) for i in range(5)]
+    for key in k[:3]:
+        idx.record_save(key, 0, [7], 16)
+    assert [s.host_slots for s in idx.take_ops().saves] == [[0], [1], [2]]
+    idx.record_load("r", k[0], 0, [9])  # refreshes k[0] and pins it for this step
+    idx.record_save(k[3], 0, [8], 16)  # evicts the least recently used unpinned: k[1]
+    ops = idx.take_ops()
+    assert ops.loads == [KVLoad("r", key_name(k[0]), 0, [9], [0])]
+    assert ops.saves == [KVSave(key_name(k[3]), 0, [8], 16, [1], False)]
+    assert not idx.contains(k[1]) and idx.contains(k[0]) and idx.contains(k[3])
+    # A checkpoint of 3 pages needs every slot; none pinned now, so all go.
+    idx.record_save(("ckpt", 1, b"s"), 1, [1, 2, 3], 64)
+    assert sorted(idx.take_ops().saves[0].host_slots) == [0, 1, 2] and len(idx.host) == 1
+    idx.check_whole()
+
+    disk = OffloadIndex(host_slots=0, page_bytes=10, group_layers=[2], disk_dir=Path("/nonexistent"),
+                        disk_bytes=60)
+    for key in k[:3]:  # 20 bytes each: the cap holds 3
+        disk.record_save(key, 0, [1], 16)
+    disk.take_ops()
+    disk.record_load("r", k[0], 0, [4])
+    disk.record_save(k[3], 0, [5], 16)
+    ops = disk.take_ops()
+    assert ops.drops == [key_name(k[1])] and ops.saves[0].to_disk  # LRU, the pinned k[0] kept
+    assert disk.disk_used == 60
+    disk.record_save(k[4], 0, [1, 2, 3, 4], 16)  # 80 bytes: above the cap, not offloaded
+    assert not disk.take_ops() and not disk.contains(k[4])
+    disk.check_whole()
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "nemotron_h"])
+def test_evicted_prefixes_come_back_from_the_host_tier_bit_exact(arch, tiny_model_factory,
+                                                                 prompts, reference, tmp_path):
+    ref_first, ref_second = reference(arch)
+    llm = _engine(tiny_model_factory(arch), arch, kv_cache_memory=SMALL_POOL[arch],
+                  kv_offloading_size=0.01)
+    first, second = _run(llm, prompts), _run(llm, prompts)
+    stats, pool = llm.engine.offload.stats, llm.engine.kv.pool
+    assert pool.stats.evictions > 0 and stats.saves_host > 0
+    assert _tokens(first) == _tokens(ref_first) and _logprobs(first) == _logprobs(ref_first)
+    assert _tokens(second) == _tokens(ref_second)
+    assert _logprobs(second) == _logprobs(ref_second)  # same hit lengths, same bytes
+    cached = [o.num_cached_tokens for o in second]
+    assert cached == [o.num_cached_tokens for o in ref_second] and min(cached) >= 48
+    # The hits came from the host tier: the small pool had evicted those prefixes.
+    assert stats.loads_host > 0 and stats.loads_disk == 0 and stats.load_failures == 0
+    assert stats.tokens_loaded >= 0.5 * sum(cached)
+    if arch != "qwen3":  # state checkpoints travelled too
+        assert any(key[0] == "ckpt" for key in llm.engine.offload.host)
+    llm.engine.kv.check_whole()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_restarted_engine_serves_old_prefixes_from_disk(arch, tiny_model_factory, prompts,
+                                                        reference, tmp_path):
+    ref_first, ref_second = reference(arch)
+    model = tiny_model_factory(arch)
+    kw = dict(kv_cache_memory=SMALL_POOL[arch], kv_offloading_dir=str(tmp_path),
+              kv_offloading_disk_size="64MiB")
+    llm = _engine(model, arch, **kw)
+    assert _tokens(_run(llm, prompts)) == _tokens(ref_first)
+    llm.engine.shutdown()  # what the pool still caches goes to disk too
+    llm.engine.kv.check_whole()
+    files = list(tmp_path.rglob("*.kvpage"))
+    assert files and llm.engine.offload.disk_used == sum(f.stat().st_size - _header(f)
+                                                        for f in files)
+
+    again = _engine(model, arch, **kw)  # a new engine on the same directory
+    assert len(again.engine.offload.disk) == len(files)
+    second = _run(again, prompts)
+    stats = again.engine.offload.stats
+    assert _tokens(second) == _tokens(ref_second) and _logprobs(second) == _logprobs(ref_second)
+    assert [o.num_cached_tokens for o in second] == [o.num_cached_tokens for o in ref_second]
+    assert stats.loads_disk > 0 and stats.load_failures == 0
+    assert stats.tokens_loaded == sum(o.num_cached_tokens for o in second)  # all from disk
+    again.engine.kv.check_whole()
+
+    # Another model (here: another dtype, so other page bytes) never opens these files.
+    other = LLM(str(model), dtype="bfloat16", max_model_len=128, **kw)
+    assert len(other.engine.offload.disk) == 0
+
+
+def _header(path: Path) -> int:
+    return 20 + struct.unpack_from("<I", path.read_bytes(), 12)[0]
+
+
+def test_bad_disk_pages_are_detected_and_recomputed(tiny_model_factory, prompts, reference,
+                                                    tmp_path):
+    ref_first, _ = reference("qwen3")
+    model = tiny_model_factory("qwen3")
+    kw = dict(kv_cache_memory=SMALL_POOL["qwen3"], kv_offloading_dir=str(tmp_path))
+    llm = _engine(model, "qwen3", **kw)
+    _run(llm, prompts)
+    llm.engine.shutdown()
+    # The first block of prompts 0, 1, 2 (attention group 0): one flipped byte, one truncated,
+    # one deleted after the next engine indexed it.
+    names = [f"a0-{hash_block(root_hash(), p[:16]).hex()}.kvpage" for p in prompts[:3]]
+    paths = [next(tmp_path.rglob(n)) for n in names]
+    data = paths[0].read_bytes()
+    damaged = [data[:-100] + bytes([data[-100] ^ 0x10]) + data[-99:],
+               paths[1].read_bytes()[:-3]]
+    for path, bad in zip(paths, damaged):
+        path.write_bytes(bad)
+
+    again = _engine(model, "qwen3", **kw)
+    paths[2].unlink()
+    outs = _run(again, prompts)
+    stats = again.engine.offload.stats
+    # Same tokens as an engine that never offloaded; the bad pages were caught, not used.
+    assert _tokens(outs) == _tokens(ref_first)
+    assert stats.load_failures == 3
+    assert [o.num_cached_tokens for o in outs[:3]] == [0, 0, 0]  # recomputed from scratch
+    assert all(o.num_cached_tokens >= 48 for o in outs[3:])  # the good pages still serve
+    for path, bad in zip(paths, damaged):  # removed (and maybe saved again, whole)
+        assert not path.exists() or path.read_bytes() != bad
+    again.engine.kv.check_whole()
+
+
+def test_salted_prefixes_never_meet_in_the_tier(tiny_model_factory, prompts, tmp_path):
+    llm = _engine(tiny_model_factory("qwen3"), "qwen3", kv_cache_memory=SMALL_POOL["qwen3"],
+                  kv_offloading_size=0.01)
+    for salt in ("tenant-a", "tenant-b"):
+        for p in prompts:
+            out = llm.generate([{"prompt_token_ids": p, "cache_salt": salt}], GREEDY,
+                               use_tqdm=False)[0]
+            assert out.num_cached_tokens == 0  # the other tenant's pages are not a hit
+    again = [llm.generate([{"prompt_token_ids": p, "cache_salt": "tenant-a"}], GREEDY,
+                          use_tqdm=False)[0] for p in prompts]
+    assert all(o.num_cached_tokens >= 48 for o in again)
+    assert llm.engine.offload.stats.loads_host > 0
+    llm.engine.kv.check_whole()
+
+
+def test_offloading_needs_prefix_caching_and_one_rank(qwen3_dir):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(str(qwen3_dir), enable_prefix_caching=False, kv_offloading_size=1)

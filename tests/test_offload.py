@@ -15,6 +15,8 @@ import pytest
 from pagefold import LLM, SamplingParams
 from pagefold.core.kv_connector import KVLoad, KVSave, key_name
 from pagefold.core.prefix_cache import hash_block, root_hash
+from pagefold.engine.core_proc import core_stats
+from pagefold.metrics import ServerMetrics
 from pagefold.offload.index import OffloadIndex
 from pagefold.offload.page_file import (
     PageFileError,
@@ -83,7 +85,8 @@ def test_page_file_round_trip_and_every_kind_of_damage_is_detected(tmp_path):
     payload_start = 20 + header_len
     damages = {
         "flip in the last page row": lambda b: b[:-1] + bytes([b[-1] ^ 1]),
-        "flip in the first page row": lambda b: (b[:payload_start] + bytes([b[payload_start] ^ 0x80])
+        "flip in the first page row": lambda b: (b[:payload_start]
+                                                 + bytes([b[payload_start] ^ 0x80])
                                                  + b[payload_start + 1:]),
         "truncated": lambda b: b[:-7],
         "padded": lambda b: b + b"\0",
@@ -125,8 +128,8 @@ def test_index_lru_caps_and_pins():
     assert sorted(idx.take_ops().saves[0].host_slots) == [0, 1, 2] and len(idx.host) == 1
     idx.check_whole()
 
-    disk = OffloadIndex(host_slots=0, page_bytes=10, group_layers=[2], disk_dir=Path("/nonexistent"),
-                        disk_bytes=60)
+    disk = OffloadIndex(host_slots=0, page_bytes=10, group_layers=[2],
+                        disk_dir=Path("/nonexistent"), disk_bytes=60)
     for key in k[:3]:  # 20 bytes each: the cap holds 3
         disk.record_save(key, 0, [1], 16)
     disk.take_ops()
@@ -240,10 +243,60 @@ def test_salted_prefixes_never_meet_in_the_tier(tiny_model_factory, prompts, tmp
     again = [llm.generate([{"prompt_token_ids": p, "cache_salt": "tenant-a"}], GREEDY,
                           use_tqdm=False)[0] for p in prompts]
     assert all(o.num_cached_tokens >= 48 for o in again)
-    assert llm.engine.offload.stats.loads_host > 0
+    stats = llm.engine.offload.stats
+    assert stats.loads_host > 0
     llm.engine.kv.check_whole()
+    # The counters reach /metrics through the core's stats.
+    metrics = ServerMetrics("m")
+    metrics.record_core_stats(core_stats(llm.engine))
+    text = metrics.render().decode()
+
+    def value(sample: str) -> float:
+        return float(next(x for x in text.splitlines() if x.startswith(sample)).split()[-1])
+
+    assert value('pagefold:kv_offload_loads_total{model_name="m",tier="host"}') \
+        == stats.loads_host
+    assert value('pagefold:kv_offload_saves_total{model_name="m",tier="host"}') \
+        == stats.saves_host > 0
+    assert value('pagefold:kv_offload_loads_total{model_name="m",tier="disk"}') == 0
+    assert value('pagefold:kv_offload_tokens_loaded_total{model_name="m"}') \
+        == stats.tokens_loaded == sum(o.num_cached_tokens for o in again)
 
 
-def test_offloading_needs_prefix_caching_and_one_rank(qwen3_dir):
+def test_offloading_needs_prefix_caching(qwen3_dir):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(str(qwen3_dir), enable_prefix_caching=False, kv_offloading_size=1)
+
+
+def test_tensor_parallel_ranks_keep_their_shards(tiny_model_factory, prompts, reference,
+                                                 tmp_path):
+    """TP 2 on a GDN hybrid: each rank saves and loads its own shard (host slots and its own
+    rank folder); a restarted TP 2 engine hits from both ranks' files."""
+    ref_first, ref_second = reference("qwen3_5")
+    model = tiny_model_factory("qwen3_5")
+    kw = dict(tensor_parallel_size=2, threads_per_rank=1, kv_cache_memory=150_000,
+              kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path))
+    llm = _engine(model, "qwen3_5", **kw)
+    try:
+        first, second = _run(llm, prompts), _run(llm, prompts)
+        stats = llm.engine.offload.stats
+        assert llm.engine.kv.pool.stats.evictions > 0 and stats.loads_host > 0
+        assert _tokens(first) == _tokens(ref_first) and _tokens(second) == _tokens(ref_second)
+        assert [o.num_cached_tokens for o in second] == \
+            [o.num_cached_tokens for o in ref_second]
+        llm.engine.kv.check_whole()
+    finally:
+        llm.engine.shutdown()
+    ranks = sorted(p.name for p in tmp_path.rglob("rank*"))
+    assert ranks == ["rank0-of-2", "rank1-of-2"]
+    names = [sorted(f.name for f in d.iterdir()) for d in sorted(tmp_path.rglob("rank*"))]
+    assert names[0] == names[1] and names[0]
+    again = _engine(model, "qwen3_5", **kw)
+    try:
+        third = _run(again, prompts)
+        assert again.engine.offload.stats.loads_disk > 0
+        assert _tokens(third) == _tokens(ref_second)
+        assert _logprobs(third) == _logprobs(second)  # disk pages = host pages, per rank
+        again.engine.kv.check_whole()
+    finally:
+        again.engine.shutdown()

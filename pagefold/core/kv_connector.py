@@ -114,6 +114,26 @@ class ConnectorOutput:
     bytes_saved: int = 0
 
 
+def merge_outputs(reports: list[ConnectorOutput]) -> ConnectorOutput:
+    """One report from every tensor-parallel rank's (rank 0 first): a request's loads are
+    finished when every rank finished them, a key failed when it failed on any rank (its page
+    is then recomputed on all of them); counts are rank 0's, bytes the sum."""
+    first = reports[0]
+    done = set(first.finished)
+    for r in reports[1:]:
+        done &= set(r.finished)
+    out = ConnectorOutput(finished=[rid for rid in first.finished if rid in done],
+                          loaded_from=dict(first.loaded_from))
+    for r in reports:
+        for rid, keys in r.failed.items():
+            have = out.failed.setdefault(rid, [])
+            have.extend(k for k in keys if k not in have)
+        out.store_failed.extend(k for k in r.store_failed if k not in out.store_failed)
+        out.bytes_loaded += r.bytes_loaded
+        out.bytes_saved += r.bytes_saved
+    return out
+
+
 class KVConnectorScheduler(ABC):
     """Scheduler side: an index of what lies outside the pool, and the ops of the next step."""
 

@@ -116,8 +116,9 @@ class GroupManager(ABC):
         the page copies it implies and the loads to request (pool rows already allocated)."""
         return self.take_hit(req_id, hashes, n_blocks), []
 
-    def finish_tier_load(self, req_id: str, failed: set[Hashable]) -> None:
-        """The loads of ``take_tier_hit`` ran; ``failed`` keys never reached the pool."""
+    def finish_tier_load(self, req_id: str, failed: set[Hashable]) -> None:  # noqa: B027
+        """The loads of ``take_tier_hit`` ran; ``failed`` keys never reached the pool
+        (default: nothing to register)."""
 
     def hit_blocks(self, hashes: list[bytes], n_blocks: int, stored: Stored = None
                    ) -> list[Block]:

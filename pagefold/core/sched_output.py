@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pagefold.core.kv_connector import KVOps
+from pagefold.core.kv_connector import ConnectorOutput, KVOps
 from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
 from pagefold.sampling_params import SamplingParams
@@ -148,6 +148,14 @@ class EngineCoreOutput:
     # On a request's first output only: time.monotonic() when it was first scheduled (the
     # clock is system-wide, so the API process times queue vs prefill with it).
     scheduled_time: float | None = None
+
+
+class RunnerOutput(dict):
+    """What ``runner.execute`` returns when the step had KV connector ops: the usual
+    ``{request id: SampledToken | VerifiedTokens}`` plus the connector's report (vLLM's
+    ``kv_connector_output``), so a step stays three calls."""
+
+    kv_connector_output: ConnectorOutput | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -399,13 +399,14 @@ class Scheduler:
                                                       finish_reason="length"))
 
     # ------------------------------------------------------------------ after the forward
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
-                           kv_out: ConnectorOutput | None = None) -> list[EngineCoreOutput]:
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
         """Apply a step's results: scheduled tokens become computed, sampled tokens are
         appended and checked against the stop rules, full blocks and state checkpoints are
-        cached, the step's copied pages are unpinned and finished requests freed. ``kv_out``
-        (the KV connector's report) moves requests whose loads finished to running, or back
-        to waiting when a page was bad."""
+        cached, the step's copied pages are unpinned and finished requests freed. The KV
+        connector's report (``RunnerOutput.kv_connector_output``) moves requests whose loads
+        finished to running, or back to waiting when a page was bad."""
+        kv_out = getattr(sampled, "kv_connector_output", None)
         if kv_out is not None:
             self._apply_loads(kv_out)
         if out.spec_token_ids and self.drafter is not None:

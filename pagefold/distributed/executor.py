@@ -23,7 +23,8 @@ import time
 import weakref
 from multiprocessing.connection import Listener
 
-from pagefold.core.sched_output import SampledToken, SchedulerOutput
+from pagefold.core.kv_connector import merge_outputs
+from pagefold.core.sched_output import RunnerOutput, SampledToken, SchedulerOutput
 from pagefold.distributed.worker import WorkerInit
 
 
@@ -175,7 +176,12 @@ class TPExecutor:
                            f"is gone; the engine cannot continue")
         replies = self._collect()
         self.num_forward_tokens = replies[0][2]
-        return replies[0][1]
+        reports = [r[3] for r in replies if r[3] is not None]
+        if not reports:
+            return replies[0][1]
+        result = RunnerOutput(replies[0][1])
+        result.kv_connector_output = merge_outputs(reports)
+        return result
 
     def close(self) -> None:
         self._finalizer()

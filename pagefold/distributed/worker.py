@@ -22,6 +22,7 @@ from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
+from pagefold.offload.setup import OffloadPlan, build_store
 
 logger = logging.getLogger("pagefold")
 
@@ -41,15 +42,18 @@ class WorkerInit:
     threads: int
     warm_up_tokens: int
     warm_up_seq_len: int
+    offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
 
 
-def build_rank_runner(init: WorkerInit) -> ModelRunner:
+def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
     """This rank's runner (``executor/runner_builder``, as the engine builds it at TP 1),
     warmed up when ``init`` asks."""
     _, hf_config = load_hf_config(init.model)
     runner = build_runner(init.model, hf_config, init.arch, init.dtype, init.max_positions,
                           torch.device(init.device), init.kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks)
+    if init.offload is not None:
+        build_store(init.offload, runner, rank)
     if init.warm_up_tokens:
         runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
     return runner
@@ -63,7 +67,7 @@ def worker_main(rank: int, size: int, conn) -> None:
         torch.set_num_threads(max(1, init.threads))
         backend = "nccl" if init.device.startswith("cuda") else "gloo"
         init_tensor_parallel(rank, size, backend)
-        runner = build_rank_runner(init)
+        runner = build_rank_runner(init, rank)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
         conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel))
@@ -73,7 +77,9 @@ def worker_main(rank: int, size: int, conn) -> None:
                 break
             out = pickle.loads(data)
             sampled = runner.execute(out)
-            conn.send(("ok", sampled if rank == 0 else None, runner.num_forward_tokens))
+            # Every rank reports its KV connector work (a page may be bad on one rank only).
+            report = getattr(sampled, "kv_connector_output", None)
+            conn.send(("ok", sampled if rank == 0 else None, runner.num_forward_tokens, report))
     except EOFError:
         pass  # the engine went away
     except BaseException as e:  # noqa: BLE001 - report every failure to the engine, then exit

@@ -78,9 +78,9 @@ class OffloadIndex(KVConnectorScheduler):
     def describe(self) -> str:
         parts = []
         if self.host_slots:
-            parts.append(f"host tier {self.host_slots} page slots "
-                         f"({self.host_slots * max(self.group_layers) * self.page_bytes / 2**30:.2f}"
-                         f" GiB), {len(self.host)} pages")
+            gib = self.host_slots * max(self.group_layers) * self.page_bytes / 2**30
+            parts.append(f"host tier {self.host_slots} page slots ({gib:.2f} GiB), "
+                         f"{len(self.host)} pages")
         if self.disk_dir is not None:
             parts.append(f"disk tier {self.disk_dir} capped at {self.disk_bytes / 2**30:.2f} "
                          f"GiB, holding {len(self.disk)} pages ({self.disk_used / 2**20:.1f} MiB)")

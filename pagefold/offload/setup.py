@@ -1,10 +1,13 @@
 """Builds the offload connector from an engine's config: the index (scheduler side) joins the
-cache manager, the store (worker side) joins the runner."""
+cache manager, a store (worker side) joins each runner: the engine's own at TP 1, or one per
+tensor-parallel rank (built in the rank's process from the plain ``OffloadPlan``; each rank
+keeps its shard of every page, in memory and under its own ``rank<r>-of-<n>`` folder)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagefold.config import EngineConfig
@@ -16,34 +19,61 @@ from pagefold.offload.store import OffloadStore
 logger = logging.getLogger("pagefold")
 
 
-def attach_offload(config: EngineConfig, kv_config: KVCacheConfig, kv, runner, *,
-                   model_dtype) -> OffloadIndex | None:
-    """Attach the host / disk tiers that ``config`` asks for (None when it asks for none).
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The tiers one engine asked for (plain data: it crosses a rank's process start)."""
 
-    Raises ValueError under tensor parallelism (each rank would keep its shard; the ranks'
-    load reports are not gathered yet)."""
+    host_slots: int
+    group_layers: tuple[int, ...]
+    page_bytes: int
+    disk_root: str | None
+    disk_bytes: int
+    layout: str
+    tp_size: int
+
+    def disk_dir(self, rank: int) -> Path | None:
+        if self.disk_root is None:
+            return None
+        return rank_dir(Path(self.disk_root), self.layout, rank, self.tp_size)
+
+
+def offload_plan(config: EngineConfig, kv_config: KVCacheConfig, *, model_dtype
+                 ) -> OffloadPlan | None:
+    """The tiers ``config`` asks for (None when it asks for none)."""
     host_bytes = int((config.kv_offloading_size or 0) * 2**30)
     if not host_bytes and config.kv_offloading_dir is None:
         return None
-    if config.tensor_parallel_size > 1:
-        raise ValueError("kv_offloading_size / kv_offloading_dir with tensor_parallel_size > 1 "
-                         "is not supported yet")
-    slots = host_bytes // (kv_config.layers_per_group * kv_config.page_bytes)
-    group_layers = [len(g.layer_names) for g in kv_config.groups]
     geometry = {k: v for k, v in dataclasses.asdict(kv_config).items() if k != "num_blocks"}
     geometry.update(dtype=str(model_dtype), kv_cache_dtype=config.kv_cache_dtype,
                     quantization=config.quantization,
                     mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype)
-    layout = layout_id(config.model, geometry)
-    disk_dir = None
-    if config.kv_offloading_dir is not None:
-        disk_dir = rank_dir(Path(config.kv_offloading_dir), layout, 0, 1)
-    store = OffloadStore(runner.cache.shared, group_layers, slots, disk_dir=disk_dir,
-                         layout=layout)
-    index = OffloadIndex(host_slots=slots, page_bytes=kv_config.page_bytes,
-                         group_layers=group_layers, disk_dir=disk_dir,
-                         disk_bytes=config.kv_offloading_disk_size)
+    return OffloadPlan(
+        host_slots=host_bytes // (kv_config.layers_per_group * kv_config.page_bytes),
+        group_layers=tuple(len(g.layer_names) for g in kv_config.groups),
+        page_bytes=kv_config.page_bytes, disk_root=config.kv_offloading_dir,
+        disk_bytes=config.kv_offloading_disk_size, layout=layout_id(config.model, geometry),
+        tp_size=config.tensor_parallel_size)
+
+
+def build_store(plan: OffloadPlan, runner, rank: int = 0) -> OffloadStore:
+    """This rank's worker side, attached to its runner."""
+    store = OffloadStore(runner.cache.shared, list(plan.group_layers), plan.host_slots,
+                         disk_dir=plan.disk_dir(rank), layout=plan.layout)
     runner.connector = store
+    return store
+
+
+def attach_offload(plan: OffloadPlan | None, kv, runner) -> OffloadIndex | None:
+    """The scheduler side joins the cache manager; at TP 1 the store joins ``runner`` too
+    (tensor-parallel ranks built theirs from the plan)."""
+    if plan is None:
+        return None
+    if plan.tp_size == 1:
+        build_store(plan, runner)
+    index = OffloadIndex(host_slots=plan.host_slots, page_bytes=plan.page_bytes,
+                         group_layers=list(plan.group_layers), disk_dir=plan.disk_dir(0),
+                         disk_bytes=plan.disk_bytes)
     kv.attach_connector(index)
-    logger.info("kv offloading: %s", index.describe())
+    logger.info("kv offloading: %s%s", index.describe(),
+                f" (per rank, {plan.tp_size} ranks)" if plan.tp_size > 1 else "")
     return index

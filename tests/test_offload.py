@@ -8,12 +8,20 @@ must give bit-identical greedy tokens *and* logprobs (the pages come back byte f
 from __future__ import annotations
 
 import struct
+import threading
 from pathlib import Path
 
 import pytest
 
 from pagefold import LLM, SamplingParams
-from pagefold.core.kv_connector import KVLoad, KVSave, key_name
+from pagefold.core.kv_connector import (
+    ConnectorOutput,
+    KVLoad,
+    KVOps,
+    KVSave,
+    ReportMerger,
+    key_name,
+)
 from pagefold.core.prefix_cache import hash_block, root_hash
 from pagefold.engine.core_proc import core_stats
 from pagefold.metrics import ServerMetrics
@@ -141,6 +149,21 @@ def test_index_lru_caps_and_pins():
     disk.record_save(k[4], 0, [1, 2, 3, 4], 16)  # 80 bytes: above the cap, not offloaded
     assert not disk.take_ops() and not disk.contains(k[4])
     disk.check_whole()
+
+
+def test_rank_reports_merge_across_steps():
+    merger = ReportMerger(2)
+    r0 = ConnectorOutput(finished=["a", "b"], failed={"b": ["a0-01"]}, bytes_loaded=10)
+    r1 = ConnectorOutput(finished=["b"], bytes_loaded=10)
+    out = merger.merge([r0, r1], [])
+    assert out.finished == ["b"] and out.failed == {"b": ["a0-01"]} and out.bytes_loaded == 20
+    # Rank 1 finishes "a" a step later, with a bad page only it saw.
+    out = merger.merge([None, ConnectorOutput(finished=["a"], failed={"a": ["s1-02"]})], [])
+    assert out.finished == ["a"] and out.failed == {"a": ["s1-02"]}
+    # A request aborted after one rank reported it is forgotten.
+    merger.merge([ConnectorOutput(finished=["c"]), ConnectorOutput()], [])
+    out = merger.merge([ConnectorOutput(), ConnectorOutput(finished=["d"])], ["c"])
+    assert out.finished == [] and not merger._done.get("c")
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -300,3 +323,64 @@ def test_tensor_parallel_ranks_keep_their_shards(tiny_model_factory, prompts, re
         again.engine.kv.check_whole()
     finally:
         again.engine.shutdown()
+
+
+def test_disk_loads_overlap_compute_and_an_abort_never_lands(tiny_model_factory, prompts,
+                                                            reference, tmp_path):
+    """A disk read runs in the store's I/O thread: while it is held back, the request waits
+    (loading, computing nothing) and another request computes; a request aborted while loading
+    never gets its late pages written into blocks that now belong to someone else."""
+    _, ref_second = reference("qwen3")
+    model = tiny_model_factory("qwen3")
+    kw = dict(kv_cache_memory=SMALL_POOL["qwen3"], kv_offloading_dir=str(tmp_path))
+    llm = _engine(model, "qwen3", **kw)
+    _run(llm, prompts)
+    llm.engine.shutdown()
+
+    again = _engine(model, "qwen3", **kw)
+    store, sched = again.engine.runner.connector, again.engine.scheduler
+    gate = threading.Event()
+    read = store._do_read
+
+    def held_read(*args):
+        gate.wait(60)
+        read(*args)
+
+    store._do_read = held_read
+    fresh = random_prompts(1, 40, 50, 512, seed=11)[0]  # in no tier: it computes
+    held = again.add_request({"prompt_token_ids": prompts[0]}, GREEDY)  # loads from disk
+    other = again.add_request({"prompt_token_ids": fresh}, GREEDY)
+    done = {}
+    for _ in range(40):
+        for o in again.step():
+            if o.finished:
+                done[o.request_id] = o
+        if other in done:
+            break
+    assert other in done and held in sched.loading  # computed while the load was held back
+    held_blocks = set(again.engine.kv.block_ids(held)[0])
+    again.abort([held])  # its reads are still queued; its blocks go back to the pool
+    # Requests in no tier take those blocks and compute into them while the reads wait.
+    late = [again.add_request({"prompt_token_ids": p}, GREEDY)
+            for p in random_prompts(3, 70, 90, 512, seed=12)]
+    reused: set[int] = set()
+    while any(rid not in done for rid in late):
+        for rid in late:
+            reused.update(b for b in again.engine.kv.block_ids(rid)[0] if b in held_blocks)
+        for o in again.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert reused  # the aborted request's blocks served others at once
+    rows = sorted(reused)
+    before = [t[rows].clone() for t in again.engine.runner.cache.shared]
+    gate.set()
+    store.drain()
+    store.run(KVOps(poll=True))  # lands what is left (the aborted request's reads): dropped
+    assert not store._outstanding and not store._cancelled
+    after = [t[rows] for t in again.engine.runner.cache.shared]
+    assert all(a.equal(b) for a, b in zip(after, before))  # nothing landed in them
+    # The disk tier still serves exactly after all this.
+    store._do_read = read
+    out = _run(again, [prompts[1]])
+    assert _tokens(out) == _tokens([ref_second[1]]) and out[0].num_cached_tokens >= 48
+    again.engine.kv.check_whole()

@@ -136,8 +136,14 @@ class KVCacheManager:
     def is_loading(self, req_id: str) -> bool:
         return req_id in self._loading
 
-    def take_kv_ops(self) -> KVOps:
-        return self.connector.take_ops() if self.connector is not None else KVOps()
+    def take_kv_ops(self, idle: bool = False) -> KVOps:
+        """The connector's ops for the step being sent; ``idle``: it computes nothing else."""
+        if self.connector is None:
+            return KVOps()
+        ops = self.connector.take_ops()
+        ops.poll = bool(self._loading)  # loads may land in this step
+        ops.idle = idle
+        return ops
 
     def apply_connector_output(self, out: ConnectorOutput) -> None:
         if self.connector is not None:
@@ -482,7 +488,8 @@ class KVCacheManager:
                             if not any((c.group, b) in owned for b in c.dst)]
         for m in self.managers:
             m.free(req.request_id)
-        self._loading.pop(req.request_id, None)
+        if self._loading.pop(req.request_id, None) is not None:
+            self.connector.cancel_loads(req.request_id)  # its pages go back to the pool now
         self._targets.pop(req.request_id, None)
         for h in req.block_hashes:
             if self._inflight.get(h) == req.request_id:

@@ -22,10 +22,13 @@ Which keys a request's prefix needs, and what a load means for a kind of page (a
 block registered in the prefix cache; state: the request's own state pages), is the policy of
 the cache managers (``core/managers.py``); the scheduler only sees "this request is loading".
 
+Loads may finish in a later step than the one that asked for them (asynchronous I/O): the
+scheduler keeps such a request *loading* (it computes nothing) until a report names it.
+
 Order of a step's ops on the worker, before any page copy, swap or forward of that step:
-drops, then saves, then loads (a key dropped and saved again in one step keeps the new page;
-a load may read what a save of the same step wrote; a save reads a page before the step
-writes it, so an evicted block can be handed out in the same step).
+cancels, drops, then saves, then loads (a key dropped and saved again in one step keeps the
+new page; a load may read what a save of the same step wrote; a save reads a page before the
+step writes it, so an evicted block can be handed out in the same step).
 """
 
 from __future__ import annotations
@@ -86,14 +89,25 @@ class KVLoad:
 
 @dataclass(slots=True)
 class KVOps:
-    """A step's connector work (plain data: it travels to every rank with the step)."""
+    """A step's connector work (plain data: it travels to every rank with the step).
+
+    ``cancels``: requests whose loads must not land (aborted while loading: their pages may
+    be handed out again in this very step). ``poll``: requests are loading, so the worker runs
+    even without new ops (to land loads that finished). ``idle``: the step computes nothing
+    else (the worker may wait briefly for a load). ``drain``: finish every queued write
+    before the step ends (shutdown)."""
 
     drops: list[str] = field(default_factory=list)  # disk page files to delete
     saves: list[KVSave] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    poll: bool = False
+    idle: bool = False
+    drain: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.drops or self.saves or self.loads)
+        return bool(self.drops or self.saves or self.loads or self.cancels or self.poll
+                    or self.drain)
 
 
 @dataclass(slots=True)
@@ -114,24 +128,42 @@ class ConnectorOutput:
     bytes_saved: int = 0
 
 
-def merge_outputs(reports: list[ConnectorOutput]) -> ConnectorOutput:
-    """One report from every tensor-parallel rank's (rank 0 first): a request's loads are
-    finished when every rank finished them, a key failed when it failed on any rank (its page
-    is then recomputed on all of them); counts are rank 0's, bytes the sum."""
-    first = reports[0]
-    done = set(first.finished)
-    for r in reports[1:]:
-        done &= set(r.finished)
-    out = ConnectorOutput(finished=[rid for rid in first.finished if rid in done],
-                          loaded_from=dict(first.loaded_from))
-    for r in reports:
-        for rid, keys in r.failed.items():
-            have = out.failed.setdefault(rid, [])
-            have.extend(k for k in keys if k not in have)
-        out.store_failed.extend(k for k in r.store_failed if k not in out.store_failed)
-        out.bytes_loaded += r.bytes_loaded
-        out.bytes_saved += r.bytes_saved
-    return out
+class ReportMerger:
+    """Tensor parallelism: the ranks' reports, step after step, as one report per step. Ranks
+    finish a request's loads in different steps (each reads its own files): it is reported
+    finished once every rank has; a key failed when it failed on any rank (its page is then
+    recomputed on all of them). Counts are rank 0's, bytes the sum."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._done: dict[str, set[int]] = {}
+        self._failed: dict[str, list[str]] = {}
+
+    def merge(self, reports: list[ConnectorOutput | None], cancels: list[str]
+              ) -> ConnectorOutput:
+        for rid in cancels:  # aborted: some ranks will never report it
+            self._done.pop(rid, None)
+            self._failed.pop(rid, None)
+        first = reports[0] or ConnectorOutput()
+        out = ConnectorOutput(loaded_from=dict(first.loaded_from))
+        for rank, r in enumerate(reports):
+            if r is None:
+                continue
+            for rid in r.finished:
+                self._done.setdefault(rid, set()).add(rank)
+            for rid, keys in r.failed.items():
+                have = self._failed.setdefault(rid, [])
+                have.extend(k for k in keys if k not in have)
+            out.store_failed.extend(k for k in r.store_failed if k not in out.store_failed)
+            out.bytes_loaded += r.bytes_loaded
+            out.bytes_saved += r.bytes_saved
+        for rid in [rid for rid, ranks in self._done.items() if len(ranks) == self.size]:
+            del self._done[rid]
+            out.finished.append(rid)
+            failed = self._failed.pop(rid, None)
+            if failed:
+                out.failed[rid] = failed
+        return out
 
 
 class KVConnectorScheduler(ABC):
@@ -155,6 +187,14 @@ class KVConnectorScheduler(ABC):
         """Queue a load of ``key`` into pool rows ``pages`` for ``req_id``."""
 
     @abstractmethod
+    def cancel_loads(self, req_id: str) -> None:
+        """``req_id`` ended while loading: its loads must not land (its pages are freed)."""
+
+    @abstractmethod
+    def request_drain(self) -> None:
+        """The next step's ops finish every queued write before the step ends."""
+
+    @abstractmethod
     def take_ops(self) -> KVOps:
         """The queued ops, for the step being sent."""
 
@@ -173,4 +213,8 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def run(self, ops: KVOps) -> ConnectorOutput:
-        """Execute drops, saves, then loads (the module docstring's order)."""
+        """Execute drops, saves, then loads (the module docstring's order); a load may land
+        in a later step's ``run`` (asynchronous), its request reported then."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Finish queued work and release threads (the runner is going away)."""

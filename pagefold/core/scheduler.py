@@ -363,7 +363,8 @@ class Scheduler:
                 list(out.num_scheduled.values()))
         out.copies = self.kv.take_copies()
         out.swaps = self.kv.take_swaps()
-        out.kv_ops = self.kv.take_kv_ops()
+        out.kv_ops = self.kv.take_kv_ops(
+            idle=not (out.num_scheduled or out.copies or out.swaps))
         if not scheduled and not self.running and self.waiting and not out.copies \
                 and not self.loading:
             self._abort_unschedulable()

@@ -62,6 +62,7 @@ def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
 def worker_main(rank: int, size: int, conn) -> None:
     """Serve one rank: read the ``WorkerInit``, join the group, build the shard, then run the
     step messages until an empty message (or the engine's end of the connection)."""
+    runner = None
     try:
         init: WorkerInit = conn.recv()
         torch.set_num_threads(max(1, init.threads))
@@ -89,6 +90,8 @@ def worker_main(rank: int, size: int, conn) -> None:
         except Exception:  # noqa: BLE001
             pass
     finally:
+        if runner is not None and runner.connector is not None:
+            runner.connector.close()  # queued disk writes land before the rank exits
         try:
             close_tensor_parallel()
         except Exception:  # noqa: BLE001

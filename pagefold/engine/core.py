@@ -261,12 +261,16 @@ class EngineCore:
         if self.offload is not None and not self.scheduler.requests:
             self.flush()  # checkpoint copies still queued land (and unpin) first
             self.kv.offload_cached()
+            self.offload.request_drain()  # every rank's queued disk writes land in it
             self.flush()
 
     def shutdown(self) -> None:
         """Save the pool's cached prefixes to the offload tiers (``save_prefixes``), then stop
         the tensor-parallel ranks (nothing to do in one process)."""
         self.save_prefixes()
+        store = getattr(self.runner, "connector", None)  # TP 1: the offload I/O thread
+        if store is not None:
+            store.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

@@ -161,6 +161,12 @@ class OffloadIndex(KVConnectorScheduler):
         self._ops.loads.append(KVLoad(req_id, key_name(key), group, list(pages),
                                       list(slots or ())))
 
+    def cancel_loads(self, req_id: str) -> None:
+        self._ops.cancels.append(req_id)
+
+    def request_drain(self) -> None:
+        self._ops.drain = True
+
     def take_ops(self) -> KVOps:
         ops, self._ops = self._ops, KVOps()
         self._pinned.clear()

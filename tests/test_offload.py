@@ -7,6 +7,7 @@ must give bit-identical greedy tokens *and* logprobs (the pages come back byte f
 
 from __future__ import annotations
 
+import errno
 import struct
 import threading
 from pathlib import Path
@@ -25,6 +26,7 @@ from pagefold.core.kv_connector import (
 from pagefold.core.prefix_cache import hash_block, root_hash
 from pagefold.engine.core_proc import core_stats
 from pagefold.metrics import ServerMetrics
+from pagefold.offload import store as offload_store
 from pagefold.offload.index import OffloadIndex
 from pagefold.offload.page_file import (
     PageFileError,
@@ -384,3 +386,24 @@ def test_disk_loads_overlap_compute_and_an_abort_never_lands(tiny_model_factory,
     out = _run(again, [prompts[1]])
     assert _tokens(out) == _tokens([ref_second[1]]) and out[0].num_cached_tokens >= 48
     again.engine.kv.check_whole()
+
+
+def test_a_full_disk_stops_offloading_and_serving_goes_on(tiny_model_factory, prompts,
+                                                          reference, tmp_path, monkeypatch):
+    ref_first, _ = reference("qwen3")
+
+    def full(path, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(offload_store, "write_page_file", full)
+    llm = _engine(tiny_model_factory("qwen3"), "qwen3", kv_cache_memory=SMALL_POOL["qwen3"],
+                  kv_offloading_dir=str(tmp_path))
+    first, second = _run(llm, prompts), _run(llm, prompts)
+    llm.engine.shutdown()  # drains the refused writes' reports
+    stats, index = llm.engine.offload.stats, llm.engine.offload
+    assert _tokens(first) == _tokens(ref_first) and _tokens(second) == _tokens(ref_first)
+    assert stats.store_failures > 0 and stats.loads_disk == stats.load_failures
+    assert not list(tmp_path.rglob("*.kvpage")) and not list(tmp_path.rglob("*.tmp"))
+    # The index forgot every page it could not write (the shutdown's drain reported the last).
+    assert not index.disk and index.disk_used == 0
+    llm.engine.kv.check_whole()

@@ -4,15 +4,17 @@ tier or the disk tier (issue 38).
     python -m benchmarks.offload_ttft [--arch qwen3_5] [--hidden 512] [--layers 8]
                                       [--prompt 2000] [--rounds 3]
 
-Three engines live side by side with the same small pool (about 1.3 requests of
-``--prompt + 16`` tokens): ``recompute`` (prefix caching on, no tier), ``host``
+Three engines live side by side with the same small pool (``--pool`` requests of
+``--prompt + 16`` tokens, 1.9 by default: room for a request and its state checkpoints, not
+for two requests): ``recompute`` (prefix caching on, no tier), ``host``
 (``kv_offloading_size``), ``disk`` (``kv_offloading_dir`` only, in a temporary directory, so
 loads read page files; the OS page cache is warm, as it is for a server that wrote them
-recently). Each round draws a fresh prompt P and a filler F of the same length (random ids):
-every engine runs P, then F (which evicts P's pages from the pool, into the tier), then P
-again, timed (``max_tokens=1``: the time to the first token). Engines take turns in a rotating
-order per round so load drift on a shared machine spreads over all three. ``cached`` is the
-second P's ``num_cached_tokens``; ``same`` checks that its first token equals recompute's.
+recently). Each round draws a fresh prompt P and two fillers F, F' of the same length
+(random ids): every engine runs P, then F and F' (which evict P's pages from the pool, into
+the tier), then P again, timed (``max_tokens=1``: the time to the first token). Engines take
+turns in a rotating order per round so load drift on a shared machine spreads over all
+three. ``cached`` is the second P's ``num_cached_tokens``; ``same`` checks that its first
+token equals recompute's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pool", type=float, default=1.9, help="pool size in requests")
     args = ap.parse_args()
     model = str(bench_model(args.arch, args.hidden, args.layers))
     max_len = args.prompt + 16
@@ -50,7 +53,7 @@ def main() -> None:
     one = (probe.engine.kv.min_blocks_for(max_len) + 1) * kvc.layers_per_group * kvc.page_bytes
     vocab = probe.engine.hf_config.vocab_size
     del probe
-    pool = int(1.3 * one)
+    pool = int(args.pool * one)
     disk = tempfile.TemporaryDirectory(prefix="pagefold-offload-bench-")
     common = dict(max_model_len=max_len, kv_cache_memory=pool)
     engines = {
@@ -66,12 +69,13 @@ def main() -> None:
     names = list(engines)
     for r in range(args.rounds):
         p = [rng.randrange(5, vocab) for _ in range(args.prompt)]
-        f = [rng.randrange(5, vocab) for _ in range(args.prompt)]
+        fillers = [[rng.randrange(5, vocab) for _ in range(args.prompt)] for _ in range(2)]
         first = {}
         for name in names[r % 3:] + names[: r % 3]:
             llm = engines[name]
             _gen(llm, p)
-            _gen(llm, f)
+            for f in fillers:
+                _gen(llm, f)
             secs, out = _gen(llm, p)
             ttft[name].append(secs)
             cached[name].append(out.num_cached_tokens)

@@ -13,8 +13,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagefold import LLM, SamplingParams
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec
 from pagefold.core.kv_connector import (
     ConnectorOutput,
     KVLoad,
@@ -35,6 +39,7 @@ from pagefold.offload.page_file import (
     scan,
     write_page_file,
 )
+from pagefold.request import Request
 from pagefold.testing.tiny_models import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
@@ -153,6 +158,42 @@ def test_index_lru_caps_and_pins():
     disk.check_whole()
 
 
+def test_a_tier_hit_pins_its_keys_before_its_own_allocations_evict():
+    """A's blocks live only in a 4-slot host tier; re-admitting A evicts B's cached blocks from
+    the pool, whose saves want host slots: they must not take A's (about to be loaded)."""
+    spec = FullAttentionSpec(2, 16, torch.float32)
+    kv = KVCacheManager(plan_pagefold({"layers.0": spec}, 16, 6 * spec.page_bytes(16)),
+                        enable_prefix_caching=True)
+    index = OffloadIndex(host_slots=4, page_bytes=kv.config.page_bytes, group_layers=[1])
+    kv.attach_connector(index)
+
+    def compute(req: Request) -> None:
+        assert kv.allocate_slots(req, req.num_tokens)
+        req.num_computed_tokens = req.num_tokens
+        kv.after_step(req)
+        kv.take_copies()
+        kv.release_pins()
+        kv.free(req)
+
+    params = SamplingParams(max_tokens=1)
+    a_tokens = list(range(100, 165))
+    compute(Request("a", a_tokens, params))
+    compute(Request("b", list(range(200, 265)), params))  # evicts A's 4 blocks to the host
+    assert len(index.host) == 4 and len(index.take_ops().saves) == 4
+    again = Request("a2", a_tokens, params)
+    assert kv.find_hit(again) == 4
+    assert kv.allocate_slots(again, 1, 4)  # allocates 4 blocks: B's entries are evicted
+    ops = index.take_ops()
+    assert sorted(ld.key for ld in ops.loads) == sorted(key_name(k) for k in index.host)
+    assert len(ops.loads) == 4 and all(ld.host_slots for ld in ops.loads)
+    assert all(not s.host_slots for s in ops.saves)  # B's pages found no room: A's pinned
+    kv.apply_connector_output(ConnectorOutput(finished=["a2"]))
+    assert kv.finish_load(again, []) and again.num_computed_tokens == 64
+    kv.free(again)
+    kv.take_kv_ops()  # the cancel-free ops of that step
+    kv.check_whole()
+
+
 def test_rank_reports_merge_across_steps():
     merger = ReportMerger(2)
     r0 = ConnectorOutput(finished=["a", "b"], failed={"b": ["a0-01"]}, bytes_loaded=10)
@@ -188,6 +229,26 @@ def test_evicted_prefixes_come_back_from_the_host_tier_bit_exact(arch, tiny_mode
     assert stats.tokens_loaded >= 0.5 * sum(cached)
     if arch != "qwen3":  # state checkpoints travelled too
         assert any(key[0] == "ckpt" for key in llm.engine.offload.host)
+    llm.engine.kv.check_whole()
+
+
+def test_a_host_tier_smaller_than_the_working_set_stays_exact(tiny_model_factory, prompts,
+                                                              reference):
+    """A host tier that turns over (it holds under half of what two passes save): LRU
+    eviction inside the tier, hits on what it kept, the same tokens."""
+    ref_first, ref_second = reference("qwen3_5")
+    model = tiny_model_factory("qwen3_5")
+    probe = _engine(model, "qwen3_5", kv_cache_memory=SMALL_POOL["qwen3_5"], warm_up=False)
+    kvc = probe.engine.kv_config
+    row = kvc.layers_per_group * kvc.page_bytes
+    slots = 40  # under half of what the two passes save
+    llm = _engine(model, "qwen3_5", kv_cache_memory=SMALL_POOL["qwen3_5"],
+                  kv_offloading_size=slots * row / 2**30)
+    assert llm.engine.offload.host_slots == slots
+    first, second = _run(llm, prompts), _run(llm, prompts)
+    stats = llm.engine.offload.stats
+    assert _tokens(first) == _tokens(ref_first) and _tokens(second) == _tokens(ref_second)
+    assert stats.saves_host > slots and stats.loads_host > 0  # the tier turned over, and hit
     llm.engine.kv.check_whole()
 
 

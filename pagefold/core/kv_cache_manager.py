@@ -299,6 +299,9 @@ class KVCacheManager:
             stored, hashes = self._stored, req.block_hashes
             held = [b for m in self.managers for b in m.hit_blocks(hashes, hit_blocks, stored)]
             self.pool.touch(held)
+            if stored is not None:  # ... and the tier keys, against the saves they cause
+                for m in self.managers:
+                    self.connector.pin(m.tier_keys(hashes, hit_blocks, stored))
             loads = 0
             try:
                 for m in self.managers:

@@ -183,8 +183,13 @@ class KVConnectorScheduler(ABC):
         """Queue a save of pool rows ``pages`` (read at the start of the next step sent)."""
 
     @abstractmethod
+    def pin(self, keys: list[Hashable]) -> None:
+        """Keep ``keys`` (about to be loaded) in their tiers until the step is taken: the
+        saves that the loading request's own allocations cause must not evict them."""
+
+    @abstractmethod
     def record_load(self, req_id: str, key: Hashable, group: int, pages: list[int]) -> None:
-        """Queue a load of ``key`` into pool rows ``pages`` for ``req_id``."""
+        """Queue a load of ``key`` (pinned) into pool rows ``pages`` for ``req_id``."""
 
     @abstractmethod
     def cancel_loads(self, req_id: str) -> None:

@@ -116,6 +116,12 @@ class GroupManager(ABC):
         the page copies it implies and the loads to request (pool rows already allocated)."""
         return self.take_hit(req_id, hashes, n_blocks), []
 
+    def tier_keys(self, hashes: list[bytes], n_blocks: int,
+                  stored: Callable[[Hashable], bool]) -> list[Hashable]:
+        """The keys ``take_tier_hit`` would load (pinned in the connector first, so the
+        evictions its own allocations cause cannot push them out of a tier)."""
+        return []
+
     def finish_tier_load(self, req_id: str, failed: set[Hashable]) -> None:  # noqa: B027
         """The loads of ``take_tier_hit`` ran; ``failed`` keys never reached the pool
         (default: nothing to register)."""
@@ -250,6 +256,11 @@ class FullAttentionManager(GroupManager):
             self.loading[req_id] = pending
         self.req_blocks[req_id] = blocks  # type: ignore[assignment]
         return [], loads
+
+    def tier_keys(self, hashes: list[bytes], n_blocks: int,
+                  stored: Callable[[Hashable], bool]) -> list[Hashable]:
+        blocks = self._servable_prefix(hashes, n_blocks, stored)
+        return [self._key(h) for h, b in zip(hashes, blocks) if b is None]
 
     def finish_tier_load(self, req_id: str, failed: set[Hashable]) -> None:
         for key, blk in self.loading.pop(req_id, ()):
@@ -405,6 +416,11 @@ class StateManager(GroupManager):
         self.allocate(req_id, 0, 0)
         dst = self.block_ids(req_id)
         return [PageCopy(self.index, [b.block_id for b in e.blocks], dst)]
+
+    def tier_keys(self, hashes: list[bytes], n_blocks: int,
+                  stored: Callable[[Hashable], bool]) -> list[Hashable]:
+        key = self._key(hashes[n_blocks - 1])
+        return [] if key in self.pool.entries else [key]
 
     def take_tier_hit(self, req_id: str, hashes: list[bytes], n_blocks: int,
                       stored: Callable[[Hashable], bool]) -> tuple[list[PageCopy], TierLoads]:

@@ -148,6 +148,9 @@ class OffloadIndex(KVConnectorScheduler):
         self._ops.saves.append(KVSave(key_name(key), group, list(pages), saved_tokens,
                                       slots, to_disk))
 
+    def pin(self, keys: list[Hashable]) -> None:
+        self._pinned.update(keys)
+
     def record_load(self, req_id: str, key: Hashable, group: int, pages: list[int]) -> None:
         slots = self.host.get(key)
         if slots is not None:

@@ -468,3 +468,37 @@ def test_a_full_disk_stops_offloading_and_serving_goes_on(tiny_model_factory, pr
     # The index forgot every page it could not write (the shutdown's drain reported the last).
     assert not index.disk and index.disk_used == 0
     llm.engine.kv.check_whole()
+
+
+def test_issue_criterion_twenty_600_token_prompts_twice_then_after_restart(tiny_model_factory,
+                                                                          tmp_path):
+    """Issue 38's offload criterion on a GDN hybrid: 20 distinct 600-token prompts sent twice
+    with a pool too small to keep them; the second pass takes >= 90% of its prompt tokens from
+    the tiers with identical tokens; a restarted engine on the same directory does the same
+    from disk alone."""
+    model = tiny_model_factory("qwen3_5")
+    prompts = random_prompts(20, 600, 600, 512, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(llm):
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    kw = dict(dtype="float32", max_model_len=640, kv_cache_memory="3MiB",
+              kv_offloading_dir=str(tmp_path), kv_offloading_disk_size="256MiB")
+    llm = LLM(str(model), kv_offloading_size=0.05, **kw)
+    first = run(llm)
+    second = run(llm)
+    total = sum(len(p) for p in prompts)
+    assert all(o.num_cached_tokens == 0 for o in first)  # nothing shared: all computed
+    assert _tokens(second) == _tokens(first)
+    assert llm.engine.offload.stats.tokens_loaded >= 0.9 * total
+    assert llm.engine.kv.pool.stats.evictions > 0
+    llm.engine.shutdown()
+    llm.engine.kv.check_whole()
+
+    again = LLM(str(model), **kw)  # disk only
+    third = run(again)
+    stats = again.engine.offload.stats
+    assert _tokens(third) == _tokens(first)
+    assert stats.tokens_loaded >= 0.9 * total and stats.loads_host == 0
+    again.engine.kv.check_whole()

@@ -9,10 +9,15 @@ Invariants:
   durable one a restarted engine reads (``scan`` rebuilds its index, oldest file first).
 * Each tier is LRU (a load or a save refreshes a key) and capped: host by slots
   (``kv_offloading_size`` / (layers x page bytes)), disk by payload bytes.
-* A key with a load queued in the step being built is pinned: no save or drop of that step
-  reuses its slots or deletes its file (ops run drops, saves, loads in that order).
+* A key a hit is about to load is pinned (``pin``, before the hit allocates; ``record_load``)
+  until the step being built is taken: no save or drop of that step reuses its slots or
+  deletes its file (ops run drops, saves, loads in that order; disk I/O keeps that order in
+  the store's FIFO).
 * A key whose load failed (missing, truncated, corrupt) or whose write failed (disk full) is
-  forgotten at once: the request recomputes, later requests never ask for it again.
+  forgotten once the worker reports it: the request recomputes, later requests stop asking
+  for it. (A disk write is reported in a later step: a load asked for before then fails the
+  same way and is recomputed.) The disk cap counts payload bytes for pages this engine
+  wrote and file sizes for pages found at start-up.
 """
 
 from __future__ import annotations

@@ -90,6 +90,13 @@ class EngineConfig:
     # Preemption: "recompute", "swap", or "auto" (per request, by cost); swap needs swap_space.
     preemption_mode: str = "auto"
     swap_space: int | str = 0
+    # Offload tiers for the prefix cache (vLLM's --kv-offloading-size, in GiB): blocks and
+    # state checkpoints evicted from the pool go to host memory (None/0: no host tier) ...
+    kv_offloading_size: float | None = None
+    # ... and to page files under this directory (None: no disk tier), capped at
+    # kv_offloading_disk_size bytes (least recently used pages deleted first).
+    kv_offloading_dir: str | None = None
+    kv_offloading_disk_size: int | str = "8GiB"
     # Hybrids: also checkpoint linear-layer states every this many tokens of long prefills.
     state_checkpoint_interval: int = 256
     # Hybrids: take checkpoints inside the state layers' kernels instead of ending prefill
@@ -160,6 +167,12 @@ class EngineConfig:
         self.swap_space = parse_bytes(self.swap_space)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        self.kv_offloading_disk_size = parse_bytes(self.kv_offloading_disk_size)
+        if (self.kv_offloading_size or 0) < 0 or self.kv_offloading_disk_size < 0:
+            raise ValueError("kv_offloading_size and kv_offloading_disk_size must be >= 0")
+        if (self.kv_offloading_size or self.kv_offloading_dir) and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size / kv_offloading_dir offload the prefix cache; "
+                             "they need enable_prefix_caching")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

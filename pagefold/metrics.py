@@ -118,6 +118,22 @@ class ServerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("pagefold:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.", m, registry=r)
+        self.offload_saves = Counter("pagefold:kv_offload_saves",
+                                     "Pages (blocks, state checkpoints) saved to an offload tier.",
+                                     m + ["tier"], registry=r)
+        self.offload_loads = Counter("pagefold:kv_offload_loads",
+                                     "Pages loaded back into the pool from an offload tier.",
+                                     m + ["tier"], registry=r)
+        self.offload_tokens = Counter(
+            "pagefold:kv_offload_tokens_loaded",
+            "Prompt tokens served from the offload tiers instead of recomputed.", m, registry=r)
+        self.offload_load_failures = Counter(
+            "pagefold:kv_offload_load_failures",
+            "Offloaded pages found missing, truncated or corrupt (recomputed instead).", m,
+            registry=r)
+        self.offload_store_failures = Counter(
+            "pagefold:kv_offload_store_failures",
+            "Pages the disk tier could not write (offload of them skipped).", m, registry=r)
         self.prompt_tokens = Counter("pagefold:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("pagefold:generation_tokens", "Tokens generated.", m,
@@ -190,7 +206,10 @@ class ServerMetrics:
             (self.credited_tokens, "credited_tokens"), (self.forks, "num_forks"),
             (self.spec_drafts, "spec_num_drafts"),
             (self.spec_draft_tokens, "spec_num_draft_tokens"),
-            (self.spec_accepted_tokens, "spec_num_accepted_tokens"))
+            (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
+            (self.offload_tokens, "offload_tokens_loaded"),
+            (self.offload_load_failures, "offload_load_failures"),
+            (self.offload_store_failures, "offload_store_failures"))
         for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
         for metric in (self.prompt_tokens, self.generation_tokens, self.checkpoints,
@@ -198,6 +217,9 @@ class ServerMetrics:
             metric.labels(model_name)
         for kind in ("swap", "recompute"):
             self.preemptions_by_kind.labels(model_name, kind)
+        for tier in ("host", "disk"):
+            self.offload_saves.labels(model_name, tier)
+            self.offload_loads.labels(model_name, tier)
 
     # ------------------------------------------------------------------ engine-core side
     def record_core_stats(self, stats) -> None:
@@ -219,6 +241,11 @@ class ServerMetrics:
         for kind, value in stats.preemptions_by_kind.items():
             self._advance(f"preempt:{kind}", value,
                           self.preemptions_by_kind.labels(name, kind))
+        for tier in ("host", "disk"):
+            self._advance(f"offload_save:{tier}", getattr(stats, f"offload_saves_{tier}", 0),
+                          self.offload_saves.labels(name, tier))
+            self._advance(f"offload_load:{tier}", getattr(stats, f"offload_loads_{tier}", 0),
+                          self.offload_loads.labels(name, tier))
         self.checkpoints.labels(name).set(stats.num_checkpoints)
         self.checkpoint_bytes.labels(name).set(stats.checkpoint_bytes)
         if stats.prefix_queries:

@@ -12,13 +12,16 @@ Invariants:
   score first. An entry's score is the step it was last used plus the tokens it saves per
   page: eviction weighs compute saved per byte, not recency alone. A prefix hit on a free
   entry removes it from the eviction order in O(1) (lazy deletion from the heap).
+* ``on_evict`` (a KV connector's save hook) sees every entry evicted to make room, before its
+  blocks are handed out again; the blocks' bytes are unchanged until the step that the
+  allocation serves runs, so a save queued for that step reads the evicted content.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -73,6 +76,7 @@ class BlockPool:
         self._evictable_blocks = 0
         self.tick = 0  # advanced once per engine step
         self.stats = PoolStats()
+        self.on_evict: Callable[[CacheEntry], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -223,6 +227,8 @@ class BlockPool:
             e = self.entries.get(key)
             if e is not None and e.evictable and e.version == version:
                 break
+        if self.on_evict is not None:
+            self.on_evict(e)
         self._drop(e)
         self.stats.evictions += 1
 

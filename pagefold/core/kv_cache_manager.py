@@ -24,6 +24,12 @@
   message (pages taken after scheduling by ``plan_captures``, written by the layers' kernels
   during the forward, registered as a cache entry by ``after_step``), so no prompt pays extra
   steps for its checkpoints.
+* With a KV connector (``attach_connector``: offload tiers), hits also count keys stored
+  outside the pool. An entry the pool evicts is offered to the connector first (a save in the
+  next step's ops). A hit that needs any page from outside makes the request *loading*: its
+  pages are allocated and the loads queued, but it computes nothing until the worker reports
+  them (``finish_load``: then its computed length jumps to the hit; a failed key is forgotten
+  and the request starts over, so a bad page is recomputed, never used).
 """
 
 from __future__ import annotations
@@ -31,8 +37,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pagefold.core.block_pool import Block, BlockPool
+from pagefold.core.block_pool import Block, BlockPool, CacheEntry
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.core.kv_connector import (
+    ConnectorOutput,
+    KVConnectorScheduler,
+    KVOps,
+    key_from_name,
+    key_group,
+)
 from pagefold.core.managers import GroupManager, PageCopy, StateCapture, make_manager
 from pagefold.core.prefix_cache import update_block_hashes
 from pagefold.core.swap import (
@@ -89,6 +102,67 @@ class KVCacheManager:
         self._swaps: list[SwapOp] = []
         self.swap_stats = SwapStats()
         self.preempt_log = PreemptionLog()
+        # KV connector (off until ``attach_connector``); requests whose hit is loading:
+        # request id -> (hit blocks, tokens of it only the connector could serve).
+        self.connector: KVConnectorScheduler | None = None
+        self._loading: dict[str, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ KV connector
+    def attach_connector(self, connector: KVConnectorScheduler) -> None:
+        if not self.caching:
+            raise ValueError("a KV connector (kv_offloading_size / kv_offloading_dir) needs "
+                             "enable_prefix_caching")
+        self.connector = connector
+        self.pool.on_evict = self._save_evicted
+
+    def _save_evicted(self, e: CacheEntry) -> None:
+        if self.connector.wants(e.key):
+            self.connector.record_save(e.key, key_group(e.key), [b.block_id for b in e.blocks],
+                                       e.saved_tokens)
+
+    def offload_cached(self) -> None:
+        """Queue a save of every cached entry nobody holds (at shutdown: the pool's prefixes
+        survive on disk); run a step to execute it."""
+        if self.connector is None:
+            return
+        for e in list(self.pool.entries.values()):
+            if e.evictable:
+                self._save_evicted(e)
+
+    @property
+    def _stored(self):
+        return self.connector.contains if self.connector is not None else None
+
+    def is_loading(self, req_id: str) -> bool:
+        return req_id in self._loading
+
+    def take_kv_ops(self, idle: bool = False) -> KVOps:
+        """The connector's ops for the step being sent; ``idle``: it computes nothing else."""
+        if self.connector is None:
+            return KVOps()
+        ops = self.connector.take_ops()
+        ops.poll = bool(self._loading)  # loads may land in this step
+        ops.idle = idle
+        return ops
+
+    def apply_connector_output(self, out: ConnectorOutput) -> None:
+        if self.connector is not None:
+            self.connector.apply_output(out)
+
+    def finish_load(self, req: Request, failed_names: list[str]) -> bool:
+        """``req``'s loads ran. True: its computed length is now the hit. False: a page was
+        bad; the good ones stay cached, the request holds nothing and starts over."""
+        hit_blocks, tier_tokens = self._loading.pop(req.request_id)
+        failed = {key_from_name(n) for n in failed_names}
+        for m in self.managers:
+            m.finish_tier_load(req.request_id, failed)
+        if failed:
+            self.free(req)
+            req.num_computed_tokens = 0
+            return False
+        req.num_computed_tokens = hit_blocks * self.block_size
+        self.connector.stats.tokens_loaded += tier_tokens
+        return True
 
     # ------------------------------------------------------------------ prefix hits
     def find_hit(self, req: Request) -> int:
@@ -108,15 +182,16 @@ class KVCacheManager:
         owner = self._inflight.get(hashes[n])
         return owner is not None and owner != req.request_id
 
-    def _find_hit(self, req: Request, plan: bool) -> int:
+    def _find_hit(self, req: Request, plan: bool, pool_only: bool = False) -> int:
         bs = self.block_size
         hashes = update_block_hashes(req, bs)
         max_blocks = (req.num_tokens - 1) // bs
         cap, sets = max_blocks, []
+        stored = None if pool_only else self._stored
         # Checkpointing (state) managers last, asked only up to the others' common hit: their
         # answer is a set of lengths looked up block by block, and no hit can exceed ``cap``.
         for m in self._hit_order:
-            r = m.hit_lengths(hashes, cap)
+            r = m.hit_lengths(hashes, cap, stored)
             if isinstance(r, int):
                 cap = min(cap, r)
             else:
@@ -200,7 +275,7 @@ class KVCacheManager:
         need = 0
         for m in self.managers:
             if hit_blocks:
-                need += m.hit_cost(req.block_hashes, hit_blocks)
+                need += m.hit_cost(req.block_hashes, hit_blocks, self._stored)
                 need += m.num_blocks_needed("\0probe", start, end) - _hit_blocks_held(m, hit_blocks)
             else:
                 need += m.num_blocks_needed(req.request_id, start, end)
@@ -221,17 +296,33 @@ class KVCacheManager:
             # Hold every group's hit blocks first: a state group allocating its pages takes
             # from the free queue, which could otherwise evict the attention blocks (or another
             # group's checkpoint) this very hit is about to use.
-            held = [b for m in self.managers
-                    for b in m.hit_blocks(req.block_hashes, hit_blocks)]
+            stored, hashes = self._stored, req.block_hashes
+            held = [b for m in self.managers for b in m.hit_blocks(hashes, hit_blocks, stored)]
             self.pool.touch(held)
+            if stored is not None:  # ... and the tier keys, against the saves they cause
+                for m in self.managers:
+                    self.connector.pin(m.tier_keys(hashes, hit_blocks, stored))
+            loads = 0
             try:
                 for m in self.managers:
-                    copies = m.take_hit(req.request_id, req.block_hashes, hit_blocks)
+                    if stored is None:
+                        copies = m.take_hit(req.request_id, hashes, hit_blocks)
+                    else:
+                        copies, tier = m.take_tier_hit(req.request_id, hashes, hit_blocks,
+                                                       stored)
+                        for key, rows in tier:
+                            self.connector.record_load(req.request_id, key, m.index, rows)
+                        loads += len(tier)
                     for c in copies:
                         self._pins.append([self.pool.blocks[b] for b in c.src])
                     self._copies.extend(copies)
             finally:
                 self.pool.free(held)
+            if loads:  # computes nothing until the loads are reported (``finish_load``)
+                pool_hit = self._find_hit(req, plan=False, pool_only=True)
+                self._loading[req.request_id] = (hit_blocks,
+                                                 (hit_blocks - pool_hit) * self.block_size)
+                return True
             req.num_computed_tokens = hit_blocks * self.block_size
         end = req.num_computed_tokens + num_new_tokens
         for m in self.managers:
@@ -289,7 +380,8 @@ class KVCacheManager:
     @property
     def has_pending_copies(self) -> bool:
         """Copies queued for the next step (e.g. a checkpoint saved by a request that ended)."""
-        return bool(self._copies or self._swaps)
+        return bool(self._copies or self._swaps
+                    or (self.connector is not None and self.connector.has_pending))
 
     # ------------------------------------------------------------------ preemption
     def attach_swap(self, num_host_blocks: int, mode: str, cost: PreemptionCost) -> None:
@@ -399,6 +491,8 @@ class KVCacheManager:
                             if not any((c.group, b) in owned for b in c.dst)]
         for m in self.managers:
             m.free(req.request_id)
+        if self._loading.pop(req.request_id, None) is not None:
+            self.connector.cancel_loads(req.request_id)  # its pages go back to the pool now
         self._targets.pop(req.request_id, None)
         for h in req.block_hashes:
             if self._inflight.get(h) == req.request_id:
@@ -426,6 +520,9 @@ class KVCacheManager:
         assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"
         if self.host is not None:
             self.host.check_whole()
+        assert not self._loading, "requests still loading pages"
+        if self.connector is not None:
+            self.connector.check_whole()
         self.pool.check_whole()
 
 

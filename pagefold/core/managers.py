@@ -7,16 +7,27 @@ reusable state. New kinds of layer state are a new subclass here, not a branch i
 
 Prefix-cache keys are ``(group index, block hash)`` for attention blocks and
 ``("ckpt", group index, block hash)`` for state checkpoints, so groups never share entries.
+
+With a KV connector (``core/kv_connector.py``: offload tiers), a hit may also cover keys that
+lie outside the pool (``stored(key)``): each kind decides what such a key costs and how it
+comes back (``take_tier_hit``): an attention block is loaded into a fresh block that becomes
+a cache entry once the load succeeded (``finish_tier_load``); a state checkpoint is loaded
+straight into the request's own state pages.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool
 from pagefold.core.kv_cache_planner import CacheGroup
 from pagefold.core.kv_cache_spec import SlidingWindowSpec, cdiv, first_key
+
+Stored = Callable[[Hashable], bool] | None
+# (cache key, pool rows) to load for a request: the manager's answer to a tier hit.
+TierLoads = list[tuple[Hashable, list[int]]]
 
 
 @dataclass(slots=True)
@@ -80,11 +91,13 @@ class GroupManager(ABC):
         return 0
 
     # ---- prefix caching (defaults: this kind caches nothing) ----
-    def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> set[int] | int:
-        """Prefix lengths (in blocks) this group can serve: an int n means every length <= n."""
+    def hit_lengths(self, hashes: list[bytes], max_blocks: int, stored: Stored = None
+                    ) -> set[int] | int:
+        """Prefix lengths (in blocks) this group can serve: an int n means every length <= n.
+        ``stored``: keys outside the pool that a connector can load count as cached."""
         return 0
 
-    def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
+    def hit_cost(self, hashes: list[bytes], n_blocks: int, stored: Stored = None) -> int:
         """Free blocks that taking a hit of ``n_blocks`` would consume (beyond new blocks)."""
         return 0
 
@@ -97,7 +110,24 @@ class GroupManager(ABC):
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
         return []
 
-    def hit_blocks(self, hashes: list[bytes], n_blocks: int) -> list[Block]:
+    def take_tier_hit(self, req_id: str, hashes: list[bytes], n_blocks: int,
+                      stored: Callable[[Hashable], bool]) -> tuple[list[PageCopy], TierLoads]:
+        """Take a hit of ``n_blocks`` whose keys are in the pool or ``stored`` outside it:
+        the page copies it implies and the loads to request (pool rows already allocated)."""
+        return self.take_hit(req_id, hashes, n_blocks), []
+
+    def tier_keys(self, hashes: list[bytes], n_blocks: int,
+                  stored: Callable[[Hashable], bool]) -> list[Hashable]:
+        """The keys ``take_tier_hit`` would load (pinned in the connector first, so the
+        evictions its own allocations cause cannot push them out of a tier)."""
+        return []
+
+    def finish_tier_load(self, req_id: str, failed: set[Hashable]) -> None:  # noqa: B027
+        """The loads of ``take_tier_hit`` ran; ``failed`` keys never reached the pool
+        (default: nothing to register)."""
+
+    def hit_blocks(self, hashes: list[bytes], n_blocks: int, stored: Stored = None
+                   ) -> list[Block]:
         """The cached blocks a hit of ``n_blocks`` reads (pinned before any group allocates,
         so one group's allocation cannot evict what another group's hit is about to use)."""
         return []
@@ -118,6 +148,11 @@ class FullAttentionManager(GroupManager):
     into a partly filled block that another request also holds, it gets its own copy
     (copy-on-write of that one block).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Blocks being loaded from outside the pool for a request: (cache key, block).
+        self.loading: dict[str, list[tuple[Hashable, Block]]] = {}
 
     def _needs_cow(self, req_id: str, num_computed: int) -> bool:
         blocks = self.req_blocks.get(req_id)
@@ -163,14 +198,32 @@ class FullAttentionManager(GroupManager):
             out.append(blk)
         return out
 
-    def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> int:
-        return len(self._cached_prefix(hashes, max_blocks))
+    def _servable_prefix(self, hashes: list[bytes], max_blocks: int, stored: Stored
+                         ) -> list[Block | None]:
+        """The longest prefix whose every block is cached in the pool (its Block) or stored
+        outside it (None)."""
+        if stored is None:
+            return self._cached_prefix(hashes, max_blocks)  # type: ignore[return-value]
+        out: list[Block | None] = []
+        for h in hashes[:max_blocks]:
+            key = self._key(h)
+            blk = self.pool.lookup(key)
+            if blk is None and not stored(key):
+                break
+            out.append(blk)
+        return out
 
-    def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
-        return self.pool.free_cost(self._cached_prefix(hashes, n_blocks))
+    def hit_lengths(self, hashes: list[bytes], max_blocks: int, stored: Stored = None) -> int:
+        return len(self._servable_prefix(hashes, max_blocks, stored))
 
-    def hit_blocks(self, hashes: list[bytes], n_blocks: int) -> list[Block]:
-        return self._cached_prefix(hashes, n_blocks)
+    def hit_cost(self, hashes: list[bytes], n_blocks: int, stored: Stored = None) -> int:
+        blocks = self._servable_prefix(hashes, n_blocks, stored)
+        held = [b for b in blocks if b is not None]
+        return self.pool.free_cost(held) + len(blocks) - len(held)  # + fresh blocks to load
+
+    def hit_blocks(self, hashes: list[bytes], n_blocks: int, stored: Stored = None
+                   ) -> list[Block]:
+        return [b for b in self._servable_prefix(hashes, n_blocks, stored) if b is not None]
 
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
         blocks = self._cached_prefix(hashes, n_blocks)
@@ -180,6 +233,43 @@ class FullAttentionManager(GroupManager):
             self.pool.note_hit(self._key(h))
         self.req_blocks[req_id] = list(blocks)
         return []
+
+    def take_tier_hit(self, req_id: str, hashes: list[bytes], n_blocks: int,
+                      stored: Callable[[Hashable], bool]) -> tuple[list[PageCopy], TierLoads]:
+        blocks = self._servable_prefix(hashes, n_blocks, stored)
+        assert len(blocks) == n_blocks and req_id not in self.req_blocks
+        held = [b for b in blocks if b is not None]
+        self.pool.touch(held)
+        for h, b in zip(hashes, blocks):
+            if b is not None:
+                self.pool.note_hit(self._key(h))
+        loads: TierLoads = []
+        pending = []
+        for i, b in enumerate(blocks):
+            if b is None:  # outside the pool: a fresh block, cached once its load succeeded
+                (b,) = self.pool.allocate(1)
+                blocks[i] = b
+                key = self._key(hashes[i])
+                loads.append((key, [b.block_id]))
+                pending.append((key, b))
+        if pending:
+            self.loading[req_id] = pending
+        self.req_blocks[req_id] = blocks  # type: ignore[assignment]
+        return [], loads
+
+    def tier_keys(self, hashes: list[bytes], n_blocks: int,
+                  stored: Callable[[Hashable], bool]) -> list[Hashable]:
+        blocks = self._servable_prefix(hashes, n_blocks, stored)
+        return [self._key(h) for h, b in zip(hashes, blocks) if b is None]
+
+    def finish_tier_load(self, req_id: str, failed: set[Hashable]) -> None:
+        for key, blk in self.loading.pop(req_id, ()):
+            if key not in failed and blk.entry_key is None:
+                self.pool.cache(key, [blk], self.block_size)
+
+    def free(self, req_id: str) -> None:
+        self.loading.pop(req_id, None)
+        super().free(req_id)
 
     def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
                    is_checkpoint_target: bool) -> list[PageCopy]:
@@ -308,16 +398,21 @@ class StateManager(GroupManager):
     def _key(self, h: bytes):
         return ("ckpt", self.index, h)
 
-    def hit_lengths(self, hashes: list[bytes], max_blocks: int) -> set[int]:
+    def hit_lengths(self, hashes: list[bytes], max_blocks: int, stored: Stored = None
+                    ) -> set[int]:
+        entries = self.pool.entries
         return {i + 1 for i, h in enumerate(hashes[:max_blocks])
-                if self._key(h) in self.pool.entries}
+                if (key := self._key(h)) in entries or (stored is not None and stored(key))}
 
-    def hit_cost(self, hashes: list[bytes], n_blocks: int) -> int:
-        # The checkpoint is pinned until its copy runs; its pages stop counting as free.
+    def hit_cost(self, hashes: list[bytes], n_blocks: int, stored: Stored = None) -> int:
+        # The checkpoint is pinned until its copy runs; its pages stop counting as free. A
+        # checkpoint outside the pool loads straight into the request's own pages (counted
+        # by ``num_blocks_needed``).
         e = self.pool.entry(self._key(hashes[n_blocks - 1]))
         return len(e.blocks) if e is not None and e.evictable else 0
 
-    def hit_blocks(self, hashes: list[bytes], n_blocks: int) -> list[Block]:
+    def hit_blocks(self, hashes: list[bytes], n_blocks: int, stored: Stored = None
+                   ) -> list[Block]:
         e = self.pool.entry(self._key(hashes[n_blocks - 1]))
         return list(e.blocks) if e is not None else []
 
@@ -330,6 +425,20 @@ class StateManager(GroupManager):
         self.allocate(req_id, 0, 0)
         dst = self.block_ids(req_id)
         return [PageCopy(self.index, [b.block_id for b in e.blocks], dst)]
+
+    def tier_keys(self, hashes: list[bytes], n_blocks: int,
+                  stored: Callable[[Hashable], bool]) -> list[Hashable]:
+        key = self._key(hashes[n_blocks - 1])
+        return [] if key in self.pool.entries else [key]
+
+    def take_tier_hit(self, req_id: str, hashes: list[bytes], n_blocks: int,
+                      stored: Callable[[Hashable], bool]) -> tuple[list[PageCopy], TierLoads]:
+        key = self._key(hashes[n_blocks - 1])
+        if key in self.pool.entries:
+            return self.take_hit(req_id, hashes, n_blocks), []
+        # Outside the pool: loaded into the request's own state pages (never shared).
+        self.allocate(req_id, 0, 0)
+        return [], [(key, self.block_ids(req_id))]
 
     def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
                    is_checkpoint_target: bool) -> list[PageCopy]:

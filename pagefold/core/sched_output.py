@@ -27,6 +27,8 @@ seen (tokens, sampling parameters, block tables), built from the message alone:
   checkpoint target strictly inside a request's chunk: the state after its first
   ``num_tokens`` tokens goes to ``pages``); the pages are held by the cache manager, which
   registers them as cache entries in ``update_from_output``.
+* ``kv_ops``: the KV connector's page moves (``core/kv_connector.py``: drops, saves out of
+  the pool, loads into it), run first, before the copies and swaps.
 * ``finished_ids`` / ``preempted_ids``: drop these requests' state first (a finished request's
   sampling generator too; a preempted one comes back later as a new request).
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagefold.core.kv_connector import ConnectorOutput, KVOps
 from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
 from pagefold.sampling_params import SamplingParams
@@ -82,6 +85,8 @@ class SchedulerOutput:
     copies: list[PageCopy] = field(default_factory=list)
     swaps: list[SwapOp] = field(default_factory=list)
     captures: list[StateCapture] = field(default_factory=list)
+    # KV connector work (offload tiers): drops, saves, loads, run before everything above.
+    kv_ops: KVOps = field(default_factory=KVOps)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule
     # Structured output: request id -> its packed int32 allowed-token row (little-endian
@@ -104,7 +109,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for a runner to do (no tokens, no page moves)."""
-        return not (self.num_scheduled or self.copies or self.swaps)
+        return not (self.num_scheduled or self.copies or self.swaps or self.kv_ops)
 
 
 @dataclass(slots=True)
@@ -143,6 +148,14 @@ class EngineCoreOutput:
     # On a request's first output only: time.monotonic() when it was first scheduled (the
     # clock is system-wide, so the API process times queue vs prefill with it).
     scheduled_time: float | None = None
+
+
+class RunnerOutput(dict):
+    """What ``runner.execute`` returns when the step had KV connector ops: the usual
+    ``{request id: SampledToken | VerifiedTokens}`` plus the connector's report (vLLM's
+    ``kv_connector_output``), so a step stays three calls."""
+
+    kv_connector_output: ConnectorOutput | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_connector import ConnectorOutput
 from pagefold.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -120,6 +121,10 @@ class Scheduler:
         self.policy = policy
         self.waiting = _WaitingQueue(policy)
         self.running: list[Request] = []
+        # Admitted requests whose prefix-cache hit waits for pages from a KV connector (offload
+        # tiers): they hold their blocks, compute nothing, and join ``running`` once the
+        # worker reports their loads (or go back to waiting when a page was bad).
+        self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         # What the runner holds: requests it has seen since their last preemption, and the
@@ -147,7 +152,7 @@ class Scheduler:
             return None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif self.loading.pop(req_id, None) is None:
             self.waiting.remove(req)
         req.status = status
         if status == RequestStatus.FINISHED_ABORTED:
@@ -316,7 +321,7 @@ class Scheduler:
         # A request whose prefix another request is computing right now waits for that hit.
         if not out.preempted_ids:
             for req in list(self.waiting):
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                     break
                 if req.paused or self.kv.should_defer(req):
                     continue
@@ -336,6 +341,9 @@ class Scheduler:
                     req.num_cached_tokens = req.num_computed_tokens
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
+                if self.kv.is_loading(req.request_id):  # its hit's pages come in this step
+                    self.loading[req.request_id] = req
+                    continue
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 if n:
@@ -355,7 +363,10 @@ class Scheduler:
                 list(out.num_scheduled.values()))
         out.copies = self.kv.take_copies()
         out.swaps = self.kv.take_swaps()
-        if not scheduled and not self.running and self.waiting and not out.copies:
+        out.kv_ops = self.kv.take_kv_ops(
+            idle=not (out.num_scheduled or out.copies or out.swaps))
+        if not scheduled and not self.running and self.waiting and not out.copies \
+                and not self.loading:
             self._abort_unschedulable()
         so = self.structured
         if so is not None and so.num_constrained(self.requests):
@@ -393,7 +404,12 @@ class Scheduler:
                            sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
         """Apply a step's results: scheduled tokens become computed, sampled tokens are
         appended and checked against the stop rules, full blocks and state checkpoints are
-        cached, the step's copied pages are unpinned and finished requests freed."""
+        cached, the step's copied pages are unpinned and finished requests freed. The KV
+        connector's report (``RunnerOutput.kv_connector_output``) moves requests whose loads
+        finished to running, or back to waiting when a page was bad."""
+        kv_out = getattr(sampled, "kv_connector_output", None)
+        if kv_out is not None:
+            self._apply_loads(kv_out)
         if out.spec_token_ids and self.drafter is not None:
             self.drafter.observe(out, sampled)
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -441,6 +457,19 @@ class Scheduler:
         if self.structured is not None and self.structured.num_matchers:
             self.structured.retain(self.requests)  # finished / aborted requests' matchers go
         return outputs
+
+    def _apply_loads(self, kv_out: ConnectorOutput) -> None:
+        self.kv.apply_connector_output(kv_out)
+        for rid in kv_out.finished:
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue  # aborted meanwhile
+            if self.kv.finish_load(req, kv_out.failed.get(rid, [])):
+                req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            else:  # a bad page: start over, the hit search no longer finds that key
+                self.waiting.push_front(req)
 
     def _append_verified(self, r: Request, n: int, drafts: list[int], tok: VerifiedTokens,
                          outputs: list[EngineCoreOutput],

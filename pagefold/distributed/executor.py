@@ -23,7 +23,8 @@ import time
 import weakref
 from multiprocessing.connection import Listener
 
-from pagefold.core.sched_output import SampledToken, SchedulerOutput
+from pagefold.core.kv_connector import ReportMerger
+from pagefold.core.sched_output import RunnerOutput, SampledToken, SchedulerOutput
 from pagefold.distributed.worker import WorkerInit
 
 
@@ -84,6 +85,7 @@ class TPExecutor:
         for c in self.conns:
             c.send(init)
         self.num_forward_tokens = 0
+        self._reports = ReportMerger(size)  # the ranks' KV connector reports
         replies = self._collect(start_timeout_s)
         self.num_params = sum(r[1] for r in replies)  # shards (replicated norms count twice)
         self.rank_pools: list[dict] = [r[2] for r in replies]  # per rank: blocks, pool bytes
@@ -175,7 +177,12 @@ class TPExecutor:
                            f"is gone; the engine cannot continue")
         replies = self._collect()
         self.num_forward_tokens = replies[0][2]
-        return replies[0][1]
+        reports = [r[3] for r in replies]
+        if not any(r is not None for r in reports):
+            return replies[0][1]
+        result = RunnerOutput(replies[0][1])
+        result.kv_connector_output = self._reports.merge(reports, out.kv_ops.cancels)
+        return result
 
     def close(self) -> None:
         self._finalizer()

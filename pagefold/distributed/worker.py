@@ -23,6 +23,7 @@ from pagefold.csrc import gemv_choice
 from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
+from pagefold.offload.setup import OffloadPlan, build_store
 
 logger = logging.getLogger("pagefold")
 
@@ -44,9 +45,10 @@ class WorkerInit:
     warm_up_seq_len: int
     quantization: str | None = None  # the quantization option (see ``load_model``)
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
+    offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
 
 
-def build_rank_runner(init: WorkerInit) -> ModelRunner:
+def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
     """This rank's runner (``executor/runner_builder``, as the engine builds it at TP 1),
     warmed up when ``init`` asks."""
     _, hf_config = load_hf_config(init.model)
@@ -55,6 +57,8 @@ def build_rank_runner(init: WorkerInit) -> ModelRunner:
                           torch.device(init.device), init.kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,
                           quantization=init.quantization)
+    if init.offload is not None:
+        build_store(init.offload, runner, rank)
     if init.warm_up_tokens:
         runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
     return runner
@@ -63,12 +67,13 @@ def build_rank_runner(init: WorkerInit) -> ModelRunner:
 def worker_main(rank: int, size: int, conn) -> None:
     """Serve one rank: read the ``WorkerInit``, join the group, build the shard, then run the
     step messages until an empty message (or the engine's end of the connection)."""
+    runner = None
     try:
         init: WorkerInit = conn.recv()
         torch.set_num_threads(max(1, init.threads))
         backend = "nccl" if init.device.startswith("cuda") else "gloo"
         init_tensor_parallel(rank, size, backend)
-        runner = build_rank_runner(init)
+        runner = build_rank_runner(init, rank)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
         conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel))
@@ -78,7 +83,9 @@ def worker_main(rank: int, size: int, conn) -> None:
                 break
             out = pickle.loads(data)
             sampled = runner.execute(out)
-            conn.send(("ok", sampled if rank == 0 else None, runner.num_forward_tokens))
+            # Every rank reports its KV connector work (a page may be bad on one rank only).
+            report = getattr(sampled, "kv_connector_output", None)
+            conn.send(("ok", sampled if rank == 0 else None, runner.num_forward_tokens, report))
     except EOFError:
         pass  # the engine went away
     except BaseException as e:  # noqa: BLE001 - report every failure to the engine, then exit
@@ -88,6 +95,8 @@ def worker_main(rank: int, size: int, conn) -> None:
         except Exception:  # noqa: BLE001
             pass
     finally:
+        if runner is not None and runner.connector is not None:
+            runner.connector.close()  # queued disk writes land before the rank exits
         try:
             close_tensor_parallel()
         except Exception:  # noqa: BLE001

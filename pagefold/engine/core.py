@@ -35,6 +35,7 @@ from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
 from pagefold.models.registry import model_class
 from pagefold.models.weights import apply_checkpoint_kv_scales
+from pagefold.offload.setup import OffloadPlan, attach_offload, offload_plan
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports
@@ -84,12 +85,12 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
-                          warm_len: int):
+                          warm_len: int, offload: OffloadPlan | None = None):
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
                       cache_fill, host_blocks, threads, warm, warm_len, config.quantization,
-                      cpu_gemv_kernel=config.cpu_gemv_kernel)
+                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload)
     return TPExecutor(init, config.tensor_parallel_size)
 
 
@@ -154,6 +155,7 @@ class EngineCore:
         host_blocks = config.swap_space // (self.kv_config.layers_per_group
                                             * self.kv_config.page_bytes)
         max_positions = max(self.max_model_len, max_pos)
+        offload = offload_plan(config, self.kv_config, model_dtype=self.dtype)
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
         gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
@@ -178,7 +180,7 @@ class EngineCore:
             self.model = None  # the ranks hold the shards
             self.runner = start_tensor_parallel(
                 config, arch, self.dtype, max_positions, self.device, self.kv_config,
-                cache_fill, host_blocks, warm, warm_len)
+                cache_fill, host_blocks, warm, warm_len, offload)
             logger.info("tensor parallel: %d ranks (pids %s)", self.tp, self.runner.pids)
         if config.kv_cache_dtype == "fp8" and self.tp == 1:
             n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
@@ -190,6 +192,8 @@ class EngineCore:
                                      and self.runner.captures_in_kernel)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
+        # Offload tiers (host memory, disk) for the prefix cache: a KV connector.
+        self.offload = attach_offload(offload, self.kv, self.runner)
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
@@ -253,8 +257,22 @@ class EngineCore:
             cpu_ops.use_fast_linears(draft)
         return DraftModelProposer.for_specs(draft, spec_specs)
 
+    def save_prefixes(self) -> None:
+        """With offload tiers and no request left: save every prefix the pool caches (the
+        tiers hold what was evicted already), so a restart on the same directory finds them."""
+        if self.offload is not None and not self.scheduler.requests:
+            self.flush()  # checkpoint copies still queued land (and unpin) first
+            self.kv.offload_cached()
+            self.offload.request_drain()  # every rank's queued disk writes land in it
+            self.flush()
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do in one process)."""
+        """Save the pool's cached prefixes to the offload tiers (``save_prefixes``), then stop
+        the tensor-parallel ranks (nothing to do in one process)."""
+        self.save_prefixes()
+        store = getattr(self.runner, "connector", None)  # TP 1: the offload I/O thread
+        if store is not None:
+            store.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

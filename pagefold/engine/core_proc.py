@@ -125,6 +125,15 @@ class CoreStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0  # cumulative drafted tokens
     spec_num_accepted_tokens: int = 0  # cumulative accepted drafted tokens
     num_aborted: int = 0  # cumulative requests the core aborted (disconnects, stop strings)
+    # Offload tiers (cumulative; offload/index.py OffloadStats): pages saved to / loaded from
+    # each tier, prompt tokens served from the tiers, bad pages detected, refused writes.
+    offload_saves_host: int = 0
+    offload_saves_disk: int = 0
+    offload_loads_host: int = 0
+    offload_loads_disk: int = 0
+    offload_tokens_loaded: int = 0
+    offload_load_failures: int = 0
+    offload_store_failures: int = 0
 
 
 class RequestError(msgspec.Struct):
@@ -199,7 +208,19 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
         num_forks=s.num_forks, num_checkpoints=num_ck,
         checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes,
-        num_aborted=s.num_aborted, **_spec_stats(core))
+        num_aborted=s.num_aborted, **_spec_stats(core), **_offload_stats(core))
+
+
+def _offload_stats(core) -> dict[str, int]:
+    index = getattr(core, "offload", None)
+    if index is None:
+        return {}
+    st = index.stats
+    return {"offload_saves_host": st.saves_host, "offload_saves_disk": st.saves_disk,
+            "offload_loads_host": st.loads_host, "offload_loads_disk": st.loads_disk,
+            "offload_tokens_loaded": st.tokens_loaded,
+            "offload_load_failures": st.load_failures,
+            "offload_store_failures": st.store_failures}
 
 
 def _spec_stats(core) -> dict[str, int]:
@@ -385,6 +406,7 @@ class _CoreLoop:
     def close(self) -> None:
         if self._compile_pool is not None:
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.core.save_prefixes()  # offload tiers: the pool's prefixes outlive the process
 
     def send(self, outputs: list[EngineCoreOutput], errors, utility, *,
              with_stats: bool = True) -> None:

@@ -58,6 +58,13 @@ HELP: dict[str, str] = {
                              "prompts with the same prefix",
     "preemption_mode": "how a preempted request gives its blocks back: recompute, swap to "
                        "host memory (needs --swap-space), or auto (cheaper per request)",
+    "kv_offloading_size": "GiB of host memory for blocks and state checkpoints evicted from "
+                          "the pool (prefix-cache offload tier; vLLM's flag)",
+    "kv_offloading_dir": "directory of the disk offload tier (page files with a checksum per "
+                         "page, see docs/OFFLOAD_FORMAT.md); a restarted engine serves its "
+                         "prefixes from it",
+    "kv_offloading_disk_size": "cap of the disk offload tier, e.g. 20GiB (least recently used "
+                               "pages deleted first)",
     "swap_space": "host memory for swapped-out blocks, e.g. 4GiB (0: no swap)",
     "state_checkpoint_interval": "tokens between cached recurrent-state checkpoints of hybrid "
                                  "models (a multiple of --block-size)",

@@ -13,8 +13,14 @@ import torch
 
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_cache_spec import StateSpec, cdiv
+from pagefold.core.kv_connector import ConnectorOutput
 from pagefold.core.managers import PageCopy
-from pagefold.core.sched_output import SampledToken, SchedulerOutput, VerifiedTokens
+from pagefold.core.sched_output import (
+    RunnerOutput,
+    SampledToken,
+    SchedulerOutput,
+    VerifiedTokens,
+)
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_rank
@@ -87,6 +93,8 @@ class ModelRunner:
         # Speculative decoding with a draft model or MTP heads: the runner-side proposer
         # (spec_decode.drafting.Proposer); None for n-gram or no speculation.
         self.proposer = None
+        # The KV connector's worker side (core.kv_connector.KVConnectorWorker: offload tiers).
+        self.connector = None
 
     @property
     def captures_in_kernel(self) -> bool:
@@ -203,9 +211,10 @@ class ModelRunner:
         """Run one step message; returns the tokens of the rows that reached the end of their
         request's tokens.
 
-        Before the forward: swap-outs (their device pages may be reused this step), then page
-        copies (prefix-hit restores, forks, copy-on-write, last step's checkpoint saves), then
-        swap-ins.
+        Before the forward: the KV connector's ops (offload tiers: drops, saves, loads), then
+        swap-outs (their device pages may be reused this step), then page copies (prefix-hit
+        restores, forks, copy-on-write, last step's checkpoint saves), then swap-ins. With
+        connector ops the result is a ``RunnerOutput`` carrying the connector's report.
 
         On the CPU a small step (see ``SMALL_STEP_WORK``) runs with one torch thread; the
         caller's thread count is restored afterwards."""
@@ -214,18 +223,28 @@ class ModelRunner:
             self.proposer.forget(out.finished_ids + out.preempted_ids)
         self._grammar = out.grammar_bitmask
         with _threads_for(self.device, batch.num_tokens * self.num_params):
-            self.move_pages(out)
+            report = self.move_pages(out)
             if not batch.reqs:
-                return {}
-            if out.spec_token_ids:  # speculative verify step (pagefold.spec_decode)
-                return self._execute_verify(batch, out.spec_token_ids)
-            return self._execute(batch)
+                result = {}
+            elif out.spec_token_ids:  # speculative verify step (pagefold.spec_decode)
+                result = self._execute_verify(batch, out.spec_token_ids)
+            else:
+                result = self._execute(batch)
+        if report is not None:
+            result = RunnerOutput(result)
+            result.kv_connector_output = report
+        return result
 
-    def move_pages(self, out: SchedulerOutput) -> None:
+    def move_pages(self, out: SchedulerOutput) -> ConnectorOutput | None:
+        report = None
+        if out.kv_ops and self.connector is not None:
+            # First: a save reads pages this step's copies, swaps or forward may overwrite.
+            report = self.connector.run(out.kv_ops)
         self.swap([op for op in out.swaps if op.to_host])
         if out.copies:
             self.copy_pages(out.copies)
         self.swap([op for op in out.swaps if not op.to_host])
+        return report
 
     def _forward(self, batch: StepBatch, tokens: list[list[int]], totals: list[int], *,
                  captures=None, drafted: list[bool] | None = None

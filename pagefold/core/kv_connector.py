@@ -1,0 +1,225 @@
+"""The KV connector: how pages leave the block pool and come back (offload tiers, transfer).
+
+Shaped like vLLM's KV connector, in two halves that talk only through the step message:
+
+* The **scheduler side** (:class:`KVConnectorScheduler`, in the engine core) answers "is the
+  page under this key available outside the pool" (``contains``), decides where a page that
+  leaves the pool goes (``record_save``), and turns its decisions into plain ops that travel in
+  ``SchedulerOutput.kv_ops`` (``take_ops``). It never touches page bytes.
+* The **worker side** (:class:`KVConnectorWorker`, one per runner / tensor-parallel rank, each
+  holding its own shard of every page) executes a step's ops around the forward and reports
+  per request which loads finished and which keys failed (:class:`ConnectorOutput`).
+
+Keys are the prefix cache's own: an attention block's ``(group, hash)`` and a state
+checkpoint's ``("ckpt", group, hash)``; the hash chain starts from the request's extra keys
+(``cache_salt``), so salted prefixes never meet. On the wire and on disk a key is its
+:func:`key_name` (``a<group>-<hex>`` / ``s<group>-<hex>``). Attention pages and state
+checkpoint pages go through the connector alike: a key names ``n`` page rows of one group
+(1 for an attention block, ``pages_per_state`` for a checkpoint) in each of the group's
+layers.
+
+Which keys a request's prefix needs, and what a load means for a kind of page (attention: a
+block registered in the prefix cache; state: the request's own state pages), is the policy of
+the cache managers (``core/managers.py``); the scheduler only sees "this request is loading".
+
+Loads may finish in a later step than the one that asked for them (asynchronous I/O): the
+scheduler keeps such a request *loading* (it computes nothing) until a report names it.
+
+Order of a step's ops on the worker, before any page copy, swap or forward of that step:
+cancels, drops, then saves, then loads (a key dropped and saved again in one step keeps the
+new page; a load may read what a save of the same step wrote; a save reads a page before the
+step writes it, so an evicted block can be handed out in the same step).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+
+def key_name(key: Hashable) -> str:
+    """The wire / file name of a prefix-cache key: ``a<group>-<hash hex>`` for an attention
+    block ``(group, hash)``, ``s<group>-<hash hex>`` for a checkpoint ``("ckpt", group, hash)``."""
+    if len(key) == 3:  # type: ignore[arg-type]
+        _, group, h = key  # type: ignore[misc]
+        return f"s{group}-{h.hex()}"
+    group, h = key  # type: ignore[misc]
+    return f"a{group}-{h.hex()}"
+
+
+def key_group(key: Hashable) -> int:
+    """The cache group a prefix-cache key belongs to."""
+    return key[1] if len(key) == 3 else key[0]  # type: ignore[index,arg-type]
+
+
+def key_from_name(name: str) -> tuple:
+    """Inverse of :func:`key_name`; raises ValueError on a malformed name."""
+    kind, _, rest = name.partition("-")
+    if kind[:1] not in ("a", "s") or not rest:
+        raise ValueError(f"not a page key name: {name!r}")
+    group, h = int(kind[1:]), bytes.fromhex(rest)
+    return ("ckpt", group, h) if kind[0] == "s" else (group, h)
+
+
+@dataclass(slots=True)
+class KVSave:
+    """Copy the page rows ``pages`` of ``group`` (every layer) out of the pool under ``key``:
+    into host slots ``host_slots`` (empty: not to host) and/or a disk page file."""
+
+    key: str
+    group: int
+    pages: list[int]
+    saved_tokens: int
+    host_slots: list[int] = field(default_factory=list)
+    to_disk: bool = False
+
+
+@dataclass(slots=True)
+class KVLoad:
+    """Copy the page stored under ``key`` into pool rows ``pages`` of ``group`` for request
+    ``req_id``: from host slots ``host_slots`` when given, else from its disk page file."""
+
+    req_id: str
+    key: str
+    group: int
+    pages: list[int]
+    host_slots: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVOps:
+    """A step's connector work (plain data: it travels to every rank with the step).
+
+    ``cancels``: requests whose loads must not land (aborted while loading: their pages may
+    be handed out again in this very step). ``poll``: requests are loading, so the worker runs
+    even without new ops (to land loads that finished). ``idle``: the step computes nothing
+    else (the worker may wait briefly for a load). ``drain``: finish every queued write
+    before the step ends (shutdown)."""
+
+    drops: list[str] = field(default_factory=list)  # disk page files to delete
+    saves: list[KVSave] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    poll: bool = False
+    idle: bool = False
+    drain: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.drops or self.saves or self.loads or self.cancels or self.poll
+                    or self.drain)
+
+
+@dataclass(slots=True)
+class ConnectorOutput:
+    """What the worker side reports after a step's ops.
+
+    ``finished``: requests whose loads are all done (ok or not); ``failed``: per request the
+    keys whose page was missing, truncated or corrupt (never copied into the pool);
+    ``store_failed``: keys that could not be written (disk full): the scheduler side forgets
+    them. ``loaded_from``: per tier name, the pages (entries) read from it; ``bytes_*``:
+    payload bytes moved."""
+
+    finished: list[str] = field(default_factory=list)
+    failed: dict[str, list[str]] = field(default_factory=dict)
+    store_failed: list[str] = field(default_factory=list)
+    loaded_from: dict[str, int] = field(default_factory=dict)
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+
+
+class ReportMerger:
+    """Tensor parallelism: the ranks' reports, step after step, as one report per step. Ranks
+    finish a request's loads in different steps (each reads its own files): it is reported
+    finished once every rank has; a key failed when it failed on any rank (its page is then
+    recomputed on all of them). Counts are rank 0's, bytes the sum."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._done: dict[str, set[int]] = {}
+        self._failed: dict[str, list[str]] = {}
+
+    def merge(self, reports: list[ConnectorOutput | None], cancels: list[str]
+              ) -> ConnectorOutput:
+        for rid in cancels:  # aborted: some ranks will never report it
+            self._done.pop(rid, None)
+            self._failed.pop(rid, None)
+        first = reports[0] or ConnectorOutput()
+        out = ConnectorOutput(loaded_from=dict(first.loaded_from))
+        for rank, r in enumerate(reports):
+            if r is None:
+                continue
+            for rid in r.finished:
+                self._done.setdefault(rid, set()).add(rank)
+            for rid, keys in r.failed.items():
+                have = self._failed.setdefault(rid, [])
+                have.extend(k for k in keys if k not in have)
+            out.store_failed.extend(k for k in r.store_failed if k not in out.store_failed)
+            out.bytes_loaded += r.bytes_loaded
+            out.bytes_saved += r.bytes_saved
+        for rid in [rid for rid, ranks in self._done.items() if len(ranks) == self.size]:
+            del self._done[rid]
+            out.finished.append(rid)
+            failed = self._failed.pop(rid, None)
+            if failed:
+                out.failed[rid] = failed
+        return out
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler side: an index of what lies outside the pool, and the ops of the next step."""
+
+    @abstractmethod
+    def contains(self, key: Hashable) -> bool:
+        """Whether a page stored under ``key`` can be loaded (a later load may still fail)."""
+
+    @abstractmethod
+    def wants(self, key: Hashable) -> bool:
+        """Whether a page leaving the pool under ``key`` should be saved."""
+
+    @abstractmethod
+    def record_save(self, key: Hashable, group: int, pages: list[int],
+                    saved_tokens: int) -> None:
+        """Queue a save of pool rows ``pages`` (read at the start of the next step sent)."""
+
+    @abstractmethod
+    def pin(self, keys: list[Hashable]) -> None:
+        """Keep ``keys`` (about to be loaded) in their tiers until the step is taken: the
+        saves that the loading request's own allocations cause must not evict them."""
+
+    @abstractmethod
+    def record_load(self, req_id: str, key: Hashable, group: int, pages: list[int]) -> None:
+        """Queue a load of ``key`` (pinned) into pool rows ``pages`` for ``req_id``."""
+
+    @abstractmethod
+    def cancel_loads(self, req_id: str) -> None:
+        """``req_id`` ended while loading: its loads must not land (its pages are freed)."""
+
+    @abstractmethod
+    def request_drain(self) -> None:
+        """The next step's ops finish every queued write before the step ends."""
+
+    @abstractmethod
+    def take_ops(self) -> KVOps:
+        """The queued ops, for the step being sent."""
+
+    @abstractmethod
+    def apply_output(self, out: ConnectorOutput) -> None:
+        """Learn from the worker's report (forget failed keys, count)."""
+
+    @property
+    @abstractmethod
+    def has_pending(self) -> bool:
+        """Ops are queued for the next step."""
+
+
+class KVConnectorWorker(ABC):
+    """Worker side: runs a step's ops against this rank's pool tensors."""
+
+    @abstractmethod
+    def run(self, ops: KVOps) -> ConnectorOutput:
+        """Execute drops, saves, then loads (the module docstring's order); a load may land
+        in a later step's ``run`` (asynchronous), its request reported then."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Finish queued work and release threads (the runner is going away)."""

@@ -1,0 +1,234 @@
+"""What each cache page holds, followed through every step by a stand-in model (issue 44).
+
+The fake-model scheduler tests check block counts and schedules; they cannot tell a state
+restored from the wrong checkpoint, or an attention block cached under the wrong prefix, from
+the right one. Here a stand-in runner keeps the *contents* of every page, as a model would
+write them, and checks every read:
+
+* an attention page slot for position ``p`` holds the key of ``tokens[:p + 1]`` (a key depends
+  on its whole prefix), written by whoever computed it; a step starting at ``s`` reads every
+  earlier position it attends to (a sliding window: the last ``window - 1`` of them);
+* page ``i`` of a state holds ``(i, tokens[:s])`` when a step starts at ``s > 0`` (the state
+  after exactly the tokens consumed); the step writes ``(i, tokens[:s + n])``, and a capture
+  inside the step writes ``(i, tokens[:t])`` to its pages.
+
+Page copies and swaps move contents exactly as the step message orders them (swap-outs, then
+copies in list order, then swap-ins; see ``core/sched_output.py``). The oracle is the model's
+semantics, not the managers' bookkeeping: a hit restored from the checkpoint one block off, a
+checkpoint registered under a neighbouring key, a copy that goes the wrong way or is dropped,
+a block cached before it is full: each makes some read disagree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    StateComponent,
+    StateSpec,
+)
+from pagefold.core.sched_output import SampledToken, SchedulerOutput
+from pagefold.core.scheduler import Scheduler
+from pagefold.core.swap import PreemptionCost
+from pagefold.executor.runner_state import RunnerRequests
+from pagefold.request import Request
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)  # 128-byte page
+WINDOW = 6
+SWA = SlidingWindowSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32, window=WINDOW)
+# 64 floats: two attention pages.
+STATE = StateSpec("gdn", (StateComponent("conv", (2, 8), torch.float32),
+                          StateComponent("ssm", (48,), torch.float32)))
+
+
+def _copy(v):
+    return list(v) if isinstance(v, list) else v  # an attention page's slots are mutable
+
+
+class PageModel:
+    """The stand-in runner: page contents, host rows, and the checks on every read."""
+
+    def __init__(self, s: Scheduler, kinds: list[str]) -> None:
+        self.s = s
+        self.kinds = kinds  # per cache group: "attn", "swa" or "state"
+        self.dev: dict[int, object] = {}
+        self.host: dict[int, object] = {}
+        self.runner = RunnerRequests()
+        self.reads = {"attn": 0, "state": 0, "restored": 0}
+        self.restored: set[str] = set()  # requests this step admitted with cached tokens
+
+    def _moves(self, out: SchedulerOutput) -> None:
+        for op in out.swaps:
+            if op.to_host:
+                for d, h in zip(op.device, op.host, strict=True):
+                    self.host[h] = _copy(self.dev.get(d))
+        for c in out.copies:
+            assert len(c.src) == len(c.dst)
+            vals = [self.dev.get(b) for b in c.src]
+            for b, v in zip(c.dst, vals):
+                self.dev[b] = _copy(v)
+        for op in out.swaps:
+            if not op.to_host:
+                for d, h in zip(op.device, op.host, strict=True):
+                    self.dev[d] = _copy(self.host[h])
+
+    def _slot(self, page: int) -> list:
+        v = self.dev.get(page)
+        if not isinstance(v, list):
+            v = self.dev[page] = [None] * BS
+        return v
+
+    def step(self) -> SchedulerOutput:
+        s = self.s
+        out = s.schedule()
+        self._last = out
+        self._moves(out)
+        batch = self.runner.apply(out)
+        sampled = {}
+        for row, (st, start, n) in enumerate(zip(batch.reqs, batch.starts, batch.counts)):
+            toks = st.token_ids
+            for g, (kind, table) in enumerate(zip(self.kinds, st.block_ids)):
+                if kind == "state":
+                    if start:
+                        for i, page in enumerate(table):
+                            assert self.dev.get(page) == (g, i, tuple(toks[:start])), (
+                                f"{st.req_id}: state page {i} of group {g} at {start} holds "
+                                f"{self._describe(page)}")
+                        self.reads["state"] += 1
+                        if st.req_id in self.restored:
+                            self.reads["restored"] += 1
+                    for i, page in enumerate(table):
+                        self.dev[page] = (g, i, tuple(toks[:start + n]))
+                    for r, t, pages in batch.captures.get(g, ()):
+                        if r == row:
+                            assert start < t < start + n
+                            for i, page in enumerate(pages):
+                                self.dev[page] = (g, i, tuple(toks[:t]))
+                    continue
+                first = 0 if kind == "attn" else max(0, start - WINDOW + 1)
+                for p in range(first, start):
+                    got = self._slot(table[p // BS])[p % BS]
+                    assert got == (g, tuple(toks[:p + 1])), (
+                        f"{st.req_id}: group {g} position {p} holds {got}")
+                    self.reads["attn"] += 1
+                for p in range(start, start + n):
+                    self._slot(table[p // BS])[p % BS] = (g, tuple(toks[:p + 1]))
+            if start + n >= len(toks):
+                sampled[st.req_id] = SampledToken(10 + sum(toks) % 37)
+        self.restored = {r.req_id for r in out.new_reqs if r.num_computed_tokens}
+        s.update_from_output(out, sampled)
+        return out
+
+    def _describe(self, page: int) -> str:
+        v = self.dev.get(page)
+        if isinstance(v, tuple) and len(v) == 3:
+            return f"the state after {len(v[2])} tokens"
+        return repr(v)
+
+    def run(self, limit: int = 2000) -> None:
+        for _ in range(limit):
+            if not self.s.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+def _scheduler(specs: dict, num_blocks: int, *, budget: int = 64, interval: int = BS,
+               capture: bool = False, swap: bool = False) -> Scheduler:
+    page = ATTN.page_bytes(BS)
+    probe = plan_pagefold(specs, BS, page * 64)
+    cfg = plan_pagefold(specs, BS, num_blocks * probe.layers_per_group * page)
+    assert cfg.num_blocks == num_blocks
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=interval,
+                        capture_in_kernel=capture)
+    if swap:
+        kv.attach_swap(64, "swap", PreemptionCost(flops_per_token=1.0))
+    return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=16, max_model_len=256)
+
+
+def _kinds(s: Scheduler) -> list[str]:
+    out = []
+    for g in s.kv.config.groups:
+        spec = g.spec
+        out.append("state" if isinstance(spec, StateSpec)
+                   else "swa" if isinstance(spec, SlidingWindowSpec) else "attn")
+    return out
+
+
+def _add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int, t: float, **kw) -> None:
+    s.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens,
+                                                            ignore_eos=True),
+                          arrival_time=t, **kw))
+
+
+HYBRID = {"attn": ATTN, "state": STATE}
+TRIPLE = {"attn": ATTN, "swa": SWA, "state": STATE}
+
+
+def test_the_state_holds_two_pages():
+    cfg = plan_pagefold(HYBRID, BS, 64 * ATTN.page_bytes(BS))
+    assert [g.pages_per_state for g in cfg.groups if isinstance(g.spec, StateSpec)] == [2]
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
+@pytest.mark.parametrize("specs", [HYBRID, TRIPLE], ids=["hybrid", "triple"])
+def test_hits_one_block_apart_restore_their_own_checkpoint(specs, capture):
+    """Prompts sharing 1, 2, 3, 4 and 5 blocks of a first prompt: each hit lands on a
+    different checkpoint, one block from the next; a restore from its neighbour (or from
+    the first prompt's deepest one) is a state with the wrong tokens."""
+    s = _scheduler(specs, 200, capture=capture)
+    model = PageModel(s, _kinds(s))
+    base = list(range(100, 124))  # 6 blocks
+    _add(s, "base", base, 3, 0.0)
+    model.run()
+    for k in range(1, 6):
+        _add(s, f"q{k}", base[:k * BS] + [200 + k, 201, 202], 2, float(k))
+        model.run()
+    # Each follow-up hit exactly its k shared blocks (the last token is always computed).
+    assert s.kv.stats.hits == sum(k * BS for k in range(1, 6))
+    assert model.reads["restored"] >= 5
+    s.kv.check_whole()
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
+def test_conversation_turns_resume_from_the_newest_checkpoint(capture):
+    """Each turn's prompt is the last turn's prompt, its answer and a new question: the hit is
+    the previous turn's decode checkpoint (the request's own newest one), checked by content."""
+    s = _scheduler(HYBRID, 200, capture=capture)
+    model = PageModel(s, _kinds(s))
+    prompt = list(range(300, 309))
+    hits = []
+    for turn in range(4):
+        _add(s, f"t{turn}", prompt, 5 + turn, float(turn))
+        r = s.requests[f"t{turn}"]
+        model.run()
+        hits.append(r.num_cached_tokens)
+        prompt = r.all_token_ids + [400 + turn] * (2 + turn)
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:]), hits
+    s.kv.check_whole()
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
+@pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
+@pytest.mark.parametrize("specs", [HYBRID, TRIPLE], ids=["hybrid", "triple"])
+def test_contents_survive_pool_pressure(specs, capture, swap):
+    """A pool too small for the batch: preemptions, evictions of checkpoints and blocks,
+    restores after recompute with credit, swaps, forks that copy states; every read is right."""
+    s = _scheduler(specs, 40, budget=13, capture=capture, swap=swap)
+    model = PageModel(s, _kinds(s))
+    system = list(range(20, 33))
+    for i in range(8):
+        prompt = system + [50 + i] * (2 + 3 * (i % 4))
+        kw = {"fork_children": 2, "fork_at": len(prompt) - 1} if i in (2, 5) else {}
+        _add(s, f"r{i}", prompt, 6 + 2 * i, float(i), **kw)
+    model.run()
+    assert s.num_preemptions > 0 and s.kv.stats.hits > 0 and s.num_forks > 0
+    assert model.reads["state"] > 0 and model.reads["attn"] > 0
+    s.kv.check_whole()

@@ -1,0 +1,169 @@
+"""Forks and prefix hits under pool pressure: exact free-block counts, derived by hand (issue 44).
+
+A hybrid model (one attention page per block of 4 tokens, a state of 2 pages) on a pool of 19
+usable blocks. Every expected number below is worked out in the comments from the documented
+rules (``core/managers.py``, ``core/block_pool.py``), never read back from the code:
+
+* a cached entry nobody holds counts as free; a hit *touches* it, so it stops being free;
+* a hit's attention blocks are the request's first blocks (no new block for them); a state
+  hit pins the checkpoint's pages until its copy has run and gives the request its own pages;
+* a fork shares attention blocks and takes a new state (2 pages) per child at once;
+* admission is all-or-nothing: with one block fewer than it needs, nothing changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
+from pagefold.core.sched_output import SampledToken
+from pagefold.core.scheduler import Scheduler
+from pagefold.request import Request
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)  # 128-byte page
+STATE = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))  # two pages
+USABLE = 19
+A = list(range(100, 113))  # 13 tokens: three full blocks and one more
+
+
+def _setup(caching: bool = True) -> Scheduler:
+    cfg = plan_pagefold({"attn": ATTN, "state": STATE}, BS,
+                        (USABLE + 1) * ATTN.page_bytes(BS))
+    assert cfg.num_blocks == USABLE + 1 and [g.pages_per_state for g in cfg.groups] == [0, 2]
+    kv = KVCacheManager(cfg, enable_prefix_caching=caching, checkpoint_interval=BS)
+    return Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int = 1, **kw) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   **kw)
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    sampled = {rid: SampledToken(7) for rid, n in out.num_scheduled.items()
+               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def _serve_a(s: Scheduler) -> None:
+    """A's prompt is cut at its checkpoint targets 4, 8, 12: three steps save checkpoints
+    (2 pages each), the fourth computes token 12 and samples its one token."""
+    s.add_request(_req("a", A))
+    while s.has_unfinished():
+        _step(s)
+    pool = s.kv.pool
+    # Cached and free: 3 attention blocks and 3 checkpoints (6 pages); the rest plain.
+    assert pool.num_free == USABLE
+    assert pool.checkpoint_stats() == (3, 6) and len(pool.entries) == 3 + 3
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_a_hit_on_free_entries_costs_what_it_touches(spare):
+    """b shares A's first two blocks. Its hit (8 tokens) costs: the 2 cached attention blocks
+    it touches (they stop being free), 2 new attention blocks for tokens 8..12, the
+    checkpoint at 8 pinned until its copy (2 pages) and b's own state (2 pages): 8."""
+    s = _setup()
+    _serve_a(s)
+    kv, pool = s.kv, s.kv.pool
+    b = _req("b", A[:8] + [200, 201, 202, 203, 204])
+    assert kv.find_hit(b) == 2
+    assert kv.blocks_needed(b, 5, hit_blocks=2) == 8
+    # Leave exactly 7 + spare free: holding 10 plain blocks and 2 more evicts the lowest
+    # scoring entry (the checkpoint at 4: fewest tokens saved per page) for 1 of them.
+    filler = pool.allocate(USABLE - 7 - spare)
+    assert pool.checkpoint_stats() == (2, 4) and pool.num_free == 7 + spare
+    assert kv.find_hit(b) == 2
+    if not spare:
+        assert not kv.allocate_slots(b, 5, hit_blocks=2)
+        assert pool.num_free == 7 and kv.block_ids("b") == [[], []]
+        assert b.num_computed_tokens == 0 and pool.entry(("ckpt", 1, b.block_hashes[1])) \
+            .num_hits == 0
+        pool.free(filler)
+        return
+    assert kv.allocate_slots(b, 5, hit_blocks=2)
+    assert pool.num_free == 0 and b.num_computed_tokens == 8
+    attn, state = kv.block_ids("b")
+    assert attn[:2] == [pool.lookup((0, h)).block_id for h in b.block_hashes[:2]]
+    ckpt = pool.entry(("ckpt", 1, b.block_hashes[1]))
+    assert ckpt.num_hits == 1 and pool.stats.checkpoint_hits == 1
+    (copy,) = kv.take_copies()  # the restore: the checkpoint at 8 into b's own pages
+    assert copy.src == [p.block_id for p in ckpt.blocks] and copy.dst == state
+    assert all(p.ref_cnt == 1 for p in ckpt.blocks)  # pinned by the copy only
+    kv.release_pins()  # the step ran: the checkpoint is free (cached) again
+    assert pool.num_free == 2 and ckpt.evictable
+    kv.free(b)
+    pool.free(filler)
+    # b's two uncached blocks and its state are plain; its hit blocks are cached again.
+    assert pool.num_free == USABLE
+
+
+def test_a_hit_on_entries_a_running_request_holds_costs_no_extra_block():
+    """c shares all of A's 12 full tokens while A is still decoding: A holds those attention
+    blocks and its newest checkpoint (at 12), so the hit touches nothing free. c needs one
+    new attention block (tokens 12..14) and its state: 3."""
+    s = _setup()
+    s.add_request(_req("a", A, max_tokens=4))
+    for _ in range(4):  # 4, 8, 12, then token 12 and the first sample
+        _step(s)
+    kv, pool = s.kv, s.kv.pool
+    # A holds 4 attention blocks, its state (2), its own checkpoint at 12 (2); the cached,
+    # free ones: the checkpoints at 4 and 8 (4 pages).
+    assert pool.num_free == USABLE - 8
+    c = _req("c", A[:12] + [300, 301])
+    assert kv.find_hit(c) == 3
+    assert kv.blocks_needed(c, 2, hit_blocks=3) == 3
+    assert kv.allocate_slots(c, 2, hit_blocks=3)
+    assert pool.num_free == USABLE - 8 - 3
+    assert kv.block_ids("c")[0][:3] == kv.block_ids("a")[0][:3]
+    assert [pool.blocks[b].ref_cnt for b in kv.block_ids("c")[0][:3]] == [2, 2, 2]
+    kv.take_copies()
+    kv.release_pins()
+    assert pool.num_free == USABLE - 8 - 3  # the pinned checkpoint is still A's own
+    kv.free(c)
+    assert pool.num_free == USABLE - 8
+
+
+@pytest.mark.parametrize("children", [1, 2, 3])
+def test_fork_takes_one_state_per_child_and_no_attention_block(children):
+    """A running parent with exactly 4 free blocks: two children fit (a state each), a
+    third does not; each child shares the parent's 4 attention blocks."""
+    s = _setup(caching=False)
+    s.add_request(_req("p", A, max_tokens=8))
+    _step(s)  # 13 tokens: 4 attention blocks and the state
+    kv, pool = s.kv, s.kv.pool
+    assert pool.num_free == USABLE - 6
+    held = pool.allocate(USABLE - 6 - 4)
+    p = s.requests["p"]
+    assert kv.can_fork(p, children) == (children <= 2)
+    if children > 2:
+        with pytest.raises(RuntimeError, match="no free blocks to fork"):
+            for i in range(children):
+                s.fork_request("p", f"c{i}")
+        assert pool.num_free == 0  # the two that fitted took their states
+    else:
+        for i in range(children):
+            s.fork_request("p", f"c{i}")
+        assert pool.num_free == 4 - 2 * children
+        for i in range(children):
+            assert kv.block_ids(f"c{i}")[0] == kv.block_ids("p")[0]
+    assert [pool.blocks[b].ref_cnt for b in kv.block_ids("p")[0]] == [1 + min(children, 2)] * 4
+    pool.free(held)
+
+
+def test_an_attention_only_fork_costs_nothing():
+    cfg = plan_pagefold({"attn": ATTN}, BS, 5 * ATTN.page_bytes(BS))
+    kv = KVCacheManager(cfg)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    s.add_request(_req("p", list(range(16)), max_tokens=4))
+    _step(s)
+    assert kv.pool.num_free == 0
+    assert kv.can_fork(s.requests["p"], 5)
+    s.fork_request("p", "c")
+    assert kv.pool.num_free == 0 and kv.block_ids("c") == kv.block_ids("p")

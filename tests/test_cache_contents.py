@@ -62,7 +62,6 @@ class PageModel:
         self.host: dict[int, object] = {}
         self.runner = RunnerRequests()
         self.reads = {"attn": 0, "state": 0, "restored": 0}
-        self.restored: set[str] = set()  # requests this step admitted with cached tokens
 
     def _moves(self, out: SchedulerOutput) -> None:
         for op in out.swaps:
@@ -88,22 +87,20 @@ class PageModel:
     def step(self) -> SchedulerOutput:
         s = self.s
         out = s.schedule()
-        self._last = out
         self._moves(out)
         batch = self.runner.apply(out)
+        restored = {r.req_id for r in out.new_reqs if r.num_computed_tokens}
+        rows = list(zip(batch.reqs, batch.starts, batch.counts))
+        # Every read sees the pages as the step's moves left them: a batched forward must not
+        # depend on what another request of the same step writes.
+        for st, start, _ in rows:
+            self._check_reads(st.req_id, st.token_ids, st.block_ids, start,
+                              st.req_id in restored)
         sampled = {}
-        for row, (st, start, n) in enumerate(zip(batch.reqs, batch.starts, batch.counts)):
+        for row, (st, start, n) in enumerate(rows):
             toks = st.token_ids
             for g, (kind, table) in enumerate(zip(self.kinds, st.block_ids)):
                 if kind == "state":
-                    if start:
-                        for i, page in enumerate(table):
-                            assert self.dev.get(page) == (g, i, tuple(toks[:start])), (
-                                f"{st.req_id}: state page {i} of group {g} at {start} holds "
-                                f"{self._describe(page)}")
-                        self.reads["state"] += 1
-                        if st.req_id in self.restored:
-                            self.reads["restored"] += 1
                     for i, page in enumerate(table):
                         self.dev[page] = (g, i, tuple(toks[:start + n]))
                     for r, t, pages in batch.captures.get(g, ()):
@@ -112,19 +109,31 @@ class PageModel:
                             for i, page in enumerate(pages):
                                 self.dev[page] = (g, i, tuple(toks[:t]))
                     continue
-                first = 0 if kind == "attn" else max(0, start - WINDOW + 1)
-                for p in range(first, start):
-                    got = self._slot(table[p // BS])[p % BS]
-                    assert got == (g, tuple(toks[:p + 1])), (
-                        f"{st.req_id}: group {g} position {p} holds {got}")
-                    self.reads["attn"] += 1
                 for p in range(start, start + n):
                     self._slot(table[p // BS])[p % BS] = (g, tuple(toks[:p + 1]))
             if start + n >= len(toks):
                 sampled[st.req_id] = SampledToken(10 + sum(toks) % 37)
-        self.restored = {r.req_id for r in out.new_reqs if r.num_computed_tokens}
         s.update_from_output(out, sampled)
         return out
+
+    def _check_reads(self, rid: str, toks: list[int], tables: list[list[int]], start: int,
+                     restored: bool) -> None:
+        for g, (kind, table) in enumerate(zip(self.kinds, tables)):
+            if kind == "state":
+                if start:  # (a step from position 0 starts from the zero state)
+                    for i, page in enumerate(table):
+                        assert self.dev.get(page) == (g, i, tuple(toks[:start])), (
+                            f"{rid}: state page {i} of group {g} at {start} holds "
+                            f"{self._describe(page)}")
+                    self.reads["state"] += 1
+                    self.reads["restored"] += restored
+                continue
+            first = 0 if kind == "attn" else max(0, start - WINDOW + 1)
+            for p in range(first, start):
+                got = self._slot(table[p // BS])[p % BS]
+                assert got == (g, tuple(toks[:p + 1])), (
+                    f"{rid}: group {g} position {p} holds {got}")
+                self.reads["attn"] += 1
 
     def _describe(self, page: int) -> str:
         v = self.dev.get(page)
@@ -170,6 +179,11 @@ def _add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int, t: float, *
 
 HYBRID = {"attn": ATTN, "state": STATE}
 TRIPLE = {"attn": ATTN, "swa": SWA, "state": STATE}
+# Two state groups before the attention group: a hit's first group allocates its pages while
+# the others' cached blocks and checkpoints must stay where the hit found them.
+STATES_FIRST = {"s0": STATE, "s1": STATE, "attn": ATTN}
+SPECS = pytest.mark.parametrize("specs", [HYBRID, TRIPLE, STATES_FIRST],
+                                ids=["hybrid", "triple", "states_first"])
 
 
 def test_the_state_holds_two_pages():
@@ -177,23 +191,47 @@ def test_the_state_holds_two_pages():
     assert [g.pages_per_state for g in cfg.groups if isinstance(g.spec, StateSpec)] == [2]
 
 
+@pytest.mark.parametrize("budget", [64, 3, 6])
 @pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
-@pytest.mark.parametrize("specs", [HYBRID, TRIPLE], ids=["hybrid", "triple"])
-def test_hits_one_block_apart_restore_their_own_checkpoint(specs, capture):
+@SPECS
+def test_hits_one_block_apart_restore_their_own_checkpoint(specs, capture, budget):
     """Prompts sharing 1, 2, 3, 4 and 5 blocks of a first prompt: each hit lands on a
     different checkpoint, one block from the next; a restore from its neighbour (or from
-    the first prompt's deepest one) is a state with the wrong tokens."""
-    s = _scheduler(specs, 200, capture=capture)
+    the first prompt's deepest one) is a state with the wrong tokens. A step budget under a
+    block (3) or across a boundary (6) leaves partly written blocks behind every chunk."""
+    s = _scheduler(specs, 200, budget=budget, capture=capture)
     model = PageModel(s, _kinds(s))
     base = list(range(100, 124))  # 6 blocks
     _add(s, "base", base, 3, 0.0)
     model.run()
+    n_state = sum(k == "state" for k in model.kinds)
+    # A checkpoint at every 4 tokens of the prompt (the interval), per state group.
+    assert s.kv.pool.checkpoint_stats() == (6 * n_state, 6 * n_state * 2)
+    assert s.kv.pool.stats.checkpoints_saved == 6 * n_state
     for k in range(1, 6):
         _add(s, f"q{k}", base[:k * BS] + [200 + k, 201, 202], 2, float(k))
         model.run()
+        assert s.requests.get(f"q{k}") is None
     # Each follow-up hit exactly its k shared blocks (the last token is always computed).
     assert s.kv.stats.hits == sum(k * BS for k in range(1, 6))
+    assert s.kv.pool.stats.checkpoint_hits == 5 * n_state
     assert model.reads["restored"] >= 5
+    s.kv.check_whole()
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
+def test_the_last_boundary_of_a_prompt_is_saved(capture):
+    """A 13-token prompt in one chunk: its last block boundary (12) is a checkpoint target
+    strictly inside the chunk, so the next prompt sharing 12 tokens hits all of them."""
+    s = _scheduler(HYBRID, 200, capture=capture, interval=64)
+    model = PageModel(s, _kinds(s))
+    a = list(range(500, 513))
+    _add(s, "a", a, 1, 0.0)
+    model.run()
+    _add(s, "b", a[:12] + [600, 601], 1, 1.0)
+    b = s.requests["b"]
+    model.run()
+    assert b.num_cached_tokens == 12
     s.kv.check_whole()
 
 
@@ -217,7 +255,7 @@ def test_conversation_turns_resume_from_the_newest_checkpoint(capture):
 
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
 @pytest.mark.parametrize("capture", [False, True], ids=["cut", "captured"])
-@pytest.mark.parametrize("specs", [HYBRID, TRIPLE], ids=["hybrid", "triple"])
+@SPECS
 def test_contents_survive_pool_pressure(specs, capture, swap):
     """A pool too small for the batch: preemptions, evictions of checkpoints and blocks,
     restores after recompute with credit, swaps, forks that copy states; every read is right."""

@@ -21,7 +21,7 @@ from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
 from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler
-from pagefold.request import Request
+from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 
 BS = 4
@@ -167,3 +167,46 @@ def test_an_attention_only_fork_costs_nothing():
     assert kv.can_fork(s.requests["p"], 5)
     s.fork_request("p", "c")
     assert kv.pool.num_free == 0 and kv.block_ids("c") == kv.block_ids("p")
+
+
+def _captured(usable: int) -> Scheduler:
+    cfg = plan_pagefold({"attn": ATTN, "state": STATE}, BS, (usable + 1) * ATTN.page_bytes(BS))
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=BS,
+                        capture_in_kernel=True)
+    return Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+
+
+@pytest.mark.parametrize("usable", [12, 11])
+def test_captures_take_the_last_free_pages(usable):
+    """A's 13 tokens in one step take 4 attention blocks and its state (6); the checkpoints
+    at 4, 8 and 12 are captured inside the step, 2 pages each, while 2 pages are free: with
+    12 usable blocks all three (the last one takes the last 2 pages), with 11 only two."""
+    s = _captured(usable)
+    s.add_request(_req("a", A))
+    out = s.schedule()
+    want = [4, 8, 12] if usable == 12 else [4, 8]
+    assert [c.num_tokens for c in out.captures] == want
+    assert s.kv.pool.num_free == usable - 6 - 2 * len(want)
+    _finish_step(s, out)
+    assert s.kv.pool.checkpoint_stats() == (len(want), 2 * len(want))
+
+
+def test_a_request_aborted_during_its_step_returns_its_capture_pages():
+    """Aborted between ``schedule`` and ``update_from_output`` (the API's abort while a
+    step runs): its planned captures are never registered, and every page comes back."""
+    s = _captured(USABLE)
+    s.add_request(_req("a", A, max_tokens=4))
+    out = s.schedule()
+    assert len(out.captures) == 3 and s.kv.pool.num_free == USABLE - 6 - 6
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_free == USABLE
+    _finish_step(s, out)
+    assert s.kv.pool.checkpoint_stats() == (0, 0) and s.kv.pool.num_free == USABLE
+    s.kv.check_whole()
+
+
+def _finish_step(s: Scheduler, out) -> None:
+    sampled = {rid: SampledToken(7) for rid, n in out.num_scheduled.items()
+               if rid in s.requests
+               and s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+    s.update_from_output(out, sampled)

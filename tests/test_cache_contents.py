@@ -270,3 +270,32 @@ def test_contents_survive_pool_pressure(specs, capture, swap):
     assert s.num_preemptions > 0 and s.kv.stats.hits > 0 and s.num_forks > 0
     assert model.reads["state"] > 0 and model.reads["attn"] > 0
     s.kv.check_whole()
+
+
+@pytest.mark.parametrize("budget", [3, 5])
+def test_a_prompt_arriving_mid_prefill_hits_only_finished_blocks(budget):
+    """``b`` arrives while ``a`` prefills the same 16 tokens a few at a time: it may reuse a
+    block only once every slot of it was written by an earlier step."""
+    s = _scheduler(HYBRID, 200, budget=budget)
+    model = PageModel(s, _kinds(s))
+    a = list(range(700, 716))
+    _add(s, "a", a + [716], 2, 0.0)
+    model.step()
+    _add(s, "b", a + [800, 801], 2, 1.0)
+    model.run()
+    assert s.kv.stats.hits == 16
+    s.kv.check_whole()
+
+
+@pytest.mark.parametrize("budget", [4, 64])
+def test_only_checkpoint_targets_are_saved(budget):
+    """Interval 64 on a 24-token prompt: the targets are the last boundary a later prompt
+    can continue from (20: the last token is always computed), the one 3 blocks before (8)
+    and the prompt's end (24, where decoding starts); chunks of 4 tokens end on every
+    boundary, but save only there."""
+    s = _scheduler(HYBRID, 200, budget=budget, interval=64)
+    model = PageModel(s, _kinds(s))
+    _add(s, "a", list(range(900, 924)), 1, 0.0)
+    model.run()
+    assert s.kv.pool.checkpoint_stats() == (3, 6)
+    s.kv.check_whole()

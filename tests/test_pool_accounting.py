@@ -210,3 +210,75 @@ def _finish_step(s: Scheduler, out) -> None:
                if rid in s.requests
                and s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
     s.update_from_output(out, sampled)
+
+
+def test_a_hit_shorter_than_the_cached_chain_costs_only_its_blocks():
+    """b's prompt is A's first 12 tokens: all 3 blocks are cached, but the hit stops at 2
+    (the last token is computed). It costs 2 attention blocks, the checkpoint at 8 (2), one
+    new attention block and its state (2): 7, exactly what is left free."""
+    s = _setup()
+    _serve_a(s)
+    kv, pool = s.kv, s.kv.pool
+    filler = pool.allocate(USABLE - 7)  # evicts the checkpoint at 4 (as above)
+    assert pool.num_free == 7
+    b = _req("b", A[:12])
+    assert kv.find_hit(b) == 2
+    assert kv.blocks_needed(b, 4, hit_blocks=2) == 7
+    assert kv.allocate_slots(b, 4, hit_blocks=2)
+    assert pool.num_free == 0
+    kv.take_copies()
+    kv.release_pins()
+    kv.free(b)
+    pool.free(filler)
+
+
+@pytest.mark.parametrize("usable", [8, 7])
+def test_a_checkpoint_is_saved_with_exactly_its_pages_free(usable):
+    """An 8-token prompt cut at 4: after the first chunk A holds 1 attention block, its state
+    and its checkpoint at 4 (5); the second takes 1 more block. With 8 usable blocks the 2
+    left hold the checkpoint at 8; with 7, one page is left and it is skipped."""
+    cfg = plan_pagefold({"attn": ATTN, "state": STATE}, BS, (usable + 1) * ATTN.page_bytes(BS))
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=BS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    s.add_request(_req("a", A[:8]))
+    assert _step(s).num_scheduled == {"a": 4}
+    assert kv.pool.num_free == usable - 5
+    assert _step(s).num_scheduled == {"a": 4}
+    want = 2 if usable == 8 else 1
+    assert kv.pool.checkpoint_stats() == (want, 2 * want)
+    while s.has_unfinished():
+        _step(s)
+    kv.check_whole()
+
+
+def test_two_state_groups_keep_their_checkpoints_through_a_tight_hit():
+    """Two state groups ahead of the attention group. a (5 tokens) leaves a checkpoint at 4
+    in each state group; c, later, the same for another prompt. b shares a's first block
+    and finds only cached entries free (10 blocks: its hit's 5 and c's 5). The first state
+    group's pages for b must evict c's entries, never the second group's checkpoint that
+    b's own hit is about to restore (the oldest, lowest-scoring entry left)."""
+    specs = {"s0": STATE, "s1": STATE, "attn": ATTN}
+    cfg = plan_pagefold(specs, BS, 30 * ATTN.page_bytes(BS))
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, checkpoint_interval=BS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    pool = kv.pool
+    for rid, prompt in (("a", A[:5]), ("c", [50, 51, 52, 53, 54])):
+        s.add_request(_req(rid, prompt))
+        while s.has_unfinished():
+            _step(s)
+    assert pool.checkpoint_stats() == (4, 8) and len(pool.entries) == 6
+    filler = pool.allocate(pool.num_free - 10)
+    assert pool.num_free == 10
+    b = _req("b", A[:4] + [60, 61])
+    assert kv.find_hit(b) == 1
+    want_src = [[p.block_id for p in pool.entry(("ckpt", g, b.block_hashes[0])).blocks]
+                for g in (0, 1)]
+    assert kv.blocks_needed(b, 2, hit_blocks=1) == 10
+    assert kv.allocate_slots(b, 2, hit_blocks=1)
+    copies = kv.take_copies()
+    assert [c.src for c in copies] == want_src
+    assert [c.dst for c in copies] == [kv.block_ids("b")[0], kv.block_ids("b")[1]]
+    assert pool.num_free == 0
+    kv.release_pins()
+    kv.free(b)
+    pool.free(filler)

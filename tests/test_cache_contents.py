@@ -273,10 +273,11 @@ def test_contents_survive_pool_pressure(specs, capture, swap):
 
 
 @pytest.mark.parametrize("budget", [3, 5])
-def test_a_prompt_arriving_mid_prefill_hits_only_finished_blocks(budget):
+@pytest.mark.parametrize("specs", [{"attn": ATTN}, HYBRID], ids=["attention", "hybrid"])
+def test_a_prompt_arriving_mid_prefill_hits_only_finished_blocks(specs, budget):
     """``b`` arrives while ``a`` prefills the same 16 tokens a few at a time: it may reuse a
     block only once every slot of it was written by an earlier step."""
-    s = _scheduler(HYBRID, 200, budget=budget)
+    s = _scheduler(specs, 200, budget=budget)
     model = PageModel(s, _kinds(s))
     a = list(range(700, 716))
     _add(s, "a", a + [716], 2, 0.0)

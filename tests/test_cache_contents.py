@@ -48,6 +48,11 @@ STATE = StateSpec("gdn", (StateComponent("conv", (2, 8), torch.float32),
                           StateComponent("ssm", (48,), torch.float32)))
 
 
+def _sample(rid: str, toks: list[int]) -> int:
+    """A token that depends on the request (forked siblings part ways, as sampling does)."""
+    return 10 + (sum(toks) + sum(map(ord, rid))) % 37
+
+
 def _copy(v):
     return list(v) if isinstance(v, list) else v  # an attention page's slots are mutable
 
@@ -112,7 +117,7 @@ class PageModel:
                 for p in range(start, start + n):
                     self._slot(table[p // BS])[p % BS] = (g, tuple(toks[:p + 1]))
             if start + n >= len(toks):
-                sampled[st.req_id] = SampledToken(10 + sum(toks) % 37)
+                sampled[st.req_id] = SampledToken(_sample(st.req_id, toks))
         s.update_from_output(out, sampled)
         return out
 
@@ -299,4 +304,24 @@ def test_only_checkpoint_targets_are_saved(budget):
     _add(s, "a", list(range(900, 924)), 1, 0.0)
     model.run()
     assert s.kv.pool.checkpoint_stats() == (3, 6)
+    s.kv.check_whole()
+
+
+def test_a_replaced_token_that_completes_a_block_is_not_cached_under_the_old_one():
+    """Beam search replaces a sampled token before it is computed. Here that token completes
+    a block: the block must be cached under the new token's prefix, so a prompt continuing
+    with the *old* token does not reuse it."""
+    s = _scheduler({"attn": ATTN}, 200)
+    model = PageModel(s, _kinds(s))
+    prompt = list(range(40, 47))  # 7 tokens: the first sample is position 7, ending block 1
+    _add(s, "a", prompt, 3, 0.0)
+    model.step()
+    a = s.requests["a"]
+    old = a.output_token_ids[-1]
+    s.replace_last_token("a", 99)
+    model.run()
+    _add(s, "b", prompt + [old, 1, 2], 1, 1.0)
+    b = s.requests["b"]
+    model.run()
+    assert b.num_cached_tokens == BS  # block 0 only
     s.kv.check_whole()

@@ -486,5 +486,25 @@ def test_a_budget_under_one_block_has_no_usable_block():
     spec = StateSpec("gdn", (StateComponent("ssm", (4,), torch.float32),))  # 16 bytes
     with pytest.raises(ValueError, match="gives 0 usable blocks"):
         capacity_report({"s": spec}, memory_bytes=10, max_model_len=8)
-    r = capacity_report({"s": spec}, memory_bytes=32, max_model_len=8)
+    r = _report_or_refusal({"s": spec}, memory_bytes=32, max_model_len=8)
+    assert not isinstance(r, str), r  # one usable block holds exactly one request
     assert (r["num_blocks"], r["usable_blocks"], r["blocks_per_request"]) == (2, 1, 1)
+    assert r["concurrency"][-1]["max_requests"] == 1
+
+
+def _report_or_refusal(specs, **kw):
+    """The report, or the refusal's message (so that a wrong refusal fails an assertion)."""
+    try:
+        return capacity_report(specs, **kw)
+    except ValueError as e:
+        return f"refused: {e}"
+
+
+def test_a_pool_holding_exactly_one_request_reports_one():
+    attn = FullAttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    page = attn.page_bytes(16)
+    r = _report_or_refusal({"a": attn}, memory_bytes=5 * page, max_model_len=64)
+    assert not isinstance(r, str), r  # 4 usable blocks; a request of 64 tokens takes 4
+    assert (r["usable_blocks"], r["blocks_per_request"], r["max_concurrency"]) == (4, 4, 1.0)
+    r = _report_or_refusal({"a": attn}, memory_bytes=4 * page, max_model_len=64)
+    assert isinstance(r, str) and "gives 3 usable blocks" in r, r

@@ -18,7 +18,12 @@ import torch
 
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
-from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
+from pagefold.core.kv_cache_spec import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    StateComponent,
+    StateSpec,
+)
 from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler
 from pagefold.request import Request, RequestStatus
@@ -282,3 +287,42 @@ def test_two_state_groups_keep_their_checkpoints_through_a_tight_hit():
     kv.release_pins()
     kv.free(b)
     pool.free(filler)
+
+
+def test_a_dead_window_block_shared_with_a_fork_frees_nothing():
+    """Sliding window of 6, blocks of 4. The parent computed 12 tokens (3 blocks) and forks.
+    Position 12 reads keys 7..12, so block 0 is dead, but the child still holds it: the
+    parent's next token costs its new block, and nothing comes back."""
+    swa = SlidingWindowSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32, window=6)
+    cfg = plan_pagefold({"swa": swa}, BS, 10 * swa.page_bytes(BS))
+    kv = KVCacheManager(cfg)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    s.add_request(_req("p", list(range(12)), max_tokens=4))
+    _step(s)
+    assert kv.pool.num_free == 9 - 3
+    s.fork_request("p", "c")
+    p = s.requests["p"]
+    assert kv.blocks_needed(p, 1) == 1
+    out = _step(s)
+    assert out.num_scheduled == {"p": 1, "c": 1}
+    # Each took a block for position 12; block 0 went to the null block in both tables,
+    # and back to the pool only once both let go of it.
+    assert kv.pool.num_free == 9 - 3 - 2 + 1
+
+
+def test_a_family_forks_every_child_that_fits():
+    """Two children and room for both: both continue from the parent's cache at once
+    (running, with the parent's computed tokens), each with its own state."""
+    s = _setup(caching=False)
+    s.add_request(_req("p", A, max_tokens=4, fork_children=2, fork_at=len(A) - 1))
+    _step(s)  # the shared prefill stops at fork_at
+    p = s.requests["p"]
+    assert p.num_computed_tokens == len(A) - 1
+    free = s.kv.pool.num_free
+    out = _step(s)  # forks first, then all three compute the last prompt token
+    kids = [r for r in s.requests.values() if r.parent_id == "p"]
+    assert len(kids) == 2 and out.num_scheduled == {"p": 1, kids[0].request_id: 1,
+                                                    kids[1].request_id: 1}
+    assert sorted(r.req_id for r in out.new_reqs) == sorted(k.request_id for k in kids)
+    assert all(r.num_computed_tokens == 12 for r in out.new_reqs)
+    assert s.kv.pool.num_free == free - 2 * 2

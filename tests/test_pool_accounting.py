@@ -327,3 +327,22 @@ def test_a_family_forks_every_child_that_fits():
     assert all(r.num_computed_tokens == 12 for r in out.new_reqs)
     # a state each (2 x 2 pages), and position 12 opens block 3: a new block each (3)
     assert s.kv.pool.num_free == free - 2 * 2 - 3
+
+
+def test_a_preempted_request_gives_back_its_share_of_the_step():
+    """Priority scheduling: L (low priority) is scheduled first in the running order, then H
+    needs a block the full pool does not have, so L is preempted. The token L had been
+    given goes back to the step's budget of 2, so N (decoding inside its block) still runs."""
+    cfg = plan_pagefold({"attn": ATTN}, BS, 5 * ATTN.page_bytes(BS))  # 4 usable blocks
+    s = Scheduler(KVCacheManager(cfg), max_num_batched_tokens=64, max_num_seqs=8,
+                  max_model_len=64, policy="priority")
+    s.add_request(_req("L", [1, 2, 3, 4], max_tokens=8, arrival_time=0.0, priority=9))
+    _step(s)  # L: one block, 5 tokens now
+    s.add_request(_req("H", [5, 6, 7, 8], max_tokens=8, arrival_time=1.0))
+    s.add_request(_req("N", [9, 10], max_tokens=8, arrival_time=2.0))
+    out = _step(s)  # L opens its second block; H and N one block each: the pool is full
+    assert out.num_scheduled == {"L": 1, "H": 4, "N": 2} and s.kv.pool.num_free == 0
+    s.max_num_batched_tokens = 2
+    out = _step(s)
+    assert out.preempted_ids == ["L"]
+    assert out.num_scheduled == {"H": 1, "N": 1}

@@ -314,15 +314,23 @@ def test_a_family_forks_every_child_that_fits():
     """Two children and room for both: both continue from the parent's cache at once
     (running, with the parent's computed tokens), each with its own state."""
     s = _setup(caching=False)
-    s.add_request(_req("p", A, max_tokens=4, fork_children=2, fork_at=len(A) - 1))
-    _step(s)  # the shared prefill stops at fork_at
+    s.add_request(_req("p", A, max_tokens=4, fork_children=2, fork_at=len(A) - 1,
+                       arrival_time=0.0))
+    s.add_request(_req("q", [1, 2, 3], max_tokens=4, arrival_time=1.0))
+    _step(s)  # the shared prefill stops at fork_at; q prefills and samples
     p = s.requests["p"]
     assert p.num_computed_tokens == len(A) - 1
     free = s.kv.pool.num_free
     out = _step(s)  # forks first, then all three compute the last prompt token
     kids = [r for r in s.requests.values() if r.parent_id == "p"]
-    assert len(kids) == 2 and out.num_scheduled == {"p": 1, kids[0].request_id: 1,
-                                                    kids[1].request_id: 1}
+    assert len(kids) == 2 and s.num_forks == 2
+    assert all(k.status == RequestStatus.RUNNING for k in kids)
+    # The children run right after their parent, ahead of q (q decodes inside its block).
+    order = [r.request_id for r in s.running]
+    assert order[0] == "p" and sorted(order[1:3]) == sorted(k.request_id for k in kids)
+    assert order[3] == "q"
+    assert out.num_scheduled == {"p": 1, order[1]: 1, order[2]: 1, "q": 1}
+    assert list(out.num_scheduled) == order  # the layout follows the running order
     assert sorted(r.req_id for r in out.new_reqs) == sorted(k.request_id for k in kids)
     assert all(r.num_computed_tokens == 12 for r in out.new_reqs)
     # a state each (2 x 2 pages), and position 12 opens block 3: a new block each (3)

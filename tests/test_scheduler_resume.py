@@ -63,6 +63,8 @@ def test_preempted_request_resumes_where_it_should(mode, caching):
             break
     assert computed == 7
     assert s.kv.preempt_log.decisions[-1][1] == mode
+    # c is the one preemption so far, counted once, by kind and on the request.
+    assert (s.num_preemptions, s.preemptions_by_kind, c.num_preemptions) == (1, {mode: 1}, 1)
     credit = s.kv.preempt_log.credited_tokens
     # swap: everything stays computed; recompute: nothing; with the prefix cache: c's one
     # full block (its partial block is never cached), which nothing evicted meanwhile.

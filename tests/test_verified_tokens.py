@@ -1,0 +1,103 @@
+"""A speculative step's result in the scheduler, without a model (issue 44: mutmut's survivors
+in ``Scheduler._append_verified`` were reached only by the model-level speculative tests).
+
+The documented rule (``core/scheduler.py``, ``spec_decode/engine.py``): a decoding request
+scheduled for ``1 + k`` tokens (its last token and ``k`` drafts) advances by ``1 + accepted``
+computed tokens; the accepted drafts and the sampled token are appended one by one through
+the stop rules, each with its logprobs; a stop before the last emitted token drops the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.sched_output import SampledToken, VerifiedTokens
+from pagefold.core.scheduler import Scheduler
+from pagefold.request import Request, RequestStatus
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+EOS = 99
+
+
+def _decoding(max_tokens: int = 10) -> tuple[Scheduler, Request]:
+    """A request with a 5-token prompt that has sampled its first token (6 tokens, 5
+    computed)."""
+    s = Scheduler(KVCacheManager(plan_pagefold({"a": ATTN}, BS, 33 * ATTN.page_bytes(BS))),
+                  max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    r = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, logprobs=0),
+                eos_token_id=EOS)
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, {"r": SampledToken(6, ([6], [-0.5], 1))})
+    assert (r.num_tokens, r.num_computed_tokens) == (6, 5)
+    return s, r
+
+
+def _lp(t: int, v: float):
+    return ([t], [v], 1)
+
+
+def test_accepted_drafts_and_the_sampled_token_are_appended():
+    s, r = _decoding()
+    s.spec_token_ids = {"r": [7, 8, 9]}
+    out = s.schedule()
+    assert out.num_scheduled == {"r": 4} and out.spec_token_ids == {"r": [7, 8, 9]}
+    res = VerifiedTokens([7, 20], 1, [_lp(7, -1.0), _lp(20, -2.0)])
+    (eo,) = s.update_from_output(out, {"r": res})
+    # 4 computed this step, 2 of them rejected drafts: 5 + 1 + 1 computed.
+    assert r.num_computed_tokens == 7 and r.output_token_ids == [6, 7, 20]
+    assert r.num_tokens == 8  # the sampled token (20) is not computed yet
+    assert eo.new_token_ids == [7, 20] and eo.finish_reason is None
+    assert eo.new_logprobs == [_lp(7, -1.0), _lp(20, -2.0)]
+    assert r.cumulative_logprob == pytest.approx(-0.5 - 1.0 - 2.0)
+    # The next step computes just the sampled token (no drafts offered).
+    s.spec_token_ids = {}
+    out = s.schedule()
+    assert out.num_scheduled == {"r": 1}
+    assert out.cached_reqs[0].num_computed_tokens == 7
+    assert out.cached_reqs[0].new_token_ids == [20]
+
+
+def test_all_drafts_accepted():
+    s, r = _decoding()
+    s.spec_token_ids = {"r": [7, 8]}
+    out = s.schedule()
+    (eo,) = s.update_from_output(out, {"r": VerifiedTokens([7, 8, 21], 2)})
+    assert r.num_computed_tokens == 8 and r.output_token_ids == [6, 7, 8, 21]
+    assert eo.new_token_ids == [7, 8, 21] and eo.new_logprobs == []
+
+
+@pytest.mark.parametrize("where", ["eos", "max_tokens"])
+def test_a_stop_inside_the_accepted_tokens_drops_the_rest(where):
+    """The second emitted token stops the request (EOS, or max_tokens 3 reached): the third
+    is not appended, the request finishes on this step and its blocks go back."""
+    s, r = _decoding(max_tokens=3 if where == "max_tokens" else 10)
+    s.spec_token_ids = {"r": [7, 8, 9]}
+    out = s.schedule()
+    stop = EOS if where == "eos" else 8
+    res = VerifiedTokens([7, stop, 22], 2, [_lp(7, -1.0), _lp(stop, -1.5), _lp(22, -3.0)])
+    (eo,) = s.update_from_output(out, {"r": res})
+    assert r.output_token_ids == [6, 7, stop]
+    assert eo.new_token_ids == [7, stop]
+    assert eo.new_logprobs == [_lp(7, -1.0), _lp(stop, -1.5)]
+    assert r.cumulative_logprob == pytest.approx(-0.5 - 1.0 - 1.5)
+    assert eo.finish_reason == ("stop" if where == "eos" else "length")
+    assert r.status == (RequestStatus.FINISHED_STOPPED if where == "eos"
+                        else RequestStatus.FINISHED_LENGTH)
+    assert "r" not in s.requests and s.kv.pool.num_free == s.kv.pool.num_usable
+
+
+def test_a_stop_on_the_last_emitted_token():
+    s, r = _decoding()
+    s.spec_token_ids = {"r": [7, 8]}
+    out = s.schedule()
+    (eo,) = s.update_from_output(out, {"r": VerifiedTokens([7, EOS], 1)})
+    assert r.output_token_ids == [6, 7, EOS] and eo.finish_reason == "stop"
+    assert "r" not in s.requests
+    s.kv.check_whole()

@@ -390,7 +390,7 @@ MUTANTS: list[Mutant] = [
     Mutant("window_frees_shared", P + "core/managers.py",
            "if b is not self.pool.null_block and b.ref_cnt == 1)",
            "if b is not self.pool.null_block)",
-           (CON,), "a dead window block shared with a fork counted as freed"),
+           (ACC, CON), "a dead window block shared with a fork counted as freed"),
     Mutant("swap_out_before_fork_copy", P + "core/kv_cache_manager.py",
            "                and not self._copies_into(req.request_id):",
            ":",

@@ -101,3 +101,33 @@ def test_a_stop_on_the_last_emitted_token():
     assert r.output_token_ids == [6, 7, EOS] and eo.finish_reason == "stop"
     assert "r" not in s.requests
     s.kv.check_whole()
+
+
+def test_the_verified_output_names_its_request_and_family():
+    s, r = _decoding()
+    r.parent_id, r.index, r.num_cached_tokens = "fam", 2, 4
+    s.spec_token_ids = {"r": [7]}
+    out = s.schedule()
+    (eo,) = s.update_from_output(out, {"r": VerifiedTokens([7, 8], 1)})
+    assert (eo.request_id, eo.parent_id, eo.index, eo.num_cached_tokens) == ("r", "fam", 2, 4)
+
+
+def test_a_sampled_tokens_output_fields():
+    """One plain step's output: the request, its family, its cached prompt tokens, the
+    first-scheduled time and prompt logprobs on its first token only, logprobs summed."""
+    s = Scheduler(KVCacheManager(plan_pagefold({"a": ATTN}, BS, 33 * ATTN.page_bytes(BS))),
+                  max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=0), parent_id="fam",
+                index=1)
+    s.add_request(r)
+    out = s.schedule()
+    plp = [([2], [-0.25], 1), ([3], [-0.75], 1)]
+    (eo,) = s.update_from_output(out, {"r": SampledToken(5, _lp(5, -0.5), plp)})
+    assert (eo.request_id, eo.parent_id, eo.index, eo.num_cached_tokens) == ("r", "fam", 1, 0)
+    assert eo.new_token_ids == [5] and eo.new_logprobs == [_lp(5, -0.5)]
+    assert eo.prompt_logprobs == plp
+    assert eo.scheduled_time == r.first_scheduled_time and eo.scheduled_time is not None
+    out = s.schedule()
+    (eo,) = s.update_from_output(out, {"r": SampledToken(6, _lp(6, -1.0))})
+    assert eo.scheduled_time is None and eo.prompt_logprobs is None
+    assert eo.finish_reason == "length" and r.cumulative_logprob == pytest.approx(-1.5)

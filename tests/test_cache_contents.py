@@ -319,6 +319,7 @@ def test_a_replaced_token_that_completes_a_block_is_not_cached_under_the_old_one
     a = s.requests["a"]
     old = a.output_token_ids[-1]
     s.replace_last_token("a", 99)
+    assert a.output_token_ids == [99] and a.all_token_ids == prompt + [99]
     model.run()
     _add(s, "b", prompt + [old, 1, 2], 1, 1.0)
     b = s.requests["b"]

@@ -122,3 +122,15 @@ def test_prompt_logprobs_take_no_prefix_hit():
     s.add_request(_req("b", range(9), max_tokens=1, sp={"prompt_logprobs": 0}))
     out = s.schedule()
     assert out.new_reqs[0].num_computed_tokens == 0 and out.num_scheduled == {"b": 9}
+
+
+def test_a_request_that_must_preempt_itself_is_not_scheduled():
+    """a's next token fits its block; b (the latest) needs a third block from a full pool:
+    the victim is b itself, which then computes nothing this step."""
+    s = _sched(4)
+    s.add_request(_req("a", range(7), arrival_time=0.0))
+    s.add_request(_req("b", range(10, 18), arrival_time=1.0))
+    _step(s)
+    assert s.kv.pool.num_free == 0
+    out = _step(s)
+    assert out.preempted_ids == ["b"] and out.num_scheduled == {"a": 1}

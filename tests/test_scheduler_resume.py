@@ -73,6 +73,7 @@ def test_preempted_request_resumes_where_it_should(mode, caching):
     assert [r.req_id for r in out.new_reqs] == ["c"]
     (back,) = out.new_reqs
     assert back.num_computed_tokens == want
+    assert c.num_cached_tokens == 0  # what its *first* scheduling found in the cache
     # It is scheduled from there to its end: its tokens are the prompt and 1 sampled token.
     assert c.num_output_tokens == 1
     assert out.num_scheduled["c"] == 8 - want

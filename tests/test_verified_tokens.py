@@ -108,6 +108,7 @@ def test_the_verified_output_names_its_request_and_family():
     r.parent_id, r.index, r.num_cached_tokens = "fam", 2, 4
     s.spec_token_ids = {"r": [7]}
     out = s.schedule()
+    assert out.num_scheduled == {"r": 2} and out.spec_token_ids == {"r": [7]}
     (eo,) = s.update_from_output(out, {"r": VerifiedTokens([7, 8], 1)})
     assert (eo.request_id, eo.parent_id, eo.index, eo.num_cached_tokens) == ("r", "fam", 2, 4)
 
@@ -131,3 +132,15 @@ def test_a_sampled_tokens_output_fields():
     (eo,) = s.update_from_output(out, {"r": SampledToken(6, _lp(6, -1.0))})
     assert eo.scheduled_time is None and eo.prompt_logprobs is None
     assert eo.finish_reason == "length" and r.cumulative_logprob == pytest.approx(-1.5)
+
+
+@pytest.mark.parametrize("budget,sent", [(3, [7, 8]), (1, None)])
+def test_a_step_budget_cuts_the_drafts(budget, sent):
+    """Three drafts but a budget of 3 tokens: the request's last token and 2 drafts; with a
+    budget of 1, a plain decode step that carries no drafts."""
+    s, r = _decoding()
+    s.max_num_batched_tokens = budget
+    s.spec_token_ids = {"r": [7, 8, 9]}
+    out = s.schedule()
+    assert out.num_scheduled == {"r": budget}
+    assert out.spec_token_ids == ({"r": sent} if sent else {})

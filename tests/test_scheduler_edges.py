@@ -134,3 +134,34 @@ def test_a_request_that_must_preempt_itself_is_not_scheduled():
     assert s.kv.pool.num_free == 0
     out = _step(s)
     assert out.preempted_ids == ["b"] and out.num_scheduled == {"a": 1}
+
+
+def test_a_paused_request_is_skipped_and_the_rest_run():
+    s = _sched(32)
+    for i, rid in enumerate("abc"):
+        s.add_request(_req(rid, range(10 * i, 10 * i + 3), arrival_time=float(i)))
+    _step(s)
+    s.set_paused("b", True)
+    assert s.schedule().num_scheduled == {"a": 1, "c": 1}
+
+
+def test_a_request_bigger_than_the_pool_is_aborted_once_nothing_else_runs():
+    """40 tokens need 10 blocks of a 4-block pool. While a runs, big waits; once a is done
+    and nothing could be scheduled, big ends with finish_reason "length"."""
+    s = _sched(4)
+    s.add_request(_req("a", range(3), max_tokens=3, arrival_time=0.0))
+    s.add_request(_req("big", range(100, 140), arrival_time=1.0))
+    finished = {}
+    for step in range(10):
+        out = s.schedule()
+        sampled = {rid: SampledToken(7) for rid, n in out.num_scheduled.items()
+                   if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+        for o in s.update_from_output(out, sampled):
+            if o.finish_reason:
+                finished[o.request_id] = (step, o.finish_reason)
+        if not s.has_unfinished():
+            break
+    # a: prefill + 2 decode steps (steps 0-2); step 3 schedules nothing and aborts big,
+    # whose output leaves with the next update.
+    assert finished == {"a": (2, "length"), "big": (3, "length")}
+    assert not s.has_unfinished()

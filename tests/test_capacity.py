@@ -520,7 +520,7 @@ def test_report_fields_of_a_hybrid():
     bytes of padding), 21 blocks; 1 token of attention is 128 / 4 = 32 bytes, so the fixed
     state (2 blocks, 256 bytes) is worth 8 tokens."""
     r = capacity_report({"a": _A, "s": _S}, memory_bytes=21 * 128, max_model_len=16,
-                        block_size=4, lengths=(1, 8), max_num_batched_tokens=8)
+                        block_size=4, lengths=(0, 1, 8), max_num_batched_tokens=8)
     assert r["max_num_batched_tokens"] == 8
     assert (r["page_size_bytes"], r["pages_per_state"], r["padding_bytes"]) == (128, 2, 64)
     assert (r["state_page_bytes"], r["state_bytes_per_sequence"]) == (192, 192)
@@ -573,3 +573,18 @@ def test_report_limits_and_messages():
     with pytest.raises(ValueError) as e:
         capacity_report({"a": _A}, memory_bytes=0, max_model_len=4)
     assert str(e.value) == "kv_cache_memory must be positive, got 0"
+
+
+def test_vllm_layout_charges_a_state_block_per_speculative_token():
+    """vLLM keeps one more state block per speculative token in each state group."""
+    kw = dict(layout="vllm", memory_bytes=1 << 20, max_model_len=8, block_size=4)
+    plain = capacity_report({"a": _A, "s": _S}, **kw)
+    spec = capacity_report({"a": _A, "s": _S}, num_speculative_tokens=2, **kw)
+    assert spec["blocks_per_request"] == plain["blocks_per_request"] + 2
+
+
+def test_vllm_layout_takes_the_block_size():
+    for bs, blocks in ((4, 16), (32, 2)):
+        r = capacity_report({"a": _A}, layout="vllm", memory_bytes=1 << 20, max_model_len=64,
+                            block_size=bs)
+        assert (r["attention_block_size"], r["blocks_per_request"]) == (bs, blocks)

@@ -25,12 +25,13 @@ ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
 EOS = 99
 
 
-def _decoding(max_tokens: int = 10) -> tuple[Scheduler, Request]:
+def _decoding(max_tokens: int = 10, caching: bool = False, **sp) -> tuple[Scheduler, Request]:
     """A request with a 5-token prompt that has sampled its first token (6 tokens, 5
     computed)."""
-    s = Scheduler(KVCacheManager(plan_pagefold({"a": ATTN}, BS, 33 * ATTN.page_bytes(BS))),
-                  max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
-    r = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, logprobs=0),
+    kv = KVCacheManager(plan_pagefold({"a": ATTN}, BS, 33 * ATTN.page_bytes(BS)),
+                        enable_prefix_caching=caching)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    r = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, logprobs=0, **sp),
                 eos_token_id=EOS)
     s.add_request(r)
     out = s.schedule()
@@ -54,6 +55,7 @@ def test_accepted_drafts_and_the_sampled_token_are_appended():
     assert r.num_computed_tokens == 7 and r.output_token_ids == [6, 7, 20]
     assert r.num_tokens == 8  # the sampled token (20) is not computed yet
     assert eo.new_token_ids == [7, 20] and eo.finish_reason is None
+    assert eo.num_cached_tokens == 0
     assert eo.new_logprobs == [_lp(7, -1.0), _lp(20, -2.0)]
     assert r.cumulative_logprob == pytest.approx(-0.5 - 1.0 - 2.0)
     # The next step computes just the sampled token (no drafts offered).
@@ -73,14 +75,18 @@ def test_all_drafts_accepted():
     assert eo.new_token_ids == [7, 8, 21] and eo.new_logprobs == []
 
 
-@pytest.mark.parametrize("where", ["eos", "max_tokens"])
+@pytest.mark.parametrize("where", ["eos", "max_tokens", "stop_id"])
 def test_a_stop_inside_the_accepted_tokens_drops_the_rest(where):
-    """The second emitted token stops the request (EOS, or max_tokens 3 reached): the third
-    is not appended, the request finishes on this step and its blocks go back."""
-    s, r = _decoding(max_tokens=3 if where == "max_tokens" else 10)
+    """The second emitted token stops the request (EOS, max_tokens 3 reached, or a stop
+    token): the third is not appended, the request finishes on this step and its blocks go
+    back."""
+    s, r = _decoding(max_tokens=3 if where == "max_tokens" else 10,
+                     **({"stop_token_ids": [8]} if where == "stop_id" else {}))
     s.spec_token_ids = {"r": [7, 8, 9]}
     out = s.schedule()
     stop = EOS if where == "eos" else 8
+    if where == "stop_id":
+        where = "eos"  # the same finish; the stop token is reported as the reason
     res = VerifiedTokens([7, stop, 22], 2, [_lp(7, -1.0), _lp(stop, -1.5), _lp(22, -3.0)])
     (eo,) = s.update_from_output(out, {"r": res})
     assert r.output_token_ids == [6, 7, stop]
@@ -88,6 +94,7 @@ def test_a_stop_inside_the_accepted_tokens_drops_the_rest(where):
     assert eo.new_logprobs == [_lp(7, -1.0), _lp(stop, -1.5)]
     assert r.cumulative_logprob == pytest.approx(-0.5 - 1.0 - 1.5)
     assert eo.finish_reason == ("stop" if where == "eos" else "length")
+    assert eo.stop_reason == (8 if r.sampling_params.stop_token_ids else None)
     assert r.status == (RequestStatus.FINISHED_STOPPED if where == "eos"
                         else RequestStatus.FINISHED_LENGTH)
     assert "r" not in s.requests and s.kv.pool.num_free == s.kv.pool.num_usable
@@ -144,3 +151,23 @@ def test_a_step_budget_cuts_the_drafts(budget, sent):
     out = s.schedule()
     assert out.num_scheduled == {"r": budget}
     assert out.spec_token_ids == ({"r": sent} if sent else {})
+
+
+def test_a_verify_step_caches_the_blocks_it_completed():
+    """With prefix caching, a verify step whose accepted tokens complete block 1 (positions
+    4..7) caches it, like plain decode steps would."""
+    s, r = _decoding(caching=True)
+    s.spec_token_ids = {"r": [7, 8]}
+    out = s.schedule()  # positions 5, 6, 7
+    s.update_from_output(out, {"r": VerifiedTokens([7, 8, 21], 2)})
+    assert r.num_computed_tokens == 8
+    assert [s.kv.pool.lookup((0, h)) is not None for h in r.block_hashes[:2]] == [True, True]
+
+
+def test_replacing_a_token_needs_an_uncomputed_sampled_one():
+    s = Scheduler(KVCacheManager(plan_pagefold({"a": ATTN}, BS, 33 * ATTN.page_bytes(BS))),
+                  max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    s.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=4)))
+    with pytest.raises(ValueError) as e:
+        s.replace_last_token("r", 9)
+    assert str(e.value) == "request 'r' has no uncomputed sampled token"

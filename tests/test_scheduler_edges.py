@@ -165,3 +165,16 @@ def test_a_request_bigger_than_the_pool_is_aborted_once_nothing_else_runs():
     # whose output leaves with the next update.
     assert finished == {"a": (2, "length"), "big": (3, "length")}
     assert not s.has_unfinished()
+
+
+def test_a_deferred_request_does_not_hold_up_the_queue():
+    """b shares a's 16-token prompt, whose last block a computes right now: b waits for that
+    hit; c, behind it in the queue, is admitted in the same step."""
+    s = _sched(32, budget=12, caching=True)
+    s.add_request(_req("a", range(16), arrival_time=0.0))
+    assert _step(s).num_scheduled == {"a": 12}
+    s.add_request(_req("b", list(range(16)) + [50, 51], arrival_time=1.0))
+    s.add_request(_req("c", range(60, 63), arrival_time=2.0))
+    out = _step(s)
+    assert out.num_scheduled == {"a": 4, "c": 3}
+    assert s.requests["b"].status == RequestStatus.WAITING

@@ -41,4 +41,4 @@ ONLY ?=
 mutants: $(STAMP)
 	$(BIN)/pip install -q -e '.[mutation]'
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/mutmut_run.py $(PKG) --tests $(TESTS) \
-		$(if $(ONLY),--only $(ONLY))
+		$(if $(ONLY),--only $(foreach o,$(ONLY),'$(o)'))

@@ -26,6 +26,7 @@ from pagefold.core.kv_cache_spec import (
 )
 from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler
+from pagefold.core.swap import PreemptionCost
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 
@@ -354,3 +355,52 @@ def test_a_preempted_request_gives_back_its_share_of_the_step():
     out = _step(s)
     assert out.preempted_ids == ["L"]
     assert out.num_scheduled == {"H": 1, "N": 1}
+
+
+def _swapping(host_rows: int) -> Scheduler:
+    s = _setup()
+    s.kv.attach_swap(host_rows, "swap", PreemptionCost(flops_per_token=1.0))
+    return s
+
+
+def test_swap_or_recompute_with_copies_queued():
+    """Swap mode, 6 host rows. After one step of a and b (8-token prompts cut at 4) the
+    checkpoint saves of both are queued: they write checkpoint pages, not a's or b's. a is
+    swapped out (its 3 pages: one attention block and its state). A child c forked from b has
+    its state copy queued *into* its own pages: recomputed, though its 3 pages would fit the 3
+    rows left. b then takes exactly those 3 rows."""
+    s = _swapping(6)
+    for i, rid in enumerate("ab"):
+        s.add_request(_req(rid, [50 * i + j for j in range(8)], max_tokens=4,
+                           arrival_time=float(i)))
+    assert _step(s).num_scheduled == {"a": 4, "b": 4}
+    kv = s.kv
+    assert kv.has_pending_copies
+    page = ATTN.page_bytes(BS)
+    assert kv.preempt(s.requests["a"]) == "swap"
+    assert (kv.swap_stats.swaps_out, kv.swap_stats.bytes_out) == (1, 3 * page)
+    assert kv.host.num_free == 3
+    s.fork_request("b", "c")
+    assert sum(map(len, kv.block_ids("c"))) == 3
+    assert kv.preempt(s.requests["c"]) == "recompute"
+    assert kv.preempt(s.requests["b"]) == "swap" and kv.host.num_free == 0
+    assert (kv.swap_stats.swaps_out, kv.swap_stats.bytes_out) == (2, 6 * page)
+    # a, aborted while parked on the host, gives its rows back.
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert kv.host.num_free == 3 and "a" not in kv.swapped
+
+
+def test_a_swapped_request_comes_back_whole():
+    s = _swapping(16)
+    s.add_request(_req("a", A[:8], max_tokens=4))
+    _step(s)
+    kv, a = s.kv, s.requests["a"]
+    s._preempt(a)
+    assert kv.swap_stats.swaps_out == 1
+    out = s.schedule()
+    assert [r.req_id for r in out.new_reqs] == ["a"] and out.new_reqs[0].num_computed_tokens == 4
+    page = ATTN.page_bytes(BS)
+    assert (kv.swap_stats.swaps_in, kv.swap_stats.bytes_in) == (1, 3 * page)
+    # The swap-outs (queued by the preemption) and the swap-ins, per group, in that order.
+    assert [(op.to_host, op.group) for op in out.swaps] == [(True, 0), (True, 1), (False, 0),
+                                                           (False, 1)]

@@ -36,6 +36,9 @@ bench: $(STAMP)
 #       TESTS="tests/test_capacity.py tests/test_capacity_reality.py"
 PKG ?= pagefold/core/kv_cache_planner.py
 TESTS ?= tests/test_capacity.py tests/test_capacity_reality.py
+# ONLY: mutant name globs, e.g. ONLY="*Scheduler*schedule__mutmut_*" (default: all of PKG).
+ONLY ?=
 mutants: $(STAMP)
 	$(BIN)/pip install -q -e '.[mutation]'
-	HF_HUB_OFFLINE=1 $(BIN)/python scripts/mutmut_run.py $(PKG) --tests $(TESTS)
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/mutmut_run.py $(PKG) --tests $(TESTS) \
+		$(if $(ONLY),--only $(foreach o,$(ONLY),'$(o)'))

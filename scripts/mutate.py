@@ -49,6 +49,15 @@ CAP = "tests/test_capacity_reality.py"
 DP = "tests/test_dp_routing_property.py"
 EDGE = "tests/test_length_edges.py"
 RES = "tests/test_scheduler_resume.py"
+CON = "tests/test_cache_contents.py"
+ACC = "tests/test_pool_accounting.py"
+# The scheduler's fake-model tests (no model runs: seconds in all).
+SCH = ("tests/test_scheduler.py", RES, CON, ACC, "tests/test_fork_cow.py",
+       "tests/test_step_contract.py", CAP)
+CAPT = "tests/test_capacity.py"
+REJ = "tests/spec_decode/test_rejection.py"
+NG = "tests/spec_decode/test_config_ngram.py"
+AK = "tests/spec_decode/test_adaptive_k.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- issue 16's survivors
@@ -357,6 +366,99 @@ MUTANTS: list[Mutant] = [
            "        req.num_computed_tokens -= req.num_computed_tokens % self.block_size\n",
            (RES,), "a swapped request resumes at its last block boundary"),
 
+    # ---------------------------------------------- issue 44, second round: where mutmut
+    # was not run (the scheduler, the capacity report, speculative decoding) and the state
+    # and fork handling the contents oracle (tests/test_cache_contents.py) now checks.
+    Mutant("ckpt_key_next_block", P + "core/managers.py",
+           "        key = self._key(hashes[num_tokens // bs - 1])\n",
+           "        key = self._key(hashes[min(num_tokens // bs, len(hashes) - 1)])\n",
+           (CON,), "an in-kernel capture filed under the next block's hash"),
+    Mutant("restore_own_pages_late", P + "core/managers.py",
+           "        return [PageCopy(self.index, [b.block_id for b in e.blocks], dst)]",
+           "        return [PageCopy(self.index, dst, [b.block_id for b in e.blocks])]",
+           (CON,), "a hit's restore copies the request's pages over the checkpoint"),
+    Mutant("fork_state_shared", P + "core/managers.py",
+           "        self.allocate(child_id, 0, 0)\n        return [PageCopy(",
+           "        self.req_blocks[child_id] = list(self.req_blocks[parent_id])\n"
+           "        self.pool.touch(self.req_blocks[child_id])\n        return [PageCopy(",
+           (CON,), "a fork shares its parent's state pages instead of copying them"),
+    Mutant("own_ckpt_not_held", P + "core/managers.py",
+           "        self.pool.touch(dst)  # ... and held by the request as its newest checkpoint\n"
+           "        self._keep_as_own(req_id, dst)\n",
+           "",
+           (ACC,), "a running request does not hold its newest checkpoint"),
+    Mutant("window_frees_shared", P + "core/managers.py",
+           "if b is not self.pool.null_block and b.ref_cnt == 1)",
+           "if b is not self.pool.null_block)",
+           (ACC, CON), "a dead window block shared with a fork counted as freed"),
+    Mutant("swap_out_before_fork_copy", P + "core/kv_cache_manager.py",
+           "                and not self._copies_into(req.request_id):",
+           ":",
+           (CON,), "a request swapped out in the step that queued a copy into its pages"),
+    Mutant("sched_victim_budget_lost", P + "core/scheduler.py",
+           "budget += scheduled.pop(victim.request_id)",
+           "scheduled.pop(victim.request_id)",
+           SCH, "a preempted, already scheduled request's tokens stay spent"),
+    Mutant("sched_fork_one_fewer_shared", P + "core/scheduler.py",
+           "for m in range(k, 0, -1) if self.kv.can_fork(parent, m)",
+           "for m in range(k - 1, 0, -1) if self.kv.can_fork(parent, m)",
+           SCH, "one child fewer than fits continues from the parent's cache"),
+    Mutant("sched_spec_rejected_kept", P + "core/scheduler.py",
+           "r.num_computed_tokens -= len(drafts) - tok.num_accepted",
+           "r.num_computed_tokens -= len(drafts) - tok.num_accepted - 1",
+           SCH, "one rejected draft counted as computed"),
+    Mutant("sched_spec_stop_computed", P + "core/scheduler.py",
+           "r.num_computed_tokens = r.num_tokens - 1",
+           "r.num_computed_tokens = r.num_tokens",
+           SCH, "a verify step that stops early counts its last token as computed"),
+    Mutant("sched_replace_keeps_hash", P + "core/scheduler.py",
+           "if len(r.block_hashes) * self.kv.block_size >= r.num_tokens:",
+           "if len(r.block_hashes) * self.kv.block_size > r.num_tokens:",
+           SCH, "a replaced token that completes a block keeps the old block's hash"),
+    Mutant("cap_bpr_first_length", P + "core/capacity.py",
+           "    bpr = per_request[max_model_len]\n",
+           "    bpr = per_request[points[0]]\n",
+           (CAPT, CAP), "the report's per-request blocks at its shortest length"),
+    Mutant("cap_usable_counts_null", P + "core/capacity.py",
+           "        usable = usable_blocks(cfg)\n",
+           "        usable = cfg.num_blocks\n",
+           (CAPT, CAP), "the null block counted as usable"),
+    Mutant("cap_one_request_refused", P + "core/capacity.py",
+           "    if usable < bpr:\n",
+           "    if usable <= bpr:\n",
+           (CAPT, CAP), "a pool that holds exactly one request refused"),
+    Mutant("cap_state_blocks_any_group", P + "core/capacity.py",
+           'state_blocks = sum(g["blocks_per_request"] for g in groups if g["pages_per_state"])',
+           'state_blocks = sum(g["blocks_per_request"] for g in groups)',
+           (CAPT, CAP), "attention pages counted as fixed state"),
+    Mutant("sd_resid_keeps_draft", P + "spec_decode/rejection.py",
+           "                    resid[d[a]] = 0.0\n",
+           "                    resid[d[a]] *= 1.0\n",
+           (REJ,), "the residual keeps the rejected n-gram draft"),
+    Mutant("sd_ratio_ignores_q", P + "spec_decode/rejection.py",
+           "ratio = p_d if qd is None else p_d / qd.gather(1, idx.unsqueeze(1)).squeeze(1)",
+           "ratio = p_d",
+           (REJ,), "a draft model's q left out of the acceptance ratio"),
+    Mutant("sd_bonus_from_last_draft_row", P + "spec_decode/rejection.py",
+           "                last = _race(probs[row + m], gen)\n",
+           "                last = _race(probs[row + max(m - 1, 0)], gen)\n",
+           (REJ,), "the bonus token drawn from the last draft's row"),
+    Mutant("sd_greedy_first_row", P + "spec_decode/rejection.py",
+           "while a < m and greedy_tok[row + a] == d[a]:",
+           "while a < m and greedy_tok[row] == d[a]:",
+           (REJ,), "every greedy draft compared with the first row's argmax"),
+    Mutant("sd_ngram_oldest", P + "spec_decode/ngram.py",
+           "end = int(cand[np.flatnonzero(match == best)[-1]])",
+           "end = int(cand[np.flatnonzero(match == best)[0]])",
+           (NG,), "the oldest occurrence of the suffix, not the most recent"),
+    Mutant("sd_next_k_accepted", P + "spec_decode/engine.py",
+           "        return max(1, accepted + 1)\n",
+           "        return max(1, accepted)\n",
+           (AK,), "adaptive k shrinks to the accepted count"),
+    Mutant("sd_backoff_linear", P + "spec_decode/engine.py",
+           "wait = min(1 << fails, self.MAX_BACKOFF)",
+           "wait = min(1 + fails, self.MAX_BACKOFF)",
+           (AK,), "a failing request's back-off grows linearly, not doubling"),
 ]
 
 

@@ -9,6 +9,12 @@ their diffs for docs/TESTING.md, where each is killed by a test or argued equiva
     python scripts/mutmut_run.py pagefold/core/kv_cache_planner.py \\
         --tests tests/test_capacity.py tests/test_capacity_reality.py
     make mutants PKG=pagefold/core/kv_cache_planner.py TESTS="tests/test_capacity.py"
+    make mutants PKG=pagefold/core/capacity.py TESTS="tests/test_capacity.py" \
+        ONLY="*capacity_report__mutmut_*"
+
+``--only`` keeps the mutants whose names match the glob patterns (mutmut 3 names a method's
+mutants ``module.xǁClassǁmethod__mutmut_N`` and a function's ``module.x_function__mutmut_N``):
+a large module is then tested where it is most at risk, with the tests that reach it.
 
 Exit status: 0 when no mutant survived, 1 otherwise.
 """
@@ -20,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("modules", nargs="+", help="files to mutate, e.g. pagefold/core/capacity.py")
     p.add_argument("--tests", nargs="+", required=True, help="test files or node ids to run")
+    p.add_argument("--only", nargs="+", default=[], help="mutant name globs to run "
+                   "(default: every mutant of the modules)")
     p.add_argument("--max-children", type=int, default=1, help="mutants run in parallel")
     p.add_argument("--keep", action="store_true", help="keep the temporary copy (its path "
                    "is printed) to inspect with `mutmut browse`")
@@ -50,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # mutmut puts its mutants/ tree first on the path
     mutmut = [sys.executable, "-m", "mutmut"]
-    run = subprocess.run([*mutmut, "run", "--max-children", str(args.max_children)], cwd=root,
-                         env=env)
+    run = subprocess.run([*mutmut, "run", "--max-children", str(args.max_children),
+                          *args.only], cwd=root, env=env)
     results = subprocess.run([*mutmut, "results"], cwd=root, env=env, capture_output=True,
                              text=True)
     print(results.stdout)
     survivors = [ln.split(":")[0].strip() for ln in results.stdout.splitlines()
-                 if ln.strip().endswith("survived")]
+                 if ln.strip().endswith("survived")
+                 and (not args.only or any(fnmatch(ln.split(":")[0].strip(), pat)
+                                           for pat in args.only))]
     for name in survivors:
         diff = subprocess.run([*mutmut, "show", name], cwd=root, env=env, capture_output=True,
                               text=True)

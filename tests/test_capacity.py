@@ -486,5 +486,105 @@ def test_a_budget_under_one_block_has_no_usable_block():
     spec = StateSpec("gdn", (StateComponent("ssm", (4,), torch.float32),))  # 16 bytes
     with pytest.raises(ValueError, match="gives 0 usable blocks"):
         capacity_report({"s": spec}, memory_bytes=10, max_model_len=8)
-    r = capacity_report({"s": spec}, memory_bytes=32, max_model_len=8)
+    r = _report_or_refusal({"s": spec}, memory_bytes=32, max_model_len=8)
+    assert not isinstance(r, str), r  # one usable block holds exactly one request
     assert (r["num_blocks"], r["usable_blocks"], r["blocks_per_request"]) == (2, 1, 1)
+    assert r["concurrency"][-1]["max_requests"] == 1
+
+
+def _report_or_refusal(specs, **kw):
+    """The report, or the refusal's message (so that a wrong refusal fails an assertion)."""
+    try:
+        return capacity_report(specs, **kw)
+    except ValueError as e:
+        return f"refused: {e}"
+
+
+def test_a_pool_holding_exactly_one_request_reports_one():
+    attn = FullAttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    page = attn.page_bytes(16)
+    r = _report_or_refusal({"a": attn}, memory_bytes=5 * page, max_model_len=64)
+    assert not isinstance(r, str), r  # 4 usable blocks; a request of 64 tokens takes 4
+    assert (r["usable_blocks"], r["blocks_per_request"], r["max_concurrency"]) == (4, 4, 1.0)
+    r = _report_or_refusal({"a": attn}, memory_bytes=4 * page, max_model_len=64)
+    assert isinstance(r, str) and "gives 3 usable blocks" in r, r
+
+
+# ---- capacity_report's own fields on hand-sized models (issue 44: mutmut's survivors) ----
+_A = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)  # 128-byte page at 4
+_S = StateSpec("gdn", (StateComponent("ssm", (48,), torch.float32),))  # 192 bytes: 2 pages
+
+
+def test_report_fields_of_a_hybrid():
+    """One attention layer and one state: pages of 128 bytes, the state in 2 of them (64
+    bytes of padding), 21 blocks; 1 token of attention is 128 / 4 = 32 bytes, so the fixed
+    state (2 blocks, 256 bytes) is worth 8 tokens."""
+    r = capacity_report({"a": _A, "s": _S}, memory_bytes=21 * 128, max_model_len=16,
+                        block_size=4, lengths=(0, 1, 8), max_num_batched_tokens=8)
+    assert r["max_num_batched_tokens"] == 8
+    assert (r["page_size_bytes"], r["pages_per_state"], r["padding_bytes"]) == (128, 2, 64)
+    assert (r["state_page_bytes"], r["state_bytes_per_sequence"]) == (192, 192)
+    assert (r["num_blocks"], r["block_bytes"], r["pool_bytes"]) == (21, 128, 21 * 128)
+    assert (r["fixed_state_blocks_per_sequence"], r["fixed_state_bytes_per_sequence"]) == (2,
+                                                                                          256)
+    assert (r["attention_block_size"], r["bytes_per_token"]) == (4, 32.0)
+    assert r["state_equivalent_tokens"] == 8
+    assert [c["tokens"] for c in r["concurrency"]] == [1, 8, 16]
+    assert [c["blocks_per_request"] for c in r["concurrency"]] == [1 + 2, 2 + 2, 4 + 2]
+
+
+def test_report_fields_without_attention_or_without_state():
+    s = capacity_report({"s": _S}, memory_bytes=9 * 192, max_model_len=8, block_size=4)
+    assert (s["attention_block_size"], s["bytes_per_token"]) == (None, 0.0)
+    assert s["state_equivalent_tokens"] == 0
+    a = capacity_report({"a": _A}, memory_bytes=9 * 128, max_model_len=8, block_size=4)
+    assert (a["pages_per_state"], a["padding_bytes"], a["state_page_bytes"]) == (0, 0, 0)
+    assert a["state_bytes_per_sequence"] == 0
+    v = capacity_report({"a": _A}, layout="vllm", memory_bytes=1 << 20, max_model_len=8,
+                        block_size=4)
+    assert v["pages_per_state"] == 0
+    vh = capacity_report({"a": _A, "s": _S}, layout="vllm", memory_bytes=1 << 20,
+                         max_model_len=8, block_size=4)
+    assert vh["pages_per_state"] == 1
+    assert [g["pages_per_state"] for g in vh["groups"]] == [0, 1]
+
+
+def test_report_window_group_uses_the_step_budget():
+    """A window of 8 at blocks of 4, 64 tokens: a prefill chunk of 4 holds the pages of a
+    span of 8 - 1 + 4 tokens, cdiv(10, 4) + 1 = 4 pages; a chunk of 64 holds all 16."""
+    w = SlidingWindowSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32, window=8)
+    for budget, pages in ((4, 4), (4096, 16)):
+        r = capacity_report({"w": w}, memory_bytes=40 * 128, max_model_len=64, block_size=4,
+                            max_num_batched_tokens=budget)
+        assert [g["blocks_per_request"] for g in r["groups"]] == [pages]
+
+
+def test_report_limits_and_messages():
+    r = capacity_report({"a": _A}, memory_bytes=9 * 128, max_model_len=1, block_size=4)
+    assert r["blocks_per_request"] == 1
+    with pytest.raises(ValueError, match=r"^the KV cache budget of 1 bytes gives 0 usable"):
+        capacity_report({"a": _A}, memory_bytes=1, max_model_len=4, block_size=4)
+    with pytest.raises(ValueError) as e:
+        capacity_report({"a": _A}, layout="x", memory_bytes=1 << 20, max_model_len=4)
+    assert str(e.value) == "layout must be one of pagefold, vllm; got 'x'"
+    with pytest.raises(ValueError) as e:
+        capacity_report({"a": _A}, memory_bytes=1 << 20, max_model_len=0)
+    assert str(e.value) == "max_model_len must be at least 1, got 0"
+    with pytest.raises(ValueError) as e:
+        capacity_report({"a": _A}, memory_bytes=0, max_model_len=4)
+    assert str(e.value) == "kv_cache_memory must be positive, got 0"
+
+
+def test_vllm_layout_charges_a_state_block_per_speculative_token():
+    """vLLM keeps one more state block per speculative token in each state group."""
+    kw = dict(layout="vllm", memory_bytes=1 << 20, max_model_len=8, block_size=4)
+    plain = capacity_report({"a": _A, "s": _S}, **kw)
+    spec = capacity_report({"a": _A, "s": _S}, num_speculative_tokens=2, **kw)
+    assert spec["blocks_per_request"] == plain["blocks_per_request"] + 2
+
+
+def test_vllm_layout_takes_the_block_size():
+    for bs, blocks in ((4, 16), (32, 2)):
+        r = capacity_report({"a": _A}, layout="vllm", memory_bytes=1 << 20, max_model_len=64,
+                            block_size=bs)
+        assert (r["attention_block_size"], r["blocks_per_request"]) == (bs, blocks)

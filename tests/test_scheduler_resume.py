@@ -63,6 +63,8 @@ def test_preempted_request_resumes_where_it_should(mode, caching):
             break
     assert computed == 7
     assert s.kv.preempt_log.decisions[-1][1] == mode
+    # c is the one preemption so far, counted once, by kind and on the request.
+    assert (s.num_preemptions, s.preemptions_by_kind, c.num_preemptions) == (1, {mode: 1}, 1)
     credit = s.kv.preempt_log.credited_tokens
     # swap: everything stays computed; recompute: nothing; with the prefix cache: c's one
     # full block (its partial block is never cached), which nothing evicted meanwhile.
@@ -71,6 +73,7 @@ def test_preempted_request_resumes_where_it_should(mode, caching):
     assert [r.req_id for r in out.new_reqs] == ["c"]
     (back,) = out.new_reqs
     assert back.num_computed_tokens == want
+    assert c.num_cached_tokens == 0  # what its *first* scheduling found in the cache
     # It is scheduled from there to its end: its tokens are the prompt and 1 sampled token.
     assert c.num_output_tokens == 1
     assert out.num_scheduled["c"] == 8 - want

@@ -407,7 +407,10 @@ class KVCacheManager:
         nbytes = pages * self.config.layers_per_group * self.config.page_bytes
         credit = min(self.credit_tokens(req), req.num_computed_tokens)
         kind = "recompute"
-        if self.host is not None and pages <= self.host.num_free:
+        # A swap-out runs before the step's page copies, so it would save this request's pages
+        # without a copy queued into them this step (a fork's state, copy-on-write): recompute.
+        if self.host is not None and pages <= self.host.num_free \
+                and not self._copies_into(req.request_id):
             if self.preemption_mode == "swap":
                 kind = "swap"
             elif self.preemption_mode == "auto" and self.cost is not None:
@@ -486,7 +489,7 @@ class KVCacheManager:
         if sw is not None:  # finished or aborted while parked on the host
             self.host.free([h for hl in sw.host_blocks for h in hl if h is not None])
         if self._copies:  # copies into this request's pages (fork, CoW, restore) are moot now
-            owned = {(m.index, b) for m in self.managers for b in m.block_ids(req.request_id)}
+            owned = self._owned(req.request_id)
             self._copies = [c for c in self._copies
                             if not any((c.group, b) in owned for b in c.dst)]
         for m in self.managers:
@@ -497,6 +500,16 @@ class KVCacheManager:
         for h in req.block_hashes:
             if self._inflight.get(h) == req.request_id:
                 del self._inflight[h]
+
+    def _owned(self, req_id: str) -> set[tuple[int, int]]:
+        return {(m.index, b) for m in self.managers for b in m.block_ids(req_id)}
+
+    def _copies_into(self, req_id: str) -> bool:
+        """Whether a queued page copy writes one of ``req_id``'s pages."""
+        if not self._copies:
+            return False
+        owned = self._owned(req_id)
+        return any((c.group, b) in owned for c in self._copies for b in c.dst)
 
     def block_ids(self, req_id: str) -> list[list[int]]:
         return [m.block_ids(req_id) for m in self.managers]

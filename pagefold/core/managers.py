@@ -300,7 +300,8 @@ class SlidingWindowManager(FullAttentionManager):
     def num_blocks_to_free(self, req_id: str, num_computed: int) -> int:
         blocks = self.req_blocks.get(req_id, ())
         dead = self._dead_prefix(num_computed)
-        return sum(1 for b in blocks[:dead] if b is not self.pool.null_block)
+        # A dead block shared with a fork stays held by the other request: it frees nothing.
+        return sum(1 for b in blocks[:dead] if b is not self.pool.null_block and b.ref_cnt == 1)
 
     def allocate(self, req_id: str, num_computed: int, num_tokens: int,
                  copies: list[PageCopy] | None = None) -> None:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from pagefold import LLM, SamplingParams
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.sched_output import SampledToken, SchedulerOutput, VerifiedTokens
+from pagefold.core.scheduler import Scheduler
+from pagefold.request import Request
 from pagefold.spec_decode.config import SpeculativeConfig
 from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.testing.oracle import hf_greedy
@@ -42,3 +50,33 @@ def test_adaptive_k_drafts_what_gets_accepted(tiny_model_factory, random_prompts
         rates[adaptive] = m.num_draft_tokens / m.num_drafts
         llm.engine.kv.check_whole()
     assert rates[False] > 2.5 and rates[True] < 2.3, rates
+
+
+def test_backoff_doubles_after_each_round_with_nothing_accepted() -> None:
+    """The documented back-off: a round accepting nothing doubles the steps the request then
+    decodes without drafts (2, 4, 8, 16, capped at 16); an accepted draft resets it."""
+    attn = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    s = Scheduler(KVCacheManager(plan_pagefold({"a": attn}, 4, 64 * attn.page_bytes(4))),
+                  max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512)
+    s.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)))
+    out = s.schedule()
+    s.update_from_output(out, {"r": SampledToken(4)})  # decoding: one token to compute
+    dec = SpecDecoder(SpeculativeConfig.from_user(
+        {"method": "ngram", "num_speculative_tokens": 2}), 512)
+    dec.propose_fn = lambda req, k: [5] * k
+
+    def rounds(steps: int, accepted: int) -> list[int]:
+        drafted = []
+        for step in range(steps):
+            dec.propose(s)
+            d = s.spec_token_ids.get("r")
+            if d:
+                drafted.append(step)
+                dec.observe(SchedulerOutput(spec_token_ids={"r": d}),
+                            {"r": VerifiedTokens([6] * (accepted + 1), accepted)})
+        return drafted
+
+    # Waits of 2, 4, 8, 16 and (capped) 16 steps after each failed round.
+    assert rounds(50, 0) == [0, 2, 6, 14, 30, 46]
+    assert rounds(13, 1) == [12]  # the round after the capped wait (46 + 16) ...
+    assert rounds(3, 1) == [0, 1, 2]  # ... accepted a draft: no wait any more

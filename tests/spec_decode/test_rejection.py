@@ -158,3 +158,21 @@ def test_batch_rows_and_errors() -> None:
     assert res.rows[1] == [3] and res.rows[0][0] == 0
     with pytest.raises(ValueError, match="logits rows"):
         rejection_sample(logits[:3], _meta(p_rows[:3], o_rows[:3]), drafts)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_all_accepted_drafts_take_the_bonus_from_the_row_after_them(m: int) -> None:
+    """Rows where each draft has probability 1 (logit 100 against 0: every draft accepted)
+    and row ``m`` (after the drafts) puts all its mass on token 4: the bonus is token 4."""
+    sp = SamplingParams(temperature=1.0, seed=1)
+    d = [(1 + j) % 4 for j in range(m)]
+    logits = torch.zeros(m + 1, V)
+    for j, t in enumerate(d):
+        logits[j, t] = 100.0
+    logits[m, 4] = 100.0
+    p_rows, o_rows = expand_for_verify([sp], [[]], [d])
+    for seed in range(20):
+        res = rejection_sample(logits, _meta(p_rows, o_rows), [d],
+                               {0: torch.Generator().manual_seed(seed)})
+        assert res.num_accepted == [m] and res.tokens == [d + [4]]
+        assert res.rows == [list(range(m + 1))]

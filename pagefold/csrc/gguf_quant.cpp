@@ -1,0 +1,139 @@
+// Few-row products with GGUF weights kept quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K as
+// pagefold/quantization/gguf_blocks.py decodes them): per output row o and group g of inputs
+// w = scale[o, g] * code + min[o, g], so
+//   y[r, o] = sum_g scale[o, g] * dot(x[r, g], code[o, g]) + min[o, g] * sum(x[r, g]),
+// the codes decoded once per call, the min term from one sum per row and group.
+//
+// Layout (pagefold/quantization/gguf_kernel.py builds it at load): codes (n, k * bits / 8)
+// uint8 row-major, 4-bit codes two to a byte (input 2j in the low nibble, 2j + 1 in the high
+// one), 8-bit: one code (5, 6 or 8 significant bits) per byte; scale and min (n, k / group)
+// float32; x (m, k) float32 contiguous; y (m, ldy) float32, this call writing columns [0, n).
+// Work is split over output rows: each output element is one thread's sum in a fixed order,
+// so a row's result depends neither on the rows beside it nor on the thread count.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;
+
+// Codes [0, count) of one group as floats (count a multiple of 2 for 4-bit codes).
+inline void decode_codes(const uint8_t* src, int bits, int64_t count, float* dst) {
+  int64_t i = 0;
+  if (bits == 4) {
+#if defined(__AVX2__)
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (; i + 16 <= count; i += 16) {
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
+      __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
+                                    _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+      _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+      _mm256_storeu_ps(dst + i + 8,
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+    }
+#endif
+    for (; i < count; ++i) {
+      uint8_t b = src[i / 2];
+      dst[i] = static_cast<float>((i & 1) ? (b >> 4) : (b & 0x0F));
+    }
+    return;
+  }
+#if defined(__AVX2__)
+  for (; i + 8 <= count; i += 8) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+  }
+#endif
+  for (; i < count; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
+// One output row: acc[r] = sum over groups of scale * dot + min * xsum.
+void row_product(const float* x, int64_t m, int64_t k, const uint8_t* row, int bits,
+                 int64_t group, const float* sc, const float* mn, const float* xsum,
+                 float* w, float* out) {
+  const int64_t groups = k / group;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (group % 8 == 0) {
+    // Vector accumulators per row: one horizontal sum per output, not per group.
+    __m256 acc[kMaxRows];
+    float accm[kMaxRows];
+    for (int64_t r = 0; r < m; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      accm[r] = 0.f;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      decode_codes(row + g * group * bits / 8, bits, group, w);
+      const __m256 s = _mm256_set1_ps(sc[g]);
+      for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * k + g * group;
+        __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(w));
+        for (int64_t i = 8; i < group; i += 8)
+          p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(w + i), p);
+        acc[r] = _mm256_fmadd_ps(s, p, acc[r]);
+        accm[r] += mn[g] * xsum[r * groups + g];
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) out[r] = hsum(acc[r]) + accm[r];
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < m; ++r) out[r] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    decode_codes(row + g * group * bits / 8, bits, group, w);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k + g * group;
+      float d = 0.f;
+      for (int64_t i = 0; i < group; ++i) d += xr[i] * w[i];
+      out[r] += sc[g] * d + mn[g] * xsum[r * groups + g];
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 on success; 1 when the arguments are outside what the kernel takes (nothing written).
+int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                    int32_t bits, int64_t group, const float* scale, const float* mins,
+                    float* y, int64_t ldy, int32_t nthreads) {
+  if ((bits != 4 && bits != 8) || m < 1 || m > kMaxRows || k < 1 || n < 1 || group < 1 ||
+      k % group || (bits == 4 && group % 2) || ldy < n)
+    return 1;
+  const int64_t groups = k / group;
+  const int64_t row_bytes = k * bits / 8;
+  std::vector<float> xsum(m * groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += x[r * k + g * group + i];
+      xsum[r * groups + g] = s;
+    }
+  const bool par = n >= 64 && nthreads > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    std::vector<float> w(group);
+    float out[kMaxRows];
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; ++o) {
+      row_product(x, m, k, codes + o * row_bytes, bits, group, scale + o * groups,
+                  mins + o * groups, xsum.data(), w.data(), out);
+      for (int64_t r = 0; r < m; ++r) y[r * ldy + o] = out[r];
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -119,8 +119,21 @@ def _ref_decode(kind: str, raw: np.ndarray, k: int) -> np.ndarray:
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(-1, k)
 
 
+@pytest.fixture(params=[0, 1, 2], ids=["best", "avx2", "scalar"])
+def isa(request):
+    """Each form of ``pf_qgemv_affine`` (AVX-512, AVX2 + FMA, scalar) in turn."""
+    from pagefold.csrc import cpu_ops
+
+    lib = cpu_ops.kernels()
+    if lib is None:
+        pytest.skip("no compiled kernels")
+    old = lib.pf_gguf_limit_isa(request.param)
+    yield request.param
+    lib.pf_gguf_limit_isa(old)
+
+
 @pytest.mark.parametrize("kind", TYPES)
-def test_kernel_matches_reference_on_awkward_shapes(kind):
+def test_kernel_matches_reference_on_awkward_shapes(kind, isa):
     from pagefold.quantization.gguf_kernel import GGUFWeight
 
     rng = np.random.default_rng(1)

@@ -161,6 +161,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_qgemv_int.restype = i32
     lib.pf_qgemv_affine.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, p, i64, i32]
     lib.pf_qgemv_affine.restype = i32
+    lib.pf_gguf_limit_isa.argtypes = [i32]
+    lib.pf_gguf_limit_isa.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
         getattr(lib, name).restype = i32
 

@@ -9,7 +9,8 @@
 // one), 8-bit: one code (5, 6 or 8 significant bits) per byte; scale and min (n, k / group)
 // float32; x (m, k) float32 contiguous; y (m, ldy) float32, this call writing columns [0, n).
 // Work is split over output rows: each output element is one thread's sum in a fixed order,
-// so a row's result depends neither on the rows beside it nor on the thread count.
+// so a row's result depends neither on the rows beside it nor on the thread count. Forms:
+// AVX-512 for groups of 16 / 32 (every GGUF type), AVX2 + FMA for groups of 8k, scalar.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -20,13 +21,17 @@ namespace {
 
 constexpr int64_t kMaxRows = 64;
 
+// The widest form the products may take (pf_gguf_limit_isa): 0 any, 1 AVX2, 2 scalar. Tests
+// run every form against the reference on a machine that has them all.
+int g_isa_limit = 0;
+
 // Codes [0, count) of one group as floats (count a multiple of 2 for 4-bit codes).
 inline void decode_codes(const uint8_t* src, int bits, int64_t count, float* dst) {
   int64_t i = 0;
   if (bits == 4) {
 #if defined(__AVX2__)
     const __m128i mask = _mm_set1_epi8(0x0F);
-    for (; i + 16 <= count; i += 16) {
+    for (; g_isa_limit < 2 && i + 16 <= count; i += 16) {
       __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
       __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
                                     _mm_and_si128(_mm_srli_epi16(b, 4), mask));
@@ -42,7 +47,7 @@ inline void decode_codes(const uint8_t* src, int bits, int64_t count, float* dst
     return;
   }
 #if defined(__AVX2__)
-  for (; i + 8 <= count; i += 8) {
+  for (; g_isa_limit < 2 && i + 8 <= count; i += 8) {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
     _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
   }
@@ -59,13 +64,68 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Codes [16 * half, 16 * half + 16) of one group as 16 floats.
+template <int B>
+inline __m512 codes16(const uint8_t* src, int half) {
+  if constexpr (B == 4) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * half));
+    __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
+                                  _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+  } else {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * half));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+  }
+}
+
+// AVX-512 form for the GGUF groups (16 or 32 inputs): the group's codes decoded into one or
+// two registers, one product per row and 16 inputs, a vector accumulator per row.
+template <int G, int B>
+void row_product_512(const float* x, int64_t m, int64_t k, const uint8_t* row,
+                     const float* sc, const float* mn, const float* xsum, float* out) {
+  const int64_t groups = k / G;
+  __m512 acc[kMaxRows];
+  float accm[kMaxRows];
+  for (int64_t r = 0; r < m; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    accm[r] = 0.f;
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* src = row + g * G * B / 8;
+    const __m512 w0 = codes16<B>(src, 0);
+    const __m512 w1 = G == 32 ? codes16<B>(src, 1) : _mm512_setzero_ps();
+    const __m512 s = _mm512_set1_ps(sc[g]);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k + g * G;
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(xr), w0);
+      if constexpr (G == 32) p = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, p);
+      acc[r] = _mm512_fmadd_ps(s, p, acc[r]);
+      accm[r] += mn[g] * xsum[r * groups + g];
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + accm[r];
+}
+#endif
+
 // One output row: acc[r] = sum over groups of scale * dot + min * xsum.
 void row_product(const float* x, int64_t m, int64_t k, const uint8_t* row, int bits,
                  int64_t group, const float* sc, const float* mn, const float* xsum,
                  float* w, float* out) {
   const int64_t groups = k / group;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (g_isa_limit == 0 && group == 32 && bits == 4)
+    return row_product_512<32, 4>(x, m, k, row, sc, mn, xsum, out);
+  if (g_isa_limit == 0 && group == 32 && bits == 8)
+    return row_product_512<32, 8>(x, m, k, row, sc, mn, xsum, out);
+  if (g_isa_limit == 0 && group == 16 && bits == 4)
+    return row_product_512<16, 4>(x, m, k, row, sc, mn, xsum, out);
+  if (g_isa_limit == 0 && group == 16 && bits == 8)
+    return row_product_512<16, 8>(x, m, k, row, sc, mn, xsum, out);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (group % 8 == 0) {
+  if (g_isa_limit <= 1 && group % 8 == 0) {
     // Vector accumulators per row: one horizontal sum per output, not per group.
     __m256 acc[kMaxRows];
     float accm[kMaxRows];
@@ -104,6 +164,13 @@ void row_product(const float* x, int64_t m, int64_t k, const uint8_t* row, int b
 }  // namespace
 
 extern "C" {
+
+// Limit the forms of pf_qgemv_affine (0: any, 1: AVX2 at most, 2: scalar); returns the old.
+int pf_gguf_limit_isa(int32_t limit) {
+  int old = g_isa_limit;
+  g_isa_limit = limit;
+  return old;
+}
 
 // 0 on success; 1 when the arguments are outside what the kernel takes (nothing written).
 int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,

@@ -69,6 +69,8 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     per tensor-name suffix, e.g. ``{"attn_v": "Q6_K"}``), embedding ``embed_kind``
     (default ``kind``), lm_head tied or its own ``output.weight``."""
     rng = np.random.default_rng(seed)
+    # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's default (128) it is.
+    head_dim = 128 if arch == "qwen3" else HEAD_DIM
     tok = _tokenizer_fields(tokenizer_src)
     vocab = len(tok["tokens"])
     w = gguf.GGUFWriter(str(path), arch)
@@ -81,9 +83,9 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -113,16 +115,16 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
         b = f"blk.{i}"
         norm(f"{b}.attn_norm.weight", HIDDEN)
         norm(f"{b}.ffn_norm.weight", HIDDEN)
-        lin(f"{b}.attn_q.weight", HEADS * HEAD_DIM, HIDDEN)
-        lin(f"{b}.attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        lin(f"{b}.attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        lin(f"{b}.attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
+        lin(f"{b}.attn_q.weight", HEADS * head_dim, HIDDEN)
+        lin(f"{b}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        lin(f"{b}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        lin(f"{b}.attn_output.weight", HIDDEN, HEADS * head_dim)
         lin(f"{b}.ffn_gate.weight", FFN, HIDDEN)
         lin(f"{b}.ffn_up.weight", FFN, HIDDEN)
         lin(f"{b}.ffn_down.weight", HIDDEN, FFN)
         if arch == "qwen3":
-            norm(f"{b}.attn_q_norm.weight", HEAD_DIM)
-            norm(f"{b}.attn_k_norm.weight", HEAD_DIM)
+            norm(f"{b}.attn_q_norm.weight", head_dim)
+            norm(f"{b}.attn_k_norm.weight", head_dim)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -76,7 +76,7 @@ def _weights_line(caplog) -> str:
 CASES = [("llama", t, {}) for t in TYPES] + [
     ("qwen3", "Q4_K", {"kinds": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, "embed_kind": "Q8_0",
                        "tied": False}),
-    ("qwen3", "Q4_1", {"embed_kind": "Q6_K"}),
+    ("qwen3", "Q4_1", {"embed_kind": "Q6_K", "tied": False}),
 ]
 
 

@@ -65,9 +65,9 @@ def _quantized(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.
 def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: str = "Q4_0",
                     embed_kind: str | None = None, tied: bool = True,
                     kinds: dict[str, str] | None = None, seed: int = 0) -> Path:
-    """A 2-layer ``arch`` (``llama`` or ``qwen3``) GGUF whose linears are ``kind`` (``kinds``:
-    per tensor-name suffix, e.g. ``{"attn_v": "Q6_K"}``), embedding ``embed_kind``
-    (default ``kind``), lm_head tied or its own ``output.weight``."""
+    """A 2-layer ``arch`` (``llama``, ``qwen3``, or ``lfm2``: a short-conv hybrid) GGUF whose
+    linears are ``kind`` (``kinds``: per tensor-name suffix, e.g. ``{"attn_v": "Q6_K"}``),
+    embedding ``embed_kind`` (default ``kind``), lm_head tied or its own ``output.weight``."""
     rng = np.random.default_rng(seed)
     # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's default (128) it is.
     head_dim = 128 if arch == "qwen3" else HEAD_DIM
@@ -80,7 +80,11 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    if arch == "lfm2":  # a short-conv layer, then an attention layer (KV heads 0: no attention)
+        w.add_head_count_kv([0, KV_HEADS])
+        w.add_uint32("lfm2.shortconv.l_cache", 3)
+    else:
+        w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(head_dim)
@@ -108,21 +112,27 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     ek = embed_kind or kind
     w.add_tensor("token_embd.weight", _quantized(ek, vocab, HIDDEN, rng),
                  raw_dtype=gguf.GGMLQuantizationType[ek])
-    norm("output_norm.weight", HIDDEN)
+    norm("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", HIDDEN)
     if not tied:
         lin("output.weight", vocab, HIDDEN)
     for i in range(LAYERS):
         b = f"blk.{i}"
         norm(f"{b}.attn_norm.weight", HIDDEN)
         norm(f"{b}.ffn_norm.weight", HIDDEN)
+        lin(f"{b}.ffn_gate.weight", FFN, HIDDEN)
+        lin(f"{b}.ffn_up.weight", FFN, HIDDEN)
+        lin(f"{b}.ffn_down.weight", HIDDEN, FFN)
+        if arch == "lfm2" and i == 0:
+            w.add_tensor(f"{b}.shortconv.conv.weight",
+                         (0.3 * rng.standard_normal((HIDDEN, 3))).astype(np.float32))
+            lin(f"{b}.shortconv.in_proj.weight", 3 * HIDDEN, HIDDEN)
+            lin(f"{b}.shortconv.out_proj.weight", HIDDEN, HIDDEN)
+            continue
         lin(f"{b}.attn_q.weight", HEADS * head_dim, HIDDEN)
         lin(f"{b}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
         lin(f"{b}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         lin(f"{b}.attn_output.weight", HIDDEN, HEADS * head_dim)
-        lin(f"{b}.ffn_gate.weight", FFN, HIDDEN)
-        lin(f"{b}.ffn_up.weight", FFN, HIDDEN)
-        lin(f"{b}.ffn_down.weight", HIDDEN, FFN)
-        if arch == "qwen3":
+        if arch in ("qwen3", "lfm2"):
             norm(f"{b}.attn_q_norm.weight", head_dim)
             norm(f"{b}.attn_k_norm.weight", head_dim)
     w.write_header_to_file()

@@ -6,10 +6,11 @@ with gguf-py and undoes llama.cpp's Q/K row permutation) in float32: the quantiz
 function, so greedy tokens must be equal. Also: the kernel against its torch reference on
 awkward shapes, with a reference decoder written here from ggml's block layouts, and bad input.
 
-Not covered: hybrid (GDN / Mamba-2) and MoE families. transformers 5 reads no qwen3_next /
-qwen3_5 / nemotron_h GGUF, and of the MoE GGUFs it reads (qwen2moe, qwen3moe, gpt-oss,
-minimax-m2) pagefold serves only gpt-oss, whose experts are MXFP4. A GGUF's stacked expert
-tensors load dequantized (``gguf_dequant_``).
+Families: dense (llama, qwen3) and the LFM2 short-conv hybrid. Not covered: GDN / Mamba-2
+hybrids and MoE. transformers 5 reads no qwen3_next / qwen3_5 / nemotron_h / mamba2 GGUF (so
+there is no oracle), and of the MoE GGUFs it reads (qwen2moe, qwen3moe, gpt-oss, minimax-m2)
+pagefold serves only gpt-oss, whose experts are MXFP4. A GGUF's stacked expert tensors load
+dequantized (``gguf_dequant_``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ CASES = [("llama", t, {}) for t in TYPES] + [
     ("qwen3", "Q4_K", {"kinds": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, "embed_kind": "Q8_0",
                        "tied": False}),
     ("qwen3", "Q4_1", {"embed_kind": "Q6_K", "tied": False}),
+    ("lfm2", "Q4_K", {}),  # hybrid: short-conv in/out projections quantized, conv as stored
 ]
 
 

@@ -224,6 +224,23 @@ def test_truncated_file_leaves_nothing(tmp_path):
     assert not any((cache / "gguf").iterdir())
 
 
+def test_non_finite_scale_names_the_tensor(tmp_path):
+    path = write_tiny_gguf(tmp_path / "t.gguf", installed_gguf(), "llama", "Q4_0")
+    r = gguf.GGUFReader(str(path))
+    t = next(t for t in r.tensors if t.name == "blk.0.ffn_gate.weight")
+    data = bytearray(path.read_bytes())
+    start = int(t.data_offset)  # absolute, in the file
+    data[start:start + 2] = np.array([np.nan], dtype=np.float16).tobytes()  # block 0's d
+    bad = tmp_path / "nan.gguf"
+    bad.write_bytes(bytes(data))
+    cache = tmp_path / "cache"
+    with pytest.raises(gguf_checkpoint.GGUFConversionError,
+                       match=r"model\.layers\.0\.mlp\.gate_proj\.weight: GGUF Q4_0 blocks "
+                             "with non-finite scales"):
+        gguf_checkpoint.convert_gguf(bad, cache_root=cache, keep_quantized=True)
+    assert not any((cache / "gguf").iterdir())
+
+
 def test_blocks_of_wrong_width_name_the_layer():
     from pagefold.quantization.gguf_blocks import GGUFTypeError, decode_rows
 

@@ -25,7 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagefold.quantization.gguf_blocks import SUPPORTED, GGUFTypeError, dequantize_rows
+from pagefold.quantization.gguf_blocks import (
+    BLOCK,
+    SUPPORTED,
+    TYPE_SIZE,
+    GGUFTypeError,
+    decode_rows,
+    dequantize_rows,
+)
 
 __all__ = ["DEQUANT_PREFIX", "KEEP_PREFIX", "quantized_tensors"]
 
@@ -85,6 +92,8 @@ def _gather(name: str, ids: torch.Tensor, tensors: list) -> tuple[str, torch.Ten
     for s in np.unique(src):
         sel = src == s
         out[sel] = np.asarray(tensors[s].data).reshape(-1, width)[rows[sel]]
+    k = width // TYPE_SIZE[kind] * BLOCK[kind]
+    decode_rows(kind, torch.from_numpy(out), k, name)  # corrupt blocks: refused here, once
     raw = torch.from_numpy(out).reshape(*ids.shape[:-1], width)
     if raw.dim() == 2 and name.endswith(".weight"):
         return f"{name[:-len('.weight')]}.{KEEP_PREFIX}{kind.lower()}", raw

@@ -117,8 +117,8 @@ def _decode_blocks(kind: str, b: torch.Tensor
 def decode_rows(kind: str, raw: torch.Tensor, k: int, what: str = "?"
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of raw blocks (R, row_bytes) uint8 -> codes (R, k) uint8, scale and min (R, k /
-    GROUP[kind]) float32; a row length that is not the type's is a :class:`GGUFTypeError`
-    naming ``what`` (a truncated or mislabelled tensor)."""
+    GROUP[kind]) float32; a row length that is not the type's, or non-finite scales, is a
+    :class:`GGUFTypeError` naming ``what`` (a truncated, mislabelled or corrupt tensor)."""
     rb = row_bytes(kind, k, what)
     if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] != rb:
         raise GGUFTypeError(f"{what}: GGUF {kind} tensor of shape {tuple(raw.shape)} "
@@ -126,6 +126,9 @@ def decode_rows(kind: str, raw: torch.Tensor, k: int, what: str = "?"
                             "(truncated or corrupt file)")
     r = raw.shape[0]
     q, s, m = _decode_blocks(kind, raw.reshape(-1, TYPE_SIZE[kind]))
+    if not (torch.isfinite(s).all() and torch.isfinite(m).all()):
+        raise GGUFTypeError(f"{what}: GGUF {kind} blocks with non-finite scales (corrupt "
+                            "file)")
     return (q.reshape(r, k).contiguous(), s.reshape(r, -1).contiguous(),
             m.reshape(r, -1).contiguous())
 

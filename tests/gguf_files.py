@@ -65,7 +65,7 @@ def _quantized(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.
 def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: str = "Q4_0",
                     embed_kind: str | None = None, tied: bool = True,
                     kinds: dict[str, str] | None = None, seed: int = 0) -> Path:
-    """A 2-layer ``arch`` (``llama``, ``qwen3``, or ``lfm2``: a short-conv hybrid) GGUF whose
+    """A 2-layer ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``lfm2``: short-conv hybrid) GGUF whose
     linears are ``kind`` (``kinds``: per tensor-name suffix, e.g. ``{"attn_v": "Q6_K"}``),
     embedding ``embed_kind`` (default ``kind``), lm_head tied or its own ``output.weight``."""
     rng = np.random.default_rng(seed)
@@ -132,6 +132,10 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
         lin(f"{b}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
         lin(f"{b}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         lin(f"{b}.attn_output.weight", HIDDEN, HEADS * head_dim)
+        if arch == "qwen2":  # q/k/v biases, F32
+            for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                w.add_tensor(f"{b}.attn_{name}.bias", (0.1 * rng.standard_normal(
+                    rows * head_dim)).astype(np.float32))
         if arch in ("qwen3", "lfm2"):
             norm(f"{b}.attn_q_norm.weight", head_dim)
             norm(f"{b}.attn_k_norm.weight", head_dim)

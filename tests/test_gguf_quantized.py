@@ -3,14 +3,14 @@
 Tiny random GGUF files (``tests/gguf_files.py``, written with the ``gguf`` package) of each
 kept type; the oracle is transformers' own GGUF reader (``load_gguf_checkpoint`` dequantizes
 with gguf-py and undoes llama.cpp's Q/K row permutation) in float32: the quantized model's own
-function, so greedy tokens must be equal. Also: the kernel against its torch reference on
-awkward shapes, with a reference decoder written here from ggml's block layouts, and bad input.
+function, so greedy tokens must be equal. Also: the kernel (every form: AVX-512, AVX2,
+scalar) against gguf-py's decoder (independent of pagefold) on awkward shapes, and bad input.
 
-Families: dense (llama, qwen3) and the LFM2 short-conv hybrid. Not covered: GDN / Mamba-2
-hybrids and MoE. transformers 5 reads no qwen3_next / qwen3_5 / nemotron_h / mamba2 GGUF (so
-there is no oracle), and of the MoE GGUFs it reads (qwen2moe, qwen3moe, gpt-oss, minimax-m2)
-pagefold serves only gpt-oss, whose experts are MXFP4. A GGUF's stacked expert tensors load
-dequantized (``gguf_dequant_``).
+Families: dense (llama, qwen2 with q/k/v biases, qwen3) and the LFM2 short-conv hybrid. Not
+covered: GDN / Mamba-2 hybrids and MoE. transformers 5 reads no qwen3_next / qwen3_5 /
+nemotron_h / mamba2 GGUF (so there is no oracle), and of the MoE GGUFs it reads (qwen2moe,
+qwen3moe, gpt-oss, minimax-m2) pagefold serves only gpt-oss, whose experts are MXFP4. A GGUF's
+stacked expert tensors load dequantized (``gguf_dequant_``).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ CASES = [("llama", t, {}) for t in TYPES] + [
     ("qwen3", "Q4_K", {"kinds": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, "embed_kind": "Q8_0",
                        "tied": False}),
     ("qwen3", "Q4_1", {"embed_kind": "Q6_K", "tied": False}),
+    ("qwen2", "Q5_K", {}),  # fused qkv_proj with its bias
     ("lfm2", "Q4_K", {}),  # hybrid: short-conv in/out projections quantized, conv as stored
 ]
 

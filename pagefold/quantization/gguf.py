@@ -19,7 +19,7 @@ other quantized tensor (stacked MoE experts) as ``<param>.gguf_dequant_<type>``.
 
 Invariants: a fused layer takes every shard from the file's quantized tensors or none (a
 plain shard beside quantized ones is refused, naming the layer); every shard of a layer is
-filled before it finalizes; under tensor parallelism GGUF layers are refused.
+filled before it finalizes; under tensor parallelism or off the CPU GGUF layers are refused.
 """
 
 from __future__ import annotations
@@ -210,6 +210,11 @@ class GGUFQuantizer:
             raise QuantizationError(f"{path}: GGUF weights kept quantized under tensor "
                                     "parallelism are not supported yet (load the file with "
                                     "quantization='none')")
+        dev = getattr(getattr(mod, "weight", None), "device", torch.device("cpu"))
+        if dev.type != "cpu":
+            raise QuantizationError(f"{path}: GGUF weights kept quantized run on the CPU only "
+                                    f"(this model is on {dev}); load the file with "
+                                    "quantization='none'")
         new = mod
         if type(mod) is nn.Embedding:
             new = GGUFEmbedding(mod.num_embeddings, mod.embedding_dim, mod.weight.dtype, path)

@@ -150,6 +150,8 @@ def test_kernel_matches_reference_on_awkward_shapes(kind, isa):
             w = (rng.standard_normal((rows, k)) * 0.1).astype(np.float32)
             raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
         weight = GGUFWeight([(kind, torch.from_numpy(raw))], k)
+        # the 32-blocks' scales are float16 values: held so (the kernel's half form)
+        assert (weight.scale.dtype == torch.float16) == (not kind.endswith("_K"))
         dense = torch.from_numpy(_ref_decode(kind, raw, k))
         torch.testing.assert_close(weight.dequantize(slice(0, rows)), dense, rtol=0, atol=0)
         ids = torch.tensor([rows - 1, 0])

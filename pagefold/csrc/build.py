@@ -159,7 +159,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_gemv_kinds.restype = i32
     lib.pf_qgemv_int.argtypes = [p, i64, i64, i64, p, i32, i32, i64, p, p, p, i64, i32]
     lib.pf_qgemv_int.restype = i32
-    lib.pf_qgemv_affine.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, p, i64, i32]
+    lib.pf_qgemv_affine.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, i32, p, i64, i32]
     lib.pf_qgemv_affine.restype = i32
     lib.pf_gguf_limit_isa.argtypes = [i32]
     lib.pf_gguf_limit_isa.restype = i32

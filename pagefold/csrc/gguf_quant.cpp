@@ -7,7 +7,7 @@
 // Layout (pagefold/quantization/gguf_kernel.py builds it at load): codes (n, k * bits / 8)
 // uint8 row-major, 4-bit codes two to a byte (input 2j in the low nibble, 2j + 1 in the high
 // one), 8-bit: one code (5, 6 or 8 significant bits) per byte; scale and min (n, k / group)
-// float32; x (m, k) float32 contiguous; y (m, ldy) float32, this call writing columns [0, n).
+// float32, or float16 (``half``: the Q4_0 / Q4_1 / Q8_0 scales are float16 values); x (m, k) float32 contiguous; y (m, ldy) float32, this call writing columns [0, n).
 // Work is split over output rows: each output element is one thread's sum in a fixed order,
 // so a row's result depends neither on the rows beside it nor on the thread count. Forms:
 // AVX-512 for groups of 16 / 32 (every GGUF type), AVX2 + FMA for groups of 8k, scalar.
@@ -174,11 +174,14 @@ int pf_gguf_limit_isa(int32_t limit) {
 
 // 0 on success; 1 when the arguments are outside what the kernel takes (nothing written).
 int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
-                    int32_t bits, int64_t group, const float* scale, const float* mins,
-                    float* y, int64_t ldy, int32_t nthreads) {
+                    int32_t bits, int64_t group, const void* scale, const void* mins,
+                    int32_t half, float* y, int64_t ldy, int32_t nthreads) {
   if ((bits != 4 && bits != 8) || m < 1 || m > kMaxRows || k < 1 || n < 1 || group < 1 ||
       k % group || (bits == 4 && group % 2) || ldy < n)
     return 1;
+#if !defined(__F16C__)
+  if (half) return 1;
+#endif
   const int64_t groups = k / group;
   const int64_t row_bytes = k * bits / 8;
   std::vector<float> xsum(m * groups);
@@ -191,12 +194,26 @@ int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8
   const bool par = n >= 64 && nthreads > 1;
 #pragma omp parallel num_threads(nthreads) if (par)
   {
-    std::vector<float> w(group);
+    std::vector<float> w(group), sc_row(half ? groups : 0), mn_row(half ? groups : 0);
     float out[kMaxRows];
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < n; ++o) {
-      row_product(x, m, k, codes + o * row_bytes, bits, group, scale + o * groups,
-                  mins + o * groups, xsum.data(), w.data(), out);
+      const float* sc = static_cast<const float*>(scale) + o * groups;
+      const float* mn = static_cast<const float*>(mins) + o * groups;
+#if defined(__F16C__)
+      if (half) {  // float16 scales and mins (exact for Q4_0 / Q4_1 / Q8_0): widened per row
+        const uint16_t* hs = static_cast<const uint16_t*>(scale) + o * groups;
+        const uint16_t* hm = static_cast<const uint16_t*>(mins) + o * groups;
+        for (int64_t g = 0; g < groups; ++g) {
+          sc_row[g] = _cvtsh_ss(hs[g]);
+          mn_row[g] = _cvtsh_ss(hm[g]);
+        }
+        sc = sc_row.data();
+        mn = mn_row.data();
+      }
+#endif
+      row_product(x, m, k, codes + o * row_bytes, bits, group, sc, mn, xsum.data(), w.data(),
+                  out);
       for (int64_t r = 0; r < m; ++r) y[r * ldy + o] = out[r];
     }
   }

@@ -2,7 +2,8 @@
 
 :class:`GGUFWeight` holds a linear's (or an embedding's) ``n`` x ``k`` weight as unsigned
 codes per row (4-bit codes two to a byte, 5/6/8-bit codes one to a byte) and per row and
-group of inputs a float32 ``scale`` and ``min``: ``w = scale * code + min``
+group of inputs a ``scale`` and ``min``: ``w = scale * code + min``; float32, or float16
+where every value is one (Q4_0 / Q4_1 / Q8_0: the blocks' own f16 scales)
 (:mod:`.gguf_blocks` decodes each GGUF type into that form, losslessly). A layer fused from
 tensors of different types (``qkv_proj`` with a Q6_K ``v_proj`` beside Q4_K ``q``/``k``) takes
 the widest codes and the smallest group of its parts: the same weights, in one layout.
@@ -61,6 +62,11 @@ class GGUFWeight:
         self.codes = _pack_nibbles(q) if self.bits == 4 else q.contiguous()
         self.scale = torch.cat(scales).contiguous()
         self.min = torch.cat(mins).contiguous()
+        # Q4_0 / Q4_1 / Q8_0 scales and mins are float16 values (d, m, -8 d, -128 d): held as
+        # float16 when every one converts back exactly (a quarter of a Q4_1 weight's bytes)
+        half_s, half_m = self.scale.half(), self.min.half()
+        if torch.equal(half_s.float(), self.scale) and torch.equal(half_m.float(), self.min):
+            self.scale, self.min = half_s, half_m
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +76,8 @@ class GGUFWeight:
                 ) -> torch.Tensor:
         q = _unpack_nibbles(codes) if self.bits == 4 else codes
         r = q.shape[0]
-        w = q.float().reshape(r, -1, self.group) * scale[..., None] + mins[..., None]
+        w = (q.float().reshape(r, -1, self.group) * scale.float()[..., None]
+             + mins.float()[..., None])
         return w.reshape(r, self.k)
 
     def dequantize(self, rows: slice) -> torch.Tensor:
@@ -92,7 +99,8 @@ class GGUFWeight:
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
         rc = lib.pf_qgemv_affine(xf.data_ptr(), xf.shape[0], self.k, self.n,
                                  self.codes.data_ptr(), self.bits, self.group,
-                                 self.scale.data_ptr(), self.min.data_ptr(), y.data_ptr(),
+                                 self.scale.data_ptr(), self.min.data_ptr(),
+                                 int(self.scale.dtype == torch.float16), y.data_ptr(),
                                  self.n, torch.get_num_threads())
         return y if rc == 0 else None
 

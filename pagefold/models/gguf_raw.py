@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagefold.quantization.gguf import DEQUANT_PREFIX, KEEP_PREFIX
 from pagefold.quantization.gguf_blocks import (
     BLOCK,
     SUPPORTED,
@@ -34,10 +35,8 @@ from pagefold.quantization.gguf_blocks import (
     dequantize_rows,
 )
 
-__all__ = ["DEQUANT_PREFIX", "KEEP_PREFIX", "quantized_tensors"]
+__all__ = ["quantized_tensors"]
 
-KEEP_PREFIX = "gguf_"
-DEQUANT_PREFIX = "gguf_dequant_"
 _PLAIN = ("F32", "F16", "BF16")
 
 

@@ -34,10 +34,11 @@ from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
 
-__all__ = ["GGUFEmbedding", "GGUFLinear", "GGUFQuantizer", "gguf_weights"]
+__all__ = ["DEQUANT_PREFIX", "KEEP_PREFIX", "GGUFEmbedding", "GGUFLinear", "GGUFQuantizer",
+           "gguf_weights"]
 
-KEEP_PREFIX = "gguf_"
-DEQUANT_PREFIX = "gguf_dequant_"
+KEEP_PREFIX = "gguf_"  # <module>.gguf_<type>: a linear / embedding weight kept quantized
+DEQUANT_PREFIX = "gguf_dequant_"  # <param>.gguf_dequant_<type>: decoded as it loads
 
 
 def _kind(name: str, prefix: str = KEEP_PREFIX) -> str | None:

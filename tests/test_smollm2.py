@@ -64,6 +64,9 @@ def test_checkpoint_is_a_plain_llama(smollm2_dir: Path):
     from pagefold.entrypoints.chat_cmd import resolve_cli_model
 
     assert resolve_cli_model(None) == str(smollm2_dir)
+    # generate / chat / serve given the .gguf keep it quantized unless --quantization none
+    assert resolve_cli_model(gguf) == kept
+    assert resolve_cli_model(gguf, "none") == str(smollm2_dir)
 
 
 def test_greedy_equals_transformers_multi_turn_with_prefix_cache(llm_f32: LLM,

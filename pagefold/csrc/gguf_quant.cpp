@@ -86,6 +86,39 @@ template <int G, int B>
 void row_product_512(const float* x, int64_t m, int64_t k, const uint8_t* row,
                      const float* sc, const float* mn, const float* xsum, float* out) {
   const int64_t groups = k / G;
+  if (m == 1) {
+    // One row (batch-1 decode): two groups at a time into two accumulators, so consecutive
+    // groups' FMAs do not wait on each other.
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    float m0 = 0.f, m1 = 0.f;
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      const uint8_t* src = row + g * G * B / 8;
+      const __m512 u0 = codes16<B>(src, 0);
+      const __m512 v0 = codes16<B>(src + G * B / 8, 0);
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(x + g * G), u0);
+      __m512 q = _mm512_mul_ps(_mm512_loadu_ps(x + (g + 1) * G), v0);
+      if constexpr (G == 32) {
+        p = _mm512_fmadd_ps(_mm512_loadu_ps(x + g * G + 16), codes16<B>(src, 1), p);
+        q = _mm512_fmadd_ps(_mm512_loadu_ps(x + (g + 1) * G + 16),
+                            codes16<B>(src + G * B / 8, 1), q);
+      }
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[g]), p, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[g + 1]), q, a1);
+      m0 += mn[g] * xsum[g];
+      m1 += mn[g + 1] * xsum[g + 1];
+    }
+    for (; g < groups; ++g) {
+      const uint8_t* src = row + g * G * B / 8;
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(x + g * G), codes16<B>(src, 0));
+      if constexpr (G == 32)
+        p = _mm512_fmadd_ps(_mm512_loadu_ps(x + g * G + 16), codes16<B>(src, 1), p);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[g]), p, a0);
+      m0 += mn[g] * xsum[g];
+    }
+    out[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
+    return;
+  }
   __m512 acc[kMaxRows];
   float accm[kMaxRows];
   for (int64_t r = 0; r < m; ++r) {

@@ -5,8 +5,9 @@
 // the codes decoded once per call, the min term from one sum per row and group.
 //
 // Layout (pagefold/quantization/gguf_kernel.py builds it at load): codes (n, k * bits / 8)
-// uint8 row-major, 4-bit codes two to a byte (input 2j in the low nibble, 2j + 1 in the high
-// one), 8-bit: one code (5, 6 or 8 significant bits) per byte; scale and min (n, k / group)
+// uint8 row-major, 4-bit codes (groups of 32 only) two to a byte as GGUF lays them out: byte j
+// of a group holds its input j in the low nibble and input j + 16 in the high one (a group
+// decodes with two masks and no shuffle), 8-bit: one code (5, 6 or 8 significant bits) per byte; scale and min (n, k / group)
 // float32, or float16 (``half``: the Q4_0 / Q4_1 / Q8_0 scales are float16 values); x (m, k) float32 contiguous; y (m, ldy) float32, this call writing columns [0, n).
 // Work is split over output rows: each output element is one thread's sum in a fixed order,
 // so a row's result depends neither on the rows beside it nor on the thread count. Forms:
@@ -25,24 +26,25 @@ constexpr int64_t kMaxRows = 64;
 // run every form against the reference on a machine that has them all.
 int g_isa_limit = 0;
 
-// Codes [0, count) of one group as floats (count a multiple of 2 for 4-bit codes).
+// Codes [0, count) of one group as floats (4-bit codes: count is 32, in GGUF's order).
 inline void decode_codes(const uint8_t* src, int bits, int64_t count, float* dst) {
   int64_t i = 0;
   if (bits == 4) {
 #if defined(__AVX2__)
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    for (; g_isa_limit < 2 && i + 16 <= count; i += 16) {
-      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
-      __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
-                                    _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-      _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
-      _mm256_storeu_ps(dst + i + 8,
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+    if (g_isa_limit < 2) {
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      _mm256_storeu_ps(dst, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+      _mm256_storeu_ps(dst + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+      _mm256_storeu_ps(dst + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+      _mm256_storeu_ps(dst + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+      return;
     }
 #endif
-    for (; i < count; ++i) {
-      uint8_t b = src[i / 2];
-      dst[i] = static_cast<float>((i & 1) ? (b >> 4) : (b & 0x0F));
+    for (int64_t j = 0; j < 16; ++j) {
+      dst[j] = static_cast<float>(src[j] & 0x0F);
+      dst[j + 16] = static_cast<float>(src[j] >> 4);
     }
     return;
   }
@@ -68,12 +70,10 @@ inline float hsum(__m256 v) {
 // Codes [16 * half, 16 * half + 16) of one group as 16 floats.
 template <int B>
 inline __m512 codes16(const uint8_t* src, int half) {
-  if constexpr (B == 4) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * half));
-    __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
-                                  _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+  if constexpr (B == 4) {  // the group's 16 bytes: low nibbles codes 0-15, high 16-31
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    if (half) b = _mm_srli_epi16(b, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
   } else {
     __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * half));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
@@ -152,8 +152,6 @@ void row_product(const float* x, int64_t m, int64_t k, const uint8_t* row, int b
     return row_product_512<32, 4>(x, m, k, row, sc, mn, xsum, out);
   if (g_isa_limit == 0 && group == 32 && bits == 8)
     return row_product_512<32, 8>(x, m, k, row, sc, mn, xsum, out);
-  if (g_isa_limit == 0 && group == 16 && bits == 4)
-    return row_product_512<16, 4>(x, m, k, row, sc, mn, xsum, out);
   if (g_isa_limit == 0 && group == 16 && bits == 8)
     return row_product_512<16, 8>(x, m, k, row, sc, mn, xsum, out);
 #endif
@@ -210,7 +208,7 @@ int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8
                     int32_t bits, int64_t group, const void* scale, const void* mins,
                     int32_t half, float* y, int64_t ldy, int32_t nthreads) {
   if ((bits != 4 && bits != 8) || m < 1 || m > kMaxRows || k < 1 || n < 1 || group < 1 ||
-      k % group || (bits == 4 && group % 2) || ldy < n)
+      k % group || (bits == 4 && group != 32) || ldy < n)
     return 1;
 #if !defined(__F16C__)
   if (half) return 1;

@@ -1,7 +1,8 @@
 """A GGUF weight kept quantized, in the compiled kernel's layout, and its product.
 
 :class:`GGUFWeight` holds a linear's (or an embedding's) ``n`` x ``k`` weight as unsigned
-codes per row (4-bit codes two to a byte, 5/6/8-bit codes one to a byte) and per row and
+codes per row (4-bit codes two to a byte in GGUF's order per group of 32, 5/6/8-bit codes
+one to a byte) and per row and
 group of inputs a ``scale`` and ``min``: ``w = scale * code + min``; float32, or float16
 where every value is one (Q4_0 / Q4_1 / Q8_0: the blocks' own f16 scales)
 (:mod:`.gguf_blocks` decodes each GGUF type into that form, losslessly). A layer fused from
@@ -29,14 +30,15 @@ TILE_ROWS = 2048
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    """(R, k) codes < 16 -> (R, k / 2) bytes, per group of 32 as GGUF packs them: byte ``j``
+    holds input ``j`` (low nibble) and input ``j + 16`` (high)."""
+    c = codes.reshape(codes.shape[0], -1, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1).contiguous()
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
-    out[:, 0::2] = packed & 0x0F
-    out[:, 1::2] = packed >> 4
-    return out
+    b = packed.reshape(packed.shape[0], -1, 1, 16)
+    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(packed.shape[0], -1)
 
 
 class GGUFWeight:

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench mutants
+.PHONY: setup demo demo-gguf test lint bench mutants
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ setup: $(STAMP)
 # Converts SmolLM2-135M-Instruct once into ~/.cache/pagefold, then answers a few chat prompts.
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/pagefold generate
+
+# The same chats on the shipped Q4_1 GGUF kept quantized (its blocks, not a bf16 conversion).
+demo-gguf: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pagefold generate "$$($(BIN)/python -c 'from pagefold.models.smollm2 import smollm2_gguf; print(smollm2_gguf())')"
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests

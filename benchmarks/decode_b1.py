@@ -5,6 +5,7 @@ bandwidth.
     python -m benchmarks.decode_b1 --base main --models smollm2 --rounds 5
     python -m benchmarks.decode_b1 --profile smollm2              # where one step's time goes
     python -m benchmarks.decode_b1 --models smollm2 --quantization fp8 int8 int4
+    python -m benchmarks.decode_b1 --models smollm2 --quantization gguf   # the Q4_1 GGUF kept
     python -m benchmarks.decode_b1 --base main --batch 32 --requests 32 --out 32  # batched
 
 Each (code, model) runs in its own subprocess, one after another, rounds interleaved (the
@@ -44,11 +45,12 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = ("smollm2", "qwen3_5-h1024-l12", "qwen3-h1024-l12")
 
 
-def model_path(name: str) -> str:
+def model_path(name: str, quantization: str | None = None) -> str:
+    """The model's checkpoint; ``gguf`` on smollm2: the shipped Q4_1 GGUF (kept quantized)."""
     if name == "smollm2":
-        from pagefold.models.smollm2 import smollm2_checkpoint
+        from pagefold.models.smollm2 import smollm2_checkpoint, smollm2_gguf
 
-        return str(smollm2_checkpoint())
+        return str(smollm2_gguf() if quantization == "gguf" else smollm2_checkpoint())
     from benchmarks.common import bench_model
 
     arch, h, nl = name.rsplit("-", 2)
@@ -72,22 +74,27 @@ def copy_bandwidth() -> float:
 
 def step_bytes(llm) -> int:
     model = llm.engine.model
-    emb = model.model.embed_tokens.weight if hasattr(model, "model") else None
+    emb = getattr(model.model.embed_tokens, "weight", None) if hasattr(model, "model") else None
     head = getattr(model, "lm_head", None)
+    # GGUF layers (pf_weight_bytes), embeddings aside (a lookup reads its rows): a tied head
+    # shares the table's weight, read whole, counted once
+    gguf = {ident: nbytes for m in model.modules()
+            if hasattr(m, "pf_weight_bytes") and not hasattr(m, "embedding_dim")
+            for _, nbytes, ident in [m.pf_weight_bytes()]}
     total = 0
     seen = set()
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if p is emb and not (head is not None and head.weight is emb):
+        if p is emb and not (head is not None and getattr(head, "weight", None) is emb):
             continue  # an untied input table: one row per token
         total += p.numel() * p.element_size()
     try:  # quantized linears hold their weights outside parameters (kernel layout)
         from pagefold.quantization import QuantLinear
     except ImportError:  # a revision without quantization (--base)
         return total
-    return total + sum(m.nbytes for m in model.modules()
+    return total + sum(gguf.values()) + sum(m.nbytes for m in model.modules()
                        if isinstance(m, QuantLinear) and m.packed is not None)
 
 
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         for m in args.models:
             order = list(codes) if r % 2 == 0 else list(reversed(codes))
             for c in order:
-                res = run_worker(codes[c], dict(spec, model=model_path(m),
+                res = run_worker(codes[c], dict(spec, model=model_path(m, quant.get(c)),
                                                 quantization=quant.get(c)), tmp)
                 got.setdefault((m, c), []).append(res)
                 print(f"round {r} {m} {c}: {1 / res['tpot']:.1f} tok/s", flush=True)

@@ -33,13 +33,15 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An engine in this process. Keyword arguments are :class:`EngineConfig` fields.
 
-    ``model`` is a Hugging Face checkpoint directory or a ``.gguf`` file (dequantized into a
-    bf16 checkpoint in the pagefold cache on first use; see ``pagefold.models.gguf_checkpoint``).
+    ``model`` is a Hugging Face checkpoint directory or a ``.gguf`` file (converted once into
+    the pagefold cache, its quantized tensors kept quantized; ``quantization="none"``: the
+    dequantized bf16 conversion; see ``pagefold.models.gguf_checkpoint``).
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
         try:
-            model = resolve_model(str(model))
+            model = resolve_model(str(model),
+                                  quantization=engine_kwargs.get("quantization"))
         except GGUFConversionError as e:
             raise ValueError(str(e)) from e
         self.config = EngineConfig(model=model, tokenizer=tokenizer, **engine_kwargs)

@@ -287,7 +287,7 @@ def test_on_load_memory_is_smaller(tiny_model_factory, caplog):
 # --------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("option, match", [
     ("int3", "unknown quantization 'int3'"),
-    ("gguf", "not supported yet"),
+    ("gguf", "needs a checkpoint stored in that format"),
     ("gptq", "needs a checkpoint stored in that format"),
 ])
 def test_bad_options(tiny_model_factory, option, match):

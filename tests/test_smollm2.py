@@ -52,12 +52,21 @@ def test_checkpoint_is_a_plain_llama(smollm2_dir: Path):
             cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)
     assert cfg["tie_word_embeddings"] is True
     assert (smollm2_dir / "chat_template.jinja").exists()
-    # A .gguf given to LLM/CLI resolves to the same cached conversion (no second conversion).
-    assert gguf_checkpoint.resolve_model(str(smollm2.smollm2_gguf())) == str(smollm2_dir)
+    # A .gguf given to LLM/CLI with quantization "none" resolves to the same cached bf16
+    # conversion (no second conversion); by default it is kept quantized, in its own directory.
+    gguf = str(smollm2.smollm2_gguf())
+    assert gguf_checkpoint.resolve_model(gguf, quantization="none") == str(smollm2_dir)
+    kept = gguf_checkpoint.resolve_model(gguf)
+    assert kept == str(smollm2_dir) + "-gguf"
+    assert json.loads((Path(kept) / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "gguf"}
     # generate / chat / serve without a model run this checkpoint.
     from pagefold.entrypoints.chat_cmd import resolve_cli_model
 
     assert resolve_cli_model(None) == str(smollm2_dir)
+    # generate / chat / serve given the .gguf keep it quantized unless --quantization none
+    assert resolve_cli_model(gguf) == kept
+    assert resolve_cli_model(gguf, "none") == str(smollm2_dir)
 
 
 def test_greedy_equals_transformers_multi_turn_with_prefix_cache(llm_f32: LLM,
@@ -144,7 +153,7 @@ def test_corrupt_gguf_gives_clear_error_and_leaves_nothing(tmp_path: Path):
 
 
 def test_crash_mid_write_leaves_no_half_written_model(tmp_path: Path, monkeypatch):
-    def half_write(path: Path, out: Path, dtype) -> None:
+    def half_write(path: Path, out: Path, dtype, keep_quantized=False) -> None:
         (out / "config.json").write_text("{}")  # looks like a model if it were kept
         raise OSError("disk full")
 

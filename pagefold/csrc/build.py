@@ -22,7 +22,8 @@ _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocke
             _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp",
-            _DIR / "moe.cpp", _DIR / "pages.cpp", _DIR / "quant.cpp"]
+            _DIR / "moe.cpp", _DIR / "pages.cpp", _DIR / "quant.cpp",
+            _DIR / "gguf_quant.cpp"]
 _HEADERS = [_DIR / "common.h", _DIR / "kernels.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _loaded: list[str] = []  # the key of the library load() returned
@@ -185,6 +186,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_gemv_kinds.restype = i32
     lib.pf_qgemv_int.argtypes = [p, i64, i64, i64, p, i32, i32, i64, p, p, p, i64, i32]
     lib.pf_qgemv_int.restype = i32
+    lib.pf_qgemv_affine.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, i32, p, i64, i32]
+    lib.pf_qgemv_affine.restype = i32
+    lib.pf_gguf_limit_isa.argtypes = [i32]
+    lib.pf_gguf_limit_isa.restype = i32
     for name in ("pf_max_head_dim", "pf_max_group", "pf_max_block"):
         getattr(lib, name).restype = i32
 

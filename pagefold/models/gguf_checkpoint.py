@@ -15,6 +15,13 @@ Invariants:
 The GGUF parsing, tensor name mapping and dequantization are transformers' (it reads the
 metadata into a config and tokenizer, and undoes llama.cpp's Q/K row permutation); pagefold
 adds the caching, the atomic write and the messages.
+
+Kept quantized (the default of ``LLM`` and the CLI; ``keep_quantized=True``): the directory
+``<stem>-<digest>-gguf`` holds the same config, tokenizer and generation config, with
+``quantization_config: {"quant_method": "gguf"}``, and the file's quantized blocks under
+Hugging Face names, rows permuted as transformers permutes them (``models/gguf_raw.py``);
+``pagefold.quantization.gguf`` loads them into quantized layers. ``quantization="none"``
+(``--quantization none``) keeps the dequantized bf16 conversion.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from pagefold.models.gguf_raw import quantized_tensors
+from pagefold.quantization.gguf_blocks import GGUFTypeError
 
 logger = logging.getLogger("pagefold")
 
@@ -57,10 +67,12 @@ def file_digest(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def converted_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
+def converted_dir(gguf_path: Path, cache_root: Path | None = None,
+                  keep_quantized: bool = False) -> Path:
     """Where the conversion of ``gguf_path`` lives (whether or not it exists yet)."""
     root = (cache_root or default_cache_dir()) / "gguf"
-    return root / f"{gguf_path.stem}-{file_digest(gguf_path)[:16]}"
+    tail = "-gguf" if keep_quantized else ""
+    return root / f"{gguf_path.stem}-{file_digest(gguf_path)[:16]}{tail}"
 
 
 def _require_gguf_package() -> None:
@@ -83,7 +95,8 @@ def _check_header(path: Path) -> None:
             "corrupt or of another format: download or reinstall it")
 
 
-def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype) -> None:
+def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype,
+                      keep_quantized: bool = False) -> None:
     """Everything of the checkpoint into ``out`` (an empty directory)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -93,22 +106,28 @@ def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with torch.device("meta"):  # only for transformers' tensor name map: no memory
         skeleton = AutoModelForCausalLM.from_config(config)
-    # transformers shows a tqdm bar over the tensors while it dequantizes them.
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
-                                  torch_dtype=dtype)
-    tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
+    if keep_quantized:
+        tensors, names = quantized_tensors(path, skeleton)
+    else:
+        # transformers shows a tqdm bar over the tensors while it dequantizes them.
+        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
+                                      torch_dtype=dtype)
+        tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
+        names = set(tensors)
     expected = {k for k in skeleton.state_dict()
                 if not (getattr(config, "tie_word_embeddings", False) and k == "lm_head.weight")}
-    missing = sorted(expected - set(tensors))
+    missing = sorted(expected - names)
     if missing:
         raise GGUFConversionError(
             f"{path} lacks {len(missing)} tensors the {config.model_type} model needs "
             f"(first: {missing[:3]}); the file is truncated or corrupt")
     for k, v in tensors.items():
-        if not torch.isfinite(v.float()).all():
+        if v.is_floating_point() and not torch.isfinite(v.float()).all():
             raise GGUFConversionError(f"{path}: tensor {k} has non-finite values; the file is "
                                       "corrupt")
     config.dtype = dtype
+    if keep_quantized:
+        config.quantization_config = {"quant_method": "gguf"}
     config.architectures = [type(skeleton).__name__]  # GGUF metadata names none
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -116,7 +135,8 @@ def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "pagefold_source.json").write_text(json.dumps(
-        {"gguf": str(path), "sha256": file_digest(path), "dtype": str(dtype)}, indent=2) + "\n")
+        {"gguf": str(path), "sha256": file_digest(path), "dtype": str(dtype),
+         "kept_quantized": keep_quantized}, indent=2) + "\n")
 
 
 def _remove_stale_tmp(root: Path) -> None:
@@ -131,15 +151,16 @@ def _remove_stale_tmp(root: Path) -> None:
 
 
 def convert_gguf(path: str | os.PathLike, *, cache_root: Path | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> Path:
+                 dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = False) -> Path:
     """The converted checkpoint directory of ``path``; converts it on first use.
+    ``keep_quantized``: the quantized tensors stay in the file's blocks (module docstring).
 
     Raises :class:`GGUFConversionError` (nothing left in the cache) when the package is missing
     or the file is not a readable GGUF of a supported architecture.
     """
     path = Path(path).expanduser().resolve()
     _check_header(path)
-    final = converted_dir(path, cache_root)
+    final = converted_dir(path, cache_root, keep_quantized)
     if (final / "config.json").exists():
         return final
     _require_gguf_package()
@@ -148,13 +169,16 @@ def convert_gguf(path: str | os.PathLike, *, cache_root: Path | None = None,
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     logger.info("converting %s into %s (once; later loads reuse it)", path, final)
-    print(f"pagefold: converting {path.name} to a {str(dtype).removeprefix('torch.')} "
-          f"checkpoint in {final} (once)", flush=True)
+    what = "quantized" if keep_quantized else str(dtype).removeprefix("torch.")
+    print(f"pagefold: converting {path.name} to a {what} checkpoint in {final} (once)",
+          flush=True)
     try:
         try:
-            _write_checkpoint(path, tmp, dtype)
+            _write_checkpoint(path, tmp, dtype, keep_quantized)
         except GGUFConversionError:
             raise
+        except GGUFTypeError as e:
+            raise GGUFConversionError(f"cannot load {path} kept quantized: {e}") from e
         except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds
             raise GGUFConversionError(
                 f"cannot convert {path}: {type(e).__name__}: {e}. The file is corrupt or "
@@ -171,8 +195,12 @@ def convert_gguf(path: str | os.PathLike, *, cache_root: Path | None = None,
     return final
 
 
-def resolve_model(model: str, cache_root: Path | None = None) -> str:
-    """``model`` itself, or for a ``.gguf`` file the directory of its converted checkpoint."""
+def resolve_model(model: str, cache_root: Path | None = None,
+                  quantization: str | None = None) -> str:
+    """``model`` itself, or for a ``.gguf`` file the directory of its converted checkpoint:
+    kept quantized unless ``quantization`` asks for another (``none``: dequantized bf16;
+    ``fp8`` / ``int8`` / ``int4``: the bf16 conversion, quantized on load)."""
     if is_gguf(model):
-        return str(convert_gguf(model, cache_root=cache_root))
+        keep = quantization is None or quantization.strip().lower() == "gguf"
+        return str(convert_gguf(model, cache_root=cache_root, keep_quantized=keep))
     return model

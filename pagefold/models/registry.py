@@ -19,6 +19,7 @@ from pagefold.quantization import (
     resolve,
     weights_summary,
 )
+from pagefold.quantization.gguf import GGUFQuantizer, gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,17 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
             model = cls(text_config(hf_config), max_positions=max_positions)
     finally:
         torch.set_default_dtype(prev)
+    weights = iter_weights(model_dir)
     if plan is not None and plan.checkpoint is not None:
         model.pf_quant = Quantizer(plan)
-    model.load_weights(iter_weights(model_dir))
+    if plan is not None and plan.gguf:
+        model.pf_quant = GGUFQuantizer()
+        weights = gguf_weights(weights)
+    model.load_weights(weights)
     if plan is not None and plan.checkpoint is not None:
         finalize_all(model)
+    if plan is not None and plan.gguf:
+        model.pf_quant.finalize(model)
     if plan is not None and plan.on_load is not None:
         quantize_loaded(model, plan.on_load)
     model.eval().requires_grad_(False)

@@ -19,10 +19,12 @@ from pagefold.quantization.formats import AWQ, FP8, GPTQ, PackedInt, Quantizatio
 __all__ = ["QUANTIZATIONS", "ON_LOAD", "QuantPlan", "check_option", "resolve"]
 
 ON_LOAD = ("fp8", "int8", "int4")
-CHECKPOINT_FORMATS = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4")
-QUANTIZATIONS = tuple(dict.fromkeys(ON_LOAD + CHECKPOINT_FORMATS))
+CHECKPOINT_FORMATS = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4", "gguf")
+# ``none``: weights as the checkpoint stores them; for a .gguf file, its dequantized bf16
+# conversion instead of its blocks (``models/gguf_checkpoint.resolve_model``).
+QUANTIZATIONS = tuple(dict.fromkeys(ON_LOAD + CHECKPOINT_FORMATS + ("none",)))
 # Named by vLLM users, not loaded by pagefold yet: refused with that said, not as unknown.
-NOT_YET = ("gguf", "bitsandbytes", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8",
+NOT_YET = ("bitsandbytes", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8",
            "modelopt", "experts_int8", "hqq")
 ON_LOAD_GROUP = 128
 
@@ -30,11 +32,13 @@ ON_LOAD_GROUP = 128
 @dataclass(frozen=True)
 class QuantPlan:
     """``checkpoint``: the stored format's decoder (tensors converted as they load); ``on_load``:
-    quantize the plain linears after loading; ``label``: for logs and errors."""
+    quantize the plain linears after loading; ``gguf``: a kept-quantized GGUF conversion
+    (``quantization.gguf`` loads it); ``label``: for logs and errors."""
 
     label: str
     checkpoint: QuantMethod | None = None
     on_load: str | None = None
+    gguf: bool = False
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -112,6 +116,8 @@ def _from_checkpoint(q: dict) -> QuantPlan:
         return _compressed_tensors(q)
     if method == "mxfp4":  # gpt-oss experts: the model loads its blocks / scales itself
         return QuantPlan("mxfp4 experts")
+    if method == "gguf":
+        return QuantPlan("gguf", gguf=True)
     if method in NOT_YET:
         raise QuantizationError(f"the checkpoint is {method}-quantized, which pagefold does not "
                                 "load yet")
@@ -134,6 +140,8 @@ def check_option(option: str) -> str:
 def resolve(hf_config: Any, option: str | None) -> QuantPlan | None:
     """The quantization for a model: its checkpoint's, or ``option`` on a plain checkpoint."""
     opt = check_option(option) if option else None
+    if opt == "none":
+        opt = None
     q = _checkpoint_config(hf_config)
     if q is not None:
         plan = _from_checkpoint(q)

@@ -254,6 +254,13 @@ def weights_summary(model: nn.Module) -> str:
             for t in mod.tensors().values():
                 seen.add(id(t))
             total += mod.nbytes
+        elif hasattr(mod, "pf_weight_bytes"):  # other quantized holders (GGUF layers)
+            kinds, nbytes, ident = mod.pf_weight_bytes()
+            if ident not in seen:  # a tied head shares its embedding's weight
+                seen.add(ident)
+                total += nbytes
+                for key, v in kinds.items():
+                    counts[key] = counts.get(key, 0) + v
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue

@@ -1,0 +1,129 @@
+"""A GGUF weight kept quantized, in the compiled kernel's layout, and its product.
+
+:class:`GGUFWeight` holds a linear's (or an embedding's) ``n`` x ``k`` weight as unsigned
+codes per row (4-bit codes two to a byte in GGUF's order per group of 32, 5/6/8-bit codes
+one to a byte) and per row and
+group of inputs a ``scale`` and ``min``: ``w = scale * code + min``; float32, or float16
+where every value is one (Q4_0 / Q4_1 / Q8_0: the blocks' own f16 scales)
+(:mod:`.gguf_blocks` decodes each GGUF type into that form, losslessly). A layer fused from
+tensors of different types (``qkv_proj`` with a Q6_K ``v_proj`` beside Q4_K ``q``/``k``) takes
+the widest codes and the smallest group of its parts: the same weights, in one layout.
+
+``matmul`` runs ``pf_qgemv_affine`` (``csrc/gguf_quant.cpp``) for 1..``KERNEL_MAX_ROWS`` rows
+on the CPU, else decodes one tile of output rows at a time and multiplies with ``F.linear``
+(:meth:`GGUFWeight.reference`: float32 sums; the kernel's summation order differs, so the two
+agree to float32 rounding, not bitwise). ``rows`` decodes gathered rows (embedding lookups).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagefold.csrc import cpu_ops
+from pagefold.quantization.gguf_blocks import GROUP, KERNEL_BITS, decode_rows
+
+__all__ = ["GGUFWeight", "KERNEL_MAX_ROWS"]
+
+KERNEL_MAX_ROWS = 32
+TILE_ROWS = 2048
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(R, k) codes < 16 -> (R, k / 2) bytes, per group of 32 as GGUF packs them: byte ``j``
+    holds input ``j`` (low nibble) and input ``j + 16`` (high)."""
+    c = codes.reshape(codes.shape[0], -1, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.reshape(packed.shape[0], -1, 1, 16)
+    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+class GGUFWeight:
+    """An ``n`` x ``k`` weight from GGUF parts ``[(kind, raw rows), ...]`` stacked in order
+    (each raw (rows, row_bytes) uint8 of ``kind``); ``kinds`` counts the parts per type."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], k: int, what: str = "?") -> None:
+        self.k = k
+        self.kinds: dict[str, int] = {}
+        for kind, _ in parts:
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        self.bits = max(KERNEL_BITS[kind] for kind, _ in parts)
+        self.group = min(GROUP[kind] for kind, _ in parts)
+        codes, scales, mins = [], [], []
+        for kind, raw in parts:
+            q, s, m = decode_rows(kind, raw, k, what)
+            rep = GROUP[kind] // self.group  # a coarser part's scale repeats per finer group
+            codes.append(q)
+            scales.append(s.repeat_interleave(rep, 1) if rep > 1 else s)
+            mins.append(m.repeat_interleave(rep, 1) if rep > 1 else m)
+        q = torch.cat(codes)
+        self.n = q.shape[0]
+        self.codes = _pack_nibbles(q) if self.bits == 4 else q.contiguous()
+        self.scale = torch.cat(scales).contiguous()
+        self.min = torch.cat(mins).contiguous()
+        # Q4_0 / Q4_1 / Q8_0 scales and mins are float16 values (d, m, -8 d, -128 d): held as
+        # float16 when every one converts back exactly (a quarter of a Q4_1 weight's bytes)
+        half_s, half_m = self.scale.half(), self.min.half()
+        if torch.equal(half_s.float(), self.scale) and torch.equal(half_m.float(), self.min):
+            self.scale, self.min = half_s, half_m
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
+
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
+                ) -> torch.Tensor:
+        q = _unpack_nibbles(codes) if self.bits == 4 else codes
+        r = q.shape[0]
+        w = (q.float().reshape(r, -1, self.group) * scale.float()[..., None]
+             + mins.float()[..., None])
+        return w.reshape(r, self.k)
+
+    def dequantize(self, rows: slice) -> torch.Tensor:
+        """Float32 weight rows ``rows``."""
+        return self._decode(self.codes[rows], self.scale[rows], self.min[rows])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 weight rows at ``ids`` (any shape; result ``(*ids.shape, k)``)."""
+        flat = ids.reshape(-1).long()
+        w = self._decode(self.codes[flat], self.scale[flat], self.min[flat])
+        return w.reshape(*ids.shape, self.k)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        lib = cpu_ops.kernels()
+        if (lib is None or x.device.type != "cpu" or x.dim() != 2
+                or not 1 <= x.shape[0] <= KERNEL_MAX_ROWS):
+            return None
+        xf = x.float().contiguous()
+        y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        rc = lib.pf_qgemv_affine(xf.data_ptr(), xf.shape[0], self.k, self.n,
+                                 self.codes.data_ptr(), self.bits, self.group,
+                                 self.scale.data_ptr(), self.min.data_ptr(),
+                                 int(self.scale.dtype == torch.float16), y.data_ptr(),
+                                 self.n, torch.get_num_threads())
+        return y if rc == 0 else None
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` in float32 through decoded tiles of output rows."""
+        xf = x.float()
+        y = xf.new_empty((*x.shape[:-1], self.n))
+        for r0 in range(0, self.n, TILE_ROWS):
+            r1 = min(self.n, r0 + TILE_ROWS)
+            y[..., r0:r1] = F.linear(xf, self.dequantize(slice(r0, r1)))
+        return y
+
+    def matmul(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """``x @ w.T`` in ``x``'s dtype (float32 with ``float_out``: logits)."""
+        y = self._kernel(x)
+        if y is None:
+            if x.dtype == torch.float32 or x.dim() != 2:
+                y = self.reference(x)
+            else:  # prefill-sized bf16 batches: decoded tiles in the activations' dtype
+                y = x.new_empty((x.shape[0], self.n))
+                for r0 in range(0, self.n, TILE_ROWS):
+                    r1 = min(self.n, r0 + TILE_ROWS)
+                    y[:, r0:r1] = F.linear(x, self.dequantize(slice(r0, r1)).to(x.dtype))
+        return y.float() if float_out else y.to(x.dtype)

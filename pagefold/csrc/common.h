@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -426,5 +427,20 @@ inline void rms_row<uint16_t>(const uint16_t* x, uint16_t* res, const uint16_t* 
   }
 }
 #endif
+
+// Per row of x (m x k, float32) and group of `group` inputs, the sum of its inputs (m x
+// k / group): the term a weight's per-group zero or min multiplies in the quantized GEMVs
+// (quant.cpp, gguf_quant.cpp), taken once per call instead of once per output row.
+inline std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  std::vector<float> out(m * groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += x[r * k + g * group + i];
+      out[r * groups + g] = s;
+    }
+  return out;
+}
 
 }  // namespace pf

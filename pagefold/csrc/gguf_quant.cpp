@@ -215,13 +215,7 @@ int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8
 #endif
   const int64_t groups = k / group;
   const int64_t row_bytes = k * bits / 8;
-  std::vector<float> xsum(m * groups);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < group; ++i) s += x[r * k + g * group + i];
-      xsum[r * groups + g] = s;
-    }
+  const std::vector<float> xsum = pf::group_sums(x, m, k, group);
   const bool par = n >= 64 && nthreads > 1;
 #pragma omp parallel num_threads(nthreads) if (par)
   {

@@ -255,6 +255,6 @@ def test_speculative_lookahead_matches_the_cli_report(case, n, tmp_path):
         path=str(tmp_path), dtype="float32", max_model_len=n, kv_cache_dtype="auto",
         tensor_parallel_size=1, mamba_ssm_cache_dtype=None, num_speculative_tokens=3,
         layout="pagefold", kv_cache_memory=str(BIG), block_size=BS,
-        enable_prefix_caching=True, max_num_batched_tokens=64)
+        enable_prefix_caching=True, max_num_batched_tokens=64, quantization=None)
     report = build_report(args)
     assert report["blocks_per_request"] == alone.peak_blocks, (report["groups"], alone)

@@ -588,3 +588,20 @@ def test_vllm_layout_takes_the_block_size():
         r = capacity_report({"a": _A}, layout="vllm", memory_bytes=1 << 20, max_model_len=64,
                             block_size=bs)
         assert (r["attention_block_size"], r["blocks_per_request"]) == (bs, blocks)
+
+
+def test_vllm_layout_window_uses_the_step_budget_it_is_given():
+    """vLLM's window rule cdiv(min(window - 1 + budget, len), block) + 1, with the budget the
+    caller names (the CLI's ``--max-num-batched-tokens``), else vLLM's own default of 8192:
+    window 8, blocks of 4, 64 tokens: a budget of 4 holds cdiv(11, 4) + 1 = 4 blocks, the
+    default cdiv(64, 4) + 1 = 17. Each layout's default budget is reported as used."""
+    w = SlidingWindowSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32, window=8)
+    got = {}
+    for budget in (4, None):
+        r = capacity_report({"w": w}, layout="vllm", memory_bytes=1 << 20, max_model_len=64,
+                            block_size=4, max_num_batched_tokens=budget)
+        got[budget] = ([g["blocks_per_request"] for g in r["groups"]],
+                       r["max_num_batched_tokens"])
+    assert got == {4: ([4], 4), None: ([17], 8192)}
+    p = capacity_report({"w": w}, memory_bytes=40 * 128, max_model_len=64, block_size=4)
+    assert p["max_num_batched_tokens"] == 4096

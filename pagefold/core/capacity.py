@@ -32,7 +32,7 @@ from pagefold.core.kv_cache_planner import (
     usable_blocks,
 )
 from pagefold.core.kv_cache_spec import LayerSpec, StateSpec, is_attention
-from pagefold.core.vllm_layout import plan_vllm, spec_kind
+from pagefold.core.vllm_layout import VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS, plan_vllm, spec_kind
 
 LAYOUTS = ("pagefold", "vllm")
 DEFAULT_LENGTHS = (1024, 4096, 32768)
@@ -57,7 +57,7 @@ def capacity_report(
     enable_prefix_caching: bool = False,
     num_speculative_tokens: int = 0,
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_batched_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The capacity of ``memory_bytes`` of KV cache for ``layer_specs`` (one TP rank).
 
@@ -66,10 +66,15 @@ def capacity_report(
     pagefold layout keeps speculative states outside the pool. Raises ``ValueError`` when one
     request of ``max_model_len`` does not fit. Concurrency is reported at each of ``lengths``
     below ``max_model_len`` and at ``max_model_len``. ``max_num_batched_tokens`` (the engine's
-    step budget, the longest prefill chunk) sizes the pagefold layout's sliding-window groups.
+    step budget, the longest prefill chunk) sizes what sliding-window and chunked-local groups
+    hold, in either layout; None: each engine's own default (pagefold
+    ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, vLLM ``VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if layout == "pagefold"
+                                  else VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS)
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
     if memory_bytes < 1:
@@ -122,6 +127,7 @@ def capacity_report(
             enable_prefix_caching=enable_prefix_caching,
             num_speculative_tokens=num_speculative_tokens,
             block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         page, per_group_layers = v.page_size_bytes, v.layers_per_group
         usable = v.num_blocks

@@ -27,6 +27,7 @@ from pagefold.core.capacity import LAYOUTS, capacity_report, format_bytes, rende
 from pagefold.core.config_fields import config_model_dtype, unwrap_text_config
 from pagefold.core.kv_cache_planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagefold.core.spec_from_config import layer_specs_from_config
+from pagefold.core.vllm_layout import VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 HELP = "report the KV-cache capacity of a model for a memory budget (needs only config.json)"
 
@@ -55,9 +56,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        default=None,
         help="the engine's tokens per step: the longest prefill chunk, which sizes what a "
-        "sliding-window layer holds (default: the engine's, %(default)s)",
+        f"sliding-window or chunked-local layer holds (default: the engine's own, pagefold "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM {VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     p.add_argument("--layout", choices=LAYOUTS, default="pagefold")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")

@@ -43,8 +43,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5ForConditionalGeneration": Architecture(
         "gdn", _m("qwen3_5", "Qwen3_5ForConditionalGeneration")),
     "Qwen3_5ForCausalLM": Architecture("gdn", _m("qwen3_5", "Qwen3_5ForCausalLM")),
-    "Qwen3_5MoeForConditionalGeneration": Architecture("gdn"),
-    "Qwen3_5MoeForCausalLM": Architecture("gdn"),
+    "Qwen3_5MoeForConditionalGeneration": Architecture(
+        "gdn", _m("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")),
+    "Qwen3_5MoeForCausalLM": Architecture("gdn", _m("qwen3_5_moe", "Qwen3_5MoeForCausalLM")),
     "Qwen3NextForCausalLM": Architecture("gdn", _m("qwen3_next", "Qwen3NextForCausalLM")),
     "NemotronHForCausalLM": Architecture("nemotron_h",
                                          _m("nemotron_h", "NemotronHForCausalLM")),

@@ -115,7 +115,7 @@ def _run(model_dir, llm: LLM, preempts: bool = True) -> None:
 
 
 # Nemotron-H runs with MoE blocks (its Mamba-2, attention and MLP blocks as well).
-TP_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next", "nemotron_h_moe",
+TP_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe",
             "bamba", "granitemoehybrid", "gemma3", "mamba2", "falcon_h1", "lfm2", "gpt_oss",
             "minimax", "jamba", "kimi_linear", "zamba2", "mamba", "falcon_mamba", "llama4"]
 
@@ -225,3 +225,54 @@ def test_architectures_without_shards_are_refused(monkeypatch):
                         dataclasses.replace(llama, tensor_parallel="its widgets do not split"))
     with pytest.raises(ValueError, match="LlamaForCausalLM: its widgets do not split"):
         core.check_tensor_parallel("LlamaForCausalLM", cfg, 2)
+
+
+# Expert parallelism: the MoE architectures that place whole experts on ranks. One engine per
+# architecture (each spawns 2 ranks) runs the same chunked / preempted / prefix-hit scenario.
+# Expert counts: qwen3_next, granite 4, jamba 4 (tiny defaults), gpt_oss 4, qwen3_5_moe 6.
+EP_ARCHS = ["qwen3_next", "granitemoehybrid", "jamba", "gpt_oss", "qwen3_5_moe"]
+
+
+@pytest.mark.parametrize("arch", EP_ARCHS)
+def test_ep2_greedy_matches_transformers(tiny_model_factory, tmp_path, arch: str):
+    """TP=2 with enable_expert_parallel: tokens equal transformers' in every scenario, and
+    each rank holds exactly the weights ``pagefold capacity --enable-expert-parallel`` counts
+    (its half of the experts, whole), less than a rank holds without EP wherever experts carry
+    per-expert tensors that tensor parallelism replicates (gpt-oss's down biases)."""
+    import torch
+
+    from pagefold.checkpoint import load_hf_config
+    from pagefold.models.footprint import weight_bytes
+
+    model_dir = tiny_model_factory(arch, **OVERRIDES.get(arch, {}))
+    if arch in RANDOM_BIASES:
+        model_dir = _with_random_biases(model_dir, tmp_path / arch)
+    cfg = _config(model_dir)
+    memory = _small_pool(cfg, 2, EXTRA_BLOCKS.get(arch, 3))
+    llm = LLM(str(model_dir), tensor_parallel_size=2, enable_expert_parallel=True,
+              max_model_len=MAX_LEN, kv_cache_memory=memory, max_num_batched_tokens=13,
+              threads_per_rank=1)
+    try:
+        _run(model_dir, llm)
+        name, hf_config = load_hf_config(str(model_dir))
+        ep, _ = weight_bytes(model_dir, hf_config, name, torch.float32,
+                             tensor_parallel_size=2, expert_parallel=True)
+        tp, _ = weight_bytes(model_dir, hf_config, name, torch.float32, tensor_parallel_size=2)
+        assert llm.engine.runner.rank_params == [ep // 4, ep // 4]
+        assert ep < tp if arch == "gpt_oss" else ep == tp
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(("arch", "overrides", "match"), [
+    ("qwen3_5_moe", dict(num_experts=5), r"num_experts \(5\) is not divisible by the "
+                                         r"expert-parallel size 2"),
+    ("gpt_oss", dict(num_attention_heads=4, num_local_experts=3),
+     r"num_local_experts \(3\) is not divisible by the expert-parallel size 2"),
+    ("llama4", {}, "enable_expert_parallel is not supported for Llama4ForCausalLM"),
+])
+def test_expert_parallel_refusals_before_workers_start(tiny_model_factory, arch, overrides,
+                                                       match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_model_factory(arch, **overrides)), tensor_parallel_size=2,
+            enable_expert_parallel=True, max_model_len=MAX_LEN, kv_cache_memory=1 << 22)

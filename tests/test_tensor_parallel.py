@@ -1,26 +1,31 @@
 """Tensor parallelism on the CPU (gloo, 2 worker ranks) against transformers in float32.
 
-Architectures with tensor-parallel shards: Llama, Qwen2, Qwen3 (attention + gated MLP),
-Qwen3.5 (Gated DeltaNet heads and their states, gated attention), Qwen3-Next (the same + sparse
-MoE with a gated shared expert), Nemotron-H (with and without its MoE blocks), Bamba and
-Granite-4.0-H (Mamba-2 heads and B/C groups with their states -- Granite's single group shared
-by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Granite experts),
-Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1 (parallel
-attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels), gpt-oss
-(attention sinks per head, biased interleaved experts), MiniMax (lightning heads and their
-states, an output norm spanning the ranks), Jamba, Mamba and Falcon-Mamba (Mamba-1 channels,
-row-parallel x_proj, Falcon-Mamba's dt/B/C norms over the reduced vectors) and
-Kimi Linear (KDA heads, MLA query heads over a shared latent), Zamba2 (shared blocks with
-LoRA adapters cut like the projections they add to) and Llama-4 (chunked local and NoPE
-attention heads, input-scaled experts and a shared expert summed in one all-reduce). MoE
-experts split their intermediate dimension over the ranks. Fields that do not divide are
-named before any worker starts.
+Architectures with tensor-parallel shards: Llama, Qwen2, Qwen3 (attention + gated MLP), Qwen3.5
+(Gated DeltaNet heads and their states, gated attention), Qwen3-Next and Qwen3.5-MoE (the same
++ sparse MoE with a gated shared expert), Nemotron-H (with and without its MoE blocks), Bamba
+and Granite-4.0-H (Mamba-2 heads and B/C groups with their states -- Granite's single group
+shared by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Granite
+experts), Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1
+(parallel attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels),
+gpt-oss (attention sinks per head, biased interleaved experts), MiniMax (lightning heads and
+their states, an output norm spanning the ranks), Jamba, Mamba and Falcon-Mamba (Mamba-1
+channels, row-parallel x_proj, Falcon-Mamba's dt/B/C norms over the reduced vectors) and Kimi
+Linear (KDA heads, MLA query heads over a shared latent), Zamba2 (shared blocks with LoRA
+adapters cut like the projections they add to) and Llama-4 (chunked local and NoPE attention
+heads, input-scaled experts and a shared expert summed in one all-reduce). MoE experts split
+their intermediate dimension over the ranks. Fields that do not divide are named before any
+worker starts.
 
 One engine per architecture runs prompts sharing a prefix under chunked prefill at an odd
 budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
 must reproduce ``hf_greedy`` token for token. Each rank's pool must be what the capacity
 planner computes for ``--tensor-parallel-size 2``. Killing a rank must end the engine with an
 error naming it, never a hang.
+
+Expert parallelism (``enable_expert_parallel``, whole experts per rank, exact combine) runs the
+same scenario on the MoE architectures that support it, and each rank must hold exactly the
+weight bytes ``pagefold capacity --enable-expert-parallel`` reports; unsupported architectures
+and expert counts that do not divide are refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -229,9 +234,9 @@ def test_architectures_without_shards_are_refused(monkeypatch):
 
 # Expert parallelism: the MoE architectures that place whole experts on ranks. One engine per
 # architecture (each spawns 2 ranks) runs the same chunked / preempted / prefix-hit scenario.
-# Expert counts: qwen3_next and granite 4, qwen3_5_moe 6 (tiny defaults); jamba's and
+# Expert counts: qwen3_next, granite and minimax 4, qwen3_5_moe 6 (tiny defaults); jamba's and
 # gpt-oss's 5 (which EP=2 refuses) made 4.
-EP_ARCHS = ["qwen3_next", "granitemoehybrid", "jamba", "gpt_oss", "qwen3_5_moe"]
+EP_ARCHS = ["qwen3_next", "granitemoehybrid", "jamba", "gpt_oss", "qwen3_5_moe", "minimax"]
 EP_OVERRIDES = {"jamba": dict(num_experts=4),
                 "gpt_oss": dict(OVERRIDES["gpt_oss"], num_local_experts=4)}
 

@@ -95,3 +95,6 @@ def test_expert_parallel_weight_bytes_per_rank(tiny_model_factory, capsys):
     five = tiny_model_factory("gpt_oss", num_attention_heads=4)
     got = _reported(five, capsys, "-tp", "2", "--enable-expert-parallel")
     assert "num_local_experts (5) is not divisible by the expert-parallel size 2" in got["error"]
+    # An architecture whose experts only split by TP: no per-rank figure the engine would refuse.
+    got = _reported(tiny_model_factory("llama4"), capsys, "-tp", "2", "--enable-expert-parallel")
+    assert "enable_expert_parallel is not supported for Llama4ForCausalLM" in got["error"]

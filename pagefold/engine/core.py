@@ -145,6 +145,9 @@ class EngineCore:
         self.tp = config.tensor_parallel_size
         if self.tp > 1:  # before anything is sized: an unsplittable part or field is named
             check_tensor_parallel(arch, hf_config, self.tp, config.enable_expert_parallel)
+        elif config.enable_expert_parallel:
+            logger.info("enable_expert_parallel with tensor_parallel_size 1: every expert "
+                        "stays on the one rank")
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagefold.architectures import ARCHITECTURES
 from pagefold.checkpoint import text_config
 from pagefold.distributed.parallel_state import (
     expert_parallel_enabled,
@@ -123,6 +124,9 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     ``model_dir`` loaded in ``dtype`` with the ``quantization`` option. With
     ``expert_parallel`` rank 0's MoE layers hold their ``E / N`` whole experts (every rank
     holds as many bytes)."""
+    why = ARCHITECTURES[arch].expert_parallel if arch in ARCHITECTURES else None
+    if expert_parallel and isinstance(why, str):
+        raise ValueError(f"enable_expert_parallel is not supported for {arch}: {why}")
     plan = resolve(hf_config, quantization)
     stored = (_checkpoint_layers(Path(model_dir), plan.checkpoint)
               if plan is not None and plan.on_load is None else set())

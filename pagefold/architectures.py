@@ -63,7 +63,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BambaForCausalLM": Architecture("bamba", _m("granite_hybrid", "BambaForCausalLM")),
     "KimiLinearForCausalLM": Architecture("kimi_linear",
                                           _m("kimi_linear", "KimiLinearForCausalLM"),
-                                          expert_parallel=_EP_NOT_YET),
+                                          expert_parallel=True),
     "MiniMaxForCausalLM": Architecture("minimax", _m("minimax", "MiniMaxForCausalLM"),
                                        expert_parallel=True),
     "JambaForCausalLM": Architecture("jamba", _m("jamba", "JambaForCausalLM"),

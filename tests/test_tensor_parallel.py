@@ -234,9 +234,10 @@ def test_architectures_without_shards_are_refused(monkeypatch):
 
 # Expert parallelism: the MoE architectures that place whole experts on ranks. One engine per
 # architecture (each spawns 2 ranks) runs the same chunked / preempted / prefix-hit scenario.
-# Expert counts: qwen3_next, granite and minimax 4, qwen3_5_moe 6 (tiny defaults); jamba's and
-# gpt-oss's 5 (which EP=2 refuses) made 4.
-EP_ARCHS = ["qwen3_next", "granitemoehybrid", "jamba", "gpt_oss", "qwen3_5_moe", "minimax"]
+# Expert counts: qwen3_next, granite, minimax and kimi 4, qwen3_5_moe 6 (tiny defaults); jamba's
+# and gpt-oss's 5 (which EP=2 refuses) made 4.
+EP_ARCHS = ["qwen3_next", "granitemoehybrid", "jamba", "gpt_oss", "qwen3_5_moe", "minimax",
+            "kimi_linear"]
 EP_OVERRIDES = {"jamba": dict(num_experts=4),
                 "gpt_oss": dict(OVERRIDES["gpt_oss"], num_local_experts=4)}
 

@@ -22,16 +22,22 @@ __all__ = ["ARCHITECTURES", "MODEL_TYPES", "Architecture", "resolve_architecture
 class Architecture:
     """``family``: how the cache specs are read; ``model``: ``"module:Class"`` of the pagefold
     model (None: specs only); ``tensor_parallel``: True when every layer has shards, else the
-    part that does not split (named in the refusal)."""
+    part that does not split (named in the refusal); ``expert_parallel``: True when its MoE
+    layers place whole experts on ranks under ``enable_expert_parallel``, False when it has no
+    experts (the option changes nothing), else why it is refused."""
 
     family: str
     model: str | None = None
     tensor_parallel: bool | str = True
+    expert_parallel: bool | str = False
 
 
 def _m(module: str, cls: str) -> str:
     return f"pagefold.models.{module}:{cls}"
 
+
+# MoE layers that still split every expert's intermediate dimension only.
+_EP_NOT_YET = "its experts split by tensor parallelism only (no whole-expert placement yet)"
 
 # The families read by ``core/spec_from_config`` come first, then those read by
 # ``core/spec_families`` (the order of the "supported architectures" message).
@@ -43,28 +49,37 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5ForConditionalGeneration": Architecture(
         "gdn", _m("qwen3_5", "Qwen3_5ForConditionalGeneration")),
     "Qwen3_5ForCausalLM": Architecture("gdn", _m("qwen3_5", "Qwen3_5ForCausalLM")),
-    "Qwen3_5MoeForConditionalGeneration": Architecture("gdn"),
-    "Qwen3_5MoeForCausalLM": Architecture("gdn"),
-    "Qwen3NextForCausalLM": Architecture("gdn", _m("qwen3_next", "Qwen3NextForCausalLM")),
+    "Qwen3_5MoeForConditionalGeneration": Architecture(
+        "gdn", _m("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"), expert_parallel=True),
+    "Qwen3_5MoeForCausalLM": Architecture("gdn", _m("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+                                          expert_parallel=True),
+    "Qwen3NextForCausalLM": Architecture("gdn", _m("qwen3_next", "Qwen3NextForCausalLM"),
+                                         expert_parallel=True),
     "NemotronHForCausalLM": Architecture("nemotron_h",
-                                         _m("nemotron_h", "NemotronHForCausalLM")),
+                                         _m("nemotron_h", "NemotronHForCausalLM"),
+                                         expert_parallel=_EP_NOT_YET),
     "GraniteMoeHybridForCausalLM": Architecture(
-        "granite", _m("granite_hybrid", "GraniteMoeHybridForCausalLM")),
+        "granite", _m("granite_hybrid", "GraniteMoeHybridForCausalLM"), expert_parallel=True),
     "BambaForCausalLM": Architecture("bamba", _m("granite_hybrid", "BambaForCausalLM")),
     "KimiLinearForCausalLM": Architecture("kimi_linear",
-                                          _m("kimi_linear", "KimiLinearForCausalLM")),
-    "MiniMaxForCausalLM": Architecture("minimax", _m("minimax", "MiniMaxForCausalLM")),
-    "JambaForCausalLM": Architecture("jamba", _m("jamba", "JambaForCausalLM")),
+                                          _m("kimi_linear", "KimiLinearForCausalLM"),
+                                          expert_parallel=True),
+    "MiniMaxForCausalLM": Architecture("minimax", _m("minimax", "MiniMaxForCausalLM"),
+                                       expert_parallel=True),
+    "JambaForCausalLM": Architecture("jamba", _m("jamba", "JambaForCausalLM"),
+                                     expert_parallel=True),
     "Zamba2ForCausalLM": Architecture("zamba2", _m("zamba2", "Zamba2ForCausalLM")),
     "FalconH1ForCausalLM": Architecture("falcon_h1", _m("falcon_h1", "FalconH1ForCausalLM")),
     "Lfm2ForCausalLM": Architecture("lfm2", _m("lfm2", "Lfm2ForCausalLM")),
     "Mamba2ForCausalLM": Architecture("mamba2", _m("mamba2", "Mamba2ForCausalLM")),
     "MambaForCausalLM": Architecture("mamba1", _m("mamba1", "MambaForCausalLM")),
     "FalconMambaForCausalLM": Architecture("mamba1", _m("mamba1", "FalconMambaForCausalLM")),
-    "Llama4ForCausalLM": Architecture("llama4", _m("llama4", "Llama4ForCausalLM")),
+    "Llama4ForCausalLM": Architecture("llama4", _m("llama4", "Llama4ForCausalLM"),
+                                      expert_parallel=_EP_NOT_YET),
     "Llama4ForConditionalGeneration": Architecture("llama4"),
     "Gemma3ForCausalLM": Architecture("gemma3", _m("gemma3", "Gemma3ForCausalLM")),
-    "GptOssForCausalLM": Architecture("gpt_oss", _m("gpt_oss", "GptOssForCausalLM")),
+    "GptOssForCausalLM": Architecture("gpt_oss", _m("gpt_oss", "GptOssForCausalLM"),
+                                      expert_parallel=True),
 }
 
 # config.json ``model_type`` -> family (same order as above).

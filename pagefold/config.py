@@ -119,6 +119,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Torch threads per tensor-parallel rank (None: this process's threads / ranks).
     threads_per_rank: int | None = None
+    # Expert parallelism (vLLM's flag): MoE layers place whole experts on the tensor-parallel
+    # ranks (EP size = tensor_parallel_size; the expert count must divide) instead of splitting
+    # every expert's intermediate dimension; shared experts and dense layers stay split.
+    enable_expert_parallel: bool = False
     # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}; parsed into
     # a pagefold.spec_decode.config.SpeculativeConfig (None: off).

@@ -79,3 +79,22 @@ def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):
                               "--quantization", "int4"]) == 0
     out = capsys.readouterr().out
     assert "weights: " in out and "int4 (quantized on load)" in out
+
+
+def test_expert_parallel_weight_bytes_per_rank(tiny_model_factory, capsys):
+    """``--enable-expert-parallel``: a rank holds half of gpt-oss's experts whole, so their
+    down biases (float32, replicated by tensor parallelism) are halved too.
+    (The engine's ranks hold exactly these bytes: test_tensor_parallel's EP test.)"""
+    src = tiny_model_factory("gpt_oss", num_attention_heads=4, num_local_experts=4)
+    cfg = json.loads((src / "config.json").read_text())
+    tp = _reported(src, capsys, "-tp", "2")["bytes"]
+    ep = _reported(src, capsys, "-tp", "2", "--enable-expert-parallel")["bytes"]
+    assert tp - ep == 4 * (cfg["num_local_experts"] // 2) * cfg["hidden_size"] * cfg[
+        "num_hidden_layers"]
+    # 5 experts over 2 ranks: no weight bytes, the reason names both numbers.
+    five = tiny_model_factory("gpt_oss", num_attention_heads=4)
+    got = _reported(five, capsys, "-tp", "2", "--enable-expert-parallel")
+    assert "num_local_experts (5) is not divisible by the expert-parallel size 2" in got["error"]
+    # An architecture whose experts only split by TP: no per-rank figure the engine would refuse.
+    got = _reported(tiny_model_factory("llama4"), capsys, "-tp", "2", "--enable-expert-parallel")
+    assert "enable_expert_parallel is not supported for Llama4ForCausalLM" in got["error"]

@@ -130,3 +130,24 @@ def test_mxfp4_decode_is_exact(dtype):
     want = lut[codes] * torch.pow(2.0, scales.double() - 127)
     got = dequantize_mxfp4(blocks, scales, dtype)
     assert got.dtype == dtype and torch.equal(got.double(), want)
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_ep2(tiny_model_factory, tmp_path):
+    """Expert parallelism: each rank keeps the blocks and scales of its 2 of the 4 experts
+    whole (cut along the expert axis), and the tokens equal transformers' on the dequantized
+    weights."""
+    write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG, num_local_experts=4), tmp_path / "q",
+                tmp_path / "ref")
+    llm = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
+              tensor_parallel_size=2, enable_expert_parallel=True, threads_per_rank=1)
+    try:
+        from pagefold import SamplingParams
+
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
+                            use_tqdm=False)
+        got = [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.engine.shutdown()
+    assert got == hf_greedy(tmp_path / "ref", PROMPTS, N_NEW)

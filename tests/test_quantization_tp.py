@@ -148,3 +148,19 @@ def test_tp2_quantized_experts_match_one_rank(tiny_model_factory, tmp_path, how)
     one = _tokens(tmp_path / "q", 1)
     assert one == hf_greedy(tmp_path / "ref", PROMPTS, N_NEW)
     assert _tokens(tmp_path / "q", 2) == one
+
+
+@pytest.mark.slow
+def test_ep2_quantized_experts(tiny_model_factory, tmp_path):
+    """Expert parallelism: int4 on load quantizes each rank's whole experts as the one-rank
+    model does (the same tokens); a checkpoint storing its experts quantized (per-expert names
+    with global ids) is refused naming the layer."""
+    src = tiny_model_factory("qwen3_next", head_dim=16)
+    assert (_tokens(src, 2, quantization="int4", enable_expert_parallel=True)
+            == _tokens(src, 1, quantization="int4"))
+    write_quantized(src, tmp_path / "q", tmp_path / "ref", "ct-w8a16-channel",
+                    plain=("linear_attn",))
+    with pytest.raises(Exception, match=r"mlp\.experts: experts stored quantized in the "
+                                        r"checkpoint are not supported with "
+                                        r"enable_expert_parallel"):
+        _tokens(tmp_path / "q", 2, enable_expert_parallel=True)

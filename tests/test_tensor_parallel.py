@@ -1,26 +1,31 @@
 """Tensor parallelism on the CPU (gloo, 2 worker ranks) against transformers in float32.
 
-Architectures with tensor-parallel shards: Llama, Qwen2, Qwen3 (attention + gated MLP),
-Qwen3.5 (Gated DeltaNet heads and their states, gated attention), Qwen3-Next (the same + sparse
-MoE with a gated shared expert), Nemotron-H (with and without its MoE blocks), Bamba and
-Granite-4.0-H (Mamba-2 heads and B/C groups with their states -- Granite's single group shared
-by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Granite experts),
-Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1 (parallel
-attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels), gpt-oss
-(attention sinks per head, biased interleaved experts), MiniMax (lightning heads and their
-states, an output norm spanning the ranks), Jamba, Mamba and Falcon-Mamba (Mamba-1 channels,
-row-parallel x_proj, Falcon-Mamba's dt/B/C norms over the reduced vectors) and
-Kimi Linear (KDA heads, MLA query heads over a shared latent), Zamba2 (shared blocks with
-LoRA adapters cut like the projections they add to) and Llama-4 (chunked local and NoPE
-attention heads, input-scaled experts and a shared expert summed in one all-reduce). MoE
-experts split their intermediate dimension over the ranks. Fields that do not divide are
-named before any worker starts.
+Architectures with tensor-parallel shards: Llama, Qwen2, Qwen3 (attention + gated MLP), Qwen3.5
+(Gated DeltaNet heads and their states, gated attention), Qwen3-Next and Qwen3.5-MoE (the same
++ sparse MoE with a gated shared expert), Nemotron-H (with and without its MoE blocks), Bamba
+and Granite-4.0-H (Mamba-2 heads and B/C groups with their states -- Granite's single group
+shared by the ranks --, NoPE / partial-RoPE attention, relu^2 / gated MLPs, stacked Granite
+experts), Gemma 3 (sliding + full attention, one KV head replicated), Mamba-2, Falcon-H1
+(parallel attention + Mamba-2 with per-channel multipliers), LFM2 (short-conv channels),
+gpt-oss (attention sinks per head, biased interleaved experts), MiniMax (lightning heads and
+their states, an output norm spanning the ranks), Jamba, Mamba and Falcon-Mamba (Mamba-1
+channels, row-parallel x_proj, Falcon-Mamba's dt/B/C norms over the reduced vectors) and Kimi
+Linear (KDA heads, MLA query heads over a shared latent), Zamba2 (shared blocks with LoRA
+adapters cut like the projections they add to) and Llama-4 (chunked local and NoPE attention
+heads, input-scaled experts and a shared expert summed in one all-reduce). MoE experts split
+their intermediate dimension over the ranks. Fields that do not divide are named before any
+worker starts.
 
 One engine per architecture runs prompts sharing a prefix under chunked prefill at an odd
 budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
 must reproduce ``hf_greedy`` token for token. Each rank's pool must be what the capacity
 planner computes for ``--tensor-parallel-size 2``. Killing a rank must end the engine with an
 error naming it, never a hang.
+
+Expert parallelism (``enable_expert_parallel``, whole experts per rank, exact combine) runs the
+same scenario on the MoE architectures that support it, and each rank must hold exactly the
+weight bytes ``pagefold capacity --enable-expert-parallel`` reports; unsupported architectures
+and expert counts that do not divide are refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def _run(model_dir, llm: LLM, preempts: bool = True) -> None:
 
 
 # Nemotron-H runs with MoE blocks (its Mamba-2, attention and MLP blocks as well).
-TP_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next", "nemotron_h_moe",
+TP_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h_moe",
             "bamba", "granitemoehybrid", "gemma3", "mamba2", "falcon_h1", "lfm2", "gpt_oss",
             "minimax", "jamba", "kimi_linear", "zamba2", "mamba", "falcon_mamba", "llama4"]
 
@@ -225,3 +230,58 @@ def test_architectures_without_shards_are_refused(monkeypatch):
                         dataclasses.replace(llama, tensor_parallel="its widgets do not split"))
     with pytest.raises(ValueError, match="LlamaForCausalLM: its widgets do not split"):
         core.check_tensor_parallel("LlamaForCausalLM", cfg, 2)
+
+
+# Expert parallelism: the MoE architectures that place whole experts on ranks. One engine per
+# architecture (each spawns 2 ranks) runs the same chunked / preempted / prefix-hit scenario.
+# Expert counts: qwen3_next, granite, minimax and kimi 4, qwen3_5_moe 6 (tiny defaults); jamba's
+# and gpt-oss's 5 (which EP=2 refuses) made 4.
+EP_ARCHS = ["qwen3_next", "granitemoehybrid", "jamba", "gpt_oss", "qwen3_5_moe", "minimax",
+            "kimi_linear"]
+EP_OVERRIDES = {"jamba": dict(num_experts=4),
+                "gpt_oss": dict(OVERRIDES["gpt_oss"], num_local_experts=4)}
+
+
+@pytest.mark.parametrize("arch", EP_ARCHS)
+def test_ep2_greedy_matches_transformers(tiny_model_factory, tmp_path, arch: str):
+    """TP=2 with enable_expert_parallel: tokens equal transformers' in every scenario, and
+    each rank holds exactly the weights ``pagefold capacity --enable-expert-parallel`` counts
+    (its half of the experts, whole), less than a rank holds without EP wherever experts carry
+    per-expert tensors that tensor parallelism replicates (gpt-oss's down biases)."""
+    import torch
+
+    from pagefold.checkpoint import load_hf_config
+    from pagefold.models.footprint import weight_bytes
+
+    model_dir = tiny_model_factory(arch, **EP_OVERRIDES.get(arch, OVERRIDES.get(arch, {})))
+    if arch in RANDOM_BIASES:
+        model_dir = _with_random_biases(model_dir, tmp_path / arch)
+    cfg = _config(model_dir)
+    memory = _small_pool(cfg, 2, EXTRA_BLOCKS.get(arch, 3))
+    llm = LLM(str(model_dir), tensor_parallel_size=2, enable_expert_parallel=True,
+              max_model_len=MAX_LEN, kv_cache_memory=memory, max_num_batched_tokens=13,
+              threads_per_rank=1)
+    try:
+        _run(model_dir, llm)
+        name, hf_config = load_hf_config(str(model_dir))
+        ep, _ = weight_bytes(model_dir, hf_config, name, torch.float32,
+                             tensor_parallel_size=2, expert_parallel=True)
+        tp, _ = weight_bytes(model_dir, hf_config, name, torch.float32, tensor_parallel_size=2)
+        assert llm.engine.runner.rank_params == [ep // 4, ep // 4]
+        assert ep < tp if arch == "gpt_oss" else ep == tp
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(("arch", "overrides", "match"), [
+    ("qwen3_5_moe", dict(num_experts=5), r"num_experts \(5\) is not divisible by the "
+                                         r"expert-parallel size 2"),
+    ("gpt_oss", dict(num_attention_heads=4, num_local_experts=3),
+     r"num_local_experts \(3\) is not divisible by the expert-parallel size 2"),
+    ("llama4", {}, "enable_expert_parallel is not supported for Llama4ForCausalLM"),
+])
+def test_expert_parallel_refusals_before_workers_start(tiny_model_factory, arch, overrides,
+                                                       match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_model_factory(arch, **overrides)), tensor_parallel_size=2,
+            enable_expert_parallel=True, max_model_len=MAX_LEN, kv_cache_memory=1 << 22)

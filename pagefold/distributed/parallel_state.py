@@ -22,6 +22,10 @@ class TPState:
 
 
 _STATE = TPState()
+# ``enable_expert_parallel``: MoE layers place whole experts on the tensor-parallel ranks
+# (``layers/expert_parallel.py``) instead of splitting every expert's intermediate dimension.
+# Kept apart from ``TPState`` so the shard checks that save and restore (rank, size) leave it be.
+_EXPERT_PARALLEL = False
 
 
 def tp_rank() -> int:
@@ -30,6 +34,23 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _STATE.size
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Turn expert parallelism on or off for the models built from now on."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = bool(enabled)
+
+
+def expert_parallel_enabled() -> bool:
+    """The ``enable_expert_parallel`` setting, whatever the rank count."""
+    return _EXPERT_PARALLEL
+
+
+def expert_parallel() -> bool:
+    """True when MoE layers place whole experts on ranks: enabled with several ranks (the
+    expert-parallel group is the tensor-parallel group, EP size = TP size)."""
+    return _EXPERT_PARALLEL and _STATE.size > 1
 
 
 def init_tensor_parallel(rank: int, size: int, backend: str = "gloo",
@@ -49,10 +70,11 @@ def set_tensor_parallel(rank: int, size: int) -> None:
 
 
 def close_tensor_parallel() -> None:
-    global _STATE
+    global _STATE, _EXPERT_PARALLEL
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = TPState()
+    _EXPERT_PARALLEL = False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,11 @@ import torch
 from pagefold.checkpoint import load_hf_config
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.csrc import gemv_choice
-from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
+from pagefold.distributed.parallel_state import (
+    close_tensor_parallel,
+    init_tensor_parallel,
+    set_expert_parallel,
+)
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
 from pagefold.offload.setup import OffloadPlan, build_store
@@ -46,6 +50,7 @@ class WorkerInit:
     quantization: str | None = None  # the quantization option (see ``load_model``)
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
     offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
+    expert_parallel: bool = False  # enable_expert_parallel: whole experts on the ranks
 
 
 def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
@@ -73,6 +78,7 @@ def worker_main(rank: int, size: int, conn) -> None:
         torch.set_num_threads(max(1, init.threads))
         backend = "nccl" if init.device.startswith("cuda") else "gloo"
         init_tensor_parallel(rank, size, backend)
+        set_expert_parallel(init.expert_parallel)
         runner = build_rank_runner(init, rank)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}

@@ -28,7 +28,13 @@ from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
 from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.distributed.executor import TPExecutor
-from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
+from pagefold.distributed.parallel_state import (
+    expert_parallel_enabled,
+    set_expert_parallel,
+    set_tensor_parallel,
+    tp_rank,
+    tp_size,
+)
 from pagefold.distributed.worker import WorkerInit
 from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
@@ -51,9 +57,11 @@ from pagefold.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagefold")
 
-def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
+def check_tensor_parallel(arch: str, hf_config, tp: int, expert_parallel: bool = False) -> None:
     """Raise a ValueError when ``arch`` cannot run on ``tp`` ranks: an architecture without
-    shards (naming the part), or a field that does not divide (naming the field).
+    shards (naming the part), or a field that does not divide (naming the field); with
+    ``expert_parallel``, an architecture whose experts cannot be placed whole (naming why) or
+    an expert count that does not divide (naming both numbers).
 
     Divisibility is checked the way the ranks will meet it: rank 0's shard of the model is
     built on the meta device (no memory) in this process, so every layer's own check runs
@@ -66,12 +74,16 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
     if arch not in supported:
         raise ValueError(f"tensor_parallel_size {tp} is not supported for {arch} yet; "
                          f"supported: {', '.join(supported)}")
+    if expert_parallel and isinstance(entry.expert_parallel, str):
+        raise ValueError(f"enable_expert_parallel is not supported for {arch}: "
+                         f"{entry.expert_parallel}; use tensor parallelism without it")
     tcfg = text_config(hf_config)
     heads = getattr(tcfg, "num_attention_heads", None)
     if heads:
         split_heads(heads, getattr(tcfg, "num_key_value_heads", None) or heads, tp)
-    prev = (tp_rank(), tp_size())
+    prev, prev_ep = (tp_rank(), tp_size()), expert_parallel_enabled()
     set_tensor_parallel(0, tp)
+    set_expert_parallel(expert_parallel)
     try:
         with torch.device("meta"):
             model_class(arch)(tcfg, max_positions=2)
@@ -81,6 +93,7 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
         logger.debug("meta-device shard check of %s skipped: %s", arch, e)
     finally:
         set_tensor_parallel(*prev)
+        set_expert_parallel(prev_ep)
 
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
@@ -90,7 +103,8 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
                       cache_fill, host_blocks, threads, warm, warm_len, config.quantization,
-                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload)
+                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload,
+                      expert_parallel=config.enable_expert_parallel)
     return TPExecutor(init, config.tensor_parallel_size)
 
 
@@ -130,7 +144,10 @@ class EngineCore:
 
         self.tp = config.tensor_parallel_size
         if self.tp > 1:  # before anything is sized: an unsplittable part or field is named
-            check_tensor_parallel(arch, hf_config, self.tp)
+            check_tensor_parallel(arch, hf_config, self.tp, config.enable_expert_parallel)
+        elif config.enable_expert_parallel:
+            logger.info("enable_expert_parallel with tensor_parallel_size 1: every expert "
+                        "stays on the one rank")
         specs = layer_specs_from_config(
             hf_config, model_dtype=self.dtype, kv_cache_dtype=config.kv_cache_dtype,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, tensor_parallel_size=self.tp)

@@ -35,6 +35,8 @@ HELP = "report the KV-cache capacity of a model for a memory budget (needs only 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a config.json or a model directory that holds one")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE experts placed whole on the ranks (the weight bytes per rank)")
     p.add_argument(
         "--kv-cache-dtype", choices=("auto", "bfloat16", "float16", "fp8"), default="auto"
     )
@@ -135,6 +137,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         "model_dtype": str(model_dtype).removeprefix("torch."),
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
     }
     report["weights"] = _weights(args, model_dtype)
     return report
@@ -154,7 +157,9 @@ def _weights(args: argparse.Namespace, model_dtype) -> dict[str, Any]:
 
         arch, hf_config = load_hf_config(str(model_dir))
         nbytes, label = weight_bytes(model_dir, hf_config, arch, model_dtype,
-                                     args.quantization, args.tensor_parallel_size)
+                                     args.quantization, args.tensor_parallel_size,
+                                     expert_parallel=getattr(args, "enable_expert_parallel",
+                                                             False))
     except QuantizationError:
         raise
     except Exception as e:  # noqa: BLE001 - the KV report stands without the weights

@@ -24,6 +24,10 @@ the intermediate dimension -- rows ``[gate_r | up_r]`` of ``gate_up_proj`` and t
 columns of ``down_proj`` -- so ``down_e`` gives a partial sum. The router is replicated (every
 rank routes the same tokens to the same experts), the shared expert is split the same way,
 and the block sums the partials of the routed and shared experts with one all-reduce.
+
+Expert parallelism (``enable_expert_parallel``): each rank holds ``E / N`` whole experts
+instead; ``layers/expert_parallel.py`` dispatches locally and combines exactly (the routed sum
+is one rank's bits), the shared expert staying tensor-parallel in the same collective.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch import nn
 from pagefold.csrc import cpu_ops
 from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import shard_rows
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.native_record import Step, gemv_of, gemv_ready
@@ -89,11 +94,22 @@ class MoEExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  what: str = "moe_intermediate_size") -> None:
         super().__init__()
-        self.num_experts = num_experts
+        # Expert parallelism: this rank's whole experts (``num_experts`` then counts them;
+        # ``total_experts`` and the router's ids are global).
+        self.ep = expert_shard(num_experts)
+        self.total_experts = num_experts
+        self.first_expert = self.ep.first if self.ep is not None else 0
+        self.num_experts = num_experts = self.ep.count if self.ep is not None else num_experts
         self.full_inter = inter
-        self.inter = inter = split_expert_inter(inter, what)
+        if self.ep is None:
+            inter = split_expert_inter(inter, what)
+        self.inter = inter
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        if self.ep is not None:  # stacked checkpoint tensors: this rank's experts, whole
+            shard_experts(self.gate_up_proj, self.ep)
+            shard_experts(self.down_proj, self.ep)
+            return
         # Stacked checkpoint tensors (E, 2I, H) / (E, H, I): this rank's gate and up rows,
         # its down columns.
         shard_rows(self.gate_up_proj, [self.full_inter] * 2, what, dim=1)
@@ -121,6 +137,8 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), top_idx (T, k) int64, top_w (T, k) in x's dtype -> (T, hidden)."""
+        if self.ep is not None:
+            return self.forward_ep(x, top_idx, top_w)[0]
         t, k = top_idx.shape
         if t == 0:
             return torch.zeros_like(x)
@@ -148,6 +166,24 @@ class MoEExperts(nn.Module):
             out.index_add_(0, rows, y * weights[start : start + n, None])
             start += n
         return out
+
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on rows ``h``: ``down(silu(gate(h)) * up(h))``, as forward."""
+        q = self.quantized[e] if self.quantized is not None else None
+        gu = matmul_t(h, self.gate_up_proj[e]) if q is None else q.gate_up_proj(h)
+        gate, up = gu.split(self.inter, dim=-1)
+        act = F.silu(gate) * up
+        return matmul_t(act, self.down_proj[e]) if q is None else q.down_proj(act)
+
+    def forward_ep(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+                   extra: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert parallelism: the routed sum over every rank's experts (complete, the same
+        on every rank; ``layers/expert_parallel.py``) and ``extra`` (a partial sum) reduced in
+        the same collective."""
+        return routed_ep(x, top_idx, self.ep,
+                         lambda e, tok, slot: self._expert(e, x.index_select(0, tok))
+                         * top_w[tok, slot, None], extra)
 
     def _few_rows(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
                   ) -> torch.Tensor | None:
@@ -239,9 +275,13 @@ class MoEExperts(nn.Module):
         if self.quantized is not None:
             raise ValueError(f"expert {e} {proj}: a plain weight for quantized experts (the "
                              "checkpoint stores some experts plain, some quantized)")
-        if not 0 <= e < self.num_experts:
-            raise ValueError(f"expert index {e} out of range for {self.num_experts} experts")
-        if tp_size() > 1:  # the checkpoint's full matrix: this rank's slice of it
+        if not 0 <= e < self.total_experts:
+            raise ValueError(f"expert index {e} out of range for {self.total_experts} experts")
+        if self.ep is not None:  # expert parallelism: whole experts, another rank's skipped
+            if not self.ep.owns(e):
+                return
+            e -= self.ep.first
+        elif tp_size() > 1:  # the checkpoint's full matrix: this rank's slice of it
             tensor = tensor.narrow(1 if proj == "down_proj" else 0, tp_rank() * self.inter,
                                    self.inter)
         if proj == "down_proj":
@@ -334,6 +374,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_w, top_idx = self.route(x)
+        if self.experts.ep is not None:
+            return self._forward_ep(x, top_w, top_idx)
         out = self.experts(x, top_idx, top_w)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -344,6 +386,20 @@ class SparseMoeBlock(nn.Module):
             else:
                 out = out + (torch.sigmoid(gate) * shared if gate is not None else shared)
         return all_reduce(out)
+
+    def _forward_ep(self, x: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor
+                    ) -> torch.Tensor:
+        """Expert parallelism: the shared expert's partial sum (tensor-parallel) reduced in
+        the routed experts' one collective, then added as the one-rank path adds it."""
+        shared = self.shared_expert(x) if self.shared_expert is not None else None
+        out, shared = self.experts.forward_ep(x, top_idx, top_w, shared)
+        if shared is None:
+            return out
+        gate = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
+        added = _shared_add_cpu(out, shared, gate)
+        if added is not None:
+            return added
+        return out + (torch.sigmoid(gate) * shared if gate is not None else shared)
 
     def native_record(self, hidden: int) -> tuple | None:
         """The native decode step's record: the kernels this forward calls on decode rows
@@ -412,7 +468,7 @@ class ExpertWeightRouter:
     def complete(self) -> set[str]:
         done = set()
         for mod, seen in self.seen.items():
-            n = self.modules[mod].num_experts
+            n = self.modules[mod].total_experts
             if all((e, p) in seen for e in range(n) for p in ("gate_proj", "up_proj")):
                 done.add(f"{mod}.gate_up_proj")
             if all((e, "down_proj") in seen for e in range(n)):

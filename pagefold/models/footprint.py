@@ -20,8 +20,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagefold.architectures import ARCHITECTURES
 from pagefold.checkpoint import text_config
-from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
+from pagefold.distributed.parallel_state import (
+    expert_parallel_enabled,
+    set_expert_parallel,
+    set_tensor_parallel,
+    tp_rank,
+    tp_size,
+)
 from pagefold.layers.linear import RowParallelLinear
 from pagefold.layers.moe import MoEExperts
 from pagefold.models.registry import model_class
@@ -111,15 +118,21 @@ def _quantized(path: str, mod: nn.Module, plan: QuantPlan, stored: set[str]):
 
 
 def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype,
-                 quantization: str | None = None, tensor_parallel_size: int = 1
-                 ) -> tuple[int, str | None]:
+                 quantization: str | None = None, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False) -> tuple[int, str | None]:
     """(bytes one rank holds, the quantization's label or None) for the model in
-    ``model_dir`` loaded in ``dtype`` with the ``quantization`` option."""
+    ``model_dir`` loaded in ``dtype`` with the ``quantization`` option. With
+    ``expert_parallel`` rank 0's MoE layers hold their ``E / N`` whole experts (every rank
+    holds as many bytes)."""
+    why = ARCHITECTURES[arch].expert_parallel if arch in ARCHITECTURES else None
+    if expert_parallel and isinstance(why, str):
+        raise ValueError(f"enable_expert_parallel is not supported for {arch}: {why}")
     plan = resolve(hf_config, quantization)
     stored = (_checkpoint_layers(Path(model_dir), plan.checkpoint)
               if plan is not None and plan.on_load is None else set())
-    prev = (tp_rank(), tp_size())
+    prev, prev_ep = (tp_rank(), tp_size()), expert_parallel_enabled()
     set_tensor_parallel(0, tensor_parallel_size)
+    set_expert_parallel(expert_parallel)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -152,4 +165,5 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     finally:
         torch.set_default_dtype(old)
         set_tensor_parallel(*prev)
+        set_expert_parallel(prev_ep)
     return total, (plan.label if plan is not None else None)

@@ -19,7 +19,9 @@ time for each routed expert's product.
 Tensor parallelism: query heads (with their sinks) and KV heads split as in every GQA block;
 experts keep this rank's ``1/N`` of the intermediate dimension -- a contiguous run of the
 interleaved gate/up columns, the matching down rows -- the router is replicated, the down
-bias is added on rank 0 only and the layer's partial sums meet in one all-reduce.
+bias is added on rank 0 only and the layer's partial sums meet in one all-reduce. Expert
+parallelism: each rank holds ``E/N`` whole experts (MXFP4 blocks included, cut along the
+expert axis) with their biases, combined exactly by ``layers/expert_parallel.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.extras import paged_attention_extras
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import column_linear, load_into, row_linear, shard_rows
 from pagefold.layers.moe import split_expert_inter
 from pagefold.layers.norm import RMSNorm
@@ -81,18 +84,27 @@ class GptOssExperts(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        i = split_expert_inter(full, "intermediate_size")
+        # Expert parallelism: this rank's E/N whole experts (``num_experts`` counts them).
+        self.ep = expert_shard(e, "num_local_experts")
+        i = full if self.ep is not None else split_expert_inter(full, "intermediate_size")
+        e = self.ep.count if self.ep is not None else e
         self.num_experts, self.hidden, self.inter, self.full_inter = e, h, i, full
         self.mxfp4: set[str] = set()  # projections loaded as MXFP4 blocks / scales
         self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj = nn.Parameter(torch.zeros(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
-        # Interleaved gate/up columns: a run of intermediate channels is a run of columns.
-        shard_rows(self.gate_up_proj, [2 * full], "intermediate_size", dim=2)
-        shard_rows(self.gate_up_proj_bias, [2 * full], "intermediate_size", dim=1)
-        shard_rows(self.down_proj, [full], "intermediate_size", dim=1)
-        self.add_down_bias = tp_rank() == 0  # the ranks' partial sums carry it once
+        if self.ep is not None:
+            for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                      self.down_proj_bias):
+                shard_experts(p, self.ep)
+        else:
+            # Interleaved gate/up columns: a run of intermediate channels is a run of columns.
+            shard_rows(self.gate_up_proj, [2 * full], "intermediate_size", dim=2)
+            shard_rows(self.gate_up_proj_bias, [2 * full], "intermediate_size", dim=1)
+            shard_rows(self.down_proj, [full], "intermediate_size", dim=1)
+        # The ranks' partial sums carry the down bias once; whole experts always add it.
+        self.add_down_bias = tp_rank() == 0 or self.ep is not None
         self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
         self.limit = float(getattr(cfg, "swiglu_limit", 7.0))
 
@@ -110,12 +122,15 @@ class GptOssExperts(nn.Module):
             raise QuantizationError(f"{name}: not a gpt-oss mxfp4 expert tensor")
         rows, k = ((2 * self.full_inter, self.hidden) if proj == "gate_up_proj"
                    else (self.hidden, self.full_inter))
-        want = (self.num_experts, rows, k // MXFP4_BLOCK) + ((16,) if part == "blocks" else ())
+        total = self.ep.total if self.ep is not None else self.num_experts
+        want = (total, rows, k // MXFP4_BLOCK) + ((16,) if part == "blocks" else ())
         if k % MXFP4_BLOCK or tuple(tensor.shape) != want or tensor.dtype != torch.uint8:
             raise QuantizationError(f"{name}: mxfp4 tensor {tuple(tensor.shape)} {tensor.dtype}"
                                     f", expected {want} uint8 (inputs {k} in blocks of "
                                     f"{MXFP4_BLOCK}; truncated or corrupt checkpoint)")
-        if self.inter != self.full_inter:  # tensor parallelism: this rank's share
+        if self.ep is not None:  # expert parallelism: this rank's experts, whole
+            tensor = tensor.narrow(0, self.ep.first, self.ep.count)
+        elif self.inter != self.full_inter:  # tensor parallelism: this rank's share
             r = tp_rank()
             if proj == "gate_up_proj":
                 tensor = tensor.narrow(1, r * 2 * self.inter, 2 * self.inter)
@@ -142,6 +157,17 @@ class GptOssExperts(nn.Module):
             return mxfp4_linear(x, getattr(self, f"{proj}_blocks")[e],
                                 getattr(self, f"{proj}_scales")[e])
         return x @ getattr(self, proj)[e]
+
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        h = self._glu(self._product(h, "gate_up_proj", e) + self.gate_up_proj_bias[e])
+        y = self._product(h, "down_proj", e)
+        return y + self.down_proj_bias[e] if self.add_down_bias else y
+
+    def forward_ep(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: the routed sum over every rank's experts, complete and the
+        same bits on every rank (``layers/expert_parallel.py``)."""
+        return routed_ep(x, idx, self.ep, lambda e, tok, slot: (
+            self._expert(e, x[tok]) * w[tok, slot, None]).to(x.dtype))[0]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), idx/w (T, k) -> (T, hidden): each token's chosen experts, weighted."""
@@ -184,6 +210,8 @@ class GptOssMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.router(x)
+        if self.experts.ep is not None:
+            return self.experts.forward_ep(x, idx, w)
         return all_reduce(self.experts(x, idx, w))
 
 

@@ -32,6 +32,7 @@ from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers import decode_native
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import row_linear, shard_rows
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import GatedMLP
@@ -89,26 +90,50 @@ class GraniteMoE(nn.Module):
 
     Tensor parallelism: each rank keeps every expert's ``1/N`` of the intermediate dimension
     (its gate and up rows, its down columns) and returns a partial sum; the router is
-    replicated; the decoder layer all-reduces experts + shared MLP once.
+    replicated; the decoder layer all-reduces experts + shared MLP once. Expert parallelism:
+    each rank keeps ``E/N`` whole experts and :meth:`forward_ep` combines them exactly, the
+    shared MLP's partial sum in the same collective.
     """
 
     def __init__(self, cfg) -> None:
         super().__init__()
         e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        i = split_expert_inter(full, "intermediate_size")
+        self.ep = expert_shard(e, "num_local_experts")  # expert parallelism: whole experts
+        i = full if self.ep is not None else split_expert_inter(full, "intermediate_size")
         self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
         self.router = nn.Module()
         self.router.layer = nn.Linear(h, e, bias=False)
-        self.input_linear = _Stacked(e, 2 * i, h)
-        self.output_linear = _Stacked(e, h, i)
-        shard_rows(self.input_linear.weight, [full, full], "intermediate_size", dim=1)
-        shard_rows(self.output_linear.weight, [full], "intermediate_size", dim=2)
+        local = self.ep.count if self.ep is not None else e
+        self.input_linear = _Stacked(local, 2 * i, h)
+        self.output_linear = _Stacked(local, h, i)
+        if self.ep is not None:
+            shard_experts(self.input_linear.weight, self.ep)
+            shard_experts(self.output_linear.weight, self.ep)
+        else:
+            shard_rows(self.input_linear.weight, [full, full], "intermediate_size", dim=1)
+            shard_rows(self.output_linear.weight, [full], "intermediate_size", dim=2)
         self.act = _activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.router.layer(x).float()
         top_logits, idx = logits.topk(self.top_k, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        return idx, torch.softmax(top_logits, dim=-1).to(x.dtype)
+
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = matmul_t(h, self.input_linear.weight[e]).split(self.inter, dim=-1)
+        return matmul_t(self.act(gate) * up, self.output_linear.weight[e])
+
+    def forward_ep(self, x: torch.Tensor, extra: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: (the routed sum, complete on every rank, ``extra`` -- the
+        shared MLP's partial sum -- reduced in the same collective); see
+        ``layers/expert_parallel.py``."""
+        idx, weights = self._route(x)
+        return routed_ep(x, idx, self.ep, lambda e, tok, slot: self._expert(e, x[tok])
+                         * weights[tok, slot, None], extra)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weights = self._route(x)
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         # Group the (token, slot) pairs by expert: one host sync for the per-expert counts.
@@ -175,10 +200,15 @@ class GraniteDecoderLayer(nn.Module):
         x = x + h * self.residual_multiplier
         h = self.post_attention_layernorm(x)
         ff = self.shared_mlp(h)
-        if self.block_sparse_moe is not None:
-            ff = self.block_sparse_moe(h) + ff
-        if tp_size() > 1:  # one all-reduce: experts' and shared MLP's partial sums
-            ff = all_reduce(ff)
+        moe = self.block_sparse_moe
+        if moe is not None and moe.ep is not None:  # one collective: routed slots + shared
+            routed, ff = moe.forward_ep(h, ff)
+            ff = routed + ff
+        else:
+            if moe is not None:
+                ff = moe(h) + ff
+            if tp_size() > 1:  # one all-reduce: experts' and shared MLP's partial sums
+                ff = all_reduce(ff)
         return x + ff * self.residual_multiplier
 
 

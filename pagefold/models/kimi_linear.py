@@ -20,7 +20,8 @@ beta's per-head rows, ``A_log``, ``dt_bias``, the states); the low-rank ``f_a`` 
 projections are replicated. MLA splits query heads (``q_b_proj`` / ``kv_b_proj`` rows), while
 the latent (``kv_a_proj_with_mqa``) and its page are the same on every rank, as the planner
 sizes it. MoE experts (and the shared experts) split their intermediate dimension, one
-all-reduce for both.
+all-reduce for both; under expert parallelism the routed experts are placed whole instead
+(``layers/expert_parallel.py``), the shared experts' partial sum in the same collective.
 
 Checkpoint names are the original ones (``q_conv1d`` ..., ``f_a_proj`` under ``self_attn``,
 ``block_sparse_moe``, ``experts.{e}.w1/w3/w2``); transformers' in-memory names are mapped too.
@@ -181,6 +182,10 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)
+        if self.experts.ep is not None:  # expert parallelism: shared partial in one collective
+            routed, shared = self.experts.forward_ep(x, idx, w.to(x.dtype),
+                                                     self.shared_experts(x))
+            return routed + shared
         return all_reduce(self.experts(x, idx, w.to(x.dtype)) + self.shared_experts(x))
 
 

@@ -11,7 +11,9 @@ runs the routed tokens of each expert through them (the product per routed exper
 
 Under tensor parallelism an expert splits as the stacked weights do: this rank's rows of the
 gate and up shards (column-parallel), its columns of ``down_proj`` (row-parallel, partial sums
-that the MoE block all-reduces).
+that the MoE block all-reduces). Under expert parallelism the module holds only this rank's
+experts, whole: quantizing them on load works unchanged; per-expert tensors of a quantized
+checkpoint (global expert ids) are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.layers.linear import RowCut
 from pagefold.layers.moe import MoEExperts
-from pagefold.quantization.formats import QuantMethod
+from pagefold.quantization.formats import QuantizationError, QuantMethod
 from pagefold.quantization.linear import QuantLinear, quantize_weight
 from pagefold.quantization.tp import TPSplit
 
@@ -37,7 +39,7 @@ class ExpertLinears(nn.Module):
 
 
 def _splits(mod: MoEExperts) -> tuple[TPSplit | None, TPSplit | None]:
-    if tp_size() == 1:
+    if tp_size() == 1 or mod.ep is not None:  # one rank, or whole experts (expert parallel)
         return None, None
     what = "moe_intermediate_size"
     cuts = {s: RowCut([mod.full_inter], tp_size(), what) for s in ("gate_proj", "up_proj")}
@@ -66,7 +68,12 @@ def _layers(mod: MoEExperts, methods: tuple[QuantMethod, QuantMethod], path: str
 
 def convert_experts(mod: MoEExperts, method: QuantMethod, path: str) -> None:
     """Make every expert of ``mod`` a pair of ``method`` layers, to load a quantized
-    checkpoint's per-expert tensors into."""
+    checkpoint's per-expert tensors into. Not under expert parallelism (the checkpoint's
+    per-expert names carry global expert ids): a QuantizationError naming the layer."""
+    if mod.ep is not None:
+        raise QuantizationError(f"{path}: experts stored quantized in the checkpoint are not "
+                                "supported with enable_expert_parallel (use tensor "
+                                "parallelism, or quantize a plain checkpoint on load)")
     _install(mod, [_layers(mod, (method, method), path, e) for e in range(mod.num_experts)])
 
 

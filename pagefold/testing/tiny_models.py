@@ -213,6 +213,22 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
         ),
     ),
+    # Qwen3.5-MoE (Qwen3_5MoeForCausalLM): GDN,attention,GDN,GDN, every layer a sparse MoE
+    # (6 experts, top-3 renormalised, width 24) plus a gated shared expert of width 40; GDN with
+    # dv (24) != dk (16), conv kernel 3; partial RoPE. Untied. Experts saved per expert.
+    "qwen3_5_moe": dict(
+        hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3,
+        num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=_MAX_POS,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+        ),
+    ),
     # Nemotron-H: one mixer per layer, pattern "M-*-M-" (Mamba-2, MLP, attention, MLP, Mamba-2,
     # MLP). Attention has no positional encoding. Mamba-2: 8 heads x 16, 2 groups, state 16,
     # conv kernel 4, chunk 16. MLP is relu^2 without gate. Untied (tying is unsupported there).
@@ -406,6 +422,7 @@ _CONFIG_CLASSES: dict[str, str] = {
     "qwen3": "Qwen3Config",
     "qwen3_5": "Qwen3_5TextConfig",
     "qwen3_next": "Qwen3NextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
     "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "bamba": "BambaConfig",

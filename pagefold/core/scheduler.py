@@ -181,7 +181,7 @@ class Scheduler:
                         priority=parent.priority, all_token_ids=list(parent.all_token_ids),
                         output_token_ids=list(parent.output_token_ids),
                         extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
-                        cumulative_logprob=parent.cumulative_logprob)
+                        cumulative_logprob=parent.cumulative_logprob, mm_inputs=parent.mm_inputs)
         self.fork_now(parent, child)
         return child
 
@@ -384,7 +384,7 @@ class Scheduler:
         if sent is None:
             out.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                req.eos_token_id, tables, start))
+                req.eos_token_id, tables, start, req.mm_inputs))
         else:
             out.cached_reqs.append(CachedRequestData(
                 rid, start, req.all_token_ids[start : start + n],

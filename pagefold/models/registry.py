@@ -47,7 +47,10 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(text_config(hf_config), max_positions=max_positions)
+            kw = {}
+            if getattr(cls, "takes_vision_config", False):  # a vision tower (image inputs)
+                kw["vision_config"] = getattr(hf_config, "vision_config", None)
+            model = cls(text_config(hf_config), max_positions=max_positions, **kw)
     finally:
         torch.set_default_dtype(prev)
     weights = iter_weights(model_dir)

@@ -96,10 +96,21 @@ class ImageInputProcessor:
     def __init__(self, hf_config, image_processor, *, limit: int, positions: str) -> None:
         vc = hf_config.vision_config
         self.image_token_id = int(hf_config.image_token_id)
+        # The tokens around an image's placeholder in a rendered chat (Qwen: vision start/end).
+        self.wrap = [getattr(hf_config, k, None)
+                     for k in ("vision_start_token_id", "vision_end_token_id")]
         self.merge = int(vc.spatial_merge_size)
         self.limit = limit
         self.positions = positions
         self.image_processor = image_processor
+
+    def placeholder(self, tokenizer) -> str:
+        """The text that stands for one image in a chat message (the chat endpoint writes it
+        where an ``image_url`` part was): ``<|vision_start|><|image_pad|><|vision_end|>``."""
+        start, end = self.wrap
+        ids = ([start] if start is not None else []) + [self.image_token_id] + (
+            [end] if end is not None else [])
+        return "".join(tokenizer.convert_ids_to_tokens(ids))
 
     def process(self, token_ids: list[int], images: Any
                 ) -> tuple[list[int], MultiModalInputs]:

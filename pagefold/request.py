@@ -68,6 +68,8 @@ class Request:
     # Images of the prompt (placeholder spans, content hashes, encoder inputs, M-RoPE
     # positions); None for a text-only request.
     mm_inputs: MultiModalInputs | None = None
+    # Indices of the images the runner holds encoder outputs of (since the last preemption).
+    mm_encoded: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -180,3 +180,20 @@ def test_bad_image_inputs_are_named(vl_dir) -> None:
         llm.generate({"prompt": "a", "multi_modal_data": {"video": IMG_A}}, PARAMS,
                       use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_encoder_budget_cuts_before_an_image(vl_dir, reference) -> None:
+    """With 24 tokens a step, the first chunk reaches both 16-token images; the encoder budget
+    (24) takes the first only, so the chunk ends right before the second image."""
+    llm = _llm(vl_dir, max_num_batched_tokens=24)
+    case = ("x = ", " + ", [IMG_A, IMG_D])
+    rid = llm.add_request(_request(*case), PARAMS)
+    req = llm.engine.scheduler.requests[rid]
+    second = req.mm_inputs.features[1].offset
+    assert second < 24  # the token budget alone would reach into the second image
+    outs = llm.step()
+    assert llm.engine.runner.encoders.num_encoded == 1
+    assert req.num_computed_tokens == second
+    while llm.engine.has_unfinished():
+        outs += llm.step()
+    _check([o for o in outs if o.finished][0].outputs[0], reference(*case))

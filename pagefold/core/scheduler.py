@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 
+from pagefold.core.encoder_budget import EncoderBudget
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_connector import ConnectorOutput
 from pagefold.core.sched_output import (
@@ -224,6 +225,7 @@ class Scheduler:
         kind = self.kv.preempt(req)  # swap keeps progress; recompute resets it
         req.status = RequestStatus.PREEMPTED
         self._sent_tables.pop(req.request_id, None)  # the runner drops it; it comes back new
+        req.mm_encoded.clear()  # and its encoder outputs
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
@@ -271,6 +273,7 @@ class Scheduler:
         self._finished_ids = []
         self.kv.pool.tick += 1
         budget = self.max_num_batched_tokens
+        encoder = EncoderBudget(self.max_num_batched_tokens)
         scheduled: dict[str, int] = {}
 
         # 0. Parallel sampling: families whose shared prompt prefix is computed fork now.
@@ -294,6 +297,8 @@ class Scheduler:
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
             if req.fork_children:  # stop the shared prefill where the family forks
                 n = min(n, req.fork_at - req.num_computed_tokens)
+            if req.mm_inputs is not None:
+                n = encoder.cap(req, req.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -312,6 +317,8 @@ class Scheduler:
             if n == 0:
                 continue  # req was preempted; running[i] is now the next request
             scheduled[req.request_id] = n
+            if req.mm_inputs is not None:
+                encoder.charge(req, req.num_computed_tokens, n)
             if drafts and n > 1:
                 out.spec_token_ids[req.request_id] = drafts[: n - 1]
             budget -= n
@@ -333,6 +340,8 @@ class Scheduler:
                 n = self.kv.cap_chunk(req, start, n)
                 if req.fork_children:
                     n = min(n, req.fork_at - start)
+                if req.mm_inputs is not None:
+                    n = encoder.cap(req, start, n)
                 if not self.kv.allocate_slots(req, n, hit):
                     break
                 self.waiting.remove(req)
@@ -349,6 +358,8 @@ class Scheduler:
                 if n:
                     scheduled[req.request_id] = n
                     budget -= n
+                    if req.mm_inputs is not None:
+                        encoder.charge(req, start, n)
 
         # Layout order: running order (stable across steps -> persistent batch friendly).
         for req in self.running:

@@ -193,6 +193,8 @@ class LLM:
         """vLLM-style beam search; beams fork (shared attention blocks, copied states)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts):
+            raise ValueError("beam search takes no image inputs")
         ids = [self._prompt_ids(p)[1] for p in prompts]
         return beam_search(self.engine, self.get_tokenizer(), ids, params)
 

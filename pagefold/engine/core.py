@@ -377,6 +377,9 @@ class EngineCore:
         if getattr(self.model, "visual", None) is None:
             raise ValueError(f"{self.arch} as loaded takes no image inputs"
                              + (" at tensor_parallel_size > 1" if self.tp > 1 else ""))
+        if getattr(self.runner, "proposer", None) is not None:
+            raise ValueError("image inputs with draft-model / MTP speculation are not "
+                             "supported (their drafters see no images)")
         token = getattr(self.hf_config, "image_token_id", None)
         for i, f in enumerate(mm.features):
             span = prompt_token_ids[f.offset:f.offset + f.length]

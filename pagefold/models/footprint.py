@@ -20,11 +20,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagefold.checkpoint import text_config
 from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
 from pagefold.layers.linear import RowParallelLinear
 from pagefold.layers.moe import MoEExperts
-from pagefold.models.registry import model_class
+from pagefold.models.registry import build_model, model_class
 from pagefold.models.weights import safetensors_files
 from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan, resolve
 from pagefold.quantization.formats import FP8, IntFormat, PackedInt, QuantMethod
@@ -124,7 +123,7 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_class(arch)(text_config(hf_config), max_positions=2)
+            model = build_model(model_class(arch), hf_config, max_positions=2)
         total, seen = 0, set()
         for path, mod in model.named_modules():
             if getattr(mod, "mxfp4", None) is not None and _tail(

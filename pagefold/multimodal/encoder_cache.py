@@ -53,7 +53,8 @@ class EncoderCache:
         ``starts[i]``; ``positions`` are the plain (T,) positions of the step."""
         rows: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
-        pos3 = None
+        shifted = None  # (T,) positions with the later-position deltas added
+        patches: list[tuple[int, torch.Tensor]] = []  # (flat row, (3, k) prompt positions)
         flat = 0
         for r, s, n in zip(reqs, starts, counts):
             mm = r.mm_inputs
@@ -64,20 +65,23 @@ class EncoderCache:
                         out = self._encoded(r, idx)
                         rows.append(torch.arange(flat + lo - s, flat + hi - s))
                         embeds.append(out[lo - f.offset:hi - f.offset])
-                if mm.mrope_positions is not None:
-                    if pos3 is None:
-                        pos3 = positions.expand(3, -1).clone()
-                    prompt = torch.tensor(mm.mrope_positions, dtype=pos3.dtype,
-                                          device=pos3.device)
-                    p = prompt.shape[1]
-                    a = min(s + n, p)
-                    if s < a:
-                        pos3[:, flat:flat + a - s] = prompt[:, s:a]
-                    if s + n > p:
-                        lo = flat + max(s, p) - s
-                        pos3[:, lo:flat + n] += mm.mrope_delta
+                table = mm.mrope_positions
+                if table is not None:
+                    p = len(table[0])
+                    if s < p:  # prompt rows: from the table (decode steps never build it)
+                        a = min(s + n, p)
+                        patches.append((flat, torch.tensor([row[s:a] for row in table])))
+                    if s + n > p and mm.mrope_delta:
+                        if shifted is None:
+                            shifted = positions.clone()
+                        shifted[flat + max(s, p) - s:flat + n] += mm.mrope_delta
             flat += n
-        if pos3 is not None:
+        if shifted is not None:
+            positions = shifted
+        if patches:
+            pos3 = positions.expand(3, -1).clone()
+            for at, block in patches:
+                pos3[:, at:at + block.shape[1]] = block.to(pos3.device)
             positions = pos3[0] if bool((pos3 == pos3[0]).all()) else pos3
         if not rows:
             return positions, None

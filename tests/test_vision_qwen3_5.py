@@ -197,3 +197,21 @@ def test_encoder_budget_cuts_before_an_image(vl_dir, reference) -> None:
     while llm.engine.has_unfinished():
         outs += llm.step()
     _check([o for o in outs if o.finished][0].outputs[0], reference(*case))
+
+
+def test_image_urls_are_data_urls_only() -> None:
+    import base64
+    import io
+
+    from pagefold.multimodal.processor import decode_image_url
+
+    buf = io.BytesIO()
+    IMG_B.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert np.array_equal(np.asarray(decode_image_url(url)), np.asarray(IMG_B))
+    for bad, match in [("https://x/a.png", "no network"), ("file:///etc/passwd", "data:image"),
+                       ("/etc/passwd", "data:image"), ("data:text/plain;base64,AA==",
+                                                       "data:image"),
+                       ("data:image/png;base64,AAAA", "malformed image")]:
+        with pytest.raises(ValueError, match=match):
+            decode_image_url(bad)

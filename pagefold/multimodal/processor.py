@@ -32,9 +32,9 @@ _PROCESSOR_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "min_pixel
 
 
 def decode_image_url(url: str):
-    """A PIL image from a ``data:image/...;base64,`` URL or a local file (``file://`` or a
-    path). Raises ValueError naming the problem: a remote URL (no network), bad base64,
-    bytes that are not an image."""
+    """A PIL image from a ``data:image/...;base64,`` URL. Raises ValueError naming the
+    problem: a remote URL (no network here), a file URL (a client must not read the server's
+    files), another scheme, bad base64, bytes that are not an image."""
     from PIL import Image, UnidentifiedImageError
 
     if not isinstance(url, str) or not url:
@@ -42,23 +42,16 @@ def decode_image_url(url: str):
     if url.startswith(("http://", "https://")):
         raise ValueError(f"remote image URLs are not fetched (no network): {url[:60]!r}; "
                          "send the image as a data:image/...;base64 URL")
-    if url.startswith("data:"):
-        head, _, payload = url.partition(",")
-        if not head.startswith("data:image/") or not head.endswith(";base64"):
-            raise ValueError(f"image data URL must be data:image/<type>;base64,...: "
-                             f"got {head[:40]!r}")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"image data URL has invalid base64: {e}") from None
-        src: Any = io.BytesIO(data)
-    else:
-        path = Path(url.removeprefix("file://"))
-        if not path.is_file():
-            raise ValueError(f"image file not found: {str(path)[:120]!r}")
-        src = path
+    head, _, payload = url.partition(",")
+    if not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise ValueError("an image URL must be data:image/<type>;base64,...: got "
+                         f"{head[:40]!r}")
     try:
-        img = Image.open(src)
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"image data URL has invalid base64: {e}") from None
+    try:
+        img = Image.open(io.BytesIO(data))
         img.load()
     except (UnidentifiedImageError, OSError) as e:
         raise ValueError(f"malformed image: {e}") from None

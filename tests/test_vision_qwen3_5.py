@@ -215,3 +215,20 @@ def test_image_urls_are_data_urls_only() -> None:
                        ("data:image/png;base64,AAAA", "malformed image")]:
         with pytest.raises(ValueError, match=match):
             decode_image_url(bad)
+
+
+def test_prefix_hit_inside_an_image(vl_dir, reference) -> None:
+    """A hit that ends inside an image (block 0 holds its first tokens): the rest of the image
+    is encoded again and its rows are the encoder's tail; tokens equal transformers'."""
+    llm = _llm(vl_dir, state_checkpoint_interval=16)
+    before = "y = "
+    llm.generate(_request(before, " * 2\nprint(y, y, y, y, y)", [IMG_A]), PARAMS,
+                 use_tqdm=False)
+    other = (before, " - 1\nreturn [y for y in range(3)]", [IMG_A])
+    out, = llm.generate(_request(*other), PARAMS, use_tqdm=False)
+    ids = out.prompt_token_ids
+    image_id = llm.engine.hf_config.image_token_id
+    first, last = ids.index(image_id), len(ids) - ids[::-1].index(image_id)
+    assert first < out.num_cached_tokens == 16 < last
+    assert llm.engine.runner.encoders.num_encoded == 2
+    _check(out.outputs[0], reference(*other))

@@ -232,3 +232,16 @@ def test_prefix_hit_inside_an_image(vl_dir, reference) -> None:
     assert first < out.num_cached_tokens == 16 < last
     assert llm.engine.runner.encoders.num_encoded == 2
     _check(out.outputs[0], reference(*other))
+
+
+def test_parallel_sampling_with_an_image(vl_dir, reference) -> None:
+    """n = 2 greedy: the family shares the image prefill and both children give
+    transformers' tokens."""
+    llm = _llm(vl_dir)
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=0, n=2)
+    out, = llm.generate(_request(*CASES[1]), params, use_tqdm=False)
+    assert len(out.outputs) == 2
+    for comp in out.outputs:
+        _check(comp, reference(*CASES[1]))
+    assert llm.engine.runner.encoders.num_encoded == 1
+    llm.engine.kv.check_whole()

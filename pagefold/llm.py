@@ -23,7 +23,7 @@ from pagefold.generation_defaults import (
 )
 from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
 from pagefold.multimodal.inputs import MultiModalInputs
-from pagefold.multimodal.processor import image_processor_for
+from pagefold.multimodal.processor import decode_image_url, image_processor_for
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -95,6 +95,28 @@ class LLM:
         if self.mm_processor is None:
             raise ValueError(f"{self.engine.arch} as loaded takes no image inputs")
         return self.mm_processor.process(ids, data["image"])
+
+    def _with_image_parts(self, message: dict, images: list) -> dict:
+        """A chat message whose content list has ``image_url`` parts (data URLs) as the server
+        renders it: text parts joined by newlines, each image written as its placeholder and
+        decoded into ``images``. Other messages are returned as they are."""
+        content = message.get("content")
+        if not isinstance(content, list) or not any(
+                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            return message
+        if self.mm_processor is None:
+            raise ValueError(f"{self.engine.arch} as loaded takes no image inputs")
+        texts = []
+        for p in content:
+            if p.get("type") == "image_url":
+                url = p.get("image_url")
+                images.append(decode_image_url(url.get("url") if isinstance(url, dict) else url))
+                texts.append(self.mm_processor.placeholder(self.tokenizer))
+            elif p.get("type") == "text":
+                texts.append(p.get("text", ""))
+            else:
+                raise ValueError(f"unsupported content part type {p.get('type')!r}")
+        return {**message, "content": "\n".join(texts)}
 
     def _params_for(self, params: SamplingParams) -> SamplingParams:
         if self._extra_eos and not params.ignore_eos:
@@ -216,10 +238,15 @@ class LLM:
         if tools:
             extra["tools"] = tools
         for conv in convs:
+            images: list = []
+            conv = [self._with_image_parts(m, images) for m in conv]
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 tokenize=True, **extra)
             if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -245,3 +245,19 @@ def test_parallel_sampling_with_an_image(vl_dir, reference) -> None:
         _check(comp, reference(*CASES[1]))
     assert llm.engine.runner.encoders.num_encoded == 1
     llm.engine.kv.check_whole()
+
+
+def test_chat_with_an_image_url(vl_dir, reference) -> None:
+    """``LLM.chat`` takes ``image_url`` parts (data URLs) as the server does."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    IMG_B.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    llm = _llm(vl_dir)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    out, = llm.chat(msgs, PARAMS, use_tqdm=False)
+    case = ("<|im_start|>user\nWhat?\n", "<|im_end|>\n<|im_start|>assistant\n", [IMG_B])
+    _check(out.outputs[0], reference(*case))

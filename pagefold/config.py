@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,26 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "fp8":
         return torch.float8_e4m3fn
     return DTYPES[kv_cache_dtype]
+
+
+def _mm_limits(value) -> dict | None:
+    """``limit_mm_per_prompt`` checked: a dict (or JSON object) of modality -> count >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a dict such as {{\"image\": 2}}, "
+                         f"got {value!r}")
+    for key, n in value.items():
+        if key != "image":
+            raise ValueError(f"limit_mm_per_prompt: unsupported modality {key!r} (only image)")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt[{key!r}] must be an integer >= 0, got {n!r}")
+    return dict(value)
 
 
 @dataclass
@@ -134,11 +155,15 @@ class EngineConfig:
     # flags (the CPU flags' pick, no timing), torch (none), auto (measured per weight shape);
     # none: PAGEFOLD_GEMV, else auto. Larger products keep their GEMM path either way.
     cpu_gemv_kernel: str | None = None
+    # Most multimodal items per prompt, vLLM's dict (or its JSON), e.g. {"image": 2}; only
+    # "image" is known. None: 8 images for a checkpoint with a vision tower.
+    limit_mm_per_prompt: dict | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
+        self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
         if self.cpu_gemv_kernel is not None:
             from pagefold.csrc.gemv_choice import check_option
 

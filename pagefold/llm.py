@@ -22,6 +22,8 @@ from pagefold.generation_defaults import (
     truncate_prompt,
 )
 from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
+from pagefold.multimodal.inputs import MultiModalInputs
+from pagefold.multimodal.processor import decode_image_url, image_processor_for
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -49,6 +51,9 @@ class LLM:
         resolve_architecture(read_config_dict(Path(model)))
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = EngineCore(self.config)
+        limits = self.config.limit_mm_per_prompt or {}
+        self.mm_processor = image_processor_for(model, self.engine.hf_config, self.engine.arch,
+                                                limits.get("image"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._extra_eos = [t for t in generation_eos_ids(model)
                            if t != self.engine.eos_token_id]
@@ -76,6 +81,43 @@ class LLM:
             return self._prompt_ids(prompt["prompt"])
         raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
+    def _with_images(self, prompt: PromptType, ids: list[int]
+                     ) -> tuple[list[int], MultiModalInputs | None]:
+        """A prompt dict's ``multi_modal_data`` (vLLM's: ``{"image": PIL.Image or a list}``)
+        processed: placeholders expanded, images checked and described for the engine."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return ids, None
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            got = sorted(data) if isinstance(data, dict) else data
+            raise ValueError("multi_modal_data takes only an 'image' entry (a PIL.Image or a "
+                             f"list of them); got {got!r}")
+        if self.mm_processor is None:
+            raise ValueError(f"{self.engine.arch} as loaded takes no image inputs")
+        return self.mm_processor.process(ids, data["image"])
+
+    def _with_image_parts(self, message: dict, images: list) -> dict:
+        """A chat message whose content list has ``image_url`` parts (data URLs) as the server
+        renders it: text parts joined by newlines, each image written as its placeholder and
+        decoded into ``images``. Other messages are returned as they are."""
+        content = message.get("content")
+        if not isinstance(content, list) or not any(
+                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            return message
+        if self.mm_processor is None:
+            raise ValueError(f"{self.engine.arch} as loaded takes no image inputs")
+        texts = []
+        for p in content:
+            if p.get("type") == "image_url":
+                url = p.get("image_url")
+                images.append(decode_image_url(url.get("url") if isinstance(url, dict) else url))
+                texts.append(self.mm_processor.placeholder(self.tokenizer))
+            elif p.get("type") == "text":
+                texts.append(p.get("text", ""))
+            else:
+                raise ValueError(f"unsupported content part type {p.get('type')!r}")
+        return {**message, "content": "\n".join(texts)}
+
     def _params_for(self, params: SamplingParams) -> SamplingParams:
         if self._extra_eos and not params.ignore_eos:
             params = params.clone()
@@ -95,13 +137,16 @@ class LLM:
         """Queue one prompt. ``cache_salt`` (or the prompt dict's ``"cache_salt"``) keeps it
         from sharing prefix-cache entries with requests salted otherwise (or not at all)."""
         text, ids = self._prompt_ids(prompt)
+        ids, mm = self._with_images(prompt, ids)
         params = self._params_for(params)
+        if params.truncate_prompt_tokens is not None and mm is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         if params.truncate_prompt_tokens is not None:
             text, ids = None, truncate_prompt(ids, params.truncate_prompt_tokens,
                                               self.engine.max_model_len)
         rid = str(next(self._counter))
         self.engine.add_request(rid, ids, params, priority=priority,
-                                cache_salt=self._salt(prompt, cache_salt))
+                                cache_salt=self._salt(prompt, cache_salt), mm_inputs=mm)
         self.output_processor.add_request(rid, text, ids, params)
         return rid
 
@@ -170,6 +215,8 @@ class LLM:
         """vLLM-style beam search; beams fork (shared attention blocks, copied states)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts):
+            raise ValueError("beam search takes no image inputs")
         ids = [self._prompt_ids(p)[1] for p in prompts]
         return beam_search(self.engine, self.get_tokenizer(), ids, params)
 
@@ -191,10 +238,15 @@ class LLM:
         if tools:
             extra["tools"] = tools
         for conv in convs:
+            images: list = []
+            conv = [self._with_image_parts(m, images) for m in conv]
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 tokenize=True, **extra)
             if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

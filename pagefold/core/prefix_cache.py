@@ -1,8 +1,10 @@
 """Block hashes for prefix caching: a chain over full blocks of token ids.
 
 ``hash(i) = sha256(hash(i-1) || tokens of block i || extra keys)[:16]``; block 0's parent is a
-root derived from the request's extra keys (cache salt, adapter id). A block's hash therefore
-names its whole prefix. sha256 makes collisions negligible, so a hit needs no token re-check.
+root derived from the request's extra keys (cache salt, adapter id). A block that holds image
+placeholder tokens also takes those images' content hashes, since its placeholder ids are the
+same for every image. A block's hash therefore names its whole prefix, images included.
+sha256 makes collisions negligible, so a hit needs no token re-check.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ def root_hash(extra_keys: tuple = ()) -> bytes:
     return hashlib.sha256(repr(extra_keys).encode()).digest()[:16]
 
 
-def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+def hash_block(parent: bytes, tokens: list[int], mm_hashes: list[str] = ()) -> bytes:
+    """``mm_hashes``: content hashes of the images with a placeholder token in the block."""
     h = hashlib.sha256(parent)
     h.update(array("q", tokens).tobytes())
+    for m in mm_hashes:
+        h.update(m.encode())
     return h.digest()[:16]
 
 
@@ -34,6 +39,8 @@ def update_block_hashes(req: Request, block_size: int) -> list[bytes]:
     parent = hashes[-1] if hashes else root_hash(req.extra_keys)
     while (len(hashes) + 1) * block_size <= len(toks):
         i = len(hashes)
-        parent = hash_block(parent, toks[i * block_size : (i + 1) * block_size])
+        lo, hi = i * block_size, (i + 1) * block_size
+        mm = req.mm_inputs.hashes_in(lo, hi) if req.mm_inputs is not None else ()
+        parent = hash_block(parent, toks[lo:hi], mm)
         hashes.append(parent)
     return hashes

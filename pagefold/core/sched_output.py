@@ -45,6 +45,7 @@ import msgspec
 from pagefold.core.kv_connector import ConnectorOutput, KVOps
 from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
+from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.sampling_params import SamplingParams
 
 TableDiff = tuple[int, list[int]] | None
@@ -62,6 +63,9 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[list[int]]
     num_computed_tokens: int
+    # The request's images (None: text only); the runner encodes them when a step first
+    # reaches their placeholder tokens.
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass(slots=True)

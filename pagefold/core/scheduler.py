@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 
+from pagefold.core.encoder_budget import EncoderBudget
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_connector import ConnectorOutput
 from pagefold.core.sched_output import (
@@ -181,7 +182,7 @@ class Scheduler:
                         priority=parent.priority, all_token_ids=list(parent.all_token_ids),
                         output_token_ids=list(parent.output_token_ids),
                         extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
-                        cumulative_logprob=parent.cumulative_logprob)
+                        cumulative_logprob=parent.cumulative_logprob, mm_inputs=parent.mm_inputs)
         self.fork_now(parent, child)
         return child
 
@@ -224,6 +225,7 @@ class Scheduler:
         kind = self.kv.preempt(req)  # swap keeps progress; recompute resets it
         req.status = RequestStatus.PREEMPTED
         self._sent_tables.pop(req.request_id, None)  # the runner drops it; it comes back new
+        req.mm_encoded.clear()  # and its encoder outputs
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
@@ -271,6 +273,7 @@ class Scheduler:
         self._finished_ids = []
         self.kv.pool.tick += 1
         budget = self.max_num_batched_tokens
+        encoder = EncoderBudget(self.max_num_batched_tokens)
         scheduled: dict[str, int] = {}
 
         # 0. Parallel sampling: families whose shared prompt prefix is computed fork now.
@@ -294,6 +297,8 @@ class Scheduler:
             n = self.kv.cap_chunk(req, req.num_computed_tokens, n)
             if req.fork_children:  # stop the shared prefill where the family forks
                 n = min(n, req.fork_at - req.num_computed_tokens)
+            if req.mm_inputs is not None:
+                n = encoder.cap(req, req.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -312,6 +317,8 @@ class Scheduler:
             if n == 0:
                 continue  # req was preempted; running[i] is now the next request
             scheduled[req.request_id] = n
+            if req.mm_inputs is not None:
+                encoder.charge(req, req.num_computed_tokens, n)
             if drafts and n > 1:
                 out.spec_token_ids[req.request_id] = drafts[: n - 1]
             budget -= n
@@ -333,6 +340,8 @@ class Scheduler:
                 n = self.kv.cap_chunk(req, start, n)
                 if req.fork_children:
                     n = min(n, req.fork_at - start)
+                if req.mm_inputs is not None:
+                    n = encoder.cap(req, start, n)
                 if not self.kv.allocate_slots(req, n, hit):
                     break
                 self.waiting.remove(req)
@@ -349,6 +358,8 @@ class Scheduler:
                 if n:
                     scheduled[req.request_id] = n
                     budget -= n
+                    if req.mm_inputs is not None:
+                        encoder.charge(req, start, n)
 
         # Layout order: running order (stable across steps -> persistent batch friendly).
         for req in self.running:
@@ -384,7 +395,7 @@ class Scheduler:
         if sent is None:
             out.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                req.eos_token_id, tables, start))
+                req.eos_token_id, tables, start, req.mm_inputs))
         else:
             out.cached_reqs.append(CachedRequestData(
                 rid, start, req.all_token_ids[start : start + n],

@@ -41,6 +41,7 @@ from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
 from pagefold.models.registry import model_class
 from pagefold.models.weights import apply_checkpoint_kv_scales
+from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.offload.setup import OffloadPlan, attach_offload, offload_plan
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
@@ -134,6 +135,7 @@ class EngineCore:
         arch, hf_config = load_hf_config(config.model)
         tcfg = text_config(hf_config)
         self.hf_config = hf_config
+        self.arch = arch
         self.dtype = resolve_dtype(config.dtype, getattr(tcfg, "dtype", None)
                                    or getattr(hf_config, "dtype", None))
         max_pos = getattr(tcfg, "max_position_embeddings", None) or 4096
@@ -335,7 +337,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None,
+                    mm_inputs: MultiModalInputs | None = None) -> Request:
         """Validate and queue. Raises ValueError (nothing is queued) on bad input.
 
         ``cache_salt`` keys the request's prefix-cache chain (block hashes and therefore state
@@ -365,6 +368,10 @@ class EngineCore:
                 raise ValueError(f"{name} {value} is above this engine's max_logprobs "
                                  f"({self.config.max_logprobs})")
         self.structured.check(params)  # compiles (cached) or raises ValueError
+        if mm_inputs is not None and mm_inputs.features:
+            self._check_images(mm_inputs, prompt_token_ids)
+        else:
+            mm_inputs = None
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
         if family > 1:
@@ -376,9 +383,26 @@ class EngineCore:
         if cache_salt is not None:
             kw["extra_keys"] = ("cache_salt", cache_salt)
         req = Request(request_id, list(prompt_token_ids), params,
-                      eos_token_id=self.eos_token_id, priority=priority, **kw)
+                      eos_token_id=self.eos_token_id, priority=priority, mm_inputs=mm_inputs,
+                      **kw)
         self.scheduler.add_request(req)
         return req
+
+    def _check_images(self, mm: MultiModalInputs, prompt_token_ids: list[int]) -> None:
+        """Images need a vision tower here, and each feature must cover placeholder tokens
+        of this prompt (ValueError otherwise)."""
+        if getattr(self.model, "visual", None) is None:
+            raise ValueError(f"{self.arch} as loaded takes no image inputs"
+                             + (" at tensor_parallel_size > 1" if self.tp > 1 else ""))
+        if getattr(self.runner, "proposer", None) is not None:
+            raise ValueError("image inputs with draft-model / MTP speculation are not "
+                             "supported (their drafters see no images)")
+        token = getattr(self.hf_config, "image_token_id", None)
+        for i, f in enumerate(mm.features):
+            span = prompt_token_ids[f.offset:f.offset + f.length]
+            if f.length < 1 or len(span) != f.length or any(t != token for t in span):
+                raise ValueError(f"image {i}: tokens {f.offset}..{f.offset + f.length - 1} "
+                                 "are not all image placeholder tokens of the prompt")
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests; a parallel-sampling family id aborts all its children too."""

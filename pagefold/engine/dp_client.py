@@ -180,7 +180,9 @@ class DPEngineClient:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, **kw) -> AsyncIterator[RequestOutput]:
+        """The request on the replica the balancer picks (``kw``: ``cache_salt``,
+        ``mm_inputs``, as :meth:`AsyncEngineClient.generate`)."""
         self.check_alive()
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -188,7 +190,7 @@ class DPEngineClient:
         self._owner[request_id] = i
         self.routed[i] += 1
         inner = self.replicas[i].generate(prompt, prompt_token_ids, params,
-                                          request_id=request_id, priority=priority)
+                                          request_id=request_id, priority=priority, **kw)
         try:
             async for out in inner:
                 yield out

@@ -50,6 +50,9 @@ class ForwardContext:
     # given directly ({layer: {component: (N, ...)}}, e.g. the state after the previous
     # draft token) instead of read from their pages.
     initial_states: dict[str, dict[str, torch.Tensor]] | None = None
+    # Image embeddings of this step: (flat rows, embeddings) that replace those rows' token
+    # embeddings (pagefold.multimodal.encoder_cache); None on a step without image tokens.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:

@@ -38,6 +38,7 @@ from pagefold.executor.sampler import (
     gather_logprobs,
     make_generator,
 )
+from pagefold.multimodal.encoder_cache import EncoderCache
 from pagefold.spec_decode.verify import verify_drafts
 
 __all__ = ["ModelRunner", "SampledToken"]
@@ -95,6 +96,9 @@ class ModelRunner:
         self.proposer = None
         # The KV connector's worker side (core.kv_connector.KVConnectorWorker: offload tiers).
         self.connector = None
+        # Image inputs: encoder outputs per request (models with a vision tower only).
+        self.encoders = (EncoderCache(model) if getattr(model, "visual", None) is not None
+                         else None)
 
     @property
     def captures_in_kernel(self) -> bool:
@@ -221,6 +225,8 @@ class ModelRunner:
         batch = self.requests.apply(out)
         if self.proposer is not None:
             self.proposer.forget(out.finished_ids + out.preempted_ids)
+        if self.encoders is not None:
+            self.encoders.forget(out.finished_ids + out.preempted_ids)
         self._grammar = out.grammar_bitmask
         with _threads_for(self.device, batch.num_tokens * self.num_params):
             report = self.move_pages(out)
@@ -260,20 +266,24 @@ class ModelRunner:
         inp = build_inputs(self.kv_config, tokens, batch.starts, batch.counts, totals,
                            per_group, self.device, captures)
         self.num_forward_tokens += int(inp.input_ids.numel())
+        positions, mm_embeds = inp.positions, None
+        if self.encoders is not None:  # image rows and M-RoPE positions
+            positions, mm_embeds = self.encoders.step_inputs(reqs, batch.starts, batch.counts,
+                                                             inp.positions)
         if drafted is not None:
             spec_rows = torch.tensor(drafted, device=self.device)
             for m in inp.state_meta:
                 if m is not None:
                     m.spec_rows = spec_rows
-            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={})
-            return inp, ctx, self.model(inp.input_ids, inp.positions, ctx)
-        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={},
+                                 mm_embeds=mm_embeds)
+            return inp, ctx, self.model(inp.input_ids, positions, ctx)
+        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, mm_embeds=mm_embeds)
         hidden = None
-        if self.graphs is not None:
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta,
-                                     inp.state_meta)
+        if self.graphs is not None and mm_embeds is None and positions.dim() == 1:
+            hidden = self.graphs.run(inp.input_ids, positions, inp.attn_meta, inp.state_meta)
         if hidden is None:
-            hidden = self.model(inp.input_ids, inp.positions, ctx)
+            hidden = self.model(inp.input_ids, positions, ctx)
         return inp, ctx, hidden
 
     @torch.inference_mode()

@@ -48,12 +48,43 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.mrope_axis = mrope_axis(config, self.rotary_dim)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (T, rotary_dim) cos and sin rows of ``positions``: (T,) plain positions, or
+        (3, T) M-RoPE positions (temporal, height, width), where channel ``c`` takes row
+        ``mrope_axis[c]``'s position (equal rows give the plain rows bit for bit)."""
+        if positions.dim() == 1:
+            return self.cos[positions], self.sin[positions]
+        if self.mrope_axis is None:
+            raise ValueError("3-row (M-RoPE) positions for a model without mrope_section")
+        pos = positions[self.mrope_axis.to(positions.device)].T  # (T, rotary_dim)
+        ch = torch.arange(self.rotary_dim, device=positions.device)
+        return self.cos[pos, ch], self.sin[pos, ch]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q (T, H, D), k (T, KVH, D); returns rotated copies in the input dtype."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        """q (T, H, D), k (T, KVH, D); positions (T,) or (3, T) (see :meth:`tables`);
+        returns rotated copies in the input dtype."""
+        cos, sin = self.tables(positions)
+        cos, sin = cos.to(q.dtype).unsqueeze(1), sin.to(q.dtype).unsqueeze(1)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def mrope_axis(config, rotary_dim: int) -> torch.Tensor | None:
+    """Per rotary channel, which M-RoPE position row rotates it (0 temporal, 1 height, 2
+    width), or None without ``mrope_section``. Interleaved, as transformers' Qwen3.5 lays it
+    out whatever ``mrope_interleaved`` says: of the ``rotary_dim / 2`` frequencies,
+    ``j % 3 == 1`` below ``3 * section[1]`` is height, ``j % 3 == 2`` below
+    ``3 * section[2]`` width, every other temporal. Both rotate-half halves share it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    section = params.get("mrope_section")
+    if not section:
+        return None
+    half = rotary_dim // 2
+    axis = torch.zeros(half, dtype=torch.int64)
+    for row in (1, 2):
+        axis[row:3 * section[row]:3] = row
+    return torch.cat([axis, axis])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

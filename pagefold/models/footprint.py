@@ -21,7 +21,6 @@ from safetensors import safe_open
 from torch import nn
 
 from pagefold.architectures import ARCHITECTURES
-from pagefold.checkpoint import text_config
 from pagefold.distributed.parallel_state import (
     expert_parallel_enabled,
     set_expert_parallel,
@@ -31,7 +30,7 @@ from pagefold.distributed.parallel_state import (
 )
 from pagefold.layers.linear import RowParallelLinear
 from pagefold.layers.moe import MoEExperts
-from pagefold.models.registry import model_class
+from pagefold.models.registry import build_model, model_class
 from pagefold.models.weights import safetensors_files
 from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan, resolve
 from pagefold.quantization.formats import FP8, IntFormat, PackedInt, QuantMethod
@@ -137,7 +136,7 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_class(arch)(text_config(hf_config), max_positions=2)
+            model = build_model(model_class(arch), hf_config, max_positions=2)
         total, seen = 0, set()
         for path, mod in model.named_modules():
             if getattr(mod, "mxfp4", None) is not None and _tail(

@@ -13,8 +13,10 @@ layer kinds keep their cache under the name ``layers.{i}``:
   (value_heads, key_head_dim, value_head_dim), loaded and stored once per step via ``ctx``.
 
 A published Qwen3.5 checkpoint is ``Qwen3_5ForConditionalGeneration``: the same text weights
-under ``model.language_model.*`` plus a vision tower (``model.visual.*``) that pagefold skips;
-its config nests the text config under ``text_config``, which the registry unwraps.
+under ``model.language_model.*`` plus a vision tower (``model.visual.*``,
+:mod:`pagefold.models.qwen3_5_vision`) whose image embeddings replace the placeholder tokens'
+(``ctx.mm_embeds``); its config nests the text config under ``text_config``, which the
+registry unwraps. Image prompts rotate the attention layers' q/k with (3, T) M-RoPE positions.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM, GatedMLP, head_dim_of
+from pagefold.models.qwen3_5_vision import Qwen3_5VisionModel
 from pagefold.models.weights import load_into
 from pagefold.ops import elementwise
 from pagefold.ops.elementwise import sigmoid_gate
@@ -303,10 +306,14 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-        native = decode_native.run(self, self.layers, x, positions, ctx)
-        if native is not None:
-            return self.norm(*native)[0]
+        if ctx.mm_embeds is not None:  # image placeholder rows take the encoder's output
+            rows, embeds = ctx.mm_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
+        elif positions.dim() == 1:
+            # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
+            native = decode_native.run(self, self.layers, x, positions, ctx)
+            if native is not None:
+                return self.norm(*native)[0]
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
@@ -336,7 +343,11 @@ class HybridCausalLM(CausalLM):
 
     def _canonical(self, weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        visual = getattr(self, "visual", None) is not None
         for name, tensor in weights:
+            if visual and name.startswith("model.visual."):
+                yield "visual." + name.removeprefix("model.visual."), tensor
+                continue
             if name.startswith(self.skipped_prefixes):
                 continue
             if name.startswith("model.language_model."):
@@ -365,8 +376,46 @@ class Qwen3_5ForCausalLM(HybridCausalLM):
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The published Qwen3.5 checkpoints: text weights under ``model.language_model.*``.
+    """The published Qwen3.5 checkpoints: text weights under ``model.language_model.*``, the
+    vision tower under ``model.visual.*``.
 
-    Built from the (registry-unwrapped) ``text_config``; the vision tower is not loaded, so
-    only text prompts are served.
+    Built from the (registry-unwrapped) ``text_config`` and, when the checkpoint's config has
+    one, its ``vision_config`` (the tower is ``self.visual``; without it only text is served).
     """
+
+    takes_vision_config = True
+
+    def __init__(self, cfg, max_positions: int, vision_config=None) -> None:
+        super().__init__(cfg, max_positions)
+        self.visual = (Qwen3_5VisionModel(vision_config) if vision_config is not None
+                       else None)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
+                      ) -> torch.Tensor:
+        """The vision tower on images' patches -> their placeholder tokens' embeddings."""
+        if tp_size() > 1:
+            raise ValueError("image inputs need tensor_parallel_size 1")
+        return self.visual(pixels, grids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The text weights as :class:`HybridCausalLM` loads them, and the vision tower's; a
+        checkpoint whose tower is incomplete (a text-only export keeping a stub of it) is
+        served as text only, the tower dropped with a warning."""
+        if self.visual is None:
+            return super().load_weights(weights)
+        got: set[str] = set()
+
+        def note(ws):
+            for name, tensor in ws:
+                if name.startswith("model.visual."):
+                    got.add(name.removeprefix("model.visual."))
+                yield name, tensor
+
+        for p in self.visual.parameters():
+            p.optional = True  # checked here, not by check_loaded
+        super().load_weights(note(weights))
+        missing = [n for n, _ in self.visual.named_parameters() if n not in got]
+        if missing:
+            logger.warning("the checkpoint's vision tower lacks %s: serving text only",
+                           missing[:4])
+            self.visual = None

@@ -23,7 +23,7 @@ from pagefold.quantization.gguf import GGUFQuantizer, gguf_weights
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_model", "model_class"]
+__all__ = ["build_model", "load_model", "model_class"]
 
 
 def model_class(arch: str):
@@ -34,6 +34,15 @@ def model_class(arch: str):
         raise KeyError(arch)
     module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def build_model(cls, hf_config, max_positions: int):
+    """``cls`` built from the checkpoint config's text part (and, for a class that takes one,
+    its ``vision_config``: the vision tower of image inputs), without weights."""
+    kw = {}
+    if getattr(cls, "takes_vision_config", False):
+        kw["vision_config"] = getattr(hf_config, "vision_config", None)
+    return cls(text_config(hf_config), max_positions=max_positions, **kw)
 
 
 def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_positions: int,
@@ -47,7 +56,7 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(text_config(hf_config), max_positions=max_positions)
+            model = build_model(cls, hf_config, max_positions)
     finally:
         torch.set_default_dtype(prev)
     weights = iter_weights(model_dir)

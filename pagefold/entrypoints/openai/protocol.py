@@ -167,6 +167,7 @@ class CompletionRequest(SamplingRequest):
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
+    image_url: Any = None  # {"url": "data:image/...;base64,..."} (or the URL string)
 
 
 class ChatMessage(BaseModel):

@@ -40,7 +40,12 @@ from starlette.responses import JSONResponse, Response
 
 from pagefold import __version__
 from pagefold.architectures import resolve_architecture
-from pagefold.checkpoint import generation_eos_ids, load_tokenizer, read_config_dict
+from pagefold.checkpoint import (
+    generation_eos_ids,
+    load_hf_config,
+    load_tokenizer,
+    read_config_dict,
+)
 from pagefold.config import EngineConfig
 from pagefold.engine.client import AsyncEngineClient, EngineDeadError
 from pagefold.engine.dp_client import DPEngineClient
@@ -64,6 +69,7 @@ from pagefold.entrypoints.openai.serving_completion import (
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
 from pagefold.generation_defaults import generation_defaults, log_generation_defaults
 from pagefold.metrics import CONTENT_TYPE, ServerMetrics
+from pagefold.multimodal.processor import ImageInputProcessor, image_processor_for
 
 logger = logging.getLogger("pagefold.server")
 
@@ -98,6 +104,13 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.inflight.on_idle = self.trimmer.idle  # RSS back down after a burst
+
+
+def _image_processor(config: EngineConfig) -> ImageInputProcessor | None:
+    """The chat endpoint's image input processor (None for a model without images)."""
+    arch, hf_config = load_hf_config(config.model)
+    limits = config.limit_mm_per_prompt or {}
+    return image_processor_for(config.model, hf_config, arch, limits.get("image"))
 
 
 def build_state(config: EngineConfig, *, served_model_name: str | list[str] | None = None,
@@ -137,7 +150,8 @@ def build_state(config: EngineConfig, *, served_model_name: str | list[str] | No
         tokens=tokens, max_request_bytes=max_request_bytes,
         metrics_require_key=metrics_require_key,
         completion=OpenAIServingCompletion(client, tokenizer, name, **common),
-        chat=OpenAIServingChat(client, tokenizer, name, chat_template=template, **common))
+        chat=OpenAIServingChat(client, tokenizer, name, chat_template=template,
+                               mm_processor=_image_processor(config), **common))
 
 
 def build_app(state: ServerState) -> FastAPI:

@@ -56,6 +56,7 @@ from pagefold.entrypoints.openai.serving_completion import (
 )
 from pagefold.entrypoints.openai.tool_prompt import template_takes_tools, with_tools_fallback
 from pagefold.entrypoints.openai.tool_stream import ToolCallStream
+from pagefold.multimodal.processor import ImageInputProcessor, decode_image_url
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -70,17 +71,31 @@ TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_temp
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, chat_template: str | None = None,
+                 mm_processor: ImageInputProcessor | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        # Image inputs (``image_url`` parts) for a checkpoint with a vision tower, else None.
+        self.mm_processor = mm_processor
 
     # ------------------------------------------------------------------ prompt
-    @staticmethod
-    def _message_dict(i: int, m: ChatMessage) -> dict:
+    def _message_dict(self, i: int, m: ChatMessage, images: list | None = None) -> dict:
+        """The message as the template sees it; with ``images`` (a model that takes them)
+        each ``image_url`` part is decoded into it and written as the image placeholder."""
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
+                if part.type == "image_url" and images is not None:
+                    url = part.image_url
+                    url = url.get("url") if isinstance(url, dict) else url
+                    try:
+                        images.append(decode_image_url(url))
+                    except ValueError as e:
+                        raise bad_request(f"messages[{i}].content[{j}]: {e}",
+                                          "messages") from None
+                    texts.append(self.mm_processor.placeholder(self.tokenizer))
+                    continue
                 if part.type != "text":
                     raise bad_request(f"messages[{i}].content[{j}]: only text content parts "
                                       f"are supported, got type {part.type!r}", "messages")
@@ -98,18 +113,21 @@ class OpenAIServingChat(OpenAIServing):
                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
                documents: list[dict] | None = None, chat_template: str | None = None,
                add_special_tokens: bool = False, tool_mode: str = "auto",
-               tool_name: str | None = None) -> tuple[str, list[int]]:
+               tool_name: str | None = None, images: list | None = None
+               ) -> tuple[str, list[int]]:
         """``(prompt text, prompt token ids)`` of a conversation (400 on template errors).
         ``tools`` and ``documents`` are handed to the template, as vLLM does; a template
         that does not render ``tools`` gets them in the system message instead
         (:mod:`~pagefold.entrypoints.openai.tool_prompt`; ``tool_mode`` / ``tool_name``
-        say how the model is asked to call)."""
+        say how the model is asked to call; ``images``: a list the messages' images are appended
+        to, None where images are refused)."""
         if not messages:
             raise bad_request("messages is empty; give at least one message", "messages")
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
                               "be true", "continue_final_message")
-        conv = template_messages([self._message_dict(i, m) for i, m in enumerate(messages)])
+        conv = template_messages([self._message_dict(i, m, images)
+                                  for i, m in enumerate(messages)])
         kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
@@ -189,6 +207,7 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        images = [] if self.mm_processor is not None else None
         if req.prompt_token_ids is not None:
             text, ids = None, self._token_in(req)
         else:
@@ -199,10 +218,21 @@ class OpenAIServingChat(OpenAIServing):
                 chat_template_kwargs=kwargs, tools=req.tools,
                 documents=req.documents, chat_template=req.chat_template,
                 add_special_tokens=bool(req.add_special_tokens), tool_mode=mode,
-                tool_name=tool_name)
+                tool_name=tool_name, images=images)
         ids2 = self.prepare_prompt(req, ids)
         if ids2 != ids:
+            if images:
+                raise bad_request("truncate_prompt_tokens cannot cut a prompt with images",
+                                  "truncate_prompt_tokens")
             text, ids = None, ids2
+        mm = None
+        if images:
+            if req.use_beam_search:
+                raise bad_request("beam search takes no image inputs", "use_beam_search")
+            try:
+                ids, mm = self.mm_processor.process(ids, images)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
         self.check_ids(ids, "messages")
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
@@ -225,7 +255,8 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         if req.use_beam_search:
             return await beam_chat(self, raw, req, (text, ids), params, rid, created, mode)
-        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt)
+        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt,
+                            mm_inputs=mm)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self.stream_events(req, rid, created, params, first, stream, mode)

@@ -54,6 +54,7 @@ from pagefold.entrypoints.openai.protocol import (
     usage,
 )
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
+from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -295,16 +296,19 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def start(self, ids: list[str], prompts: list[tuple[str | None, list[int]]],
-              params: list[SamplingParams], priority: int, cache_salt: str | None = None
+              params: list[SamplingParams], priority: int, cache_salt: str | None = None,
+              mm_inputs: MultiModalInputs | None = None
               ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Generations of every prompt, merged as ``(index, output)``."""
+        """Generations of every prompt, merged as ``(index, output)``; ``mm_inputs``: the
+        images of a single prompt (the chat endpoint's)."""
         if cache_salt is not None and not cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         self.client.check_alive()
         for rid, (text, pids), sp in zip(ids, prompts, params):
             log_request(self.options, rid, text, pids, sp)
+        extra = {"mm_inputs": mm_inputs} if mm_inputs is not None else {}
         gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority,
-                                     cache_salt=cache_salt)
+                                     cache_salt=cache_salt, **extra)
                 for rid, (text, pids), sp in zip(ids, prompts, params)]
         return merge_generations(gens)
 

@@ -1,0 +1,86 @@
+"""Tiny random vision-language checkpoints (Qwen3.5 with its vision tower) for tests.
+
+Built offline like :mod:`pagefold.testing.tiny_models`: the same trained byte-level BPE, shrunk
+by four ids so that four vision special tokens end the vocabulary, a random
+``Qwen3_5ForConditionalGeneration`` from transformers saved in the published layout
+(``model.language_model.*``, ``model.visual.*``), and a ``preprocessor_config.json`` for the
+tiny image processor (4-pixel patches, 2x2 merge, so a 20x28 image is 4x8 patches = 8 tokens).
+
+Invariants: ``len(tokenizer) == text vocab_size``; the vision tokens are
+``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` at the last
+four ids (:data:`VISION_TOKENS`); same seed -> same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagefold.testing.tiny_models import (
+    BOS_ID,
+    EOS_ID,
+    IM_END_ID,
+    PAD_ID,
+    arch_config_kwargs,
+    build_tokenizer,
+)
+
+__all__ = ["IMAGE_PROCESSOR", "VISION_TOKENS", "build_tiny_qwen3_5_vl", "image_prompt"]
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# The image processor's settings (Qwen2-VL's processor, which Qwen3.5 uses): patch 4, temporal
+# patch 2, merge 2, images resized to between 8x8 and 32x32 pixels (multiples of 8).
+IMAGE_PROCESSOR = dict(
+    image_processor_type="Qwen2VLImageProcessor", patch_size=4, temporal_patch_size=2,
+    merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32,
+    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+)
+
+_VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+    temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16, in_channels=3,
+    initializer_range=0.1,
+)
+
+
+def image_prompt(text_before: str, text_after: str, images: int = 1) -> str:
+    """A prompt with ``images`` image placeholders (``<|vision_start|><|image_pad|>
+    <|vision_end|>`` each, as Qwen3.5's chat template writes them) between two texts."""
+    one = "<|vision_start|><|image_pad|><|vision_end|>"
+    return text_before + one * images + text_after
+
+
+def build_tiny_qwen3_5_vl(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512,
+                          **text_overrides: Any) -> Path:
+    """A random ``Qwen3_5ForConditionalGeneration`` (text: the tiny ``qwen3_5`` arch) in
+    ``out_dir``; returns the path."""
+    import transformers
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size - len(VISION_TOKENS))
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)},
+                           replace_extra_special_tokens=False)
+    ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    if len(tok) != vocab_size or ids != list(range(vocab_size - 4, vocab_size)):
+        raise RuntimeError(f"vision tokens got ids {ids} in a vocabulary of {len(tok)}")
+    tok.save_pretrained(out)
+    text = arch_config_kwargs("qwen3_5", **text_overrides)
+    text.update(vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID)
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=dict(_VISION, out_hidden_size=text["hidden_size"]),
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
+        video_token_id=ids[3], tie_word_embeddings=text.get("tie_word_embeddings", True))
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID,
+        do_sample=False)
+    model.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=1))
+    return out

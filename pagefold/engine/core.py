@@ -154,10 +154,9 @@ class EngineCore:
             # Each stage's pool over its own layers; the scheduler's block tables address all.
             self.stage_layers, self.kv_config, stage_kv_configs = plan_pipeline(
                 arch, tcfg, specs, config.block_size, int(memory), self.pp, self.tp)
-            for i, c in enumerate(stage_kv_configs):
+            for i, ((a, b), c) in enumerate(zip(self.stage_layers, stage_kv_configs)):
                 logger.info("pipeline stage %d: layers %d-%d, %d blocks x %d tensors of %d-byte "
-                            "pages", i, self.stage_layers[i][0], self.stage_layers[i][1] - 1, c.num_blocks,
-                            c.layers_per_group, c.page_bytes)
+                            "pages", i, a, b - 1, c.num_blocks, c.layers_per_group, c.page_bytes)
             # The whole-model report over the blocks every stage holds.
             memory = (self.kv_config.num_blocks * self.kv_config.layers_per_group
                       * self.kv_config.page_bytes)

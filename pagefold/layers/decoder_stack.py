@@ -61,6 +61,8 @@ class DecoderStack(nn.Module):
     ``final_norm`` and ``native_output`` (how the native step's ``(out, residual)`` ends)."""
 
     residual_stream: bool = False
+    # False for stacks that never took the native decode step (kept on the module path).
+    native_decode: bool = True
 
     def build_stack(self, num_layers: int, make_layer: Callable[[int], nn.Module],
                     make_embed: Callable[[], nn.Module], make_norm: Callable[[], nn.Module],
@@ -79,6 +81,14 @@ class DecoderStack(nn.Module):
         span = pp_layers() or (0, num_layers)
         # A plain list (not a registered module: the parameters keep their one name).
         self.__dict__["own_layers"] = list(self.layers)[span[0]:span[1]]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self._embed_name)(input_ids)
+
+    def _native(self, layers, x: torch.Tensor, positions: torch.Tensor, ctx):
+        if not self.native_decode:
+            return None
+        return decode_native.run(self, layers, x, positions, ctx)
 
     def run_layer(self, layer: nn.Module, positions: torch.Tensor, x: torch.Tensor,
                   residual: torch.Tensor | None, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,9 +115,9 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         if pp_size() > 1:
             return self._stage_forward(input_ids, positions, ctx)
-        x = getattr(self, self._embed_name)(input_ids)
+        x = self.embed(input_ids)
         # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-        native = decode_native.run(self, self.layers, x, positions, ctx)
+        native = self._native(self.layers, x, positions, ctx)
         if native is not None:
             return self.native_final(*native)
         residual = None
@@ -120,8 +130,8 @@ class DecoderStack(nn.Module):
         """One pipeline stage: receive (or embed), this stage's layers, send (or norm)."""
         residual = None
         if pp_is_first():
-            x = getattr(self, self._embed_name)(input_ids)
-            native = decode_native.run(self, self.own_layers, x, positions, ctx)
+            x = self.embed(input_ids)
+            native = self._native(self.own_layers, x, positions, ctx)
         else:
             n = int(input_ids.shape[0])
             parts = 2 if self.residual_stream else 1

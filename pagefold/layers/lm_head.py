@@ -31,8 +31,13 @@ class CausalLMHead(nn.Module):
     def tie_head(self, embed: nn.Embedding) -> None:
         """Tie after all (a checkpoint without ``lm_head.weight``)."""
         self.tied = True
-        if not isinstance(self.lm_head, AbsentPart):
-            self.lm_head.weight = embed.weight
+        if isinstance(self.lm_head, AbsentPart):
+            return
+        if isinstance(embed, AbsentPart):  # the last pipeline stage built no embeddings
+            raise ValueError("the checkpoint has no lm_head.weight and its config does not tie "
+                             "the embeddings: pipeline parallelism needs tie_word_embeddings "
+                             "set in config.json for such a checkpoint")
+        self.lm_head.weight = embed.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = gather_logits(self.lm_head(hidden), self.vocab_size)

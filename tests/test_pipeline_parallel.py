@@ -98,6 +98,11 @@ def test_stage_pools_hold_only_their_layers():
     assert (s0.layers_per_group, s1.layers_per_group) == (1, 3)
     assert s0.num_blocks == s1.num_blocks == sched.num_blocks == (1 << 20) // (3 * page)
     assert sched.groups[0].layer_names == tuple(specs)
+    # A layer's own caches (Falcon-H1's parallel ``layers.{i}.attn`` / ``.mamba``) go with it.
+    _, (t0, t1) = plan_stages({"layers.0.attn": attn, "layers.1.attn": attn}, 16, 1 << 20,
+                              [(0, 1), (1, 2)])
+    assert ([g.layer_names for g in t0.groups], [g.layer_names for g in t1.groups]) == (
+        [("layers.0.attn",)], [("layers.1.attn",)])
 
 
 def test_unconverted_architecture_is_refused(tiny_model_factory):

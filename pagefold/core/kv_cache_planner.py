@@ -123,7 +123,7 @@ def plan_pagefold(
 
 
 def _layer_index(name: str) -> int:
-    m = re.fullmatch(r"layers\.(\d+)", name)
+    m = re.fullmatch(r"layers\.(\d+)(\..+)?", name)  # a layer's own caches: layers.{i}.x
     if m is None:
         raise ValueError(f"cache layer {name!r} belongs to no decoder layer; pipeline "
                          "parallelism splits decoder layers only")

@@ -181,3 +181,25 @@ def test_pp2_greedy_matches_transformers(tiny_model_factory, monkeypatch, capsys
         assert time.monotonic() - t < 60
     finally:
         llm.engine.shutdown()
+
+
+# Stacks with their own hooks: scaled embeddings and a tied head (Gemma 3), parallel
+# attention + Mamba-2 caches named ``layers.{i}.attn`` / ``.mamba`` (Falcon-H1), a float32
+# residual stream handed between stages and its own head (Mamba), the native-step stack with
+# an embedding multiplier (Granite-4.0-H). One pass each, no pool pressure.
+HOOKED = ["gemma3", "falcon_h1", "mamba", "granitemoehybrid"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", HOOKED)
+def test_pp2_stack_hooks_match_transformers(tiny_model_factory, arch):
+    model_dir = tiny_model_factory(arch)
+    ref = hf_greedy(model_dir, PROMPTS[:3], NEW)
+    llm = LLM(str(model_dir), pipeline_parallel_size=2, max_model_len=MAX_LEN,
+              kv_cache_memory=1 << 22, max_num_batched_tokens=13, threads_per_rank=1)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], GREEDY,
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    finally:
+        llm.engine.shutdown()

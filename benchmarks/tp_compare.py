@@ -1,12 +1,16 @@
-"""Tensor parallelism on this CPU: TP=2 (two ranks, one thread each) vs TP=1 (one thread).
+"""Tensor and pipeline parallelism on this CPU: TP=2 and PP=2 (two ranks, one thread each) vs
+TP=1 (one thread).
 
-    python -m benchmarks.tp_compare [--arch qwen3 --hidden 1024 --layers 12]
+    python -m benchmarks.tp_compare [--arch qwen3 --hidden 1024 --layers 12] [--no-pp]
 
 Same model (~150M parameters by default), same token ids, greedy, bf16. Workloads: ``batch``
 (16 prompts of 256 tokens -> 64 each, all at once) and ``latency`` (one request of 256 -> 64 at
 a time, 3 requests). Each rank gets one torch thread, the TP=1 engine one thread, so the ratio
 shows what splitting the work over two cores buys after the collectives' cost (gloo over
-loopback: one all-reduce per row-parallel layer, one gather of the logits).
+loopback: one all-reduce per row-parallel layer, one gather of the logits). PP=2 splits the
+layers into two stages (one step runs through both in turn, hidden states sent between them);
+it has no micro-batches in flight, so it cannot beat TP=1 on compute: its row shows what the
+stage hand-off and the extra process cost.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import torch
 from benchmarks.common import bench_model, print_table, random_workload
 
 
-def run(model: str, tp: int, work, args) -> dict:
+def run(model: str, tp: int, work, args, pp: int = 1) -> dict:
     from pagefold import LLM, SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, threads_per_rank=1,
+    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              threads_per_rank=1,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory)
     try:
@@ -39,7 +44,8 @@ def run(model: str, tp: int, work, args) -> dict:
                                     use_tqdm=False)
                 n_out += sum(len(o.outputs[0].token_ids) for o in outs)
             dt = time.perf_counter() - t
-            rows.append({"workload": name, "tp": tp, "seconds": dt, "out tok/s": n_out / dt})
+            rows.append({"workload": name, "tp": tp, "pp": pp, "seconds": dt,
+                         "out tok/s": n_out / dt})
         return rows
     finally:
         llm.engine.shutdown()
@@ -55,18 +61,22 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--no-pp", action="store_true", help="skip the PP=2 run")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = str(bench_model(args.arch, args.hidden, args.layers))
     work = random_workload(args.num_prompts, (args.input_len, args.input_len),
                            (args.output_len, args.output_len), 500)
     one = run(model, 1, work, args)
-    two = run(model, 2, work, args)
+    others = [run(model, 2, work, args)]
+    if not args.no_pp:
+        others.append(run(model, 1, work, args, pp=2))
     rows = []
-    for a, b in zip(one, two):
-        rows += [a, dict(b, **{"x TP=1": b["out tok/s"] / a["out tok/s"]})]
+    for i, a in enumerate(one):
+        rows += [a] + [dict(o[i], **{"x TP=1": o[i]["out tok/s"] / a["out tok/s"]})
+                       for o in others]
     print(f"{args.arch} h{args.hidden} l{args.layers}, bf16, one thread per rank")
-    print_table(rows, ["workload", "tp", "seconds", "out tok/s", "x TP=1"])
+    print_table(rows, ["workload", "tp", "pp", "seconds", "out tok/s", "x TP=1"])
 
 
 if __name__ == "__main__":

@@ -138,6 +138,10 @@ class EngineConfig:
     # Tensor parallelism: that many worker processes, one rank each; kv_cache_memory is then
     # per rank (each rank's pool holds its shard of every page).
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the decoder layers split into that many contiguous stages, each of
+    # tensor_parallel_size ranks (P x T worker processes); kv_cache_memory is per rank (each
+    # stage's pool holds its own layers' pages and states).
+    pipeline_parallel_size: int = 1
     # Torch threads per tensor-parallel rank (None: this process's threads / ranks).
     threads_per_rank: int | None = None
     # Expert parallelism (vLLM's flag): MoE layers place whole experts on the tensor-parallel
@@ -217,6 +221,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got "
+                             f"{self.pipeline_parallel_size}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.max_logprobs}")

@@ -12,8 +12,9 @@ Invariants of the resulting :class:`KVCacheConfig`:
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagefold.core.kv_cache_spec import LayerSpec, StateSpec, cdiv, dtype_size, is_attention
 
@@ -119,6 +120,41 @@ def plan_pagefold(
         num_blocks=num_blocks,
         groups=groups,
     )
+
+
+def _layer_index(name: str) -> int:
+    m = re.fullmatch(r"layers\.(\d+)(\..+)?", name)  # a layer's own caches: layers.{i}.x
+    if m is None:
+        raise ValueError(f"cache layer {name!r} belongs to no decoder layer; pipeline "
+                         "parallelism splits decoder layers only")
+    return int(m[1])
+
+
+def plan_stages(
+    layer_specs: dict[str, LayerSpec], block_size: int, memory_bytes: int,
+    stages: list[tuple[int, int]],
+) -> tuple[KVCacheConfig, list[KVCacheConfig]]:
+    """The pools of pipeline stages holding decoder layers ``[start, end)`` each, with
+    ``memory_bytes`` per stage: ``(the scheduler's config, [each stage's config])``.
+
+    Every stage keeps the whole model's groups (same order, spec and page size) with only its
+    own layers in them, so one block table per group addresses every stage: block ``b`` of
+    group ``g`` is row ``b`` of each stage's tensor for its ``i``-th layer of ``g`` (a group
+    may hold none of a stage's layers). A stage has as many shared tensors as its fullest
+    group has layers; ``num_blocks`` is the fewest any stage's memory holds, the same on every
+    stage and in the scheduler's config (whose groups list every layer)."""
+    whole = plan_pagefold(layer_specs, block_size, memory_bytes)
+    per_stage = []
+    for start, end in stages:
+        groups = tuple(replace(g, layer_names=tuple(
+            n for n in g.layer_names if start <= _layer_index(n) < end)) for g in whole.groups)
+        per_stage.append(groups)
+    sizes = [max(len(g.layer_names) for g in groups) for groups in per_stage]
+    fits = [memory_bytes // (size * whole.page_bytes) for size in sizes if size]
+    num_blocks = min(fits) if fits else whole.num_blocks
+    configs = [replace(whole, layers_per_group=size, num_blocks=num_blocks, groups=groups)
+               for size, groups in zip(sizes, per_stage)]
+    return replace(whole, num_blocks=num_blocks), configs
 
 
 NUM_NULL_BLOCKS = 1  # block 0, see the module docstring

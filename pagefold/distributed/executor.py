@@ -2,7 +2,8 @@
 
 ``TPExecutor`` stands where the single-process ``ModelRunner`` stands in ``EngineCore``: the
 scheduler (in the engine process) makes each step's message, the executor sends the same
-bytes to every rank and returns rank 0's sampled tokens. Ranks rendezvous over ``env://``
+bytes to every rank and returns the sampling rank's tokens (rank 0; under pipeline parallelism
+tensor-parallel rank 0 of the last stage, see ``worker.sampling_rank``). Ranks rendezvous over ``env://``
 (``MASTER_ADDR`` / ``MASTER_PORT``; a free local port by default).
 
 Failure: while waiting, the executor watches every rank's process. A rank that exits or
@@ -25,7 +26,7 @@ from multiprocessing.connection import Listener
 
 from pagefold.core.kv_connector import ReportMerger
 from pagefold.core.sched_output import RunnerOutput, SampledToken, SchedulerOutput
-from pagefold.distributed.worker import WorkerInit
+from pagefold.distributed.worker import WorkerInit, sampling_rank
 
 
 class TPWorkerError(RuntimeError):
@@ -62,6 +63,7 @@ class TPExecutor:
         """Start ``size`` worker processes (``python -m pagefold.distributed.worker``: no
         re-import of the caller's main module) and wait until every rank holds its shard."""
         self.size = size
+        self._sampler = sampling_rank(size, init.pipeline_parallel_size)
         self._error: str | None = None
         authkey = secrets.token_bytes(16)
         self._dir = tempfile.TemporaryDirectory(prefix="pagefold-tp-")
@@ -177,11 +179,12 @@ class TPExecutor:
                 self._fail(f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
                            f"is gone; the engine cannot continue")
         replies = self._collect()
-        self.num_forward_tokens = replies[0][2]
+        first = replies[self._sampler]
+        self.num_forward_tokens = first[2]
         reports = [r[3] for r in replies]
         if not any(r is not None for r in reports):
-            return replies[0][1]
-        result = RunnerOutput(replies[0][1])
+            return first[1]
+        result = RunnerOutput(first[1])
         result.kv_connector_output = self._reports.merge(reports, out.kv_ops.cancels)
         return result
 

@@ -1,10 +1,14 @@
-"""One tensor-parallel rank: a model shard, its share of every cache page, and a runner.
+"""One tensor-parallel rank (of one pipeline stage): a model shard, its share of every cache
+page, and a runner.
 
 The engine process starts ``size`` of these (``executor.py``) and sends each the same step
 message; every rank applies it to its own request state and runs the forward, whose
 collectives (all-reduce after row-parallel layers, vocabulary gathers) go over
-``torch.distributed``. Rank 0 alone samples and answers with the tokens; the other ranks
-answer ``None``. A rank that fails answers with the error text and exits.
+``torch.distributed``. Under pipeline parallelism a rank builds only its stage's layers over
+its stage's pool and hands its hidden states on to the next stage (``layers/decoder_stack``).
+Tensor-parallel rank 0 of the last stage alone samples and answers with the tokens
+(``sampling_rank``); the other ranks answer ``None``. A rank that fails answers with the error
+text and exits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pagefold.distributed.parallel_state import (
     close_tensor_parallel,
     init_tensor_parallel,
     set_expert_parallel,
+    set_pipeline_stage,
 )
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
@@ -51,15 +56,25 @@ class WorkerInit:
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
     offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
     expert_parallel: bool = False  # enable_expert_parallel: whole experts on the ranks
+    pipeline_parallel_size: int = 1
+    # Per stage: its decoder layers [start, end) and its pool (``plan_stages``); empty at 1.
+    stage_layers: tuple[tuple[int, int], ...] = ()
+    stage_kv_configs: tuple[KVCacheConfig, ...] = ()
 
 
-def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
+def sampling_rank(world: int, pipeline_parallel_size: int) -> int:
+    """The global rank that samples: tensor-parallel rank 0 of the last stage."""
+    return world - world // pipeline_parallel_size
+
+
+def build_rank_runner(init: WorkerInit, rank: int = 0, stage: int = 0) -> ModelRunner:
     """This rank's runner (``executor/runner_builder``, as the engine builds it at TP 1),
-    warmed up when ``init`` asks."""
+    over its pipeline ``stage``'s pool, warmed up when ``init`` asks."""
     _, hf_config = load_hf_config(init.model)
     gemv_choice.set_forced(init.cpu_gemv_kernel)  # before the linears are routed
+    kv_config = init.stage_kv_configs[stage] if init.stage_kv_configs else init.kv_config
     runner = build_runner(init.model, hf_config, init.arch, init.dtype, init.max_positions,
-                          torch.device(init.device), init.kv_config,
+                          torch.device(init.device), kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,
                           quantization=init.quantization)
     if init.offload is not None:
@@ -77,9 +92,15 @@ def worker_main(rank: int, size: int, conn) -> None:
         init: WorkerInit = conn.recv()
         torch.set_num_threads(max(1, init.threads))
         backend = "nccl" if init.device.startswith("cuda") else "gloo"
-        init_tensor_parallel(rank, size, backend)
+        pp = init.pipeline_parallel_size
+        tp = size // pp
+        init_tensor_parallel(rank, tp, backend, pipeline_size=pp)
         set_expert_parallel(init.expert_parallel)
-        runner = build_rank_runner(init, rank)
+        stage = rank // tp
+        if pp > 1:
+            set_pipeline_stage(stage, pp, init.stage_layers[stage])
+        runner = build_rank_runner(init, rank, stage)
+        sampler = sampling_rank(size, pp)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
         conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel))
@@ -91,7 +112,8 @@ def worker_main(rank: int, size: int, conn) -> None:
             sampled = runner.execute(out)
             # Every rank reports its KV connector work (a page may be bad on one rank only).
             report = getattr(sampled, "kv_connector_output", None)
-            conn.send(("ok", sampled if rank == 0 else None, runner.num_forward_tokens, report))
+            conn.send(("ok", sampled if rank == sampler else None, runner.num_forward_tokens,
+                       report))
     except EOFError:
         pass  # the engine went away
     except BaseException as e:  # noqa: BLE001 - report every failure to the engine, then exit

@@ -35,6 +35,7 @@ from pagefold.distributed.parallel_state import (
     tp_rank,
     tp_size,
 )
+from pagefold.distributed.pipeline import plan_pipeline
 from pagefold.distributed.worker import WorkerInit
 from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
@@ -99,14 +100,20 @@ def check_tensor_parallel(arch: str, hf_config, tp: int, expert_parallel: bool =
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
-                          warm_len: int, offload: OffloadPlan | None = None):
-    threads = config.threads_per_rank or max(1, torch.get_num_threads()
-                                             // config.tensor_parallel_size)
+                          warm_len: int, offload: OffloadPlan | None = None,
+                          stage_layers: tuple = (), stage_kv_configs: tuple = ()):
+    """The worker ranks: ``tensor_parallel_size`` per pipeline stage (``stage_layers`` and
+    ``stage_kv_configs`` give each stage's layers and pool; empty without a pipeline)."""
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    threads = config.threads_per_rank or max(1, torch.get_num_threads() // world)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
                       cache_fill, host_blocks, threads, warm, warm_len, config.quantization,
                       cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload,
-                      expert_parallel=config.enable_expert_parallel)
-    return TPExecutor(init, config.tensor_parallel_size)
+                      expert_parallel=config.enable_expert_parallel,
+                      pipeline_parallel_size=config.pipeline_parallel_size,
+                      stage_layers=tuple(stage_layers),
+                      stage_kv_configs=tuple(stage_kv_configs))
+    return TPExecutor(init, world)
 
 
 __all__ = ["EngineCore", "EngineCoreOutput"]
@@ -145,6 +152,8 @@ class EngineCore:
         self.eos_token_id = self._eos_id(hf_config)
 
         self.tp = config.tensor_parallel_size
+        self.pp = config.pipeline_parallel_size
+        self.world = self.tp * self.pp  # worker ranks (1: the runner lives in this process)
         if self.tp > 1:  # before anything is sized: an unsplittable part or field is named
             check_tensor_parallel(arch, hf_config, self.tp, config.enable_expert_parallel)
         elif config.enable_expert_parallel:
@@ -159,7 +168,19 @@ class EngineCore:
         if config.kv_cache_memory is None:
             logger.info("block pool: %.1f MiB (gpu_memory_utilization %s on %s)",
                         memory / 2**20, config.gpu_memory_utilization, self.device.type)
-        self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
+        self.stage_layers, stage_kv_configs = [], []
+        if self.pp > 1:
+            # Each stage's pool over its own layers; the scheduler's block tables address all.
+            self.stage_layers, self.kv_config, stage_kv_configs = plan_pipeline(
+                arch, tcfg, specs, config.block_size, int(memory), self.pp, self.tp)
+            for i, ((a, b), c) in enumerate(zip(self.stage_layers, stage_kv_configs)):
+                logger.info("pipeline stage %d: layers %d-%d, %d blocks x %d tensors of %d-byte "
+                            "pages", i, a, b - 1, c.num_blocks, c.layers_per_group, c.page_bytes)
+            # The whole-model report over the blocks every stage holds.
+            memory = (self.kv_config.num_blocks * self.kv_config.layers_per_group
+                      * self.kv_config.page_bytes)
+        else:
+            self.kv_config = plan_pagefold(specs, config.block_size, int(memory))
         check_pool_fits(self.kv_config, int(memory), self.max_model_len)
         self.kv = KVCacheManager(self.kv_config,
                                  enable_prefix_caching=config.enable_prefix_caching,
@@ -175,10 +196,13 @@ class EngineCore:
                                             * self.kv_config.page_bytes)
         max_positions = max(self.max_model_len, max_pos)
         offload = offload_plan(config, self.kv_config, model_dtype=self.dtype)
+        if offload is not None and self.pp > 1:
+            raise ValueError("the prefix-cache offload tiers (kv_offloading_size / "
+                             "kv_offloading_dir) need pipeline_parallel_size 1")
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
         gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
-        if self.tp == 1:
+        if self.world == 1:
             self.runner = build_runner(config.model, hf_config, arch, self.dtype,
                                        max_positions, self.device, self.kv_config,
                                        cache_fill=cache_fill, num_host_blocks=host_blocks,
@@ -199,9 +223,11 @@ class EngineCore:
             self.model = None  # the ranks hold the shards
             self.runner = start_tensor_parallel(
                 config, arch, self.dtype, max_positions, self.device, self.kv_config,
-                cache_fill, host_blocks, warm, warm_len, offload)
-            logger.info("tensor parallel: %d ranks (pids %s)", self.tp, self.runner.pids)
-        if config.kv_cache_dtype == "fp8" and self.tp == 1:
+                cache_fill, host_blocks, warm, warm_len, offload, self.stage_layers,
+                stage_kv_configs)
+            logger.info("tensor parallel %d x pipeline parallel %d: %d ranks (pids %s)",
+                        self.tp, self.pp, self.world, self.runner.pids)
+        if config.kv_cache_dtype == "fp8" and self.world == 1:
             n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
             logger.info("fp8 kv cache: %d layers take the checkpoint's k/v scales, the others "
                         "calibrate on the first batch", n)
@@ -230,7 +256,7 @@ class EngineCore:
             policy=config.scheduling_policy)
         self.scheduler.drafter = self.spec  # drafts before, counters after each step
         self.scheduler.structured = self.structured
-        if warm and self.tp == 1:
+        if warm and self.world == 1:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
                         warm, secs)
@@ -242,6 +268,8 @@ class EngineCore:
         if sc is None:
             return {}
         check_model_supports(sc, hf_config)
+        if self.pp > 1:  # a verify step's logits would be needed on every stage
+            raise ValueError("speculative decoding needs pipeline_parallel_size 1")
         if sc.method == "ngram":
             return {}
         if self.tp > 1:

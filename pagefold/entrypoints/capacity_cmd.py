@@ -37,6 +37,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE experts placed whole on the ranks (the weight bytes per rank)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="stages of contiguous layers (pagefold layout): each stage's pool, "
+                        "with --kv-cache-memory per rank, as the engine builds it")
     p.add_argument(
         "--kv-cache-dtype", choices=("auto", "bfloat16", "float16", "fp8"), default="auto"
     )
@@ -121,10 +124,14 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         # its pool from specs without them (verify states live outside the pool).
         num_speculative_tokens=args.num_speculative_tokens if args.layout == "vllm" else 0,
     )
+    memory = parse_bytes(args.kv_cache_memory)
+    pipeline = None
+    if args.pipeline_parallel_size > 1:
+        pipeline, memory = _pipeline(args, specs, memory)
     report = capacity_report(
         specs,
         layout=args.layout,
-        memory_bytes=parse_bytes(args.kv_cache_memory),
+        memory_bytes=memory,
         max_model_len=int(max_len),
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -138,9 +145,33 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": bool(getattr(args, "enable_expert_parallel", False)),
+        "pipeline_parallel_size": args.pipeline_parallel_size,
     }
+    if pipeline is not None:
+        report["pipeline"] = pipeline
     report["weights"] = _weights(args, model_dtype)
     return report
+
+
+def _pipeline(args: argparse.Namespace, specs: dict, memory: int) -> tuple[dict, int]:
+    """``({"stages": [...]}, the memory whose whole-model plan has the stages' block count)``:
+    each stage's layers and pool as the engine builds them (``distributed.pipeline``); the
+    model must be one pagefold serves through its shared decoder stack."""
+    if args.layout != "pagefold":
+        raise ValueError("--pipeline-parallel-size reports pagefold's layout only")
+    from pagefold.checkpoint import load_hf_config, text_config
+    from pagefold.distributed.pipeline import plan_pipeline
+
+    model_dir = Path(args.path)
+    model_dir = model_dir if model_dir.is_dir() else model_dir.parent
+    arch, hf_config = load_hf_config(str(model_dir))
+    spans, sched, stages = plan_pipeline(arch, text_config(hf_config), specs, args.block_size,
+                                         memory, args.pipeline_parallel_size,
+                                         args.tensor_parallel_size)
+    info = {"stages": [{"layers": [a, b - 1], "num_blocks": c.num_blocks,
+                        "layers_per_group": c.layers_per_group,
+                        "pool_bytes": c.total_bytes} for (a, b), c in zip(spans, stages)]}
+    return info, sched.num_blocks * sched.layers_per_group * sched.page_bytes
 
 
 def _weights(args: argparse.Namespace, model_dtype) -> dict[str, Any]:
@@ -189,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"weights: {format_bytes(w['bytes'])} per rank "
                   f"({w['quantization'] or m['model_dtype']})")
         print(render_report(report))
+        for i, st in enumerate(report.get("pipeline", {}).get("stages", [])):
+            print(f"pipeline stage {i}: layers {st['layers'][0]}-{st['layers'][1]}, "
+                  f"{st['num_blocks']:,} blocks x {st['layers_per_group']} tensors, "
+                  f"pool {format_bytes(st['pool_bytes'])} per rank")
     return 0
 
 

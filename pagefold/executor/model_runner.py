@@ -23,7 +23,7 @@ from pagefold.core.sched_output import (
 )
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
-from pagefold.distributed.parallel_state import tp_rank
+from pagefold.distributed.parallel_state import pp_is_last, tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.cuda_graphs import DecodeGraphs
@@ -150,7 +150,8 @@ class ModelRunner:
                                    per_group, self.device)
                 ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, calibrate=False)
                 hidden = self.model(inp.input_ids, inp.positions, ctx)
-                self.model.compute_logits(hidden[inp.logits_rows])
+                if pp_is_last():  # an earlier pipeline stage has no head
+                    self.model.compute_logits(hidden[inp.logits_rows])
         finally:
             for t_, row in zip(self.cache.shared, saved):
                 t_[0].copy_(row)
@@ -321,6 +322,8 @@ class ModelRunner:
         tokens = [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]
         inp, ctx, hidden = self._forward(batch, tokens, [len(r.token_ids) for r in reqs],
                                          captures=batch.captures)
+        if not pp_is_last():
+            return {}  # this pipeline stage handed its hidden states on; the last one samples
         self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             if self.proposer is not None:

@@ -54,8 +54,11 @@ def load_into(
     ``rename`` maps a checkpoint sub-module name to the fused parameter's name
     (e.g. ``{"q_proj": "qkv_proj"}``); the fused parameter's ``FusedShards`` gives the rows.
     Unknown checkpoint tensors raise, so a mismatched architecture is caught at load time.
+    Tensors under a part another pipeline stage holds (a module with ``pf_absent``, see
+    ``layers/decoder_stack.py``) are skipped.
     """
     params = dict(module.named_parameters())
+    absent = tuple(f"{n}." for n, m in module.named_modules() if getattr(m, "pf_absent", False))
     # ``pf_quant`` (set by the model loader for a quantized checkpoint; duck-typed, so the
     # layer shelf does not import the quantization package): converts layers to their format.
     quant = getattr(module, "pf_quant", None)
@@ -63,6 +66,8 @@ def load_into(
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.startswith(skip_prefixes) or "rotary_emb.inv_freq" in name:
+            continue
+        if absent and name.startswith(absent):
             continue
         if name.endswith((".k_scale", ".v_scale")):  # FP8 KV scales: the cache takes them
             continue

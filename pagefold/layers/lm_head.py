@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagefold.distributed.parallel_state import pp_is_last
+from pagefold.layers.decoder_stack import AbsentPart
 from pagefold.layers.vocab import gather_logits, lm_head_linear
 
 
@@ -16,8 +18,12 @@ class CausalLMHead(nn.Module):
     logits_divisor: float = 1.0
 
     def init_head(self, cfg, embed: nn.Embedding) -> None:
+        """The head, on the last pipeline stage only (an ``AbsentPart`` elsewhere)."""
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.vocab_size = cfg.vocab_size
+        if not pp_is_last():
+            self.lm_head = AbsentPart()
+            return
         self.lm_head = lm_head_linear(cfg.hidden_size, cfg.vocab_size)
         if self.tied:
             self.lm_head.weight = embed.weight
@@ -25,6 +31,12 @@ class CausalLMHead(nn.Module):
     def tie_head(self, embed: nn.Embedding) -> None:
         """Tie after all (a checkpoint without ``lm_head.weight``)."""
         self.tied = True
+        if isinstance(self.lm_head, AbsentPart):
+            return
+        if isinstance(embed, AbsentPart):  # the last pipeline stage built no embeddings
+            raise ValueError("the checkpoint has no lm_head.weight and its config does not tie "
+                             "the embeddings: pipeline parallelism needs tie_word_embeddings "
+                             "set in config.json for such a checkpoint")
         self.lm_head.weight = embed.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import RowCut, column_linear, row_linear, shard_rows
 from pagefold.layers.mamba.gated_norm import GatedRMSNorm
 from pagefold.layers.norm import RMSNorm
@@ -199,21 +200,24 @@ class FalconH1DecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class FalconH1Model(nn.Module):
+class FalconH1Model(DecoderStack):
+    """Scaled embeddings -> parallel attention + Mamba-2 layers -> final norm
+    (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.embedding_multiplier = float(cfg.embedding_multiplier)
-        self.layers = nn.ModuleList(FalconH1DecoderLayer(cfg, i, max_positions)
-                                    for i in range(cfg.num_hidden_layers))
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.build_stack(
+            cfg.num_hidden_layers, lambda i: FalconH1DecoderLayer(cfg, i, max_positions),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            norm_name="final_layernorm")
 
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids) * self.embedding_multiplier
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.final_layernorm(x)
-
+    def embed(self, input_ids):
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 class FalconH1ForCausalLM(CausalLM):
     def __init__(self, cfg, max_positions: int) -> None:

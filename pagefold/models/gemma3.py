@@ -26,6 +26,7 @@ from torch import nn
 from pagefold.core.spec_families import gemma3_layer_types
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import head_dim_of, split_heads
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import column_linear, row_linear
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.norm import RMSNorm
@@ -111,23 +112,25 @@ class Gemma3DecoderLayer(nn.Module):
         return x + h
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderStack):
+    """Scaled embeddings -> decoder layers -> final zero-centred norm (``DecoderStack``,
+    module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = math.sqrt(cfg.hidden_size)
         types = gemma3_layer_types(cfg)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, t, max_positions)
-                                    for i, t in enumerate(types))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.build_stack(
+            len(types), lambda i: Gemma3DecoderLayer(cfg, i, types[i], max_positions),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
-    def forward(self, input_ids, positions, ctx):
+    def embed(self, input_ids):
         w = self.embed_tokens.weight
-        x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
-
+        return self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model; weights as transformers names them (``model.``, ``lm_head.``)."""

@@ -35,6 +35,7 @@ from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.extras import paged_attention_extras
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import column_linear, load_into, row_linear, shard_rows
 from pagefold.layers.moe import split_expert_inter
@@ -228,21 +229,19 @@ class GptOssDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssModel(nn.Module):
+class GptOssModel(DecoderStack):
+    """Embeddings -> decoder layers -> final norm (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
         gpt_oss_layer_types(cfg)  # validates the pattern the cache is built from
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, max_positions)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
-
+        self.build_stack(
+            cfg.num_hidden_layers, lambda i: GptOssDecoderLayer(cfg, i, max_positions),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
 class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg, max_positions: int) -> None:

@@ -29,9 +29,9 @@ from pagefold.core.layer_kinds import FULL, layer_kinds
 from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_size
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers import decode_native
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import row_linear, shard_rows
 from pagefold.layers.lm_head import CausalLMHead
@@ -238,30 +238,29 @@ class BambaDecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class _HybridModel(nn.Module):
+class _HybridModel(DecoderStack):
+    """Embeddings (scaled) -> Mamba-2 / attention layers -> final norm (``DecoderStack``).
+    Bamba's layers list their blocks for the native decode step; Granite's (which scale their
+    residual adds) do not, so they take the module path."""
+
     def __init__(self, cfg, layer_cls, attn_kw: dict, final_norm: str,
                  embedding_multiplier: float) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, kind, attn_kw)
-                                    for i, kind in enumerate(hybrid_layer_kinds(cfg)))
+        kinds = hybrid_layer_kinds(cfg)
         self.final_norm_name = final_norm
-        setattr(self, final_norm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
         self.embedding_multiplier = embedding_multiplier
+        self.build_stack(
+            len(kinds), lambda i: layer_cls(cfg, i, kinds[i], attn_kw),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            norm_name=final_norm)
 
-    def forward(self, input_ids, positions, ctx):
+    def embed(self, input_ids):
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
-        # Small CPU decode steps of layers that list their blocks (Bamba's; Granite's scale
-        # their residual adds): the same kernels in one C call (decode_native, same bits).
-        native = decode_native.run(self, self.layers, x, positions, ctx)
-        if native is not None:
-            return getattr(self, self.final_norm_name)(*native)[0]
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return getattr(self, self.final_norm_name)(x)
-
+        return x
 
 class _HybridCausalLM(CausalLMHead):
     fused_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",

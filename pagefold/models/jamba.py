@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagefold.core.spec_families import jamba_layer_kinds
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.mamba.mamba1 import Mamba1Config, Mamba1Mixer
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import SparseMoeBlock
@@ -64,20 +65,20 @@ class JambaLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class JambaModel(nn.Module):
+class JambaModel(DecoderStack):
+    """Embeddings -> Jamba layers -> final norm (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(JambaLayer(cfg, i, mixer, moe)
-                                    for i, (mixer, moe) in enumerate(jamba_layer_kinds(cfg)))
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.final_layernorm(x)
-
+        kinds = jamba_layer_kinds(cfg)
+        self.build_stack(
+            len(kinds), lambda i: JambaLayer(cfg, i, *kinds[i]),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            norm_name="final_layernorm")
 
 class JambaForCausalLM(HybridCausalLM):
     """Loads per-expert (``experts.{e}.gate_proj``) or stacked expert weights; the router is

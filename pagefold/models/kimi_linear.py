@@ -38,6 +38,7 @@ from pagefold.core.spec_families import kimi_layer_types
 from pagefold.distributed.parallel_state import all_reduce, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.mla import paged_mla_attention
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import MoEExperts
@@ -205,21 +206,20 @@ class KimiLayer(nn.Module):
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
 
 
-class KimiModel(nn.Module):
+class KimiModel(DecoderStack):
+    """Embeddings -> KDA / MLA layers -> final norm (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg) -> None:
         super().__init__()
         mlp_types = list(cfg.mlp_layer_types)
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(KimiLayer(cfg, i, kind, mlp_types[i] == "sparse")
-                                    for i, kind in enumerate(kimi_layer_types(cfg)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
-
+        kinds = kimi_layer_types(cfg)
+        self.build_stack(
+            len(kinds), lambda i: KimiLayer(cfg, i, kinds[i], mlp_types[i] == "sparse"),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
 class KimiLinearForCausalLM(HybridCausalLM):
     # q/k/v stay separate (KDA convolves each; MLA has no k/v projections): only SwiGLU fuses.

@@ -25,6 +25,7 @@ from torch import nn
 from pagefold.core.spec_families import lfm2_layer_types
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
@@ -142,20 +143,21 @@ class Lfm2DecoderLayer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Lfm2Model(nn.Module):
+class Lfm2Model(DecoderStack):
+    """Embeddings -> attention / short-conv layers -> final norm (named ``embedding_norm`` in
+    the checkpoints) (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(cfg, i, kind, max_positions)
-                                    for i, kind in enumerate(lfm2_layer_types(cfg)))
-        self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.embedding_norm(x)
-
+        kinds = lfm2_layer_types(cfg)
+        self.build_stack(
+            len(kinds), lambda i: Lfm2DecoderLayer(cfg, i, kinds[i], max_positions),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            norm_name="embedding_norm")
 
 class Lfm2ForCausalLM(CausalLM):
     def __init__(self, cfg, max_positions: int) -> None:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers import decode_native
 from pagefold.layers.attention_block import GQAAttention, head_dim_of
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import load_into
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import GatedMLP
@@ -54,28 +54,19 @@ class DecoderLayer(nn.Module):
         return [(self.input_layernorm, self.self_attn), (self.post_attention_layernorm, self.mlp)]
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(DecoderStack):
+    """Embeddings -> decoder layers (a residual stream) -> final norm (``DecoderStack``)."""
+
+    residual_stream = True
+
     def __init__(self, cfg, max_positions: int, **attn_kw) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, max_positions=max_positions, **attn_kw)
-            for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-        native = decode_native.run(self, self.layers, x, positions, ctx)
-        if native is not None:
-            return self.norm(*native)[0]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, ctx, residual)
-        if residual is None:  # no layers
-            return self.norm(x)
-        return self.norm(x, residual)[0]
+        self.build_stack(
+            cfg.num_hidden_layers,
+            lambda i: DecoderLayer(cfg, i, max_positions=max_positions, **attn_kw),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
 
 class CausalLM(CausalLMHead):

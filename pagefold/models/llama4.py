@@ -42,6 +42,7 @@ from pagefold.distributed.parallel_state import all_reduce
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention.extras import paged_attention_extras
 from pagefold.layers.attention_block import head_dim_of, split_heads
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import column_linear, load_into, row_linear
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import MoEExperts
@@ -142,22 +143,20 @@ class Llama4DecoderLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
-class Llama4TextModel(nn.Module):
+class Llama4TextModel(DecoderStack):
+    """Embeddings -> decoder layers -> final norm (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         types = llama4_layer_types(cfg)
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(cfg, i, max_positions, t == "chunked_attention")
-            for i, t in enumerate(types))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
-
+        self.build_stack(
+            len(types),
+            lambda i: Llama4DecoderLayer(cfg, i, max_positions, types[i] == "chunked_attention"),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
 class Llama4ForCausalLM(CausalLM):
     """Weights as transformers' Llama4ForCausalLM saves them (``model.*``, ``lm_head``)."""

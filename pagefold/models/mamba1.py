@@ -24,8 +24,7 @@ from torch import nn
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.mamba.mamba1 import Mamba1Config, Mamba1Mixer
 from pagefold.layers.norm import RMSNorm
-from pagefold.layers.vocab import vocab_embedding
-from pagefold.models.mamba2 import Mamba2ForCausalLM
+from pagefold.models.mamba2 import Mamba2ForCausalLM, StateOnlyStack
 
 __all__ = ["FalconMambaForCausalLM", "MambaForCausalLM", "mamba1_mixer_config"]
 
@@ -58,24 +57,15 @@ class Mamba1Block(nn.Module):
         return residual + h
 
 
-class MambaModel(nn.Module):
+class MambaModel(StateOnlyStack):
     """The backbone; ``dt_norm`` is the mixers' (``Mamba1Config.dt_norm``)."""
 
     dt_norm = "none"
+    native_decode = False
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.embeddings = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Mamba1Block(cfg, i, self.dt_norm)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm_f(x.to(self.norm_f.weight.dtype))
-
+        self.init_state_stack(cfg, lambda i: Mamba1Block(cfg, i, self.dt_norm))
 
 class FalconMambaModel(MambaModel):
     dt_norm = "weightless"

@@ -14,8 +14,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagefold.distributed.parallel_state import pp_is_last
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers import decode_native
+from pagefold.layers.decoder_stack import AbsentPart, DecoderStack
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.vocab import gather_logits, lm_head_linear, vocab_embedding
 from pagefold.models.mamba2_hybrid import Mamba2Config, Mamba2Mixer, dt_limit
@@ -52,24 +53,33 @@ class Mamba2Block(nn.Module):
         return residual + h
 
 
-class Mamba2Model(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.embeddings = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Mamba2Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+class StateOnlyStack(DecoderStack):
+    """The state-only backbones' stack: blocks take ``(x, ctx)``; the stream is float32 after
+    the first block with ``residual_in_fp32`` (what pipeline stages hand on); the final norm
+    takes it back to the model dtype. No RoPE: the positions are never read (the native step
+    takes the token ids in their place)."""
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embeddings(input_ids)
-        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-        # No RoPE: the positions are never read; the token ids stand in for them.
-        native = decode_native.run(self, self.layers, x, input_ids, ctx)
-        if native is not None:
-            return self.norm_f(*native)[0]
-        for layer in self.layers:
-            x = layer(x, ctx)
+    def init_state_stack(self, cfg, make_block) -> None:
+        self.build_stack(
+            cfg.num_hidden_layers, make_block,
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            embed_name="embeddings", norm_name="norm_f")
+        if getattr(cfg, "residual_in_fp32", True):
+            self.hidden_dtype = torch.float32
+
+    def run_layer(self, layer, positions, x, residual, ctx):
+        return layer(x, ctx), None
+
+    def final_norm(self, x, residual):
         return self.norm_f(x.to(self.norm_f.weight.dtype))
 
+
+class Mamba2Model(StateOnlyStack):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.init_state_stack(cfg, lambda i: Mamba2Block(cfg, i))
 
 class Mamba2ForCausalLM(nn.Module):
     """``forward(input_ids (T,), positions (T,), ctx) -> (T, hidden)`` (positions unused).
@@ -86,13 +96,16 @@ class Mamba2ForCausalLM(nn.Module):
         self.backbone = self.backbone_class(cfg)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.vocab_size = cfg.vocab_size
+        if not pp_is_last():  # an earlier pipeline stage has no head
+            self.lm_head = AbsentPart()
+            return
         self.lm_head = lm_head_linear(cfg.hidden_size, cfg.vocab_size)
         if self.tied:
             self.lm_head.weight = self.backbone.embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        return self.backbone(input_ids, ctx)
+        return self.backbone(input_ids, input_ids, ctx)  # ids stand in for positions
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.vocab_size).float()

@@ -31,6 +31,7 @@ from pagefold.core.spec_families import minimax_layer_types
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.moe import SparseMoeBlock
 from pagefold.layers.norm import RMSNorm
@@ -135,20 +136,19 @@ class MiniMaxDecoderLayer(nn.Module):
         return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
 
 
-class MiniMaxModel(nn.Module):
+class MiniMaxModel(DecoderStack):
+    """Embeddings -> decoder layers -> final norm (``DecoderStack``, module path only)."""
+
+    native_decode = False
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxDecoderLayer(cfg, i, kind, max_positions)
-                                    for i, kind in enumerate(minimax_layer_types(cfg)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
-
+        kinds = minimax_layer_types(cfg)
+        self.build_stack(
+            len(kinds), lambda i: MiniMaxDecoderLayer(cfg, i, kinds[i], max_positions),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
 class MiniMaxForCausalLM(HybridCausalLM):
     def __init__(self, cfg, max_positions: int) -> None:

@@ -19,9 +19,9 @@ from torch import nn
 from pagefold.core.layer_kinds import FULL, MAMBA2, MLP, MOE, layer_kinds
 from pagefold.distributed.parallel_state import all_reduce
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers import decode_native
 from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.mlp import UngatedMLP
 from pagefold.layers.norm import RMSNorm
@@ -197,24 +197,25 @@ class NemotronHBlock(nn.Module):
         return x + self.mixer(h)
 
 
-class NemotronHModel(nn.Module):
+class NemotronHModel(DecoderStack):
+    """Embeddings -> blocks -> ``norm_f`` (``DecoderStack``). No RoPE: the positions are never
+    read (the native step takes the token ids in their place)."""
+
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.embeddings = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, kind)
-                                    for i, kind in enumerate(nemotron_h_block_kinds(cfg)))
-        self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        kinds = nemotron_h_block_kinds(cfg)
+        self.build_stack(
+            len(kinds), lambda i: NemotronHBlock(cfg, i, kinds[i]),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: NemotronHRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            embed_name="embeddings", norm_name="norm_f")
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embeddings(input_ids)
-        # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-        # No RoPE: the positions are never read; the token ids stand in for them.
-        native = decode_native.run(self, self.layers, x, input_ids, ctx)
-        if native is not None:  # the module path's last add, then the norm
-            return self.norm_f(native[0] + native[1])
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm_f(x)
+    def run_layer(self, layer, positions, x, residual, ctx):
+        return layer(x, ctx), None
+
+    def native_final(self, out, residual):
+        return self.norm_f(out + residual)  # the module path's last add, then the norm
 
 
 class NemotronHForCausalLM(CausalLMHead):
@@ -232,7 +233,7 @@ class NemotronHForCausalLM(CausalLMHead):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        return self.backbone(input_ids, ctx)
+        return self.backbone(input_ids, input_ids, ctx)  # ids stand in for positions
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Checkpoint names -> ours: ``model.`` -> ``backbone.``, stacked expert tensors (as

@@ -31,8 +31,8 @@ from torch import nn
 from pagefold.csrc import cpu_ops
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.layers import decode_native
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.linear import column_linear, row_linear, shard_rows
 from pagefold.layers.moe import ExpertWeightRouter
 from pagefold.layers.native_record import STATE_CODE, Step, attention_record, bf16_vector, linears
@@ -288,35 +288,28 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridModel(nn.Module):
-    """Embeddings -> hybrid decoder layers -> final zero-centred norm; (T,) ids -> (T, hidden)."""
+class HybridModel(DecoderStack):
+    """Embeddings -> hybrid decoder layers -> final zero-centred norm; (T,) ids -> (T, hidden)
+    (``DecoderStack``)."""
 
     def __init__(self, cfg, max_positions: int, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         if len(cfg.layer_types) < cfg.num_hidden_layers:
             raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for "
                              f"{cfg.num_hidden_layers} layers")
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(cfg, i, max_positions, make_mlp(cfg, i))
-            for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.build_stack(
+            cfg.num_hidden_layers,
+            lambda i: HybridDecoderLayer(cfg, i, max_positions, make_mlp(cfg, i)),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-                ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def embed_inputs(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
         if ctx.mm_embeds is not None:  # image placeholder rows take the encoder's output
             rows, embeds = ctx.mm_embeds
             x = x.index_copy(0, rows, embeds.to(x.dtype))
-        elif positions.dim() == 1:
-            # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-            native = decode_native.run(self, self.layers, x, positions, ctx)
-            if native is not None:
-                return self.norm(*native)[0]
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+        return x
 
 
 class HybridCausalLM(CausalLM):

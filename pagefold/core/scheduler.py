@@ -453,6 +453,12 @@ class Scheduler:
             self.kv.after_step(r)
         self.kv.release_pins()
         for r, status in finished:
+            params = r.kv_transfer_params
+            if params and params.get("do_remote_decode"):
+                exported = self.kv.export_prompt(r)  # before its pages are freed
+                for eo in outputs:
+                    if eo.request_id == r.request_id:
+                        eo.kv_transfer_params = exported
             self.finish_request(r.request_id, status)
         if self.structured is not None and self.structured.num_matchers:
             self.structured.retain(self.requests)  # finished / aborted requests' matchers go

@@ -48,6 +48,7 @@ from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
 from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
+from pagefold.transfer.setup import attach_transfer
 
 logger = logging.getLogger("pagefold")
 
@@ -194,6 +195,9 @@ class EngineCore:
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         # Offload tiers (host memory, disk) for the prefix cache: a KV connector.
         self.offload = attach_offload(offload, self.kv, self.runner)
+        # Prefill/decode disaggregation: pages pulled from / exported to another engine.
+        self.transfer = attach_transfer(config, self.kv_config, self.kv, self.runner,
+                                        model_dtype=self.dtype)
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
@@ -348,6 +352,7 @@ class EngineCore:
                 raise ValueError(f"{name} {value} is above this engine's max_logprobs "
                                  f"({self.config.max_logprobs})")
         self.structured.check(params)  # compiles (cached) or raises ValueError
+        transfer = self._transfer_params(params)
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
         if family > 1:
@@ -360,8 +365,29 @@ class EngineCore:
             kw["extra_keys"] = ("cache_salt", cache_salt)
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, **kw)
+        if transfer and transfer.get("do_remote_prefill"):
+            self.transfer.expect(req, transfer)  # refused: a warning, then a local prefill
         self.scheduler.add_request(req)
         return req
+
+    def _transfer_params(self, params: SamplingParams) -> dict | None:
+        """``extra_args["kv_transfer_params"]``, checked; ValueError when this engine has no
+        ``kv_transfer_config`` to honour it."""
+        extra = params.extra_args
+        if extra is None:
+            return None
+        if not isinstance(extra, dict):
+            raise ValueError("extra_args must be a dict")
+        transfer = extra.get("kv_transfer_params")
+        if transfer is None:
+            return None
+        if not isinstance(transfer, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if self.transfer is None and (transfer.get("do_remote_prefill")
+                                      or transfer.get("do_remote_decode")):
+            raise ValueError("kv_transfer_params needs an engine started with "
+                             "--kv-transfer-config (prefill/decode disaggregation)")
+        return transfer
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests; a parallel-sampling family id aborts all its children too."""

@@ -1,0 +1,252 @@
+"""Prefill/decode disaggregation (issue 38 item 3): a producer engine prefills, a consumer
+engine pulls the pages (attention blocks and the state checkpoint) and decodes.
+
+Exactness: the consumer's greedy float32 tokens equal a single engine's (cold); tokens *and*
+logprobs equal, bit for bit, a single engine that serves the same prompt with the same prefix
+hit (its second pass: the pages were pulled byte-exact, so the consumer computes exactly what
+that engine computes). The consumer computes only the prompt's tail after its last full block
+(a prompt of k blocks + 1 token: only its last token), counted from the runner's step messages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from pagefold import LLM, SamplingParams
+from pagefold.offload.page_file import PageGeometry
+from pagefold.testing.tiny_models import random_prompts
+from pagefold.transfer import worker as transfer_worker
+from pagefold.transfer.config import KVTransferConfig
+from pagefold.transfer.wire import decode_pages, encode_pages
+
+MAX_TOKENS = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+BS = 16
+
+
+def _engine(model, **kw) -> LLM:
+    return LLM(str(model), dtype="float32", max_model_len=128, kv_cache_memory="16MiB",
+               warm_up=False, **kw)
+
+
+def _producer(model, **extra) -> LLM:
+    return _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": 0,
+                                              "kv_connector_extra_config": extra})
+
+
+def _consumer(model, **kw) -> LLM:
+    cfg = {"kv_role": "kv_consumer", "kv_connector_extra_config": {"pull_timeout_s": 2}}
+    return _engine(model, kv_transfer_config=cfg, **kw)
+
+
+def _prefill(prod: LLM, prompt: list[int]) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=1,
+                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = prod.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def _decode(cons: LLM, prompt: list[int], params: dict, sp: SamplingParams = GREEDY):
+    sp = sp.clone()
+    sp.extra_args = {"kv_transfer_params": params}
+    return cons.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+
+
+def _single(llm: LLM, prompt: list[int], sp: SamplingParams = GREEDY):
+    return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+
+
+def _lp(out):
+    return [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.logprobs]
+            for o in out.outputs]
+
+
+def _toks(out):
+    return [o.token_ids for o in out.outputs]
+
+
+class StepCounter:
+    """Tokens each request was scheduled for, read from the runner's step messages."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.counts: dict[str, int] = {}
+        runner = llm.engine.runner
+        inner = runner.execute
+
+        def execute(out):
+            for rid, n in out.num_scheduled.items():
+                self.counts[rid] = self.counts.get(rid, 0) + n
+            return inner(out)
+
+        runner.execute = execute
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _whole(*llms: LLM) -> None:
+    for llm in llms:
+        llm.engine.kv.check_whole()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # Lengths 81 (5 blocks + 1 token: the consumer computes only the last token), then others.
+    ps = random_prompts(3, 60, 90, 512, seed=11)
+    return [random_prompts(1, 81, 81, 512, seed=12)[0], *ps]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "nemotron_h"])
+def test_producer_to_consumer_equals_one_engine(arch, tiny_model_factory, prompts):
+    model = tiny_model_factory(arch)
+    prod, cons, single = _producer(model), _consumer(model), _engine(model)
+    counter = StepCounter(cons)
+    for p in prompts:
+        params = _prefill(prod, p)
+        n_blocks = (len(p) - 1) // BS
+        assert params["num_tokens"] == n_blocks * BS and params["remote_port"]
+        before = counter.total()
+        got = _decode(cons, p, params)
+        prompt_computed = counter.total() - before - (MAX_TOKENS - 1)
+        cold, warm = _single(single, p), _single(single, p)
+        assert _toks(got) == _toks(cold) == _toks(warm)
+        assert _lp(got) == _lp(warm)  # the same hit, the same bytes: bit-identical
+        assert got.num_cached_tokens == warm.num_cached_tokens == n_blocks * BS
+        assert prompt_computed == len(p) - n_blocks * BS  # only the tail after the last block
+        if len(p) == 81:
+            assert prompt_computed == 1  # no prefill beyond the last token
+    stats = cons.engine.transfer.stats
+    assert stats.requests_loaded == len(prompts) and stats.load_failures == 0
+    assert stats.tokens_loaded == sum((len(p) - 1) // BS * BS for p in prompts)
+    assert prod.engine.transfer.stats.exports == len(prompts)
+    assert not prod.engine.runner.connector.outbox  # every export was pulled and freed
+    if arch != "qwen3":  # a state checkpoint travelled with the attention pages
+        assert cons.engine.kv.pool.checkpoint_stats()[0] > 0
+    _whole(prod, cons, single)
+
+
+def test_parallel_sampling_consumer(tiny_model_factory, prompts):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons, single = _producer(model), _consumer(model), _engine(model)
+    sp = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=4, logprobs=1)
+    p = prompts[1]
+    got = _decode(cons, p, _prefill(prod, p), sp)
+    _single(single, p, SamplingParams(temperature=0, max_tokens=1))  # same hit as the consumer
+    ref = _single(single, p, sp)
+    assert _toks(got) == _toks(ref) and _lp(got) == _lp(ref)
+    assert cons.engine.transfer.stats.requests_loaded == 1
+    _whole(prod, cons, single)
+
+
+@pytest.fixture(scope="module")
+def qwen35_single(tiny_model_factory, prompts):
+    single = _engine(tiny_model_factory("qwen3_5"))
+    return {i: _toks(_single(single, p)) for i, p in enumerate(prompts)}
+
+
+def test_producer_gone_the_consumer_recomputes(tiny_model_factory, prompts, qwen35_single):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    params = _prefill(prod, prompts[0])
+    prod.engine.shutdown()  # its server is gone before the consumer pulls
+    t0 = time.monotonic()
+    got = _decode(cons, prompts[0], params)
+    assert time.monotonic() - t0 < 10
+    assert _toks(got) == qwen35_single[0] and got.num_cached_tokens == 0
+    stats = cons.engine.transfer.stats
+    assert stats.load_failures > 0 and stats.requests_loaded == 0 and stats.tokens_loaded == 0
+    _whole(cons)
+
+
+def test_a_corrupt_page_is_detected_and_recomputed(tiny_model_factory, prompts, qwen35_single,
+                                                   monkeypatch):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    real = transfer_worker.encode_pages
+
+    def flip(pages, layout, error=None):
+        frames = real(pages, layout, error)
+        if len(frames) > 2:  # one bit of the last page's payload flips on the wire
+            last = bytearray(frames[-1])
+            last[len(last) // 2] ^= 0x10
+            frames[-1] = bytes(last)
+        return frames
+
+    monkeypatch.setattr(transfer_worker, "encode_pages", flip)
+    got = _decode(cons, prompts[1], _prefill(prod, prompts[1]))
+    assert _toks(got) == qwen35_single[1]
+    stats = cons.engine.transfer.stats
+    assert stats.load_failures == 1 and stats.requests_loaded == 0
+    _whole(prod, cons)
+
+
+def test_an_export_nobody_pulls_is_freed_after_keep_s(tiny_model_factory, prompts):
+    prod = _producer(tiny_model_factory("qwen3"), keep_s=0.3)
+    _prefill(prod, prompts[2])
+    prod.engine.flush()
+    worker = prod.engine.runner.connector
+    assert worker.outbox  # the export waits for its consumer (the pool itself is whole)
+    _whole(prod)
+    deadline = time.monotonic() + 5
+    while worker.outbox and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.outbox and worker.expired == 1
+
+
+def test_mismatched_layouts_are_refused_and_prefilled_locally(tiny_model_factory, prompts,
+                                                              caplog):
+    model = tiny_model_factory("qwen3")
+    prod = _producer(model)
+    cons = _consumer(model, block_size=32)  # another block size: another layout
+    ref = _single(_engine(model, block_size=32), prompts[0])
+    with caplog.at_level("WARNING"):
+        got = _decode(cons, prompts[0], _prefill(prod, prompts[0]))
+    assert "refused" in caplog.text and "layout" in caplog.text
+    assert _toks(got) == _toks(ref) and got.num_cached_tokens == 0
+    assert cons.engine.transfer.stats.refused == 1
+    other = _consumer(tiny_model_factory("qwen3_5"))  # another model
+    got = _decode(other, prompts[0], _prefill(prod, prompts[0]))
+    assert got.num_cached_tokens == 0 and other.engine.transfer.stats.refused == 1
+    _whole(cons, other)
+
+
+def test_kv_transfer_params_need_a_transfer_config(tiny_model_factory, prompts):
+    llm = _engine(tiny_model_factory("qwen3"))
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                                                  {"do_remote_prefill": True}})
+    with pytest.raises(ValueError, match="kv-transfer-config"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+
+
+def test_transfer_config_parsing():
+    cfg = KVTransferConfig.from_user(json.dumps({"kv_connector": "PagefoldConnector",
+                                                 "kv_role": "kv_consumer", "kv_port": 0}))
+    assert cfg.is_consumer and not cfg.is_producer and cfg.kv_rank is None
+    assert KVTransferConfig.from_user({}) is None
+    for bad, msg in [({"kv_role": "kv_relay"}, "kv_role"), ({"kv_connector": "Nixl"},
+                     "kv_connector"), ({"kv_wat": 1}, "unknown"),
+                     ({"kv_connector_extra_config": {"keep_s": -1}}, "keep_s")]:
+        with pytest.raises(ValueError, match=msg):
+            KVTransferConfig.from_user(bad)
+
+
+def test_wire_pages_round_trip_and_damage():
+    rows = torch.randint(0, 256, (2, 3, 64), dtype=torch.uint8)
+    geom = PageGeometry(2, 3, 64)
+    frames = encode_pages([("a0-ff", 0, rows)], "L1")
+    got, err = decode_pages(frames, {"a0-ff": geom}, "L1")
+    assert err is None and torch.equal(got["a0-ff"], rows)
+    assert decode_pages(frames, {"a0-ff": geom}, "L2")[1] is not None  # another layout
+    assert decode_pages(frames, {"a0-ff": PageGeometry(2, 2, 64)}, "L1")[0] == {}
+    short = [*frames[:2], bytes(frames[2])[:-1]]
+    assert decode_pages(short, {"a0-ff": geom}, "L1")[0] == {}
+    flipped = bytearray(frames[2])
+    flipped[100] ^= 1
+    assert decode_pages([*frames[:2], bytes(flipped)], {"a0-ff": geom}, "L1")[0] == {}
+    refused = encode_pages([], "L1", "no export")
+    assert decode_pages(refused, {"a0-ff": geom}, "L1") == ({}, "no export")

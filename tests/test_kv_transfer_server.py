@@ -42,11 +42,11 @@ def _proxy(prefill: str, decode: str, log) -> tuple[subprocess.Popen, str]:
 
 def test_proxy_prefill_on_one_instance_decode_on_another(qwen3_dir, tmp_path):
     kv_port = _free_port()
-    producer = Server.launch(qwen3_dir, tmp_path / "p.log", extra_args=(
+    producer = Server.launch(qwen3_dir, tmp_path / "p.log", extra_args=("--no-warm-up",
         "--kv-transfer-config", json.dumps({
             "kv_connector": "PagefoldConnector", "kv_role": "kv_producer", "kv_port": kv_port,
             "kv_connector_extra_config": {"keep_s": 3}})))
-    consumer = Server.launch(qwen3_dir, tmp_path / "c.log", extra_args=(
+    consumer = Server.launch(qwen3_dir, tmp_path / "c.log", extra_args=("--no-warm-up",
         "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer"})))
     proxy = None
     try:

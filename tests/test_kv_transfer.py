@@ -143,6 +143,22 @@ def test_parallel_sampling_consumer(tiny_model_factory, prompts):
     _whole(prod, cons, single)
 
 
+def test_chunked_prefill_on_the_producer(tiny_model_factory, prompts):
+    """A producer that prefills in 32-token chunks: the pages it exports are those chunks'
+    bytes; a single engine chunking alike, serving the prompt a second time, is the same."""
+    model = tiny_model_factory("qwen3_5")
+    prod = _engine(model, max_num_batched_tokens=32, kv_transfer_config={
+        "kv_role": "kv_producer", "kv_port": 0})
+    cons = _consumer(model)
+    single = _engine(model, max_num_batched_tokens=32)
+    p = prompts[2]
+    got = _decode(cons, p, _prefill(prod, p))
+    cold, warm = _single(single, p), _single(single, p)
+    assert _toks(got) == _toks(cold) and _lp(got) == _lp(warm)
+    assert got.num_cached_tokens == (len(p) - 1) // BS * BS
+    _whole(prod, cons, single)
+
+
 @pytest.fixture(scope="module")
 def qwen35_single(tiny_model_factory, prompts):
     single = _engine(tiny_model_factory("qwen3_5"))

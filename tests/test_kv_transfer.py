@@ -10,13 +10,16 @@ that engine computes). The consumer computes only the prompt's tail after its la
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
+import httpx
 import pytest
 import torch
 
 from pagefold import LLM, SamplingParams
+from pagefold.entrypoints.proxy import Proxy, build_app, prefill_body
 from pagefold.offload.page_file import PageGeometry
 from pagefold.testing.tiny_models import random_prompts
 from pagefold.transfer import worker as transfer_worker
@@ -266,3 +269,54 @@ def test_wire_pages_round_trip_and_damage():
     assert decode_pages([*frames[:2], bytes(flipped)], {"a0-ff": geom}, "L1")[0] == {}
     refused = encode_pages([], "L1", "no export")
     assert decode_pages(refused, {"a0-ff": geom}, "L1") == ({}, "no export")
+
+
+def test_proxy_routes_round_robin_retries_and_answers_503():
+    """The proxy against fake instances: prefill body, params handed on, round-robin, a dead
+    decode instance retried on the next, 503 when none answers."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 2, "stream": True,
+            "n": 2, "stream_options": {"include_usage": True}}
+    pre = prefill_body(body)
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and pre["n"] == 1
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "min_tokens" not in pre and "stream_options" not in pre and body["max_tokens"] == 9
+    seen: list[tuple[str, dict]] = []
+    dead: set[str] = set()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in dead:
+            raise httpx.ConnectError("down", request=request)
+        sent = json.loads(request.content)
+        seen.append((host, sent))
+        if host.startswith("p"):
+            return httpx.Response(200, json={"kv_transfer_params": {"remote_request_id": host}})
+        return httpx.Response(200, json={"from": host, "params": sent.get("kv_transfer_params")})
+
+    proxy = Proxy(["http://p1", "http://p2"], ["http://d1", "http://d2"],
+                  transport=httpx.MockTransport(handler))
+    app = build_app(proxy)
+
+    async def go():
+        outs = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://proxy") as c:
+            req = {"model": "m", "prompt": "hi", "max_tokens": 4}
+            for _ in range(2):
+                outs.append((await c.post("/v1/completions", json=req)).json())
+            dead.add("d1")
+            outs.append((await c.post("/v1/chat/completions", json=req)).json())
+            outs.append((await c.post("/v1/chat/completions", json=req)).json())
+            dead.update({"d2", "p1", "p2"})
+            r = await c.post("/v1/completions", json=req)
+            outs.append((r.status_code, r.json()))
+        return outs
+
+    outs = asyncio.run(go())
+    assert [o["from"] for o in outs[:4]] == ["d1", "d2", "d2", "d2"]
+    assert [o["params"]["remote_request_id"] for o in outs[:4]] == ["p1", "p2", "p1", "p2"]
+    assert [h for h, _ in seen if h.startswith("p")] == ["p1", "p2", "p1", "p2"]
+    decode_bodies = [b for h, b in seen if h.startswith("d")]
+    assert all(b["max_tokens"] == 4 for b in decode_bodies)  # the client's request, unchanged
+    assert outs[4][0] == 503 and proxy.counts["unavailable"] == 1
+    assert proxy.counts["decode_retried"] >= 3 and proxy.counts["prefill_failed"] == 2

@@ -39,7 +39,8 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def prefill_body(body: dict) -> dict:
     """The request a prefill instance gets: one token, no stream, one sample, KV exported."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "best_of")}
+    drop = ("stream_options", "best_of", "min_tokens", "use_beam_search", "length_penalty")
+    out = {k: v for k, v in body.items() if k not in drop}
     out.update(max_tokens=1, stream=False, n=1,
                kv_transfer_params={"do_remote_decode": True})
     if "max_completion_tokens" in out:
@@ -48,15 +49,16 @@ def prefill_body(body: dict) -> dict:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float | None = None
-                 ) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("pagefold proxy needs at least one --prefill and one --decode URL")
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
         self._next_prefill = itertools.cycle(range(len(self.prefill)))
         self._next_decode = itertools.cycle(range(len(self.decode)))
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                        transport=transport)
         self.counts = {"prefill_failed": 0, "decode_retried": 0, "unavailable": 0}
 
     def _order(self, urls: list[str], cycle) -> list[str]:
@@ -163,6 +165,7 @@ def build_app(proxy: Proxy) -> FastAPI:
 
 def run_proxy(args: argparse.Namespace) -> int:
     proxy = Proxy(args.prefill, args.decode)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     logger.info("proxy on %s:%d: prefill %s, decode %s", args.host, args.port,
                 json.dumps(proxy.prefill), json.dumps(proxy.decode))
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")

@@ -12,7 +12,9 @@ emits exactly its output tokens). Per request: TTFT (send to first streamed toke
 (first to last token over the tokens after the first). Reported: TTFT and TPOT p50 / p99
 over all requests and per kind, and output tokens per second over the run. The point of P/D
 is that long prefills stop stalling the decodes of chat turns (TPOT p99), at the cost of a
-transfer per request; on one shared CPU both instances compete for the same cores.
+transfer per request. By default the producer and the consumer each get half of this
+process's cores (affinity and ``OMP_NUM_THREADS``: two engines' OpenMP threads spinning on
+the same cores slow both down), while the one engine gets them all: the same hardware.
 """
 
 from __future__ import annotations
@@ -44,14 +46,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(model: str, port: int, log, transfer: dict | None) -> subprocess.Popen:
+def _serve(model: str, port: int, log, transfer: dict | None,
+           cpus: list[int] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pagefold.entrypoints.cli", "serve", model, "--port", str(port),
            "--dtype", "bfloat16", "--kv-cache-memory", "1GiB", "--max-model-len",
            str(MAX_MODEL_LEN), "--served-model-name", "bench", "--uvicorn-log-level", "warning"]
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if cpus is not None:  # its own cores: OpenMP threads of two engines never share one
+        env["OMP_NUM_THREADS"] = str(len(cpus))
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -144,6 +150,9 @@ def main() -> None:
     ap.add_argument("--n-long", type=int, default=4)
     ap.add_argument("--n-chat", type=int, default=12)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second")
+    ap.add_argument("--no-split-cores", dest="split_cores", action="store_false",
+                    help="let both P/D instances use every core (by default the producer "
+                         "gets the first half of this process's cores, the consumer the rest)")
     args = ap.parse_args()
     model = str(bench_model(args.arch, args.hidden, args.layers))
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 512)
@@ -161,8 +170,11 @@ def main() -> None:
             _stop([proc])
     with open(logs / "pd.log", "w") as log:
         pp, dp, xp, kv = _port(), _port(), _port(), _port()
-        procs = [_serve(model, pp, log, {"kv_role": "kv_producer", "kv_port": kv}),
-                 _serve(model, dp, log, {"kv_role": "kv_consumer"})]
+        cpus = sorted(os.sched_getaffinity(0))
+        half = [cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]] if args.split_cores \
+            and len(cpus) > 1 else [None, None]
+        procs = [_serve(model, pp, log, {"kv_role": "kv_producer", "kv_port": kv}, half[0]),
+                 _serve(model, dp, log, {"kv_role": "kv_consumer"}, half[1])]
         try:
             for port, proc in zip((pp, dp), procs):
                 _wait(f"http://127.0.0.1:{port}", proc)
@@ -180,8 +192,8 @@ def main() -> None:
         finally:
             _stop(procs)
     print(f"{args.arch} hidden {args.hidden} layers {args.layers}: {args.n_long} x "
-          f"{args.long}-token prompts + {args.n_chat} x 64-token chats, {args.rate}/s; logs in "
-          f"{logs}")
+          f"{args.long}-token prompts + {args.n_chat} x 64-token chats, {args.rate}/s; P/D "
+          f"cores {half}; logs in {logs}")
     print_table(rows, ["setup", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                        "TPOT p99 ms", "out tok/s"])
 

@@ -72,7 +72,7 @@ class TransferIndex(KVConnectorScheduler):
         self._remotes: dict[str, Remote] = {}  # consumer request -> its producer
         self._keys: dict[str, list[Hashable]] = {}  # consumer request -> its remote keys
         self._owner: dict[Hashable, str] = {}  # remote key -> request that registered it
-        self._load_src: dict[tuple[str, str], list[str]] = {}  # (req, owner) -> key names
+        self._load_src: dict[tuple[str, Remote], list[str]] = {}  # (req, source) -> names
         self._ops = KVOps()
         self.stats = TransferStats()
 
@@ -132,10 +132,10 @@ class TransferIndex(KVConnectorScheduler):
         return None  # remote keys are not evicted by this engine's saves
 
     def record_load(self, req_id: str, key: Hashable, group: int, pages: list[int]) -> None:
-        owner = self._owner[key]
+        source = self._remotes[self._owner[key]]  # resolved now: the owner may end first
         name = key_name(key)
         self._ops.loads.append(KVLoad(req_id, name, group, list(pages)))
-        self._load_src.setdefault((req_id, owner), []).append(name)
+        self._load_src.setdefault((req_id, source), []).append(name)
 
     def cancel_loads(self, req_id: str) -> None:
         self._ops.cancels.append(req_id)
@@ -174,8 +174,7 @@ class TransferIndex(KVConnectorScheduler):
 
     def take_ops(self) -> KVOps:
         ops, self._ops = self._ops, KVOps()
-        for (req_id, owner), names in self._load_src.items():
-            r = self._remotes[owner]
+        for (req_id, r), names in self._load_src.items():
             ops.remotes.append(KVRemote(req_id, r.host, r.port, r.request_id, names))
         self._load_src = {}
         return ops

@@ -14,7 +14,9 @@ over all requests and per kind, and output tokens per second over the run. The p
 is that long prefills stop stalling the decodes of chat turns (TPOT p99), at the cost of a
 transfer per request. By default the producer and the consumer each get half of this
 process's cores (affinity and ``OMP_NUM_THREADS``: two engines' OpenMP threads spinning on
-the same cores slow both down), while the one engine gets them all: the same hardware.
+the same cores slow both down), while the one engine gets them all: the same hardware; the
+one engine also runs on the producer's share alone, to tell the threading apart from the
+split of roles.
 """
 
 from __future__ import annotations
@@ -159,20 +161,24 @@ def main() -> None:
     reqs = workload(args, vocab)
     logs = Path(tempfile.mkdtemp(prefix="pagefold-disagg-bench-"))
     rows = []
-    with open(logs / "one.log", "w") as log:
-        port = _port()
-        proc = _serve(model, port, log, None)
-        try:
-            _wait(f"http://127.0.0.1:{port}", proc)
-            rows += summarize("one engine", asyncio.run(
-                run_load(f"http://127.0.0.1:{port}", reqs, args.rate)))
-        finally:
-            _stop([proc])
+    cpus = sorted(os.sched_getaffinity(0))
+    half = [cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]] if args.split_cores \
+        and len(cpus) > 1 else [None, None]
+    singles = [("one engine", None)]
+    if half[0] is not None:  # the same engine on one instance's share: threads vs roles
+        singles.append((f"one engine, cores {half[0]}", half[0]))
+    for name, cores in singles:
+        with open(logs / "one.log", "a") as log:
+            port = _port()
+            proc = _serve(model, port, log, None, cores)
+            try:
+                _wait(f"http://127.0.0.1:{port}", proc)
+                rows += summarize(name, asyncio.run(
+                    run_load(f"http://127.0.0.1:{port}", reqs, args.rate)))
+            finally:
+                _stop([proc])
     with open(logs / "pd.log", "w") as log:
         pp, dp, xp, kv = _port(), _port(), _port(), _port()
-        cpus = sorted(os.sched_getaffinity(0))
-        half = [cpus[:len(cpus) // 2], cpus[len(cpus) // 2:]] if args.split_cores \
-            and len(cpus) > 1 else [None, None]
         procs = [_serve(model, pp, log, {"kv_role": "kv_producer", "kv_port": kv}, half[0]),
                  _serve(model, dp, log, {"kv_role": "kv_consumer"}, half[1])]
         try:

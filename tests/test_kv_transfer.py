@@ -320,3 +320,55 @@ def test_proxy_routes_round_robin_retries_and_answers_503():
     assert all(b["max_tokens"] == 4 for b in decode_bodies)  # the client's request, unchanged
     assert outs[4][0] == 503 and proxy.counts["unavailable"] == 1
     assert proxy.counts["decode_retried"] >= 3 and proxy.counts["prefill_failed"] == 2
+
+
+def test_transfer_index_expectations_and_ops():
+    """The consumer side's bookkeeping: what it refuses, what a load's source is, and that a
+    request's keys leave with it (two requests may name the same key)."""
+    from pagefold.core.kv_connector import ConnectorOutput, key_name
+    from pagefold.core.prefix_cache import hash_block, root_hash
+    from pagefold.request import Request
+    from pagefold.transfer.index import TransferIndex
+
+    index = TransferIndex(engine_id="e", layout="L", block_size=4, host="h", port=1,
+                          producer=False, consumer=True)
+    prompt = list(range(13))
+    h0 = hash_block(root_hash(), prompt[:4])
+    h1 = hash_block(h0, prompt[4:8])
+    keys = [key_name((0, h0)), key_name((0, h1)), key_name(("ckpt", 1, h1))]
+    good = {"layout": "L", "remote_host": "p", "remote_port": 9, "remote_request_id": "r1",
+            "remote_block_keys": keys}
+
+    def req(rid, salt=None):
+        return Request(rid, prompt, SamplingParams(),
+                       extra_keys=("cache_salt", salt) if salt else ())
+
+    assert not index.expect(req("x"), {**good, "layout": "M"})
+    assert not index.expect(req("x"), {**good, "remote_port": None})
+    assert not index.expect(req("x"), {**good, "remote_block_keys": ["zz"]})
+    assert not index.expect(req("x", salt="s"), good)  # another salt: another chain
+    assert index.stats.refused == 4 and not index.contains((0, h0))
+    assert index.expect(req("a"), good)
+    assert index.contains((0, h0)) and index.contains(("ckpt", 1, h1))
+    assert index.expect(req("b"), {**good, "remote_request_id": "r2",
+                                   "remote_block_keys": keys[:1]})
+    index.record_load("c", (0, h0), 0, [5])  # h0 now owned by b: pulled from r2
+    index.record_load("c", ("ckpt", 1, h1), 1, [6, 7])  # still a's: from r1
+    ops = index.take_ops()
+    srcs = {(r.req_id, r.remote_request_id): r.keys for r in ops.remotes}
+    assert srcs == {("c", "r2"): [keys[0]], ("c", "r1"): [keys[2]]}
+    assert [ld.pages for ld in ops.loads] == [[5], [6, 7]] and not index.has_pending
+    index.release("b")
+    assert index.contains((0, h0)) and index.contains((0, h1))  # a still names both
+    index.record_load("d", (0, h0), 0, [8])
+    assert [r.remote_request_id for r in index.take_ops().remotes] == ["r1"]
+    index.apply_output(ConnectorOutput(finished=["a"], failed={"a": [keys[1]]}))
+    assert index.stats.load_failures == 1 and index.stats.requests_loaded == 0
+    index.check_whole()  # a's keys left with its report
+    nc = TransferIndex(engine_id="e", layout="L", block_size=4, host="h", port=1,
+                       producer=True, consumer=False)
+    assert not nc.expect(req("y"), good)
+    params = nc.export("y", [((0, h0), 0, [3])], 4)
+    assert params["remote_block_keys"] == [keys[0]] and params["remote_request_id"] == "y"
+    assert params["remote_host"] == "h" and params["num_tokens"] == 4
+    assert nc.take_ops().exports[0].pages == [3]

@@ -71,7 +71,8 @@ class TransferIndex(KVConnectorScheduler):
         self.producer, self.consumer = producer, consumer
         self._remotes: dict[str, Remote] = {}  # consumer request -> its producer
         self._keys: dict[str, list[Hashable]] = {}  # consumer request -> its remote keys
-        self._owner: dict[Hashable, str] = {}  # remote key -> request that registered it
+        # remote key -> the requests that registered it (the latest is asked first)
+        self._owner: dict[Hashable, list[str]] = {}
         self._load_src: dict[tuple[str, Remote], list[str]] = {}  # (req, source) -> names
         self._ops = KVOps()
         self.stats = TransferStats()
@@ -115,7 +116,7 @@ class TransferIndex(KVConnectorScheduler):
                                                str(params["remote_request_id"]))
         self._keys[req.request_id] = keys
         for k in keys:
-            self._owner[k] = req.request_id
+            self._owner.setdefault(k, []).append(req.request_id)
         return True
 
     def contains(self, key: Hashable) -> bool:
@@ -132,7 +133,7 @@ class TransferIndex(KVConnectorScheduler):
         return None  # remote keys are not evicted by this engine's saves
 
     def record_load(self, req_id: str, key: Hashable, group: int, pages: list[int]) -> None:
-        source = self._remotes[self._owner[key]]  # resolved now: the owner may end first
+        source = self._remotes[self._owner[key][-1]]  # resolved now: the owner may end first
         name = key_name(key)
         self._ops.loads.append(KVLoad(req_id, name, group, list(pages)))
         self._load_src.setdefault((req_id, source), []).append(name)
@@ -143,8 +144,11 @@ class TransferIndex(KVConnectorScheduler):
     def release(self, req_id: str) -> None:
         self._remotes.pop(req_id, None)
         for k in self._keys.pop(req_id, ()):
-            if self._owner.get(k) == req_id:
-                del self._owner[k]
+            owners = self._owner.get(k)
+            if owners is not None and req_id in owners:
+                owners.remove(req_id)
+                if not owners:
+                    del self._owner[k]
 
     # ------------------------------------------------------------------ producer
     def export(self, req_id: str, entries: list[tuple[Hashable, int, list[int]]],

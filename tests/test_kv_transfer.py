@@ -217,6 +217,23 @@ def test_an_export_nobody_pulls_is_freed_after_keep_s(tiny_model_factory, prompt
     assert not worker.outbox and worker.expired == 1
 
 
+def test_a_consumer_that_hits_its_own_pool_releases_the_export(tiny_model_factory, prompts):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    p = prompts[1]
+    _single(cons, p)  # the consumer caches the prompt itself first
+    got = _decode(cons, p, _prefill(prod, p))
+    assert got.num_cached_tokens == (len(p) - 1) // BS * BS  # from its own pool
+    assert cons.engine.transfer.stats.requests_loaded == 0
+    cons.engine.flush()  # the release leaves with the next step
+    worker = prod.engine.runner.connector
+    deadline = time.monotonic() + 5  # keep_s is 120 s: only the release frees it this soon
+    while worker.outbox and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.outbox and worker.released == 1 and worker.expired == 0
+    _whole(prod, cons)
+
+
 def test_mismatched_layouts_are_refused_and_prefilled_locally(tiny_model_factory, prompts,
                                                               caplog):
     model = tiny_model_factory("qwen3")
@@ -361,9 +378,16 @@ def test_transfer_index_expectations_and_ops():
     index.release("b")
     assert index.contains((0, h0)) and index.contains((0, h1))  # a still names both
     index.record_load("d", (0, h0), 0, [8])
-    assert [r.remote_request_id for r in index.take_ops().remotes] == ["r1"]
+    ops = index.take_ops()
+    assert [r.remote_request_id for r in ops.remotes] == ["r1"]
+    # b ended without pulling its own export: the producer is told to free it now.
+    assert [(r.req_id, r.remote_request_id, r.keys) for r in ops.releases] == [("b", "r2", [])]
     index.apply_output(ConnectorOutput(finished=["a"], failed={"a": [keys[1]]}))
     assert index.stats.load_failures == 1 and index.stats.requests_loaded == 0
+    assert [r.remote_request_id for r in index.take_ops().releases] == ["r1"]
+    for rid in ("c", "d"):  # the requests that loaded end too
+        index.release(rid)
+    assert not index.take_ops()  # they pulled: nothing to release
     index.check_whole()  # a's keys left with its report
     nc = TransferIndex(engine_id="e", layout="L", block_size=4, host="h", port=1,
                        producer=True, consumer=False)

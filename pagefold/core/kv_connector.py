@@ -118,7 +118,10 @@ class KVOps:
     be handed out again in this very step). ``poll``: requests are loading, so the worker runs
     even without new ops (to land loads that finished). ``idle``: the step computes nothing
     else (the worker may wait briefly for a load). ``drain``: finish every queued write
-    before the step ends (shutdown)."""
+    before the step ends (shutdown). A transfer connector's (prefill/decode disaggregation):
+    ``exports`` (read with the saves), ``remotes`` (the sources of the loads) and
+    ``releases`` (producer exports this engine will not pull: the request found its prefix in
+    its own pool, or ended; the producer frees them now rather than after its timeout)."""
 
     drops: list[str] = field(default_factory=list)  # disk page files to delete
     saves: list[KVSave] = field(default_factory=list)
@@ -126,13 +129,14 @@ class KVOps:
     cancels: list[str] = field(default_factory=list)
     exports: list[KVExport] = field(default_factory=list)
     remotes: list[KVRemote] = field(default_factory=list)
+    releases: list[KVRemote] = field(default_factory=list)
     poll: bool = False
     idle: bool = False
     drain: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.drops or self.saves or self.loads or self.cancels or self.poll
-                    or self.drain or self.exports)
+                    or self.drain or self.exports or self.releases)
 
 
 @dataclass(slots=True)

@@ -74,6 +74,7 @@ class TransferIndex(KVConnectorScheduler):
         # remote key -> the requests that registered it (the latest is asked first)
         self._owner: dict[Hashable, list[str]] = {}
         self._load_src: dict[tuple[str, Remote], list[str]] = {}  # (req, source) -> names
+        self._pulled: set[str] = set()  # registered requests that asked for a load
         self._ops = KVOps()
         self.stats = TransferStats()
 
@@ -136,13 +137,18 @@ class TransferIndex(KVConnectorScheduler):
         source = self._remotes[self._owner[key][-1]]  # resolved now: the owner may end first
         name = key_name(key)
         self._ops.loads.append(KVLoad(req_id, name, group, list(pages)))
+        self._pulled.add(req_id)
         self._load_src.setdefault((req_id, source), []).append(name)
 
     def cancel_loads(self, req_id: str) -> None:
         self._ops.cancels.append(req_id)
 
     def release(self, req_id: str) -> None:
-        self._remotes.pop(req_id, None)
+        remote = self._remotes.pop(req_id, None)
+        if remote is not None and req_id not in self._pulled:  # its export waits for nobody
+            self._ops.releases.append(KVRemote(req_id, remote.host, remote.port,
+                                               remote.request_id))
+        self._pulled.discard(req_id)
         for k in self._keys.pop(req_id, ()):
             owners = self._owner.get(k)
             if owners is not None and req_id in owners:
@@ -198,5 +204,5 @@ class TransferIndex(KVConnectorScheduler):
 
     def check_whole(self) -> None:
         assert not self._ops and not self._load_src, "transfer ops still queued"
-        assert not self._remotes and not self._owner, \
+        assert not self._remotes and not self._owner and not self._pulled, \
             f"transfer expectations outlived their requests: {list(self._remotes)[:5]}"

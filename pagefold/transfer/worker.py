@@ -3,7 +3,8 @@
 Producer: an export op copies pool rows into the outbox (CPU tensors) at the start of the step
 after the prefill finished, before anything of that step can overwrite them; from then on the
 pool holds nothing for the transfer (it is whole). A server thread (a ZMQ ROUTER bound at
-``kv_ip:kv_port``) answers pulls from the outbox; an entry leaves it once sent, or after
+``kv_ip:kv_port``) answers pulls from the outbox; an entry leaves it once sent, when its
+consumer releases it (a pull naming no key: it found the prefix in its own pool), or after
 ``keep_s`` when nobody pulled it. A pull that arrives before its export ran waits for it (up to
 ``keep_s``).
 
@@ -65,6 +66,7 @@ class TransferWorker(KVConnectorWorker):
         # producer request id -> (deadline, [(key name, group, rows)])
         self.outbox: dict[str, tuple[float, list[tuple[str, int, torch.Tensor]]]] = {}
         self.sent = 0
+        self.released = 0
         self.expired = 0
         self._stop = threading.Event()
         self._pulls: queue.Queue = queue.Queue()
@@ -129,7 +131,10 @@ class TransferWorker(KVConnectorWorker):
             return None
         have = {name: (name, group, rows) for name, group, rows in entry[1]}
         pages = [have[k] for k in msg["keys"] if k in have]
-        self.sent += 1
+        if msg["keys"]:
+            self.sent += 1
+        else:  # a release: the consumer will not pull it
+            self.released += 1
         return encode_pages(pages, self.layout)
 
     def _expire(self, now: float) -> None:
@@ -147,6 +152,9 @@ class TransferWorker(KVConnectorWorker):
             if job is None:
                 return
             req_id, remote, loads = job
+            if loads is None:  # a release: the producer may free this export now
+                self._release(remote)
+                continue
             try:
                 got = self._pull(remote, loads)
             except Exception:  # noqa: BLE001 - a failed pull is recomputed, never fatal
@@ -154,6 +162,16 @@ class TransferWorker(KVConnectorWorker):
                                  remote.port)
                 got = {}
             self._done.put((req_id, loads, got))
+
+    def _release(self, remote) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{remote.host}:{remote.port}")
+            sock.send_multipart(encode_pull(remote.remote_request_id, [], self.layout))
+            sock.poll(1000)  # its answer (empty) says it arrived; a producer gone: nothing
+        finally:
+            sock.close(0)
 
     def _pull(self, remote, loads: list[tuple[str, int, list[int]]]) -> dict[str, torch.Tensor]:
         want = {name: PageGeometry(self.group_layers[g], len(pages), self.page_bytes)
@@ -228,6 +246,8 @@ class TransferWorker(KVConnectorWorker):
                      for n in src.keys]
             self._outstanding[src.req_id] = self._outstanding.get(src.req_id, 0) + 1
             self._pulls.put((src.req_id, src, loads))
+        for rel in ops.releases:
+            self._pulls.put((rel.req_id, rel, None))
         self._collect(out, wait=ops.idle and bool(self._outstanding))
         return out
 

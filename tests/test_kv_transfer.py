@@ -162,6 +162,29 @@ def test_chunked_prefill_on_the_producer(tiny_model_factory, prompts):
     _whole(prod, cons, single)
 
 
+def test_batches_on_both_sides(tiny_model_factory, prompts, qwen35_single):
+    """Four prefills in one batch (exports of several requests in one step), then four
+    decodes in one batch (several pulls in flight at once)."""
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    pre = SamplingParams(temperature=0, max_tokens=1,
+                         extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    outs = prod.generate([{"prompt_token_ids": p} for p in prompts], pre, use_tqdm=False)
+    params = [o.kv_transfer_params for o in outs]
+    assert len({p["remote_request_id"] for p in params}) == len(prompts)
+    sps = []
+    for p in params:
+        sp = GREEDY.clone()
+        sp.extra_args = {"kv_transfer_params": p}
+        sps.append(sp)
+    got = cons.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    assert [_toks(g)[0] for g in got] == [qwen35_single[i][0] for i in range(len(prompts))]
+    assert [g.num_cached_tokens for g in got] == [(len(p) - 1) // BS * BS for p in prompts]
+    assert cons.engine.transfer.stats.requests_loaded == len(prompts)
+    assert not prod.engine.runner.connector.outbox
+    _whole(prod, cons)
+
+
 @pytest.fixture(scope="module")
 def qwen35_single(tiny_model_factory, prompts):
     single = _engine(tiny_model_factory("qwen3_5"))

@@ -138,7 +138,12 @@ def test_parallel_sampling_consumer(tiny_model_factory, prompts):
     prod, cons, single = _producer(model), _consumer(model), _engine(model)
     sp = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=4, logprobs=1)
     p = prompts[1]
-    got = _decode(cons, p, _prefill(prod, p), sp)
+    fam = SamplingParams(temperature=0, max_tokens=1, n=2,
+                         extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = prod.generate([{"prompt_token_ids": p}], fam, use_tqdm=False)[0]
+    assert out.kv_transfer_params is not None  # a family exports its prompt once
+    assert prod.engine.transfer.stats.exports == 1
+    got = _decode(cons, p, out.kv_transfer_params, sp)
     _single(single, p, SamplingParams(temperature=0, max_tokens=1))  # same hit as the consumer
     ref = _single(single, p, sp)
     assert _toks(got) == _toks(ref) and _lp(got) == _lp(ref)

@@ -454,7 +454,8 @@ class Scheduler:
         self.kv.release_pins()
         for r, status in finished:
             params = r.kv_transfer_params
-            if params and params.get("do_remote_decode"):
+            # One export per prompt: a family's children share the parent's prompt pages.
+            if params and params.get("do_remote_decode") and r.parent_id is None:
                 exported = self.kv.export_prompt(r)  # before its pages are freed
                 for eo in outputs:
                     if eo.request_id == r.request_id:

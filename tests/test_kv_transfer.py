@@ -279,6 +279,14 @@ def test_mismatched_layouts_are_refused_and_prefilled_locally(tiny_model_factory
     _whole(cons, other)
 
 
+def test_a_busy_kv_port_is_a_clear_error(tiny_model_factory):
+    prod = _producer(tiny_model_factory("qwen3"))
+    port = prod.engine.transfer.port
+    with pytest.raises(ValueError, match=f"cannot serve pages at 127.0.0.1:{port}"):
+        _engine(tiny_model_factory("qwen3"),
+                kv_transfer_config={"kv_role": "kv_producer", "kv_port": port})
+
+
 def test_kv_transfer_params_need_a_transfer_config(tiny_model_factory, prompts):
     llm = _engine(tiny_model_factory("qwen3"))
     sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":

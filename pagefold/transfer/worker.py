@@ -81,11 +81,18 @@ class TransferWorker(KVConnectorWorker):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             host, port = bind
-            if port:
-                sock.bind(f"tcp://{host}:{port}")
-                self.port = port
-            else:
-                self.port = sock.bind_to_random_port(f"tcp://{host}")
+            try:
+                if port:
+                    sock.bind(f"tcp://{host}:{port}")
+                    self.port = port
+                else:
+                    self.port = sock.bind_to_random_port(f"tcp://{host}")
+            except zmq.ZMQError as e:
+                sock.close(0)
+                self._ctx.term()
+                raise ValueError(f"kv_transfer_config: cannot serve pages at {host}:{port} "
+                                 f"({e}); give another kv_ip / kv_port (0: any free port)"
+                                 ) from None
             self._threads.append(threading.Thread(target=self._serve, args=(sock,),
                                                   name="pagefold-kv-serve", daemon=True))
         for t in self._threads:

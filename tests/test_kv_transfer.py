@@ -279,6 +279,31 @@ def test_mismatched_layouts_are_refused_and_prefilled_locally(tiny_model_factory
     _whole(cons, other)
 
 
+def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qwen35_single):
+    """TP 2 on both sides of a GDN hybrid: rank r of the consumer pulls rank r's shard of every
+    page from the producer's rank r (at kv_port + r); a TP 1 consumer refuses the params."""
+    model = tiny_model_factory("qwen3_5")
+    tp = dict(tensor_parallel_size=2, threads_per_rank=1)
+    base = 20000 + int(time.time() * 1000) % 20000  # two consecutive ports
+    prod = _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": base}, **tp)
+    cons = _consumer(model, **tp)
+    single = _consumer(model)
+    try:
+        params = _prefill(prod, prompts[0])
+        assert params["remote_tp_size"] == 2 and params["remote_port"] == base
+        got = _decode(cons, prompts[0], params)
+        assert _toks(got) == qwen35_single[0]
+        assert got.num_cached_tokens == (len(prompts[0]) - 1) // BS * BS
+        assert cons.engine.transfer.stats.requests_loaded == 1
+        assert cons.engine.transfer.stats.load_failures == 0
+        refused = _decode(single, prompts[1], _prefill(prod, prompts[1]))
+        assert refused.num_cached_tokens == 0 and single.engine.transfer.stats.refused == 1
+        _whole(prod, cons, single)
+    finally:
+        prod.engine.shutdown()
+        cons.engine.shutdown()
+
+
 def test_a_busy_kv_port_is_a_clear_error(tiny_model_factory):
     prod = _producer(tiny_model_factory("qwen3"))
     port = prod.engine.transfer.port

@@ -24,6 +24,7 @@ from pagefold.distributed.parallel_state import close_tensor_parallel, init_tens
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
 from pagefold.offload.setup import OffloadPlan, build_store
+from pagefold.transfer.setup import TransferPlan, build_transfer_worker
 
 logger = logging.getLogger("pagefold")
 
@@ -46,6 +47,7 @@ class WorkerInit:
     quantization: str | None = None  # the quantization option (see ``load_model``)
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
     offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
+    transfer: TransferPlan | None = None  # P/D: this rank exports / pulls its shard
 
 
 def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
@@ -59,6 +61,8 @@ def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
                           quantization=init.quantization)
     if init.offload is not None:
         build_store(init.offload, runner, rank)
+    if init.transfer is not None:
+        build_transfer_worker(init.transfer, runner, rank)
     if init.warm_up_tokens:
         runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
     return runner

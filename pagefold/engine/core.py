@@ -48,7 +48,7 @@ from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
 from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
-from pagefold.transfer.setup import attach_transfer
+from pagefold.transfer.setup import TransferPlan, attach_transfer, transfer_plan
 
 logger = logging.getLogger("pagefold")
 
@@ -86,12 +86,14 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
-                          warm_len: int, offload: OffloadPlan | None = None):
+                          warm_len: int, offload: OffloadPlan | None = None,
+                          transfer: TransferPlan | None = None):
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
                       cache_fill, host_blocks, threads, warm, warm_len, config.quantization,
-                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload)
+                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload,
+                      transfer=transfer)
     return TPExecutor(init, config.tensor_parallel_size)
 
 
@@ -157,6 +159,7 @@ class EngineCore:
                                             * self.kv_config.page_bytes)
         max_positions = max(self.max_model_len, max_pos)
         offload = offload_plan(config, self.kv_config, model_dtype=self.dtype)
+        transfer = transfer_plan(config, self.kv_config, model_dtype=self.dtype)
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
         gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
@@ -181,7 +184,7 @@ class EngineCore:
             self.model = None  # the ranks hold the shards
             self.runner = start_tensor_parallel(
                 config, arch, self.dtype, max_positions, self.device, self.kv_config,
-                cache_fill, host_blocks, warm, warm_len, offload)
+                cache_fill, host_blocks, warm, warm_len, offload, transfer)
             logger.info("tensor parallel: %d ranks (pids %s)", self.tp, self.runner.pids)
         if config.kv_cache_dtype == "fp8" and self.tp == 1:
             n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
@@ -196,8 +199,7 @@ class EngineCore:
         # Offload tiers (host memory, disk) for the prefix cache: a KV connector.
         self.offload = attach_offload(offload, self.kv, self.runner)
         # Prefill/decode disaggregation: pages pulled from / exported to another engine.
-        self.transfer = attach_transfer(config, self.kv_config, self.kv, self.runner,
-                                        model_dtype=self.dtype)
+        self.transfer = attach_transfer(transfer, config, self.kv, self.runner)
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)

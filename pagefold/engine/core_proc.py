@@ -229,7 +229,9 @@ def _transfer_stats(core) -> dict[str, int]:
     return {"transfer_tokens_loaded": st.tokens_loaded, "transfer_bytes_loaded": st.bytes_loaded,
             "transfer_load_failures": st.load_failures, "transfer_refused": st.refused,
             "transfer_exports": st.exports,
-            "transfer_exports_held": len(getattr(core.runner.connector, "outbox", ()))}
+            # The outbox of this process's runner (tensor parallelism: the ranks hold theirs).
+            "transfer_exports_held": len(getattr(getattr(core.runner, "connector", None),
+                                                 "outbox", ()))}
 
 
 def _offload_stats(core) -> dict[str, int]:

@@ -63,12 +63,13 @@ class Remote:
 
 class TransferIndex(KVConnectorScheduler):
     def __init__(self, *, engine_id: str, layout: str, block_size: int, host: str,
-                 port: int | None, producer: bool, consumer: bool) -> None:
+                 port: int | None, producer: bool, consumer: bool, tp_size: int = 1) -> None:
         self.engine_id = engine_id
         self.layout = layout
         self.block_size = block_size
         self.host, self.port = host, port
         self.producer, self.consumer = producer, consumer
+        self.tp_size = tp_size
         self._remotes: dict[str, Remote] = {}  # consumer request -> its producer
         self._keys: dict[str, list[Hashable]] = {}  # consumer request -> its remote keys
         # remote key -> the requests that registered it (the latest is asked first)
@@ -91,6 +92,9 @@ class TransferIndex(KVConnectorScheduler):
         why = None
         if not self.consumer:
             why = "this engine's kv_role does not consume"
+        elif params.get("remote_tp_size", 1) != self.tp_size:
+            why = (f"producer tensor-parallel size {params.get('remote_tp_size', 1)} is not "
+                   f"this engine's {self.tp_size} (mixed tensor parallelism is not supported)")
         elif params.get("layout") != self.layout:
             why = (f"producer layout {params.get('layout')} is not this engine's "
                    f"{self.layout} (another model, block size, dtype or cache geometry)")
@@ -172,7 +176,8 @@ class TransferIndex(KVConnectorScheduler):
                 "remote_engine_id": self.engine_id, "remote_host": self.host,
                 "remote_port": self.port, "remote_request_id": req_id,
                 "remote_block_keys": names, "num_tokens": num_tokens,
-                "layout": self.layout, "block_size": self.block_size}
+                "layout": self.layout, "block_size": self.block_size,
+                "remote_tp_size": self.tp_size}
 
     # ------------------------------------------------------------------ steps
     def request_drain(self) -> None:

@@ -55,11 +55,13 @@ def scatter_rows(shared: list[torch.Tensor], pages: list[int], rows: torch.Tenso
 
 class TransferWorker(KVConnectorWorker):
     def __init__(self, shared: list[torch.Tensor], group_layers: list[int], *, layout: str,
-                 bind: tuple[str, int] | None, keep_s: float, pull_timeout_s: float) -> None:
+                 bind: tuple[str, int] | None, keep_s: float, pull_timeout_s: float,
+                 rank: int = 0) -> None:
         self.shared = shared
         self.page_bytes = shared[0].shape[1]
         self.group_layers = group_layers
         self.layout = layout
+        self.rank = rank  # a consumer's rank r pulls from the producer's rank r (port + r)
         self.keep_s, self.pull_timeout_s = keep_s, pull_timeout_s
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
@@ -174,7 +176,7 @@ class TransferWorker(KVConnectorWorker):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://{remote.host}:{remote.port}")
+            sock.connect(f"tcp://{remote.host}:{remote.port + self.rank}")
             sock.send_multipart(encode_pull(remote.remote_request_id, [], self.layout))
             sock.poll(1000)  # its answer (empty) says it arrived; a producer gone: nothing
         finally:
@@ -186,7 +188,7 @@ class TransferWorker(KVConnectorWorker):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://{remote.host}:{remote.port}")
+            sock.connect(f"tcp://{remote.host}:{remote.port + self.rank}")
             sock.send_multipart(encode_pull(remote.remote_request_id, list(want), self.layout))
             if not sock.poll(int(self.pull_timeout_s * 1000)):
                 logger.warning("kv transfer: producer %s:%s did not answer for request %s in "

@@ -11,6 +11,7 @@ import torch
 
 from pagefold.sampling_params import MAX_LOGPROBS
 from pagefold.spec_decode.config import SpeculativeConfig
+from pagefold.transfer.config import KVTransferConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -118,6 +119,10 @@ class EngineConfig:
     # kv_offloading_disk_size bytes (least recently used pages deleted first).
     kv_offloading_dir: str | None = None
     kv_offloading_disk_size: int | str = "8GiB"
+    # Prefill/decode disaggregation, vLLM's dict (or its JSON): {"kv_connector":
+    # "PagefoldConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip",
+    # "kv_port", ...}; parsed into a pagefold.transfer.config.KVTransferConfig (None: off).
+    kv_transfer_config: Any = None
     # Hybrids: also checkpoint linear-layer states every this many tokens of long prefills.
     state_checkpoint_interval: int = 256
     # Hybrids: take checkpoints inside the state layers' kernels instead of ending prefill
@@ -168,6 +173,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
+        self.kv_transfer_config = KVTransferConfig.from_user(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_transfer_config moves prefix-cache pages between engines; it "
+                             "needs enable_prefix_caching")
         if self.cpu_gemv_kernel is not None:
             from pagefold.csrc.gemv_choice import check_option
 

@@ -134,6 +134,18 @@ class ServerMetrics:
         self.offload_store_failures = Counter(
             "pagefold:kv_offload_store_failures",
             "Pages the disk tier could not write (offload of them skipped).", m, registry=r)
+        self.transfer_tokens = Counter(
+            "pagefold:kv_transfer_tokens_loaded",
+            "Prompt tokens pulled from a prefill instance instead of computed.", m, registry=r)
+        self.transfer_bytes = Counter("pagefold:kv_transfer_bytes_loaded",
+                                      "Page bytes pulled from prefill instances.", m, registry=r)
+        self.transfer_failures = Counter(
+            "pagefold:kv_transfer_load_failures",
+            "Pages that did not arrive, timed out or failed a checksum (recomputed).", m,
+            registry=r)
+        self.transfer_exports = Counter(
+            "pagefold:kv_transfer_exports",
+            "Prefills whose pages were exported for a decode instance to pull.", m, registry=r)
         self.prompt_tokens = Counter("pagefold:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("pagefold:generation_tokens", "Tokens generated.", m,
@@ -209,7 +221,11 @@ class ServerMetrics:
             (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
             (self.offload_tokens, "offload_tokens_loaded"),
             (self.offload_load_failures, "offload_load_failures"),
-            (self.offload_store_failures, "offload_store_failures"))
+            (self.offload_store_failures, "offload_store_failures"),
+            (self.transfer_tokens, "transfer_tokens_loaded"),
+            (self.transfer_bytes, "transfer_bytes_loaded"),
+            (self.transfer_failures, "transfer_load_failures"),
+            (self.transfer_exports, "transfer_exports"))
         for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
         for metric in (self.prompt_tokens, self.generation_tokens, self.checkpoints,

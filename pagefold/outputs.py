@@ -41,3 +41,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt
     # token its logprob entry (the token itself and the top-k), as vLLM returns them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A finished prefill on a kv_producer engine (prefill/decode disaggregation): what the
+    # decoding engine needs to pull its pages (vLLM's ``kv_transfer_params``).
+    kv_transfer_params: dict | None = None

@@ -76,6 +76,13 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
 
     @property
+    def kv_transfer_params(self) -> dict | None:
+        """vLLM's ``kv_transfer_params`` (in ``SamplingParams.extra_args``): prefill/decode
+        disaggregation, see ``pagefold.transfer``."""
+        extra = self.sampling_params.extra_args
+        return extra.get("kv_transfer_params") if extra else None
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from pagefold.structured_output.params import StructuredOutputsParams
 
@@ -111,6 +112,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's extra_args: free-form per-request arguments; "kv_transfer_params" (prefill/decode
+    # disaggregation, see pagefold.transfer) is the one the engine reads.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()

@@ -164,6 +164,30 @@ class KVCacheManager:
         self.connector.stats.tokens_loaded += tier_tokens
         return True
 
+    def export_prompt(self, req: Request) -> dict | None:
+        """A finished prefill leaves for another engine: the cached pages of its prompt (each
+        attention group's blocks along the chain, each state group's deepest checkpoint, up to
+        the longest hit a request of this prompt can take) go to the connector, which returns
+        the ``kv_transfer_params`` (None: nothing cached, or the connector does not export).
+        Call before ``free``."""
+        if self.connector is None or not self.caching:
+            return None
+        n = (req.num_prompt_tokens - 1) // self.block_size
+        hashes = update_block_hashes(req, self.block_size)[:n]
+        entries = []
+        for m in self.managers:
+            if m.wants_checkpoints():  # the deepest checkpoint is the one a hit restores
+                keys = [("ckpt", m.index, h) for h in reversed(hashes)]
+            else:
+                keys = [(m.index, h) for h in hashes]
+            for key in keys:
+                e = self.pool.entry(key)
+                if e is not None:
+                    entries.append((key, m.index, [b.block_id for b in e.blocks]))
+                    if m.wants_checkpoints():
+                        break
+        return self.connector.export(req.request_id, entries, n * self.block_size)
+
     # ------------------------------------------------------------------ prefix hits
     def find_hit(self, req: Request) -> int:
         """Blocks of ``req``'s prefix servable from cache (0 when caching is off)."""
@@ -496,6 +520,8 @@ class KVCacheManager:
             m.free(req.request_id)
         if self._loading.pop(req.request_id, None) is not None:
             self.connector.cancel_loads(req.request_id)  # its pages go back to the pool now
+        if self.connector is not None:
+            self.connector.release(req.request_id)
         self._targets.pop(req.request_id, None)
         for h in req.block_hashes:
             if self._inflight.get(h) == req.request_id:

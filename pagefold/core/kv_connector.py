@@ -88,6 +88,29 @@ class KVLoad:
 
 
 @dataclass(slots=True)
+class KVExport:
+    """Copy pool rows ``pages`` of ``group`` out under ``key`` for a consumer engine to pull
+    as part of request ``req_id``'s prefill (prefill/decode disaggregation: the producer)."""
+
+    req_id: str
+    key: str
+    group: int
+    pages: list[int]
+
+
+@dataclass(slots=True)
+class KVRemote:
+    """Where the loads of ``req_id`` named ``keys`` come from (prefill/decode disaggregation:
+    the consumer): the producer's address and its request id."""
+
+    req_id: str
+    host: str
+    port: int
+    remote_request_id: str
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class KVOps:
     """A step's connector work (plain data: it travels to every rank with the step).
 
@@ -95,19 +118,25 @@ class KVOps:
     be handed out again in this very step). ``poll``: requests are loading, so the worker runs
     even without new ops (to land loads that finished). ``idle``: the step computes nothing
     else (the worker may wait briefly for a load). ``drain``: finish every queued write
-    before the step ends (shutdown)."""
+    before the step ends (shutdown). A transfer connector's (prefill/decode disaggregation):
+    ``exports`` (read with the saves), ``remotes`` (the sources of the loads) and
+    ``releases`` (producer exports this engine will not pull: the request found its prefix in
+    its own pool, or ended; the producer frees them now rather than after its timeout)."""
 
     drops: list[str] = field(default_factory=list)  # disk page files to delete
     saves: list[KVSave] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    exports: list[KVExport] = field(default_factory=list)
+    remotes: list[KVRemote] = field(default_factory=list)
+    releases: list[KVRemote] = field(default_factory=list)
     poll: bool = False
     idle: bool = False
     drain: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.drops or self.saves or self.loads or self.cancels or self.poll
-                    or self.drain)
+                    or self.drain or self.exports or self.releases)
 
 
 @dataclass(slots=True)
@@ -211,6 +240,16 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def has_pending(self) -> bool:
         """Ops are queued for the next step."""
+
+    def release(self, req_id: str) -> None:  # noqa: B027 - nothing is per request by default
+        """``req_id`` no longer holds pages (finished, aborted, preempted or starting over)."""
+
+    def export(self, req_id: str, entries: list[tuple[Hashable, int, list[int]]],
+               num_tokens: int) -> dict | None:
+        """A finished prefill's cached pages ``(key, group, pool rows)`` leave for another
+        engine (covering ``num_tokens`` prompt tokens); returns the ``kv_transfer_params``
+        that engine needs, or None when this connector does not export."""
+        return None
 
 
 class KVConnectorWorker(ABC):

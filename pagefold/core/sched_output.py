@@ -152,6 +152,9 @@ class EngineCoreOutput:
     # On a request's first output only: time.monotonic() when it was first scheduled (the
     # clock is system-wide, so the API process times queue vs prefill with it).
     scheduled_time: float | None = None
+    # On a finished prefill that asked for ``do_remote_decode`` (prefill/decode
+    # disaggregation): what the decoding engine needs to pull its pages.
+    kv_transfer_params: dict | None = None
 
 
 class RunnerOutput(dict):

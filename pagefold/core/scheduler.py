@@ -464,6 +464,13 @@ class Scheduler:
             self.kv.after_step(r)
         self.kv.release_pins()
         for r, status in finished:
+            params = r.kv_transfer_params
+            # One export per prompt: a family's children share the parent's prompt pages.
+            if params and params.get("do_remote_decode") and r.parent_id is None:
+                exported = self.kv.export_prompt(r)  # before its pages are freed
+                for eo in outputs:
+                    if eo.request_id == r.request_id:
+                        eo.kv_transfer_params = exported
             self.finish_request(r.request_id, status)
         if self.structured is not None and self.structured.num_matchers:
             self.structured.retain(self.requests)  # finished / aborted requests' matchers go

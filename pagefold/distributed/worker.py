@@ -33,6 +33,7 @@ from pagefold.distributed.parallel_state import (
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
 from pagefold.offload.setup import OffloadPlan, build_store
+from pagefold.transfer.setup import TransferPlan, build_transfer_worker
 
 logger = logging.getLogger("pagefold")
 
@@ -60,6 +61,7 @@ class WorkerInit:
     # Per stage: its decoder layers [start, end) and its pool (``plan_stages``); empty at 1.
     stage_layers: tuple[tuple[int, int], ...] = ()
     stage_kv_configs: tuple[KVCacheConfig, ...] = ()
+    transfer: TransferPlan | None = None  # P/D: this rank exports / pulls its shard
 
 
 def sampling_rank(world: int, pipeline_parallel_size: int) -> int:
@@ -79,6 +81,8 @@ def build_rank_runner(init: WorkerInit, rank: int = 0, stage: int = 0) -> ModelR
                           quantization=init.quantization)
     if init.offload is not None:
         build_store(init.offload, runner, rank)
+    if init.transfer is not None:
+        build_transfer_worker(init.transfer, runner, rank)
     if init.warm_up_tokens:
         runner.warm_up(init.warm_up_tokens, init.warm_up_seq_len)
     return runner

@@ -56,6 +56,7 @@ from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
 from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
+from pagefold.transfer.setup import TransferPlan, attach_transfer, transfer_plan
 
 logger = logging.getLogger("pagefold")
 
@@ -101,7 +102,8 @@ def check_tensor_parallel(arch: str, hf_config, tp: int, expert_parallel: bool =
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
                           warm_len: int, offload: OffloadPlan | None = None,
-                          stage_layers: tuple = (), stage_kv_configs: tuple = ()):
+                          stage_layers: tuple = (), stage_kv_configs: tuple = (),
+                          transfer: TransferPlan | None = None):
     """The worker ranks: ``tensor_parallel_size`` per pipeline stage (``stage_layers`` and
     ``stage_kv_configs`` give each stage's layers and pool; empty without a pipeline)."""
     world = config.tensor_parallel_size * config.pipeline_parallel_size
@@ -112,7 +114,7 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
                       expert_parallel=config.enable_expert_parallel,
                       pipeline_parallel_size=config.pipeline_parallel_size,
                       stage_layers=tuple(stage_layers),
-                      stage_kv_configs=tuple(stage_kv_configs))
+                      stage_kv_configs=tuple(stage_kv_configs), transfer=transfer)
     return TPExecutor(init, world)
 
 
@@ -199,6 +201,10 @@ class EngineCore:
         if offload is not None and self.pp > 1:
             raise ValueError("the prefix-cache offload tiers (kv_offloading_size / "
                              "kv_offloading_dir) need pipeline_parallel_size 1")
+        transfer = transfer_plan(config, self.kv_config, model_dtype=self.dtype)
+        if transfer is not None and self.pp > 1:
+            raise ValueError("kv_transfer_config (prefill/decode disaggregation) needs "
+                             "pipeline_parallel_size 1")
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
         gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
@@ -224,7 +230,7 @@ class EngineCore:
             self.runner = start_tensor_parallel(
                 config, arch, self.dtype, max_positions, self.device, self.kv_config,
                 cache_fill, host_blocks, warm, warm_len, offload, self.stage_layers,
-                stage_kv_configs)
+                stage_kv_configs, transfer)
             logger.info("tensor parallel %d x pipeline parallel %d: %d ranks (pids %s)",
                         self.tp, self.pp, self.world, self.runner.pids)
         if config.kv_cache_dtype == "fp8" and self.world == 1:
@@ -239,6 +245,8 @@ class EngineCore:
                             PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
         # Offload tiers (host memory, disk) for the prefix cache: a KV connector.
         self.offload = attach_offload(offload, self.kv, self.runner)
+        # Prefill/decode disaggregation: pages pulled from / exported to another engine.
+        self.transfer = attach_transfer(transfer, config, self.kv, self.runner)
         if host_blocks:
             logger.info("swap space: %d host blocks (%.2f GiB), preemption mode %s",
                         host_blocks, config.swap_space / 2**30, config.preemption_mode)
@@ -400,6 +408,7 @@ class EngineCore:
             self._check_images(mm_inputs, prompt_token_ids)
         else:
             mm_inputs = None
+        transfer = self._transfer_params(params)
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
         family = max(params.n, params.best_of or 1)
         if family > 1:
@@ -413,6 +422,8 @@ class EngineCore:
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, mm_inputs=mm_inputs,
                       **kw)
+        if transfer and transfer.get("do_remote_prefill"):
+            self.transfer.expect(req, transfer)  # refused: a warning, then a local prefill
         self.scheduler.add_request(req)
         return req
 
@@ -431,6 +442,25 @@ class EngineCore:
             if f.length < 1 or len(span) != f.length or any(t != token for t in span):
                 raise ValueError(f"image {i}: tokens {f.offset}..{f.offset + f.length - 1} "
                                  "are not all image placeholder tokens of the prompt")
+
+    def _transfer_params(self, params: SamplingParams) -> dict | None:
+        """``extra_args["kv_transfer_params"]``, checked; ValueError when this engine has no
+        ``kv_transfer_config`` to honour it."""
+        extra = params.extra_args
+        if extra is None:
+            return None
+        if not isinstance(extra, dict):
+            raise ValueError("extra_args must be a dict")
+        transfer = extra.get("kv_transfer_params")
+        if transfer is None:
+            return None
+        if not isinstance(transfer, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if self.transfer is None and (transfer.get("do_remote_prefill")
+                                      or transfer.get("do_remote_decode")):
+            raise ValueError("kv_transfer_params needs an engine started with "
+                             "--kv-transfer-config (prefill/decode disaggregation)")
+        return transfer
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests; a parallel-sampling family id aborts all its children too."""

@@ -136,6 +136,15 @@ class CoreStats(msgspec.Struct):
     offload_tokens_loaded: int = 0
     offload_load_failures: int = 0
     offload_store_failures: int = 0
+    # Prefill/decode disaggregation (cumulative; transfer/index.py TransferStats): prompt tokens
+    # and payload bytes pulled from producers, pages that failed (recomputed), requests whose
+    # params were refused, requests exported to consumers.
+    transfer_tokens_loaded: int = 0
+    transfer_bytes_loaded: int = 0
+    transfer_load_failures: int = 0
+    transfer_refused: int = 0
+    transfer_exports: int = 0
+    transfer_exports_held: int = 0  # exported prefills waiting for their consumer now
 
 
 class RequestError(msgspec.Struct):
@@ -210,7 +219,21 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         recomputed_tokens=plog.recomputed_tokens, credited_tokens=plog.credited_tokens,
         num_forks=s.num_forks, num_checkpoints=num_ck,
         checkpoint_bytes=ck_blocks * cfg.layers_per_group * cfg.page_bytes,
-        num_aborted=s.num_aborted, **_spec_stats(core), **_offload_stats(core))
+        num_aborted=s.num_aborted, **_spec_stats(core), **_offload_stats(core),
+        **_transfer_stats(core))
+
+
+def _transfer_stats(core) -> dict[str, int]:
+    index = getattr(core, "transfer", None)
+    if index is None:
+        return {}
+    st = index.stats
+    return {"transfer_tokens_loaded": st.tokens_loaded, "transfer_bytes_loaded": st.bytes_loaded,
+            "transfer_load_failures": st.load_failures, "transfer_refused": st.refused,
+            "transfer_exports": st.exports,
+            # The outbox of this process's runner (tensor parallelism: the ranks hold theirs).
+            "transfer_exports_held": len(getattr(getattr(core.runner, "connector", None),
+                                                 "outbox", ()))}
 
 
 def _offload_stats(core) -> dict[str, int]:

@@ -44,6 +44,7 @@ class Family:
     seqs: list[SeqState]
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,6 +96,8 @@ class OutputProcessor:
             fam.num_cached_tokens = max(fam.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and fam.prompt_logprobs is None:
                 fam.prompt_logprobs = [None] + [self._entry(*e) for e in out.prompt_logprobs]
+            if out.kv_transfer_params is not None:
+                fam.kv_transfer_params = out.kv_transfer_params
             if self._update(st, out):
                 to_abort.append(out.request_id)
             touched[fam.request_id] = fam
@@ -158,4 +161,5 @@ class OutputProcessor:
                  for i, s in enumerate(seqs)]
         return RequestOutput(fam.request_id, fam.prompt, fam.prompt_token_ids, comps,
                              finished=fam.finished, num_cached_tokens=fam.num_cached_tokens,
-                             prompt_logprobs=fam.prompt_logprobs)
+                             prompt_logprobs=fam.prompt_logprobs,
+                             kv_transfer_params=fam.kv_transfer_params)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from pagefold import __version__
-from pagefold.entrypoints import capacity_cmd, chat_cmd, engine_args
+from pagefold.entrypoints import capacity_cmd, chat_cmd, engine_args, proxy
 from pagefold.llm import LLM
 from pagefold.sampling_params import SamplingParams
 
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     capacity_cmd.add_parser(sub)
     chat_cmd.add_parser(sub)
+    proxy.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

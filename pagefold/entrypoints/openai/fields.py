@@ -29,7 +29,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_prompt_text": ((False, None), "not implemented"),
     "mm_payload": (("tensors", None), "no multimodal input"),
     "return_mm_kwargs": ((False, None), "no multimodal input"),
-    "kv_transfer_params": ((None, {}), "no disaggregated prefill"),
+    "kv_transfer_params": ((None, {}), "this server was started without "
+                           "--kv-transfer-config (prefill/decode disaggregation)"),
     "ec_transfer_params": ((None, {}), "no encoder cache transfer"),
     "vllm_xargs": ((None, {}), "no custom logits processors take extra arguments"),
     "repetition_detection": ((None,), "not implemented"),
@@ -46,10 +47,16 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 BACKENDS = (None, "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 
 
-def refuse_unsupported(req: SamplingRequest) -> None:
-    """400 naming the first field sent with a value pagefold cannot honour."""
+def refuse_unsupported(req: SamplingRequest, allow: tuple[str, ...] = ()) -> None:
+    """400 naming the first field sent with a value pagefold cannot honour; ``allow``: fields
+    this server honours after all (``kv_transfer_params`` with a kv_transfer_config)."""
     for name in sorted(req.model_fields_set):
         rule = REFUSED.get(name)
+        if name in allow:
+            if name == "kv_transfer_params" and not isinstance(req.kv_transfer_params,
+                                                               dict | None):
+                raise bad_request("kv_transfer_params must be an object", name)
+            continue
         if rule is None or (name == "length_penalty" and req.use_beam_search):
             continue
         value = getattr(req, name)

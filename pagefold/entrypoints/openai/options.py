@@ -37,6 +37,8 @@ class ServeOptions:
     force_include_usage: bool = False
     # Logprob token strings as "token_id:N" unless the request says otherwise.
     return_tokens_as_token_ids: bool = False
+    # The engine has a kv_transfer_config: requests may carry kv_transfer_params.
+    kv_transfer: bool = False
     tokenizer_info: bool = False
 
 

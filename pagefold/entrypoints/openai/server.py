@@ -129,6 +129,7 @@ def build_state(config: EngineConfig, *, served_model_name: str | list[str] | No
     options = options or ServeOptions()
     options.served_model_names = names or [name]
     options.default_sampling = generation_defaults(config.model, config.generation_config)
+    options.kv_transfer = config.kv_transfer_config is not None
     log_generation_defaults(options.default_sampling, config.generation_config)
     metrics = ServerMetrics(name)
     if client is None:

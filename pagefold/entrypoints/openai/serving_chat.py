@@ -197,7 +197,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, raw: Request, req: ChatCompletionRequest) -> Response:
         self.check_model(req.model)
-        refuse_unsupported(req)
+        refuse_unsupported(req, self.allowed_fields)
         mode, tool_name = self._tool_mode(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -344,6 +344,8 @@ class OpenAIServingChat(OpenAIServing):
                            out.num_cached_tokens),
             "prompt_logprobs": None, "prompt_token_ids": None,  # vLLM's keys, null unless asked
         }
+        if out.kv_transfer_params is not None:
+            body["kv_transfer_params"] = out.kv_transfer_params
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(out)
         if req.return_token_ids:

@@ -87,6 +87,11 @@ class OpenAIServing:
         self.defaults: dict[str, Any] = dict(self.options.default_sampling)
 
     @property
+    def allowed_fields(self) -> tuple[str, ...]:
+        """Fields ``fields.REFUSED`` lists that this server honours after all."""
+        return ("kv_transfer_params",) if self.options.kv_transfer else ()
+
+    @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
 
@@ -128,7 +133,7 @@ class OpenAIServing:
                         prompt_len: int, logprobs_param: str = "logprobs") -> SamplingParams:
         """SamplingParams for one prompt; every problem is a 400 naming the field."""
         self._check_samples(req)
-        refuse_unsupported(req)
+        refuse_unsupported(req, self.allowed_fields)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
@@ -167,6 +172,8 @@ class OpenAIServing:
             structured_outputs=constraint, logit_bias=self._logit_bias(req.logit_bias),
             allowed_token_ids=self._token_ids(req.allowed_token_ids, "allowed_token_ids"),
             bad_words=req.bad_words or None, prompt_logprobs=req.prompt_logprobs)
+        if req.kv_transfer_params:  # accepted only with a kv_transfer_config (fields.py)
+            kw["extra_args"] = {"kv_transfer_params": dict(req.kv_transfer_params)}
         if req.prompt_logprobs_temperature is not None:
             kw["prompt_logprobs_temperature"] = req.prompt_logprobs_temperature
         if req.logprob_token_ids is not None:
@@ -390,10 +397,13 @@ def completion_tokens(outs: list[RequestOutput]) -> int:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, raw: Request, req: CompletionRequest) -> Response:
         self.check_model(req.model)
-        refuse_unsupported(req)
+        refuse_unsupported(req, self.allowed_fields)
         if req.prompt is None:
             raise bad_request("prompt is required", "prompt")
         prompts = await self._prompts(req.prompt, req)
+        if req.kv_transfer_params and len(prompts) > 1:
+            raise bad_request("kv_transfer_params names one request: send one prompt",
+                              "kv_transfer_params")
         params = [self.sampling_params(req, max_tokens=req.max_tokens,
                                        max_tokens_param="max_tokens", logprobs=req.logprobs,
                                        prompt_len=len(ids)) for _, ids in prompts]
@@ -479,9 +489,12 @@ class OpenAIServingCompletion(OpenAIServing):
             n_prompt += len(ids)
             n_cached += out.num_cached_tokens
         choices.sort(key=lambda c: c["index"])
-        return {"id": rid, "object": "text_completion", "created": created,
+        body = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.served_model_name, "choices": choices,
                 "usage": usage(n_prompt, completion_tokens(finals), n_cached)}
+        if finals and finals[0].kv_transfer_params is not None:
+            body["kv_transfer_params"] = finals[0].kv_transfer_params  # vLLM's key
+        return body
 
     async def stream_events(self, req: CompletionRequest, rid: str, created: int, prompts: list,
                             params: list[SamplingParams], first: tuple[int, RequestOutput],

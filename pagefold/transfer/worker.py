@@ -1,0 +1,277 @@
+"""The transfer connector's worker side: the producer's outbox and server, the consumer's pulls.
+
+Producer: an export op copies pool rows into the outbox (CPU tensors) at the start of the step
+after the prefill finished, before anything of that step can overwrite them; from then on the
+pool holds nothing for the transfer (it is whole). A server thread (a ZMQ ROUTER bound at
+``kv_ip:kv_port``) answers pulls from the outbox; an entry leaves it once sent, when its
+consumer releases it (a pull naming no key: it found the prefix in its own pool), or after
+``keep_s`` when nobody pulled it. A pull that arrives before its export ran waits for it (up to
+``keep_s``).
+
+Consumer: the loads of a step are grouped per producer request into pulls, run by a pull thread
+(a ZMQ DEALER per pull, ``pull_timeout_s`` to answer); every page of an answer is checked
+(``wire.decode_pages``) and lands in the pool at the start of the first step after it arrived
+(its destination pages belong to a request that computes nothing until its loads are reported).
+A page that does not arrive, arrives late or fails a check is reported as failed: it never
+reaches the pool and the request recomputes it. ``cancels`` drop the results of an aborted
+request's pulls (its pages may be someone else's by then).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+import zmq
+
+from pagefold.core.kv_connector import ConnectorOutput, KVConnectorWorker, KVOps
+from pagefold.executor.cache_tensors import wide_rows
+from pagefold.offload.page_file import PageGeometry
+from pagefold.transfer.wire import decode_pages, decode_pull, encode_pages, encode_pull
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02  # longest wait for a pull on a step with nothing else to compute
+POLL_MS = 20  # the server's poll period (expiry and waiting pulls are checked this often)
+
+
+def gather_rows(shared: list[torch.Tensor], layers: int, pages: list[int]) -> torch.Tensor:
+    """Pool rows ``pages`` of the group's ``layers`` layers: (layers, pages, page_bytes) uint8
+    on the CPU (a copy)."""
+    idx = torch.tensor(pages, dtype=torch.int64, device=shared[0].device)
+    rows = [wide_rows(shared[li]).index_select(0, idx).view(torch.uint8) for li in range(layers)]
+    return torch.stack(rows).cpu()
+
+
+def scatter_rows(shared: list[torch.Tensor], pages: list[int], rows: torch.Tensor) -> None:
+    idx = torch.tensor(pages, dtype=torch.int64, device=shared[0].device)
+    for li in range(rows.shape[0]):
+        dst = wide_rows(shared[li])
+        dst.index_copy_(0, idx, rows[li].to(shared[li].device).contiguous().view(dst.dtype))
+
+
+class TransferWorker(KVConnectorWorker):
+    def __init__(self, shared: list[torch.Tensor], group_layers: list[int], *, layout: str,
+                 bind: tuple[str, int] | None, keep_s: float, pull_timeout_s: float,
+                 rank: int = 0) -> None:
+        self.shared = shared
+        self.page_bytes = shared[0].shape[1]
+        self.group_layers = group_layers
+        self.layout = layout
+        self.rank = rank  # a consumer's rank r pulls from the producer's rank r (port + r)
+        self.keep_s, self.pull_timeout_s = keep_s, pull_timeout_s
+        self._ctx = zmq.Context()
+        self._lock = threading.Lock()
+        # producer request id -> (deadline, [(key name, group, rows)])
+        self.outbox: dict[str, tuple[float, list[tuple[str, int, torch.Tensor]]]] = {}
+        self.sent = 0
+        self.released = 0
+        self.expired = 0
+        self._stop = threading.Event()
+        self._pulls: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._outstanding: dict[str, int] = {}  # request -> pulls not landed yet
+        self._failed: dict[str, list[str]] = {}
+        self._cancelled: set[str] = set()
+        self.port: int | None = None
+        self._threads = [threading.Thread(target=self._pull_loop, name="pagefold-kv-pull",
+                                          daemon=True)]
+        if bind is not None:
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            host, port = bind
+            try:
+                if port:
+                    sock.bind(f"tcp://{host}:{port}")
+                    self.port = port
+                else:
+                    self.port = sock.bind_to_random_port(f"tcp://{host}")
+            except zmq.ZMQError as e:
+                sock.close(0)
+                self._ctx.term()
+                raise ValueError(f"kv_transfer_config: cannot serve pages at {host}:{port} "
+                                 f"({e}); give another kv_ip / kv_port (0: any free port)"
+                                 ) from None
+            self._threads.append(threading.Thread(target=self._serve, args=(sock,),
+                                                  name="pagefold-kv-serve", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ producer
+    def _serve(self, sock: zmq.Socket) -> None:
+        waiting: list[tuple[bytes, dict, float]] = []  # pulls whose export has not run yet
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(POLL_MS):
+                    ident, *frames = sock.recv_multipart()
+                    try:
+                        waiting.append((ident, decode_pull(frames), time.monotonic()))
+                    except ValueError as e:
+                        sock.send_multipart([ident, *encode_pages([], self.layout, str(e))])
+                now = time.monotonic()
+                still = []
+                for ident, msg, t0 in waiting:
+                    answer = self._answer(msg)
+                    if answer is None and now - t0 < self.keep_s:
+                        still.append((ident, msg, t0))
+                        continue
+                    if answer is None:
+                        answer = encode_pages([], self.layout, f"no export for request "
+                                              f"{msg.get('req')!r}")
+                    sock.send_multipart([ident, *answer], copy=False)
+                waiting = still
+                self._expire(now)
+        finally:
+            sock.close(0)
+
+    def _answer(self, msg: dict) -> list | None:
+        """Frames answering a pull (the export leaves the outbox), or None: not exported yet."""
+        if msg.get("layout") != self.layout:
+            return encode_pages([], self.layout, f"layout {msg.get('layout')} is not this "
+                                f"producer's {self.layout}")
+        with self._lock:
+            entry = self.outbox.pop(str(msg.get("req")), None)
+        if entry is None:
+            return None
+        have = {name: (name, group, rows) for name, group, rows in entry[1]}
+        pages = [have[k] for k in msg["keys"] if k in have]
+        if msg["keys"]:
+            self.sent += 1
+        else:  # a release: the consumer will not pull it
+            self.released += 1
+        return encode_pages(pages, self.layout)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            for rid in [r for r, (deadline, _) in self.outbox.items() if deadline < now]:
+                del self.outbox[rid]
+                self.expired += 1
+                logger.warning("kv transfer: nobody pulled request %s's pages within %.0f s; "
+                               "freed", rid, self.keep_s)
+
+    # ------------------------------------------------------------------ consumer
+    def _pull_loop(self) -> None:
+        while True:
+            job = self._pulls.get()
+            if job is None:
+                return
+            req_id, remote, loads = job
+            if loads is None:  # a release: the producer may free this export now
+                self._release(remote)
+                continue
+            try:
+                got = self._pull(remote, loads)
+            except Exception:  # noqa: BLE001 - a failed pull is recomputed, never fatal
+                logger.exception("kv transfer: pull from %s:%s failed", remote.host,
+                                 remote.port)
+                got = {}
+            self._done.put((req_id, loads, got))
+
+    def _release(self, remote) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{remote.host}:{remote.port + self.rank}")
+            sock.send_multipart(encode_pull(remote.remote_request_id, [], self.layout))
+            sock.poll(1000)  # its answer (empty) says it arrived; a producer gone: nothing
+        finally:
+            sock.close(0)
+
+    def _pull(self, remote, loads: list[tuple[str, int, list[int]]]) -> dict[str, torch.Tensor]:
+        want = {name: PageGeometry(self.group_layers[g], len(pages), self.page_bytes)
+                for name, g, pages in loads}
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{remote.host}:{remote.port + self.rank}")
+            sock.send_multipart(encode_pull(remote.remote_request_id, list(want), self.layout))
+            if not sock.poll(int(self.pull_timeout_s * 1000)):
+                logger.warning("kv transfer: producer %s:%s did not answer for request %s in "
+                               "%.1f s; recomputing the prefill", remote.host, remote.port,
+                               remote.remote_request_id, self.pull_timeout_s)
+                return {}
+            frames = sock.recv_multipart(copy=False)
+        finally:
+            sock.close(0)
+        got, error = decode_pages([f.buffer for f in frames], want, self.layout)
+        if error is not None:
+            logger.warning("kv transfer: producer %s:%s: %s; recomputing the prefill",
+                           remote.host, remote.port, error)
+        elif len(got) < len(want):
+            logger.warning("kv transfer: %d of %d pages from %s:%s missing or corrupt; "
+                           "recomputing them", len(want) - len(got), len(want), remote.host,
+                           remote.port)
+        return got
+
+    def _land(self, item: tuple, out: ConnectorOutput) -> None:
+        req_id, loads, got = item
+        left = self._outstanding[req_id] - 1
+        self._outstanding[req_id] = left
+        if req_id not in self._cancelled:
+            for name, _, pages in loads:
+                rows = got.get(name)
+                if rows is None:
+                    self._failed.setdefault(req_id, []).append(name)
+                    continue
+                scatter_rows(self.shared, pages, rows)
+                out.loaded_from["remote"] = out.loaded_from.get("remote", 0) + 1
+                out.bytes_loaded += rows.numel()
+        if left == 0:
+            del self._outstanding[req_id]
+            if req_id in self._cancelled:
+                self._cancelled.discard(req_id)
+            else:
+                out.finished.append(req_id)
+                failed = self._failed.pop(req_id, None)
+                if failed:
+                    out.failed[req_id] = failed
+
+    # ------------------------------------------------------------------ a step's ops
+    @torch.inference_mode()
+    def run(self, ops: KVOps) -> ConnectorOutput:
+        out = ConnectorOutput()
+        for req_id in ops.cancels:
+            if req_id in self._outstanding:
+                self._cancelled.add(req_id)
+            self._failed.pop(req_id, None)
+        exports: dict[str, list] = {}
+        for ex in ops.exports:
+            rows = gather_rows(self.shared, self.group_layers[ex.group], ex.pages)
+            exports.setdefault(ex.req_id, []).append((ex.key, ex.group, rows))
+            out.bytes_saved += rows.numel()
+        if exports:
+            deadline = time.monotonic() + self.keep_s
+            with self._lock:
+                for rid, pages in exports.items():
+                    self.outbox[rid] = (deadline, pages)
+        by_name = {(ld.req_id, ld.key): ld for ld in ops.loads}
+        for src in ops.remotes:
+            loads = [(n, by_name[(src.req_id, n)].group, by_name[(src.req_id, n)].pages)
+                     for n in src.keys]
+            self._outstanding[src.req_id] = self._outstanding.get(src.req_id, 0) + 1
+            self._pulls.put((src.req_id, src, loads))
+        for rel in ops.releases:
+            self._pulls.put((rel.req_id, rel, None))
+        self._collect(out, wait=ops.idle and bool(self._outstanding))
+        return out
+
+    def _collect(self, out: ConnectorOutput, wait: bool) -> None:
+        try:
+            if wait:
+                self._land(self._done.get(timeout=IDLE_WAIT_S), out)
+            while True:
+                self._land(self._done.get_nowait(), out)
+        except queue.Empty:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pulls.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._ctx.term()

@@ -1,0 +1,459 @@
+"""Prefill/decode disaggregation (issue 38 item 3): a producer engine prefills, a consumer
+engine pulls the pages (attention blocks and the state checkpoint) and decodes.
+
+Exactness: the consumer's greedy float32 tokens equal a single engine's (cold); tokens *and*
+logprobs equal, bit for bit, a single engine that serves the same prompt with the same prefix
+hit (its second pass: the pages were pulled byte-exact, so the consumer computes exactly what
+that engine computes). The consumer computes only the prompt's tail after its last full block
+(a prompt of k blocks + 1 token: only its last token), counted from the runner's step messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from pagefold import LLM, SamplingParams
+from pagefold.entrypoints.proxy import Proxy, build_app, prefill_body
+from pagefold.offload.page_file import PageGeometry
+from pagefold.testing.tiny_models import random_prompts
+from pagefold.transfer import worker as transfer_worker
+from pagefold.transfer.config import KVTransferConfig
+from pagefold.transfer.wire import decode_pages, encode_pages
+
+MAX_TOKENS = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+BS = 16
+
+
+def _engine(model, **kw) -> LLM:
+    return LLM(str(model), dtype="float32", max_model_len=128, kv_cache_memory="16MiB",
+               warm_up=False, **kw)
+
+
+def _producer(model, **extra) -> LLM:
+    return _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": 0,
+                                              "kv_connector_extra_config": extra})
+
+
+def _consumer(model, **kw) -> LLM:
+    cfg = {"kv_role": "kv_consumer", "kv_connector_extra_config": {"pull_timeout_s": 2}}
+    return _engine(model, kv_transfer_config=cfg, **kw)
+
+
+def _prefill(prod: LLM, prompt: list[int]) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=1,
+                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = prod.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def _decode(cons: LLM, prompt: list[int], params: dict, sp: SamplingParams = GREEDY):
+    sp = sp.clone()
+    sp.extra_args = {"kv_transfer_params": params}
+    return cons.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+
+
+def _single(llm: LLM, prompt: list[int], sp: SamplingParams = GREEDY):
+    return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+
+
+def _lp(out):
+    return [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.logprobs]
+            for o in out.outputs]
+
+
+def _toks(out):
+    return [o.token_ids for o in out.outputs]
+
+
+class StepCounter:
+    """Tokens each request was scheduled for, read from the runner's step messages."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.counts: dict[str, int] = {}
+        runner = llm.engine.runner
+        inner = runner.execute
+
+        def execute(out):
+            for rid, n in out.num_scheduled.items():
+                self.counts[rid] = self.counts.get(rid, 0) + n
+            return inner(out)
+
+        runner.execute = execute
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _whole(*llms: LLM) -> None:
+    for llm in llms:
+        llm.engine.kv.check_whole()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # Lengths 81 (5 blocks + 1 token: the consumer computes only the last token), then others.
+    ps = random_prompts(3, 60, 90, 512, seed=11)
+    return [random_prompts(1, 81, 81, 512, seed=12)[0], *ps]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "nemotron_h"])
+def test_producer_to_consumer_equals_one_engine(arch, tiny_model_factory, prompts):
+    model = tiny_model_factory(arch)
+    prod, cons, single = _producer(model), _consumer(model), _engine(model)
+    counter = StepCounter(cons)
+    for p in prompts:
+        params = _prefill(prod, p)
+        n_blocks = (len(p) - 1) // BS
+        assert params["num_tokens"] == n_blocks * BS and params["remote_port"]
+        before = counter.total()
+        got = _decode(cons, p, params)
+        prompt_computed = counter.total() - before - (MAX_TOKENS - 1)
+        cold, warm = _single(single, p), _single(single, p)
+        assert _toks(got) == _toks(cold) == _toks(warm)
+        assert _lp(got) == _lp(warm)  # the same hit, the same bytes: bit-identical
+        assert got.num_cached_tokens == warm.num_cached_tokens == n_blocks * BS
+        assert prompt_computed == len(p) - n_blocks * BS  # only the tail after the last block
+        if len(p) == 81:
+            assert prompt_computed == 1  # no prefill beyond the last token
+    stats = cons.engine.transfer.stats
+    assert stats.requests_loaded == len(prompts) and stats.load_failures == 0
+    assert stats.tokens_loaded == sum((len(p) - 1) // BS * BS for p in prompts)
+    assert prod.engine.transfer.stats.exports == len(prompts)
+    assert not prod.engine.runner.connector.outbox  # every export was pulled and freed
+    if arch != "qwen3":  # a state checkpoint travelled with the attention pages
+        assert cons.engine.kv.pool.checkpoint_stats()[0] > 0
+    _whole(prod, cons, single)
+
+
+def test_parallel_sampling_consumer(tiny_model_factory, prompts):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons, single = _producer(model), _consumer(model), _engine(model)
+    sp = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=4, logprobs=1)
+    p = prompts[1]
+    fam = SamplingParams(temperature=0, max_tokens=1, n=2,
+                         extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = prod.generate([{"prompt_token_ids": p}], fam, use_tqdm=False)[0]
+    assert out.kv_transfer_params is not None  # a family exports its prompt once
+    assert prod.engine.transfer.stats.exports == 1
+    got = _decode(cons, p, out.kv_transfer_params, sp)
+    _single(single, p, SamplingParams(temperature=0, max_tokens=1))  # same hit as the consumer
+    ref = _single(single, p, sp)
+    assert _toks(got) == _toks(ref) and _lp(got) == _lp(ref)
+    assert cons.engine.transfer.stats.requests_loaded == 1
+    _whole(prod, cons, single)
+
+
+def test_chunked_prefill_on_the_producer(tiny_model_factory, prompts):
+    """A producer that prefills in 32-token chunks: the pages it exports are those chunks'
+    bytes; a single engine chunking alike, serving the prompt a second time, is the same."""
+    model = tiny_model_factory("qwen3_5")
+    prod = _engine(model, max_num_batched_tokens=32, kv_transfer_config={
+        "kv_role": "kv_producer", "kv_port": 0})
+    cons = _consumer(model)
+    single = _engine(model, max_num_batched_tokens=32)
+    p = prompts[2]
+    got = _decode(cons, p, _prefill(prod, p))
+    cold, warm = _single(single, p), _single(single, p)
+    assert _toks(got) == _toks(cold) and _lp(got) == _lp(warm)
+    assert got.num_cached_tokens == (len(p) - 1) // BS * BS
+    _whole(prod, cons, single)
+
+
+def test_batches_on_both_sides(tiny_model_factory, prompts, qwen35_single):
+    """Four prefills in one batch (exports of several requests in one step), then four
+    decodes in one batch (several pulls in flight at once)."""
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    pre = SamplingParams(temperature=0, max_tokens=1,
+                         extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    outs = prod.generate([{"prompt_token_ids": p} for p in prompts], pre, use_tqdm=False)
+    params = [o.kv_transfer_params for o in outs]
+    assert len({p["remote_request_id"] for p in params}) == len(prompts)
+    sps = []
+    for p in params:
+        sp = GREEDY.clone()
+        sp.extra_args = {"kv_transfer_params": p}
+        sps.append(sp)
+    got = cons.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    assert [_toks(g)[0] for g in got] == [qwen35_single[i][0] for i in range(len(prompts))]
+    assert [g.num_cached_tokens for g in got] == [(len(p) - 1) // BS * BS for p in prompts]
+    assert cons.engine.transfer.stats.requests_loaded == len(prompts)
+    assert not prod.engine.runner.connector.outbox
+    _whole(prod, cons)
+
+
+@pytest.fixture(scope="module")
+def qwen35_single(tiny_model_factory, prompts):
+    single = _engine(tiny_model_factory("qwen3_5"))
+    return {i: _toks(_single(single, p)) for i, p in enumerate(prompts)}
+
+
+def test_producer_gone_the_consumer_recomputes(tiny_model_factory, prompts, qwen35_single):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    params = _prefill(prod, prompts[0])
+    prod.engine.shutdown()  # its server is gone before the consumer pulls
+    t0 = time.monotonic()
+    got = _decode(cons, prompts[0], params)
+    assert time.monotonic() - t0 < 10
+    assert _toks(got) == qwen35_single[0] and got.num_cached_tokens == 0
+    stats = cons.engine.transfer.stats
+    assert stats.load_failures > 0 and stats.requests_loaded == 0 and stats.tokens_loaded == 0
+    _whole(cons)
+
+
+def test_a_corrupt_page_is_detected_and_recomputed(tiny_model_factory, prompts, qwen35_single,
+                                                   monkeypatch):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    real = transfer_worker.encode_pages
+
+    def flip(pages, layout, error=None):
+        frames = real(pages, layout, error)
+        if len(frames) > 2:  # one bit of the last page's payload flips on the wire
+            last = bytearray(frames[-1])
+            last[len(last) // 2] ^= 0x10
+            frames[-1] = bytes(last)
+        return frames
+
+    monkeypatch.setattr(transfer_worker, "encode_pages", flip)
+    got = _decode(cons, prompts[1], _prefill(prod, prompts[1]))
+    assert _toks(got) == qwen35_single[1]
+    stats = cons.engine.transfer.stats
+    assert stats.load_failures == 1 and stats.requests_loaded == 0
+    _whole(prod, cons)
+
+
+def test_an_export_nobody_pulls_is_freed_after_keep_s(tiny_model_factory, prompts):
+    prod = _producer(tiny_model_factory("qwen3"), keep_s=0.3)
+    _prefill(prod, prompts[2])
+    prod.engine.flush()
+    worker = prod.engine.runner.connector
+    assert worker.outbox  # the export waits for its consumer (the pool itself is whole)
+    _whole(prod)
+    deadline = time.monotonic() + 5
+    while worker.outbox and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.outbox and worker.expired == 1
+
+
+def test_a_consumer_that_hits_its_own_pool_releases_the_export(tiny_model_factory, prompts):
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    p = prompts[1]
+    _single(cons, p)  # the consumer caches the prompt itself first
+    got = _decode(cons, p, _prefill(prod, p))
+    assert got.num_cached_tokens == (len(p) - 1) // BS * BS  # from its own pool
+    assert cons.engine.transfer.stats.requests_loaded == 0
+    cons.engine.flush()  # the release leaves with the next step
+    worker = prod.engine.runner.connector
+    deadline = time.monotonic() + 5  # keep_s is 120 s: only the release frees it this soon
+    while worker.outbox and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.outbox and worker.released == 1 and worker.expired == 0
+    _whole(prod, cons)
+
+
+def test_mismatched_layouts_are_refused_and_prefilled_locally(tiny_model_factory, prompts,
+                                                              caplog):
+    model = tiny_model_factory("qwen3")
+    prod = _producer(model)
+    cons = _consumer(model, block_size=32)  # another block size: another layout
+    ref = _single(_engine(model, block_size=32), prompts[0])
+    with caplog.at_level("WARNING"):
+        got = _decode(cons, prompts[0], _prefill(prod, prompts[0]))
+    assert "refused" in caplog.text and "layout" in caplog.text
+    assert _toks(got) == _toks(ref) and got.num_cached_tokens == 0
+    assert cons.engine.transfer.stats.refused == 1
+    other = _consumer(tiny_model_factory("qwen3_5"))  # another model
+    got = _decode(other, prompts[0], _prefill(prod, prompts[0]))
+    assert got.num_cached_tokens == 0 and other.engine.transfer.stats.refused == 1
+    _whole(cons, other)
+
+
+def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qwen35_single):
+    """TP 2 on both sides of a GDN hybrid: rank r of the consumer pulls rank r's shard of every
+    page from the producer's rank r (at kv_port + r); a TP 1 consumer refuses the params."""
+    model = tiny_model_factory("qwen3_5")
+    tp = dict(tensor_parallel_size=2, threads_per_rank=1)
+    base = 20000 + int(time.time() * 1000) % 20000  # two consecutive ports
+    prod = _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": base}, **tp)
+    cons = _consumer(model, **tp)
+    single = _consumer(model)
+    try:
+        params = _prefill(prod, prompts[0])
+        assert params["remote_tp_size"] == 2 and params["remote_port"] == base
+        got = _decode(cons, prompts[0], params)
+        assert _toks(got) == qwen35_single[0]
+        assert got.num_cached_tokens == (len(prompts[0]) - 1) // BS * BS
+        assert cons.engine.transfer.stats.requests_loaded == 1
+        assert cons.engine.transfer.stats.load_failures == 0
+        refused = _decode(single, prompts[1], _prefill(prod, prompts[1]))
+        assert refused.num_cached_tokens == 0 and single.engine.transfer.stats.refused == 1
+        _whole(prod, cons, single)
+    finally:
+        prod.engine.shutdown()
+        cons.engine.shutdown()
+
+
+def test_a_busy_kv_port_is_a_clear_error(tiny_model_factory):
+    prod = _producer(tiny_model_factory("qwen3"))
+    port = prod.engine.transfer.port
+    with pytest.raises(ValueError, match=f"cannot serve pages at 127.0.0.1:{port}"):
+        _engine(tiny_model_factory("qwen3"),
+                kv_transfer_config={"kv_role": "kv_producer", "kv_port": port})
+
+
+def test_kv_transfer_params_need_a_transfer_config(tiny_model_factory, prompts):
+    llm = _engine(tiny_model_factory("qwen3"))
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                                                  {"do_remote_prefill": True}})
+    with pytest.raises(ValueError, match="kv-transfer-config"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+
+
+def test_transfer_config_parsing():
+    cfg = KVTransferConfig.from_user(json.dumps({"kv_connector": "PagefoldConnector",
+                                                 "kv_role": "kv_consumer", "kv_port": 0}))
+    assert cfg.is_consumer and not cfg.is_producer and cfg.kv_rank is None
+    assert KVTransferConfig.from_user({}) is None
+    for bad, msg in [({"kv_role": "kv_relay"}, "kv_role"), ({"kv_connector": "Nixl"},
+                     "kv_connector"), ({"kv_wat": 1}, "unknown"),
+                     ({"kv_connector_extra_config": {"keep_s": -1}}, "keep_s")]:
+        with pytest.raises(ValueError, match=msg):
+            KVTransferConfig.from_user(bad)
+
+
+def test_wire_pages_round_trip_and_damage():
+    rows = torch.randint(0, 256, (2, 3, 64), dtype=torch.uint8)
+    geom = PageGeometry(2, 3, 64)
+    frames = encode_pages([("a0-ff", 0, rows)], "L1")
+    got, err = decode_pages(frames, {"a0-ff": geom}, "L1")
+    assert err is None and torch.equal(got["a0-ff"], rows)
+    assert decode_pages(frames, {"a0-ff": geom}, "L2")[1] is not None  # another layout
+    assert decode_pages(frames, {"a0-ff": PageGeometry(2, 2, 64)}, "L1")[0] == {}
+    short = [*frames[:2], bytes(frames[2])[:-1]]
+    assert decode_pages(short, {"a0-ff": geom}, "L1")[0] == {}
+    flipped = bytearray(frames[2])
+    flipped[100] ^= 1
+    assert decode_pages([*frames[:2], bytes(flipped)], {"a0-ff": geom}, "L1")[0] == {}
+    refused = encode_pages([], "L1", "no export")
+    assert decode_pages(refused, {"a0-ff": geom}, "L1") == ({}, "no export")
+
+
+def test_proxy_routes_round_robin_retries_and_answers_503():
+    """The proxy against fake instances: prefill body, params handed on, round-robin, a dead
+    decode instance retried on the next, 503 when none answers."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 2, "stream": True,
+            "n": 2, "stream_options": {"include_usage": True}}
+    pre = prefill_body(body)
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and pre["n"] == 1
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "min_tokens" not in pre and "stream_options" not in pre and body["max_tokens"] == 9
+    seen: list[tuple[str, dict]] = []
+    dead: set[str] = set()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in dead:
+            raise httpx.ConnectError("down", request=request)
+        sent = json.loads(request.content)
+        seen.append((host, sent))
+        if host.startswith("p"):
+            return httpx.Response(200, json={"kv_transfer_params": {"remote_request_id": host}})
+        return httpx.Response(200, json={"from": host, "params": sent.get("kv_transfer_params")})
+
+    proxy = Proxy(["http://p1", "http://p2"], ["http://d1", "http://d2"],
+                  transport=httpx.MockTransport(handler))
+    app = build_app(proxy)
+
+    async def go():
+        outs = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://proxy") as c:
+            req = {"model": "m", "prompt": "hi", "max_tokens": 4}
+            for _ in range(2):
+                outs.append((await c.post("/v1/completions", json=req)).json())
+            dead.add("d1")
+            outs.append((await c.post("/v1/chat/completions", json=req)).json())
+            outs.append((await c.post("/v1/chat/completions", json=req)).json())
+            dead.update({"d2", "p1", "p2"})
+            r = await c.post("/v1/completions", json=req)
+            outs.append((r.status_code, r.json()))
+        return outs
+
+    outs = asyncio.run(go())
+    assert [o["from"] for o in outs[:4]] == ["d1", "d2", "d2", "d2"]
+    assert [o["params"]["remote_request_id"] for o in outs[:4]] == ["p1", "p2", "p1", "p2"]
+    assert [h for h, _ in seen if h.startswith("p")] == ["p1", "p2", "p1", "p2"]
+    decode_bodies = [b for h, b in seen if h.startswith("d")]
+    assert all(b["max_tokens"] == 4 for b in decode_bodies)  # the client's request, unchanged
+    assert outs[4][0] == 503 and proxy.counts["unavailable"] == 1
+    assert proxy.counts["decode_retried"] >= 3 and proxy.counts["prefill_failed"] == 2
+
+
+def test_transfer_index_expectations_and_ops():
+    """The consumer side's bookkeeping: what it refuses, what a load's source is, and that a
+    request's keys leave with it (two requests may name the same key)."""
+    from pagefold.core.kv_connector import ConnectorOutput, key_name
+    from pagefold.core.prefix_cache import hash_block, root_hash
+    from pagefold.request import Request
+    from pagefold.transfer.index import TransferIndex
+
+    index = TransferIndex(engine_id="e", layout="L", block_size=4, host="h", port=1,
+                          producer=False, consumer=True)
+    prompt = list(range(13))
+    h0 = hash_block(root_hash(), prompt[:4])
+    h1 = hash_block(h0, prompt[4:8])
+    keys = [key_name((0, h0)), key_name((0, h1)), key_name(("ckpt", 1, h1))]
+    good = {"layout": "L", "remote_host": "p", "remote_port": 9, "remote_request_id": "r1",
+            "remote_block_keys": keys}
+
+    def req(rid, salt=None):
+        return Request(rid, prompt, SamplingParams(),
+                       extra_keys=("cache_salt", salt) if salt else ())
+
+    assert not index.expect(req("x"), {**good, "layout": "M"})
+    assert not index.expect(req("x"), {**good, "remote_port": None})
+    assert not index.expect(req("x"), {**good, "remote_block_keys": ["zz"]})
+    assert not index.expect(req("x", salt="s"), good)  # another salt: another chain
+    assert index.stats.refused == 4 and not index.contains((0, h0))
+    assert index.expect(req("a"), good)
+    assert index.contains((0, h0)) and index.contains(("ckpt", 1, h1))
+    assert index.expect(req("b"), {**good, "remote_request_id": "r2",
+                                   "remote_block_keys": keys[:1]})
+    index.record_load("c", (0, h0), 0, [5])  # h0 now owned by b: pulled from r2
+    index.record_load("c", ("ckpt", 1, h1), 1, [6, 7])  # still a's: from r1
+    ops = index.take_ops()
+    srcs = {(r.req_id, r.remote_request_id): r.keys for r in ops.remotes}
+    assert srcs == {("c", "r2"): [keys[0]], ("c", "r1"): [keys[2]]}
+    assert [ld.pages for ld in ops.loads] == [[5], [6, 7]] and not index.has_pending
+    index.release("b")
+    assert index.contains((0, h0)) and index.contains((0, h1))  # a still names both
+    index.record_load("d", (0, h0), 0, [8])
+    ops = index.take_ops()
+    assert [r.remote_request_id for r in ops.remotes] == ["r1"]
+    # b ended without pulling its own export: the producer is told to free it now.
+    assert [(r.req_id, r.remote_request_id, r.keys) for r in ops.releases] == [("b", "r2", [])]
+    index.apply_output(ConnectorOutput(finished=["a"], failed={"a": [keys[1]]}))
+    assert index.stats.load_failures == 1 and index.stats.requests_loaded == 0
+    assert [r.remote_request_id for r in index.take_ops().releases] == ["r1"]
+    for rid in ("c", "d"):  # the requests that loaded end too
+        index.release(rid)
+    assert not index.take_ops()  # they pulled: nothing to release
+    index.check_whole()  # a's keys left with its report
+    nc = TransferIndex(engine_id="e", layout="L", block_size=4, host="h", port=1,
+                       producer=True, consumer=False)
+    assert not nc.expect(req("y"), good)
+    params = nc.export("y", [((0, h0), 0, [3])], 4)
+    assert params["remote_block_keys"] == [keys[0]] and params["remote_request_id"] == "y"
+    assert params["remote_host"] == "h" and params["num_tokens"] == 4
+    assert nc.take_ops().exports[0].pages == [3]

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagefold.lora.request import LoRARequest
 from pagefold.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class Request:
     paused: bool = False
     # time.monotonic() when first scheduled (queue time ends, prefill starts); metrics only.
     first_scheduled_time: float | None = None
+    # The LoRA adapter the request runs with (None: the base model); its id is in extra_keys.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -98,7 +101,8 @@ class Request:
                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
                        priority=self.priority, all_token_ids=list(self.all_token_ids),
                        extra_keys=self.extra_keys, parent_id=self.request_id, index=index,
-                       num_cached_tokens=self.num_cached_tokens, status=self.status)
+                       num_cached_tokens=self.num_cached_tokens, status=self.status,
+                       lora_request=self.lora_request)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

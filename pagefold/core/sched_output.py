@@ -45,6 +45,7 @@ import msgspec
 from pagefold.core.kv_connector import ConnectorOutput, KVOps
 from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
+from pagefold.lora.request import LoRARequest
 from pagefold.sampling_params import SamplingParams
 
 TableDiff = tuple[int, list[int]] | None
@@ -62,6 +63,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[list[int]]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from pagefold.csrc import gemv_choice
 from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
+from pagefold.lora.manager import LoRAModelManager
 from pagefold.offload.setup import OffloadPlan, build_store
 
 logger = logging.getLogger("pagefold")
@@ -46,6 +47,7 @@ class WorkerInit:
     quantization: str | None = None  # the quantization option (see ``load_model``)
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
     offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
+    lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
 
 
 def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
@@ -57,6 +59,10 @@ def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
                           torch.device(init.device), init.kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,
                           quantization=init.quantization)
+    if init.lora is not None:  # this rank's slots, its own host cache (read by path)
+        max_loras, rank_max, cpu = init.lora
+        runner.lora = LoRAModelManager(runner.model, max_loras=max_loras,
+                                       max_lora_rank=rank_max, max_cpu_loras=cpu)
     if init.offload is not None:
         build_store(init.offload, runner, rank)
     if init.warm_up_tokens:

@@ -50,6 +50,9 @@ class ForwardContext:
     # given directly ({layer: {component: (N, ...)}}, e.g. the state after the previous
     # draft token) instead of read from their pages.
     initial_states: dict[str, dict[str, torch.Tensor]] | None = None
+    # Some row of the step runs with a LoRA adapter (pagefold.lora): the linears' hooks add
+    # their terms, so the native decode driver (whose linears bypass the hooks) is skipped.
+    lora_rows: bool = False
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:

@@ -95,6 +95,9 @@ class ModelRunner:
         self.proposer = None
         # The KV connector's worker side (core.kv_connector.KVConnectorWorker: offload tiers).
         self.connector = None
+        # Multi-LoRA (pagefold.lora.manager.LoRAModelManager) when enabled: each step's rows'
+        # adapters are set before the forward; None: LoRA off, nothing runs for it.
+        self.lora = None
 
     @property
     def captures_in_kernel(self) -> bool:
@@ -260,16 +263,19 @@ class ModelRunner:
         inp = build_inputs(self.kv_config, tokens, batch.starts, batch.counts, totals,
                            per_group, self.device, captures)
         self.num_forward_tokens += int(inp.input_ids.numel())
+        lora_rows = self.lora is not None and self.lora.set_step(
+            [r.lora_request for r in reqs], [len(t) for t in tokens])
         if drafted is not None:
             spec_rows = torch.tensor(drafted, device=self.device)
             for m in inp.state_meta:
                 if m is not None:
                     m.spec_rows = spec_rows
-            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={})
+            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={},
+                                 lora_rows=lora_rows)
             return inp, ctx, self.model(inp.input_ids, inp.positions, ctx)
-        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, lora_rows=lora_rows)
         hidden = None
-        if self.graphs is not None:
+        if self.graphs is not None and not lora_rows:  # graphs hold no LoRA hooks' terms
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta,
                                      inp.state_meta)
         if hidden is None:

@@ -1,0 +1,31 @@
+"""Punica-style batched LoRA: one step's rows each carry the slot of their adapter.
+
+``a`` stacks every slot's down-projection, (slots, R, in); ``b`` every slot's
+up-projection with the scaling folded in, (slots, out, R); ``idx`` (rows,) int64 is each
+row's slot, -1 for a row of the base model (no adapter).
+
+* :func:`shrink` -> ``v`` (rows, R) float32: ``x[i] @ a[idx[i]].T``, zeros for base rows.
+* :func:`expand_` adds ``v[i] @ b[idx[i]].T`` to ``y[i]`` in place, rounded once to ``y``'s
+  dtype; base rows are never written (their bits stay the base model's).
+
+The compiled CPU kernels (``csrc/lora.cpp``) run where they take the inputs; elsewhere (GPU,
+kernels off) the torch form of :mod:`.reference`, one product per slot present in the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagefold.ops.lora import cpu, reference
+
+__all__ = ["expand_", "shrink"]
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    v = cpu.shrink(x, a, idx)
+    return reference.shrink(x, a, idx) if v is None else v
+
+
+def expand_(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> None:
+    if not cpu.expand_(y, v, b, idx):
+        reference.expand_(y, v, b, idx)

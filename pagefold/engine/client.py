@@ -56,6 +56,7 @@ from pagefold.engine.core_proc import (
     UtilityCall,
 )
 from pagefold.engine.output_processor import OutputProcessor
+from pagefold.lora.request import LoRARequest
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -400,7 +401,8 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative ``RequestOutput``s until the finished one.
 
@@ -420,7 +422,7 @@ class AsyncEngineClient:
         finished = False
         try:
             self._send(AddRequest(request_id, list(prompt_token_ids), params, priority,
-                                  cache_salt))
+                                  cache_salt, lora_request))
             while not finished:
                 items = [await t.queue.get()]
                 while not t.queue.empty():

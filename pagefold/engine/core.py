@@ -33,8 +33,7 @@ from pagefold.distributed.worker import WorkerInit
 from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
-from pagefold.lora.cache import AdapterCache
-from pagefold.lora.manager import LoRAModelManager, adapter_loader
+from pagefold.lora.manager import LoRAModelManager, adapter_checker
 from pagefold.lora.request import LoRARequest
 from pagefold.models.registry import model_class
 from pagefold.models.weights import apply_checkpoint_kv_scales
@@ -91,17 +90,6 @@ def lora_options(config: EngineConfig) -> tuple[int, int, int] | None:
     if not config.enable_lora:
         return None
     return (config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
-
-
-def lora_checker(config: EngineConfig, arch: str, hf_config, model) -> AdapterCache:
-    """The engine's host cache of checked adapters: they are read and checked against
-    ``model``'s layout (under tensor parallelism, a whole model built on the meta device:
-    shapes only). Rank runners share it at TP 1."""
-    if model is None:
-        with torch.device("meta"):
-            model = model_class(arch)(text_config(hf_config), max_positions=2)
-    max_loras, rank, cpu = lora_options(config)
-    return AdapterCache(cpu, adapter_loader(model, rank))
 
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
@@ -208,7 +196,8 @@ class EngineCore:
         if config.enable_lora:
             if config.speculative_config is not None:
                 raise ValueError("enable_lora with speculative_config is not supported")
-            self.loras = lora_checker(config, arch, hf_config, self.model)
+            _, rank, cpu = lora_options(config)
+            self.loras = adapter_checker(arch, hf_config, self.model, rank, cpu)
             if self.tp == 1:
                 self.runner.lora = LoRAModelManager(
                     self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,

@@ -48,6 +48,7 @@ import zmq
 from pagefold.checkpoint import text_config
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore, EngineCoreOutput
+from pagefold.lora.request import LoRARequest
 from pagefold.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagefold.core_proc")
@@ -69,6 +70,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -347,7 +349,8 @@ class _CoreLoop:
     def _add_now(self, msg: AddRequest, errors: list[RequestError]) -> None:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                  priority=msg.priority, cache_salt=msg.cache_salt)
+                                  priority=msg.priority, cache_salt=msg.cache_salt,
+                                  lora_request=msg.lora_request)
         except ValueError as e:
             errors.append(RequestError(msg.request_id, str(e)))
 

@@ -180,7 +180,8 @@ class DPEngineClient:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         self.check_alive()
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -188,7 +189,8 @@ class DPEngineClient:
         self._owner[request_id] = i
         self.routed[i] += 1
         inner = self.replicas[i].generate(prompt, prompt_token_ids, params,
-                                          request_id=request_id, priority=priority)
+                                          request_id=request_id, priority=priority,
+                                          cache_salt=cache_salt, lora_request=lora_request)
         try:
             async for out in inner:
                 yield out

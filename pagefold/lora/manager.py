@@ -17,11 +17,13 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from pagefold.checkpoint import text_config
 from pagefold.layers.lora_linear import LoRALinear, LoRAStep
 from pagefold.lora.cache import AdapterCache
 from pagefold.lora.layout import lora_layout
 from pagefold.lora.peft import LoRAAdapter, load_adapter
 from pagefold.lora.request import LoRARequest
+from pagefold.models.registry import model_class
 
 
 def adapter_loader(model: nn.Module, max_rank: int):
@@ -35,6 +37,17 @@ def adapter_loader(model: nn.Module, max_rank: int):
                             max_rank)
 
     return load
+
+
+def adapter_checker(arch: str, hf_config, model: nn.Module | None, max_rank: int,
+                    capacity: int) -> AdapterCache:
+    """A host cache of adapters read and checked against ``model``'s layout; with no model
+    (tensor-parallel engine, API process) a whole one of ``arch`` is built on the meta device
+    (shapes only, no memory)."""
+    if model is None:
+        with torch.device("meta"):
+            model = model_class(arch)(text_config(hf_config), max_positions=2)
+    return AdapterCache(capacity, adapter_loader(model, max_rank))
 
 
 class LoRAModelManager:

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagefold.entrypoints.openai.chat_parsing import REASONING_PARSERS, TOOL_PARSERS
 from pagefold.metrics import ServerMetrics, stats_line
@@ -38,6 +39,8 @@ class ServeOptions:
     # Logprob token strings as "token_id:N" unless the request says otherwise.
     return_tokens_as_token_ids: bool = False
     tokenizer_info: bool = False
+    # --enable-lora: the adapters a request's ``model`` may name (lora_modules.LoRAModules).
+    lora: Any = None
 
 
 def serve_options(args) -> ServeOptions:

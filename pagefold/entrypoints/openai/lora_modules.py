@@ -14,6 +14,9 @@ from __future__ import annotations
 import itertools
 import json
 
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+
 from pagefold.checkpoint import load_hf_config
 from pagefold.config import EngineConfig
 from pagefold.entrypoints.openai.errors import APIError, bad_request
@@ -79,9 +82,6 @@ class LoRAModules:
 
 def add_lora_routes(app, lora: LoRAModules, parse_body) -> None:
     """vLLM's runtime adapter endpoints (``parse_body(request) -> dict``)."""
-    from fastapi import Request
-    from fastapi.responses import PlainTextResponse
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         body = await parse_body(request)

@@ -193,3 +193,29 @@ def test_tp2_mixed_batch_matches_peft(adapters):
         llm.engine.kv.check_whole()
     finally:
         llm.engine.shutdown()
+
+
+def test_bf16_base_rows_keep_their_bits(adapters):
+    """bf16 (the native decode driver's dtype): with LoRA enabled, a batch without adapters
+    gives the LoRA-off engine's tokens and logprobs bit for bit; in a mixed batch (module
+    path) the base rows keep their tokens."""
+    base, dirs = adapters("llama")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def lps(outs):
+        return [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
+
+    off = LLM(str(base), dtype="bfloat16", kv_cache_memory=1 << 22, warm_up=False)
+    want = off.generate(prompts, sp, use_tqdm=False)
+    on = LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=16,
+             kv_cache_memory=1 << 22, warm_up=False)
+    plain = on.generate(prompts, sp, use_tqdm=False)
+    assert _ids(plain) == _ids(want) and lps(plain) == lps(want)
+    reqs = _requests(dirs)
+    mixed = on.generate(prompts, sp, lora_request=[None, reqs[0], None, reqs[2]],
+                        use_tqdm=False)
+    got = _ids(mixed)
+    assert [got[0], got[2]] == [_ids(want)[0], _ids(want)[2]]
+    assert got[1] != _ids(want)[1] or got[3] != _ids(want)[3]
+    on.engine.kv.check_whole()

@@ -30,6 +30,10 @@ TARGETS = {
     "llama": [["q_proj", "v_proj"], ["o_proj", "down_proj"], ["gate_proj", "up_proj", "k_proj"]],
     "qwen3_5": [["in_proj_qkv", "out_proj"], ["q_proj", "v_proj", "in_proj_z"],
                 ["gate_proj", "down_proj", "in_proj_a", "in_proj_b"]],
+    # Qwen3-Next: the checkpoint's in_proj_qkvz / in_proj_ba rows are regrouped at load time;
+    # their B rows are regrouped alike.
+    "qwen3_next": [["in_proj_qkvz", "out_proj"], ["in_proj_ba", "q_proj"],
+                   ["in_proj_qkvz", "in_proj_ba", "o_proj"]],
     "bamba": [["in_proj", "out_proj"], ["q_proj", "o_proj"], ["gate_proj", "up_proj",
                                                              "down_proj"]],
 }
@@ -101,7 +105,7 @@ def test_compiled_kernels_equal_torch_form(dtype):
     assert not torch.equal(y[~base], y0[~base])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "bamba"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_next", "bamba"])
 def test_mixed_batch_matches_peft(adapters, arch):
     base, dirs = adapters(arch)
     loras = [None, *_requests(dirs)]

@@ -31,10 +31,11 @@ def adapter_loader(model: nn.Module, max_rank: int):
     layout (a meta-device model does: only shapes are read)."""
     layout = {p: lay for p, (_, lay) in lora_layout(model).items()}
     fused = dict(getattr(model, "fused_names", {}))
+    convert = getattr(model, "convert_weight", None)
 
     def load(req: LoRARequest) -> LoRAAdapter:
         return load_adapter(req.lora_int_id, req.lora_name, req.lora_path, layout, fused,
-                            max_rank)
+                            max_rank, convert)
 
     return load
 

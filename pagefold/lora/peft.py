@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,17 +88,18 @@ def _read_config(name: str, root: Path) -> dict:
 
 
 def load_adapter(lora_id: int, name: str, path: str, layout: dict[str, LinearLayout],
-                 fused_names: dict[str, str], max_rank: int) -> LoRAAdapter:
-    """Read and check the adapter at ``path`` against ``layout`` (module path -> layout)."""
+                 fused_names: dict[str, str], max_rank: int,
+                 convert: Callable[[str, torch.Tensor], Iterable] | None = None
+                 ) -> LoRAAdapter:
+    """Read and check the adapter at ``path`` against ``layout`` (module path -> layout).
+
+    ``convert`` is the model's checkpoint conversion (``convert_weight(name, tensor)``
+    yielding ``(name, tensor)`` pairs): a B goes through it as its layer's weight would, so a
+    checkpoint layer the model splits by rows (Qwen3-Next's ``in_proj_qkvz`` into
+    ``in_proj_qkv`` and ``in_proj_z``) gives each part its rows of B, with the same A."""
     root = Path(path)
     cfg = _read_config(name, root)
     supported = {part for lay in layout.values() for part in lay.parts}
-    targets = cfg.get("target_modules") or []
-    if isinstance(targets, list):
-        unknown = sorted({t.rsplit(".", 1)[-1] for t in targets} - supported)
-        if unknown:
-            raise LoRAError(f"LoRA adapter {name!r}: unknown target modules {unknown}; this "
-                            f"model's LoRA-able modules are {sorted(supported)}")
     weights_file = root / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {root}")
@@ -110,6 +112,7 @@ def load_adapter(lora_id: int, name: str, path: str, layout: dict[str, LinearLay
                             f"weight (embeddings, DoRA and biases are not supported)")
         pairs.setdefault(m.group(1), {})[m.group(2)] = t
     adapter = LoRAAdapter(lora_id, name, str(path), 0)
+    served: set[str] = set()
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"LoRA adapter {name!r}: {module} has lora_{''.join(ab)} only")
@@ -118,23 +121,43 @@ def load_adapter(lora_id: int, name: str, path: str, layout: dict[str, LinearLay
         if r > max_rank:
             raise LoRAError(f"LoRA adapter {name!r}: {module} has rank {r}, above "
                             f"max_lora_rank {max_rank}")
-        where = _resolve(module, layout, fused_names)
-        if where is None:
-            raise LoRAError(f"LoRA adapter {name!r}: target module {module!r} has no LoRA-able "
-                            f"linear in this model (supported: {sorted(supported)})")
-        lay = layout[where[0]]
-        part = lay.parts[where[1]]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or a.shape[1] != lay.in_full \
-                or b.shape[0] != part.full_rows:
-            raise LoRAError(
-                f"LoRA adapter {name!r} does not fit the base model at {module}: lora_A "
-                f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, but the layer takes "
-                f"{lay.in_full} inputs and has {part.full_rows} outputs (an adapter of another "
-                f"base model?)")
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+            raise LoRAError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and "
+                            f"lora_B {tuple(b.shape)}, not (r, in) and (out, r)")
         alpha = _pattern(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", 8))
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        adapter.parts[where] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        pieces = [(f"{module}.weight", b)]
+        if convert is not None:
+            try:
+                pieces = list(convert(f"{module}.weight", b))
+            except (RuntimeError, ValueError) as e:  # rows that do not reshape: wrong model
+                raise LoRAError(f"LoRA adapter {name!r} does not fit the base model at "
+                                f"{module}: lora_B {tuple(b.shape)} ({e})") from None
+        for piece_name, b_part in pieces:
+            sub_module = piece_name.removesuffix(".weight")
+            where = _resolve(sub_module, layout, fused_names)
+            if where is None:
+                raise LoRAError(f"LoRA adapter {name!r}: target module {module!r} has no "
+                                f"LoRA-able linear in this model (supported: "
+                                f"{sorted(supported)})")
+            lay = layout[where[0]]
+            part = lay.parts[where[1]]
+            if a.shape[1] != lay.in_full or b_part.shape[0] != part.full_rows:
+                raise LoRAError(
+                    f"LoRA adapter {name!r} does not fit the base model at {module}: lora_A "
+                    f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, but the layer takes "
+                    f"{lay.in_full} inputs and has {part.full_rows} outputs (an adapter of "
+                    f"another base model?)")
+            adapter.parts[where] = (a.float().contiguous(),
+                                    (b_part.float() * scaling).contiguous())
+        served.add(module.rsplit(".", 1)[-1])
         adapter.rank = max(adapter.rank, r)
+    targets = cfg.get("target_modules") or []
+    if isinstance(targets, list):
+        unknown = sorted({t.rsplit(".", 1)[-1] for t in targets} - supported - served)
+        if unknown:
+            raise LoRAError(f"LoRA adapter {name!r}: unknown target modules {unknown}; this "
+                            f"model's LoRA-able modules are {sorted(supported)}")
     if not adapter.parts:
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
     return adapter

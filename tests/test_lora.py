@@ -183,8 +183,11 @@ def test_errors_name_the_problem(adapters, tiny_model_factory, tmp_path):
         off.generate(prompt, GREEDY, lora_request=LoRARequest("adapter0", 1, str(dirs[0])))
 
 
-def test_tp2_mixed_batch_matches_peft(adapters):
-    base, dirs = adapters("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_tp2_mixed_batch_matches_peft(adapters, arch):
+    """Column-parallel parts (GDN's q | k | v blocks cut one by one) and row-parallel layers
+    (A cut on the input, the shrink all-reduced)."""
+    base, dirs = adapters(arch)
     loras = [None, *_requests(dirs)]
     want = [peft_greedy(d, base, [p], NEW)[0] for d, p in zip([None, *dirs], PROMPTS)]
     llm = LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True,

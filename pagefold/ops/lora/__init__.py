@@ -8,24 +8,35 @@ row's slot, -1 for a row of the base model (no adapter).
 * :func:`expand_` adds ``v[i] @ b[idx[i]].T`` to ``y[i]`` in place, rounded once to ``y``'s
   dtype; base rows are never written (their bits stay the base model's).
 
-The compiled CPU kernels (``csrc/lora.cpp``) run where they take the inputs; elsewhere (GPU,
-kernels off) the torch form of :mod:`.reference`, one product per slot present in the step.
+Triton (:mod:`.triton`) where it is selected for the tensors' device (GPU), else the compiled
+CPU kernels (``csrc/lora.cpp``) where they take the inputs; elsewhere the torch form of
+:mod:`.reference`, one product per slot present in the step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagefold.kernels import dispatch
 from pagefold.ops.lora import cpu, reference
 
 __all__ = ["expand_", "shrink"]
 
 
+def _fast(device: torch.device):
+    """The Triton module when it is selected for ``device``, else the compiled CPU one."""
+    if not dispatch.use_triton(device):
+        return cpu
+    from pagefold.ops.lora import triton as lora_triton
+
+    return lora_triton
+
+
 def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    v = cpu.shrink(x, a, idx)
+    v = _fast(x.device).shrink(x, a, idx)
     return reference.shrink(x, a, idx) if v is None else v
 
 
 def expand_(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> None:
-    if not cpu.expand_(y, v, b, idx):
+    if not _fast(y.device).expand_(y, v, b, idx):
         reference.expand_(y, v, b, idx)

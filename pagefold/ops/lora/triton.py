@@ -32,17 +32,17 @@ def _shrink_kernel(x_ptr, xs, a_ptr, idx_ptr, v_ptr, R, K,
 
 
 @triton.jit
-def _expand_kernel(y_ptr, ys, v_ptr, b_ptr, idx_ptr, O, R,
+def _expand_kernel(y_ptr, ys, v_ptr, b_ptr, idx_ptr, N_OUT, R,
                    BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
     i = tl.program_id(0)
     ob = tl.program_id(1)
     s = tl.load(idx_ptr + i)
-    o_lim = tl.where(s >= 0, O, 0)  # a base row reads and writes nothing
+    o_lim = tl.where(s >= 0, N_OUT, 0)  # a base row reads and writes nothing
     s = tl.maximum(s, 0)
     o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     r = tl.arange(0, BLOCK_R)
     v = tl.load(v_ptr + i * R + r, mask=r < R, other=0.0)
-    b = tl.load(b_ptr + (s * O + o[:, None]) * R + r[None, :],
+    b = tl.load(b_ptr + (s * N_OUT + o[:, None]) * R + r[None, :],
                 mask=(o[:, None] < o_lim) & (r[None, :] < R), other=0.0).to(tl.float32)
     acc = tl.sum(b * v[None, :], axis=1)
     m = o < o_lim

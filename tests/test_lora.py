@@ -136,6 +136,12 @@ def test_one_slot_swaps_adapters_and_stays_exact(adapters):
                         lora_request=loras, use_tqdm=False)
     assert _ids(outs) == want
     assert llm.engine.runner.lora.loads == 3  # one slot, rewritten per adapter
+    # Removing an adapter frees its slot and host copy; asking again reads it again.
+    llm.engine.remove_lora(3)
+    assert 3 not in llm.engine.runner.lora.resident and 3 not in llm.engine.loras.entries
+    again = llm.generate([{"prompt_token_ids": PROMPTS[3]}], GREEDY, lora_request=loras[3],
+                         use_tqdm=False)
+    assert _ids(again) == want[3:] and llm.engine.runner.lora.loads == 4
     llm.engine.kv.check_whole()
 
 

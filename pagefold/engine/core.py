@@ -384,8 +384,10 @@ class EngineCore:
         extra: tuple = ()
         if cache_salt is not None:
             extra = ("cache_salt", cache_salt)
-        if lora_request is not None:  # an adapter's prefixes are its own (blocks and states)
-            extra += ("lora", lora_request.lora_int_id)
+        if lora_request is not None:  # an adapter's prefixes are its own (blocks and states);
+            # name and path too: offload tiers on disk outlive this process's ids
+            extra += ("lora", lora_request.lora_int_id, lora_request.lora_name,
+                      str(lora_request.lora_path))
         if extra:
             kw["extra_keys"] = extra
         req = Request(request_id, list(prompt_token_ids), params,

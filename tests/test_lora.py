@@ -83,10 +83,10 @@ def test_compiled_kernels_equal_torch_form(dtype):
     if lora_cpu.kernels() is None:
         pytest.skip("no compiled CPU kernels")
     g = torch.Generator().manual_seed(0)
-    rows, k, r, o, slots = 13, 40, 24, 36, 3
+    rows, k, r, o, slots = 13, 40, 24, 300, 3  # o: more than one block of outputs
     x = torch.randn(rows, k, generator=g).to(dtype)
     a = torch.randn(slots, r, k, generator=g).to(dtype)
-    b = torch.randn(slots, o, r, generator=g).to(dtype)
+    b = torch.randn(slots, r, o, generator=g).to(dtype)
     idx = torch.tensor([0, -1, 2, 2, 1, -1, 0, 0, 1, 2, -1, -1, 1])
     # The plain per-row definition.
     want_v = torch.stack([x[i].float() @ a[s].float().T if s >= 0 else torch.zeros(r)
@@ -102,7 +102,7 @@ def test_compiled_kernels_equal_torch_form(dtype):
     assert lora_cpu.expand_(y, v, b, idx)
     base = idx < 0
     assert torch.equal(y[base], y0[base]) and torch.equal(y_ref[base], y0[base])
-    want_y = y0.float() + torch.stack([v[i] @ b[s].float().T if s >= 0 else torch.zeros(o)
+    want_y = y0.float() + torch.stack([v[i] @ b[s].float() if s >= 0 else torch.zeros(o)
                                        for i, s in enumerate(idx.tolist())])
     torch.testing.assert_close(y.float(), want_y, rtol=tol, atol=tol * 10)
     torch.testing.assert_close(y_ref.float(), want_y, rtol=tol, atol=tol * 10)

@@ -24,7 +24,7 @@ def test_triton_lora_equals_torch_form(dtype):
     rows, k, r, o, slots = 7, 70, 24, 67, 3
     x = torch.randn(rows, k, generator=g).to(dtype).to(DEV)
     a = torch.randn(slots, r, k, generator=g).to(dtype).to(DEV)
-    b = torch.randn(slots, o, r, generator=g).to(dtype).to(DEV)
+    b = torch.randn(slots, r, o, generator=g).to(dtype).to(DEV)
     idx = torch.tensor([2, -1, 0, 0, 1, -1, 2], device=DEV)
     v = lora_triton.shrink(x, a, idx)
     v_ref = reference.shrink(x, a, idx)

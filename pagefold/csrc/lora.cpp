@@ -1,10 +1,13 @@
 // Punica-style batched LoRA (pagefold/ops/lora): every row of a step carries the slot of its
 // adapter (-1: the base model, no adapter); the slots' matrices are stacked.
 //   shrink:  v[i, r] = sum_k x[i, k] * A[slot_i, r, k]            (float32 out; 0 for slot -1)
-//   expand:  y[i, o] = TY(y[i, o] + sum_r v[i, r] * B[slot_i, o, r])  (rows of slot -1 untouched)
+//   expand:  y[i, o] = TY(y[i, o] + sum_r v[i, r] * Bt[slot_i, r, o])  (rows of slot -1 untouched)
+// Bt is B transposed, (R, O) per slot, so the expand runs along contiguous outputs.
 // Sums run in float32 in k / r order (torch's reference sums in another order: equal up to
 // float32 rounding). A row of slot -1 is never read or written by expand, so base rows keep
 // their bits.
+
+#include <algorithm>
 
 #include "common.h"
 #include "kernels.h"
@@ -34,23 +37,31 @@ void shrink_rows(const T* x, int64_t xs, const T* a, const int64_t* idx, float* 
   }
 }
 
+constexpr int kOutBlock = 256;  // outputs per work item (a float32 accumulator row)
+
 template <typename T>
-void expand_rows(T* y, int64_t ys, const float* v, const T* b, const int64_t* idx, int64_t N,
+void expand_rows(T* y, int64_t ys, const float* v, const T* bt, const int64_t* idx, int64_t N,
                  int O, int R, int nthreads) {
+  const int nb = (O + kOutBlock - 1) / kOutBlock;
   const bool par = nthreads > 1 && N * O * static_cast<int64_t>(R) >= (1 << 15);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
-  for (int64_t item = 0; item < N * O; ++item) {
-    const int64_t i = item / O;
-    const int o = static_cast<int>(item % O);
+  for (int64_t item = 0; item < N * nb; ++item) {
+    const int64_t i = item / nb;
+    const int o0 = static_cast<int>(item % nb) * kOutBlock;
+    const int n = std::min(kOutBlock, O - o0);
     const int64_t s = idx[i];
     if (s < 0) continue;
-    const float* vr = v + i * R;
-    const T* br = b + (s * O + o) * static_cast<int64_t>(R);
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int r = 0; r < R; ++r) acc += vr[r] * load<T>(br, r);
-    T* yr = y + i * ys;
-    store<T>(yr, o, load<T>(yr, o) + acc);
+    float acc[kOutBlock];
+    for (int o = 0; o < n; ++o) acc[o] = 0.0f;
+    for (int r = 0; r < R; ++r) {  // r in order: each output sums its terms as the scalar dot
+      const float vr = v[i * R + r];
+      const T* br = bt + (s * R + r) * static_cast<int64_t>(O) + o0;
+#pragma omp simd
+      for (int o = 0; o < n; ++o) acc[o] += vr * load<T>(br, o);
+    }
+    T* yr = y + i * ys + o0;
+#pragma omp simd
+    for (int o = 0; o < n; ++o) store<T>(yr, o, load<T>(yr, o) + acc[o]);
   }
 }
 
@@ -76,7 +87,7 @@ int pf_lora_shrink(int dtype, const void* x, int64_t xs, const void* a, const in
   return 0;
 }
 
-// y (N, O) rows ys apart (updated in place), v (N, R) float32 contiguous, b (S, O, R)
+// y (N, O) rows ys apart (updated in place), v (N, R) float32 contiguous, bt (S, R, O)
 // contiguous in y's dtype, idx (N,). Returns -1 for another dtype.
 int pf_lora_expand(int dtype, void* y, int64_t ys, const float* v, const void* b,
                    const int64_t* idx, int64_t N, int O, int R, int nthreads) {

@@ -7,8 +7,9 @@ adapters' matrices for it:
 * ``a`` (slots, P * R, in): per checkpoint part ``p`` of the layer (``q_proj`` / ``k_proj`` /
   ``v_proj`` of a fused ``qkv_proj``; one part for an unfused layer), rows ``p*R:(p+1)*R``
   hold that part's A (zero rows past its rank);
-* ``b`` (slots, out, P * R): the part's B, scaling folded in, on the part's output rows and
-  its own ``R`` columns; zero elsewhere (a part the adapter leaves alone is all zero).
+* ``b`` (slots, P * R, out): the part's B transposed, scaling folded in, in its own ``R``
+  rows and the part's output columns; zero elsewhere (a part the adapter leaves alone is all
+  zero). Transposed so that the expand runs along contiguous outputs.
 
 The step's per-row slot index lives in the model-wide :class:`LoRAStep` the runner fills
 before each forward; while it holds no adapter row (``idx is None``) the hook returns at once.
@@ -77,7 +78,7 @@ class LoRALinear:
         w = linear.weight
         width = len(layout.parts) * max_rank
         self.a = torch.zeros(num_slots, width, layout.in_local, dtype=w.dtype, device=w.device)
-        self.b = torch.zeros(num_slots, w.shape[0], width, dtype=w.dtype, device=w.device)
+        self.b = torch.zeros(num_slots, width, w.shape[0], dtype=w.dtype, device=w.device)
         self.handle = linear.register_forward_hook(self._hook)
 
     def clear_slot(self, slot: int) -> None:
@@ -97,7 +98,7 @@ class LoRALinear:
             a = a_full.narrow(1, tp_rank() * lay.in_local, lay.in_local)
         b = b_full if pl.cut is None else pl.cut.take(b_full)
         self.a[slot, c0 : c0 + r].copy_(a)
-        self.b[slot, pl.offset : pl.offset + pl.rows, c0 : c0 + r].copy_(b)
+        self.b[slot, c0 : c0 + r, pl.offset : pl.offset + pl.rows].copy_(b.T)
 
     def _hook(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
         idx = self.step.idx

@@ -1,11 +1,12 @@
 """Punica-style batched LoRA: one step's rows each carry the slot of their adapter.
 
 ``a`` stacks every slot's down-projection, (slots, R, in); ``b`` every slot's
-up-projection with the scaling folded in, (slots, out, R); ``idx`` (rows,) int64 is each
-row's slot, -1 for a row of the base model (no adapter).
+up-projection with the scaling folded in, transposed: (slots, R, out) (the expand then runs
+along contiguous outputs); ``idx`` (rows,) int64 is each row's slot, -1 for a row of the
+base model (no adapter).
 
 * :func:`shrink` -> ``v`` (rows, R) float32: ``x[i] @ a[idx[i]].T``, zeros for base rows.
-* :func:`expand_` adds ``v[i] @ b[idx[i]].T`` to ``y[i]`` in place, rounded once to ``y``'s
+* :func:`expand_` adds ``v[i] @ b[idx[i]]`` to ``y[i]`` in place, rounded once to ``y``'s
   dtype; base rows are never written (their bits stay the base model's).
 
 Triton (:mod:`.triton`) where it is selected for the tensors' device (GPU), else the compiled

@@ -28,14 +28,15 @@ def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor 
 
 
 def expand_(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> bool:
-    """``y += v @ b[idx].T`` on the adapter rows via ``pf_lora_expand``; False: not done."""
+    """``y += v @ b[idx]`` (``b`` (slots, R, out)) on the adapter rows via
+    ``pf_lora_expand``; False: not done."""
     lib = kernels()
     code = usable(y, b)
     if (lib is None or code is None or not rows_ok(y) or b.dim() != 3 or not b.is_contiguous()
-            or b.shape[1] != y.shape[1] or v.dtype != torch.float32 or not v.is_contiguous()
-            or v.device.type != "cpu" or v.shape != (y.shape[0], b.shape[2])
+            or b.shape[2] != y.shape[1] or v.dtype != torch.float32 or not v.is_contiguous()
+            or v.device.type != "cpu" or v.shape != (y.shape[0], b.shape[1])
             or not _idx_ok(idx, y.shape[0])):
         return False
     rc = lib.pf_lora_expand(code, ptr(y), y.stride(0), ptr(v), ptr(b), ptr(idx), y.shape[0],
-                            b.shape[1], b.shape[2], torch.get_num_threads())
+                            b.shape[2], b.shape[1], torch.get_num_threads())
     return rc == 0

@@ -21,4 +21,4 @@ def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def expand_(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> None:
     for s, rows in _slots(idx):
-        y[rows] = (y[rows].float() + v[rows] @ b[s].float().T).to(y.dtype)
+        y[rows] = (y[rows].float() + v[rows] @ b[s].float()).to(y.dtype)

@@ -42,7 +42,7 @@ def _expand_kernel(y_ptr, ys, v_ptr, b_ptr, idx_ptr, N_OUT, R,
     o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
     r = tl.arange(0, BLOCK_R)
     v = tl.load(v_ptr + i * R + r, mask=r < R, other=0.0)
-    b = tl.load(b_ptr + (s * N_OUT + o[:, None]) * R + r[None, :],
+    b = tl.load(b_ptr + (s * R + r[None, :]) * N_OUT + o[:, None],
                 mask=(o[:, None] < o_lim) & (r[None, :] < R), other=0.0).to(tl.float32)
     acc = tl.sum(b * v[None, :], axis=1)
     m = o < o_lim
@@ -67,13 +67,13 @@ def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor 
 
 
 def expand_(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> bool:
-    """``y += v @ b[idx].T`` on the adapter rows; False: not done (nothing written)."""
+    """``y += v @ b[idx]`` (``b`` (slots, R, out)) on the adapter rows; False: not done."""
     if (y.dim() != 2 or y.stride(1) != 1 or not b.is_contiguous() or b.dim() != 3
             or v.dtype != torch.float32 or not v.is_contiguous()
             or idx.dtype != torch.int64 or not idx.is_contiguous()):
         return False
     n, o = y.shape
-    r = b.shape[2]
+    r = b.shape[1]
     if n:
         _expand_kernel[(n, triton.cdiv(o, 64))](y, y.stride(0), v, b, idx, o, r,
                                                 BLOCK_O=64, BLOCK_R=pow2(r))

@@ -236,3 +236,23 @@ def test_bf16_base_rows_keep_their_bits(adapters):
     assert [got[0], got[2]] == [_ids(want)[0], _ids(want)[2]]
     assert got[1] != _ids(want)[1] or got[3] != _ids(want)[3]
     on.engine.kv.check_whole()
+
+
+def test_preemption_and_odd_chunks_stay_exact(adapters):
+    """A pool of 8 blocks for 6 requests over 2 adapter slots: requests are preempted and
+    recomputed, chunks are 19 tokens, adapters move between slots; every row stays exact."""
+    base, dirs = adapters("llama")
+    reqs = _requests(dirs)
+    prompts = [[(13 * i + 7 * j) % 500 + 3 for j in range(30 + 5 * i)] for i in range(6)]
+    loras = [None if i % 4 == 0 else reqs[i % 4 - 1] for i in range(6)]
+    want = [peft_greedy(None if r is None else dirs[r.lora_int_id - 1], base, [p], 8)[0]
+            for r, p in zip(loras, prompts)]
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              kv_cache_memory=80000, max_num_batched_tokens=19, max_model_len=128,
+              warm_up=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        lora_request=loras, use_tqdm=False)
+    assert _ids(outs) == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.lora.loads > 3
+    llm.engine.kv.check_whole()

@@ -2,11 +2,12 @@
 
 from pagefold.beam_search import BeamSearchOutput, BeamSearchParams
 from pagefold.llm import LLM
+from pagefold.lora.request import LoRARequest
 from pagefold.outputs import CompletionOutput, Logprob, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
 __all__ = [
     "LLM", "BeamSearchParams", "BeamSearchOutput", "SamplingParams", "RequestOutput",
-    "CompletionOutput", "Logprob",
+    "CompletionOutput", "Logprob", "LoRARequest",
 ]
 __version__ = "0.1.0"

@@ -167,6 +167,13 @@ class EngineConfig:
     # Most multimodal items per prompt, vLLM's dict (or its JSON), e.g. {"image": 2}; only
     # "image" is known. None: 8 images for a checkpoint with a vision tower.
     limit_mm_per_prompt: dict | None = None
+    # Multi-LoRA serving (vLLM's flags): PEFT adapters per request (LoRARequest), up to
+    # max_loras distinct adapters in a step, each of rank up to max_lora_rank; the host keeps
+    # max_cpu_loras read adapters (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -215,6 +222,11 @@ class EngineConfig:
         if (self.kv_offloading_size or self.kv_offloading_dir) and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size / kv_offloading_dir offload the prefix cache; "
                              "they need enable_prefix_caching")
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1
+                                 or (self.max_cpu_loras or self.max_loras) < self.max_loras):
+            raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank "
+                             f"({self.max_lora_rank}) must be >= 1 and max_cpu_loras "
+                             f"({self.max_cpu_loras}) at least max_loras")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

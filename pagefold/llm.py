@@ -21,6 +21,7 @@ from pagefold.generation_defaults import (
     log_generation_defaults,
     truncate_prompt,
 )
+from pagefold.lora.request import LoRARequest
 from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.multimodal.processor import decode_image_url, image_processor_for
@@ -133,9 +134,11 @@ class LLM:
         return SamplingParams(**self.default_sampling)
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue one prompt. ``cache_salt`` (or the prompt dict's ``"cache_salt"``) keeps it
-        from sharing prefix-cache entries with requests salted otherwise (or not at all)."""
+        from sharing prefix-cache entries with requests salted otherwise (or not at all).
+        ``lora_request``: the PEFT adapter it runs with (needs ``enable_lora=True``)."""
         text, ids = self._prompt_ids(prompt)
         ids, mm = self._with_images(prompt, ids)
         params = self._params_for(params)
@@ -146,7 +149,8 @@ class LLM:
                                               self.engine.max_model_len)
         rid = str(next(self._counter))
         self.engine.add_request(rid, ids, params, priority=priority,
-                                cache_salt=self._salt(prompt, cache_salt), mm_inputs=mm)
+                                cache_salt=self._salt(prompt, cache_salt), mm_inputs=mm,
+                                lora_request=lora_request)
         self.output_processor.add_request(rid, text, ids, params)
         return rid
 
@@ -171,7 +175,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None: the base model)
+        per prompt; adapters and the base model share the step's batch."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -181,11 +188,15 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 ids.append(self.add_request(p, sp, priority[i] if priority else 0,
-                                            cache_salt))
+                                            cache_salt, lora_request=loras[i]))
         except Exception:
             self.abort(ids)  # nothing of a rejected batch stays queued
             raise

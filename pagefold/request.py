@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagefold.lora.request import LoRARequest
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.sampling_params import SamplingParams
 
@@ -70,6 +71,8 @@ class Request:
     mm_inputs: MultiModalInputs | None = None
     # Indices of the images the runner holds encoder outputs of (since the last preemption).
     mm_encoded: set[int] = field(default_factory=set)
+    # The LoRA adapter the request runs with (None: the base model); its id is in extra_keys.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -112,7 +115,7 @@ class Request:
                        priority=self.priority, all_token_ids=list(self.all_token_ids),
                        extra_keys=self.extra_keys, parent_id=self.request_id, index=index,
                        num_cached_tokens=self.num_cached_tokens, status=self.status,
-                       mm_inputs=self.mm_inputs)
+                       mm_inputs=self.mm_inputs, lora_request=self.lora_request)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -45,6 +45,7 @@ import msgspec
 from pagefold.core.kv_connector import ConnectorOutput, KVOps
 from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.swap import SwapOp
+from pagefold.lora.request import LoRARequest
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ class NewRequestData:
     # The request's images (None: text only); the runner encodes them when a step first
     # reaches their placeholder tokens.
     mm_inputs: MultiModalInputs | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass(slots=True)

@@ -119,6 +119,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        # Multi-LoRA: at most this many distinct adapters among the running requests (the
+        # runner's resident slots); None: LoRA off.
+        self.max_loras: int | None = None
         self.policy = policy
         self.waiting = _WaitingQueue(policy)
         self.running: list[Request] = []
@@ -182,7 +185,8 @@ class Scheduler:
                         priority=parent.priority, all_token_ids=list(parent.all_token_ids),
                         output_token_ids=list(parent.output_token_ids),
                         extra_keys=parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
-                        cumulative_logprob=parent.cumulative_logprob, mm_inputs=parent.mm_inputs)
+                        cumulative_logprob=parent.cumulative_logprob, mm_inputs=parent.mm_inputs,
+                        lora_request=parent.lora_request)
         self.fork_now(parent, child)
         return child
 
@@ -327,11 +331,17 @@ class Scheduler:
         # 2. Waiting requests, while budget, seats and blocks last (none if we just preempted).
         # A request whose prefix another request is computing right now waits for that hit.
         if not out.preempted_ids:
+            loras = self._running_loras()
             for req in list(self.waiting):
                 if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                     break
                 if req.paused or self.kv.should_defer(req):
                     continue
+                lid = req.lora_request.lora_int_id if req.lora_request is not None else 0
+                if lid and lid not in loras and len(loras) >= (self.max_loras or 0):
+                    continue  # every adapter slot is taken by running requests: wait
+                if lid:
+                    loras.add(lid)
                 # Prompt logprobs need every prompt position computed: no prefix-cache hit.
                 hit = (0 if req.sampling_params.prompt_logprobs is not None
                        else self.kv.find_hit(req))
@@ -385,6 +395,11 @@ class Scheduler:
         self._log_preemptions(before)
         return out
 
+    def _running_loras(self) -> set[int]:
+        """The adapter ids of the running (and loading) requests."""
+        return {r.lora_request.lora_int_id for r in [*self.running, *self.loading.values()]
+                if r.lora_request is not None}
+
     def _describe(self, req: Request, n: int, out: SchedulerOutput) -> None:
         """Put what the runner needs to compute ``req``'s next ``n`` tokens into ``out``."""
         rid = req.request_id
@@ -395,7 +410,7 @@ class Scheduler:
         if sent is None:
             out.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                req.eos_token_id, tables, start, req.mm_inputs))
+                req.eos_token_id, tables, start, req.mm_inputs, req.lora_request))
         else:
             out.cached_reqs.append(CachedRequestData(
                 rid, start, req.all_token_ids[start : start + n],

@@ -23,7 +23,7 @@ _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocke
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp",
             _DIR / "moe.cpp", _DIR / "pages.cpp", _DIR / "quant.cpp",
-            _DIR / "gguf_quant.cpp"]
+            _DIR / "gguf_quant.cpp", _DIR / "lora.cpp"]
 _HEADERS = [_DIR / "common.h", _DIR / "kernels.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _loaded: list[str] = []  # the key of the library load() returned
@@ -160,6 +160,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_gated_norm_gate_first.argtypes = [i32, i32, i32, p, i64, p, i64, p, p, i64, i32, i32,
                                              f32, i32]
     lib.pf_gated_norm_gate_first.restype = i32
+    lib.pf_lora_shrink.argtypes = [i32, p, i64, p, p, p, i64, i32, i32, i32]
+    lib.pf_lora_shrink.restype = i32
+    lib.pf_lora_expand.argtypes = [i32, p, i64, p, p, p, i64, i32, i32, i32]
+    lib.pf_lora_expand.restype = i32
     lib.pf_linear_bf16.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.pf_linear_bf16.restype = i32
     lib.pf_linear_bf16_fma.argtypes = lib.pf_linear_bf16.argtypes

@@ -51,6 +51,10 @@ int pf_rms_norm_gated(int dtype, const void* x, int64_t xs0, int64_t xs1, const 
 int pf_gated_norm_gate_first(int x_dtype, int g_dtype, int w_dtype, const void* x, int64_t xs,
                              const void* gate, int64_t gs, const void* w, void* out, int64_t N,
                              int D, int group, float eps, int nthreads);
+int pf_lora_shrink(int dtype, const void* x, int64_t xs, const void* a, const int64_t* idx,
+                   float* v, int64_t N, int R, int K, int nthreads);
+int pf_lora_expand(int dtype, void* y, int64_t ys, const float* v, const void* b,
+                   const int64_t* idx, int64_t N, int O, int R, int nthreads);
 int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
                        int t, int k, const int64_t* top_idx, const uint16_t* top_w,
                        const uint16_t* gate_up, const uint16_t* down, int E, int64_t hidden,

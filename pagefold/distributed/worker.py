@@ -32,6 +32,7 @@ from pagefold.distributed.parallel_state import (
 )
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
+from pagefold.lora.manager import LoRAModelManager
 from pagefold.offload.setup import OffloadPlan, build_store
 from pagefold.transfer.setup import TransferPlan, build_transfer_worker
 
@@ -62,6 +63,7 @@ class WorkerInit:
     stage_layers: tuple[tuple[int, int], ...] = ()
     stage_kv_configs: tuple[KVCacheConfig, ...] = ()
     transfer: TransferPlan | None = None  # P/D: this rank exports / pulls its shard
+    lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
 
 
 def sampling_rank(world: int, pipeline_parallel_size: int) -> int:
@@ -79,6 +81,10 @@ def build_rank_runner(init: WorkerInit, rank: int = 0, stage: int = 0) -> ModelR
                           torch.device(init.device), kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,
                           quantization=init.quantization)
+    if init.lora is not None:  # this rank's slots, its own host cache (read by path)
+        max_loras, rank_max, cpu = init.lora
+        runner.lora = LoRAModelManager(runner.model, max_loras=max_loras,
+                                       max_lora_rank=rank_max, max_cpu_loras=cpu)
     if init.offload is not None:
         build_store(init.offload, runner, rank)
     if init.transfer is not None:

@@ -56,6 +56,7 @@ from pagefold.engine.core_proc import (
     UtilityCall,
 )
 from pagefold.engine.output_processor import OutputProcessor
+from pagefold.lora.request import LoRARequest
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
@@ -402,7 +403,8 @@ class AsyncEngineClient:
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, request_id: str,
                        priority: int = 0, cache_salt: str | None = None,
-                       mm_inputs: MultiModalInputs | None = None
+                       mm_inputs: MultiModalInputs | None = None,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative ``RequestOutput``s until the finished one.
 
@@ -422,7 +424,7 @@ class AsyncEngineClient:
         finished = False
         try:
             self._send(AddRequest(request_id, list(prompt_token_ids), params, priority,
-                                  cache_salt, mm_inputs))
+                                  cache_salt, mm_inputs, lora_request))
             while not finished:
                 items = [await t.queue.get()]
                 while not t.queue.empty():

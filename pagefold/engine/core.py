@@ -40,6 +40,8 @@ from pagefold.distributed.worker import WorkerInit
 from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
+from pagefold.lora.manager import LoRAModelManager, adapter_checker
+from pagefold.lora.request import LoRARequest
 from pagefold.models.registry import model_class
 from pagefold.models.weights import apply_checkpoint_kv_scales
 from pagefold.multimodal.inputs import MultiModalInputs
@@ -99,6 +101,13 @@ def check_tensor_parallel(arch: str, hf_config, tp: int, expert_parallel: bool =
         set_expert_parallel(prev_ep)
 
 
+def lora_options(config: EngineConfig) -> tuple[int, int, int] | None:
+    """(max_loras, max_lora_rank, max_cpu_loras) with LoRA enabled, else None."""
+    if not config.enable_lora:
+        return None
+    return (config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+
+
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
                           warm_len: int, offload: OffloadPlan | None = None,
@@ -114,7 +123,8 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
                       expert_parallel=config.enable_expert_parallel,
                       pipeline_parallel_size=config.pipeline_parallel_size,
                       stage_layers=tuple(stage_layers),
-                      stage_kv_configs=tuple(stage_kv_configs), transfer=transfer)
+                      stage_kv_configs=tuple(stage_kv_configs), transfer=transfer,
+                      lora=lora_options(config))
     return TPExecutor(init, world)
 
 
@@ -233,6 +243,19 @@ class EngineCore:
                 stage_kv_configs, transfer)
             logger.info("tensor parallel %d x pipeline parallel %d: %d ranks (pids %s)",
                         self.tp, self.pp, self.world, self.runner.pids)
+        self.loras = None  # the host cache of checked adapters (LoRA on)
+        if config.enable_lora:
+            if config.speculative_config is not None:
+                raise ValueError("enable_lora with speculative_config is not supported")
+            if self.pp > 1:
+                raise ValueError("enable_lora needs pipeline_parallel_size 1")
+            _, rank, cpu = lora_options(config)
+            self.loras = adapter_checker(arch, hf_config, self.model, rank, cpu)
+            if self.world == 1:
+                self.runner.lora = LoRAModelManager(
+                    self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                    cache=self.loras)
+                self.runner.graphs = None  # decode graphs would hold no adapter terms
         if config.kv_cache_dtype == "fp8" and self.world == 1:
             n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
             logger.info("fp8 kv cache: %d layers take the checkpoint's k/v scales, the others "
@@ -263,6 +286,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             policy=config.scheduling_policy)
         self.scheduler.drafter = self.spec  # drafts before, counters after each step
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.scheduler.structured = self.structured
         if warm and self.world == 1:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
@@ -374,7 +398,8 @@ class EngineCore:
                     params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None,
                     cache_salt: str | None = None,
-                    mm_inputs: MultiModalInputs | None = None) -> Request:
+                    mm_inputs: MultiModalInputs | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue. Raises ValueError (nothing is queued) on bad input.
 
         ``cache_salt`` keys the request's prefix-cache chain (block hashes and therefore state
@@ -384,6 +409,8 @@ class EngineCore:
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.check_lora(lora_request)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")
@@ -417,11 +444,18 @@ class EngineCore:
                 params.logprobs = 0  # ranking by cumulative logprob needs each token's logprob
             params.n = params.best_of = 1
             kw.update(fork_children=family - 1, fork_at=n - 1)
+        extra: tuple = ()
         if cache_salt is not None:
-            kw["extra_keys"] = ("cache_salt", cache_salt)
+            extra = ("cache_salt", cache_salt)
+        if lora_request is not None:  # an adapter's prefixes are its own (blocks and states);
+            # name and path too: offload tiers on disk outlive this process's ids
+            extra += ("lora", lora_request.lora_int_id, lora_request.lora_name,
+                      str(lora_request.lora_path))
+        if extra:
+            kw["extra_keys"] = extra
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.eos_token_id, priority=priority, mm_inputs=mm_inputs,
-                      **kw)
+                      lora_request=lora_request, **kw)
         if transfer and transfer.get("do_remote_prefill"):
             self.transfer.expect(req, transfer)  # refused: a warning, then a local prefill
         self.scheduler.add_request(req)
@@ -461,6 +495,25 @@ class EngineCore:
             raise ValueError("kv_transfer_params needs an engine started with "
                              "--kv-transfer-config (prefill/decode disaggregation)")
         return transfer
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check ``lora_request``'s adapter (cached on the host); a ValueError
+        (``LoRAError``) naming what does not fit, or LoRA being off."""
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} given but LoRA is not "
+                             f"enabled; start the engine with enable_lora=True "
+                             f"(--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        self.loras.get(lora_request)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget adapter ``lora_id`` in the host cache and the runner's slots (TP 1; the
+        ranks' own caches keep it until evicted: one id names one adapter)."""
+        if self.loras is not None:
+            self.loras.drop(lora_id)
+        if getattr(self.runner, "lora", None) is not None:
+            self.runner.lora.evict(lora_id)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests; a parallel-sampling family id aborts all its children too."""

@@ -48,6 +48,7 @@ import zmq
 from pagefold.checkpoint import text_config
 from pagefold.config import EngineConfig
 from pagefold.engine.core import EngineCore, EngineCoreOutput
+from pagefold.lora.request import LoRARequest
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.sampling_params import SamplingParams
 
@@ -71,6 +72,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     priority: int = 0
     cache_salt: str | None = None
     mm_inputs: MultiModalInputs | None = None  # the prompt's images (None: text only)
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -373,7 +375,7 @@ class _CoreLoop:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   priority=msg.priority, cache_salt=msg.cache_salt,
-                                  mm_inputs=msg.mm_inputs)
+                                  mm_inputs=msg.mm_inputs, lora_request=msg.lora_request)
         except ValueError as e:
             errors.append(RequestError(msg.request_id, str(e)))
 

@@ -182,7 +182,7 @@ class DPEngineClient:
                        params: SamplingParams, *, request_id: str,
                        priority: int = 0, **kw) -> AsyncIterator[RequestOutput]:
         """The request on the replica the balancer picks (``kw``: ``cache_salt``,
-        ``mm_inputs``, as :meth:`AsyncEngineClient.generate`)."""
+        ``mm_inputs``, ``lora_request``, as :meth:`AsyncEngineClient.generate`)."""
         self.check_alive()
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")

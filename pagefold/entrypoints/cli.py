@@ -86,6 +86,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients send; none: the model path; the first is "
                         "reported")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) a request's model field may name, "
+                        "as NAME=PATH or JSON {\"name\": ..., \"path\": ...}; needs "
+                        "--enable-lora")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or template text) overriding the "
                         "tokenizer's")

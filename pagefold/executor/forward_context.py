@@ -53,6 +53,9 @@ class ForwardContext:
     # Image embeddings of this step: (flat rows, embeddings) that replace those rows' token
     # embeddings (pagefold.multimodal.encoder_cache); None on a step without image tokens.
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Some row of the step runs with a LoRA adapter (pagefold.lora): the linears' hooks add
+    # their terms, so the native decode driver (whose linears bypass the hooks) is skipped.
+    lora_rows: bool = False
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:

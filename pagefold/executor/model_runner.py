@@ -99,6 +99,9 @@ class ModelRunner:
         # Image inputs: encoder outputs per request (models with a vision tower only).
         self.encoders = (EncoderCache(model) if getattr(model, "visual", None) is not None
                          else None)
+        # Multi-LoRA (pagefold.lora.manager.LoRAModelManager) when enabled: each step's rows'
+        # adapters are set before the forward; None: LoRA off, nothing runs for it.
+        self.lora = None
 
     @property
     def captures_in_kernel(self) -> bool:
@@ -271,17 +274,22 @@ class ModelRunner:
         if self.encoders is not None:  # image rows and M-RoPE positions
             positions, mm_embeds = self.encoders.step_inputs(reqs, batch.starts, batch.counts,
                                                              inp.positions)
+        lora_rows = self.lora is not None and self.lora.set_step(
+            [r.lora_request for r in reqs], [len(t) for t in tokens])
         if drafted is not None:
             spec_rows = torch.tensor(drafted, device=self.device)
             for m in inp.state_meta:
                 if m is not None:
                     m.spec_rows = spec_rows
             ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={},
-                                 mm_embeds=mm_embeds)
+                                 mm_embeds=mm_embeds, lora_rows=lora_rows)
             return inp, ctx, self.model(inp.input_ids, positions, ctx)
-        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, mm_embeds=mm_embeds)
+        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, mm_embeds=mm_embeds,
+                             lora_rows=lora_rows)
         hidden = None
-        if self.graphs is not None and mm_embeds is None and positions.dim() == 1:
+        # Graphs hold neither image rows nor the LoRA hooks' terms.
+        if (self.graphs is not None and mm_embeds is None and positions.dim() == 1
+                and not lora_rows):
             hidden = self.graphs.run(inp.input_ids, positions, inp.attn_meta, inp.state_meta)
         if hidden is None:
             hidden = self.model(inp.input_ids, positions, ctx)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagefold.core.sched_output import SchedulerOutput
+from pagefold.lora.request import LoRARequest
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class CachedRequestState:
     # (ids, logprobs, rank) of prompt token p + 1 given tokens 0..p.
     prompt_logprobs: list = field(default_factory=list)
     mm_inputs: MultiModalInputs | None = None  # the request's images (None: text only)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     def write(self, start: int, tokens: list[int]) -> None:
         """Tokens ``tokens`` at positions ``start...`` (replacing or extending)."""
@@ -78,7 +80,8 @@ class RunnerRequests:
             self.states[nr.req_id] = CachedRequestState(
                 nr.req_id, nr.prompt_token_ids, nr.prompt_token_ids + nr.output_token_ids,
                 list(nr.output_token_ids), nr.sampling_params, nr.eos_token_id,
-                [list(b) for b in nr.block_ids], mm_inputs=nr.mm_inputs)
+                [list(b) for b in nr.block_ids], mm_inputs=nr.mm_inputs,
+                lora_request=nr.lora_request)
             starts[nr.req_id] = nr.num_computed_tokens
         for cr in out.cached_reqs:
             st = self.states[cr.req_id]

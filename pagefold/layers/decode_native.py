@@ -220,6 +220,8 @@ def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor
     kept on ``owner`` and rebuilt when the linears' GEMV routing changed."""
     if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not len(layers):
         return None
+    if ctx.lora_rows:  # LoRA terms come from the linears' hooks: the module path runs them
+        return None
     cached = owner.__dict__.get("_pf_native_blocks")
     if cached is None:
         blocks = model_blocks(layers)

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagefold.entrypoints.openai.chat_parsing import REASONING_PARSERS, TOOL_PARSERS
 from pagefold.metrics import ServerMetrics, stats_line
@@ -40,6 +41,8 @@ class ServeOptions:
     # The engine has a kv_transfer_config: requests may carry kv_transfer_params.
     kv_transfer: bool = False
     tokenizer_info: bool = False
+    # --enable-lora: the adapters a request's ``model`` may name (lora_modules.LoRAModules).
+    lora: Any = None
 
 
 def serve_options(args) -> ServeOptions:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -51,6 +52,11 @@ from pagefold.engine.client import AsyncEngineClient, EngineDeadError
 from pagefold.engine.dp_client import DPEngineClient
 from pagefold.entrypoints.openai.engine_calls import ClientDisconnected
 from pagefold.entrypoints.openai.errors import APIError, bad_request, error_body
+from pagefold.entrypoints.openai.lora_modules import (
+    LoRAModules,
+    add_lora_routes,
+    parse_lora_modules,
+)
 from pagefold.entrypoints.openai.memory import MemoryTrimmer
 from pagefold.entrypoints.openai.middleware import GateMiddleware, InFlight
 from pagefold.entrypoints.openai.options import ServeOptions, serve_options, stats_loop
@@ -119,7 +125,8 @@ def build_state(config: EngineConfig, *, served_model_name: str | list[str] | No
                 options: ServeOptions | None = None,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                 metrics_require_key: bool = False,
-                max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+                max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS,
+                lora_modules: list[str] | None = None
                 ) -> ServerState:
     """Load the tokenizer and wire the engine client (not started yet; pass one that was
     already spawned to overlap the model load with this) and the handlers."""
@@ -130,6 +137,15 @@ def build_state(config: EngineConfig, *, served_model_name: str | list[str] | No
     options.served_model_names = names or [name]
     options.default_sampling = generation_defaults(config.model, config.generation_config)
     options.kv_transfer = config.kv_transfer_config is not None
+    if lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if config.enable_lora:
+        options.lora = LoRAModules(config, options.served_model_names)
+        for lora_name, lora_path in parse_lora_modules(lora_modules):
+            try:
+                options.lora.add(lora_name, lora_path)
+            except APIError as e:
+                raise ValueError(f"--lora-modules {lora_name}={lora_path}: {e}") from None
     log_generation_defaults(options.default_sampling, config.generation_config)
     metrics = ServerMetrics(name)
     if client is None:
@@ -210,6 +226,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def body(request: Request) -> bytes:
         return await request.body()
 
+    async def json_body(request: Request) -> dict:
+        try:
+            data = json.loads(await body(request) or b"{}")
+        except ValueError:
+            raise bad_request("the body is not JSON") from None
+        if not isinstance(data, dict):
+            raise bad_request("the body must be a JSON object")
+        return data
+
+    if state.options.lora is not None:
+        add_lora_routes(app, state.options.lora, json_body)
+
     # ------------------------------------------------------------------ service routes
     @app.get("/health")
     async def health() -> Response:
@@ -249,7 +277,9 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created,
             "owned_by": "pagefold", "root": state.model_path,
-            "max_model_len": client.info.max_model_len}]})
+            "max_model_len": client.info.max_model_len}] + (
+                state.options.lora.cards(state.served_model_name, state.created)
+                if state.options.lora is not None else [])})
 
     @app.get("/v1/admin/pool")
     async def admin_pool() -> Response:
@@ -433,7 +463,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                             client=client, options=options,
                             max_request_bytes=args.max_request_bytes,
                             metrics_require_key=args.metrics_require_key,
-                            max_request_output_tokens=args.max_request_output_tokens)
+                            max_request_output_tokens=args.max_request_output_tokens,
+                            lora_modules=getattr(args, "lora_modules", None))
         state.shutdown_timeout = args.shutdown_timeout
         asyncio.run(serve(state, args.host, args.port,
                           uvicorn_log_level=args.uvicorn_log_level, sock=sock))

@@ -53,6 +53,7 @@ from pagefold.entrypoints.openai.serving_completion import (
     OpenAIServing,
     StreamCursor,
     completion_tokens,
+    refuse_beam_lora,
 )
 from pagefold.entrypoints.openai.tool_prompt import template_takes_tools, with_tools_fallback
 from pagefold.entrypoints.openai.tool_stream import ToolCallStream
@@ -196,7 +197,7 @@ class OpenAIServingChat(OpenAIServing):
         return choice, None
 
     async def create(self, raw: Request, req: ChatCompletionRequest) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         refuse_unsupported(req, self.allowed_fields)
         mode, tool_name = self._tool_mode(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -254,8 +255,9 @@ class OpenAIServingChat(OpenAIServing):
         rid = f"chatcmpl-{req.request_id}" if req.request_id else self.new_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
+            refuse_beam_lora(lora)
             return await beam_chat(self, raw, req, (text, ids), params, rid, created, mode)
-        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt,
+        stream = self.start([rid], [(text, ids)], [params], req.priority, req.cache_salt, lora,
                             mm_inputs=mm)
         if req.stream:
             first = await self.prime(raw, stream)

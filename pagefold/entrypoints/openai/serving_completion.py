@@ -54,6 +54,7 @@ from pagefold.entrypoints.openai.protocol import (
     usage,
 )
 from pagefold.entrypoints.openai.tokenizing import TokenizerPool
+from pagefold.lora.request import LoRARequest
 from pagefold.multimodal.inputs import MultiModalInputs
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
@@ -65,6 +66,13 @@ MAX_SAMPLES = 128
 MAX_SHOWN = 1 << 30
 # Default cap on samples x max_tokens x (1 + logprobs) of one prompt (see ``bound_output``).
 DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 2**18
+
+
+def refuse_beam_lora(lora: LoRARequest | None) -> None:
+    """Beam search runs on the base model only: a LoRA adapter with it is a 400."""
+    if lora is not None:
+        raise bad_request(f"use_beam_search with the LoRA adapter `{lora.lora_name}` is not "
+                          f"supported", "use_beam_search")
 
 
 class OpenAIServing:
@@ -95,13 +103,18 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        """An unknown model is a 404; no model (or ``""``) means the served one, as vLLM."""
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """An unknown model is a 404; no model (or ``""``) means the served one, as vLLM; a
+        LoRA adapter's name (``--enable-lora``) gives its LoRARequest."""
         names = self.options.served_model_names or [self.served_model_name]
-        if model and model != self.served_model_name and model not in names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                           f"`{self.served_model_name}`.", param="model",
-                           code="model_not_found")
+        if not model or model == self.served_model_name or model in names:
+            return None
+        lora = self.options.lora.get(model) if self.options.lora is not None else None
+        if lora is not None:
+            return lora
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                       f"`{self.served_model_name}`.", param="model",
+                       code="model_not_found")
 
     def check_text_fits(self, num_chars: int, param: str = "prompt") -> None:
         """Refuse, before tokenizing, a text too long to ever fit (see ``tokenizing``)."""
@@ -304,6 +317,7 @@ class OpenAIServing:
 
     def start(self, ids: list[str], prompts: list[tuple[str | None, list[int]]],
               params: list[SamplingParams], priority: int, cache_salt: str | None = None,
+              lora_request: LoRARequest | None = None,
               mm_inputs: MultiModalInputs | None = None
               ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Generations of every prompt, merged as ``(index, output)``; ``mm_inputs``: the
@@ -315,7 +329,8 @@ class OpenAIServing:
             log_request(self.options, rid, text, pids, sp)
         extra = {"mm_inputs": mm_inputs} if mm_inputs is not None else {}
         gens = [self.client.generate(text, pids, sp, request_id=rid, priority=priority,
-                                     cache_salt=cache_salt, **extra)
+                                     cache_salt=cache_salt, lora_request=lora_request,
+                                     **extra)
                 for rid, (text, pids), sp in zip(ids, prompts, params)]
         return merge_generations(gens)
 
@@ -396,7 +411,7 @@ def completion_tokens(outs: list[RequestOutput]) -> int:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, raw: Request, req: CompletionRequest) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         refuse_unsupported(req, self.allowed_fields)
         if req.prompt is None:
             raise bad_request("prompt is required", "prompt")
@@ -420,8 +435,9 @@ class OpenAIServingCompletion(OpenAIServing):
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         created = int(time.time())
         if req.use_beam_search:
+            refuse_beam_lora(lora)
             return await beam_completion(self, raw, req, prompts, params, base, created)
-        stream = self.start(ids, prompts, params, req.priority, req.cache_salt)
+        stream = self.start(ids, prompts, params, req.priority, req.cache_salt, lora)
         if req.stream:
             first = await self.prime(raw, stream)
             body = self.stream_events(req, base, created, prompts, params, first, stream)

@@ -1,0 +1,40 @@
+"""The model's LoRA-able linears: every ``nn.Linear`` (``RowParallelLinear`` included) inside
+the decoder layers, with its checkpoint parts (a fused ``qkv_proj`` has ``q_proj`` /
+``k_proj`` / ``v_proj``; an unfused layer one part named as the layer) and how tensor
+parallelism cuts it (``layers/linear.py``: ``tp_cuts`` on column-parallel layers)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagefold.distributed.parallel_state import tp_size
+from pagefold.layers.linear import RowParallelLinear
+from pagefold.layers.lora_linear import LinearLayout, PartLayout
+
+
+def linear_layout(module: nn.Linear, own_name: str) -> LinearLayout:
+    out = module.weight.shape[0]
+    if isinstance(module, RowParallelLinear):
+        return LinearLayout("row", module.in_features, module.in_features * tp_size(),
+                            {own_name: PartLayout(0, out, out)}, reduce=module.reduce)
+    fused = getattr(module.weight, "fused", None)
+    cuts = getattr(module, "tp_cuts", None)
+    shards = fused.shards if fused is not None else {"": (0, out)}
+    parts = {}
+    for key, (off, rows) in shards.items():
+        cut = cuts.get(key) if cuts else None
+        full = sum(cut.blocks) if cut is not None else rows
+        parts[key or own_name] = PartLayout(off, rows, full, cut)
+    kind = "column" if cuts else "replicated"
+    return LinearLayout(kind, module.in_features, module.in_features, parts)
+
+
+def lora_layout(model: nn.Module) -> dict[str, tuple[nn.Linear, LinearLayout]]:
+    """Module path -> (linear, layout) for every LoRA-able linear of ``model`` (its lm_head
+    and embeddings excluded: adapters on them are refused by name)."""
+    found = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or ".layers." not in f".{path}":
+            continue
+        found[path] = (mod, linear_layout(mod, path.rsplit(".", 1)[-1]))
+    return found

@@ -102,46 +102,53 @@ inline __m512i codes64(const uint8_t* src, bool one) {
   }
 }
 
-// Rows [r0, r0 + R) of one output row o: scale/min rows sc, mn (float16 when half).
+// Rows [r0, r0 + R) of one output row o: scale/min rows sc, mn (float16 when half). Two
+// accumulators per row (even and odd group pairs), so consecutive pairs' FMAs do not wait on
+// each other; every row runs the same instructions whatever R is.
 template <int B, int R>
 void rows_vnni(const Activations& a, int64_t r0, const uint8_t* row, const void* sc,
                const void* mn, int32_t half, float* out) {
-  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t groups = a.groups;
+  __m512 sc16 = _mm512_setzero_ps();  // the scales of groups [g & ~15, +16)
   for (int64_t g = 0; g < groups; g += 2) {
+    const int j = static_cast<int>((g >> 1) & 1);
     const bool one = g + 1 == groups;
-    const __m512i w = codes64<B>(row + g * kG * B / 8, one);
-    __m128 s2;
-    if (half) {
-      uint32_t two = static_cast<const uint16_t*>(sc)[g];
-      if (!one) two |= static_cast<uint32_t>(static_cast<const uint16_t*>(sc)[g + 1]) << 16;
-      s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-    } else {
-      const float* f = static_cast<const float*>(sc) + g;
-      s2 = _mm_set_ps(0.f, 0.f, one ? 0.f : f[1], f[0]);
+    if ((g & 15) == 0) {
+      const int64_t left = groups - g;
+      const __mmask16 mk = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      sc16 = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                        mk, static_cast<const uint16_t*>(sc) + g))
+                  : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(sc) + g);
     }
-    const __m512 sv = _mm512_permutexvar_ps(pick, _mm512_zextps128_ps512(s2));
+    const __m512i w = codes64<B>(row + g * kG * B / 8, one);
+    // lanes 0-7: group g's scale, 8-15: group g + 1's (0 past the last group)
+    const __m512i pick = _mm512_add_epi32(
+        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set1_epi32(static_cast<int>(g & 15)));
+    const __m512 sv = _mm512_permutexvar_ps(pick, sc16);
     for (int r = 0; r < R; ++r) {
       const int64_t rr = r0 + r;
       const __m512i xq = _mm512_loadu_si512(a.q.data() + rr * a.kpad + g * kG);
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
       const __m512 dv = _mm512_loadu_ps(a.lanes.data() + (rr * a.gpad + g) * 8);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dv), acc[r]);
+      acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dv), acc[r][j]);
     }
   }
   // The min term: sum_g min[g] * d[g] * sum(q[g]), 16 groups a step.
   for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 mk = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    const __mmask16 mk =
+        groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
     const __m512 mv = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
                                  mk, static_cast<const uint16_t*>(mn) + g))
                            : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(mn) + g);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, a.dsum.data() + (r0 + r) * a.gpad + g),
-                               acc[r]);
+      acc[r][1] = _mm512_fmadd_ps(
+          mv, _mm512_maskz_loadu_ps(mk, a.dsum.data() + (r0 + r) * a.gpad + g), acc[r][1]);
   }
-  for (int r = 0; r < R; ++r) out[r0 + r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r)
+    out[r0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 #endif
 

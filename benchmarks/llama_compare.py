@@ -11,8 +11,9 @@ One command, conversion included. Models:
   weights. ``--q4``: both engines also run the shipped Q4_1 file itself (pagefold keeps it
   quantized); ``--quant q8_0 q4_0``: both run that file as llama.cpp's quantizer writes it
   from the bf16 requantization (rows ``pagefold-q8_0`` / ``llama.cpp-q8_0``, the ratio
-  against llama.cpp on the same file). A llama.cpp worker that crashes (its Q4_1 run
-  segfaulted on an AMX Xeon) is reported as such, the other rows kept.
+  against llama.cpp on the same file). A llama.cpp worker that crashes is reported as such,
+  the other rows kept (llama-cpp-python 0.3.36 segfaults on every quantized file on an AMX
+  Xeon unless ``--no-extra-bufts`` turns its CPU repack buffers off).
 * ``ARCH-hH-lL[-iI]``: a random model built from a config (``benchmarks.common.bench_model``:
   hybrids 3 Gated DeltaNet layers to 1 attention, ``-iI`` the MLP width, 16k tied vocabulary),
   converted to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py``. The converter comes
@@ -93,8 +94,19 @@ def worker_pagefold(spec: dict) -> dict:
 
 
 def worker_llamacpp(spec: dict) -> dict:
+    import llama_cpp
+    import llama_cpp.llama
     from llama_cpp import Llama
 
+    if spec.get("no_extra_bufts"):  # the CPU repack buffers off (see --no-extra-bufts)
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = params
     threads = spec["threads"]
     llm = Llama(model_path=spec["gguf"], n_ctx=spec["prompt_len"] + 512, n_batch=512,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -282,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--q4", action="store_true",
                    help="smollm2: both engines also on the shipped Q4_1 GGUF")
+    p.add_argument("--no-extra-bufts", action="store_true",
+                   help="llama.cpp without its CPU repack buffers (use_extra_bufts = false): "
+                        "with them llama-cpp-python 0.3.36 segfaults on every quantized file "
+                        "on an AMX Xeon (bf16 runs)")
     p.add_argument("--quant", nargs="+", default=[], metavar="TYPE",
                    help="smollm2: both engines also on llama.cpp's quantization to TYPE "
                         "(q8_0, q4_0, ...)")
@@ -297,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
             vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
             spec = {"model": str(hf_model(name)), "gguf": str(bf16_gguf(name, args.llama_python)),
                     "vocab": int(vocab), "requests": args.requests, "out": args.out,
-                    "prompt_len": args.prompt_len, "threads": args.threads}
+                    "prompt_len": args.prompt_len, "threads": args.threads,
+                    "no_extra_bufts": args.no_extra_bufts}
             systems = [("pagefold", sys.executable, spec),
                        ("llama.cpp", args.llama_python, spec)]
             if name == "smollm2":

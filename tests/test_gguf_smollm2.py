@@ -38,8 +38,8 @@ def test_q4_1_kept_quantized_close_to_bf16_and_small(smollm2_dir, caplog):
     ref = prompt_logprobs(ref_llm, ids)
     del ref_llm
     # Chunks of 32 tokens: every product of the kept-quantized run takes the compiled kernel
-    # (int8 activations, integer sums of codes); a longer prefill decodes bf16 tiles, the same weights
-    # as the bf16 conversion, and would agree with it exactly.
+    # (int8 activations, integer sums of codes); a longer prefill decodes bf16 tiles, the
+    # same weights as the bf16 conversion, and would agree with it exactly.
     with caplog.at_level(logging.INFO, logger="pagefold"):
         q_llm = LLM(str(installed_gguf()), **dict(kw, max_num_batched_tokens=32))
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")][-1]

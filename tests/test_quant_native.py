@@ -1,9 +1,10 @@
 """Quantized models run the native decode driver (``layers.decode_native``) with the module
 path's bits: a tiny GGUF Llama kept quantized (Q4_1: the int8-activation kernel; Q6_K: the
-float32 one) and a tiny Llama quantized on load (int4, int8, fp8), bf16, greedy tokens and
-logprobs equal with the driver on and off, batches of 1, 2 and 3 requests. With the
-quantized GEMVs' row limit at 1, steps of more rows run natively with each quantized linear
-through its own forward (the callbacks find it by its descriptor's address)."""
+float32 one) and a tiny Llama quantized on load (int4, fp8; int8 with the row limit below),
+bf16, greedy tokens and logprobs equal with the driver on and off, batches of 1, 2 and 3
+requests. With the quantized GEMVs' row limit at 1, steps of more rows run natively with each
+quantized linear through its own forward (the callbacks find it by its descriptor's
+address)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,7 @@ def test_gguf_model_native_is_the_module_path(kind, max_rows, tmp_path, monkeypa
         assert max(rows) > max_rows  # steps above the GEMVs' rows: the callbacks
 
 
-@pytest.mark.parametrize("kind,max_rows", [("int4", None), ("int8", None), ("fp8", None),
-                                           ("int4", 1)])
+@pytest.mark.parametrize("kind,max_rows", [("int4", None), ("fp8", None), ("int8", 1)])
 def test_quantized_on_load_native_is_the_module_path(kind, max_rows, tiny_model_factory,
                                                      monkeypatch):
     if max_rows is not None:

@@ -499,6 +499,23 @@ def smollm2_ggufs(llama_python: str) -> dict[str, str]:
     return {"llamacpp-bf16": str(bf16), "llamacpp-q4_1": str(q4)}
 
 
+def smollm2_requantized(llama_python: str, kind: str) -> str:
+    """SmolLM2-135M-Instruct quantized to ``kind`` (``q8_0``, ``q4_0``, ...) by llama.cpp's
+    ``llama_model_quantize`` from the bf16 requantization of the shipped Q4_1 (made once under
+    ``llama_python``, cached next to it): a file llama.cpp itself wrote, for both engines."""
+    bf16 = Path(smollm2_ggufs(llama_python)["llamacpp-bf16"])
+    out = bf16.with_name(f"SmolLM2-135M-Instruct.{kind}.gguf")
+    if not out.exists():
+        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+        code = ("import sys, llama_cpp as l\n"
+                "p = l.llama_model_quantize_default_params()\n"
+                f"p.ftype = l.LLAMA_FTYPE_MOSTLY_{kind.upper()}\n"
+                "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        subprocess.run([llama_python, "-c", code, str(bf16), str(tmp)], check=True)
+        tmp.rename(out)
+    return str(out)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 

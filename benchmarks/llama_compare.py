@@ -8,7 +8,12 @@ One command, conversion included. Models:
 
 * ``smollm2``: the trained SmolLM2-135M-Instruct; pagefold reads its bf16 conversion and
   llama.cpp the shipped Q4_1 GGUF requantized to bf16 (``llama_model_quantize``): the same
-  weights. The shipped Q4_1 itself runs as an extra llama.cpp row (``--q4``).
+  weights. ``--q4``: both engines also run the shipped Q4_1 file itself (pagefold keeps it
+  quantized); ``--quant q8_0 q4_0``: both run that file as llama.cpp's quantizer writes it
+  from the bf16 requantization (rows ``pagefold-q8_0`` / ``llama.cpp-q8_0``, the ratio
+  against llama.cpp on the same file). A llama.cpp worker that crashes is reported as such,
+  the other rows kept (llama-cpp-python 0.3.36 segfaults on every quantized file on an AMX
+  Xeon unless ``--no-extra-bufts`` turns its CPU repack buffers off).
 * ``ARCH-hH-lL[-iI]``: a random model built from a config (``benchmarks.common.bench_model``:
   hybrids 3 Gated DeltaNet layers to 1 attention, ``-iI`` the MLP width, 16k tied vocabulary),
   converted to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py``. The converter comes
@@ -89,8 +94,19 @@ def worker_pagefold(spec: dict) -> dict:
 
 
 def worker_llamacpp(spec: dict) -> dict:
+    import llama_cpp
+    import llama_cpp.llama
     from llama_cpp import Llama
 
+    if spec.get("no_extra_bufts"):  # the CPU repack buffers off (see --no-extra-bufts)
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = params
     threads = spec["threads"]
     llm = Llama(model_path=spec["gguf"], n_ctx=spec["prompt_len"] + 512, n_batch=512,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -198,7 +214,7 @@ def bf16_gguf(name: str, llama_python: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_worker(system: str, python: str, spec: dict, tmp: Path) -> dict:
+def run_worker(system: str, python: str, spec: dict, tmp: Path) -> dict | None:
     out = tmp / f"{system}.json"
     out.unlink(missing_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -206,12 +222,59 @@ def run_worker(system: str, python: str, spec: dict, tmp: Path) -> dict:
     fn = "worker_pagefold" if system == "pagefold" else "worker_llamacpp"
     code = (f"import json,sys; from benchmarks.llama_compare import {fn} as w; "
             f"json.dump(w(json.loads(sys.argv[1])), open({str(out)!r}, 'w'))")
-    subprocess.run([python, "-c", code, json.dumps(spec)], env=env, check=True, cwd=str(REPO))
+    proc = subprocess.run([python, "-c", code, json.dumps(spec)], env=env, cwd=str(REPO))
+    if proc.returncode != 0:
+        if system == "pagefold":
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+        return None  # llama.cpp crashed (reported in the table)
     res = json.loads(out.read_text())
     from benchmarks.compare import stream_read_gbps
 
     res["read_gbps"] = stream_read_gbps(spec["threads"])
     return res
+
+
+def _quantized_systems(args, spec: dict) -> list[tuple[str, str, dict]]:
+    """SmolLM2's quantized rows: the shipped Q4_1 (``--q4``) and llama.cpp's own
+    quantizations (``--quant``), each file run by both engines."""
+    files = {}
+    if args.q4:
+        from pagefold.models.smollm2 import smollm2_gguf
+
+        files["q4_1"] = str(smollm2_gguf())
+    from benchmarks.compare import smollm2_requantized
+
+    for kind in args.quant:
+        files[kind] = smollm2_requantized(args.llama_python, kind)
+    out = []
+    for kind, path in files.items():
+        out += [(f"pagefold-{kind}", sys.executable, dict(spec, model=path)),
+                (f"llama.cpp-{kind}", args.llama_python, dict(spec, gguf=path))]
+    return out
+
+
+def _rows(name: str, got: dict[str, list[dict | None]]) -> list[dict]:
+    """A row per system: medians over its rounds, and for pagefold rows the ratios per round
+    against llama.cpp on the same file (bf16 for ``pagefold``)."""
+    rows = []
+    for system, runs in got.items():
+        ok = [x for x in runs if x]
+        row: dict = {"model": name, "system": system}
+        if len(ok) < len(runs):
+            row["note"] = f"crashed in {len(runs) - len(ok)} of {len(runs)} rounds"
+        if ok:
+            row.update({"decode tok/s": statistics.median(x["decode"] for x in ok),
+                        "prompt tok/s": statistics.median(x["prompt"] for x in ok),
+                        "of read": statistics.median(x["bytes"] * x["decode"] / 1e9
+                                                     / x["read_gbps"] for x in ok)})
+        if system.startswith("pagefold"):
+            base = got[system.replace("pagefold", "llama.cpp", 1)]
+            pairs = [(a, b) for a, b in zip(runs, base) if a and b]
+            if pairs:
+                row["decode ratio"] = _span([a["decode"] / b["decode"] for a, b in pairs])
+                row["prompt ratio"] = _span([a["prompt"] / b["prompt"] for a, b in pairs])
+        rows.append(row)
+    return rows
 
 
 def _span(xs: list[float]) -> str:
@@ -229,7 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--q4", action="store_true", help="smollm2: also the shipped Q4_1 GGUF")
+    p.add_argument("--q4", action="store_true",
+                   help="smollm2: both engines also on the shipped Q4_1 GGUF")
+    p.add_argument("--no-extra-bufts", action="store_true",
+                   help="llama.cpp without its CPU repack buffers (use_extra_bufts = false): "
+                        "with them llama-cpp-python 0.3.36 segfaults on every quantized file "
+                        "on an AMX Xeon (bf16 runs)")
+    p.add_argument("--quant", nargs="+", default=[], metavar="TYPE",
+                   help="smollm2: both engines also on llama.cpp's quantization to TYPE "
+                        "(q8_0, q4_0, ...)")
     args = p.parse_args(argv)
 
     from pagefold.csrc import cpu_ops  # noqa: F401 - import check before minutes of work
@@ -242,42 +313,27 @@ def main(argv: list[str] | None = None) -> None:
             vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
             spec = {"model": str(hf_model(name)), "gguf": str(bf16_gguf(name, args.llama_python)),
                     "vocab": int(vocab), "requests": args.requests, "out": args.out,
-                    "prompt_len": args.prompt_len, "threads": args.threads}
+                    "prompt_len": args.prompt_len, "threads": args.threads,
+                    "no_extra_bufts": args.no_extra_bufts}
             systems = [("pagefold", sys.executable, spec),
                        ("llama.cpp", args.llama_python, spec)]
-            if args.q4 and name == "smollm2":
-                from pagefold.models.smollm2 import smollm2_gguf
-
-                systems.append(("llama.cpp-q4_1", args.llama_python,
-                                dict(spec, gguf=str(smollm2_gguf()))))
-            got: dict[str, list[dict]] = {s[0]: [] for s in systems}
+            if name == "smollm2":
+                systems += _quantized_systems(args, spec)
+            got: dict[str, list[dict | None]] = {s[0]: [] for s in systems}
             for r in range(args.rounds):
                 order = systems if r % 2 == 0 else systems[::-1]
                 for system, python, sp in order:
                     res = run_worker(system.split("-")[0], python, sp, tmp)
                     got[system].append(res)
-                    print(f"{name} round {r + 1} {system}: decode {res['decode']:.1f} tok/s, "
-                          f"prompt {res['prompt']:.1f} tok/s, read {res['read_gbps']:.1f} GB/s",
-                          flush=True)
-            base = got["llama.cpp"]
-            for system, runs in got.items():
-                dec = [x["decode"] for x in runs]
-                row = {"model": name, "system": system,
-                       "decode tok/s": statistics.median(dec),
-                       "prompt tok/s": statistics.median(x["prompt"] for x in runs),
-                       "of read": statistics.median(x["bytes"] * x["decode"] / 1e9
-                                                    / x["read_gbps"] for x in runs)}
-                if system != "llama.cpp":
-                    row["decode ratio"] = _span([a["decode"] / b["decode"]
-                                                 for a, b in zip(runs, base)])
-                    row["prompt ratio"] = _span([a["prompt"] / b["prompt"]
-                                                 for a, b in zip(runs, base)])
-                rows.append(row)
+                    print(f"{name} round {r + 1} {system}: " + (
+                        f"decode {res['decode']:.1f} tok/s, prompt {res['prompt']:.1f} tok/s, "
+                        f"read {res['read_gbps']:.1f} GB/s" if res else "crashed"), flush=True)
+            rows += _rows(name, got)
     from benchmarks.common import print_table
 
     print()
     print_table(rows, ["model", "system", "decode tok/s", "prompt tok/s", "of read",
-                       "decode ratio", "prompt ratio"])
+                       "decode ratio", "prompt ratio", "note"])
 
 
 if __name__ == "__main__":

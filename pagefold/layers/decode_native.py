@@ -84,13 +84,19 @@ class ModuleCallbacks:
     pointer (``linear``), each through its own ``forward`` (the routing ``use_fast_linears``
     set up: the batched GEMM), found by its weight's address, and the sparse MoE blocks
     through their own forward (``moe``: their experts leave the few-row kernel there); the
-    results are copied into the driver's rows, so they are the module path's. An exception
-    inside is kept in ``error`` (the driver sees a nonzero result)."""
+    results are copied into the driver's rows, so they are the module path's (a quantized
+    linear is found by its descriptor's address). An exception inside is kept in ``error``
+    (the driver sees a nonzero result)."""
 
     def __init__(self, parts: list) -> None:
         self.parts = parts
         self.by_weight = {m.weight.data_ptr(): m for p in parts for m in p.modules()
                           if type(m) is torch.nn.Linear}
+        for p in parts:  # quantized matrices: keyed by their descriptor's address
+            for m in p.modules():
+                got = native_record.matrix(m) if hasattr(m, "native_matrix") else None
+                if got is not None:
+                    self.by_weight[got[0]] = m
         self.error: BaseException | None = None
         # Kept: the pointers live as long as this object.
         self.linear_fn, self.moe_fn = LINEAR_FN(self._linear), MOE_FN(self._moe)

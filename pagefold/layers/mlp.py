@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.layers.activations import get_activation, relu2
 from pagefold.layers.linear import column_linear, row_linear
-from pagefold.layers.native_record import Step, linears
+from pagefold.layers.native_record import Step, linears, matrix_shape
 from pagefold.ops import elementwise
 
 
@@ -64,7 +64,7 @@ class UngatedMLP(nn.Module):
 
     def native_record(self, hidden: int) -> tuple | None:
         """The native decode step's record for relu^2 (``pf_relu2`` rounds as torch does)."""
-        lin = linears(self.up_proj, self.down_proj, hidden, self.up_proj.weight.shape[0])
+        lin = linears(self.up_proj, self.down_proj, hidden, matrix_shape(self.up_proj)[0])
         if self.act is not relu2 or lin is None:
             return None
         return "mlp_relu2", lin, {}

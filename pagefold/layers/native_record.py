@@ -45,6 +45,27 @@ def gemv_of(lin) -> tuple[int, int]:
     return choice.address, choice.max_rows
 
 
+def matrix(lin) -> tuple[int, int, int, int] | None:
+    """A linear's matrix as a record takes it: (weight address, bias address or 0, GEMV
+    address, most rows), or None where the driver cannot run it. A bf16 ``nn.Linear``'s weight
+    address is its tensor and its GEMV the kernel chosen for its shape; a quantized layer
+    (GGUF, GPTQ / AWQ / int8 / int4 / FP8) answers ``native_matrix()`` with a descriptor of its
+    format (``quantization.native_matrix``) and ``pf_linear_quant``: one GEMV signature."""
+    if gemv_ready(lin):
+        g, rows = gemv_of(lin)
+        return (lin.weight.data_ptr(), lin.bias.data_ptr() if lin.bias is not None else 0, g,
+                rows)
+    fn = getattr(lin, "native_matrix", None)
+    return fn() if fn is not None else None
+
+
+def matrix_shape(lin) -> tuple[int, int]:
+    """(outputs, inputs) of a linear :func:`matrix` took."""
+    if type(lin) is torch.nn.Linear:
+        return tuple(lin.weight.shape)
+    return lin.out_features, lin.in_features
+
+
 def bf16_vector(t: torch.Tensor | None) -> bool:
     """A bf16 contiguous tensor (a norm weight, a bias) the kernels read as it is."""
     return t is not None and t.dtype == torch.bfloat16 and t.is_contiguous()
@@ -52,19 +73,17 @@ def bf16_vector(t: torch.Tensor | None) -> bool:
 
 def linears(first, second, hidden: int, inner: int) -> dict | None:
     """The record's two linears: ``first`` (hidden -> its outputs) and ``second`` (``inner``
-    -> hidden), or None unless both take the GEMV with those widths (the driver takes every
+    -> hidden), bf16 or quantized (:func:`matrix`), or None unless both take a GEMV with
+    those widths (the driver takes every
     linear's input width from the block)."""
-    if not (gemv_ready(first) and gemv_ready(second)):
+    m0, m1 = matrix(first), matrix(second)
+    if m0 is None or m1 is None:
         return None
-    (n0, k0), (n1, k1) = first.weight.shape, second.weight.shape
+    (n0, k0), (n1, k1) = matrix_shape(first), matrix_shape(second)
     if (k0, n1, k1) != (hidden, hidden, inner):
         return None
-    (g0, r0), (g1, r1) = gemv_of(first), gemv_of(second)
-    return {"w0": first.weight.data_ptr(),
-            "b0": first.bias.data_ptr() if first.bias is not None else 0, "n0": n0,
-            "w1": second.weight.data_ptr(),
-            "b1": second.bias.data_ptr() if second.bias is not None else 0, "k1": inner,
-            "g0": g0, "g1": g1, "gemv_rows": min(r0, r1)}
+    return {"w0": m0[0], "b0": m0[1], "n0": n0, "w1": m1[0], "b1": m1[1], "k1": inner,
+            "g0": m0[2], "g1": m1[2], "gemv_rows": min(m0[3], m1[3])}
 
 
 def attention_record(hidden: int, *, qkv, o, heads: int, kv_heads: int, head_dim: int,

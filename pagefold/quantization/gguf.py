@@ -24,6 +24,7 @@ filled before it finalizes; under tensor parallelism or off the CPU GGUF layers 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
-from pagefold.quantization.gguf_kernel import GGUFWeight
+from pagefold.quantization.gguf_kernel import KERNEL_MAX_ROWS, GGUFWeight
 
 __all__ = ["DEQUANT_PREFIX", "KEEP_PREFIX", "GGUFEmbedding", "GGUFLinear", "GGUFQuantizer",
            "gguf_weights"]
@@ -142,6 +143,22 @@ class GGUFLinear(_RawHolder):
         lin = cls(weight.k, weight.n, {"": (0, weight.n)}, None, layer, float_out)
         lin.packed = weight
         return lin
+
+    def native_matrix(self) -> tuple[int, int, int, int] | None:
+        """For the native decode driver (``layers.native_record``): (descriptor address, bias
+        address or 0, its GEMV's address, most rows), the product :meth:`forward` makes on
+        bf16 rows; None for logits (``float_out``), a bias not bf16, or a weight the few-row
+        kernel does not take."""
+        b = self.bias
+        if (self.packed is None or self.float_out
+                or (b is not None and not (b.dtype == torch.bfloat16 and b.is_contiguous()))):
+            return None
+        got = self.packed.native()
+        if got is None:
+            return None
+        desc, fn = got
+        return (ctypes.addressof(desc), b.data_ptr() if b is not None else 0, fn,
+                KERNEL_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -13,20 +13,36 @@ the widest codes and the smallest group of its parts: the same weights, in one l
 on the CPU, else decodes one tile of output rows at a time and multiplies with ``F.linear``
 (:meth:`GGUFWeight.reference`: float32 sums; the kernel's summation order differs, so the two
 agree to float32 rounding, not bitwise). ``rows`` decodes gathered rows (embedding lookups).
+
+Activations: float32 rows always take the float32 kernel (the exactness tests hold float32
+models to transformers on the decoded weights). bf16 rows take ``pf_qgemv_affine_q8``
+(``csrc/qgemv_q8.cpp``: the rows quantized to int8 per group of 32, integer dot products, as
+llama.cpp multiplies its Q4/Q8 weights) where a compiled form takes the weight's codes (groups
+of 32: Q4_0, Q4_1, Q8_0, Q4_K), unless ``PAGEFOLD_QGEMV=float`` keeps the float32 kernel
+(to compare the two). The module path and the native decode driver (:meth:`GGUFWeight.native`)
+take the same kernel, so they agree bit for bit.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
 from pagefold.quantization.gguf_blocks import GROUP, KERNEL_BITS, decode_rows
+from pagefold.quantization.native_matrix import QuantMatrix, describe
 
 __all__ = ["GGUFWeight", "KERNEL_MAX_ROWS"]
 
 KERNEL_MAX_ROWS = 32
 TILE_ROWS = 2048
+# ``PAGEFOLD_QGEMV``: bf16 rows' kernel, ``q8`` (int8 activations where a form takes the codes;
+# the default) or ``float`` (float32 activations).
+QGEMV = os.environ.get("PAGEFOLD_QGEMV", "q8")
+if QGEMV not in ("q8", "float"):
+    raise ValueError(f"PAGEFOLD_QGEMV={QGEMV!r}: expected 'q8' or 'float'")
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -69,6 +85,29 @@ class GGUFWeight:
         half_s, half_m = self.scale.half(), self.min.half()
         if torch.equal(half_s.float(), self.scale) and torch.equal(half_m.float(), self.min):
             self.scale, self.min = half_s, half_m
+        self._q8: bool | None = None  # decided on first use (the library loads lazily)
+        self._native: tuple[QuantMatrix, int] | bool | None = None
+
+    def act_q8(self) -> bool:
+        """Whether bf16 rows take the int8-activation kernel (fixed once decided)."""
+        if self._q8 is None:
+            lib = cpu_ops.kernels()
+            self._q8 = (QGEMV == "q8" and lib is not None and self.group == 32
+                        and bool(lib.pf_qgemv_q8_takes(self.bits)))
+        return self._q8
+
+    def native(self) -> tuple[QuantMatrix, int] | None:
+        """This weight's descriptor for the native decode driver on bf16 rows and the GEMV
+        that takes it (``native_matrix.describe``), or None where the few-row kernel does not
+        take the weight (then neither does the module path's: it decodes tiles)."""
+        if self._native is None:
+            ok = (self.bits in (4, 8) and self.k % self.group == 0
+                  and (self.bits == 8 or self.group == 32))
+            got = describe("affine_q8" if self.act_q8() else "affine", self.codes, self.scale,
+                           self.min, self.bits, self.group,
+                           int(self.scale.dtype == torch.float16)) if ok else None
+            self._native = got if got is not None else False
+        return self._native or None
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +138,9 @@ class GGUFWeight:
             return None
         xf = x.float().contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        rc = lib.pf_qgemv_affine(xf.data_ptr(), xf.shape[0], self.k, self.n,
+        fn = (lib.pf_qgemv_affine_q8 if x.dtype != torch.float32 and self.act_q8()
+              else lib.pf_qgemv_affine)
+        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n,
                                  self.codes.data_ptr(), self.bits, self.group,
                                  self.scale.data_ptr(), self.min.data_ptr(),
                                  int(self.scale.dtype == torch.float16), y.data_ptr(),

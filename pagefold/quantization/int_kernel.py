@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from pagefold.csrc import cpu_ops
 from pagefold.kernels import dispatch
 from pagefold.quantization.formats import IntFormat, decode_codes
+from pagefold.quantization.native_matrix import QuantMatrix, describe
 
 __all__ = ["IntWeight", "KERNEL_MAX_ROWS"]
 
@@ -70,10 +71,26 @@ class IntWeight:
         self.codes = _pack_nibbles(q) if self.bits == 4 else q.contiguous()
         self.scale = torch.cat(scales).contiguous()
         self.zero = torch.cat(zeros).contiguous()
+        self._native: tuple[QuantMatrix, int] | bool | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def native(self) -> tuple[QuantMatrix, int] | None:
+        """This weight's descriptor for the native decode driver and the GEMV that takes it
+        (``native_matrix.describe``: ``pf_qgemv_int`` on bf16 rows widened to float32, as
+        :meth:`matmul`'s kernel), or None for permuted (act-order) shards or a layout the
+        kernel refuses. One call over every shard's rows equals the per-shard calls (each
+        output is its own row's sum)."""
+        if self._native is None:
+            ok = (all(perm is None for _, _, perm in self.segments) and self.bits in (4, 8)
+                  and (not self.fp8 or self.bits == 8) and self.k % self.group == 0
+                  and (self.bits == 8 or (self.group % 2 == 0 and self.k % 2 == 0)))
+            got = describe("int", self.codes, self.scale, self.zero, self.bits, self.group,
+                           int(self.fp8)) if ok else None
+            self._native = got if got is not None else False
+        return self._native or None
 
     def dequantize(self, rows: slice) -> torch.Tensor:
         """Float32 weight rows in the stored (grouped) input order of their shard."""

@@ -10,6 +10,7 @@ decoded, so a 4-bit layer holds about a quarter of its bf16 bytes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -27,7 +28,7 @@ from pagefold.quantization.formats import (
     ParamSpec,
     QuantizationError,
 )
-from pagefold.quantization.int_kernel import IntWeight
+from pagefold.quantization.int_kernel import KERNEL_MAX_ROWS, IntWeight
 from pagefold.quantization.tp import GROUP_INDEX, TPSplit, regroup
 
 __all__ = ["QuantLinear", "finalize_all", "quantize_weight", "weights_summary"]
@@ -170,6 +171,21 @@ class QuantLinear(nn.Module):
                 out[rows] = self.method.dequantize(t, rows, i, self.out_features,
                                                    self.in_features)
         return out
+
+    def native_matrix(self) -> tuple[int, int, int, int] | None:
+        """For the native decode driver (``layers.native_record``, one rank only): (descriptor
+        address, bias address or 0, its GEMV's address, most rows), the product
+        :meth:`forward` makes on bf16 rows; None before :meth:`finalize` packed the weight,
+        with act-order inputs, or a bias not bf16."""
+        b = self.bias
+        if (self.packed is None or self.in_index is not None
+                or (b is not None and not (b.dtype == torch.bfloat16 and b.is_contiguous()))):
+            return None
+        got = self.packed.native()
+        if got is None:
+            return None
+        desc, fn = got
+        return ctypes.addressof(desc), b.data_ptr() if b is not None else 0, fn, KERNEL_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x)

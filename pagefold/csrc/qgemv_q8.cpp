@@ -1,0 +1,275 @@
+// Few-row products with GGUF-layout weights (gguf_quant.cpp's layout: unsigned codes, per
+// output row and group of 32 inputs a scale and a min) on int8 activations, as llama.cpp
+// multiplies its Q4/Q8 weights by Q8 activations: integer dot products (AVX-512 VNNI
+// vpdpbusd; AVX2 vpmaddubsw for 4-bit codes), one float scale per group.
+//
+// The activations are quantized per row r and group g of 32 inputs:
+//   d[r, g] = amax / 127, q[r, g, i] = round(x[r, g, i] * (127 / amax)) (0 where amax is 0),
+// rounded to nearest even, and the product is exactly the float product of those rounded
+// activations with the decoded weights (w = scale * code + min):
+//   y[r, o] = sum_g scale[o, g] * d[r, g] * dot(q[r, g], code[o, g])
+//             + min[o, g] * d[r, g] * sum(q[r, g]),
+// the integer sums exact, so it differs from x @ w.T only by the activations' rounding (at
+// most d / 2 per input: about 0.4% of the group's largest input). That is not the float32
+// product the exactness tests hold the models to: pagefold/quantization/gguf_kernel.py takes
+// this form only for bf16 activations (where the module path and the native decode driver
+// both take it, so they agree bit for bit), never for float32.
+//
+// Work is split over output rows; each output element is one thread's sum in a fixed order,
+// the same whichever rows are beside it (blocks of rows run the same per-row instructions).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kG = 32;        // the group this form takes (Q4_0, Q4_1, Q8_0, Q4_K)
+constexpr int64_t kMaxRows = 64;  // as pf_qgemv_affine
+constexpr int kBlock = 4;         // rows per pass over a weight row
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define PF_Q8_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PF_Q8_AVX2 1
+#endif
+
+// The widest form pf_qgemv_affine_q8 may take (0: any, 1: AVX2 at most); tests run both.
+int g_limit = 0;
+
+// The activations, quantized: q (m, kpad) int8 with zeros past k (kpad: a whole number of
+// group pairs), per row and group pair the VNNI form's lane scales (d[g] in lanes 0-7,
+// d[g + 1] in 8-15), and per row and group d * sum(q) (the min term's factor).
+struct Activations {
+  int64_t groups, gpad, kpad;
+  std::vector<int8_t> q;
+  std::vector<float> d, lanes, dsum;
+
+  Activations(const float* x, int64_t m, int64_t k)
+      : groups(k / kG), gpad((k / kG + 1) / 2 * 2), kpad(gpad * kG),
+        q(static_cast<size_t>(m * kpad), 0), d(static_cast<size_t>(m * gpad), 0.f),
+        lanes(static_cast<size_t>(m * gpad * 8), 0.f),
+        dsum(static_cast<size_t>(m * gpad), 0.f) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xs = x + r * k + g * kG;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kG; ++i) amax = std::max(amax, std::fabs(xs[i]));
+        const float id = amax > 0.f ? 127.0f / amax : 0.f;
+        const float dg = amax / 127.0f;
+        int8_t* qs = q.data() + r * kpad + g * kG;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kG; ++i) {
+          qs[i] = static_cast<int8_t>(std::nearbyint(xs[i] * id));
+          sum += qs[i];
+        }
+        d[r * gpad + g] = dg;
+        dsum[r * gpad + g] = dg * static_cast<float>(sum);
+        std::fill_n(lanes.data() + (r * gpad + g) * 8, 8, dg);
+      }
+  }
+};
+
+#if defined(PF_Q8_AVX2)
+// A row's scale or min i as a float (stored float16 when `half`).
+inline float param(const void* p, int32_t half, int64_t i) {
+  return half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+#endif
+
+#if defined(PF_Q8_VNNI)
+// Two groups' codes as 64 bytes in input order (the second group zero when `one`).
+template <int B>
+inline __m512i codes64(const uint8_t* src, bool one) {
+  if constexpr (B == 4) {  // 16 bytes a group: low nibbles inputs 0-15, high 16-31
+    const __m256i b = one ? _mm256_maskz_loadu_epi8(0xFFFFu, src)
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m512i z = _mm512_castsi256_si512(b);
+    const __m512i lanes = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(1, 1, 0, 0));  // g g g+1 g+1
+    const long long s4 = 0x0004000400040004LL;  // 16-bit counts: lanes 1 and 3 high nibbles
+    const __m512i v = _mm512_srlv_epi16(lanes, _mm512_set_epi64(s4, s4, 0, 0, s4, s4, 0, 0));
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+  } else {
+    return one ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, src) : _mm512_loadu_si512(src);
+  }
+}
+
+// Rows [r0, r0 + R) of one output row o: scale/min rows sc, mn (float16 when half). Two
+// accumulators per row (even and odd group pairs), so consecutive pairs' FMAs do not wait on
+// each other; every row runs the same instructions whatever R is.
+template <int B, int R>
+void rows_vnni(const Activations& a, int64_t r0, const uint8_t* row, const void* sc,
+               const void* mn, int32_t half, float* out) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t groups = a.groups;
+  __m512 sc16 = _mm512_setzero_ps();  // the scales of groups [g & ~15, +16)
+  for (int64_t g = 0; g < groups; g += 2) {
+    const int j = static_cast<int>((g >> 1) & 1);
+    const bool one = g + 1 == groups;
+    if ((g & 15) == 0) {
+      const int64_t left = groups - g;
+      const __mmask16 mk = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      sc16 = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                        mk, static_cast<const uint16_t*>(sc) + g))
+                  : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(sc) + g);
+    }
+    const __m512i w = codes64<B>(row + g * kG * B / 8, one);
+    // lanes 0-7: group g's scale, 8-15: group g + 1's (0 past the last group)
+    const __m512i pick = _mm512_add_epi32(
+        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set1_epi32(static_cast<int>(g & 15)));
+    const __m512 sv = _mm512_permutexvar_ps(pick, sc16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rr = r0 + r;
+      const __m512i xq = _mm512_loadu_si512(a.q.data() + rr * a.kpad + g * kG);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
+      const __m512 dv = _mm512_loadu_ps(a.lanes.data() + (rr * a.gpad + g) * 8);
+      acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dv), acc[r][j]);
+    }
+  }
+  // The min term: sum_g min[g] * d[g] * sum(q[g]), 16 groups a step.
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 mk =
+        groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    const __m512 mv = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                                 mk, static_cast<const uint16_t*>(mn) + g))
+                           : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(mn) + g);
+    for (int r = 0; r < R; ++r)
+      acc[r][1] = _mm512_fmadd_ps(
+          mv, _mm512_maskz_loadu_ps(mk, a.dsum.data() + (r0 + r) * a.gpad + g), acc[r][1]);
+  }
+  for (int r = 0; r < R; ++r)
+    out[r0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
+#if defined(PF_Q8_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// 4-bit codes only (8-bit codes times int8 overflow vpmaddubsw's int16 pairs): one group a
+// step, codes (0-15) times q as int16 pairs, then int32 sums of pairs.
+template <int R>
+void rows_avx2(const Activations& a, int64_t r0, const uint8_t* row, const void* sc,
+               const void* mn, int32_t half, float* out) {
+  __m256 acc[R];
+  float accm[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    accm[r] = 0.f;
+  }
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kG / 2));
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask),
+                                       _mm_and_si128(b, mask));
+    const __m256 s = _mm256_set1_ps(param(sc, half, g));
+    const float m = param(mn, half, g);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rr = r0 + r;
+      const __m256i xq =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + rr * a.kpad + g * kG));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
+      const __m256 dv = _mm256_set1_ps(a.d[rr * a.gpad + g]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, dv), acc[r]);
+      accm[r] += m * a.dsum[rr * a.gpad + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r0 + r] = hsum8(acc[r]) + accm[r];
+}
+#endif
+
+using RowsFn = void (*)(const Activations&, int64_t, const uint8_t*, const void*, const void*,
+                        int32_t, float*);
+
+// The row-block functions of the form this call takes, for blocks of 1..kBlock rows; false
+// when no compiled form takes (bits, limit).
+bool forms(int32_t bits, RowsFn (&fn)[kBlock + 1]) {
+#if defined(PF_Q8_VNNI)
+  if (g_limit == 0 && bits == 4) {
+    fn[1] = rows_vnni<4, 1>, fn[2] = rows_vnni<4, 2>, fn[3] = rows_vnni<4, 3>;
+    fn[4] = rows_vnni<4, 4>;
+    return true;
+  }
+  if (g_limit == 0 && bits == 8) {
+    fn[1] = rows_vnni<8, 1>, fn[2] = rows_vnni<8, 2>, fn[3] = rows_vnni<8, 3>;
+    fn[4] = rows_vnni<8, 4>;
+    return true;
+  }
+#endif
+#if defined(PF_Q8_AVX2)
+  if (g_limit <= 1 && bits == 4) {
+    fn[1] = rows_avx2<1>, fn[2] = rows_avx2<2>, fn[3] = rows_avx2<3>, fn[4] = rows_avx2<4>;
+    return true;
+  }
+#endif
+  (void)bits;
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Limit the forms of pf_qgemv_affine_q8 (0: any, 1: AVX2 at most); returns the old limit.
+int pf_qgemv_q8_limit_isa(int32_t limit) {
+  const int old = g_limit;
+  g_limit = limit;
+  return old;
+}
+
+// Whether a compiled form takes `bits`-bit codes in groups of 32 under the current limit.
+int pf_qgemv_q8_takes(int32_t bits) {
+  RowsFn fn[kBlock + 1];
+  return forms(bits, fn) ? 1 : 0;
+}
+
+// pf_qgemv_affine's arguments and layout (x float32 (m, k), codes, scale / min float32 or
+// float16, y float32 (m, ldy)), on int8 activations as above. 0 on success; 1 when the
+// arguments are outside what a compiled form takes (group not 32, bits not 4 / 8, no form
+// for them here): nothing written.
+int pf_qgemv_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                       int32_t bits, int64_t group, const void* scale, const void* mins,
+                       int32_t half, float* y, int64_t ldy, int32_t nthreads) {
+  RowsFn fn[kBlock + 1];
+  if (group != kG || (bits != 4 && bits != 8) || m < 1 || m > kMaxRows || k < kG || k % kG ||
+      n < 1 || ldy < n || !forms(bits, fn))
+    return 1;
+  const Activations a(x, m, k);
+  const int64_t groups = k / kG, row_bytes = k * bits / 8;
+  const bool par = n >= 64 && nthreads > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    float out[kMaxRows];
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t p = o * groups;
+      const void* sc = half ? static_cast<const void*>(static_cast<const uint16_t*>(scale) + p)
+                            : static_cast<const void*>(static_cast<const float*>(scale) + p);
+      const void* mn = half ? static_cast<const void*>(static_cast<const uint16_t*>(mins) + p)
+                            : static_cast<const void*>(static_cast<const float*>(mins) + p);
+      for (int64_t r0 = 0; r0 < m; r0 += kBlock) {
+        const int64_t rb = std::min<int64_t>(kBlock, m - r0);
+        fn[rb](a, r0, codes + o * row_bytes, sc, mn, half, out);
+      }
+      for (int64_t r = 0; r < m; ++r) y[r * ldy + o] = out[r];
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

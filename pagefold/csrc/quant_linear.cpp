@@ -1,0 +1,85 @@
+// Quantized matrices in the native decode driver (decode_step.cpp): a GemvFn whose weight
+// argument is a QuantMatrix descriptor, so a record's matrix is bf16 (the weight itself, and
+// pf_linear_bf16 / _fma / _amx) or quantized (this descriptor, and pf_linear_quant) under one
+// signature, and a GGUF / GPTQ / AWQ / int8 / FP8 model runs the same driver as a bf16 one.
+//
+// pf_linear_quant does what the module path does with such a layer on bf16 rows
+// (pagefold/quantization/gguf_kernel.py, int_kernel.py, gguf.py, linear.py): the rows widened
+// to float32, the format's few-row kernel (float32 results), each result rounded to bf16
+// (nearest even), then the bf16 bias added and rounded again (torch's bf16 add): the module
+// path's bits.
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace {
+
+// Weight formats (pagefold/quantization/native_matrix.py's FORMATS).
+enum Format : int64_t {
+  kAffine = 1,    // GGUF codes, w = scale * code + min; float32 activations (pf_qgemv_affine)
+  kAffineQ8 = 2,  // the same weights on int8 activations (pf_qgemv_affine_q8)
+  kInt = 3,       // w = scale * (code - zero), integer or FP8 codes (pf_qgemv_int)
+};
+
+// One matrix: its format, codes, per row and group scales and mins / zeros, code bits, group,
+// and a flag (affine: float16 scales and mins; integer: FP8 codes).
+struct QuantMatrix {
+  int64_t format;
+  const uint8_t* codes;
+  const void* scale;
+  const void* aux;
+  int64_t bits, group, flag;
+};
+
+}  // namespace
+
+extern "C" {
+
+// The descriptor's size in int64 words: Python checks its ctypes mirror against it.
+int pf_quant_matrix_words() { return static_cast<int>(sizeof(QuantMatrix) / sizeof(int64_t)); }
+
+// y (M rows of N, stride y_stride, bf16) = x (M rows of K, stride x_stride, bf16) times the
+// QuantMatrix at w, transposed, plus bias (N bf16, or null). 0 on success, nonzero when the
+// format's kernel refuses the arguments (nothing written then).
+int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
+                    int64_t y_stride, int M, int64_t N, int64_t K, int nthreads) {
+  const QuantMatrix& q = *static_cast<const QuantMatrix*>(w);
+  if (M < 1 || N < 1 || K < 1) return 1;
+  std::vector<float> xf(static_cast<size_t>(M * K)), yf(static_cast<size_t>(M * N));
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t i = 0; i < K; ++i) xf[r * K + i] = pf::bf16_to_f32(xs[r * x_stride + i]);
+  int rc;
+  switch (q.format) {
+    case kAffine:
+      rc = pf_qgemv_affine(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits), q.group,
+                           q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(), N, nthreads);
+      break;
+    case kAffineQ8:
+      rc = pf_qgemv_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
+                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
+                              N, nthreads);
+      break;
+    case kInt:
+      rc = pf_qgemv_int(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
+                        static_cast<int32_t>(q.flag), q.group, static_cast<const float*>(q.scale),
+                        static_cast<const float*>(q.aux), yf.data(), N, nthreads);
+      break;
+    default:
+      return 1;
+  }
+  if (rc) return rc;
+  uint16_t* ys = static_cast<uint16_t*>(y);
+  const uint16_t* b = static_cast<const uint16_t*>(bias);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t o = 0; o < N; ++o) {
+      uint16_t v = pf::f32_to_bf16(yf[r * N + o]);
+      if (b) v = pf::f32_to_bf16(pf::bf16_to_f32(v) + pf::bf16_to_f32(b[o]));
+      ys[r * y_stride + o] = v;
+    }
+  return 0;
+}
+
+}  // extern "C"

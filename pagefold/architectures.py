@@ -76,7 +76,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "FalconMambaForCausalLM": Architecture("mamba1", _m("mamba1", "FalconMambaForCausalLM")),
     "Llama4ForCausalLM": Architecture("llama4", _m("llama4", "Llama4ForCausalLM"),
                                       expert_parallel=_EP_NOT_YET),
-    "Llama4ForConditionalGeneration": Architecture("llama4"),
+    "Llama4ForConditionalGeneration": Architecture(
+        "llama4", _m("llama4", "Llama4ForConditionalGeneration"), expert_parallel=_EP_NOT_YET),
     "Gemma3ForCausalLM": Architecture("gemma3", _m("gemma3", "Gemma3ForCausalLM")),
     "GptOssForCausalLM": Architecture("gpt_oss", _m("gpt_oss", "GptOssForCausalLM"),
                                       expert_parallel=True),

@@ -15,7 +15,7 @@ from pagefold.core.spec_families import FAMILY_READERS
 from pagefold.core.spec_from_config import BASE_FAMILIES, detect_family
 from pagefold.models.registry import model_class
 
-SPEC_ONLY = {"Qwen3MoeForCausalLM", "Llama4ForConditionalGeneration"}
+SPEC_ONLY = {"Qwen3MoeForCausalLM"}
 
 
 def test_every_family_has_exactly_one_reader():

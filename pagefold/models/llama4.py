@@ -25,6 +25,12 @@ rotation (q.k is unchanged by a permutation applied to both, and so is the L2 no
 Experts are stored as transformers keeps them, ``gate_up_proj (E, H, 2I)`` and
 ``down_proj (E, I, H)``, and transposed into :class:`~pagefold.layers.moe.MoEExperts`.
 
+A published Llama-4 checkpoint is ``Llama4ForConditionalGeneration``: the same text weights
+under ``language_model.model.*`` / ``language_model.lm_head.*`` (transformers 5 saves them so)
+plus a vision tower (``vision_model.*``) and projector (``multi_modal_projector.*``); pagefold
+serves its text only (the tower and projector are skipped, image inputs refused), its config's
+``text_config`` unwrapped by the registry.
+
 Tensor parallelism: query/KV heads, expert and MLP intermediate columns split (one all-reduce
 for routed + shared partials); the router is replicated. Every step takes the module path
 (the native CPU decode driver has no record for these layers).
@@ -32,6 +38,7 @@ for routed + shared partials); the router is replicated. Every step takes the mo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -51,7 +58,10 @@ from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import vocab_embedding
 from pagefold.models.llama import CausalLM
 
-__all__ = ["Llama4ForCausalLM", "Llama4Moe", "interleaved_to_half"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["Llama4ForCausalLM", "Llama4ForConditionalGeneration", "Llama4Moe",
+           "interleaved_to_half"]
 
 
 def interleaved_to_half(head_dim: int) -> torch.Tensor:
@@ -158,6 +168,7 @@ class Llama4TextModel(DecoderStack):
             lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
             hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
 
+
 class Llama4ForCausalLM(CausalLM):
     """Weights as transformers' Llama4ForCausalLM saves them (``model.*``, ``lm_head``)."""
 
@@ -181,3 +192,36 @@ class Llama4ForCausalLM(CausalLM):
     def load_weights(self, weights) -> None:
         self.check_loaded(load_into(self, self._converted(weights), rename=self.fused_names,
                                     skip_prefixes=self.head_skip_prefixes))
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    """The published Llama-4 checkpoints, text only: built from the (registry-unwrapped)
+    ``text_config``; the text weights renamed to :class:`Llama4ForCausalLM`'s, the vision tower
+    and projector skipped (one log line). There is no ``visual`` module, so the engine refuses
+    image inputs ("takes no image inputs")."""
+
+    # Checkpoint prefix -> Llama4ForCausalLM's (both layouts transformers has written).
+    text_prefixes = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                     "model.language_model.": "model."}
+    vision_prefixes = ("vision_model.", "multi_modal_projector.", "model.vision_model.",
+                       "model.multi_modal_projector.")
+
+    def _text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        skipped = 0
+        for name, tensor in weights:
+            if name.startswith(self.vision_prefixes):
+                skipped += 1
+                continue
+            for old, new in self.text_prefixes.items():
+                if name.startswith(old):
+                    name = new + name.removeprefix(old)
+                    break
+            yield name, tensor
+        if skipped:
+            logger.info("Llama4ForConditionalGeneration: skipped %d vision tower / projector "
+                        "tensors (text only; image inputs are not supported for Llama 4)",
+                        skipped)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(self._text_weights(weights))

@@ -1,10 +1,16 @@
-"""Tiny random vision-language checkpoints (Qwen3.5 with its vision tower) for tests.
+"""Tiny random vision-language checkpoints (Qwen3.5 with its vision tower; Llama 4, whose
+vision tower pagefold skips) for tests.
 
 Built offline like :mod:`pagefold.testing.tiny_models`: the same trained byte-level BPE, shrunk
 by four ids so that four vision special tokens end the vocabulary, a random
 ``Qwen3_5ForConditionalGeneration`` from transformers saved in the published layout
 (``model.language_model.*``, ``model.visual.*``), and a ``preprocessor_config.json`` for the
 tiny image processor (4-pixel patches, 2x2 merge, so a 20x28 image is 4x8 patches = 8 tokens).
+
+:func:`build_tiny_llama4_vl`: a random ``Llama4ForConditionalGeneration`` (text: the tiny
+``llama4`` arch, a 1-layer vision tower and projector) as transformers saves it
+(``language_model.model.*``, ``language_model.lm_head.*``, ``vision_model.*``,
+``multi_modal_projector.*``), with the plain tiny tokenizer (no image processor: text only).
 
 Invariants: ``len(tokenizer) == text vocab_size``; the vision tokens are
 ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` at the last
@@ -28,7 +34,8 @@ from pagefold.testing.tiny_models import (
     build_tokenizer,
 )
 
-__all__ = ["IMAGE_PROCESSOR", "VISION_TOKENS", "build_tiny_qwen3_5_vl", "image_prompt"]
+__all__ = ["IMAGE_PROCESSOR", "VISION_TOKENS", "build_tiny_llama4_vl", "build_tiny_qwen3_5_vl",
+           "image_prompt"]
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -83,4 +90,36 @@ def build_tiny_qwen3_5_vl(out_dir: str | Path, *, seed: int = 0, vocab_size: int
         do_sample=False)
     model.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=1))
+    return out
+
+
+# Llama 4's vision tower: one layer, hidden 32, 28-pixel images of 14-pixel patches, pixel
+# shuffle 0.5 (the adapter's output 24 is projected to the text hidden size).
+_LLAMA4_VISION = dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=40,
+    vision_output_dim=24, projector_input_dim=24, projector_output_dim=24, image_size=28,
+    patch_size=14, initializer_range=0.1,
+)
+
+
+def build_tiny_llama4_vl(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512,
+                         **text_overrides: Any) -> Path:
+    """A random ``Llama4ForConditionalGeneration`` (text: the tiny ``llama4`` arch) in
+    ``out_dir``; returns the path."""
+    import transformers
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    text = arch_config_kwargs("llama4", **text_overrides)
+    text.update(vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID)
+    config = transformers.Llama4Config(text_config=text, vision_config=_LLAMA4_VISION,
+                                       tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID,
+        do_sample=False)
+    model.save_pretrained(out)
     return out

@@ -42,6 +42,7 @@ from pagefold.core.kv_cache_spec import (
     SlidingWindowSpec,
     StateComponent,
     StateSpec,
+    TPSplit,
 )
 from pagefold.core.layer_kinds import config_get, num_layers, unknown_layer_type
 
@@ -65,6 +66,7 @@ def mamba2_state(
     conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
 ) -> StateSpec:
     """Mamba-2 state: ``(conv (conv_dim / tp, K - 1 + spec), ssm (H / tp, P, N))``."""
+    bc = (groups * state, state)  # B and C cut by groups (one group: replicated)
     if groups % tp:
         if groups != 1:
             raise ValueError(
@@ -73,8 +75,9 @@ def mamba2_state(
     conv_dim = heads * head_dim + 2 * groups * state
     return StateSpec(kind="mamba2", components=(
         StateComponent("conv", (_split(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
-                       conv_dtype),
-        StateComponent("ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype),
+                       conv_dtype, TPSplit(0, ((heads * head_dim, 1), bc, bc))),
+        StateComponent("ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype,
+                       TPSplit(0, ((heads, 1),))),
     ))
 
 

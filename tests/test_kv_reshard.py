@@ -15,7 +15,7 @@ import torch
 from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec, align_up
 from pagefold.core.spec_families import mamba2_state
 from pagefold.core.spec_from_config import layer_specs_from_config
-from pagefold.transfer.reshard import reshard_rows, source_ranks, why_not
+from pagefold.transfer.reshard import reshard_rows, source_ranks, spec_at, why_not
 
 BS = 4
 QWEN35 = dict(model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=2,
@@ -54,6 +54,8 @@ def _pack_state(spec: StateSpec, comps: list[torch.Tensor], page_bytes: int) -> 
 
 
 def _check(src_tp, dst_tp, spec_of, rows_of, page_bytes, dst_pages, states=1):
+    for tp in (src_tp, dst_tp):  # another rank's spec, derived from one rank's split
+        assert spec_at(spec_of(dst_tp), tp) == spec_of(tp)
     for dst in range(dst_tp):
         src = {r: rows_of(src_tp, r) for r in source_ranks(spec_of(dst_tp), src_tp, dst_tp, dst)}
         got = reshard_rows(spec_of(src_tp), spec_of(dst_tp), BS, src, page_bytes, dst_pages,

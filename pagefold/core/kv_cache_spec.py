@@ -110,6 +110,7 @@ class ChunkedLocalAttentionSpec(_KVPages):
     head_dim: int
     dtype: torch.dtype
     chunk: int
+    split: TPSplit | None = field(default=None, compare=False)
 
     manager_kind = "chunked_local"
 

@@ -83,7 +83,9 @@ def mamba2_state(
 
 def _attention(cfg: Any, tp: int, kv_dtype: torch.dtype) -> FullAttentionSpec:
     kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
-    return FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype)
+    # KV heads cut over the ranks, replicated when fewer (``layers.attention_block.split_heads``)
+    return FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype,
+                             TPSplit(2, ((kv_heads, 1),)))
 
 
 def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
@@ -96,7 +98,7 @@ def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
         elif t == "sliding_attention":
             window = int(_get(cfg, "sliding_window"))
             out[f"layers.{i}"] = SlidingWindowSpec(full.num_kv_heads, full.head_dim, kv_dtype,
-                                                   window)
+                                                   window, full.split)
         else:
             raise unknown_layer_type(family, i, t, ["full_attention", "sliding_attention"])
     return out
@@ -289,7 +291,8 @@ def _llama4(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     out: dict[str, LayerSpec] = {}
     for i, t in enumerate(llama4_layer_types(cfg)):
         out[f"layers.{i}"] = full if t == "full_attention" else ChunkedLocalAttentionSpec(
-            full.num_kv_heads, full.head_dim, kv_dtype, int(_get(cfg, "attention_chunk_size")))
+            full.num_kv_heads, full.head_dim, kv_dtype, int(_get(cfg, "attention_chunk_size")),
+            full.split)
     return out
 
 

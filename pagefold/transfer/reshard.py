@@ -15,6 +15,7 @@ reshardable: ``why_not`` says so and the caller refuses the transfer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,24 @@ def axis_copies(split: TPSplit, src_tp: int, dst_tp: int, dst_rank: int) -> list
         src_base += rank_range(full, unit, src_tp, 0)[1]
         dst_base += dn
     return copies
+
+
+def rank_extent(split: TPSplit, tp: int) -> int:
+    """One rank's extent along ``split.axis`` at ``tp`` ranks."""
+    return sum(rank_range(full, unit, tp, 0)[1] for full, unit in split.blocks)
+
+
+def spec_at(spec: LayerSpec, tp: int) -> LayerSpec:
+    """``spec`` (one rank's, reshardable: ``why_not`` is None) as one rank of ``tp`` has it:
+    the split axes resized, everything else (dtypes, order, alignment) the same."""
+    if isinstance(spec, StateSpec):
+        comps = []
+        for c in spec.components:
+            shape = list(c.shape)
+            shape[c.split.axis] = rank_extent(c.split, tp)
+            comps.append(dataclasses.replace(c, shape=tuple(shape)))
+        return dataclasses.replace(spec, components=tuple(comps))
+    return dataclasses.replace(spec, num_kv_heads=rank_extent(spec.split, tp))
 
 
 def source_ranks(spec: LayerSpec, src_tp: int, dst_tp: int, dst_rank: int) -> list[int]:

@@ -281,13 +281,12 @@ def test_mismatched_layouts_are_refused_and_prefilled_locally(tiny_model_factory
 
 def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qwen35_single):
     """TP 2 on both sides of a GDN hybrid: rank r of the consumer pulls rank r's shard of every
-    page from the producer's rank r (at kv_port + r); a TP 1 consumer refuses the params."""
+    page from the producer's rank r (at kv_port + r)."""
     model = tiny_model_factory("qwen3_5")
     tp = dict(tensor_parallel_size=2, threads_per_rank=1)
     base = 20000 + int(time.time() * 1000) % 20000  # two consecutive ports
     prod = _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": base}, **tp)
     cons = _consumer(model, **tp)
-    single = _consumer(model)
     try:
         params = _prefill(prod, prompts[0])
         assert params["remote_tp_size"] == 2 and params["remote_port"] == base
@@ -296,12 +295,47 @@ def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qw
         assert got.num_cached_tokens == (len(prompts[0]) - 1) // BS * BS
         assert cons.engine.transfer.stats.requests_loaded == 1
         assert cons.engine.transfer.stats.load_failures == 0
-        refused = _decode(single, prompts[1], _prefill(prod, prompts[1]))
-        assert refused.num_cached_tokens == 0 and single.engine.transfer.stats.refused == 1
-        _whole(prod, cons, single)
+        _whole(prod, cons)
     finally:
         prod.engine.shutdown()
         cons.engine.shutdown()
+
+
+@pytest.mark.parametrize("arch,prod_tp,cons_tp", [
+    ("qwen3", 1, 2), ("qwen3", 2, 1), ("qwen3_5", 1, 2), ("qwen3_5", 2, 1),
+    ("nemotron_h", 1, 2)])
+def test_mixed_tensor_parallelism_reshards(arch, prod_tp, cons_tp, tiny_model_factory, prompts):
+    """A producer and a consumer of different TP sizes: each consumer rank pulls the producer
+    ranks whose heads overlap its own and assembles its shard (a TP 1 producer's rank 0
+    answers both TP 2 consumer ranks; a TP 1 consumer pulls both TP 2 producer ranks). Tokens
+    equal a single engine's; the consumer computes only the tail; both pools are whole."""
+    model = tiny_model_factory(arch)
+    base = 20000 + int(time.time() * 1000) % 20000
+    prod = _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": base},
+                   **_tp(prod_tp))
+    cons = _consumer(model, **_tp(cons_tp))
+    single = _engine(model)
+    try:
+        for p in prompts[:2]:
+            params = _prefill(prod, p)
+            assert params["remote_tp_size"] == prod_tp and params["model_layout"]
+            n_blocks = (len(p) - 1) // BS
+            got = _decode(cons, p, params)
+            assert _toks(got) == _toks(_single(single, p))
+            assert got.num_cached_tokens == n_blocks * BS  # computed: only the tail
+        stats = cons.engine.transfer.stats
+        assert stats.requests_loaded == 2 and stats.load_failures == 0 and stats.refused == 0
+        assert stats.tokens_loaded == sum((len(p) - 1) // BS * BS for p in prompts[:2])
+        if prod_tp == 1:
+            assert not prod.engine.runner.connector.outbox  # both consumer ranks pulled it
+        _whole(prod, cons)
+    finally:
+        prod.engine.shutdown()
+        cons.engine.shutdown()
+
+
+def _tp(n: int) -> dict:
+    return dict(tensor_parallel_size=n, threads_per_rank=1) if n > 1 else {}
 
 
 def test_a_busy_kv_port_is_a_clear_error(tiny_model_factory):
@@ -457,3 +491,43 @@ def test_transfer_index_expectations_and_ops():
     assert params["remote_block_keys"] == [keys[0]] and params["remote_request_id"] == "y"
     assert params["remote_host"] == "h" and params["num_tokens"] == 4
     assert nc.take_ops().exports[0].pages == [3]
+
+
+def test_mixed_tensor_parallelism_is_refused_where_pages_cannot_be_resharded(caplog):
+    """A producer of another TP size is accepted only with this engine's model layout and
+    specs that all carry a tensor-parallel split; else the request prefills locally."""
+    from pagefold.core.kv_cache_spec import (
+        FullAttentionSpec,
+        StateComponent,
+        StateSpec,
+        TPSplit,
+    )
+    from pagefold.core.kv_connector import key_name
+    from pagefold.core.prefix_cache import hash_block, root_hash
+    from pagefold.request import Request
+    from pagefold.transfer.index import TransferIndex
+
+    attn = FullAttentionSpec(1, 8, torch.float32, TPSplit(2, ((2, 1),)))
+    bare = StateSpec("mystery", (StateComponent("s", (4, 2), torch.float32),))
+    prompt = list(range(9))
+    params = {"layout": "P", "model_layout": "M", "remote_tp_size": 1, "remote_host": "p",
+              "remote_port": 9, "remote_request_id": "r", "page_bytes": 64,
+              "pages_per_state": [0, 1],
+              "remote_block_keys": [key_name((0, hash_block(root_hash(), prompt[:4])))]}
+
+    def index(*specs):
+        return TransferIndex(engine_id="e", layout="C", block_size=4, host="h", port=1,
+                             producer=False, consumer=True, tp_size=2, model_layout="M",
+                             specs=specs, page_bytes=32, pages_per_state=(0, 1))
+
+    def req():
+        return Request("x", prompt, SamplingParams())
+
+    assert index(attn, attn).expect(req(), params)
+    assert not index(attn, attn).expect(req(), {**params, "model_layout": "N"})
+    assert not index(attn, attn).expect(req(), {**params, "pages_per_state": [0]})
+    refusing = index(attn, bare)
+    with caplog.at_level("WARNING"):
+        assert not refusing.expect(req(), params)
+    assert refusing.stats.refused == 1 and "cannot be resharded" in caplog.text
+    assert not refusing.contains((0, hash_block(root_hash(), prompt[:4])))

@@ -13,11 +13,17 @@ Byte layouts
 * State (one layer, one sequence): its components laid out back to back in a flat byte
   array, each component starting at an offset aligned to 16 bytes. In pagefold's layout the
   flat array is cut into ``ceil(state_bytes / page_bytes)`` pool pages (the last one padded).
+
+Tensor parallelism: a spec is one rank's. Where known, ``split`` (a ``TPSplit``, not part of a
+spec's equality) says how the rank's tensor was cut from the full-width one: along which axis,
+in which row blocks, each cut into ``min(units, tp)`` parts (fewer parts than ranks: the part
+is replicated, rank ``r`` keeping part ``r * parts // tp``, as ``layers.linear.RowCut`` loads
+weights). ``transfer.reshard`` moves pages between engines of different TP sizes with it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 import torch
@@ -35,6 +41,18 @@ def cdiv(a: int, b: int) -> int:
 
 def align_up(n: int, a: int = _ALIGN) -> int:
     return cdiv(n, a) * a
+
+
+@dataclass(frozen=True, slots=True)
+class TPSplit:
+    """How one rank's tensor is cut from the full-width tensor along ``axis``: the full axis is
+    ``blocks`` laid back to back, each ``(full extent, unit)``; a block of ``u = full / unit``
+    units is cut in ``parts = min(u, tp)`` equal parts and rank ``r`` keeps part
+    ``r * parts // tp`` (parts < tp: replicated). Each rank's axis is its parts of every block
+    in order. ``unit == full`` marks a block every rank keeps whole."""
+
+    axis: int
+    blocks: tuple[tuple[int, int], ...]
 
 
 class _KVPages:
@@ -61,6 +79,7 @@ class FullAttentionSpec(_KVPages):
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    split: TPSplit | None = field(default=None, compare=False)  # page_shape's head axis
 
     manager_kind = "full_attention"
 
@@ -73,6 +92,7 @@ class SlidingWindowSpec(_KVPages):
     head_dim: int
     dtype: torch.dtype
     window: int
+    split: TPSplit | None = field(default=None, compare=False)
 
     manager_kind = "sliding_window"
 
@@ -90,6 +110,7 @@ class ChunkedLocalAttentionSpec(_KVPages):
     head_dim: int
     dtype: torch.dtype
     chunk: int
+    split: TPSplit | None = field(default=None, compare=False)
 
     manager_kind = "chunked_local"
 
@@ -101,6 +122,7 @@ class StateComponent:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    split: TPSplit | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -101,13 +101,18 @@ class KVExport:
 @dataclass(slots=True)
 class KVRemote:
     """Where the loads of ``req_id`` named ``keys`` come from (prefill/decode disaggregation:
-    the consumer): the producer's address and its request id."""
+    the consumer): the producer's address and its request id. ``tp_size``, ``layout`` and
+    ``geometry`` (page bytes, pages per state of each group) are the producer's, for a
+    consumer of another tensor-parallel size (None: the same as the consumer's)."""
 
     req_id: str
     host: str
     port: int
     remote_request_id: str
     keys: list[str] = field(default_factory=list)
+    tp_size: int = 1
+    layout: str | None = None
+    geometry: tuple[int, tuple[int, ...]] | None = None
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from pagefold.core.kv_cache_spec import (
     SlidingWindowSpec,
     StateComponent,
     StateSpec,
+    TPSplit,
 )
 from pagefold.core.layer_kinds import config_get, num_layers, unknown_layer_type
 
@@ -65,6 +66,7 @@ def mamba2_state(
     conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
 ) -> StateSpec:
     """Mamba-2 state: ``(conv (conv_dim / tp, K - 1 + spec), ssm (H / tp, P, N))``."""
+    bc = (groups * state, state)  # B and C cut by groups (one group: replicated)
     if groups % tp:
         if groups != 1:
             raise ValueError(
@@ -73,14 +75,17 @@ def mamba2_state(
     conv_dim = heads * head_dim + 2 * groups * state
     return StateSpec(kind="mamba2", components=(
         StateComponent("conv", (_split(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
-                       conv_dtype),
-        StateComponent("ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype),
+                       conv_dtype, TPSplit(0, ((heads * head_dim, 1), bc, bc))),
+        StateComponent("ssm", (_split(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype,
+                       TPSplit(0, ((heads, 1),))),
     ))
 
 
 def _attention(cfg: Any, tp: int, kv_dtype: torch.dtype) -> FullAttentionSpec:
     kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
-    return FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype)
+    # KV heads cut over the ranks, replicated when fewer (``layers.attention_block.split_heads``)
+    return FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype,
+                             TPSplit(2, ((kv_heads, 1),)))
 
 
 def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
@@ -93,7 +98,7 @@ def _sliding_or_full(cfg: Any, types: list[str], tp: int, kv_dtype: torch.dtype,
         elif t == "sliding_attention":
             window = int(_get(cfg, "sliding_window"))
             out[f"layers.{i}"] = SlidingWindowSpec(full.num_kv_heads, full.head_dim, kv_dtype,
-                                                   window)
+                                                   window, full.split)
         else:
             raise unknown_layer_type(family, i, t, ["full_attention", "sliding_attention"])
     return out
@@ -286,7 +291,8 @@ def _llama4(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     out: dict[str, LayerSpec] = {}
     for i, t in enumerate(llama4_layer_types(cfg)):
         out[f"layers.{i}"] = full if t == "full_attention" else ChunkedLocalAttentionSpec(
-            full.num_kv_heads, full.head_dim, kv_dtype, int(_get(cfg, "attention_chunk_size")))
+            full.num_kv_heads, full.head_dim, kv_dtype, int(_get(cfg, "attention_chunk_size")),
+            full.split)
     return out
 
 

@@ -43,6 +43,7 @@ from pagefold.core.kv_cache_spec import (
     SlidingWindowSpec,
     StateComponent,
     StateSpec,
+    TPSplit,
 )
 from pagefold.core.layer_kinds import CACHED_KINDS, config_get, layer_kinds
 from pagefold.core.spec_families import FAMILY_READERS
@@ -124,10 +125,13 @@ def _gdn_spec(
     return StateSpec(
         kind="gdn",
         components=(
-            StateComponent("conv", (conv_dim // tp, kernel - 1 + num_spec), conv_dtype),
+            StateComponent("conv", (conv_dim // tp, kernel - 1 + num_spec), conv_dtype,
+                           # the q | k | v channel blocks, each cut by heads
+                           TPSplit(0, ((k_heads * k_dim, k_dim), (k_heads * k_dim, k_dim),
+                                       (v_heads * v_dim, v_dim)))),
             StateComponent(
                 "ssm", (split_for_tp(v_heads, tp, "linear_num_value_heads"), k_dim, v_dim),
-                ssm_dtype),
+                ssm_dtype, TPSplit(0, ((v_heads, 1),))),
         ),
     )
 
@@ -155,6 +159,7 @@ def _mamba2_spec(
     cfg: Any, family: str, tp: int, num_spec: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
 ) -> StateSpec:
     heads, head_dim, groups, state, kernel, intermediate = _mamba2_params(cfg, family)
+    full_groups = groups
     if groups % tp:
         if groups != 1:
             raise ValueError(
@@ -162,16 +167,19 @@ def _mamba2_spec(
             )
         groups = tp  # the single B/C group is replicated on every rank
     conv_dim = intermediate + 2 * groups * state
+    # x | B | C channel blocks: x cut by heads, B and C by groups (one group: replicated)
+    bc = (full_groups * state, state)
     return StateSpec(
         kind="mamba2",
         components=(
             StateComponent(
                 "conv",
                 (split_for_tp(conv_dim, tp, "Mamba-2 conv_dim"), kernel - 1 + num_spec),
-                conv_dtype,
+                conv_dtype, TPSplit(0, ((intermediate, 1), bc, bc)),
             ),
             StateComponent(
-                "ssm", (split_for_tp(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype
+                "ssm", (split_for_tp(heads, tp, "Mamba-2 heads"), head_dim, state), ssm_dtype,
+                TPSplit(0, ((heads, 1),)),
             ),
         ),
     )
@@ -229,7 +237,8 @@ def layer_specs_from_config(
         if kind in ("full", "sliding") and attn is None:
             kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
             # Fewer KV heads than ranks: each rank keeps (a replica of) one head.
-            attn = FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype)
+            attn = FullAttentionSpec(max(1, kv_heads // tp), config_head_dim(cfg), kv_dtype,
+                                     TPSplit(2, ((kv_heads, 1),)))
         if kind == "full":
             specs[f"layers.{i}"] = attn
         elif kind == "sliding":
@@ -239,7 +248,8 @@ def layer_specs_from_config(
                     raise ValueError(
                         f"layer {i} is sliding_attention but the config has no sliding_window"
                     )
-                sliding = SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, kv_dtype, int(window))
+                sliding = SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, kv_dtype, int(window),
+                                            attn.split)
             specs[f"layers.{i}"] = sliding
         else:
             if state is None:

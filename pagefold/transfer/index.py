@@ -2,8 +2,10 @@
 
 Consumer: a request that arrives with ``kv_transfer_params`` (``do_remote_prefill``) names the
 producer (host, port, its request id) and the page keys it exported. ``expect`` registers those
-keys for the request when the producer's layout is this engine's (else: a warning, and the
-request is prefilled here). The prefix-cache hit search then counts them as stored outside the
+keys for the request when the producer's layout is this engine's, or, under another
+tensor-parallel size, when its TP-independent ``model_layout`` is this engine's and every cache
+group's spec can be resharded (``transfer.reshard``); else: a warning, and the request is
+prefilled here. The prefix-cache hit search then counts them as stored outside the
 pool (``contains``), exactly like an offload tier: the cache managers allocate the pages, the
 loads leave with the next step (their sources in ``KVOps.remotes``), the request computes
 nothing until the worker reports them, and a failed key (producer gone, timed out, corrupt
@@ -25,6 +27,7 @@ import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from pagefold.core.kv_cache_spec import LayerSpec
 from pagefold.core.kv_connector import (
     ConnectorOutput,
     KVConnectorScheduler,
@@ -37,6 +40,7 @@ from pagefold.core.kv_connector import (
 )
 from pagefold.core.prefix_cache import update_block_hashes
 from pagefold.request import Request
+from pagefold.transfer.reshard import why_not
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +63,27 @@ class Remote:
     host: str
     port: int
     request_id: str
+    tp_size: int = 1
+    layout: str | None = None  # these three: only from a producer of another TP size
+    geometry: tuple[int, tuple[int, ...]] | None = None
+
+    def op(self, req_id: str, keys: list[str] | None = None) -> KVRemote:
+        return KVRemote(req_id, self.host, self.port, self.request_id, keys or [],
+                        self.tp_size, self.layout, self.geometry)
 
 
 class TransferIndex(KVConnectorScheduler):
     def __init__(self, *, engine_id: str, layout: str, block_size: int, host: str,
-                 port: int | None, producer: bool, consumer: bool, tp_size: int = 1) -> None:
+                 port: int | None, producer: bool, consumer: bool, tp_size: int = 1,
+                 model_layout: str = "", specs: tuple[LayerSpec, ...] = (),
+                 page_bytes: int = 0, pages_per_state: tuple[int, ...] = ()) -> None:
+        """``model_layout``: the layout without the tensor-parallel geometry; ``specs``,
+        ``page_bytes``, ``pages_per_state``: this engine's cache groups (one rank's)."""
         self.engine_id = engine_id
         self.layout = layout
+        self.model_layout = model_layout
+        self.specs = specs
+        self.page_bytes, self.pages_per_state = page_bytes, pages_per_state
         self.block_size = block_size
         self.host, self.port = host, port
         self.producer, self.consumer = producer, consumer
@@ -93,8 +111,7 @@ class TransferIndex(KVConnectorScheduler):
         if not self.consumer:
             why = "this engine's kv_role does not consume"
         elif params.get("remote_tp_size", 1) != self.tp_size:
-            why = (f"producer tensor-parallel size {params.get('remote_tp_size', 1)} is not "
-                   f"this engine's {self.tp_size} (mixed tensor parallelism is not supported)")
+            why = self._mixed_refusal(params)
         elif params.get("layout") != self.layout:
             why = (f"producer layout {params.get('layout')} is not this engine's "
                    f"{self.layout} (another model, block size, dtype or cache geometry)")
@@ -116,13 +133,36 @@ class TransferIndex(KVConnectorScheduler):
             logger.warning("request %s: kv_transfer_params refused (%s); prefilling locally",
                            req.request_id, why)
             return False
-        self._remotes[req.request_id] = Remote(str(params["remote_host"]),
-                                               int(params["remote_port"]),
-                                               str(params["remote_request_id"]))
+        remote_tp = int(params.get("remote_tp_size", 1))
+        mixed = remote_tp != self.tp_size
+        self._remotes[req.request_id] = Remote(
+            str(params["remote_host"]), int(params["remote_port"]),
+            str(params["remote_request_id"]), remote_tp,
+            str(params["layout"]) if mixed else None,
+            (int(params["page_bytes"]), tuple(int(n) for n in params["pages_per_state"]))
+            if mixed else None)
         self._keys[req.request_id] = keys
         for k in keys:
             self._owner.setdefault(k, []).append(req.request_id)
         return True
+
+    def _mixed_refusal(self, params: dict) -> str | None:
+        """Why a producer of another tensor-parallel size cannot serve this engine (None: its
+        pages are resharded on the way in)."""
+        remote_tp = params.get("remote_tp_size", 1)
+        if params.get("model_layout") != self.model_layout or not self.model_layout:
+            return (f"producer model layout {params.get('model_layout')} is not this engine's "
+                    f"{self.model_layout} (another model, block size or dtype)")
+        if not isinstance(remote_tp, int) or remote_tp < 1 \
+                or not isinstance(params.get("page_bytes"), int) \
+                or len(params.get("pages_per_state") or ()) != len(self.specs):
+            return "malformed remote_tp_size / page_bytes / pages_per_state"
+        for spec in self.specs:
+            why = why_not(spec, remote_tp, self.tp_size)
+            if why is not None:
+                return (f"producer tensor-parallel size {remote_tp} is not this engine's "
+                        f"{self.tp_size} and its pages cannot be resharded ({why})")
+        return None
 
     def contains(self, key: Hashable) -> bool:
         return key in self._owner
@@ -150,8 +190,7 @@ class TransferIndex(KVConnectorScheduler):
     def release(self, req_id: str) -> None:
         remote = self._remotes.pop(req_id, None)
         if remote is not None and req_id not in self._pulled:  # its export waits for nobody
-            self._ops.releases.append(KVRemote(req_id, remote.host, remote.port,
-                                               remote.request_id))
+            self._ops.releases.append(remote.op(req_id))
         self._pulled.discard(req_id)
         for k in self._keys.pop(req_id, ()):
             owners = self._owner.get(k)
@@ -177,7 +216,8 @@ class TransferIndex(KVConnectorScheduler):
                 "remote_port": self.port, "remote_request_id": req_id,
                 "remote_block_keys": names, "num_tokens": num_tokens,
                 "layout": self.layout, "block_size": self.block_size,
-                "remote_tp_size": self.tp_size}
+                "remote_tp_size": self.tp_size, "model_layout": self.model_layout,
+                "page_bytes": self.page_bytes, "pages_per_state": list(self.pages_per_state)}
 
     # ------------------------------------------------------------------ steps
     def request_drain(self) -> None:
@@ -190,7 +230,7 @@ class TransferIndex(KVConnectorScheduler):
     def take_ops(self) -> KVOps:
         ops, self._ops = self._ops, KVOps()
         for (req_id, r), names in self._load_src.items():
-            ops.remotes.append(KVRemote(req_id, r.host, r.port, r.request_id, names))
+            ops.remotes.append(r.op(req_id, names))
         self._load_src = {}
         return ops
 

@@ -3,7 +3,12 @@
 A consumer's pull (DEALER to the producer's ROUTER)::
 
     frame 0   b"PFKV-PULL-1"
-    frame 1   UTF-8 JSON {"req": producer request id, "keys": [key names], "layout": id}
+    frame 1   UTF-8 JSON {"req": producer request id, "keys": [key names], "layout": id,
+                          "pullers": n (optional, default 1)}
+
+``pullers``: how many pulls (or releases) of this producer rank the export answers before it
+leaves the outbox: more than one when consumer ranks share a producer rank's shard (mixed
+tensor parallelism, e.g. a TP 1 producer and a TP 2 consumer).
 
 The producer's answer::
 
@@ -36,8 +41,9 @@ def row_crcs(payload: memoryview, page_bytes: int) -> list[int]:
     return [zlib.crc32(payload[i:i + page_bytes]) for i in range(0, len(payload), page_bytes)]
 
 
-def encode_pull(req: str, keys: list[str], layout: str) -> list[bytes]:
-    return [PULL, json.dumps({"req": req, "keys": keys, "layout": layout}).encode()]
+def encode_pull(req: str, keys: list[str], layout: str, pullers: int = 1) -> list[bytes]:
+    return [PULL, json.dumps({"req": req, "keys": keys, "layout": layout,
+                              "pullers": pullers}).encode()]
 
 
 def decode_pull(frames: list[bytes]) -> dict:

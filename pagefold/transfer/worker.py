@@ -15,6 +15,13 @@ Consumer: the loads of a step are grouped per producer request into pulls, run b
 A page that does not arrive, arrives late or fails a check is reported as failed: it never
 reaches the pool and the request recomputes it. ``cancels`` drop the results of an aborted
 request's pulls (its pages may be someone else's by then).
+
+Mixed tensor parallelism (the producer's TP size is not the consumer's): a consumer rank pulls
+every key from each producer rank whose shards overlap its own (``reshard.source_ranks``, over
+all cache groups), in the producer's page geometry, and assembles its shard of each page
+(``reshard.reshard_rows``); a key is landed only when every source answered it. Each pull
+names how many consumer ranks pull that producer rank (``pullers``), so the export stays in
+the producer's outbox until all of them pulled or released it.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import time
 import torch
 import zmq
 
+from pagefold.core.kv_cache_spec import LayerSpec
 from pagefold.core.kv_connector import ConnectorOutput, KVConnectorWorker, KVOps
 from pagefold.executor.cache_tensors import wide_rows
 from pagefold.offload.page_file import PageGeometry
+from pagefold.transfer.reshard import reshard_rows, source_ranks, spec_at
 from pagefold.transfer.wire import decode_pages, decode_pull, encode_pages, encode_pull
 
 logger = logging.getLogger(__name__)
@@ -56,8 +65,13 @@ def scatter_rows(shared: list[torch.Tensor], pages: list[int], rows: torch.Tenso
 class TransferWorker(KVConnectorWorker):
     def __init__(self, shared: list[torch.Tensor], group_layers: list[int], *, layout: str,
                  bind: tuple[str, int] | None, keep_s: float, pull_timeout_s: float,
-                 rank: int = 0) -> None:
+                 rank: int = 0, tp_size: int = 1, specs: tuple[LayerSpec, ...] = (),
+                 block_size: int = 0, pages_per_state: tuple[int, ...] = ()) -> None:
+        """``tp_size``, ``specs`` (one per cache group), ``block_size`` and
+        ``pages_per_state``: this engine's, for resharding pages from another TP size."""
         self.shared = shared
+        self.tp_size, self.specs, self.block_size = tp_size, specs, block_size
+        self.pages_per_state = pages_per_state
         self.page_bytes = shared[0].shape[1]
         self.group_layers = group_layers
         self.layout = layout
@@ -65,8 +79,9 @@ class TransferWorker(KVConnectorWorker):
         self.keep_s, self.pull_timeout_s = keep_s, pull_timeout_s
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
-        # producer request id -> (deadline, [(key name, group, rows)])
-        self.outbox: dict[str, tuple[float, list[tuple[str, int, torch.Tensor]]]] = {}
+        # producer request id -> [deadline, [(key name, group, rows)], pulls left (None: not
+        # pulled yet; the first pull says how many)]
+        self.outbox: dict[str, list] = {}
         self.sent = 0
         self.released = 0
         self.expired = 0
@@ -134,10 +149,15 @@ class TransferWorker(KVConnectorWorker):
         if msg.get("layout") != self.layout:
             return encode_pages([], self.layout, f"layout {msg.get('layout')} is not this "
                                 f"producer's {self.layout}")
+        rid = str(msg.get("req"))
         with self._lock:
-            entry = self.outbox.pop(str(msg.get("req")), None)
-        if entry is None:
-            return None
+            entry = self.outbox.get(rid)
+            if entry is None:
+                return None
+            left = entry[2] if entry[2] is not None else max(1, int(msg.get("pullers", 1)))
+            entry[2] = left - 1
+            if entry[2] <= 0:
+                del self.outbox[rid]
         have = {name: (name, group, rows) for name, group, rows in entry[1]}
         pages = [have[k] for k in msg["keys"] if k in have]
         if msg["keys"]:
@@ -148,7 +168,7 @@ class TransferWorker(KVConnectorWorker):
 
     def _expire(self, now: float) -> None:
         with self._lock:
-            for rid in [r for r, (deadline, _) in self.outbox.items() if deadline < now]:
+            for rid in [r for r, entry in self.outbox.items() if entry[0] < now]:
                 del self.outbox[rid]
                 self.expired += 1
                 logger.warning("kv transfer: nobody pulled request %s's pages within %.0f s; "
@@ -172,24 +192,68 @@ class TransferWorker(KVConnectorWorker):
                 got = {}
             self._done.put((req_id, loads, got))
 
+    def _sources(self, remote) -> dict[int, int]:
+        """Producer rank -> how many consumer ranks pull it, for this rank's pulls of
+        ``remote`` (the same TP size: its own rank, alone)."""
+        if remote.tp_size == self.tp_size:
+            return {self.rank: 1}
+
+        def ranks(r: int) -> set[int]:
+            return {s for spec in self.specs
+                    for s in source_ranks(spec, remote.tp_size, self.tp_size, r)}
+        mine = ranks(self.rank)
+        return {s: sum(s in ranks(r) for r in range(self.tp_size)) for s in sorted(mine)}
+
     def _release(self, remote) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(f"tcp://{remote.host}:{remote.port + self.rank}")
-            sock.send_multipart(encode_pull(remote.remote_request_id, [], self.layout))
-            sock.poll(1000)  # its answer (empty) says it arrived; a producer gone: nothing
-        finally:
-            sock.close(0)
+        layout = remote.layout or self.layout
+        for src, pullers in self._sources(remote).items():
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(f"tcp://{remote.host}:{remote.port + src}")
+                sock.send_multipart(encode_pull(remote.remote_request_id, [], layout, pullers))
+                sock.poll(1000)  # its answer (empty) says it arrived; a producer gone: nothing
+            finally:
+                sock.close(0)
 
     def _pull(self, remote, loads: list[tuple[str, int, list[int]]]) -> dict[str, torch.Tensor]:
-        want = {name: PageGeometry(self.group_layers[g], len(pages), self.page_bytes)
-                for name, g, pages in loads}
+        if remote.tp_size == self.tp_size:
+            want = {name: PageGeometry(self.group_layers[g], len(pages), self.page_bytes)
+                    for name, g, pages in loads}
+            return self._pull_one(remote, self.rank, 1, want, self.layout)
+        page_bytes, pps = remote.geometry
+        want = {}
+        for name, g, pages in loads:
+            n = len(pages)
+            if pps[g]:  # whole states: the producer's pages per state
+                n = n // self.pages_per_state[g] * pps[g]
+            want[name] = PageGeometry(self.group_layers[g], n, page_bytes)
+        shards = {src: self._pull_one(remote, src, pullers, want, remote.layout)
+                  for src, pullers in self._sources(remote).items()}
+        got = {}
+        for name, g, pages in loads:
+            spec = self.specs[g]
+            src_spec = spec_at(spec, remote.tp_size)
+            need = source_ranks(spec, remote.tp_size, self.tp_size, self.rank)
+            if any(name not in shards[s] for s in need):
+                continue
+            states = len(pages) // self.pages_per_state[g] if pps[g] else 1
+            got[name] = torch.stack([
+                reshard_rows(src_spec, spec, self.block_size,
+                             {s: shards[s][name][li] for s in need}, self.page_bytes,
+                             len(pages), remote.tp_size, self.tp_size, self.rank, states)
+                for li in range(self.group_layers[g])])
+        return got
+
+    def _pull_one(self, remote, src: int, pullers: int, want: dict[str, PageGeometry],
+                  layout: str) -> dict[str, torch.Tensor]:
+        """The verified pages of one pull from producer rank ``src`` (empty: none came)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://{remote.host}:{remote.port + self.rank}")
-            sock.send_multipart(encode_pull(remote.remote_request_id, list(want), self.layout))
+            sock.connect(f"tcp://{remote.host}:{remote.port + src}")
+            sock.send_multipart(encode_pull(remote.remote_request_id, list(want), layout,
+                                            pullers))
             if not sock.poll(int(self.pull_timeout_s * 1000)):
                 logger.warning("kv transfer: producer %s:%s did not answer for request %s in "
                                "%.1f s; recomputing the prefill", remote.host, remote.port,
@@ -198,7 +262,7 @@ class TransferWorker(KVConnectorWorker):
             frames = sock.recv_multipart(copy=False)
         finally:
             sock.close(0)
-        got, error = decode_pages([f.buffer for f in frames], want, self.layout)
+        got, error = decode_pages([f.buffer for f in frames], want, layout)
         if error is not None:
             logger.warning("kv transfer: producer %s:%s: %s; recomputing the prefill",
                            remote.host, remote.port, error)
@@ -248,7 +312,7 @@ class TransferWorker(KVConnectorWorker):
             deadline = time.monotonic() + self.keep_s
             with self._lock:
                 for rid, pages in exports.items():
-                    self.outbox[rid] = (deadline, pages)
+                    self.outbox[rid] = [deadline, pages, None]
         by_name = {(ld.req_id, ld.key): ld for ld in ops.loads}
         for src in ops.remotes:
             loads = [(n, by_name[(src.req_id, n)].group, by_name[(src.req_id, n)].pages)

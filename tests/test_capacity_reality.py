@@ -29,7 +29,7 @@ from pagefold.core.kv_cache_spec import FullAttentionSpec, MLASpec, SlidingWindo
 from pagefold.core.sched_output import SampledToken, VerifiedTokens
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
-from pagefold.entrypoints.capacity_cmd import build_report
+from pagefold.entrypoints.capacity_cmd import add_parser, build_report
 from pagefold.request import Request
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import SpeculativeConfig
@@ -251,10 +251,12 @@ def test_speculative_lookahead_matches_the_cli_report(case, n, tmp_path):
     alone = _drive(specs, num_tokens=n, num_requests=1, memory=BIG, budget=64, caching=True,
                    drafts=3)
     assert alone.finished == 1 and alone.drafted > 0
-    args = argparse.Namespace(
-        path=str(tmp_path), dtype="float32", max_model_len=n, kv_cache_dtype="auto",
-        tensor_parallel_size=1, mamba_ssm_cache_dtype=None, num_speculative_tokens=3,
-        layout="pagefold", kv_cache_memory=str(BIG), block_size=BS,
-        enable_prefix_caching=True, max_num_batched_tokens=64, quantization=None)
+    # The CLI's own parser: options added later take their defaults.
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args([
+        "capacity", str(tmp_path), "--dtype", "float32", "--max-model-len", str(n),
+        "--num-speculative-tokens", "3", "--layout", "pagefold", "--kv-cache-memory", str(BIG),
+        "--block-size", str(BS), "--enable-prefix-caching", "--max-num-batched-tokens", "64"])
     report = build_report(args)
     assert report["blocks_per_request"] == alone.peak_blocks, (report["groups"], alone)

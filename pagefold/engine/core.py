@@ -44,6 +44,13 @@ from pagefold.spec_decode.draft_model import (
     draft_layer_specs,
     load_draft_model,
 )
+from pagefold.spec_decode.eagle import (
+    EagleProposer,
+    aux_layer_ids,
+    eagle_layer_specs,
+    load_eagle,
+    load_eagle_config,
+)
 from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
 from pagefold.spec_decode.verify_support import check_verify_support
@@ -233,6 +240,10 @@ class EngineCore:
         if not Path(sc.model).is_dir():
             raise ValueError(f"speculative_config 'model' {sc.model!r} is not a local model "
                              f"folder")
+        if sc.method in ("eagle", "eagle3"):
+            return eagle_layer_specs(specs, load_eagle_config(sc.model), sc.method,
+                                     kv_dtype(self.config.kv_cache_dtype, self.dtype),
+                                     self.config.block_size)
         _, draft_cfg = load_hf_config(sc.model)
         check_model_supports(sc, hf_config, draft_cfg)
         dspecs = layer_specs_from_config(
@@ -241,7 +252,7 @@ class EngineCore:
         return draft_layer_specs(specs, dspecs, self.config.block_size)
 
     def _load_proposer(self, spec_specs: dict, max_positions: int):
-        """The runner-side proposer of a draft model / MTP heads (None otherwise)."""
+        """The runner-side proposer of a draft model, MTP or EAGLE heads (None otherwise)."""
         sc = self.config.speculative_config
         if sc is None or sc.method == "ngram":
             return None
@@ -251,6 +262,16 @@ class EngineCore:
             if self.device.type == "cpu":
                 cpu_ops.use_fast_linears(mtp)
             return MtpProposer(mtp, self.model)
+        if sc.method in ("eagle", "eagle3"):
+            tcfg = text_config(self.hf_config)
+            head = load_eagle(sc.model, sc.method, self.model, tcfg, self.dtype,
+                              max_positions, self.device)
+            if self.device.type == "cpu":
+                cpu_ops.use_fast_linears(head)
+            aux = None
+            if sc.method == "eagle3":
+                aux = aux_layer_ids(load_eagle_config(sc.model), tcfg.num_hidden_layers)
+            return EagleProposer(head, self.model, tcfg, aux)
         draft, _ = load_draft_model(sc.model, self.hf_config, self.dtype, max_positions,
                                     self.device)
         if self.device.type == "cpu":

@@ -260,16 +260,19 @@ class ModelRunner:
         inp = build_inputs(self.kv_config, tokens, batch.starts, batch.counts, totals,
                            per_group, self.device, captures)
         self.num_forward_tokens += int(inp.input_ids.numel())
+        # An EAGLE-3 proposer reads the inputs of chosen target layers (spec_decode.aux_hidden).
+        aux = getattr(self.proposer, "aux_layers", None)
         if drafted is not None:
             spec_rows = torch.tensor(drafted, device=self.device)
             for m in inp.state_meta:
                 if m is not None:
                     m.spec_rows = spec_rows
-            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={})
+            ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={},
+                                 aux_layers=aux)
             return inp, ctx, self.model(inp.input_ids, inp.positions, ctx)
-        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta)
+        ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, aux_layers=aux)
         hidden = None
-        if self.graphs is not None:
+        if self.graphs is not None and aux is None:  # a replay runs no layer hooks
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta,
                                      inp.state_meta)
         if hidden is None:
@@ -314,7 +317,7 @@ class ModelRunner:
         self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             if self.proposer is not None:
-                self.proposer.sync(self, batch, inp, hidden, {})
+                self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
         if tp_rank() != 0:
@@ -322,7 +325,7 @@ class ModelRunner:
         sreqs = [reqs[i] for i in inp.sample_req_idx]
         sampled = self.sample(logits, sreqs)
         if self.proposer is not None:  # the draft model / MTP computes this step's tokens too
-            self.proposer.sync(self, batch, inp, hidden,
+            self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden),
                                {i: [sampled[reqs[i].req_id].token_id]
                                 for i in inp.sample_req_idx})
         return sampled

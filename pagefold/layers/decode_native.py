@@ -220,6 +220,8 @@ def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor
     kept on ``owner`` and rebuilt when the linears' GEMV routing changed."""
     if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not len(layers):
         return None
+    if getattr(ctx, "aux_layers", None) is not None:
+        return None  # an EAGLE-3 drafter reads layer inputs: the layers must run one by one
     cached = owner.__dict__.get("_pf_native_blocks")
     if cached is None:
         blocks = model_blocks(layers)

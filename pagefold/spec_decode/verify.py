@@ -58,7 +58,7 @@ def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
     if not sample:
         commit_states(ctx, _cu_tensor(cu, runner.device), keep)
         if proposer is not None:
-            proposer.commit(runner, batch, drafted, keep, inp, hidden, {})
+            proposer.commit(runner, batch, drafted, keep, inp, ctx.drafter_hidden(hidden), {})
         return {}
     rows = np.concatenate([np.arange(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1]) for i in sample])
     logits = runner.model.compute_logits(hidden[torch.from_numpy(rows).to(runner.device)])
@@ -89,7 +89,7 @@ def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
             reqs[i].write(starts[i] + 1, list(drafts[i][:a]))
     commit_states(ctx, _cu_tensor(cu, runner.device), keep)
     if proposer is not None:
-        proposer.commit(runner, batch, drafted, keep, inp, hidden,
+        proposer.commit(runner, batch, drafted, keep, inp, ctx.drafter_hidden(hidden),
                         {i: res.tokens[j] for j, i in enumerate(sample)})
 
     lp_rows = None

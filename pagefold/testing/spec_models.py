@@ -93,13 +93,14 @@ def add_mtp_weights(model_dir: str | Path, num_layers: int = 1, seed: int = 0,
 
 def write_eagle_head(target_dir: str | Path, dst: str | Path, method: str, *, seed: int = 0,
                      std: float = 0.1, num_layers: int = 1, draft_vocab: int | None = None,
-                     aux_layer_ids: list[int] | None = None,
+                     aux_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
                      tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a random ``method`` ("eagle" / "eagle3") head for the model at ``target_dir``
     into ``dst`` (see the module docstring). Its attention has the target's KV heads and
     head_dim (the pool's page size); ``draft_vocab`` (EAGLE-3): a draft vocabulary of that
     many target ids (a seeded random subset, ``d2t`` / ``t2d`` written); ``aux_layer_ids``:
-    the config's ``eagle_aux_hidden_state_layer_ids``; ``tensors`` replace the random ones
+    the config's ``eagle_aux_hidden_state_layer_ids``; ``intermediate_size``: the MLP's
+    width (default twice the hidden size); ``tensors`` replace the random ones
     (same names)."""
     from transformers import AutoConfig
 
@@ -109,7 +110,7 @@ def write_eagle_head(target_dir: str | Path, dst: str | Path, method: str, *, se
     kv = text.num_key_value_heads
     d = getattr(text, "head_dim", None) or h // text.num_attention_heads
     heads = text.num_attention_heads
-    inter = 2 * h
+    inter = intermediate_size or 2 * h
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:

@@ -13,17 +13,20 @@ import logging
 import os
 import pickle
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagefold.checkpoint import load_hf_config
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.core.kv_cache_spec import LayerSpec
 from pagefold.csrc import gemv_choice
 from pagefold.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
 from pagefold.offload.setup import OffloadPlan, build_store
+from pagefold.spec_decode.config import SpeculativeConfig
+from pagefold.spec_decode.proposers import build_proposer
 
 logger = logging.getLogger("pagefold")
 
@@ -46,6 +49,9 @@ class WorkerInit:
     quantization: str | None = None  # the quantization option (see ``load_model``)
     cpu_gemv_kernel: str | None = None  # EngineConfig's, for this rank's process
     offload: OffloadPlan | None = None  # offload tiers: this rank keeps its shard of them
+    # Speculation with a draft model: each rank builds its shard of the draft (proposers.py).
+    speculative: SpeculativeConfig | None = None
+    spec_specs: dict[str, LayerSpec] = field(default_factory=dict)
 
 
 def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
@@ -57,6 +63,9 @@ def build_rank_runner(init: WorkerInit, rank: int = 0) -> ModelRunner:
                           torch.device(init.device), init.kv_config,
                           cache_fill=init.cache_fill, num_host_blocks=init.num_host_blocks,
                           quantization=init.quantization)
+    runner.proposer = build_proposer(init.speculative, init.model, runner.model, hf_config,
+                                     init.dtype, init.max_positions, torch.device(init.device),
+                                     init.spec_specs)
     if init.offload is not None:
         build_store(init.offload, runner, rank)
     if init.warm_up_tokens:

@@ -26,7 +26,7 @@ from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
-from pagefold.csrc import cpu_ops, gemv_choice
+from pagefold.csrc import gemv_choice
 from pagefold.distributed.executor import TPExecutor
 from pagefold.distributed.parallel_state import set_tensor_parallel, tp_rank, tp_size
 from pagefold.distributed.worker import WorkerInit
@@ -39,20 +39,11 @@ from pagefold.offload.setup import OffloadPlan, attach_offload, offload_plan
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports
-from pagefold.spec_decode.draft_model import (
-    DraftModelProposer,
-    draft_layer_specs,
-    load_draft_model,
-)
-from pagefold.spec_decode.eagle import (
-    EagleProposer,
-    aux_layer_ids,
-    eagle_layer_specs,
-    load_eagle,
-    load_eagle_config,
-)
+from pagefold.spec_decode.draft_model import draft_layer_specs
+from pagefold.spec_decode.eagle import eagle_layer_specs, load_eagle_config
 from pagefold.spec_decode.engine import SpecDecoder
-from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
+from pagefold.spec_decode.mtp import mtp_layer_specs
+from pagefold.spec_decode.proposers import TP_METHODS, build_proposer
 from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
 
@@ -92,12 +83,14 @@ def check_tensor_parallel(arch: str, hf_config, tp: int) -> None:
 
 def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions: int, device,
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
-                          warm_len: int, offload: OffloadPlan | None = None):
+                          warm_len: int, offload: OffloadPlan | None = None,
+                          spec_specs: dict | None = None):
     threads = config.threads_per_rank or max(1, torch.get_num_threads()
                                              // config.tensor_parallel_size)
     init = WorkerInit(config.model, arch, dtype, max_positions, str(device), kv_config,
                       cache_fill, host_blocks, threads, warm, warm_len, config.quantization,
-                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload)
+                      cpu_gemv_kernel=config.cpu_gemv_kernel, offload=offload,
+                      speculative=config.speculative_config, spec_specs=spec_specs or {})
     return TPExecutor(init, config.tensor_parallel_size)
 
 
@@ -172,7 +165,9 @@ class EngineCore:
                                        cache_fill=cache_fill, num_host_blocks=host_blocks,
                                        quantization=config.quantization)
             self.model = self.runner.model
-            self.runner.proposer = self._load_proposer(spec_specs, max_positions)
+            self.runner.proposer = build_proposer(
+                config.speculative_config, config.model, self.model, hf_config, self.dtype,
+                max_positions, self.device, spec_specs)
             if config.speculative_config is not None:
                 state_layers = {n for n, s in specs.items() if isinstance(s, StateSpec)}
                 check_verify_support(self.model, state_layers)
@@ -187,7 +182,7 @@ class EngineCore:
             self.model = None  # the ranks hold the shards
             self.runner = start_tensor_parallel(
                 config, arch, self.dtype, max_positions, self.device, self.kv_config,
-                cache_fill, host_blocks, warm, warm_len, offload)
+                cache_fill, host_blocks, warm, warm_len, offload, spec_specs)
             logger.info("tensor parallel: %d ranks (pids %s)", self.tp, self.runner.pids)
         if config.kv_cache_dtype == "fp8" and self.tp == 1:
             n = apply_checkpoint_kv_scales(Path(config.model), self.runner.cache)
@@ -224,7 +219,7 @@ class EngineCore:
                         warm, secs)
 
     def _speculative_specs(self, hf_config, specs) -> dict:
-        """The cache specs a draft model or MTP heads add to the pool (``{}`` for n-gram);
+        """The cache specs a draft model, MTP or EAGLE heads add to the pool (``{}`` for n-gram);
         raises ``ValueError`` when the model cannot use the configured method."""
         sc = self.config.speculative_config
         if sc is None:
@@ -232,9 +227,10 @@ class EngineCore:
         check_model_supports(sc, hf_config)
         if sc.method == "ngram":
             return {}
-        if self.tp > 1:
+        if self.tp > 1 and sc.method not in TP_METHODS:
             raise ValueError(f"speculative method {sc.method!r} needs tensor_parallel_size 1; "
-                             f"use {{\"method\": \"ngram\", ...}} with tensor parallelism")
+                             f"use {{\"method\": \"ngram\", ...}} or a draft 'model' with "
+                             f"tensor parallelism")
         if sc.method == "mtp":
             return mtp_layer_specs(specs, text_config(hf_config))
         if not Path(sc.model).is_dir():
@@ -244,39 +240,15 @@ class EngineCore:
             return eagle_layer_specs(specs, load_eagle_config(sc.model), sc.method,
                                      kv_dtype(self.config.kv_cache_dtype, self.dtype),
                                      self.config.block_size)
-        _, draft_cfg = load_hf_config(sc.model)
+        draft_arch, draft_cfg = load_hf_config(sc.model)
         check_model_supports(sc, hf_config, draft_cfg)
+        if self.tp > 1:  # the draft is sharded like the target: its fields must divide too
+            check_tensor_parallel(draft_arch, draft_cfg, self.tp)
         dspecs = layer_specs_from_config(
             draft_cfg, model_dtype=self.dtype, kv_cache_dtype=self.config.kv_cache_dtype,
-            mamba_ssm_cache_dtype=self.config.mamba_ssm_cache_dtype)
+            mamba_ssm_cache_dtype=self.config.mamba_ssm_cache_dtype,
+            tensor_parallel_size=self.tp)
         return draft_layer_specs(specs, dspecs, self.config.block_size)
-
-    def _load_proposer(self, spec_specs: dict, max_positions: int):
-        """The runner-side proposer of a draft model, MTP or EAGLE heads (None otherwise)."""
-        sc = self.config.speculative_config
-        if sc is None or sc.method == "ngram":
-            return None
-        if sc.method == "mtp":
-            mtp = load_mtp(self.config.model, text_config(self.hf_config), self.model,
-                           self.dtype, max_positions, self.device)
-            if self.device.type == "cpu":
-                cpu_ops.use_fast_linears(mtp)
-            return MtpProposer(mtp, self.model)
-        if sc.method in ("eagle", "eagle3"):
-            tcfg = text_config(self.hf_config)
-            head = load_eagle(sc.model, sc.method, self.model, tcfg, self.dtype,
-                              max_positions, self.device)
-            if self.device.type == "cpu":
-                cpu_ops.use_fast_linears(head)
-            aux = None
-            if sc.method == "eagle3":
-                aux = aux_layer_ids(load_eagle_config(sc.model), tcfg.num_hidden_layers)
-            return EagleProposer(head, self.model, tcfg, aux)
-        draft, _ = load_draft_model(sc.model, self.hf_config, self.dtype, max_positions,
-                                    self.device)
-        if self.device.type == "cpu":
-            cpu_ops.use_fast_linears(draft)
-        return DraftModelProposer.for_specs(draft, spec_specs)
 
     def save_prefixes(self) -> None:
         """With offload tiers and no request left: save every prefix the pool caches (the

@@ -320,8 +320,11 @@ class ModelRunner:
                 self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
-        if tp_rank() != 0:
-            return {}  # sampling happens once, on rank 0
+        if tp_rank() != 0:  # sampling happens once, on rank 0
+            if self.proposer is not None:  # its collectives pair with rank 0's (a draft model:
+                # the only proposer under TP, it never reads the sampled tokens)
+                self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
+            return {}
         sreqs = [reqs[i] for i in inp.sample_req_idx]
         sampled = self.sample(logits, sreqs)
         if self.proposer is not None:  # the draft model / MTP computes this step's tokens too

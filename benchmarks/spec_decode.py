@@ -14,7 +14,12 @@ Workloads (greedy, chat template):
     back-off then keeps the loss small), fixed length;
   * ``free b1``: an open question (little to look up), fixed length;
   * ``edit b32``: the editing set cycled to 32 requests at once (above the automatic
-    cut-off, so speculation stays off: it must not be slower).
+    cut-off, so speculation stays off: it must not be slower);
+  * ``eagle3 random b1``: the open question with an EAGLE-3 head (``EAGLE_SPEC``) of random
+    weights written for the model (``pagefold.testing.spec_models.write_eagle_head``, a
+    32000-token draft vocabulary): it measures what the head costs (its passes, the
+    layer-input capture, the verify rounds); its drafts are almost all rejected, so the real
+    acceptance (and speed-up) needs a trained head, which this offline machine does not have.
 
 Both engines live side by side (prefix caching off in both); each request of a b1 workload
 (the whole batch of ``edit b32``) runs OFF and ON alternately ``--repeats`` times, and its best
@@ -101,6 +106,7 @@ EDITS = [
 FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}
+EAGLE_SPEC = {"method": "eagle3", "num_speculative_tokens": 3}
 
 
 def default_model() -> Path:
@@ -130,7 +136,8 @@ def _run(llm, prompts, params, wrong: bool = False):
     if spec is not None:
         spec.metrics.num_drafts = spec.metrics.num_draft_tokens = 0
         spec.metrics.num_accepted_tokens = 0
-        spec.propose_fn = _wrong_drafts if wrong else spec._ngram
+        spec.propose_fn = (_wrong_drafts if wrong else spec._ngram
+                           if spec.config.method == "ngram" else spec._in_runner)
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     secs = time.perf_counter() - t
@@ -148,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="cap of the editing set's answers (they stop at EOS)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cases",
-                    default="edit b1,edit b1 fixed,none accepted b1,free b1,edit b32",
+                    default="edit b1,edit b1 fixed,none accepted b1,free b1,edit b32,"
+                            "eagle3 random b1",
                     help="comma-separated workload names to run")
     args = ap.parse_args(argv)
 
@@ -166,23 +174,34 @@ def main(argv: list[str] | None = None) -> None:
               enable_prefix_caching=False)
     off = LLM(model, **kw)
     on = LLM(model, speculative_config=SPEC, **kw)
+    eagle = None
+    if "eagle3 random b1" in args.cases:
+        import tempfile
+
+        from pagefold.testing.spec_models import write_eagle_head
+
+        head = write_eagle_head(model, Path(tempfile.mkdtemp()) / "eagle3", "eagle3",
+                                draft_vocab=32000)
+        eagle = LLM(model, speculative_config=EAGLE_SPEC | {"model": str(head)}, **kw)
     fixed = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     natural = SamplingParams(temperature=0, max_tokens=args.edit_max_tokens)
     b32 = [edits[i % len(edits)] for i in range(32)]
-    # (name, prompts, params, every draft wrong, one request at a time)
-    cases = [("edit b1", edits, natural, False, True),
-             ("edit b1 fixed", [edit], fixed, False, True),
-             ("none accepted b1", [edit], fixed, True, True),
-             ("free b1", [free], fixed, False, True),
-             ("edit b32", b32, natural, False, False)]
+    # (name, prompts, params, every draft wrong, one request at a time, the ON engine)
+    cases = [("edit b1", edits, natural, False, True, on),
+             ("edit b1 fixed", [edit], fixed, False, True, on),
+             ("none accepted b1", [edit], fixed, True, True, on),
+             ("free b1", [free], fixed, False, True, on),
+             ("edit b32", b32, natural, False, False, on),
+             ("eagle3 random b1", [free], fixed, False, True, eagle)]
     wanted = [c.strip() for c in args.cases.split(",")]
     cases = [c for c in cases if c[0] in wanted]
-    print(f"model {model}\nspeculative_config {SPEC}\n", flush=True)
+    print(f"model {model}\nspeculative_config {SPEC} (eagle3 rows: {EAGLE_SPEC})\n",
+          flush=True)
     head = (f"{'workload':18} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
             f"{'accept':>7} {'mean len':>8} {'same':>5}")
     print(head)
     print("-" * len(head))
-    for name, prompts, params, wrong, one_by_one in cases:
+    for name, prompts, params, wrong, one_by_one, on_engine in cases:
         # Each unit (a request alone, or the whole batch) runs OFF and ON alternately
         # --repeats times; its best time per engine counts (noise on a shared machine only
         # adds time), summed over the units.
@@ -193,8 +212,9 @@ def main(argv: list[str] | None = None) -> None:
         for unit in units:
             best = {"off": float("inf"), "on": float("inf")}
             for rep in range(args.repeats):
-                order = [("off", off), ("on", on)] if rep % 2 == 0 else [("on", on),
-                                                                        ("off", off)]
+                order = [("off", off), ("on", on_engine)]
+                if rep % 2:
+                    order.reverse()
                 res = {}
                 for label, llm in order:
                     res[label] = _run(llm, unit, params, wrong and label == "on")
@@ -210,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         mean = 1 + accepted / rounds if rounds else 0.0
         print(f"{name:18} {t_off:10.1f} {t_on:10.1f} {t_on / t_off:7.2f} "
               f"{rate:6.1f}% {mean:8.2f} {str(same):>5}", flush=True)
-        for llm in (off, on):
+        for llm in (off, on_engine):
             llm.engine.kv.check_whole()
 
 

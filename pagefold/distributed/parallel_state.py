@@ -110,6 +110,16 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_ints(values: list[int]) -> list[int]:
+    """Rank 0's ``values`` on every rank (the same length everywhere); a no-op alone. For
+    decisions made from random draws (drafts, accepted counts) that every rank must share."""
+    if _STATE.size == 1 or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate the ranks' ``x`` along the last dimension (rank order)."""
     if _STATE.size == 1:

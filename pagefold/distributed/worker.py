@@ -17,12 +17,13 @@ import logging
 import os
 import pickle
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagefold.checkpoint import load_hf_config
 from pagefold.core.kv_cache_planner import KVCacheConfig
+from pagefold.core.kv_cache_spec import LayerSpec
 from pagefold.csrc import gemv_choice
 from pagefold.distributed.parallel_state import (
     close_tensor_parallel,
@@ -34,6 +35,8 @@ from pagefold.executor.model_runner import ModelRunner
 from pagefold.executor.runner_builder import build_runner
 from pagefold.lora.manager import LoRAModelManager
 from pagefold.offload.setup import OffloadPlan, build_store
+from pagefold.spec_decode.config import SpeculativeConfig
+from pagefold.spec_decode.proposers import build_proposer
 from pagefold.transfer.setup import TransferPlan, build_transfer_worker
 
 logger = logging.getLogger("pagefold")
@@ -64,6 +67,9 @@ class WorkerInit:
     stage_kv_configs: tuple[KVCacheConfig, ...] = ()
     transfer: TransferPlan | None = None  # P/D: this rank exports / pulls its shard
     lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
+    # Speculation with a draft model: each rank builds its shard of the draft (proposers.py).
+    speculative: SpeculativeConfig | None = None
+    spec_specs: dict[str, LayerSpec] = field(default_factory=dict)
 
 
 def sampling_rank(world: int, pipeline_parallel_size: int) -> int:
@@ -85,6 +91,9 @@ def build_rank_runner(init: WorkerInit, rank: int = 0, stage: int = 0) -> ModelR
         max_loras, rank_max, cpu = init.lora
         runner.lora = LoRAModelManager(runner.model, max_loras=max_loras,
                                        max_lora_rank=rank_max, max_cpu_loras=cpu)
+    runner.proposer = build_proposer(init.speculative, init.model, runner.model, hf_config,
+                                     init.dtype, init.max_positions, torch.device(init.device),
+                                     init.spec_specs)
     if init.offload is not None:
         build_store(init.offload, runner, rank)
     if init.transfer is not None:

@@ -26,7 +26,7 @@ from pagefold.core.sched_output import EngineCoreOutput
 from pagefold.core.scheduler import Scheduler
 from pagefold.core.spec_from_config import layer_specs_from_config
 from pagefold.core.swap import PreemptionCost
-from pagefold.csrc import cpu_ops, gemv_choice
+from pagefold.csrc import gemv_choice
 from pagefold.distributed.executor import TPExecutor
 from pagefold.distributed.parallel_state import (
     expert_parallel_enabled,
@@ -49,13 +49,11 @@ from pagefold.offload.setup import OffloadPlan, attach_offload, offload_plan
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.spec_decode.config import check_model_supports
-from pagefold.spec_decode.draft_model import (
-    DraftModelProposer,
-    draft_layer_specs,
-    load_draft_model,
-)
+from pagefold.spec_decode.draft_model import draft_layer_specs
+from pagefold.spec_decode.eagle import eagle_layer_specs, load_eagle_config
 from pagefold.spec_decode.engine import SpecDecoder
-from pagefold.spec_decode.mtp import MtpProposer, load_mtp, mtp_layer_specs
+from pagefold.spec_decode.mtp import mtp_layer_specs
+from pagefold.spec_decode.proposers import TP_METHODS, build_proposer
 from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
 from pagefold.transfer.setup import TransferPlan, attach_transfer, transfer_plan
@@ -112,7 +110,7 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
                           kv_config: KVCacheConfig, cache_fill, host_blocks: int, warm: int,
                           warm_len: int, offload: OffloadPlan | None = None,
                           stage_layers: tuple = (), stage_kv_configs: tuple = (),
-                          transfer: TransferPlan | None = None):
+                          transfer: TransferPlan | None = None, spec_specs: dict | None = None):
     """The worker ranks: ``tensor_parallel_size`` per pipeline stage (``stage_layers`` and
     ``stage_kv_configs`` give each stage's layers and pool; empty without a pipeline)."""
     world = config.tensor_parallel_size * config.pipeline_parallel_size
@@ -124,7 +122,8 @@ def start_tensor_parallel(config: EngineConfig, arch: str, dtype, max_positions:
                       pipeline_parallel_size=config.pipeline_parallel_size,
                       stage_layers=tuple(stage_layers),
                       stage_kv_configs=tuple(stage_kv_configs), transfer=transfer,
-                      lora=lora_options(config))
+                      lora=lora_options(config), speculative=config.speculative_config,
+                      spec_specs=spec_specs or {})
     return TPExecutor(init, world)
 
 
@@ -224,7 +223,9 @@ class EngineCore:
                                        cache_fill=cache_fill, num_host_blocks=host_blocks,
                                        quantization=config.quantization)
             self.model = self.runner.model
-            self.runner.proposer = self._load_proposer(spec_specs, max_positions)
+            self.runner.proposer = build_proposer(
+                config.speculative_config, config.model, self.model, hf_config, self.dtype,
+                max_positions, self.device, spec_specs)
             if config.speculative_config is not None:
                 state_layers = {n for n, s in specs.items() if isinstance(s, StateSpec)}
                 check_verify_support(self.model, state_layers)
@@ -240,7 +241,7 @@ class EngineCore:
             self.runner = start_tensor_parallel(
                 config, arch, self.dtype, max_positions, self.device, self.kv_config,
                 cache_fill, host_blocks, warm, warm_len, offload, self.stage_layers,
-                stage_kv_configs, transfer)
+                stage_kv_configs, transfer, spec_specs)
             logger.info("tensor parallel %d x pipeline parallel %d: %d ranks (pids %s)",
                         self.tp, self.pp, self.world, self.runner.pids)
         self.loras = None  # the host cache of checked adapters (LoRA on)
@@ -294,7 +295,7 @@ class EngineCore:
                         warm, secs)
 
     def _speculative_specs(self, hf_config, specs) -> dict:
-        """The cache specs a draft model or MTP heads add to the pool (``{}`` for n-gram);
+        """The cache specs a draft model, MTP or EAGLE heads add to the pool (``{}`` for n-gram);
         raises ``ValueError`` when the model cannot use the configured method."""
         sc = self.config.speculative_config
         if sc is None:
@@ -304,37 +305,28 @@ class EngineCore:
             raise ValueError("speculative decoding needs pipeline_parallel_size 1")
         if sc.method == "ngram":
             return {}
-        if self.tp > 1:
+        if self.tp > 1 and sc.method not in TP_METHODS:
             raise ValueError(f"speculative method {sc.method!r} needs tensor_parallel_size 1; "
-                             f"use {{\"method\": \"ngram\", ...}} with tensor parallelism")
+                             f"use {{\"method\": \"ngram\", ...}} or a draft 'model' with "
+                             f"tensor parallelism")
         if sc.method == "mtp":
             return mtp_layer_specs(specs, text_config(hf_config))
         if not Path(sc.model).is_dir():
             raise ValueError(f"speculative_config 'model' {sc.model!r} is not a local model "
                              f"folder")
-        _, draft_cfg = load_hf_config(sc.model)
+        if sc.method in ("eagle", "eagle3"):
+            return eagle_layer_specs(specs, load_eagle_config(sc.model), sc.method,
+                                     kv_dtype(self.config.kv_cache_dtype, self.dtype),
+                                     self.config.block_size)
+        draft_arch, draft_cfg = load_hf_config(sc.model)
         check_model_supports(sc, hf_config, draft_cfg)
+        if self.tp > 1:  # the draft is sharded like the target: its fields must divide too
+            check_tensor_parallel(draft_arch, draft_cfg, self.tp)
         dspecs = layer_specs_from_config(
             draft_cfg, model_dtype=self.dtype, kv_cache_dtype=self.config.kv_cache_dtype,
-            mamba_ssm_cache_dtype=self.config.mamba_ssm_cache_dtype)
+            mamba_ssm_cache_dtype=self.config.mamba_ssm_cache_dtype,
+            tensor_parallel_size=self.tp)
         return draft_layer_specs(specs, dspecs, self.config.block_size)
-
-    def _load_proposer(self, spec_specs: dict, max_positions: int):
-        """The runner-side proposer of a draft model / MTP heads (None otherwise)."""
-        sc = self.config.speculative_config
-        if sc is None or sc.method == "ngram":
-            return None
-        if sc.method == "mtp":
-            mtp = load_mtp(self.config.model, text_config(self.hf_config), self.model,
-                           self.dtype, max_positions, self.device)
-            if self.device.type == "cpu":
-                cpu_ops.use_fast_linears(mtp)
-            return MtpProposer(mtp, self.model)
-        draft, _ = load_draft_model(sc.model, self.hf_config, self.dtype, max_positions,
-                                    self.device)
-        if self.device.type == "cpu":
-            cpu_ops.use_fast_linears(draft)
-        return DraftModelProposer.for_specs(draft, spec_specs)
 
     def save_prefixes(self) -> None:
         """With offload tiers and no request left: save every prefix the pool caches (the

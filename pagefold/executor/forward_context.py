@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,12 @@ class ForwardContext:
     # Some row of the step runs with a LoRA adapter (pagefold.lora): the linears' hooks add
     # their terms, so the native decode driver (whose linears bypass the hooks) is skipped.
     lora_rows: bool = False
+    # EAGLE-3 drafting (spec_decode.aux_hidden): the target decoder layers whose *input*
+    # hidden state the drafter consumes, in the drafter's order; None (the default, every
+    # step without an EAGLE-3 drafter) captures nothing. ``aux_hidden`` holds what the
+    # capture hooks stored this forward ({layer index: (T, hidden)}).
+    aux_layers: tuple[int, ...] | None = None
+    aux_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -84,6 +90,14 @@ class ForwardContext:
             for t in states.values():
                 t[fresh] = 0
         return states
+
+    def drafter_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a hidden-state drafter takes from this target forward: ``hidden`` (the
+        model's output) or, with ``aux_layers``, the captured layer inputs concatenated along
+        the feature axis in ``aux_layers`` order ((T, len(aux_layers) * hidden))."""
+        if self.aux_layers is None:
+            return hidden
+        return torch.cat([self.aux_hidden[i] for i in self.aux_layers], dim=-1)
 
     @property
     def verify(self) -> bool:

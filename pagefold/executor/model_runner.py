@@ -276,20 +276,23 @@ class ModelRunner:
                                                              inp.positions)
         lora_rows = self.lora is not None and self.lora.set_step(
             [r.lora_request for r in reqs], [len(t) for t in tokens])
+        # An EAGLE-3 proposer reads the inputs of chosen target layers (spec_decode.aux_hidden).
+        aux = getattr(self.proposer, "aux_layers", None)
         if drafted is not None:
             spec_rows = torch.tensor(drafted, device=self.device)
             for m in inp.state_meta:
                 if m is not None:
                     m.spec_rows = spec_rows
             ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, spec_states={},
-                                 mm_embeds=mm_embeds, lora_rows=lora_rows)
+                                 mm_embeds=mm_embeds, lora_rows=lora_rows, aux_layers=aux)
             return inp, ctx, self.model(inp.input_ids, positions, ctx)
         ctx = ForwardContext(self.cache, inp.attn_meta, inp.state_meta, mm_embeds=mm_embeds,
-                             lora_rows=lora_rows)
+                             lora_rows=lora_rows, aux_layers=aux)
         hidden = None
-        # Graphs hold neither image rows nor the LoRA hooks' terms.
+        # Graphs hold neither image rows nor the LoRA hooks' terms, and a replay runs no
+        # layer hooks (EAGLE-3's captures).
         if (self.graphs is not None and mm_embeds is None and positions.dim() == 1
-                and not lora_rows):
+                and not lora_rows and aux is None):
             hidden = self.graphs.run(inp.input_ids, positions, inp.attn_meta, inp.state_meta)
         if hidden is None:
             hidden = self.model(inp.input_ids, positions, ctx)
@@ -335,15 +338,18 @@ class ModelRunner:
         self._prompt_logprobs(reqs, starts, counts, hidden)
         if not inp.sample_req_idx:
             if self.proposer is not None:
-                self.proposer.sync(self, batch, inp, hidden, {})
+                self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
-        if tp_rank() != 0:
-            return {}  # sampling happens once, on rank 0
+        if tp_rank() != 0:  # sampling happens once, on rank 0
+            if self.proposer is not None:  # its collectives pair with rank 0's (a draft model:
+                # the only proposer under TP, it never reads the sampled tokens)
+                self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
+            return {}
         sreqs = [reqs[i] for i in inp.sample_req_idx]
         sampled = self.sample(logits, sreqs)
         if self.proposer is not None:  # the draft model / MTP computes this step's tokens too
-            self.proposer.sync(self, batch, inp, hidden,
+            self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden),
                                {i: [sampled[reqs[i].req_id].token_id]
                                 for i in inp.sample_req_idx})
         return sampled

@@ -228,6 +228,8 @@ def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor
         return None
     if ctx.lora_rows:  # LoRA terms come from the linears' hooks: the module path runs them
         return None
+    if getattr(ctx, "aux_layers", None) is not None:
+        return None  # an EAGLE-3 drafter reads layer inputs: the layers must run one by one
     cached = owner.__dict__.get("_pf_native_blocks")
     if cached is None:
         blocks = model_blocks(layers)

@@ -6,6 +6,8 @@ Accepted forms (the same keys as vLLM)::
      "prompt_lookup_min": 2}
     {"model": "/path/to/draft", "num_speculative_tokens": 3}      # method "draft_model"
     {"method": "mtp", "num_speculative_tokens": 1}
+    {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
+    {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": 3}
 
 plus ``disable_by_batch_size`` (speculation is skipped on steps with at least that many running
 requests; vLLM's ``speculative_disable_by_batch_size``) and pagefold's ``adaptive_k`` (each
@@ -14,8 +16,9 @@ is accepted wherever a dict is (``pagefold serve --speculative-config JSON``).
 
 Invariants of a built :class:`SpeculativeConfig`: ``num_speculative_tokens >= 1``;
 for n-gram, ``1 <= prompt_lookup_min <= prompt_lookup_max``; ``model`` is set exactly when the
-method is ``draft_model``. :func:`check_model_supports` raises a ``ValueError`` naming what to
-change when the target model cannot use the method.
+method is ``draft_model``, ``eagle`` or ``eagle3`` (:data:`MODEL_METHODS`).
+:func:`check_model_supports` raises a ``ValueError`` naming what to change when the target
+model cannot use the method.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from typing import Any
 from pagefold.core.config_fields import unwrap_text_config
 from pagefold.core.spec_from_config import detect_family
 
-__all__ = ["METHODS", "SpeculativeConfig", "check_model_supports"]
+__all__ = ["METHODS", "MODEL_METHODS", "SpeculativeConfig", "check_model_supports"]
 
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+# The methods that draft with a checkpoint of their own ('model': a local folder).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # Aliases vLLM accepts for the same methods.
 _ALIASES = {"draft": "draft_model", "[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
 _KEYS = {
@@ -81,7 +86,8 @@ class SpeculativeConfig:
         if method is None:
             if model is None:
                 raise ValueError(
-                    "speculative_config needs a 'method' (ngram, mtp) or a draft 'model' path"
+                    "speculative_config needs a 'method' (ngram, mtp, eagle, eagle3) or a "
+                    "draft 'model' path"
                 )
             method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
         method = _ALIASES.get(str(method), str(method))
@@ -89,9 +95,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative method {method!r} is not supported; use one of {', '.join(METHODS)}"
             )
-        if method == "draft_model" and not model:
-            raise ValueError("speculative method 'draft_model' needs 'model': a local path")
-        if method != "draft_model":
+        if method in MODEL_METHODS and not model:
+            raise ValueError(f"speculative method {method!r} needs 'model': a local path")
+        if method not in MODEL_METHODS:
             model = None
         k = value.get("num_speculative_tokens")
         if k is None:

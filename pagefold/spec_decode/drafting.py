@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagefold.distributed.parallel_state import broadcast_ints
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import StepInputs, build_inputs
 from pagefold.executor.runner_state import CachedRequestState, StepBatch
@@ -93,7 +94,8 @@ def forward_pass(model, runner, reqs: list[CachedRequestState], tokens: list[lis
 def draft_tokens(logits: torch.Tensor, reqs: list[CachedRequestState], generator_of
                  ) -> tuple[list[int], list[torch.Tensor | None]]:
     """One draft per row of ``logits`` (row j belongs to ``reqs[j]``): the argmax for a
-    greedy request, else a draw from ``softmax(logits / T)`` (returned, float32)."""
+    greedy request, else a draw from ``softmax(logits / T)`` (returned, float32). A
+    collective under tensor parallelism (every rank takes rank 0's drafts)."""
     greedy = logits.argmax(dim=1).tolist()
     toks: list[int] = []
     probs: list[torch.Tensor | None] = []
@@ -107,4 +109,6 @@ def draft_tokens(logits: torch.Tensor, reqs: list[CachedRequestState], generator
         e = torch.empty_like(q).exponential_(generator=generator_of(r))
         toks.append(int((q / e.clamp_(min=torch.finfo(q.dtype).tiny)).argmax()))
         probs.append(q)
-    return toks, probs
+    # Under tensor parallelism every rank drafts the same tokens: rank 0's (an unseeded
+    # draw comes from each process's own generator).
+    return broadcast_ints(toks), probs

@@ -10,15 +10,10 @@ of the target's kind with full attention (its own KV cache, ``mtp.layers.{i}`` i
 runs at position ``p``, a final norm gives ``g_p`` and the target's (shared) ``lm_head``
 gives the logits for ``t_{p+2}``. Embeddings and head are the target's.
 
-Invariant of :class:`MtpProposer`: at the end of every step the MTP layer has computed the
-same positions as the target (row ``p`` needs ``t_{p+1}``: a prompt token, a kept draft, or
-the token sampled this step), so cached blocks hold valid MTP KV. Its output at the last
-kept position drafts ``d_1`` for the next step (kept per request with ``g``); a verify step
-then drafts ``d_{j+1}`` from the row at ``s + j - 1`` fed ``d_j`` and the previous ``g``
-(the target's hidden there is not computed yet), and after verification the MTP layer reruns
-every verify row with the target's hidden states (rows past the kept ones are rejected
-positions, overwritten later). A request the proposer holds nothing for (swapped back in,
-forked) drafts its last token repeated: a deterministic proposal, verified like any other.
+:class:`MtpProposer` drafts with it through the proposer shared with EAGLE
+(:class:`~pagefold.spec_decode.hidden_proposer.HiddenStateProposer`, whose docstring states
+the invariant: the MTP layer computes exactly the target's positions, so cached blocks hold
+valid MTP KV).
 """
 
 from __future__ import annotations
@@ -32,21 +27,13 @@ from torch import nn
 
 from pagefold.core.kv_cache_spec import LayerSpec, is_attention
 from pagefold.executor.forward_context import ForwardContext
-from pagefold.executor.input_batch import StepInputs
-from pagefold.executor.runner_state import StepBatch
 from pagefold.layers.linear import load_into
 from pagefold.layers.moe import ExpertWeightRouter
 from pagefold.layers.norm import RMSNorm
 from pagefold.models.qwen3_5 import HybridCausalLM, HybridDecoderLayer
 from pagefold.models.qwen3_next import next_mlp
 from pagefold.models.weights import iter_weights
-from pagefold.spec_decode.drafting import (
-    PLACEHOLDER,
-    DraftResult,
-    Proposer,
-    draft_tokens,
-    forward_pass,
-)
+from pagefold.spec_decode.hidden_proposer import HiddenStateProposer
 
 __all__ = ["MTP_PREFIX", "MtpProposer", "MultiTokenPredictor", "load_mtp", "mtp_layer_specs",
            "num_mtp_layers"]
@@ -138,98 +125,11 @@ def load_mtp(model_dir: str | Path, cfg, target: nn.Module, dtype: torch.dtype,
     return mtp
 
 
-class MtpProposer(Proposer):
-    """Drafts with the MTP block (see the module docstring)."""
+class MtpProposer(HiddenStateProposer):
+    """Drafts with the MTP block (see the module docstring): the target's ``lm_head`` gives
+    the logits of the block's normed output."""
 
     def __init__(self, mtp: MultiTokenPredictor, target: nn.Module) -> None:
+        super().__init__(mtp, target.compute_logits)
         self.mtp = mtp
         self.target = target
-        # request id -> (d_1, its q or None, g at the last kept position (H,))
-        self.pending: dict[str, tuple[int, torch.Tensor | None, torch.Tensor]] = {}
-
-    def forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.pending.pop(rid, None)
-
-    def propose(self, runner, batch: StepBatch, drafts: list[list[int]]) -> DraftResult:
-        reqs, starts = batch.reqs, batch.starts
-        drafts = [list(d) for d in drafts]
-        probs: list[list[torch.Tensor | None]] = [[] for _ in reqs]
-        want = [i for i, d in enumerate(drafts) if d and d[0] == PLACEHOLDER]
-        g: dict[int, torch.Tensor] = {}
-        for i in want:
-            p = self.pending.get(reqs[i].req_id)
-            if p is None:  # nothing held: a deterministic stand-in proposal
-                drafts[i] = [reqs[i].token_ids[starts[i]]] * len(drafts[i])
-                continue
-            drafts[i][0] = p[0]
-            probs[i].append(p[1])
-            g[i] = p[2]
-        live = list(g)
-        j = 1
-        while True:
-            live = [i for i in live if len(drafts[i]) > j]
-            if not live:
-                break
-            hid = torch.stack([g[i] for i in live])
-            out, _, _ = forward_pass(
-                self.mtp, runner, [reqs[i] for i in live], [[drafts[i][j - 1]] for i in live],
-                [starts[i] + j - 1 for i in live], hidden=hid, step=j)
-            toks, qs = draft_tokens(self.target.compute_logits(out), [reqs[i] for i in live],
-                                    runner.generator_for)
-            for n, i in enumerate(live):
-                drafts[i][j] = toks[n]
-                probs[i].append(qs[n])
-                g[i] = out[n]
-            j += 1
-        out_probs = [torch.stack(p) if p and all(q is not None for q in p) else None
-                     for p in probs]
-        return DraftResult(drafts, out_probs)
-
-    def commit(self, runner, batch: StepBatch, res: DraftResult, keep: list[int],
-               inp: StepInputs, hidden: torch.Tensor, emitted: dict[int, list[int]]) -> None:
-        nxt: list[int] = []
-        for i, (r, s, n) in enumerate(zip(batch.reqs, batch.starts, batch.counts,
-                                          strict=True)):
-            d = res.drafts[i]
-            if d:
-                row = list(d) + [d[-1]]
-                row[keep[i] - 1] = emitted[i][-1]  # the token sampled after the kept ones
-            else:
-                row = self._next_tokens(r, s, n, emitted.get(i))
-            nxt.extend(row)
-        self._run(runner, batch, inp, hidden, nxt, keep, emitted)
-
-    def sync(self, runner, batch: StepBatch, inp: StepInputs, hidden: torch.Tensor,
-             emitted: dict[int, list[int]]) -> None:
-        nxt: list[int] = []
-        for i, (r, s, n) in enumerate(zip(batch.reqs, batch.starts, batch.counts,
-                                          strict=True)):
-            nxt.extend(self._next_tokens(r, s, n, emitted.get(i)))
-        self._run(runner, batch, inp, hidden, nxt, batch.counts, emitted)
-
-    @staticmethod
-    def _next_tokens(r, s: int, n: int, emitted: list[int] | None) -> list[int]:
-        """``t_{p+1}`` for the rows at ``s..s+n-1``: known tokens, then the sampled one."""
-        known = r.token_ids[s + 1 : s + n + 1]
-        if len(known) < n:
-            known = known + [emitted[-1] if emitted else r.token_ids[s + n - 1]]
-        return known
-
-    def _run(self, runner, batch: StepBatch, inp: StepInputs, hidden: torch.Tensor,
-             nxt: list[int], keep: list[int], emitted: dict[int, list[int]]) -> None:
-        ids = torch.tensor(nxt, dtype=torch.long, device=inp.input_ids.device)
-        ctx = ForwardContext(runner.cache, inp.attn_meta, inp.state_meta)
-        g = self.mtp(ids, inp.positions, ctx, hidden=hidden, step=0)
-        sampled = sorted(emitted)
-        if not sampled:
-            return
-        starts = torch.cumsum(torch.tensor([0] + batch.counts[:-1]), 0)
-        rows = torch.tensor([int(starts[i]) + keep[i] - 1 for i in sampled],
-                            dtype=torch.long, device=g.device)
-        last = g.index_select(0, rows)
-        sreqs = [batch.reqs[i] for i in sampled]
-        toks, qs = draft_tokens(self.target.compute_logits(last), sreqs,
-                                runner.generator_for)
-        for n, r in enumerate(sreqs):
-            self.pending[r.req_id] = (toks[n], qs[n], last[n])

@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from pagefold.core.sched_output import VerifiedTokens
+from pagefold.distributed.parallel_state import broadcast_ints, tp_size
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.input_batch import StepInputs
 from pagefold.executor.runner_state import StepBatch
 from pagefold.executor.sampler import SamplingMetadata, gather_logprobs
 from pagefold.spec_decode.drafting import DraftResult
-from pagefold.spec_decode.rejection import expand_for_verify, rejection_sample
+from pagefold.spec_decode.rejection import VerifyOutput, expand_for_verify, rejection_sample
 
 __all__ = ["commit_states", "verify_drafts"]
 
@@ -58,7 +59,7 @@ def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
     if not sample:
         commit_states(ctx, _cu_tensor(cu, runner.device), keep)
         if proposer is not None:
-            proposer.commit(runner, batch, drafted, keep, inp, hidden, {})
+            proposer.commit(runner, batch, drafted, keep, inp, ctx.drafter_hidden(hidden), {})
         return {}
     rows = np.concatenate([np.arange(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1]) for i in sample])
     logits = runner.model.compute_logits(hidden[torch.from_numpy(rows).to(runner.device)])
@@ -81,6 +82,7 @@ def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
     if drafted is not None and any(drafted.probs[i] is not None for i in sample):
         qprobs = [drafted.probs[i] for i in sample]
     res = rejection_sample(logits, meta, sdrafts, gens, qprobs)
+    _agree(res, sdrafts)
     for j, i in enumerate(sample):
         if drafts[i]:
             a = res.num_accepted[j]
@@ -89,7 +91,7 @@ def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
             reqs[i].write(starts[i] + 1, list(drafts[i][:a]))
     commit_states(ctx, _cu_tensor(cu, runner.device), keep)
     if proposer is not None:
-        proposer.commit(runner, batch, drafted, keep, inp, hidden,
+        proposer.commit(runner, batch, drafted, keep, inp, ctx.drafter_hidden(hidden),
                         {i: res.tokens[j] for j, i in enumerate(sample)})
 
     lp_rows = None
@@ -114,6 +116,20 @@ def verify_drafts(runner, batch: StepBatch, drafts: list[list[int]],
         pos += len(toks)
         out[r.req_id] = VerifiedTokens(toks, res.num_accepted[j], lp)
     return out
+
+
+def _agree(res: VerifyOutput, drafts: list[list[int]]) -> None:
+    """Under tensor parallelism, make every rank's verdict rank 0's (accepted counts and the
+    token sampled after them: random draws differ between processes); a no-op alone."""
+    if tp_size() == 1:
+        return
+    n = len(drafts)
+    got = broadcast_ints(list(res.num_accepted) + [t[-1] for t in res.tokens])
+    for j in range(n):
+        a = got[j]
+        res.num_accepted[j] = a
+        res.tokens[j] = list(drafts[j][:a]) + [got[n + j]]
+        res.rows[j] = list(range(res.rows[j][0], res.rows[j][0] + a + 1))
 
 
 def _cu_tensor(cu: np.ndarray, device: torch.device) -> torch.Tensor:

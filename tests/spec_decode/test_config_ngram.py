@@ -21,15 +21,20 @@ def test_parse_vllm_forms() -> None:
     assert d.method == "draft_model" and d.model == "/tmp/draft"
     m = SpeculativeConfig.from_user({"method": "mtp"})
     assert m.method == "mtp" and m.num_speculative_tokens == 1 and m.model is None
+    e = SpeculativeConfig.from_user({"method": "eagle3", "model": "/tmp/h",
+                                     "num_speculative_tokens": 3})
+    assert (e.method, e.model, e.num_speculative_tokens) == ("eagle3", "/tmp/h", 3)
     assert SpeculativeConfig.from_user(None) is None and SpeculativeConfig.from_user({}) is None
     assert SpeculativeConfig.from_user(c.to_dict()) == c
     # The engine-process hand-off: dataclasses.asdict of EngineConfig, JSON, back.
-    for spec in (c, d, m):
+    for spec in (c, d, m, e):
         assert SpeculativeConfig.from_user(json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
 
 
 @pytest.mark.parametrize("bad, msg", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "not supported"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' needs 'model'"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' needs 'model'"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "1..16"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,

@@ -26,7 +26,7 @@ demo-gguf: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/pagefold generate "$$($(BIN)/python -c 'from pagefold.models.smollm2 import smollm2_gguf; print(smollm2_gguf())')"
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagefold tests benchmarks

@@ -162,6 +162,62 @@ class ConnectorOutput:
     bytes_saved: int = 0
 
 
+class PendingLoads:
+    """A worker's asynchronous loads, per request: how many have not landed, the keys that
+    failed, the requests cancelled while loads were in flight.
+
+    Invariant: a request is reported (``ConnectorOutput.finished``, with its failed keys)
+    exactly once, when its last load lands, unless it was cancelled meanwhile; a cancelled
+    request's later landings write nothing (the caller asks ``wanted`` first) and it is
+    forgotten when its last one lands."""
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}
+        self._failed: dict[str, list[str]] = {}
+        self._cancelled: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._left)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._left
+
+    def start(self, req_id: str) -> None:
+        """One more load of ``req_id`` is in flight."""
+        self._left[req_id] = self._left.get(req_id, 0) + 1
+
+    def cancel(self, req_id: str) -> None:
+        if req_id in self._left:
+            self._cancelled.add(req_id)
+        self._failed.pop(req_id, None)
+
+    def wanted(self, req_id: str) -> bool:
+        """False when ``req_id`` was cancelled: its landing loads must not be written."""
+        return req_id not in self._cancelled
+
+    def fail(self, req_id: str, key: str) -> None:
+        self._failed.setdefault(req_id, []).append(key)
+
+    def landed(self, req_id: str, out: ConnectorOutput) -> None:
+        """One load of ``req_id`` landed (written or failed); the last one reports it."""
+        left = self._left[req_id] - 1
+        if left:
+            self._left[req_id] = left
+            return
+        del self._left[req_id]
+        if req_id in self._cancelled:
+            self._cancelled.discard(req_id)
+        else:
+            self.report(req_id, out)
+
+    def report(self, req_id: str, out: ConnectorOutput) -> None:
+        """``req_id``'s loads are all done: finished, with the keys that failed."""
+        out.finished.append(req_id)
+        failed = self._failed.pop(req_id, None)
+        if failed:
+            out.failed[req_id] = failed
+
+
 class ReportMerger:
     """Tensor parallelism: the ranks' reports, step after step, as one report per step. Ranks
     finish a request's loads in different steps (each reads its own files): it is reported

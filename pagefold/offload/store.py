@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pagefold.core.kv_connector import ConnectorOutput, KVConnectorWorker, KVOps
+from pagefold.core.kv_connector import ConnectorOutput, KVConnectorWorker, KVOps, PendingLoads
 from pagefold.executor.cache_tensors import wide_rows
 from pagefold.offload.page_file import (
     PageFileError,
@@ -59,9 +59,7 @@ class OffloadStore(KVConnectorWorker):
         self.layout = layout
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
-        self._outstanding: dict[str, int] = {}  # request -> disk reads not landed yet
-        self._failed: dict[str, list[str]] = {}
-        self._cancelled: set[str] = set()
+        self._pending = PendingLoads()  # disk reads not landed yet
         self._thread: threading.Thread | None = None
         if disk_dir is not None:
             disk_dir.mkdir(parents=True, exist_ok=True)
@@ -149,35 +147,20 @@ class OffloadStore(KVConnectorWorker):
             out.store_failed.append(item[1])
             return
         _, req_id, name, group, pages, rows = item
-        left = self._outstanding[req_id] - 1
-        self._outstanding[req_id] = left
-        if req_id not in self._cancelled:
+        if self._pending.wanted(req_id):
             if rows is None:
-                self._failed.setdefault(req_id, []).append(name)
+                self._pending.fail(req_id, name)
             else:
                 self._scatter(group, pages, rows)
                 out.loaded_from["disk"] = out.loaded_from.get("disk", 0) + 1
                 out.bytes_loaded += rows.numel()
-        if left == 0:
-            del self._outstanding[req_id]
-            if req_id in self._cancelled:
-                self._cancelled.discard(req_id)
-            else:
-                self._report(req_id, out)
-
-    def _report(self, req_id: str, out: ConnectorOutput) -> None:
-        out.finished.append(req_id)
-        failed = self._failed.pop(req_id, None)
-        if failed:
-            out.failed[req_id] = failed
+        self._pending.landed(req_id, out)
 
     @torch.inference_mode()
     def run(self, ops: KVOps) -> ConnectorOutput:
         out = ConnectorOutput()
         for req_id in ops.cancels:
-            if req_id in self._outstanding:
-                self._cancelled.add(req_id)
-            self._failed.pop(req_id, None)
+            self._pending.cancel(req_id)
         for name in ops.drops:
             self._jobs.put(("drop", name))
         for s in ops.saves:
@@ -201,14 +184,14 @@ class OffloadStore(KVConnectorWorker):
                 out.loaded_from["host"] = out.loaded_from.get("host", 0) + 1
                 out.bytes_loaded += rows.numel()
             else:
-                self._outstanding[ld.req_id] = self._outstanding.get(ld.req_id, 0) + 1
+                self._pending.start(ld.req_id)
                 self._jobs.put(("read", ld.req_id, ld.key, ld.group, ld.pages))
         for req_id in started:  # host-only requests are done now
-            if req_id not in self._outstanding:
-                self._report(req_id, out)
+            if req_id not in self._pending:
+                self._pending.report(req_id, out)
         if ops.drain:
             self.drain()
-        self._collect(out, wait=ops.idle and bool(self._outstanding))
+        self._collect(out, wait=ops.idle and bool(self._pending))
         return out
 
     def _collect(self, out: ConnectorOutput, wait: bool) -> None:

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from pagefold.core.kv_cache_spec import LayerSpec
-from pagefold.core.kv_connector import ConnectorOutput, KVConnectorWorker, KVOps
+from pagefold.core.kv_connector import ConnectorOutput, KVConnectorWorker, KVOps, PendingLoads
 from pagefold.executor.cache_tensors import wide_rows
 from pagefold.offload.page_file import PageGeometry
 from pagefold.transfer.reshard import reshard_rows, source_ranks, spec_at
@@ -88,9 +88,7 @@ class TransferWorker(KVConnectorWorker):
         self._stop = threading.Event()
         self._pulls: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
-        self._outstanding: dict[str, int] = {}  # request -> pulls not landed yet
-        self._failed: dict[str, list[str]] = {}
-        self._cancelled: set[str] = set()
+        self._pending = PendingLoads()  # pulls not landed yet
         self.port: int | None = None
         self._threads = [threading.Thread(target=self._pull_loop, name="pagefold-kv-pull",
                                           daemon=True)]
@@ -274,35 +272,23 @@ class TransferWorker(KVConnectorWorker):
 
     def _land(self, item: tuple, out: ConnectorOutput) -> None:
         req_id, loads, got = item
-        left = self._outstanding[req_id] - 1
-        self._outstanding[req_id] = left
-        if req_id not in self._cancelled:
+        if self._pending.wanted(req_id):
             for name, _, pages in loads:
                 rows = got.get(name)
                 if rows is None:
-                    self._failed.setdefault(req_id, []).append(name)
+                    self._pending.fail(req_id, name)
                     continue
                 scatter_rows(self.shared, pages, rows)
                 out.loaded_from["remote"] = out.loaded_from.get("remote", 0) + 1
                 out.bytes_loaded += rows.numel()
-        if left == 0:
-            del self._outstanding[req_id]
-            if req_id in self._cancelled:
-                self._cancelled.discard(req_id)
-            else:
-                out.finished.append(req_id)
-                failed = self._failed.pop(req_id, None)
-                if failed:
-                    out.failed[req_id] = failed
+        self._pending.landed(req_id, out)
 
     # ------------------------------------------------------------------ a step's ops
     @torch.inference_mode()
     def run(self, ops: KVOps) -> ConnectorOutput:
         out = ConnectorOutput()
         for req_id in ops.cancels:
-            if req_id in self._outstanding:
-                self._cancelled.add(req_id)
-            self._failed.pop(req_id, None)
+            self._pending.cancel(req_id)
         exports: dict[str, list] = {}
         for ex in ops.exports:
             rows = gather_rows(self.shared, self.group_layers[ex.group], ex.pages)
@@ -317,11 +303,11 @@ class TransferWorker(KVConnectorWorker):
         for src in ops.remotes:
             loads = [(n, by_name[(src.req_id, n)].group, by_name[(src.req_id, n)].pages)
                      for n in src.keys]
-            self._outstanding[src.req_id] = self._outstanding.get(src.req_id, 0) + 1
+            self._pending.start(src.req_id)
             self._pulls.put((src.req_id, src, loads))
         for rel in ops.releases:
             self._pulls.put((rel.req_id, rel, None))
-        self._collect(out, wait=ops.idle and bool(self._outstanding))
+        self._collect(out, wait=ops.idle and bool(self._pending))
         return out
 
     def _collect(self, out: ConnectorOutput, wait: bool) -> None:

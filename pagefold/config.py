@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -167,6 +168,10 @@ class EngineConfig:
     # Most multimodal items per prompt, vLLM's dict (or its JSON), e.g. {"image": 2}; only
     # "image" is known. None: 8 images for a checkpoint with a vision tower.
     limit_mm_per_prompt: dict | None = None
+    # vLLM's --allowed-local-media-path: chat image_url parts may be file:// URLs of files
+    # under this directory (symlinks resolved). None: file URLs are refused (a client must
+    # not read the server's files).
+    allowed_local_media_path: str | None = None
     # Multi-LoRA serving (vLLM's flags): PEFT adapters per request (LoRARequest), up to
     # max_loras distinct adapters in a step, each of rank up to max_lora_rank; the host keeps
     # max_cpu_loras read adapters (None: max_loras).
@@ -180,6 +185,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
+        if self.allowed_local_media_path is not None:
+            root = Path(self.allowed_local_media_path).expanduser()
+            if not root.is_dir():
+                raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} "
+                                 "is not a directory")
+            self.allowed_local_media_path = str(root.resolve())
         self.kv_transfer_config = KVTransferConfig.from_user(self.kv_transfer_config)
         if self.kv_transfer_config is not None and not self.enable_prefix_caching:
             raise ValueError("kv_transfer_config moves prefix-cache pages between engines; it "

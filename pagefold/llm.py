@@ -24,7 +24,7 @@ from pagefold.generation_defaults import (
 from pagefold.lora.request import LoRARequest
 from pagefold.models.gguf_checkpoint import GGUFConversionError, resolve_model
 from pagefold.multimodal.inputs import MultiModalInputs
-from pagefold.multimodal.processor import decode_image_url, image_processor_for
+from pagefold.multimodal.processor import image_processor_for
 from pagefold.outputs import RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -54,7 +54,8 @@ class LLM:
         self.engine = EngineCore(self.config)
         limits = self.config.limit_mm_per_prompt or {}
         self.mm_processor = image_processor_for(model, self.engine.hf_config, self.engine.arch,
-                                                limits.get("image"))
+                                                limits.get("image"),
+                                                self.config.allowed_local_media_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._extra_eos = [t for t in generation_eos_ids(model)
                            if t != self.engine.eos_token_id]
@@ -111,7 +112,8 @@ class LLM:
         for p in content:
             if p.get("type") == "image_url":
                 url = p.get("image_url")
-                images.append(decode_image_url(url.get("url") if isinstance(url, dict) else url))
+                images.append(self.mm_processor.decode_url(
+                    url.get("url") if isinstance(url, dict) else url))
                 texts.append(self.mm_processor.placeholder(self.tokenizer))
             elif p.get("type") == "text":
                 texts.append(p.get("text", ""))

@@ -209,12 +209,67 @@ def test_image_urls_are_data_urls_only() -> None:
     IMG_B.save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     assert np.array_equal(np.asarray(decode_image_url(url)), np.asarray(IMG_B))
-    for bad, match in [("https://x/a.png", "no network"), ("file:///etc/passwd", "data:image"),
+    for bad, match in [("https://x/a.png", "no network"),
+                       ("file:///etc/passwd", "allowed-local-media-path"),
                        ("/etc/passwd", "data:image"), ("data:text/plain;base64,AA==",
                                                        "data:image"),
                        ("data:image/png;base64,AAAA", "malformed image")]:
         with pytest.raises(ValueError, match=match):
             decode_image_url(bad)
+
+
+def test_file_urls_only_under_the_allowed_local_media_path(tmp_path) -> None:
+    """vLLM's --allowed-local-media-path: a file:// image under the directory is read (the same
+    pixels as the file), one outside it (also through a symlink inside it), a missing file or
+    one on another host is refused naming why; without the option every file URL is."""
+    import os
+
+    from pagefold.config import EngineConfig
+    from pagefold.multimodal.processor import decode_image_url
+
+    root, outside = tmp_path / "media", tmp_path / "private"
+    root.mkdir()
+    outside.mkdir()
+    IMG_B.save(root / "b.png")
+    IMG_A.save(outside / "a.png")
+    os.symlink(outside / "a.png", root / "link.png")
+    got = decode_image_url(f"file://{root / 'b.png'}", str(root))
+    assert np.array_equal(np.asarray(got), np.asarray(IMG_B))
+    assert np.array_equal(np.asarray(decode_image_url(f"file://{root}/sub/../b.png", str(root))),
+                          np.asarray(IMG_B))
+    for url, match in [(f"file://{outside / 'a.png'}", "outside --allowed-local-media-path"),
+                       (f"file://{root / 'link.png'}", "outside --allowed-local-media-path"),
+                       (f"file://{root}/../private/a.png", "outside"),
+                       (f"file://{root / 'none.png'}", "no image file"),
+                       (f"file://otherhost{root / 'b.png'}", "names a host")]:
+        with pytest.raises(ValueError, match=match):
+            decode_image_url(url, str(root))
+    with pytest.raises(ValueError, match="allowed-local-media-path DIR"):
+        decode_image_url(f"file://{root / 'b.png'}")
+    with pytest.raises(ValueError, match="is not a directory"):
+        EngineConfig(model=str(tmp_path), allowed_local_media_path=str(root / "b.png"))
+
+
+def test_chat_reads_a_file_url_under_the_allowed_path(vl_dir, tmp_path) -> None:
+    """``LLM.chat`` with a file:// image under allowed_local_media_path gives the tokens of the
+    same image sent as a data URL."""
+    import base64
+    import io
+
+    IMG_A.save(tmp_path / "a.png")
+    buf = io.BytesIO()
+    IMG_A.save(buf, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    llm = _llm(vl_dir, allowed_local_media_path=str(tmp_path))
+
+    def chat(url: str) -> list[int]:
+        msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": "what is it"}]}]
+        return llm.chat(msg, PARAMS)[0].outputs[0].token_ids
+
+    assert chat(f"file://{tmp_path / 'a.png'}") == chat(data)
+    with pytest.raises(ValueError, match="outside"):
+        chat(f"file://{vl_dir}/config.json")
 
 
 def test_prefix_hit_inside_an_image(vl_dir, reference) -> None:

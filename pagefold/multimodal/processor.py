@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +32,52 @@ _PROCESSOR_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "min_pixel
                    "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
 
 
-def decode_image_url(url: str):
-    """A PIL image from a ``data:image/...;base64,`` URL. Raises ValueError naming the
-    problem: a remote URL (no network here), a file URL (a client must not read the server's
-    files), another scheme, bad base64, bytes that are not an image."""
-    from PIL import Image, UnidentifiedImageError
-
+def decode_image_url(url: str, local_root: str | None = None):
+    """A PIL image from a ``data:image/...;base64,`` URL, or from a ``file://`` URL of a file
+    inside ``local_root`` (vLLM's ``--allowed-local-media-path``; None: file URLs refused, a
+    client must not read the server's files). Raises ValueError naming the problem: a remote
+    URL (no network here), a file URL outside the allowed directory (symlinks resolved first)
+    or of no file, another scheme, bad base64, bytes that are not an image."""
     if not isinstance(url, str) or not url:
         raise ValueError("image_url.url must be a non-empty string")
     if url.startswith(("http://", "https://")):
         raise ValueError(f"remote image URLs are not fetched (no network): {url[:60]!r}; "
                          "send the image as a data:image/...;base64 URL")
+    if url.startswith("file://"):
+        return _open_image(_local_file(url, local_root))
     head, _, payload = url.partition(",")
     if not head.startswith("data:image/") or not head.endswith(";base64"):
-        raise ValueError("an image URL must be data:image/<type>;base64,...: got "
-                         f"{head[:40]!r}")
+        raise ValueError("an image URL must be data:image/<type>;base64,... (or file:// under "
+                         f"--allowed-local-media-path): got {head[:40]!r}")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"image data URL has invalid base64: {e}") from None
+    return _open_image(data)
+
+
+def _local_file(url: str, local_root: str | None) -> bytes:
+    """The bytes of a ``file://`` URL's file, which must resolve inside ``local_root``."""
+    if local_root is None:
+        raise ValueError("file:// image URLs are refused unless the engine is started with "
+                         "--allowed-local-media-path DIR (allowed_local_media_path)")
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"file:// image URL names a host {parsed.netloc!r}; only local files "
+                         "are read")
+    root = Path(local_root).resolve()
+    path = Path(urllib.parse.unquote(parsed.path)).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"image file {str(path)!r} is outside --allowed-local-media-path "
+                         f"{str(root)!r}")
+    if not path.is_file():
+        raise ValueError(f"no image file at {str(path)!r}")
+    return path.read_bytes()
+
+
+def _open_image(data: bytes):
+    from PIL import Image, UnidentifiedImageError
+
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
@@ -96,6 +124,13 @@ class ImageInputProcessor:
         self.limit = limit
         self.positions = positions
         self.image_processor = image_processor
+        # ``allowed_local_media_path``: file:// image URLs are read from under it (None: never).
+        self.local_root: str | None = None
+
+    def decode_url(self, url: str):
+        """A chat ``image_url`` part's image (``decode_image_url`` with this engine's
+        ``allowed_local_media_path``)."""
+        return decode_image_url(url, self.local_root)
 
     def placeholder(self, tokenizer) -> str:
         """The text that stands for one image in a chat message (the chat endpoint writes it
@@ -164,14 +199,17 @@ def _qwen_image_processor(model_dir: Path, vision_config):
     return Qwen2VLImageProcessorPil(**kw)
 
 
-def image_processor_for(model_dir: str | Path, hf_config, arch: str,
-                        limit: int | None) -> ImageInputProcessor | None:
+def image_processor_for(model_dir: str | Path, hf_config, arch: str, limit: int | None,
+                        local_root: str | None = None) -> ImageInputProcessor | None:
     """The image input processor of a checkpoint that takes images (None otherwise).
-    ``limit``: the most images per prompt (``limit_mm_per_prompt``'s ``image``; default 8)."""
+    ``limit``: the most images per prompt (``limit_mm_per_prompt``'s ``image``; default 8);
+    ``local_root``: ``allowed_local_media_path``."""
     kind = IMAGE_ARCHITECTURES.get(arch)
     vc = getattr(hf_config, "vision_config", None)
     if kind is None or vc is None or getattr(hf_config, "image_token_id", None) is None:
         return None
     proc = _qwen_image_processor(Path(model_dir), vc)
-    return ImageInputProcessor(hf_config, proc, limit=8 if limit is None else limit,
-                               positions=kind)
+    out = ImageInputProcessor(hf_config, proc, limit=8 if limit is None else limit,
+                              positions=kind)
+    out.local_root = local_root
+    return out

@@ -116,7 +116,8 @@ def _image_processor(config: EngineConfig) -> ImageInputProcessor | None:
     """The chat endpoint's image input processor (None for a model without images)."""
     arch, hf_config = load_hf_config(config.model)
     limits = config.limit_mm_per_prompt or {}
-    return image_processor_for(config.model, hf_config, arch, limits.get("image"))
+    return image_processor_for(config.model, hf_config, arch, limits.get("image"),
+                               config.allowed_local_media_path)
 
 
 def build_state(config: EngineConfig, *, served_model_name: str | list[str] | None = None,

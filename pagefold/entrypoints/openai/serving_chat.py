@@ -57,7 +57,7 @@ from pagefold.entrypoints.openai.serving_completion import (
 )
 from pagefold.entrypoints.openai.tool_prompt import template_takes_tools, with_tools_fallback
 from pagefold.entrypoints.openai.tool_stream import ToolCallStream
-from pagefold.multimodal.processor import ImageInputProcessor, decode_image_url
+from pagefold.multimodal.processor import ImageInputProcessor
 from pagefold.outputs import CompletionOutput, RequestOutput
 from pagefold.sampling_params import SamplingParams
 
@@ -91,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
                     url = part.image_url
                     url = url.get("url") if isinstance(url, dict) else url
                     try:
-                        images.append(decode_image_url(url))
+                        images.append(self.mm_processor.decode_url(url))
                     except ValueError as e:
                         raise bad_request(f"messages[{i}].content[{j}]: {e}",
                                           "messages") from None

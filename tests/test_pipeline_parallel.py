@@ -113,6 +113,46 @@ def test_unconverted_architecture_is_refused(tiny_model_factory):
             kv_cache_memory=1 << 22)
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen3_5"])
+def test_capacity_weights_per_stage_match_the_checkpoint(tiny_model_factory, capsys, model):
+    """``pagefold capacity -pp 2``'s weight bytes per stage equal the checkpoint's tensors of
+    the stage's layers (read from the safetensors files), with the embeddings on the first
+    stage (and on the last too when tied) and the final norm and head on the last."""
+    import re
+
+    from safetensors import safe_open
+
+    model_dir = tiny_model_factory(model)
+    capsys.readouterr()
+    assert capacity_cmd.main([str(model_dir), "--kv-cache-memory", str(1 << 24),
+                              "--max-model-len", str(MAX_LEN), "--dtype", "float32", "-pp", "2",
+                              "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    spans = [(a, b + 1) for a, b in (st["layers"] for st in rep["pipeline"]["stages"])]
+    _, cfg = load_hf_config(str(model_dir))
+    tied = bool(getattr(text_config(cfg), "tie_word_embeddings", False))
+    want = [0] * len(spans)
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                if name.startswith("mtp."):
+                    continue  # the MTP head is not built without speculation
+                n = sf.get_slice(name).get_shape()
+                nbytes = 4 * int(torch.tensor(n).prod()) if n else 4
+                m = re.search(r"\.layers\.(\d+)\.", name)
+                if m:
+                    i = int(m.group(1))
+                    want[next(k for k, (a, b) in enumerate(spans) if a <= i < b)] += nbytes
+                elif "embed_tokens" in name:
+                    want[0] += nbytes
+                    if tied:
+                        want[-1] += nbytes
+                else:
+                    want[-1] += nbytes  # final norm, lm_head
+    assert rep["weights"]["per_stage"] == want
+    assert rep["weights"]["bytes"] == max(want)
+
+
 def _small_pool(model_dir, tp: int, extra: int) -> int:
     """Per-rank bytes whose stage pools hold a little over one request of MAX_LEN, so that
     concurrent requests get preempted."""

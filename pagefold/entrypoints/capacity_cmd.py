@@ -187,10 +187,23 @@ def _weights(args: argparse.Namespace, model_dtype) -> dict[str, Any]:
         from pagefold.models.footprint import weight_bytes
 
         arch, hf_config = load_hf_config(str(model_dir))
+        ep = getattr(args, "enable_expert_parallel", False)
+        stages = getattr(args, "pipeline_parallel_size", 1)
+        if stages > 1:
+            from pagefold.checkpoint import text_config
+            from pagefold.distributed.pipeline import split_for
+
+            spans = split_for(arch, text_config(hf_config), stages, args.tensor_parallel_size)
+            per_stage = [weight_bytes(model_dir, hf_config, arch, model_dtype, args.quantization,
+                                      args.tensor_parallel_size, expert_parallel=ep,
+                                      pipeline_stage=(i, stages, span))
+                         for i, span in enumerate(spans)]
+            label = per_stage[0][1]
+            return {"bytes": max(b for b, _ in per_stage), "quantization": label,
+                    "per_stage": [b for b, _ in per_stage]}
         nbytes, label = weight_bytes(model_dir, hf_config, arch, model_dtype,
                                      args.quantization, args.tensor_parallel_size,
-                                     expert_parallel=getattr(args, "enable_expert_parallel",
-                                                             False))
+                                     expert_parallel=ep)
     except QuantizationError:
         raise
     except Exception as e:  # noqa: BLE001 - the KV report stands without the weights
@@ -217,8 +230,11 @@ def run(args: argparse.Namespace) -> int:
         )
         w = report["weights"]
         if "bytes" in w:
+            stages = w.get("per_stage")
             print(f"weights: {format_bytes(w['bytes'])} per rank "
-                  f"({w['quantization'] or m['model_dtype']})")
+                  f"({w['quantization'] or m['model_dtype']})"
+                  + (" on the largest stage; per stage "
+                     + ", ".join(format_bytes(b) for b in stages) if stages else ""))
         print(render_report(report))
         for i, st in enumerate(report.get("pipeline", {}).get("stages", [])):
             print(f"pipeline stage {i}: layers {st['layers'][0]}-{st['layers'][1]}, "

@@ -23,7 +23,11 @@ from torch import nn
 from pagefold.architectures import ARCHITECTURES
 from pagefold.distributed.parallel_state import (
     expert_parallel_enabled,
+    pp_layers,
+    pp_size,
+    pp_stage,
     set_expert_parallel,
+    set_pipeline_stage,
     set_tensor_parallel,
     tp_rank,
     tp_size,
@@ -118,11 +122,15 @@ def _quantized(path: str, mod: nn.Module, plan: QuantPlan, stored: set[str]):
 
 def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype,
                  quantization: str | None = None, tensor_parallel_size: int = 1,
-                 expert_parallel: bool = False) -> tuple[int, str | None]:
+                 expert_parallel: bool = False,
+                 pipeline_stage: tuple[int, int, tuple[int, int]] | None = None
+                 ) -> tuple[int, str | None]:
     """(bytes one rank holds, the quantization's label or None) for the model in
     ``model_dir`` loaded in ``dtype`` with the ``quantization`` option. With
     ``expert_parallel`` rank 0's MoE layers hold their ``E / N`` whole experts (every rank
-    holds as many bytes)."""
+    holds as many bytes). ``pipeline_stage``: ``(stage, stages, (start, end))``, the bytes of
+    a rank of that stage (its layers; the embeddings on the first stage and, tied, the last;
+    the final norm and head on the last)."""
     why = ARCHITECTURES[arch].expert_parallel if arch in ARCHITECTURES else None
     if expert_parallel and isinstance(why, str):
         raise ValueError(f"enable_expert_parallel is not supported for {arch}: {why}")
@@ -130,8 +138,11 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     stored = (_checkpoint_layers(Path(model_dir), plan.checkpoint)
               if plan is not None and plan.on_load is None else set())
     prev, prev_ep = (tp_rank(), tp_size()), expert_parallel_enabled()
+    prev_pp = (pp_stage(), pp_size(), pp_layers())
     set_tensor_parallel(0, tensor_parallel_size)
     set_expert_parallel(expert_parallel)
+    if pipeline_stage is not None:
+        set_pipeline_stage(*pipeline_stage)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -165,4 +176,5 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
         torch.set_default_dtype(old)
         set_tensor_parallel(*prev)
         set_expert_parallel(prev_ep)
+        set_pipeline_stage(*prev_pp)
     return total, (plan.label if plan is not None else None)

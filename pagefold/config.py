@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagefold.json_option import json_object
 from pagefold.sampling_params import MAX_LOGPROBS
 from pagefold.spec_decode.config import SpeculativeConfig
 from pagefold.transfer.config import KVTransferConfig
@@ -67,14 +67,7 @@ def _mm_limits(value) -> dict | None:
     """``limit_mm_per_prompt`` checked: a dict (or JSON object) of modality -> count >= 0."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"limit_mm_per_prompt is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"limit_mm_per_prompt must be a dict such as {{\"image\": 2}}, "
-                         f"got {value!r}")
+    value = json_object(value, "limit_mm_per_prompt")
     for key, n in value.items():
         if key != "image":
             raise ValueError(f"limit_mm_per_prompt: unsupported modality {key!r} (only image)")
@@ -256,6 +249,7 @@ class EngineConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be at least 1, got "
                              f"{self.pipeline_parallel_size}")
+        self._check_combinations()
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.max_logprobs}")
@@ -263,6 +257,27 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def _check_combinations(self) -> None:
+        """Features that cannot run together, refused before anything is built."""
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config is not supported")
+        if self.pipeline_parallel_size == 1:
+            return
+        # A stage holds only its layers: these features need every layer's pages, the whole
+        # model's logits or adapters on one rank's layers.
+        refused = [
+            (self.speculative_config is not None, "speculative decoding"),
+            (bool(self.kv_offloading_size or self.kv_offloading_dir),
+             "the prefix-cache offload tiers (kv_offloading_size / kv_offloading_dir)"),
+            (self.kv_transfer_config is not None,
+             "kv_transfer_config (prefill/decode disaggregation)"),
+            (self.enable_lora, "enable_lora"),
+        ]
+        for on, what in refused:
+            if on:
+                raise ValueError(f"{what} needs pipeline_parallel_size 1, got "
+                                 f"{self.pipeline_parallel_size}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -207,13 +207,7 @@ class EngineCore:
                                             * self.kv_config.page_bytes)
         max_positions = max(self.max_model_len, max_pos)
         offload = offload_plan(config, self.kv_config, model_dtype=self.dtype)
-        if offload is not None and self.pp > 1:
-            raise ValueError("the prefix-cache offload tiers (kv_offloading_size / "
-                             "kv_offloading_dir) need pipeline_parallel_size 1")
         transfer = transfer_plan(config, self.kv_config, model_dtype=self.dtype)
-        if transfer is not None and self.pp > 1:
-            raise ValueError("kv_transfer_config (prefill/decode disaggregation) needs "
-                             "pipeline_parallel_size 1")
         warm = self.max_num_batched_tokens if config.warm_up else 0
         warm_len = min(self.max_model_len, 256)
         gemv_choice.set_forced(config.cpu_gemv_kernel)  # before the linears are routed
@@ -246,10 +240,6 @@ class EngineCore:
                         self.tp, self.pp, self.world, self.runner.pids)
         self.loras = None  # the host cache of checked adapters (LoRA on)
         if config.enable_lora:
-            if config.speculative_config is not None:
-                raise ValueError("enable_lora with speculative_config is not supported")
-            if self.pp > 1:
-                raise ValueError("enable_lora needs pipeline_parallel_size 1")
             _, rank, cpu = lora_options(config)
             self.loras = adapter_checker(arch, hf_config, self.model, rank, cpu)
             if self.world == 1:
@@ -301,8 +291,6 @@ class EngineCore:
         if sc is None:
             return {}
         check_model_supports(sc, hf_config)
-        if self.pp > 1:  # a verify step's logits would be needed on every stage
-            raise ValueError("speculative decoding needs pipeline_parallel_size 1")
         if sc.method == "ngram":
             return {}
         if self.tp > 1 and sc.method not in TP_METHODS:

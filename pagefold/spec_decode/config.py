@@ -23,12 +23,12 @@ model cannot use the method.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pagefold.core.config_fields import unwrap_text_config
 from pagefold.core.spec_from_config import detect_family
+from pagefold.json_option import json_object
 
 __all__ = ["METHODS", "MODEL_METHODS", "SpeculativeConfig", "check_model_supports"]
 
@@ -64,16 +64,8 @@ class SpeculativeConfig:
         """Parse a dict, a JSON string or an existing config; ``None``/``{}`` mean off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"speculative_config must be a dict or a JSON object, got {type(value).__name__}"
-            )
-        value = {k: v for k, v in value.items() if v is not None}  # None: not given
+        value = {k: v for k, v in json_object(value, "speculative_config").items()
+                 if v is not None}  # None: not given
         if not value:
             return None
         unknown = sorted(set(value) - _KEYS)

@@ -10,10 +10,11 @@ when ``kv_ip`` is a wildcard such as ``0.0.0.0``) and ``engine_id``.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagefold.json_option import json_object
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("PagefoldConnector", "P2pZmqConnector")  # the second: a vLLM-style alias
@@ -81,14 +82,7 @@ class KVTransferConfig:
         """A dict, its JSON, or a config; ``None`` / ``{}`` mean off."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a dict or a JSON object, got "
-                             f"{type(value).__name__}")
+        value = json_object(value, "kv_transfer_config")
         if not value:
             return None
         known = set(cls.__dataclass_fields__)

@@ -17,8 +17,8 @@ from pagefold import LLM, SamplingParams
 from pagefold.csrc import cpu_ops
 from pagefold.layers import decode_native
 from pagefold.models.smollm2 import installed_gguf
-from pagefold.quantization import gguf as gguf_layers
 from pagefold.quantization import linear as quant_linear
+from pagefold.quantization import qgemv_choice
 from pagefold.testing.tiny_models import random_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,8 +66,9 @@ def _compare(monkeypatch, model: str, vocab: int, **kw) -> list[int]:
 def test_gguf_model_native_is_the_module_path(kind, max_rows, tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", installed_gguf(), "llama", kind)
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
-    if max_rows is not None:
-        monkeypatch.setattr(gguf_layers, "KERNEL_MAX_ROWS", max_rows)
+    if max_rows is not None:  # the flags' kernel, up to max_rows (above: the callbacks)
+        monkeypatch.setenv("PAGEFOLD_QGEMV", "flags")
+        monkeypatch.setattr(qgemv_choice, "KERNEL_MAX_ROWS", max_rows)
     rows = _compare(monkeypatch, str(path), 400)
     if max_rows is not None:
         assert max(rows) > max_rows  # steps above the GEMVs' rows: the callbacks

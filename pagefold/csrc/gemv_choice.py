@@ -334,7 +334,25 @@ def choose(lib: ctypes.CDLL | None, shapes: Iterable[tuple[int, int]], *,
         return {s: make_choice(lib, *fixed) for s in shapes}
     names = [c.name for c in cands]
     incumbent = flags_pick(cands)
-    key = cache_key(lib, names)
+    kernels = {c.name: getattr(lib, c.symbol) for c in cands}
+    timer = timer or StreamTimer(sources, time.perf_counter() + BUDGET_S)
+    picked = measured_choices(
+        shapes, cache_key(lib, names), incumbent, lambda s: timer(s, kernels, incumbent[0]),
+        nbytes=lambda s: 2 * s[0] * s[1], what="gemv", above=gemv_timing.gemm_path())
+    return {s: make_choice(lib, *c) for s, c in picked.items()}
+
+
+def measured_choices(shapes: list[tuple[int, int]], key: dict, incumbent: tuple[str, int],
+                     timer: Callable[[tuple[int, int]], tuple[Table, dict[int, float]] | None],
+                     *, nbytes: Callable[[tuple[int, int]], int], what: str, above: str,
+                     budget_s: float = BUDGET_S) -> dict[tuple[int, int], tuple[str, int]]:
+    """The rule every measured kernel table follows (the bf16 GEMVs here, the quantized
+    formats' in ``quantization/qgemv_choice``): each shape's (kernel, rows) from the cache
+    file of ``key``, else timed by ``timer`` and decided by :func:`decide` against
+    ``incumbent`` (a change must be measured twice), the largest weights (``nbytes``) first,
+    within ``budget_s``; shapes under :data:`MIN_TIMED_BYTES`, past the budget or on a
+    machine too busy to time keep ``incumbent`` (and are timed at the next load). Logs one
+    line, ``what`` naming the table and ``above`` the path past the chosen rows."""
     path = cache_path(key)
     memo_key = str(path)
     cached = _memo.get(memo_key)
@@ -344,42 +362,38 @@ def choose(lib: ctypes.CDLL | None, shapes: Iterable[tuple[int, int]], *,
         stale = cached is None and path.exists()  # ignored: rewrite it
     known = dict(cached or {})
     # The largest weights first: they take most of a step's time.
-    todo = sorted((s for s in shapes if s not in known and 2 * s[0] * s[1] >= MIN_TIMED_BYTES),
-                  key=lambda s: -s[0] * s[1])
+    todo = sorted((s for s in shapes if s not in known and nbytes(s) >= MIN_TIMED_BYTES),
+                  key=lambda s: -nbytes(s))
     times: dict[tuple[int, int], dict] = {}
     t0 = time.perf_counter()
-    if todo:
-        kernels = {c.name: getattr(lib, c.symbol) for c in cands}
-        timer = timer or StreamTimer(sources, t0 + BUDGET_S)
-        for s in todo:
-            if time.perf_counter() - t0 > BUDGET_S:
-                break  # the rest keep the flags' choice this time and are timed next load
-            got = timer(s, kernels, incumbent[0])
-            if got is None:
-                continue  # the flags' choice this time, timed again next load
-            table, gemm_times = got
-            pick = decide(table, gemm_times, incumbent)
-            if pick != incumbent:  # a change must be measured twice (noise is not cached)
-                again = timer(s, kernels, incumbent[0])
-                if again is None:
-                    continue
-                if decide(*again, incumbent) != pick:
-                    pick = incumbent
-            known[s] = pick
-            times[s] = {nm: {r: round(v * 1e6, 1) for r, v in t.items()}
-                        for nm, t in {**table, "gemm": gemm_times}.items()}
-        timer = None  # drops the stream pool
+    for s in todo:
+        if time.perf_counter() - t0 > budget_s:
+            break  # the rest keep the flags' choice this time and are timed next load
+        got = timer(s)
+        if got is None:
+            continue  # the flags' choice this time, timed again next load
+        table, gemm_times = got
+        pick = decide(table, gemm_times, incumbent)
+        if pick != incumbent:  # a change must be measured twice (noise is not cached)
+            again = timer(s)
+            if again is None:
+                continue
+            if decide(*again, incumbent) != pick:
+                pick = incumbent
+        known[s] = pick
+        times[s] = {nm: {r: round(v * 1e6, 1) for r, v in t.items()}
+                    for nm, t in {**table, "gemm": gemm_times}.items()}
     if times or stale:
         write_cache(path, key, known, times)
     _memo[memo_key] = known
     picked = {s: known.get(s, incumbent) for s in shapes}
-    _log(picked, len(times), len(todo) - len(times), time.perf_counter() - t0, path,
-         bool(times))
-    return {s: make_choice(lib, *c) for s, c in picked.items()}
+    _log(what, above, picked, len(times), len(todo) - len(times), time.perf_counter() - t0,
+         path, bool(times), budget_s)
+    return picked
 
 
-def _log(picked: dict, measured: int, left: int, seconds: float, path: Path,
-         timed: bool) -> None:
+def _log(what: str, above: str, picked: dict, measured: int, left: int, seconds: float,
+         path: Path, timed: bool, budget_s: float) -> None:
     groups: dict[tuple[str, int], int] = {}
     for c in picked.values():
         groups[c] = groups.get(c, 0) + 1
@@ -393,5 +407,5 @@ def _log(picked: dict, measured: int, left: int, seconds: float, path: Path,
            else "no timing: cached, or weights too small to time")
     if left:
         how += (f"; {left} shape(s) kept the flags' choice: too busy a machine or past the "
-                f"{BUDGET_S:.0f} s budget, timed at the next load")
-    logger.info("gemv: %s; %s above (%s)", ", ".join(parts), gemv_timing.gemm_path(), how)
+                f"{budget_s:.1f} s budget, timed at the next load")
+    logger.info("%s: %s; %s above (%s)", what, ", ".join(parts), above, how)

@@ -15,17 +15,17 @@ on the CPU, else decodes one tile of output rows at a time and multiplies with `
 agree to float32 rounding, not bitwise). ``rows`` decodes gathered rows (embedding lookups).
 
 Activations: float32 rows always take the float32 kernel (the exactness tests hold float32
-models to transformers on the decoded weights). bf16 rows take ``pf_qgemv_affine_q8``
-(``csrc/qgemv_q8.cpp``: the rows quantized to int8 per group of 32, integer dot products, as
-llama.cpp multiplies its Q4/Q8 weights) where a compiled form takes the weight's codes (groups
-of 32: Q4_0, Q4_1, Q8_0, Q4_K), unless ``PAGEFOLD_QGEMV=float`` keeps the float32 kernel
-(to compare the two). The module path and the native decode driver (:meth:`GGUFWeight.native`)
-take the same kernel, so they agree bit for bit.
+models to transformers on the decoded weights). bf16 rows take the weight's :attr:`choice`
+(:mod:`.qgemv_choice`: measured at load): ``pf_qgemv_affine_q8`` (``csrc/qgemv_q8.cpp``: the
+rows quantized to int8 per group of 32, integer dot products, as llama.cpp multiplies its
+Q4/Q8 weights; group-32 codes only) or ``pf_qgemv_affine``, up to the chosen rows, and decoded
+tiles with ``F.linear`` above. The module path and the native decode driver
+(:meth:`GGUFWeight.native`) take the same kernel, so they agree bit for bit.
 """
 
 from __future__ import annotations
 
-import os
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -33,16 +33,11 @@ import torch.nn.functional as F
 from pagefold.csrc import cpu_ops
 from pagefold.quantization.gguf_blocks import GROUP, KERNEL_BITS, decode_rows
 from pagefold.quantization.native_matrix import QuantMatrix, describe
+from pagefold.quantization.qgemv_choice import KERNEL_MAX_ROWS, flags_pick
 
 __all__ = ["GGUFWeight", "KERNEL_MAX_ROWS"]
 
-KERNEL_MAX_ROWS = 32
 TILE_ROWS = 2048
-# ``PAGEFOLD_QGEMV``: bf16 rows' kernel, ``q8`` (int8 activations where a form takes the codes;
-# the default) or ``float`` (float32 activations).
-QGEMV = os.environ.get("PAGEFOLD_QGEMV", "q8")
-if QGEMV not in ("q8", "float"):
-    raise ValueError(f"PAGEFOLD_QGEMV={QGEMV!r}: expected 'q8' or 'float'")
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -85,25 +80,33 @@ class GGUFWeight:
         half_s, half_m = self.scale.half(), self.min.half()
         if torch.equal(half_s.float(), self.scale) and torch.equal(half_m.float(), self.min):
             self.scale, self.min = half_s, half_m
-        self._q8: bool | None = None  # decided on first use (the library loads lazily)
+        # bf16 rows' (kernel, most rows): ``q8`` / ``float`` / ``torch`` (decoded tiles), set
+        # by ``qgemv_choice.choose`` at load (the flags' choice when nothing chose).
+        self.choice: tuple[str, int] | None = None
         self._native: tuple[QuantMatrix, int] | bool | None = None
 
-    def act_q8(self) -> bool:
-        """Whether bf16 rows take the int8-activation kernel (fixed once decided)."""
-        if self._q8 is None:
-            lib = cpu_ops.kernels()
-            self._q8 = (QGEMV == "q8" and lib is not None and self.group == 32
-                        and bool(lib.pf_qgemv_q8_takes(self.bits)))
-        return self._q8
+    def bf16_choice(self) -> tuple[str, int]:
+        """The (kernel, most rows) of bf16 rows (fixed once asked: the native driver's
+        records and the module path must agree)."""
+        if self.choice is None:
+            self.choice = flags_pick(self)
+        return self.choice
+
+    def twin(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> GGUFWeight:
+        """A weight of this one's format and shape over other arrays (timing streams them)."""
+        other = copy.copy(self)
+        other.codes, other.scale, other.min, other._native = codes, scale, mins, None
+        return other
 
     def native(self) -> tuple[QuantMatrix, int] | None:
         """This weight's descriptor for the native decode driver on bf16 rows and the GEMV
         that takes it (``native_matrix.describe``), or None where the few-row kernel does not
         take the weight (then neither does the module path's: it decodes tiles)."""
         if self._native is None:
+            name = self.bf16_choice()[0]
             ok = (self.bits in (4, 8) and self.k % self.group == 0
-                  and (self.bits == 8 or self.group == 32))
-            got = describe("affine_q8" if self.act_q8() else "affine", self.codes, self.scale,
+                  and (self.bits == 8 or self.group == 32) and name != "torch")
+            got = describe("affine_q8" if name == "q8" else "affine", self.codes, self.scale,
                            self.min, self.bits, self.group,
                            int(self.scale.dtype == torch.float16)) if ok else None
             self._native = got if got is not None else False
@@ -131,21 +134,41 @@ class GGUFWeight:
         w = self._decode(self.codes[flat], self.scale[flat], self.min[flat])
         return w.reshape(*ids.shape, self.k)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+    def product(self, x: torch.Tensor, name: str) -> torch.Tensor | None:
+        """``x @ w.T`` (``x`` 2-D) by one path: kernel ``q8`` or ``float`` (float32 result;
+        None where it does not take the arguments) or ``torch`` (decoded tiles, ``x``'s
+        dtype)."""
+        if name == "torch":
+            return self._tiles(x)
         lib = cpu_ops.kernels()
         if (lib is None or x.device.type != "cpu" or x.dim() != 2
                 or not 1 <= x.shape[0] <= KERNEL_MAX_ROWS):
             return None
         xf = x.float().contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        fn = (lib.pf_qgemv_affine_q8 if x.dtype != torch.float32 and self.act_q8()
-              else lib.pf_qgemv_affine)
-        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n,
-                                 self.codes.data_ptr(), self.bits, self.group,
-                                 self.scale.data_ptr(), self.min.data_ptr(),
-                                 int(self.scale.dtype == torch.float16), y.data_ptr(),
-                                 self.n, torch.get_num_threads())
+        fn = lib.pf_qgemv_affine_q8 if name == "q8" else lib.pf_qgemv_affine
+        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n, self.codes.data_ptr(), self.bits,
+                self.group, self.scale.data_ptr(), self.min.data_ptr(),
+                int(self.scale.dtype == torch.float16), y.data_ptr(), self.n,
+                torch.get_num_threads())
         return y if rc == 0 else None
+
+    def _tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """Decoded tiles of output rows times ``x`` in ``x``'s dtype (prefill-sized batches)."""
+        y = x.new_empty((*x.shape[:-1], self.n))
+        for r0 in range(0, self.n, TILE_ROWS):
+            r1 = min(self.n, r0 + TILE_ROWS)
+            y[..., r0:r1] = F.linear(x, self.dequantize(slice(r0, r1)).to(x.dtype))
+        return y
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The few-row kernel's product for ``x``, or None above its rows."""
+        if x.dtype == torch.float32:
+            return self.product(x, "float")
+        name, rows = self.bf16_choice()
+        if name == "torch" or x.dim() != 2 or x.shape[0] > rows:
+            return None
+        return self.product(x, name)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` in float32 through decoded tiles of output rows."""
@@ -160,11 +183,5 @@ class GGUFWeight:
         """``x @ w.T`` in ``x``'s dtype (float32 with ``float_out``: logits)."""
         y = self._kernel(x)
         if y is None:
-            if x.dtype == torch.float32 or x.dim() != 2:
-                y = self.reference(x)
-            else:  # prefill-sized bf16 batches: decoded tiles in the activations' dtype
-                y = x.new_empty((x.shape[0], self.n))
-                for r0 in range(0, self.n, TILE_ROWS):
-                    r1 = min(self.n, r0 + TILE_ROWS)
-                    y[:, r0:r1] = F.linear(x, self.dequantize(slice(r0, r1)).to(x.dtype))
+            y = self.reference(x) if x.dtype == torch.float32 or x.dim() != 2 else self._tiles(x)
         return y.float() if float_out else y.to(x.dtype)

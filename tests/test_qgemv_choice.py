@@ -1,0 +1,156 @@
+"""The GGUF product chooser (``quantization/qgemv_choice``): which kernel bf16 rows take and
+up to how many rows, decided from fake timing tables (no test depends on real timings); the
+cache file (a later choice reads it, no timing); the ``PAGEFOLD_QGEMV`` modes; the streamed
+twins it times on; and a weight's product following its choice, on the module path and in the
+native driver's record."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagefold.csrc import cpu_ops, gemv_choice
+from pagefold.csrc.gemv_choice import ROWS
+from pagefold.quantization import qgemv_choice
+from pagefold.quantization.gguf_kernel import GGUFWeight
+
+lib = cpu_ops.kernels()
+pytestmark = pytest.mark.skipif(lib is None, reason="no compiled kernels")
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path))
+    monkeypatch.delenv("PAGEFOLD_QGEMV", raising=False)
+    monkeypatch.setattr(gemv_choice, "_memo", {})
+
+
+def _weight(kind: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    return GGUFWeight([(kind, torch.from_numpy(raw))], k)
+
+
+def _dense(weight: GGUFWeight) -> torch.Tensor:
+    """The weight decoded from its own arrays in the test (codes * scale + min)."""
+    c = weight.codes
+    if weight.bits == 4:  # GGUF order per group of 32: low nibbles, then high nibbles
+        b = c.reshape(c.shape[0], -1, 1, 16)
+        c = torch.cat([b & 15, b >> 4], dim=2).reshape(c.shape[0], -1)
+    q = c.float().reshape(weight.n, -1, weight.group)
+    w = q * weight.scale.float()[..., None] + weight.min.float()[..., None]
+    return w.reshape(weight.n, weight.k)
+
+
+def _timer(fastest: str, kernel_rows: int, calls: list):
+    """A fake timing: ``fastest`` at 10 us a row, the other kernel at 40; the tile path flat,
+    just above ``fastest`` at ``kernel_rows`` rows (so the chosen rows are ``kernel_rows``)."""
+    def timer(proto, stream, kernels):
+        calls.append(((proto.n, proto.k), list(kernels)))
+        table = {name: {r: (10.0 if name == fastest else 40.0) * r for r in ROWS}
+                 for name in kernels}
+        return table, dict.fromkeys(ROWS, 10.0 * kernel_rows + 15)
+    return timer
+
+
+def test_choose_takes_the_measured_kernel_and_rows_then_reads_the_cache():
+    big = [_weight("Q4_1", 1024, 512, s) for s in range(2)]  # one shape, two weights
+    other = _weight("Q4_1", 512, 1024)
+    small = _weight("Q4_1", 32, 64)  # too small to time: the flags' choice
+    calls: list = []
+    n = qgemv_choice.choose(big + [other, small, big[0]], timer=_timer("float", 8, calls))
+    assert n == 4
+    assert all(w.choice == ("float", 8) for w in big + [other])
+    assert small.choice == qgemv_choice.flags_pick(small)
+    # one timing per shape, twice each (a change from the flags' choice is confirmed)
+    assert sorted(c[0] for c in calls) == [(512, 1024)] * 2 + [(1024, 512)] * 2
+    assert calls[0][1][0] == qgemv_choice.flags_pick(other)[0]
+    files = list((gemv_choice.cache_path({"x": 1}).parent).glob("choice-*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert data["key"]["weights"] == "affine b4 g32 float16"
+    assert data["shapes"]["1024x512"] == {"kernel": "float", "rows": 8,
+                                          "us": data["shapes"]["1024x512"]["us"]}
+    # a later load reads the file: no timing, the same choice
+    gemv_choice._memo.clear()
+    again = [_weight("Q4_1", 1024, 512, 5)]
+    later: list = []
+    qgemv_choice.choose(again, timer=_timer("q8", 32, later))
+    assert later == [] and again[0].choice == ("float", 8)
+
+
+def test_a_choice_within_the_margin_keeps_the_flags_kernel():
+    w = _weight("Q4_1", 1024, 512)
+    flags = qgemv_choice.flags_pick(w)
+    if flags[0] != "q8":
+        pytest.skip("no int8-activation form here: one kernel, nothing to choose")
+
+    def timer(proto, stream, kernels):
+        return ({"q8": dict.fromkeys(ROWS, 10.0), "float": dict.fromkeys(ROWS, 9.5)},
+                dict.fromkeys(ROWS, math.inf))
+    qgemv_choice.choose([w], timer=timer)
+    assert w.choice == flags
+
+
+@pytest.mark.parametrize("mode,want", [("float", ("float", 32)), ("tile", ("torch", 0))])
+def test_modes_force_without_timing(monkeypatch, mode, want):
+    monkeypatch.setenv("PAGEFOLD_QGEMV", mode)
+    w = _weight("Q4_1", 1024, 512)
+    qgemv_choice.choose([w], timer=lambda *a: pytest.fail("timed a forced choice"))
+    assert w.choice == want
+
+
+def test_flags_mode_and_a_bad_mode(monkeypatch):
+    monkeypatch.setenv("PAGEFOLD_QGEMV", "flags")
+    w = _weight("Q4_1", 1024, 512)
+    qgemv_choice.choose([w], timer=lambda *a: pytest.fail("timed the flags' choice"))
+    takes = bool(lib.pf_qgemv_q8_takes(4))
+    assert w.choice == (("q8" if takes else "float"), 32)
+    monkeypatch.setenv("PAGEFOLD_QGEMV", "fastest")
+    with pytest.raises(ValueError, match="PAGEFOLD_QGEMV='fastest': expected one of auto"):
+        qgemv_choice.choose([_weight("Q4_1", 1024, 512)])
+
+
+def test_twins_stream_over_every_weight_of_the_signature():
+    ws = [_weight("Q4_1", 64, 128, s) for s in range(3)] + [_weight("Q4_1", 256, 128, 9)]
+    stream = qgemv_choice.WeightStream(ws)
+    proto = ws[0]
+    seen = []
+    for _ in range(8):
+        t = stream.next(proto, 64)
+        assert (t.n, t.k, t.bits, t.group) == (64, 128, 4, 32)
+        seen.append((t.codes.data_ptr(), t.scale.data_ptr(), t.min.data_ptr()))
+        # a twin's product is the product of its own arrays' weights
+        x = torch.randn(3, 128)
+        ref = x.double() @ _dense(t).double().T
+        assert torch.allclose(t.product(x, "float").double(), ref, atol=1e-4)
+    assert len(set(seen)) == 7  # 3 small sources, the large one holds 4 views; then round again
+    for i, (c, _, _) in enumerate(seen[:7]):
+        src = ws[min(i, 3)]
+        assert src.codes.data_ptr() <= c < src.codes.data_ptr() + src.codes.numel()
+
+
+def test_products_follow_the_choice_on_both_paths():
+    w = _weight("Q4_1", 96, 128)
+    w.choice = ("float", 4)
+    x = torch.randn(6, 128).bfloat16()
+    # at most 4 rows: the float kernel's bits; above: decoded tiles in bf16 (oneDNN's sums)
+    assert torch.equal(w.matmul(x[:4]), w.product(x[:4], "float").bfloat16())
+    tiles = torch.nn.functional.linear(x[:5], _dense(w).bfloat16())
+    assert torch.equal(w.matmul(x[:5]), tiles)
+    if lib.pf_qgemv_q8_takes(4):
+        q = _weight("Q4_1", 96, 128)
+        q.choice = ("q8", 32)
+        assert torch.equal(q.matmul(x), q.product(x, "q8").bfloat16())
+        assert not torch.equal(q.product(x, "q8"), q.product(x, "float"))
+    # float32 rows always take the float kernel, whatever was chosen for bf16
+    xf = torch.randn(6, 128)
+    assert torch.equal(w.matmul(xf), w.product(xf, "float"))
+    w.choice = ("torch", 0)
+    assert w.native() is None

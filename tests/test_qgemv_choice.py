@@ -74,7 +74,7 @@ def test_choose_takes_the_measured_kernel_and_rows_then_reads_the_cache():
     files = list((gemv_choice.cache_path({"x": 1}).parent).glob("choice-*.json"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())
-    assert data["key"]["weights"] == "affine b4 g32 float16"
+    assert data["key"]["weights"] == "gguf b4 g32 float16"
     assert data["shapes"]["1024x512"] == {"kernel": "float", "rows": 8,
                                           "us": data["shapes"]["1024x512"]["us"]}
     # a later load reads the file: no timing, the same choice
@@ -154,3 +154,44 @@ def test_products_follow_the_choice_on_both_paths():
     assert torch.equal(w.matmul(xf), w.product(xf, "float"))
     w.choice = ("torch", 0)
     assert w.native() is None
+
+
+def _int_weight(n: int, k: int, group: int = 32, seed: int = 0):
+    """A GPTQ 4-bit weight of random codes and the float32 weight it stands for (decoded
+    here: ``scale * (code - zero)`` per group)."""
+    from pagefold.quantization.formats import GPTQ
+    from pagefold.quantization.int_kernel import IntWeight
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(1, 16, (k // group, n), generator=gen)
+    s = torch.rand(k // group, n, generator=gen).half() * 0.1 + 0.01
+    g = torch.arange(k) // group
+    dense = (s[g].float() * (q - z[g]).float()).t().contiguous()
+
+    def pack(vals: torch.Tensor) -> torch.Tensor:  # along rows, 8 codes to an int32 word
+        words = torch.zeros(vals.shape[0] // 8, vals.shape[1], dtype=torch.int64)
+        for i in range(vals.shape[0]):
+            words[i // 8] += vals[i] << (4 * (i % 8))
+        words %= 1 << 32
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    t = {"qweight": pack(q), "qzeros": pack((z - 1).t()).t().contiguous(), "scales": s,
+         "g_idx": g.to(torch.int32)[None]}
+    return IntWeight(GPTQ(4, group, sym=False), t, {"": (0, n)}, n, k), dense
+
+
+def test_integer_weights_join_the_table_under_their_own_signature():
+    iw, dense = _int_weight(1024, 512)
+    gg = _weight("Q4_1", 1024, 512)
+    calls: list = []
+    qgemv_choice.choose([iw, gg], timer=_timer("int", 4, calls))
+    assert iw.choice == ("int", 4)  # its one kernel, up to the rows the tile path loses at
+    assert sorted(set(ks[0] for _, ks in calls)) == sorted({"int", gg.kernel_names()[0]})
+    assert iw.signature() == "int b4 g32" and gg.signature() != iw.signature()
+    x = torch.randn(6, 512).bfloat16()
+    assert torch.equal(iw.matmul(x[:4]), iw.product(x[:4], "int"))
+    assert torch.equal(iw.matmul(x[:5]),
+                       torch.nn.functional.linear(x[:5], dense.bfloat16()))
+    iw.choice = ("torch", 0)
+    assert iw.native() is None

@@ -17,7 +17,6 @@ from pagefold import LLM, SamplingParams
 from pagefold.csrc import cpu_ops
 from pagefold.layers import decode_native
 from pagefold.models.smollm2 import installed_gguf
-from pagefold.quantization import linear as quant_linear
 from pagefold.quantization import qgemv_choice
 from pagefold.testing.tiny_models import random_prompts
 
@@ -77,8 +76,9 @@ def test_gguf_model_native_is_the_module_path(kind, max_rows, tmp_path, monkeypa
 @pytest.mark.parametrize("kind,max_rows", [("int4", None), ("fp8", None), ("int8", 1)])
 def test_quantized_on_load_native_is_the_module_path(kind, max_rows, tiny_model_factory,
                                                      monkeypatch):
-    if max_rows is not None:
-        monkeypatch.setattr(quant_linear, "KERNEL_MAX_ROWS", max_rows)
+    if max_rows is not None:  # the flags' kernel, up to max_rows (above: the callbacks)
+        monkeypatch.setenv("PAGEFOLD_QGEMV", "flags")
+        monkeypatch.setattr(qgemv_choice, "KERNEL_MAX_ROWS", max_rows)
     rows = _compare(monkeypatch, str(tiny_model_factory("llama")), 400, quantization=kind)
     if max_rows is not None:
         assert max(rows) > max_rows

@@ -20,6 +20,7 @@ from pagefold.quantization import (
     weights_summary,
 )
 from pagefold.quantization.gguf import GGUFQuantizer, gguf_weights
+from pagefold.quantization.qgemv_choice import choose_for as choose_quantized_products
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ def load_model(model_dir: Path, hf_config, arch: str, dtype: torch.dtype, max_po
         model.pf_quant.finalize(model)
     if plan is not None and plan.on_load is not None:
         quantize_loaded(model, plan.on_load)
+    if plan is not None and device.type == "cpu" and dtype != torch.float32:
+        choose_quantized_products(model)  # bf16 rows' quantized products, by measuring
     model.eval().requires_grad_(False)
     nparams = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s from %s: %.1fM parameters, %s%s", arch, model_dir, nparams / 1e6,

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
-from pagefold.quantization import qgemv_choice
 from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
@@ -258,9 +257,7 @@ class GGUFQuantizer:
 
     def finalize(self, model: nn.Module) -> int:
         """Every GGUF layer into its kernel layout; a head tied to a replaced embedding table
-        shares its weight; on a CPU model of bf16 / f16 activations, each weight's product
-        chosen by measuring (``qgemv_choice``; float32 rows always take the float32 kernel).
-        Returns how many layers hold GGUF weights."""
+        shares its weight. Returns how many layers hold GGUF weights."""
         held = [m for m in model.modules() if isinstance(m, _RawHolder)]
         for m in held:
             m.build()
@@ -270,8 +267,4 @@ class GGUFQuantizer:
             if emb is not None:
                 _swap(model, path, GGUFLinear.sharing(
                     emb.packed, path, bool(getattr(mod, "pf_logits", False))))
-        act = next((p for p in model.parameters() if p.is_floating_point()), None)
-        if act is not None and act.dtype != torch.float32 and act.device.type == "cpu":
-            qgemv_choice.choose(m.packed for m in model.modules()
-                                if isinstance(m, GGUFLinear) and m.packed is not None)
         return len(held)

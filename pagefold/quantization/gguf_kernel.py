@@ -92,6 +92,20 @@ class GGUFWeight:
             self.choice = flags_pick(self)
         return self.choice
 
+    def kernel_names(self) -> list[str]:
+        """The few-row kernels for bf16 rows, the flags' pick first: int8 activations where a
+        compiled form takes the codes (groups of 32)."""
+        lib = cpu_ops.kernels()
+        q8 = lib is not None and self.group == 32 and bool(lib.pf_qgemv_q8_takes(self.bits))
+        return ["q8", "float"] if q8 else ["float"]
+
+    def signature(self) -> str:
+        """What besides (N, K) decides a product's speed: code bits, group, scale width."""
+        return f"gguf b{self.bits} g{self.group} {str(self.scale.dtype).removeprefix('torch.')}"
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        return self.codes, self.scale, self.min
+
     def twin(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> GGUFWeight:
         """A weight of this one's format and shape over other arrays (timing streams them)."""
         other = copy.copy(self)

@@ -8,14 +8,18 @@ whose groups are permuted (GPTQ act-order) has its codes reordered so each group
 contiguous, and the product gathers ``x``'s columns in that order (``perm``): the same sums,
 grouped.
 
-``matmul`` runs ``pf_qgemv_int`` (``csrc/quant.cpp``) for 1..``KERNEL_MAX_ROWS`` rows on the
-CPU, ``ops.quant.triton.qgemm`` where the Triton kernels run (CUDA, or the interpreter in
-tests), else :meth:`IntWeight.dequantize` one tile at a time and ``F.linear`` in the
-activations' dtype: the reference the kernel is tested against (float32 sums; the kernel's
-summation order differs, so the two agree to float32 rounding, not bitwise).
+``matmul`` runs ``ops.quant.triton.qgemm`` where the Triton kernels run (CUDA, or the
+interpreter in tests), else ``pf_qgemv_int`` (``csrc/quant.cpp``) on the CPU for float32 rows
+up to ``KERNEL_MAX_ROWS`` and for bf16 rows up to the weight's :attr:`choice` (measured at load,
+:mod:`.qgemv_choice`), else :meth:`IntWeight.dequantize` one tile at a time and ``F.linear``
+in the activations' dtype (float32 rows: the reference the kernel is tested against; float32
+sums; the kernel's summation order differs, so the two agree to float32 rounding, not
+bitwise).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +28,10 @@ from pagefold.csrc import cpu_ops
 from pagefold.kernels import dispatch
 from pagefold.quantization.formats import IntFormat, decode_codes
 from pagefold.quantization.native_matrix import QuantMatrix, describe
+from pagefold.quantization.qgemv_choice import KERNEL_MAX_ROWS, flags_pick
 
 __all__ = ["IntWeight", "KERNEL_MAX_ROWS"]
 
-KERNEL_MAX_ROWS = 32
 TILE_ROWS = 2048
 
 
@@ -72,6 +76,33 @@ class IntWeight:
         self.scale = torch.cat(scales).contiguous()
         self.zero = torch.cat(zeros).contiguous()
         self._native: tuple[QuantMatrix, int] | bool | None = None
+        # bf16 rows' (kernel, most rows): ``int`` or ``torch`` (decoded tiles), set by
+        # ``qgemv_choice.choose`` at load (the flags' choice when nothing chose).
+        self.choice: tuple[str, int] | None = None
+
+    def bf16_choice(self) -> tuple[str, int]:
+        """The (kernel, most rows) of bf16 rows (fixed once asked: the native driver's
+        records and the module path must agree)."""
+        if self.choice is None:
+            self.choice = flags_pick(self)
+        return self.choice
+
+    @staticmethod
+    def kernel_names() -> list[str]:
+        return ["int"]
+
+    def signature(self) -> str:
+        """What besides (N, K) decides a product's speed: code kind and bits, group."""
+        return f"int b{self.bits}{' fp8' if self.fp8 else ''} g{self.group}"
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        return self.codes, self.scale, self.zero
+
+    def twin(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> IntWeight:
+        """A weight of this one's format and shape over other arrays (timing streams them)."""
+        other = copy.copy(self)
+        other.codes, other.scale, other.zero, other._native = codes, scale, zero, None
+        return other
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +115,8 @@ class IntWeight:
         kernel refuses. One call over every shard's rows equals the per-shard calls (each
         output is its own row's sum)."""
         if self._native is None:
-            ok = (all(perm is None for _, _, perm in self.segments) and self.bits in (4, 8)
+            ok = (self.bf16_choice()[0] != "torch"
+                  and all(perm is None for _, _, perm in self.segments) and self.bits in (4, 8)
                   and (not self.fp8 or self.bits == 8) and self.k % self.group == 0
                   and (self.bits == 8 or (self.group % 2 == 0 and self.k % 2 == 0)))
             got = describe("int", self.codes, self.scale, self.zero, self.bits, self.group,
@@ -100,6 +132,18 @@ class IntWeight:
         return (decode_codes(q, self.fp8) - self.zero[rows][:, g]) * self.scale[rows][:, g]
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The few-row kernel's product for ``x``, or None above its rows."""
+        if x.dtype != torch.float32:
+            name, rows = self.bf16_choice()
+            if name == "torch" or x.dim() != 2 or x.shape[0] > rows:
+                return None
+        return self.product(x, "int")
+
+    def product(self, x: torch.Tensor, name: str) -> torch.Tensor | None:
+        """``x @ w.T`` (``x`` 2-D) by one path: ``int`` (the compiled kernel; None where it
+        does not take the arguments) or ``torch`` (decoded tiles in ``x``'s dtype)."""
+        if name == "torch":
+            return self._tiles(x)
         lib = cpu_ops.kernels()
         if (lib is None or x.device.type != "cpu" or x.dim() != 2
                 or not 1 <= x.shape[0] <= KERNEL_MAX_ROWS):
@@ -149,7 +193,10 @@ class IntWeight:
             return y
         if x.dtype == torch.float32 or x.dim() != 2:
             return self.reference(x)
-        # Prefill-sized bf16 batches: decoded tiles in the activations' dtype (oneDNN's GEMM).
+        return self._tiles(x)
+
+    def _tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill-sized bf16 batches: decoded tiles in the activations' dtype (oneDNN)."""
         y = x.new_empty((x.shape[0], self.n))
         for off, rows, perm in self.segments:
             xs = x if perm is None else x[:, perm]

@@ -28,7 +28,7 @@ from pagefold.quantization.formats import (
     ParamSpec,
     QuantizationError,
 )
-from pagefold.quantization.int_kernel import KERNEL_MAX_ROWS, IntWeight
+from pagefold.quantization.int_kernel import IntWeight
 from pagefold.quantization.tp import GROUP_INDEX, TPSplit, regroup
 
 __all__ = ["QuantLinear", "finalize_all", "quantize_weight", "weights_summary"]
@@ -185,7 +185,8 @@ class QuantLinear(nn.Module):
         if got is None:
             return None
         desc, fn = got
-        return ctypes.addressof(desc), b.data_ptr() if b is not None else 0, fn, KERNEL_MAX_ROWS
+        return (ctypes.addressof(desc), b.data_ptr() if b is not None else 0, fn,
+                self.packed.bf16_choice()[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x)

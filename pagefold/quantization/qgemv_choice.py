@@ -1,25 +1,30 @@
-"""Which product each GGUF weight's bf16 rows take, and up to how many rows: chosen by
+"""Which product each quantized weight's bf16 rows take, and up to how many rows: chosen by
 measuring, as the bf16 GEMVs are (``csrc/gemv_choice``).
 
-A GGUF weight's few-row product has two compiled kernels: ``q8`` (``pf_qgemv_affine_q8``: the
+A GGUF weight's few-row product has two compiled kernels, ``q8`` (``pf_qgemv_affine_q8``: the
 rows quantized to int8 per group, integer dot products; group-32 codes only) and ``float``
-(``pf_qgemv_affine``: float32 sums), and above their rows the ``tile`` path (decode a tile of
-output rows to bf16, then oneDNN's GEMM). Which is fastest depends on the CPU (VNNI or not,
-how wide its units are), the weight's format and shape, and the row count, so at load
-:func:`choose` times, per distinct (format, N, K), both kernels at ``gemv_choice.ROWS`` rows
-and the tile path where it can win, with the weights streamed as a model step streams them
-(every call reads the next view of the model's own weights of that format, so a working set
-that fits the cache is timed hot, as a step runs it, and one that does not is timed cold), and
-keeps one kernel per shape for all its rows (a verify step's rows then have a decode step's
-bits) plus the row count above which the tile path takes over (``gemv_choice.decide``, the
-same rule, cache file and log line as the bf16 table).
+(``pf_qgemv_affine``: float32 sums); an integer or FP8 weight (GPTQ, AWQ, compressed-tensors,
+on-load int4 / int8 / fp8) has ``int`` (``pf_qgemv_int``). Above a kernel's rows the ``tile``
+path decodes a tile of output rows to bf16 and runs oneDNN's GEMM. Which is fastest, and up to
+how many rows, depends on the CPU (VNNI or not, how wide its units are), the format, the shape
+and the row count, so at load :func:`choose` times, per distinct (format, N, K), each kernel at
+``gemv_choice.ROWS`` rows and the tile path where it can win, with the weights streamed as a
+model step streams them (every call reads the next view of the model's own weights of that
+format, so a working set that fits the cache is timed hot, as a step runs it, and one that
+does not is timed cold), and keeps one kernel per shape for all its rows (a verify step's rows
+then have a decode step's bits) plus the row count above which the tile path takes over
+(``gemv_choice.decide``: the same rule, cache file and log line as the bf16 table).
 
-float32 rows are not chosen: they always take ``float`` (the exactness tests hold float32
-models to transformers on the decoded weights).
+float32 rows are not chosen: they always take the float32-sum kernel (the exactness tests
+hold float32 models to transformers on the decoded weights).
 
-``PAGEFOLD_QGEMV``: ``auto`` (default, measured), ``flags`` (``q8`` where it takes the codes,
-else ``float``, both up to 32 rows, untimed), ``q8`` or ``float`` (that kernel up to 32 rows;
-``q8`` where it takes the codes), ``tile`` (no kernel: every bf16 product decodes tiles).
+A weight takes part through: ``n``, ``k``, ``nbytes``, ``choice`` (set here), ``signature()``,
+``kernel_names()`` (the flags' pick first), ``arrays()`` (its per-row tensors), ``twin(*arrays)``
+and ``product(x, name)`` (``torch``: the tile path).
+
+``PAGEFOLD_QGEMV``: ``auto`` (default, measured), ``flags`` (the first kernel name, up to 32
+rows, untimed), ``q8`` / ``float`` (that GGUF kernel up to 32 rows where the weight has it, else
+the flags' pick), ``tile`` (no kernel: every bf16 product decodes tiles).
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ import torch
 from pagefold.csrc import cpu_ops, gemv_choice, gemv_timing
 from pagefold.csrc.gemv_choice import ROWS, Table
 
-__all__ = ["MODES", "KERNEL_MAX_ROWS", "choose", "flags_pick", "requested"]
+__all__ = ["MODES", "KERNEL_MAX_ROWS", "choose", "choose_for", "flags_pick", "requested"]
 
 KERNEL_MAX_ROWS = 32
-KERNELS = ("q8", "float")
+KERNELS = ("q8", "float")  # the ones a mode can force
 TILE = "tile"
 MODES = ("auto", "flags", *KERNELS, TILE)
 FORMAT = 1
@@ -51,57 +56,43 @@ def requested() -> str:
     return got
 
 
-def _q8_takes(weight) -> bool:
-    lib = cpu_ops.kernels()
-    return (lib is not None and weight.group == 32
-            and bool(lib.pf_qgemv_q8_takes(weight.bits)))
-
-
 def flags_pick(weight) -> tuple[str, int]:
-    """The untimed choice: int8 activations where a compiled form takes the codes."""
-    return ("q8" if _q8_takes(weight) else "float"), KERNEL_MAX_ROWS
+    """The untimed choice: the weight's first kernel (int8 activations where a compiled form
+    takes GGUF codes) up to :data:`KERNEL_MAX_ROWS` rows."""
+    return weight.kernel_names()[0], KERNEL_MAX_ROWS
 
 
 def _fixed(weight) -> tuple[str, int] | None:
     mode = requested()
     if cpu_ops.kernels() is None or mode == TILE:
         return "torch", 0
-    if mode in ("flags", "q8"):
+    if mode in KERNELS and mode in weight.kernel_names():
+        return mode, KERNEL_MAX_ROWS
+    if mode != "auto":
         return flags_pick(weight)
-    if mode == "float":
-        return "float", KERNEL_MAX_ROWS
     return None
 
 
-def signature(weight) -> str:
-    """What besides (N, K) decides a product's speed: code bits, group, scale width."""
-    return f"affine b{weight.bits} g{weight.group} {str(weight.scale.dtype)[6:]}"
-
-
 class WeightStream:
-    """(n, k) twins of the GGUF weights of one signature, each call's twin the next view of
-    the model's own codes, scales and mins of that signature (a view starts where the last
-    ended; a source too small for the shape is passed over), so timing reads weights in the
-    order and amount a model step does."""
+    """(n, k) twins of the weights of one signature, each call's twin the next view of the
+    model's own arrays of that signature (a view starts where the last ended; a source too
+    small for the shape is passed over), so timing reads weights in the order and amount a
+    model step does."""
 
     def __init__(self, weights: list) -> None:
         self.weights = weights
         self.at = 0
-        self.pos = [0, 0]  # codes bytes, scale elements into the current source
+        self.pos: list[int] = [0] * len(weights[0].arrays())  # elements into each array
 
     def next(self, proto, n: int) -> object:
-        per_row = proto.codes.shape[1], proto.scale.shape[1]
-        need = n * per_row[0], n * per_row[1]
+        need = [n * a.shape[1] for a in proto.arrays()]
         for _ in range(2 * len(self.weights) + 1):
-            src = self.weights[self.at]
-            c, s = src.codes.reshape(-1), src.scale.reshape(-1)
-            if self.pos[0] + need[0] <= c.numel() and self.pos[1] + need[1] <= s.numel():
-                c0, s0 = self.pos
-                self.pos = [c0 + need[0], s0 + need[1]]
-                return proto.twin(c[c0:c0 + need[0]].view(n, -1),
-                                  s[s0:s0 + need[1]].view(n, -1),
-                                  src.min.reshape(-1)[s0:s0 + need[1]].view(n, -1))
-            self.at, self.pos = (self.at + 1) % len(self.weights), [0, 0]
+            flat = [a.reshape(-1) for a in self.weights[self.at].arrays()]
+            if all(p + m <= a.numel() for p, m, a in zip(self.pos, need, flat)):
+                views = [a[p:p + m].view(n, -1) for p, m, a in zip(self.pos, need, flat)]
+                self.pos = [p + m for p, m in zip(self.pos, need)]
+                return proto.twin(*views)
+            self.at, self.pos = (self.at + 1) % len(self.weights), [0] * len(need)
         return proto  # no other source holds the shape: the weight itself
 
 
@@ -159,8 +150,14 @@ def cache_key(sig: str, names: list[str]) -> dict:
             "qformat": FORMAT}
 
 
+def choose_for(model: torch.nn.Module) -> int:
+    """:func:`choose` for every quantized weight of ``model`` (its modules' ``packed``)."""
+    return choose(w for m in model.modules()
+                  for w in [getattr(m, "packed", None)] if hasattr(w, "product"))
+
+
 def choose(weights: Iterable, timer: Callable | None = None) -> int:
-    """Set every GGUF weight's bf16 choice (``weight.choice``: kernel name and most rows) by
+    """Set every quantized weight's bf16 choice (``weight.choice``: kernel name and most rows) by
     the rule in the module doc; ``timer(proto, stream, kernels)`` replaces :func:`measure`
     (tests). Returns how many weights were chosen for."""
     weights = list({id(w): w for w in weights}.values())
@@ -170,7 +167,7 @@ def choose(weights: Iterable, timer: Callable | None = None) -> int:
         if fixed is not None:
             w.choice = fixed
         else:
-            groups.setdefault(signature(w), []).append(w)
+            groups.setdefault(w.signature(), []).append(w)
     # One load's budget for all of them, the signature of the largest weight first.
     deadline = time.perf_counter() + gemv_choice.BUDGET_S
     def timed(proto, stream: WeightStream, kernels: list[str]):
@@ -185,7 +182,7 @@ def _choose_group(sig: str, ws: list, timer: Callable, budget_s: float) -> None:
     """One signature's weights: one cache file, one stream over its weights."""
     protos = {(w.n, w.k): w for w in ws}
     incumbent = flags_pick(ws[0])
-    names = [incumbent[0]] + (["float"] if incumbent[0] == "q8" else [])
+    names = ws[0].kernel_names()
     stream = WeightStream(ws)
     picked = gemv_choice.measured_choices(
         sorted(protos), cache_key(sig, names), incumbent,

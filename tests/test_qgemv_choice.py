@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -18,6 +20,9 @@ from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.csrc.gemv_choice import ROWS
 from pagefold.quantization import qgemv_choice
 from pagefold.quantization.gguf_kernel import GGUFWeight
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_files import _k_blocks  # noqa: E402
 
 lib = cpu_ops.kernels()
 pytestmark = pytest.mark.skipif(lib is None, reason="no compiled kernels")
@@ -32,8 +37,11 @@ def fresh(tmp_path, monkeypatch):
 
 def _weight(kind: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    if kind.endswith("_K"):  # gguf-py cannot quantize K types: random blocks
+        raw = _k_blocks(kind, n, k, rng).reshape(n, -1)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
     return GGUFWeight([(kind, torch.from_numpy(raw))], k)
 
 
@@ -195,3 +203,24 @@ def test_integer_weights_join_the_table_under_their_own_signature():
                        torch.nn.functional.linear(x[:5], dense.bfloat16()))
     iw.choice = ("torch", 0)
     assert iw.native() is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_compiled_tile_decode_is_the_torch_decode_in_bf16(kind):
+    """``pf_affine_decode_bf16`` (the tile path's decode) gives the bits of the weight decoded
+    here in float32 (product, then sum: never fused) and rounded to bf16; a tile not at row 0
+    reads its own rows; arguments it does not take are refused with nothing written."""
+    w = _weight(kind, 70, 512, seed=3)
+    want = _dense(w).bfloat16()
+    for r0, r1 in ((0, 70), (13, 41)):
+        out = torch.full((r1 - r0, 512), 7.0, dtype=torch.bfloat16)
+        rc = lib.pf_affine_decode_bf16(
+            w.codes[r0].data_ptr(), w.bits, w.group, w.scale[r0].data_ptr(),
+            w.min[r0].data_ptr(), int(w.scale.dtype == torch.float16), r1 - r0, 512,
+            out.data_ptr(), 512, 2)
+        assert rc == 0
+        assert torch.equal(out.view(torch.int16), want[r0:r1].view(torch.int16))
+    out = torch.full((70, 512), 7.0, dtype=torch.bfloat16)
+    assert lib.pf_affine_decode_bf16(w.codes.data_ptr(), w.bits, 48, w.scale.data_ptr(),
+                                     w.min.data_ptr(), 0, 70, 512, out.data_ptr(), 512, 2) == 1
+    assert torch.all(out == 7.0)

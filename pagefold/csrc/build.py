@@ -197,6 +197,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_gguf_limit_isa.restype = i32
     lib.pf_qgemv_affine_q8.argtypes = lib.pf_qgemv_affine.argtypes
     lib.pf_qgemv_affine_q8.restype = i32
+    lib.pf_affine_decode_bf16.argtypes = [p, i32, i64, p, p, i32, i64, i64, p, i64, i32]
+    lib.pf_affine_decode_bf16.restype = i32
     lib.pf_qgemv_q8_limit_isa.argtypes = [i32]
     lib.pf_qgemv_q8_limit_isa.restype = i32
     lib.pf_qgemv_q8_takes.argtypes = [i32]

@@ -245,4 +245,58 @@ int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8
   return 0;
 }
 
+// Rows [0, n) of an affine weight decoded to bf16 into out (n rows, stride ldo): each weight
+// bf16(scale * code + min), the product and the sum each rounded to float32 (never fused) and
+// the result rounded to nearest even: the bits of gguf_kernel.py's torch decode
+// (codes.float() * scale.float() + min.float(), then .to(torch.bfloat16)). Products above the
+// few-row kernels' rows decode a tile here and run oneDNN's GEMM on it. 0 on success; 1 when
+// the arguments are outside what it takes (nothing written).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+int pf_affine_decode_bf16(const uint8_t* codes, int32_t bits, int64_t group, const void* scale,
+                          const void* mins, int32_t half, int64_t n, int64_t k, uint16_t* out,
+                          int64_t ldo, int32_t nthreads) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  if ((bits != 4 && bits != 8) || n < 1 || k < 1 || group < 1 || k % group ||
+      (bits == 4 && group != 32) || ldo < k)
+    return 1;
+#if !defined(__F16C__)
+  if (half) return 1;
+#endif
+  const int64_t groups = k / group;
+  const int64_t row_bytes = k * bits / 8;
+  const bool par = n >= 16 && nthreads > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    std::vector<float> w(group);
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; ++o) {
+      const uint8_t* src = codes + o * row_bytes;
+      uint16_t* dst = out + o * ldo;
+      for (int64_t g = 0; g < groups; ++g) {
+        float sc, mn;
+#if defined(__F16C__)
+        if (half) {
+          sc = _cvtsh_ss(static_cast<const uint16_t*>(scale)[o * groups + g]);
+          mn = _cvtsh_ss(static_cast<const uint16_t*>(mins)[o * groups + g]);
+        } else
+#endif
+        {
+          sc = static_cast<const float*>(scale)[o * groups + g];
+          mn = static_cast<const float*>(mins)[o * groups + g];
+        }
+        decode_codes(src + g * group * bits / 8, bits, group, w.data());
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = w[j] * sc;
+          dst[g * group + j] = pf::f32_to_bf16(p + mn);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"

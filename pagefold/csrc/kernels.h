@@ -70,6 +70,9 @@ int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8
 int pf_qgemv_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                        int32_t bits, int64_t group, const void* scale, const void* mins,
                        int32_t half, float* y, int64_t ldy, int32_t nthreads);
+int pf_affine_decode_bf16(const uint8_t* codes, int32_t bits, int64_t group, const void* scale,
+                          const void* mins, int32_t half, int64_t n, int64_t k, uint16_t* out,
+                          int64_t ldo, int32_t nthreads);
 int pf_qgemv_int(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                  int32_t bits, int32_t fp8, int64_t group, const float* scale,
                  const float* zero, float* y, int64_t ldy, int32_t nthreads);

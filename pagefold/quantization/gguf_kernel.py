@@ -168,12 +168,26 @@ class GGUFWeight:
         return y if rc == 0 else None
 
     def _tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """Decoded tiles of output rows times ``x`` in ``x``'s dtype (prefill-sized batches)."""
+        """Decoded tiles of output rows times ``x`` in ``x``'s dtype (prefill-sized batches);
+        bf16 tiles decoded by ``pf_affine_decode_bf16`` where it runs (the same bits as
+        :meth:`dequantize` rounded to bf16)."""
         y = x.new_empty((*x.shape[:-1], self.n))
+        lib = cpu_ops.kernels() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
         for r0 in range(0, self.n, TILE_ROWS):
             r1 = min(self.n, r0 + TILE_ROWS)
-            y[..., r0:r1] = F.linear(x, self.dequantize(slice(r0, r1)).to(x.dtype))
+            w = self._decode_bf16(lib, r0, r1) if lib is not None else None
+            if w is None:
+                w = self.dequantize(slice(r0, r1)).to(x.dtype)
+            y[..., r0:r1] = F.linear(x, w)
         return y
+
+    def _decode_bf16(self, lib, r0: int, r1: int) -> torch.Tensor | None:
+        out = torch.empty((r1 - r0, self.k), dtype=torch.bfloat16)
+        rc = lib.pf_affine_decode_bf16(
+            self.codes[r0].data_ptr(), self.bits, self.group, self.scale[r0].data_ptr(),
+            self.min[r0].data_ptr(), int(self.scale.dtype == torch.float16), r1 - r0, self.k,
+            out.data_ptr(), self.k, torch.get_num_threads())
+        return out if rc == 0 else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         """The few-row kernel's product for ``x``, or None above its rows."""

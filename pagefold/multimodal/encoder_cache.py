@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from pagefold.distributed.parallel_state import broadcast_tensor
 from pagefold.executor.runner_state import CachedRequestState
 
 __all__ = ["EncoderCache"]
@@ -37,13 +38,32 @@ class EncoderCache:
         out = per_req.get(idx)
         if out is None:
             f = r.mm_inputs.features[idx]
-            pixels = f.pixel_tensor().to(self.model.visual.inv_freq.device)
-            out = per_req[idx] = self.model.encode_images(pixels, [tuple(f.grid_thw)])
+            pixels = f.pixel_tensor().to(next(self.model.visual.parameters()).device)
+            # Every tensor-parallel rank runs the (replicated) tower; rank 0's rows are then
+            # everyone's, so the ranks' residual streams stay bit-identical.
+            out = self.model.encode_images(pixels, [tuple(f.grid_thw)]).contiguous()
+            out = per_req[idx] = broadcast_tensor(out)
             if out.shape[0] != f.length:
                 raise RuntimeError(f"image {idx} of request {r.req_id}: the encoder gave "
                                    f"{out.shape[0]} embeddings for {f.length} tokens")
             self.num_encoded += 1
         return out
+
+    @staticmethod
+    def bidirectional_spans(reqs: list[CachedRequestState], starts: list[int],
+                            counts: list[int]) -> list[tuple[int, int, int]] | None:
+        """``(request index, first position, end position)`` of this step's image tokens whose
+        image attends both ways (``MultiModalInputs.bidirectional``), for ``build_inputs``;
+        None when there are none."""
+        spans = []
+        for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
+            mm = r.mm_inputs
+            if mm is not None and mm.bidirectional:
+                for f in mm.features:
+                    lo, hi = max(s, f.offset), min(s + n, f.offset + f.length)
+                    if lo < hi:
+                        spans.append((i, lo, hi))
+        return spans or None
 
     def step_inputs(self, reqs: list[CachedRequestState], starts: list[int],
                     counts: list[int], positions: torch.Tensor

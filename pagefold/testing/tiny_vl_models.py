@@ -161,7 +161,9 @@ def build_tiny_gemma3_vl(out_dir: str | Path, *, seed: int = 0, vocab_size: int 
     if len(tok) != vocab_size or ids != list(range(vocab_size - 3, vocab_size)):
         raise RuntimeError(f"vision tokens got ids {ids} in a vocabulary of {len(tok)}")
     tok.save_pretrained(out)
-    text = arch_config_kwargs("gemma3", **text_overrides)
+    # No final logit soft cap (published Gemma 3 configs have none): transformers'
+    # Gemma3ForConditionalGeneration never applies it, its Gemma3ForCausalLM (and vLLM) do.
+    text = arch_config_kwargs("gemma3", **{"final_logit_softcapping": None, **text_overrides})
     text.update(vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                 pad_token_id=PAD_ID, initializer_range=0.1)
     config = transformers.Gemma3Config(

@@ -2,7 +2,8 @@
 
 The vision encoder runs once per image of a request, on the first step whose chunk reaches one
 of the image's placeholder tokens; its output is kept (per request, per image) across the
-request's later chunks, so chunked prefill may cut anywhere inside an image's tokens, and is
+request's later chunks, so chunked prefill may cut anywhere inside an image's tokens (except
+for a model whose image tokens attend both ways: see ``bidirectional_spans``), and is
 dropped when the request finishes or is preempted (a preempted request encodes again when it
 comes back, unless its prefix-cache hit already covers the image). An image whose tokens all
 come from a prefix-cache hit is never encoded.

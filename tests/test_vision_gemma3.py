@@ -128,16 +128,26 @@ def _llm(vl_dir: Path, **kw) -> LLM:
     return LLM(str(vl_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, warm_up=False, **kw)
 
 
-def test_images_equal_transformers(vl_dir, reference) -> None:
+@pytest.mark.parametrize("engine_kw", [
+    {},  # whole prompts in one step, batched
+    {"kv_cache_memory": 180_000, "max_num_batched_tokens": 19},  # chunks of 19, preemption
+], ids=["batched", "preempt"])
+def test_images_equal_transformers(vl_dir, reference, engine_kw) -> None:
     """Single, batched, two-image and text-only requests give transformers' prompt ids,
-    tokens and logprobs; every image is encoded once."""
-    llm = _llm(vl_dir)
-    outs = llm.generate([_request(*c) for c in CASES], PARAMS, use_tqdm=False)
-    for o, c in zip(outs, CASES):
+    tokens and logprobs; every image is encoded once per (re)computation."""
+    # Preemption needs more requests than the pool holds at once.
+    cases = CASES + [(b + "#", a, imgs) for b, a, imgs in CASES] if engine_kw else CASES
+    llm = _llm(vl_dir, **engine_kw)
+    outs = llm.generate([_request(*c) for c in cases], PARAMS, use_tqdm=False)
+    for o, c in zip(outs, cases):
         ref = reference(*c)
         assert o.prompt_token_ids == ref[0]
         _check(o.outputs[0], ref)
-    assert llm.engine.runner.encoders.num_encoded == sum(len(c[2]) for c in CASES)
+    encoded, images = llm.engine.runner.encoders.num_encoded, sum(len(c[2]) for c in cases)
+    if engine_kw:
+        assert llm.engine.scheduler.num_preemptions > 0 and encoded >= images
+    else:
+        assert encoded == images
     llm.engine.kv.check_whole()
 
 

@@ -79,6 +79,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Llama4ForConditionalGeneration": Architecture(
         "llama4", _m("llama4", "Llama4ForConditionalGeneration"), expert_parallel=_EP_NOT_YET),
     "Gemma3ForCausalLM": Architecture("gemma3", _m("gemma3", "Gemma3ForCausalLM")),
+    "Gemma3ForConditionalGeneration": Architecture(
+        "gemma3", _m("gemma3", "Gemma3ForConditionalGeneration")),
     "GptOssForCausalLM": Architecture("gpt_oss", _m("gpt_oss", "GptOssForCausalLM"),
                                       expert_parallel=True),
 }
@@ -109,6 +111,7 @@ MODEL_TYPES: dict[str, str] = {
     "llama4_text": "llama4",
     "llama4": "llama4",
     "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
     "gpt_oss": "gpt_oss",
 }
 

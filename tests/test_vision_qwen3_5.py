@@ -47,7 +47,12 @@ def vl_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(vl_dir):
-    """(text before, text after, images) -> transformers' greedy tokens (cached)."""
+    return make_reference(vl_dir)
+
+
+def make_reference(vl_dir: Path):
+    """(text before, text after, images) -> transformers' greedy tokens and their logprobs
+    (cached)."""
     import transformers
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (

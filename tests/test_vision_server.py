@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import openai
@@ -77,3 +78,56 @@ def test_chat_image_url_equals_offline(vl_server) -> None:
         n=2)
     bad({"type": "input_audio", "input_audio": {}}, "input_audio")
     srv.wait_pool_whole()
+
+
+@pytest.fixture(scope="module")
+def gemma3_server(tmp_path_factory):
+    from pagefold.testing.tiny_vl_models import build_tiny_gemma3_vl
+
+    d = tmp_path_factory.mktemp("gemma3_server")
+    model = build_tiny_gemma3_vl(d / "model")
+    srv = Server.launch(model, d / "server.log", extra_args=(
+        "--dtype", "float32", "--max-num-batched-tokens", "20", "--no-warm-up"))
+    try:
+        yield srv.ready(), model
+    finally:
+        srv.stop()
+
+
+def test_gemma3_chat_with_two_images_equals_transformers(gemma3_server) -> None:
+    """Gemma 3 through the server: a message with two ``image_url`` parts (each rendered as
+    ``<start_of_image>``) gives transformers' tokens for the same conversation (chunks of 20
+    tokens, moved off the images); the second request, the same images again, hits the
+    prefix cache past them and gives the same text."""
+    from test_vision_gemma3 import IMG_A, IMG_C, make_reference
+
+    srv, model = gemma3_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": _data_url(IMG_A)}},
+        {"type": "image_url", "image_url": {"url": _data_url(IMG_C)}},
+        {"type": "text", "text": "and say which of the two is brighter, then why"},
+    ]}]
+
+    def ask():
+        return client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=N_NEW, temperature=0, logprobs=True,
+            extra_body={"ignore_eos": True})
+
+    first, again = ask(), ask()
+    ids, tokens, _ = make_reference(model)(
+        "<|im_start|>user\nCompare\n",
+        "\n<start_of_image>\nand say which of the two is brighter, then why<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        [IMG_A, IMG_C])
+    from transformers import AutoTokenizer
+
+    assert first.choices[0].message.content == AutoTokenizer.from_pretrained(model).decode(
+        tokens[:N_NEW])
+    assert first.usage.prompt_tokens == len(ids)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    image_token = json.loads((model / "config.json").read_text())["image_token_index"]
+    image_end = len(ids) - ids[::-1].index(image_token)
+    details = again.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens >= image_end

@@ -94,6 +94,8 @@ class TPExecutor:
         self.rank_pools: list[dict] = [r[2] for r in replies]  # per rank: blocks, pool bytes
         # Every rank's state layers take checkpoints inside their kernels (see ModelRunner).
         self.captures_in_kernel = all(r[3] for r in replies)
+        # Every rank built and loaded a vision tower (image inputs run replicated).
+        self.takes_images = all(r[4] for r in replies)
 
     def _accept_all(self, listener: Listener, timeout_s: float) -> None:
         """Each rank connects and names itself; a rank that exits first fails the start."""

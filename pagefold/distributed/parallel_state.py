@@ -120,6 +120,16 @@ def broadcast_ints(values: list[int]) -> list[int]:
     return t.tolist()
 
 
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Tensor-parallel rank 0's ``x`` on every rank of the stage (in place; ``x`` has the same
+    shape and dtype everywhere); a no-op alone. For values each rank computes itself but that
+    must be bit-identical across ranks (image embeddings)."""
+    if _STATE.size > 1:
+        src = 0 if _TP_GROUP is None else dist.get_global_rank(_TP_GROUP, 0)
+        dist.broadcast(x, src=src, group=_TP_GROUP)
+    return x
+
+
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate the ranks' ``x`` along the last dimension (rank order)."""
     if _STATE.size == 1:

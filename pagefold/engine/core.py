@@ -238,6 +238,11 @@ class EngineCore:
                 stage_kv_configs, transfer, spec_specs)
             logger.info("tensor parallel %d x pipeline parallel %d: %d ranks (pids %s)",
                         self.tp, self.pp, self.world, self.runner.pids)
+        # Image inputs: a vision tower was built and loaded (on every rank under tensor
+        # parallelism; not across pipeline stages).
+        self.takes_images = self.pp == 1 and bool(
+            self.runner.encoders is not None if self.world == 1
+            else getattr(self.runner, "takes_images", False))
         self.loras = None  # the host cache of checked adapters (LoRA on)
         if config.enable_lora:
             _, rank, cpu = lora_options(config)
@@ -444,14 +449,19 @@ class EngineCore:
     def _check_images(self, mm: MultiModalInputs, prompt_token_ids: list[int]) -> None:
         """Images need a vision tower here, and each feature must cover placeholder tokens
         of this prompt (ValueError otherwise)."""
-        if getattr(self.model, "visual", None) is None:
+        if not self.takes_images:
             raise ValueError(f"{self.arch} as loaded takes no image inputs"
-                             + (" at tensor_parallel_size > 1" if self.tp > 1 else ""))
+                             + (" at pipeline_parallel_size > 1" if self.pp > 1 else ""))
         if getattr(self.runner, "proposer", None) is not None:
             raise ValueError("image inputs with draft-model / MTP speculation are not "
                              "supported (their drafters see no images)")
         token = getattr(self.hf_config, "image_token_id", None)
         for i, f in enumerate(mm.features):
+            if mm.bidirectional and f.length > self.max_num_batched_tokens:
+                raise ValueError(f"image {i} has {f.length} tokens, above "
+                                 f"max_num_batched_tokens {self.max_num_batched_tokens}: "
+                                 f"{self.arch}'s image tokens attend to each other both ways, "
+                                 "so an image is computed in one chunk")
             span = prompt_token_ids[f.offset:f.offset + f.length]
             if f.length < 1 or len(span) != f.length or any(t != token for t in span):
                 raise ValueError(f"image {i}: tokens {f.offset}..{f.offset + f.length - 1} "

@@ -59,12 +59,15 @@ def build_inputs(
     group_block_ids: list[list[list[int]]],
     device: torch.device | str | None = None,
     captures: dict[int, list[tuple[int, int, list[int]]]] | None = None,
+    image_spans: list[tuple[int, int, int]] | None = None,
 ) -> StepInputs:
     """``token_lists[i]`` are request i's new tokens at positions ``starts[i]...``;
     ``totals[i]`` is the request's token count (a row is sampled when the step reaches it);
     ``group_block_ids[g][i]`` is request i's block table in group g; ``captures[g]``: state
-    checkpoints ``(request index, prefix length, pages)`` to take inside this step. Every
-    tensor of the result is on ``device`` (default CPU)."""
+    checkpoints ``(request index, prefix length, pages)`` to take inside this step;
+    ``image_spans``: ``(request index, first position, end position)`` of the image tokens
+    of this step that attend to each other both ways (``AttentionMetadata.image_rows``).
+    Every tensor of the result is on ``device`` (default CPU)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     bs = kv_config.block_size
     n_req = len(counts)
@@ -137,11 +140,23 @@ def build_inputs(
             prefills.append(PrefillRow(
                 tok_start=int(cu[i]), tok_end=int(cu[i + 1]), ctx_len=s, kv_start=lo,
                 kv_slots=put(tables[i, kp // bs] * bs + kp % bs)))
+        image_rows = []
+        for i, a, b in image_spans or ():
+            if chunk:
+                raise ValueError("image tokens attending both ways with chunked local "
+                                 "attention are not supported")
+            lo = max(0, a - window + 1) if window else 0
+            kp = np.arange(lo, b, dtype=_i64)
+            first = int(cu[i]) + a - starts[i]
+            image_rows.append(PrefillRow(
+                tok_start=first, tok_end=first + b - a, ctx_len=a, kv_start=lo,
+                kv_slots=put(tables[i, kp // bs] * bs + kp % bs)))
         attn_meta.append(AttentionMetadata(
             slot_mapping=put(slots), decode_tok=decode_tok, decode_tables=put(dec_tables),
             decode_seq_lens=put(seq_lens),
             decode_kv_start=put(kv_start) if kv_start is not None else None,
-            block_size=bs, prefills=prefills, sliding_window=window, all_decode=all_decode))
+            block_size=bs, prefills=prefills, image_rows=image_rows, sliding_window=window,
+            all_decode=all_decode))
 
     sample_req_idx = [i for i in range(n_req) if starts[i] + counts[i] >= totals[i]]
     logits_rows = put(cu[1:][np.asarray(sample_req_idx, dtype=_i64)] - 1)

@@ -267,8 +267,10 @@ class ModelRunner:
         replay from the decode CUDA graphs."""
         reqs = batch.reqs
         per_group = [[r.block_ids[g] for r in reqs] for g in range(len(self.kv_config.groups))]
+        spans = (self.encoders.bidirectional_spans(reqs, batch.starts, batch.counts)
+                 if self.encoders is not None else None)
         inp = build_inputs(self.kv_config, tokens, batch.starts, batch.counts, totals,
-                           per_group, self.device, captures)
+                           per_group, self.device, captures, image_spans=spans)
         self.num_forward_tokens += int(inp.input_ids.numel())
         positions, mm_embeds = inp.positions, None
         if self.encoders is not None:  # image rows and M-RoPE positions

@@ -18,6 +18,7 @@ Per layer (transformers' Gemma3DecoderLayer)::
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,14 +28,17 @@ from pagefold.core.spec_families import gemma3_layer_types
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import head_dim_of, split_heads
 from pagefold.layers.decoder_stack import DecoderStack
-from pagefold.layers.linear import column_linear, row_linear
+from pagefold.layers.linear import column_linear, load_into, row_linear
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
 from pagefold.layers.vocab import gather_logits, vocab_embedding
 from pagefold.models.llama import CausalLM
+from pagefold.models.siglip import Gemma3VisionEncoder
 
-__all__ = ["Gemma3ForCausalLM", "LayerTypeRotary"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "LayerTypeRotary"]
 
 
 class LayerTypeRotary(RotaryEmbedding):
@@ -132,6 +136,13 @@ class Gemma3Model(DecoderStack):
         w = self.embed_tokens.weight
         return self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
+    def embed_inputs(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if ctx.mm_embeds is not None:  # image soft tokens take the encoder's rows (unscaled)
+            rows, embeds = ctx.mm_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
+        return x
+
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model; weights as transformers names them (``model.``, ``lm_head.``)."""
 
@@ -146,7 +157,73 @@ class Gemma3ForCausalLM(CausalLM):
         return logits.float()
 
     def load_weights(self, weights) -> None:
-        # Multimodal checkpoints keep the text model under model.language_model.
+        # Multimodal checkpoints keep the text model under model.language_model. (transformers
+        # 5) or language_model.model. (the published layout); the vision parts are skipped.
         super().load_weights(
-            (n.replace("model.language_model.", "model."), t) for n, t in weights
-            if not n.startswith(("model.vision_tower.", "model.multi_modal_projector.")))
+            (n, t) for n, t in map(_text_name, weights)
+            if not n.startswith(("vision_tower.", "multi_modal_projector.")))
+
+
+_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."))
+
+
+def _text_name(item: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """A Gemma 3 checkpoint tensor under the names this module uses: text weights under
+    ``model.`` / ``lm_head.``, the vision parts under ``vision_tower.`` (the published
+    ``vision_tower.vision_model.`` level dropped) and ``multi_modal_projector.``."""
+    name, tensor = item
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    if name.startswith("vision_tower.vision_model."):
+        name = "vision_tower." + name[len("vision_tower.vision_model."):]
+    return name, tensor
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 with images: the text model of :class:`Gemma3ForCausalLM` and, when the
+    checkpoint's config has a ``vision_config``, the SigLIP tower and projector
+    (``self.visual``, :mod:`pagefold.models.siglip`). An image's soft tokens take the encoder's
+    rows and attend to each other both ways (``MultiModalInputs.bidirectional``: the runner
+    marks their rows, the attention op unmasks them). A checkpoint whose vision weights are
+    incomplete is served as text only."""
+
+    takes_mm_config = True
+
+    def __init__(self, cfg, max_positions: int, mm_config=None) -> None:
+        super().__init__(cfg, max_positions)
+        vc = getattr(mm_config, "vision_config", None)
+        self.visual = (Gemma3VisionEncoder(vc, cfg.hidden_size,
+                                           int(mm_config.mm_tokens_per_image))
+                       if vc is not None else None)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
+                      ) -> torch.Tensor:
+        """(N, C, S, S) or (C, S, S) pixels -> their soft tokens' embeddings (the grid is
+        fixed by the tower: ``grids`` only mirror the request's)."""
+        return self.visual(pixels)
+
+    def load_weights(self, weights) -> None:
+        if self.visual is None:
+            return super().load_weights(weights)
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def text_only(ws):
+            for name, tensor in map(_text_name, ws):
+                if name.startswith(("vision_tower.", "multi_modal_projector.")):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        for p in self.visual.parameters():
+            p.optional = True  # checked below, not by check_loaded
+        super().load_weights(text_only(weights))
+        got = load_into(self.visual, vision)
+        missing = [n for n, _ in self.visual.named_parameters() if n not in got]
+        if missing:
+            logger.warning("the checkpoint's vision tower lacks %s: serving text only",
+                           missing[:4])
+            self.visual = None

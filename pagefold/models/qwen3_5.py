@@ -385,9 +385,8 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
                       ) -> torch.Tensor:
-        """The vision tower on images' patches -> their placeholder tokens' embeddings."""
-        if tp_size() > 1:
-            raise ValueError("image inputs need tensor_parallel_size 1")
+        """The vision tower on images' patches -> their placeholder tokens' embeddings (the
+        tower is replicated on every tensor-parallel rank)."""
         return self.visual(pixels, grids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -39,10 +39,13 @@ def model_class(arch: str):
 
 def build_model(cls, hf_config, max_positions: int):
     """``cls`` built from the checkpoint config's text part (and, for a class that takes one,
-    its ``vision_config``: the vision tower of image inputs), without weights."""
+    its ``vision_config`` or the whole multimodal config: the vision tower of image inputs),
+    without weights."""
     kw = {}
     if getattr(cls, "takes_vision_config", False):
         kw["vision_config"] = getattr(hf_config, "vision_config", None)
+    if getattr(cls, "takes_mm_config", False):  # the whole multimodal config (Gemma 3)
+        kw["mm_config"] = hf_config
     return cls(text_config(hf_config), max_positions=max_positions, **kw)
 
 

@@ -2,7 +2,8 @@
 
 The vision encoder runs once per image of a request, on the first step whose chunk reaches one
 of the image's placeholder tokens; its output is kept (per request, per image) across the
-request's later chunks, so chunked prefill may cut anywhere inside an image's tokens, and is
+request's later chunks, so chunked prefill may cut anywhere inside an image's tokens (except
+for a model whose image tokens attend both ways: see ``bidirectional_spans``), and is
 dropped when the request finishes or is preempted (a preempted request encodes again when it
 comes back, unless its prefix-cache hit already covers the image). An image whose tokens all
 come from a prefix-cache hit is never encoded.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pagefold.distributed.parallel_state import broadcast_tensor
 from pagefold.executor.runner_state import CachedRequestState
 
 __all__ = ["EncoderCache"]
@@ -37,13 +39,32 @@ class EncoderCache:
         out = per_req.get(idx)
         if out is None:
             f = r.mm_inputs.features[idx]
-            pixels = f.pixel_tensor().to(self.model.visual.inv_freq.device)
-            out = per_req[idx] = self.model.encode_images(pixels, [tuple(f.grid_thw)])
+            pixels = f.pixel_tensor().to(next(self.model.visual.parameters()).device)
+            # Every tensor-parallel rank runs the (replicated) tower; rank 0's rows are then
+            # everyone's, so the ranks' residual streams stay bit-identical.
+            out = self.model.encode_images(pixels, [tuple(f.grid_thw)]).contiguous()
+            out = per_req[idx] = broadcast_tensor(out)
             if out.shape[0] != f.length:
                 raise RuntimeError(f"image {idx} of request {r.req_id}: the encoder gave "
                                    f"{out.shape[0]} embeddings for {f.length} tokens")
             self.num_encoded += 1
         return out
+
+    @staticmethod
+    def bidirectional_spans(reqs: list[CachedRequestState], starts: list[int],
+                            counts: list[int]) -> list[tuple[int, int, int]] | None:
+        """``(request index, first position, end position)`` of this step's image tokens whose
+        image attends both ways (``MultiModalInputs.bidirectional``), for ``build_inputs``;
+        None when there are none."""
+        spans = []
+        for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
+            mm = r.mm_inputs
+            if mm is not None and mm.bidirectional:
+                for f in mm.features:
+                    lo, hi = max(s, f.offset), min(s + n, f.offset + f.length)
+                    if lo < hi:
+                        spans.append((i, lo, hi))
+        return spans or None
 
     def step_inputs(self, reqs: list[CachedRequestState], starts: list[int],
                     counts: list[int], positions: torch.Tensor

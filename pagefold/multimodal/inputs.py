@@ -43,13 +43,28 @@ class ImageFeature:
 class MultiModalInputs:
     """A request's images and, for M-RoPE models, the (3, prompt length) rotary positions of
     its prompt (temporal, height, width rows) and the offset of every later position:
-    position ``p`` past the prompt rotates at ``p + mrope_delta`` on all three rows."""
+    position ``p`` past the prompt rotates at ``p + mrope_delta`` on all three rows.
+
+    ``bidirectional`` (Gemma 3): the tokens of one image attend to each other both ways, so a
+    prefill chunk never ends strictly inside an image (the scheduler's rule,
+    ``core/encoder_budget.py``): an image token's keys and values depend on the image's later
+    tokens, which must be in the same forward."""
 
     features: list[ImageFeature] = field(default_factory=list)
     mrope_positions: list[list[int]] | None = None
     mrope_delta: int = 0
+    bidirectional: bool = False
 
     def hashes_in(self, start: int, end: int) -> list[str]:
         """Content hashes of the images with a placeholder token in ``[start, end)``."""
         return [f.mm_hash for f in self.features
                 if f.offset < end and start < f.offset + f.length]
+
+    def cut_inside(self, start: int, end: int) -> ImageFeature | None:
+        """With ``bidirectional``: the image a chunk ``[start, end)`` would end strictly inside
+        (None when it ends outside every image, or when attention is causal)."""
+        if self.bidirectional:
+            for f in self.features:
+                if f.offset < end < f.offset + f.length:
+                    return f
+        return None

@@ -1,10 +1,11 @@
 """Engine-side image processing: images -> encoder inputs, expanded prompt, M-RoPE positions.
 
-The prompt marks each image with one image placeholder token (``image_token_id``; Qwen3.5's
-chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``). Each image goes through
-transformers' image processor (the PIL/numpy one: no torchvision needed), and its placeholder
-is expanded to the ``t * h * w / merge**2`` tokens the vision tower produces for it, as vLLM
-and transformers' processors do. Inputs are validated here, before anything is queued: the
+The prompt marks each image with one placeholder token (the model's
+:class:`~pagefold.multimodal.layouts.ImageLayout` says which: Qwen3.5's ``<|image_pad|>``,
+Gemma 3's ``<start_of_image>``). Each image goes through transformers' image processor (the
+PIL/numpy one: no torchvision needed), and its placeholder is expanded to the tokens the
+vision tower produces for it (with the layout's tokens around them), as vLLM and
+transformers' processors do. Inputs are validated here, before anything is queued: the
 number of images against the placeholders and against ``limit_mm_per_prompt``, the image type.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -21,15 +21,9 @@ from typing import Any
 import numpy as np
 
 from pagefold.multimodal.inputs import ImageFeature, MultiModalInputs, pixels_hash
+from pagefold.multimodal.layouts import ImageLayout, layout_for
 
-__all__ = ["ImageInputProcessor", "decode_image_url", "image_processor_for", "mrope_positions"]
-
-# Architectures whose images pagefold encodes, with the kind of their rotary positions.
-IMAGE_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "mrope"}
-
-_PROCESSOR_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels",
-                   "max_pixels", "image_mean", "image_std", "size", "do_resize",
-                   "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
+__all__ = ["ImageInputProcessor", "decode_image_url", "image_processor_for"]
 
 
 def decode_image_url(url: str, local_root: str | None = None):
@@ -86,44 +80,14 @@ def _open_image(data: bytes):
     return img
 
 
-def mrope_positions(num_tokens: int, features: list[ImageFeature], merge: int
-                    ) -> tuple[list[list[int]], int]:
-    """Qwen3.5's (3, num_tokens) rotary positions and the delta of later positions.
-
-    Text tokens advance all three rows by one; an image with patch grid (t, h, w) spans
-    ``t * (h/m) * (w/m)`` tokens whose (temporal, height, width) rows are ``start + frame``,
-    ``start + row``, ``start + col``, after which positions resume at
-    ``start + max(h, w) / m``."""
-    rows = np.zeros((3, num_tokens), dtype=np.int64)
-    pos, tok = 0, 0
-    for f in sorted(features, key=lambda f: f.offset):
-        n = f.offset - tok
-        rows[:, tok:f.offset] = np.arange(pos, pos + n)
-        pos += n
-        t, h, w = f.grid_thw[0], f.grid_thw[1] // merge, f.grid_thw[2] // merge
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-        rows[:, f.offset:f.offset + f.length] = np.stack([tt, hh, ww]).reshape(3, -1) + pos
-        pos += max(h, w)
-        tok = f.offset + f.length
-    rows[:, tok:] = np.arange(pos, pos + num_tokens - tok)
-    delta = int(rows.max()) + 1 - num_tokens if num_tokens else 0
-    return rows.tolist(), delta
-
-
 class ImageInputProcessor:
     """Turns a prompt's token ids and images into the expanded ids and a request's
-    :class:`MultiModalInputs`."""
+    :class:`MultiModalInputs`, through the model's :class:`ImageLayout`."""
 
-    def __init__(self, hf_config, image_processor, *, limit: int, positions: str) -> None:
-        vc = hf_config.vision_config
-        self.image_token_id = int(hf_config.image_token_id)
-        # The tokens around an image's placeholder in a rendered chat (Qwen: vision start/end).
-        self.wrap = [getattr(hf_config, k, None)
-                     for k in ("vision_start_token_id", "vision_end_token_id")]
-        self.merge = int(vc.spatial_merge_size)
+    def __init__(self, layout: ImageLayout, *, limit: int) -> None:
+        self.layout = layout
+        self.image_token_id = layout.image_token_id
         self.limit = limit
-        self.positions = positions
-        self.image_processor = image_processor
         # ``allowed_local_media_path``: file:// image URLs are read from under it (None: never).
         self.local_root: str | None = None
 
@@ -134,11 +98,9 @@ class ImageInputProcessor:
 
     def placeholder(self, tokenizer) -> str:
         """The text that stands for one image in a chat message (the chat endpoint writes it
-        where an ``image_url`` part was): ``<|vision_start|><|image_pad|><|vision_end|>``."""
-        start, end = self.wrap
-        ids = ([start] if start is not None else []) + [self.image_token_id] + (
-            [end] if end is not None else [])
-        return "".join(tokenizer.convert_ids_to_tokens(ids))
+        where an ``image_url`` part was): Qwen3.5's ``<|vision_start|><|image_pad|>
+        <|vision_end|>``, Gemma 3's ``<start_of_image>``."""
+        return "".join(tokenizer.convert_ids_to_tokens(self.layout.chat_ids))
 
     def process(self, token_ids: list[int], images: Any
                 ) -> tuple[list[int], MultiModalInputs]:
@@ -151,52 +113,35 @@ class ImageInputProcessor:
         for i, img in enumerate(imgs):
             if not isinstance(img, Image.Image):
                 raise ValueError(f"image {i} is a {type(img).__name__}, not a PIL.Image")
-        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        lay = self.layout
+        slots = [i for i, t in enumerate(token_ids) if t == lay.placeholder_id]
         if len(slots) != len(imgs):
             raise ValueError(f"the prompt has {len(slots)} image placeholders but "
                              f"{len(imgs)} images were given")
         if not imgs:
             return list(token_ids), MultiModalInputs()
         try:
-            out = self.image_processor(images=[im.convert("RGB") for im in imgs],
-                                       return_tensors="np")
+            processed = lay.process([im.convert("RGB") for im in imgs])
         except Exception as e:  # the processor's own checks (size, channels)
             raise ValueError(f"image processing failed: {e}") from e
-        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        grids = np.asarray(out["image_grid_thw"]).tolist()
         ids: list[int] = []
         features = []
-        first, prev = 0, 0
-        for slot, grid in zip(slots, grids, strict=True):
+        prev = 0
+        for slot, img in zip(slots, processed, strict=True):
             ids.extend(token_ids[prev:slot])
-            patches = int(np.prod(grid))
-            length = patches // self.merge**2
-            chunk = pixels[first:first + patches]
-            first += patches
+            ids.extend(lay.before)
+            chunk = np.ascontiguousarray(img.pixels, dtype=np.float32)
             features.append(ImageFeature(
-                offset=len(ids), length=length, mm_hash=pixels_hash(chunk, grid),
-                pixels=chunk.tobytes(), shape=list(chunk.shape), grid_thw=list(grid)))
-            ids.extend([self.image_token_id] * length)
+                offset=len(ids), length=img.length, mm_hash=pixels_hash(chunk, img.grid),
+                pixels=chunk.tobytes(), shape=list(chunk.shape), grid_thw=list(img.grid)))
+            ids.extend([lay.image_token_id] * img.length)
+            ids.extend(lay.after)
             prev = slot + 1
         ids.extend(token_ids[prev:])
-        mm = MultiModalInputs(features)
-        if self.positions == "mrope":
-            mm.mrope_positions, mm.mrope_delta = mrope_positions(len(ids), features, self.merge)
+        mm = MultiModalInputs(features, bidirectional=lay.bidirectional)
+        if lay.positions == "mrope":
+            mm.mrope_positions, mm.mrope_delta = lay.rope(len(ids), features)
         return ids, mm
-
-
-def _qwen_image_processor(model_dir: Path, vision_config):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    path = model_dir / "preprocessor_config.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    kw = {k: v for k, v in saved.items() if k in _PROCESSOR_KEYS}
-    kw.setdefault("patch_size", vision_config.patch_size)
-    kw.setdefault("temporal_patch_size", vision_config.temporal_patch_size)
-    kw.setdefault("merge_size", vision_config.spatial_merge_size)
-    return Qwen2VLImageProcessorPil(**kw)
 
 
 def image_processor_for(model_dir: str | Path, hf_config, arch: str, limit: int | None,
@@ -204,12 +149,9 @@ def image_processor_for(model_dir: str | Path, hf_config, arch: str, limit: int 
     """The image input processor of a checkpoint that takes images (None otherwise).
     ``limit``: the most images per prompt (``limit_mm_per_prompt``'s ``image``; default 8);
     ``local_root``: ``allowed_local_media_path``."""
-    kind = IMAGE_ARCHITECTURES.get(arch)
-    vc = getattr(hf_config, "vision_config", None)
-    if kind is None or vc is None or getattr(hf_config, "image_token_id", None) is None:
+    layout = layout_for(model_dir, hf_config, arch)
+    if layout is None:
         return None
-    proc = _qwen_image_processor(Path(model_dir), vc)
-    out = ImageInputProcessor(hf_config, proc, limit=8 if limit is None else limit,
-                              positions=kind)
+    out = ImageInputProcessor(layout, limit=8 if limit is None else limit)
     out.local_root = local_root
     return out

@@ -57,6 +57,9 @@ def paged_attention_extras(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            softcap: float | None = None,
                            chunk: int | None = None) -> torch.Tensor:
     """q (T, H, D), k/v (T, KVH, D) -> (T, H, D) in q's dtype. Writes k/v into the cache."""
+    if meta.image_rows:
+        raise ValueError("image tokens attending both ways are not supported with attention "
+                         "sinks, soft caps or chunked local attention")
     write_kv(cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     dev, bs, window = q.device, meta.block_size, meta.sliding_window

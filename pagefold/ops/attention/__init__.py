@@ -36,6 +36,7 @@ from pagefold.ops.attention.reference import (
     PrefillRow,
     decode_torch,
     fp8_scales,
+    image_rows_attention,
     prefill_rows,
     read_kv,
 )
@@ -82,7 +83,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
 
     ``kv_scales``: the layer's FP8 encoding (an FP8 cache only). Every path reads what the
     cache holds (a chunk's own keys included), so a prefix-cache hit computes what a fresh
-    prefill would; FP8 attention runs in float32 on the dequantized values."""
+    prefill would; FP8 attention runs in float32 on the dequantized values.
+
+    ``meta.image_rows`` (a model whose image tokens attend to each other both ways): those
+    rows are computed causally first, then again by :func:`image_rows_attention` (a torch
+    path over the cache; only image tokens pay it)."""
+    out = _paged_attention(q, k, v, cache, meta, scale, kv_scales)
+    if meta.image_rows:
+        image_rows_attention(q, cache, meta, scale, out, kv_scales)
+    return out
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, kv_scales: KVScales | None
+                     ) -> torch.Tensor:
     if kv_scales is None and not is_fp8(cache.dtype):
         if dispatch.use_triton(q.device):  # (CUDA by default)
             from pagefold.ops.attention import triton as attn_triton  # only when chosen

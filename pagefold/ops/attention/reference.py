@@ -43,6 +43,12 @@ class AttentionMetadata:
     decode_kv_start: torch.Tensor | None  # (Bd,) first key read (sliding window) or None: 0
     block_size: int
     prefills: list[PrefillRow] = field(default_factory=list)
+    # The query rows of each image of a model whose image tokens attend to each other both
+    # ways (Gemma 3), one row per image piece in the step (never the end of a chunk that is
+    # cut: the scheduler keeps an image's tokens in one chunk): ``ctx_len`` is the image
+    # piece's first position and ``kv_slots`` hold keys ``kv_start .. last image token``.
+    # :func:`image_rows_attention` recomputes these rows after the causal paths.
+    image_rows: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
     all_decode: bool = False  # every row of the batch is a decode row (decode_tok = arange)
     _blockwise: tuple | None = None
@@ -244,4 +250,30 @@ def prefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch
             scale=scale,
             enable_gqa=h != kvh,
         )
+        out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1).to(out.dtype)
+
+
+def image_rows_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, out: torch.Tensor,
+                         kv_scales: KVScales | None = None) -> None:
+    """Rewrite ``out``'s rows of ``meta.image_rows``: a query of an image token sees every key
+    up to the image's last token (the image's later tokens too: transformers'
+    ``OR(causal, same image)``) and, under a sliding window, only keys within the window of
+    its own position (``AND(window, ...)``: later tokens of the image always are). Keys and
+    values are read from the cache, which holds the whole chunk by now."""
+    h = q.shape[1]
+    dtype = torch.float32 if is_fp8(cache.dtype) else q.dtype
+    for row in meta.image_rows:
+        qs = q[row.tok_start : row.tok_end].to(dtype)
+        kv = read_kv(cache, row.kv_slots, dtype, kv_scales)
+        end = row.ctx_len + qs.shape[0]
+        mask = None
+        if meta.sliding_window is not None:
+            qpos = torch.arange(row.ctx_len, end, device=q.device)
+            kpos = torch.arange(row.kv_start, end, device=q.device)
+            mask = kpos[None, :] > qpos[:, None] - meta.sliding_window
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0), kv[:, 0].transpose(0, 1).unsqueeze(0),
+            kv[:, 1].transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+            enable_gqa=h != kv.shape[2])
         out[row.tok_start : row.tok_end] = o.squeeze(0).transpose(0, 1).to(out.dtype)

@@ -1,7 +1,8 @@
 """The model's LoRA-able linears: every ``nn.Linear`` (``RowParallelLinear`` included) inside
 the decoder layers, with its checkpoint parts (a fused ``qkv_proj`` has ``q_proj`` /
 ``k_proj`` / ``v_proj``; an unfused layer one part named as the layer) and how tensor
-parallelism cuts it (``layers/linear.py``: ``tp_cuts`` on column-parallel layers)."""
+parallelism cuts it (``layers/linear.py``: ``tp_cuts`` on column-parallel layers); and the
+routed experts' stacks (:class:`~pagefold.layers.moe.MoEExperts`) with their layouts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.layers.linear import RowParallelLinear
+from pagefold.layers.lora_experts import ExpertsLayout, experts_layout
 from pagefold.layers.lora_linear import LinearLayout, PartLayout
+from pagefold.layers.moe import MoEExperts
 
 
 def linear_layout(module: nn.Linear, own_name: str) -> LinearLayout:
@@ -38,3 +41,12 @@ def lora_layout(model: nn.Module) -> dict[str, tuple[nn.Linear, LinearLayout]]:
             continue
         found[path] = (mod, linear_layout(mod, path.rsplit(".", 1)[-1]))
     return found
+
+
+def experts_layouts(model: nn.Module) -> dict[str, tuple[MoEExperts, ExpertsLayout]]:
+    """Module path -> (stack, layout) for every routed expert stack of ``model`` with its
+    stacked weights (quantized experts, whose stacks are replaced by per-expert layers, take
+    no adapters)."""
+    return {path: (mod, experts_layout(mod)) for path, mod in model.named_modules()
+            if isinstance(mod, MoEExperts) and mod.quantized is None
+            and ".layers." in f".{path}"}

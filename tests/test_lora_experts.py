@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagefold import LLM, LoRARequest, SamplingParams
+from pagefold.distributed.parallel_state import set_tensor_parallel
 from pagefold.layers.lora_experts import LoRAExperts, experts_layout
 from pagefold.layers.lora_linear import LoRAStep
 from pagefold.layers.moe import MoEExperts
@@ -226,16 +227,50 @@ def test_expert_terms_follow_each_rows_adapter(dtype):
     assert (got[~base].double() - plain[~base].double()).abs().max() > 20 * tol
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
-def test_tp2_expert_adapters_match_peft(adapters, ep):
-    """Two ranks: experts split on the intermediate dimension (gate_up's B cut by rows, down's
-    A by columns, the block's one all-reduce completing the term) or placed whole under
-    expert parallelism (each rank the adapters of its own experts)."""
+
+def test_tensor_parallel_cuts_sum_to_the_whole_term():
+    """Two ranks' expert shards (intermediate dimension split), each with the adapters cut
+    as its weights are: their partial outputs sum to the one-rank definition (the MoE block's
+    all-reduce). Built in one process (``set_tensor_parallel``: the shard each rank builds)."""
+    g = torch.Generator().manual_seed(5)
+    n_exp, hidden, inter, t, k, r = 4, 16, 12, 6, 2, 4
+    gu = torch.randn(n_exp, 2 * inter, hidden, generator=g) * 0.2
+    dn = torch.randn(n_exp, hidden, inter, generator=g) * 0.2
+    pair = [(torch.randn(n_exp, r, d_in, generator=g) * 0.3,
+             torch.randn(n_exp, d_out, r, generator=g) * 0.3)
+            for d_in, d_out in ((hidden, 2 * inter), (inter, hidden))]
+    x = torch.randn(t, hidden, generator=g)
+    top_idx = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
+    top_w = torch.rand(t, k, generator=g)
+    slot_of_row = torch.tensor([0, -1, 0, 0, -1, 0])
+    total = torch.zeros(t, hidden, dtype=torch.float64)
+    try:
+        for rank in range(2):
+            set_tensor_parallel(rank, 2)
+            experts = MoEExperts(n_exp, hidden, inter)
+            for e in range(n_exp):
+                experts.load_expert(e, "gate_proj", gu[e, :inter])
+                experts.load_expert(e, "up_proj", gu[e, inter:])
+                experts.load_expert(e, "down_proj", dn[e])
+            step = LoRAStep(idx=slot_of_row)
+            lora = LoRAExperts(experts, experts_layout(experts), step, num_slots=1, max_rank=r)
+            for part, (a, b) in zip(("gate_up_proj", "down_proj"), pair):
+                lora.set_part(0, part, a, b)
+            total += experts(x, top_idx, top_w).double()
+    finally:
+        set_tensor_parallel(0, 1)
+    want = _definition(x, gu, dn, top_idx, top_w, slot_of_row, [pair])
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ep2_expert_adapters_match_peft(adapters):
+    """Two ranks under expert parallelism: each rank holds its own experts' adapters whole
+    (the intermediate-dimension split is checked above without processes)."""
     base, dirs = adapters("qwen3_5_moe")
     loras = [None, *_requests(dirs)]
     want = [_peft(d, base, p) for d, p in zip([None, *dirs], PROMPTS)]
     llm = LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True,
-              enable_expert_parallel=ep, max_loras=3, max_lora_rank=16,
+              enable_expert_parallel=True, max_loras=3, max_lora_rank=16,
               kv_cache_memory=1 << 22, threads_per_rank=1, warm_up=False)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,

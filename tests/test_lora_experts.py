@@ -17,12 +17,14 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from pagefold import LLM, LoRARequest, SamplingParams
 from pagefold.distributed.parallel_state import set_tensor_parallel
-from pagefold.layers.lora_experts import LoRAExperts, experts_layout
+from pagefold.layers.lora_experts import ExpertsLayout, LoRAExperts, experts_layout
 from pagefold.layers.lora_linear import LoRAStep
 from pagefold.layers.moe import MoEExperts
+from pagefold.lora.layout import experts_layouts, lora_layout
 from pagefold.testing.lora_adapters import make_adapter, peft_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
@@ -159,6 +161,15 @@ def test_bad_expert_adapters_name_the_problem(adapters, llama_dir, tmp_path):
     (other / "adapter_config.json").write_text(json.dumps(cfg))
     refused(other, r"'bad3'.*target parameters \['experts\.gate_up_proj_bias'\] are not "
             r"supported", 3)
+    # transformers 4's per-expert linears' tensors (not PEFT's stacked-expert format).
+    v4 = tmp_path / "v4"
+    _rewrite(dirs[1], v4, lambda k, t: t)
+    tensors = load_file(str(v4 / "adapter_model.safetensors"))
+    save_file({k.replace(".mlp.experts.", ".mlp.experts.0.down_proj.", 1)
+               .replace(".base_layer.", ".", 1): t for k, t in tensors.items()},
+              str(v4 / "adapter_model.safetensors"))
+    refused(v4, r"'bad5': per-expert LoRA tensors \(model\.layers\.\d\.mlp\.experts\.0\.down_proj"
+            r".*not served", 5)
     llm.engine.kv.check_whole()
     # Expert targets on a model without experts.
     dense = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=1,
@@ -279,3 +290,21 @@ def test_ep2_expert_adapters_match_peft(adapters):
         llm.engine.kv.check_whole()
     finally:
         llm.engine.shutdown()
+
+
+def test_layout_takes_stacks_not_routed_per_expert_linears():
+    """Routed experts kept as per-expert linears (Nemotron-H's ``experts.{e}``, called on their
+    routed rows only) get no per-row hook (the step's slot index does not follow those rows);
+    a shared expert, called on every row, keeps its adapters; expert stacks are taken."""
+    layer = nn.Module()
+    layer.experts = nn.ModuleList(nn.ModuleDict({"up_proj": nn.Linear(8, 16)})
+                                  for _ in range(2))
+    layer.shared_experts = nn.ModuleDict({"up_proj": nn.Linear(8, 16)})
+    layer.mlp = nn.Module()
+    layer.mlp.experts = MoEExperts(6, 8, 4)
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer])
+    assert set(lora_layout(model)) == {"layers.0.shared_experts.up_proj"}
+    stacks = experts_layouts(model)
+    assert list(stacks) == ["layers.0.mlp.experts"]
+    assert stacks["layers.0.mlp.experts"][1] == ExpertsLayout(6, 0, 6, 8, 4, 4)

@@ -6,6 +6,8 @@ routed experts' stacks (:class:`~pagefold.layers.moe.MoEExperts`) with their lay
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
@@ -32,12 +34,19 @@ def linear_layout(module: nn.Linear, own_name: str) -> LinearLayout:
     return LinearLayout(kind, module.in_features, module.in_features, parts)
 
 
+# Routed experts kept as per-expert linears (Nemotron-H's ``experts.{e}``) run on their routed
+# rows only, not on the step's rows the per-row adapter index follows: they take no adapters.
+_ROUTED_LINEAR = re.compile(r"\.experts\.\d+\.")
+
+
 def lora_layout(model: nn.Module) -> dict[str, tuple[nn.Linear, LinearLayout]]:
     """Module path -> (linear, layout) for every LoRA-able linear of ``model`` (its lm_head
-    and embeddings excluded: adapters on them are refused by name)."""
+    and embeddings excluded: adapters on them are refused by name; so are routed experts'
+    per-expert linears)."""
     found = {}
     for path, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or ".layers." not in f".{path}":
+        if (not isinstance(mod, nn.Linear) or ".layers." not in f".{path}"
+                or _ROUTED_LINEAR.search(f".{path}")):
             continue
         found[path] = (mod, linear_layout(mod, path.rsplit(".", 1)[-1]))
     return found

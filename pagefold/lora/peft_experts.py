@@ -26,6 +26,8 @@ import torch
 from pagefold.layers.lora_experts import PARAMS, ExpertsLayout
 from pagefold.lora.errors import LoRAError
 
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.\w+$")  # ``experts.3.gate_proj``: v4 layout
+
 
 def peft_pattern(patterns: dict, key: str, default):
     """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: a pattern matches a name's tail."""
@@ -61,6 +63,12 @@ def expert_pairs(name: str, cfg: dict, pairs: dict[str, dict[str, torch.Tensor]]
     ``gate_up_proj`` / ``down_proj``, and targets with no expert stack in this model."""
     # A 2D ``<module>.weight`` target (PEFT maps a router ``gate`` to ``gate.weight``) is saved
     # as a linear's LoRA is: the linears' path reads it.
+    per_expert = sorted(m for m in pairs if _PER_EXPERT.search(_owner(m)[0]))
+    if per_expert:
+        raise LoRAError(f"LoRA adapter {name!r}: per-expert LoRA tensors ({per_expert[0]}, "
+                        f"transformers 4's expert linears) are not served; routed experts take "
+                        f"PEFT target_parameters adapters on experts.gate_up_proj / "
+                        f"experts.down_proj")
     targets = [t for t in cfg.get("target_parameters") or [] if not t.endswith(".weight")]
     if not targets:
         return {}

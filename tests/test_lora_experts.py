@@ -1,5 +1,6 @@
 """LoRA on routed MoE experts (PEFT ``target_parameters`` on the stacked ``gate_up_proj`` /
-``down_proj``): a batch mixing the base model and three adapters gives, per row, the greedy
+``down_proj``; Jamba shares Qwen's ``MoEExperts`` and was checked the same way by hand): a
+batch mixing the base model and three adapters gives, per row, the greedy
 float32 tokens of transformers + peft with that adapter; the prefix cache stays keyed by
 adapter; bad expert adapters are clear errors; the expert-level terms equal a per-row
 definition (each routed row with its own token's adapter, base rows untouched).
@@ -21,7 +22,7 @@ from torch import nn
 
 from pagefold import LLM, LoRARequest, SamplingParams
 from pagefold.distributed.parallel_state import set_tensor_parallel
-from pagefold.layers.lora_experts import ExpertsLayout, LoRAExperts, experts_layout
+from pagefold.layers.lora_experts import ExpertsLayout, LoRAExperts
 from pagefold.layers.lora_linear import LoRAStep
 from pagefold.layers.moe import MoEExperts
 from pagefold.lora.layout import experts_layouts, lora_layout
@@ -40,7 +41,8 @@ EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 THIRD = {
     "qwen3_next": (4, ["gate_proj", "up_proj", "down_proj", "in_proj_qkvz"], None),
     "qwen3_5_moe": (16, ["gate_proj", "down_proj", "in_proj_qkv"], ["experts.down_proj"]),
-    "jamba": (16, ["gate_proj", "in_proj", "out_proj"], ["experts.down_proj"]),
+    # Granite-4.0-H: its own expert class (``GraniteMoE``), transformers' ``experts`` below it.
+    "granitemoehybrid": (16, ["in_proj", "q_proj", "input_linear"], ["experts.down_proj"]),
 }
 PROMPTS = [[5, 17, 42, 9, 77, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300],
            [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
@@ -84,7 +86,7 @@ def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "jamba"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
 def test_expert_adapters_mixed_batch_match_peft(adapters, arch):
     base, dirs = adapters(arch)
     loras = [None, *_requests(dirs)]
@@ -210,7 +212,7 @@ def test_expert_terms_follow_each_rows_adapter(dtype):
         experts.down_proj.copy_(torch.randn(n_exp, hidden, inter, generator=g) * 0.2)
     experts.to(dtype)
     step = LoRAStep()
-    lora = LoRAExperts(experts, experts_layout(experts), step, num_slots=2, max_rank=8)
+    lora = LoRAExperts(experts, *experts.lora_stack()[1:], step, num_slots=2, max_rank=8)
     pairs = []
     for slot, r in enumerate((8, 3)):
         pair = []
@@ -264,7 +266,8 @@ def test_tensor_parallel_cuts_sum_to_the_whole_term():
                 experts.load_expert(e, "up_proj", gu[e, inter:])
                 experts.load_expert(e, "down_proj", dn[e])
             step = LoRAStep(idx=slot_of_row)
-            lora = LoRAExperts(experts, experts_layout(experts), step, num_slots=1, max_rank=r)
+            lora = LoRAExperts(experts, *experts.lora_stack()[1:], step, num_slots=1,
+                                max_rank=r)
             for part, (a, b) in zip(("gate_up_proj", "down_proj"), pair):
                 lora.set_part(0, part, a, b)
             total += experts(x, top_idx, top_w).double()

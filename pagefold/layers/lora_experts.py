@@ -6,8 +6,10 @@ one low-rank pair per expert: for expert ``e`` the weight used is ``W_e + s * B_
 widths). pagefold adds ``s * B_e (A_e h)`` to the expert's product instead, for the rows of
 the tokens routed to ``e``, each row with its own adapter slot.
 
-A :class:`LoRAExperts` attaches to one :class:`~pagefold.layers.moe.MoEExperts` (as its
-``lora`` attribute: the experts, their weights and their native record are unchanged) and
+A :class:`LoRAExperts` attaches to one expert stack -- a :class:`~pagefold.layers.moe.MoEExperts`
+or a model's own (Granite-4.0-H's ``GraniteMoE``), each describing itself with
+``lora_stack()`` -- as its ``lora`` attribute (the experts, their weights and their native
+record are unchanged) and
 holds ``num_slots`` resident adapters for it, per local expert, stacked so that one expert's
 slots are one contiguous (slots, R, width) block for the punica shrink / expand of
 :mod:`pagefold.ops.lora` (the torch, compiled CPU or Triton form, as the linears use):
@@ -62,21 +64,17 @@ class ExpertsLayout:
         return self.inter_full, self.hidden
 
 
-def experts_layout(experts: nn.Module) -> ExpertsLayout:
-    """The layout of a :class:`~pagefold.layers.moe.MoEExperts`."""
-    return ExpertsLayout(experts.total_experts, experts.first_expert, experts.num_experts,
-                         experts.down_proj.shape[1], experts.full_inter, experts.inter)
-
-
 class LoRAExperts:
     """The resident adapters of one expert stack (see the module docstring)."""
 
-    def __init__(self, experts: nn.Module, layout: ExpertsLayout, step: LoRAStep, *,
-                 num_slots: int, max_rank: int) -> None:
+    def __init__(self, experts: nn.Module, layout: ExpertsLayout, like: torch.Tensor,
+                 step: LoRAStep, *, num_slots: int, max_rank: int) -> None:
+        """``experts``: the stack (its ``lora`` attribute is set); ``like``: a tensor of the
+        dtype and device the adapters' matrices take (one of its weights)."""
         self.layout = layout
         self.step = step
         self.rank = max_rank
-        w = experts.down_proj
+        w = like
         n, h, i = layout.count, layout.hidden, layout.inter_local
         widths = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         self.a = {p: torch.zeros(n, num_slots, max_rank, widths[p][0], dtype=w.dtype,

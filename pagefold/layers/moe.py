@@ -45,6 +45,7 @@ from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import shard_rows
+from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.native_record import Step, gemv_of, gemv_ready
 
@@ -121,6 +122,15 @@ class MoEExperts(nn.Module):
         # its down columns.
         shard_rows(self.gate_up_proj, [self.full_inter] * 2, what, dim=1)
         shard_rows(self.down_proj, [self.full_inter], what, dim=2)
+
+    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:
+        """For LoRA on the stacked experts: (the adapters' module path relative to this one,
+        the layout, a weight for dtype and device); None for quantized experts (no stacks)."""
+        if self.quantized is not None:
+            return None
+        return "", ExpertsLayout(self.total_experts, self.first_expert, self.num_experts,
+                                 self.down_proj.shape[1], self.full_inter,
+                                 self.inter), self.down_proj
 
     def gemv_shapes(self) -> list[tuple[int, int]]:
         """One expert's gate_up and down (N, K), for ``cpu_ops.use_fast_linears`` to choose

@@ -2,19 +2,19 @@
 the decoder layers, with its checkpoint parts (a fused ``qkv_proj`` has ``q_proj`` /
 ``k_proj`` / ``v_proj``; an unfused layer one part named as the layer) and how tensor
 parallelism cuts it (``layers/linear.py``: ``tp_cuts`` on column-parallel layers); and the
-routed experts' stacks (:class:`~pagefold.layers.moe.MoEExperts`) with their layouts."""
+routed experts' stacks (``lora_stack()``) with their layouts."""
 
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
 from pagefold.layers.linear import RowParallelLinear
-from pagefold.layers.lora_experts import ExpertsLayout, experts_layout
+from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.lora_linear import LinearLayout, PartLayout
-from pagefold.layers.moe import MoEExperts
 
 
 def linear_layout(module: nn.Linear, own_name: str) -> LinearLayout:
@@ -52,10 +52,16 @@ def lora_layout(model: nn.Module) -> dict[str, tuple[nn.Linear, LinearLayout]]:
     return found
 
 
-def experts_layouts(model: nn.Module) -> dict[str, tuple[MoEExperts, ExpertsLayout]]:
-    """Module path -> (stack, layout) for every routed expert stack of ``model`` with its
-    stacked weights (quantized experts, whose stacks are replaced by per-expert layers, take
-    no adapters)."""
-    return {path: (mod, experts_layout(mod)) for path, mod in model.named_modules()
-            if isinstance(mod, MoEExperts) and mod.quantized is None
-            and ".layers." in f".{path}"}
+def experts_layouts(model: nn.Module
+                    ) -> dict[str, tuple[nn.Module, ExpertsLayout, torch.Tensor]]:
+    """Adapter module path (transformers', e.g. ``model.layers.0.mlp.experts``) -> (stack,
+    layout, a weight for dtype and device) for every routed expert stack of ``model`` that
+    describes itself with ``lora_stack()`` (:class:`~pagefold.layers.moe.MoEExperts`,
+    Granite-4.0-H's experts; quantized experts, whose stacks are gone, take no adapters)."""
+    found = {}
+    for path, mod in model.named_modules():
+        stack = mod.lora_stack() if callable(getattr(mod, "lora_stack", None)) else None
+        if stack is not None and ".layers." in f".{path}":
+            suffix, lay, like = stack
+            found[path + suffix] = (mod, lay, like)
+    return found

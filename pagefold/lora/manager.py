@@ -32,7 +32,7 @@ def adapter_loader(model: nn.Module, max_rank: int):
     """A loader for :class:`AdapterCache`: reads and checks adapters against ``model``'s
     layout (a meta-device model does: only shapes are read)."""
     layout = {p: lay for p, (_, lay) in lora_layout(model).items()}
-    experts = {p: lay for p, (_, lay) in experts_layouts(model).items()}
+    experts = {p: lay for p, (_, lay, _) in experts_layouts(model).items()}
     fused = dict(getattr(model, "fused_names", {}))
     convert = getattr(model, "convert_weight", None)
 
@@ -65,8 +65,8 @@ class LoRAModelManager:
         self.layers: dict[str, LoRALinear | LoRAExperts] = {
             path: LoRALinear(mod, lay, self.step, num_slots=max_loras, max_rank=max_lora_rank)
             for path, (mod, lay) in lora_layout(model).items()}
-        for path, (mod, lay) in experts_layouts(model).items():  # routed experts' stacks
-            self.layers[path] = LoRAExperts(mod, lay, self.step, num_slots=max_loras,
+        for path, (mod, lay, like) in experts_layouts(model).items():  # routed experts
+            self.layers[path] = LoRAExperts(mod, lay, like, self.step, num_slots=max_loras,
                                             max_rank=max_lora_rank)
         self.cache = cache or AdapterCache(max(max_cpu_loras or 0, max_loras),
                                            adapter_loader(model, max_lora_rank))

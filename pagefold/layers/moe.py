@@ -45,6 +45,7 @@ from pagefold.csrc.gemm import matmul_t
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import shard_rows
+from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.native_record import Step, gemv_of, gemv_ready
 
@@ -90,6 +91,13 @@ class MoEExperts(nn.Module):
     # and ``down_proj`` are its products; the stacked parameters are then gone (None).
     quantized: list | None = None
     pf_gemv: tuple | None = None  # (gate_up's, down's) gemv_choice.Choice, set when routed
+    # Resident LoRA adapters (``layers/lora_experts.LoRAExperts``), attached by the LoRA
+    # manager: ``rows(tokens)`` gives the routed rows' slots (None: no adapter row this step)
+    # and ``add(e, proj, x, y, slots)`` adds expert ``e``'s term to a product's rows.
+    lora = None
+    # Input rows per step token (Llama 4 feeds each token's k pre-scaled copies, token-major):
+    # row ``i`` is token ``i // rows_per_token``, whose adapter slot its LoRA terms use.
+    rows_per_token: int = 1
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  what: str = "moe_intermediate_size") -> None:
@@ -114,6 +122,15 @@ class MoEExperts(nn.Module):
         # its down columns.
         shard_rows(self.gate_up_proj, [self.full_inter] * 2, what, dim=1)
         shard_rows(self.down_proj, [self.full_inter], what, dim=2)
+
+    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:
+        """For LoRA on the stacked experts: (the adapters' module path relative to this one,
+        the layout, a weight for dtype and device); None for quantized experts (no stacks)."""
+        if self.quantized is not None:
+            return None
+        return "", ExpertsLayout(self.total_experts, self.first_expert, self.num_experts,
+                                 self.down_proj.shape[1], self.full_inter,
+                                 self.inter), self.down_proj
 
     def gemv_shapes(self) -> list[tuple[int, int]]:
         """One expert's gate_up and down (N, K), for ``cpu_ops.use_fast_linears`` to choose
@@ -142,7 +159,8 @@ class MoEExperts(nn.Module):
         t, k = top_idx.shape
         if t == 0:
             return torch.zeros_like(x)
-        out = self._few_rows(x, top_idx, top_w) if self.quantized is None else None
+        lora = self.lora is not None and self.lora.step.idx is not None
+        out = self._few_rows(x, top_idx, top_w) if self.quantized is None and not lora else None
         if out is not None:
             return out
         out = torch.zeros_like(x)
@@ -157,23 +175,28 @@ class MoEExperts(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start : start + n]
-            h = x.index_select(0, rows)
-            q = self.quantized[e] if self.quantized is not None else None
-            gu = matmul_t(h, self.gate_up_proj[e]) if q is None else q.gate_up_proj(h)
-            gate, up = gu.split(self.inter, dim=-1)
-            act = F.silu(gate) * up
-            y = matmul_t(act, self.down_proj[e]) if q is None else q.down_proj(act)
+            y = self._expert(e, x.index_select(0, rows), rows)
             out.index_add_(0, rows, y * weights[start : start + n, None])
             start += n
         return out
 
-    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        """Local expert ``e`` on rows ``h``: ``down(silu(gate(h)) * up(h))``, as forward."""
+    def _expert(self, e: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on rows ``h`` (those of ``tokens``):
+        ``down(silu(gate(h)) * up(h))``, each product with its rows' LoRA terms if any."""
         q = self.quantized[e] if self.quantized is not None else None
+        slots = None
+        if self.lora is not None:
+            n = self.rows_per_token
+            slots = self.lora.rows(tokens if n == 1 else tokens // n)
         gu = matmul_t(h, self.gate_up_proj[e]) if q is None else q.gate_up_proj(h)
+        if slots is not None:
+            self.lora.add(e, "gate_up_proj", h, gu, slots)
         gate, up = gu.split(self.inter, dim=-1)
         act = F.silu(gate) * up
-        return matmul_t(act, self.down_proj[e]) if q is None else q.down_proj(act)
+        y = matmul_t(act, self.down_proj[e]) if q is None else q.down_proj(act)
+        if slots is not None:
+            self.lora.add(e, "down_proj", act, y, slots)
+        return y
 
     def forward_ep(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                    extra: torch.Tensor | None = None
@@ -182,7 +205,7 @@ class MoEExperts(nn.Module):
         on every rank; ``layers/expert_parallel.py``) and ``extra`` (a partial sum) reduced in
         the same collective."""
         return routed_ep(x, top_idx, self.ep,
-                         lambda e, tok, slot: self._expert(e, x.index_select(0, tok))
+                         lambda e, tok, slot: self._expert(e, x.index_select(0, tok), tok)
                          * top_w[tok, slot, None], extra)
 
     def _few_rows(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor

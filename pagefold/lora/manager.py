@@ -2,12 +2,13 @@
 the per-row slot index of each step.
 
 ``LoRAModelManager(model, ...)`` attaches a :class:`~pagefold.layers.lora_linear.LoRALinear`
-to every linear of :func:`~pagefold.lora.layout.lora_layout` (nothing is attached when LoRA is
-off: the model runs as before). Before each forward the runner calls :meth:`set_step` with
-each request's adapter (or None) and token count: the step's adapters are made resident
-(a free slot, else the least recently used slot no row of this step needs; its matrices are
-rewritten from the host cache), and the row index is set. The scheduler admits no more
-distinct adapters than slots among the running requests, so a step always fits.
+to every linear of :func:`~pagefold.lora.layout.lora_layout` and a
+:class:`~pagefold.layers.lora_experts.LoRAExperts` to every routed expert stack (nothing is
+attached when LoRA is off: the model runs as before). Before each forward the runner calls
+:meth:`set_step` with each request's adapter (or None) and token count: the step's adapters
+are made resident (a free slot, else the least recently used slot no row of this step needs;
+its matrices are rewritten from the host cache), and the row index is set. The scheduler
+admits no more distinct adapters than slots among the running requests, so a step always fits.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 
 from pagefold.checkpoint import text_config
+from pagefold.layers.lora_experts import LoRAExperts
 from pagefold.layers.lora_linear import LoRALinear, LoRAStep
 from pagefold.lora.cache import AdapterCache
-from pagefold.lora.layout import lora_layout
+from pagefold.lora.layout import experts_layouts, lora_layout
 from pagefold.lora.peft import LoRAAdapter, load_adapter
 from pagefold.lora.request import LoRARequest
 from pagefold.models.registry import model_class
@@ -30,12 +32,13 @@ def adapter_loader(model: nn.Module, max_rank: int):
     """A loader for :class:`AdapterCache`: reads and checks adapters against ``model``'s
     layout (a meta-device model does: only shapes are read)."""
     layout = {p: lay for p, (_, lay) in lora_layout(model).items()}
+    experts = {p: lay for p, (_, lay, _) in experts_layouts(model).items()}
     fused = dict(getattr(model, "fused_names", {}))
     convert = getattr(model, "convert_weight", None)
 
     def load(req: LoRARequest) -> LoRAAdapter:
         return load_adapter(req.lora_int_id, req.lora_name, req.lora_path, layout, fused,
-                            max_rank, convert)
+                            max_rank, convert, experts)
 
     return load
 
@@ -59,9 +62,12 @@ class LoRAModelManager:
                              f"must be >= 1")
         self.max_loras = max_loras
         self.step = LoRAStep()
-        self.layers = {path: LoRALinear(mod, lay, self.step, num_slots=max_loras,
-                                        max_rank=max_lora_rank)
-                       for path, (mod, lay) in lora_layout(model).items()}
+        self.layers: dict[str, LoRALinear | LoRAExperts] = {
+            path: LoRALinear(mod, lay, self.step, num_slots=max_loras, max_rank=max_lora_rank)
+            for path, (mod, lay) in lora_layout(model).items()}
+        for path, (mod, lay, like) in experts_layouts(model).items():  # routed experts
+            self.layers[path] = LoRAExperts(mod, lay, like, self.step, num_slots=max_loras,
+                                            max_rank=max_lora_rank)
         self.cache = cache or AdapterCache(max(max_cpu_loras or 0, max_loras),
                                            adapter_loader(model, max_lora_rank))
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first

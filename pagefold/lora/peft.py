@@ -5,7 +5,8 @@
 ``base_model.model.<module>.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r).
 A module name maps to the model's linear as the checkpoint loader maps weights (the model's
 ``fused_names``: ``q_proj`` -> part ``q_proj`` of ``qkv_proj``). Each part's scaling
-(``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into its B.
+(``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into its B. LoRA on routed
+experts' stacked parameters (``target_parameters``) is read by :mod:`.peft_experts`.
 
 Every refusal is a :class:`LoRAError` (a ValueError; the server's 400) naming the adapter and
 the offending thing: a rank above ``max_lora_rank``, target modules the model has no
@@ -25,13 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.lora_linear import LinearLayout
+from pagefold.lora.errors import LoRAError
+from pagefold.lora.peft_experts import expert_pairs, peft_pattern, read_expert_part
 
 PREFIX = "base_model.model."
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served on this model / engine (a 400 at the server)."""
 
 
 @dataclass
@@ -44,14 +44,6 @@ class LoRAAdapter:
     path: str
     rank: int
     parts: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-
-def _pattern(patterns: dict, module: str, default):
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: a key matches a module name's tail."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
 
 
 def _resolve(module: str, layout: dict[str, LinearLayout],
@@ -89,9 +81,11 @@ def _read_config(name: str, root: Path) -> dict:
 
 def load_adapter(lora_id: int, name: str, path: str, layout: dict[str, LinearLayout],
                  fused_names: dict[str, str], max_rank: int,
-                 convert: Callable[[str, torch.Tensor], Iterable] | None = None
-                 ) -> LoRAAdapter:
-    """Read and check the adapter at ``path`` against ``layout`` (module path -> layout).
+                 convert: Callable[[str, torch.Tensor], Iterable] | None = None,
+                 experts: dict[str, ExpertsLayout] | None = None) -> LoRAAdapter:
+    """Read and check the adapter at ``path`` against ``layout`` (module path -> layout) and
+    the routed expert stacks ``experts`` (path -> layout; :mod:`.peft_experts`: their parts
+    are ``(stack path, "gate_up_proj" | "down_proj")`` with A (E, r, in), B (E, out, r)).
 
     ``convert`` is the model's checkpoint conversion (``convert_weight(name, tensor)``
     yielding ``(name, tensor)`` pairs): a B goes through it as its layer's weight would, so a
@@ -112,6 +106,10 @@ def load_adapter(lora_id: int, name: str, path: str, layout: dict[str, LinearLay
                             f"weight (embeddings, DoRA and biases are not supported)")
         pairs.setdefault(m.group(1), {})[m.group(2)] = t
     adapter = LoRAAdapter(lora_id, name, str(path), 0)
+    for where, ab in expert_pairs(name, cfg, pairs, experts or {}).items():
+        a, b, r = read_expert_part(name, cfg, where, ab, experts[where[0]], max_rank)
+        adapter.parts[where] = (a, b)
+        adapter.rank = max(adapter.rank, r)
     served: set[str] = set()
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -124,7 +122,7 @@ def load_adapter(lora_id: int, name: str, path: str, layout: dict[str, LinearLay
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
             raise LoRAError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)}, not (r, in) and (out, r)")
-        alpha = _pattern(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", 8))
+        alpha = peft_pattern(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", 8))
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         pieces = [(f"{module}.weight", b)]
         if convert is not None:

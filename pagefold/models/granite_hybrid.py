@@ -35,6 +35,7 @@ from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import row_linear, shard_rows
 from pagefold.layers.lm_head import CausalLMHead
+from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.moe import split_expert_inter
 from pagefold.layers.norm import RMSNorm
@@ -93,14 +94,21 @@ class GraniteMoE(nn.Module):
     replicated; the decoder layer all-reduces experts + shared MLP once. Expert parallelism:
     each rank keeps ``E/N`` whole experts and :meth:`forward_ep` combines them exactly, the
     shared MLP's partial sum in the same collective.
+
+    LoRA adapters on the experts (PEFT's ``experts.gate_up_proj`` / ``experts.down_proj``,
+    transformers' names of these stacks): ``lora`` (``layers/lora_experts.LoRAExperts``) adds
+    each routed row's terms to its expert's two products, as in ``MoEExperts``.
     """
+
+    lora = None
 
     def __init__(self, cfg) -> None:
         super().__init__()
         e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.ep = expert_shard(e, "num_local_experts")  # expert parallelism: whole experts
         i = full if self.ep is not None else split_expert_inter(full, "intermediate_size")
-        self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
+        self.num_experts, self.top_k, self.inter, self.full_inter = (
+            e, cfg.num_experts_per_tok, i, full)
         self.router = nn.Module()
         self.router.layer = nn.Linear(h, e, bias=False)
         local = self.ep.count if self.ep is not None else e
@@ -119,9 +127,26 @@ class GraniteMoE(nn.Module):
         top_logits, idx = logits.topk(self.top_k, dim=-1)
         return idx, torch.softmax(top_logits, dim=-1).to(x.dtype)
 
-    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = matmul_t(h, self.input_linear.weight[e]).split(self.inter, dim=-1)
-        return matmul_t(self.act(gate) * up, self.output_linear.weight[e])
+    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor]:
+        """For LoRA: (transformers' stack path below this module, layout, a weight)."""
+        w = self.input_linear.weight
+        first, count = (self.ep.first, self.ep.count) if self.ep is not None else (
+            0, self.num_experts)
+        return ".experts", ExpertsLayout(self.num_experts, first, count, w.shape[2],
+                                         self.full_inter, self.inter), w
+
+    def _expert(self, e: int, h: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on rows ``h`` (those of tokens ``tok``), LoRA terms added."""
+        slots = self.lora.rows(tok) if self.lora is not None else None
+        gu = matmul_t(h, self.input_linear.weight[e])
+        if slots is not None:
+            self.lora.add(e, "gate_up_proj", h, gu, slots)
+        gate, up = gu.split(self.inter, dim=-1)
+        act = self.act(gate) * up
+        y = matmul_t(act, self.output_linear.weight[e])
+        if slots is not None:
+            self.lora.add(e, "down_proj", act, y, slots)
+        return y
 
     def forward_ep(self, x: torch.Tensor, extra: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +154,7 @@ class GraniteMoE(nn.Module):
         shared MLP's partial sum -- reduced in the same collective); see
         ``layers/expert_parallel.py``."""
         idx, weights = self._route(x)
-        return routed_ep(x, idx, self.ep, lambda e, tok, slot: self._expert(e, x[tok])
+        return routed_ep(x, idx, self.ep, lambda e, tok, slot: self._expert(e, x[tok], tok)
                          * weights[tok, slot, None], extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +164,6 @@ class GraniteMoE(nn.Module):
         # Group the (token, slot) pairs by expert: one host sync for the per-expert counts.
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        w_in, w_out = self.input_linear.weight, self.output_linear.weight
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -147,9 +171,7 @@ class GraniteMoE(nn.Module):
             sel = order[start : start + n]
             start += n
             tok, slot = sel // self.top_k, sel % self.top_k
-            gate, up = matmul_t(x[tok], w_in[e]).split(self.inter, dim=-1)
-            y = matmul_t(self.act(gate) * up, w_out[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y)
+            out.index_add_(0, tok, self._expert(e, x[tok], tok) * weights[tok, slot, None])
         return out
 
 

@@ -122,6 +122,7 @@ class Llama4Moe(nn.Module):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = MoEExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
                                   what="intermediate_size")
+        self.experts.rows_per_token = self.top_k  # see forward: k rows per token
         self.shared_expert = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
                                       act=cfg.hidden_act, reduce=False)
 

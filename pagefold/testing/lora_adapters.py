@@ -15,14 +15,18 @@ _models: dict[str, object] = {}
 
 
 def make_adapter(base_dir: str | Path, out_dir: str | Path, *, rank: int,
-                 target_modules: list[str], seed: int, alpha: float | None = None) -> Path:
+                 target_modules: list[str], seed: int, alpha: float | None = None,
+                 target_parameters: list[str] | None = None) -> Path:
+    """``target_parameters``: PEFT's LoRA on parameters (routed experts' stacked
+    ``experts.gate_up_proj`` / ``experts.down_proj``), besides ``target_modules``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                     target_modules=target_modules, init_lora_weights=False, lora_dropout=0.0)
+                     target_modules=target_modules, init_lora_weights=False, lora_dropout=0.0,
+                     target_parameters=target_parameters)
     model = get_peft_model(base, cfg).eval()
     out = Path(out_dir)
     model.save_pretrained(str(out))

@@ -1,0 +1,313 @@
+"""LoRA on routed MoE experts (PEFT ``target_parameters`` on the stacked ``gate_up_proj`` /
+``down_proj``; Jamba shares Qwen's ``MoEExperts`` and was checked the same way by hand): a
+batch mixing the base model and three adapters gives, per row, the greedy
+float32 tokens of transformers + peft with that adapter; the prefix cache stays keyed by
+adapter; bad expert adapters are clear errors; the expert-level terms equal a per-row
+definition (each routed row with its own token's adapter, base rows untouched).
+
+The oracle is peft itself (``pagefold.testing.lora_adapters``); the per-row definition below
+merges ``W_e + B_e @ A_e`` per token, as PEFT's ``ParamWrapper`` does for a whole batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from pagefold import LLM, LoRARequest, SamplingParams
+from pagefold.distributed.parallel_state import set_tensor_parallel
+from pagefold.layers.lora_experts import ExpertsLayout, LoRAExperts
+from pagefold.layers.lora_linear import LoRAStep
+from pagefold.layers.moe import MoEExperts
+from pagefold.lora.layout import experts_layouts, lora_layout
+from pagefold.testing.lora_adapters import make_adapter, peft_greedy
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="peft not installed")
+
+NEW = 5
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+# (rank, target_modules, target_parameters): experts + attention, experts only, and a third
+# mixing one expert product with the model's linears (Qwen3-Next: PEFT itself turns the
+# v4 names gate_proj / up_proj / down_proj into the expert stacks' parameters, gate_up at
+# rank 2r through rank_pattern / alpha_pattern).
+THIRD = {
+    "qwen3_next": (4, ["gate_proj", "up_proj", "down_proj", "in_proj_qkvz"], None),
+    "qwen3_5_moe": (16, ["gate_proj", "down_proj", "in_proj_qkv"], ["experts.down_proj"]),
+    # Granite-4.0-H: its own expert class (``GraniteMoE``), transformers' ``experts`` below it.
+    "granitemoehybrid": (16, ["in_proj", "q_proj", "input_linear"], ["experts.down_proj"]),
+}
+PROMPTS = [[5, 17, 42, 9, 77, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300],
+           [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_factory, tmp_path_factory):
+    """arch -> (base dir, [adapter dirs]) built once per module."""
+    root = tmp_path_factory.mktemp("lora_experts")
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            base = tiny_model_factory(arch)
+            specs = [(8, ["q_proj", "o_proj"], EXPERTS), (4, [], EXPERTS), THIRD[arch]]
+            made[arch] = (base, [make_adapter(base, root / f"{arch}-{i}", rank=r,
+                                              target_modules=t, target_parameters=p,
+                                              seed=20 + i)
+                                 for i, (r, t, p) in enumerate(specs)])
+        return made[arch]
+
+    return get
+
+
+_oracle: dict[tuple, list[int]] = {}
+
+
+def _peft(adapter_dir, base, prompt) -> list[int]:
+    """peft's greedy tokens, each (adapter, prompt) decoded once per module."""
+    key = (str(adapter_dir), str(base), tuple(prompt))
+    if key not in _oracle:
+        _oracle[key] = peft_greedy(adapter_dir, base, [prompt], NEW)[0]
+    return _oracle[key]
+
+
+def _requests(dirs) -> list[LoRARequest]:
+    return [LoRARequest(f"adapter{i}", i + 1, str(d)) for i, d in enumerate(dirs)]
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
+def test_expert_adapters_mixed_batch_match_peft(adapters, arch):
+    base, dirs = adapters(arch)
+    loras = [None, *_requests(dirs)]
+    want = [_peft(d, base, p) for d, p in zip([None, *dirs], PROMPTS)]
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              kv_cache_memory=1 << 23, max_num_batched_tokens=23, warm_up=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert _ids(outs) == want
+    llm.engine.kv.check_whole()
+    assert llm.engine.runner.lora.loads == 3
+    # Every adapter matters (its rows are not the base model's; base rows checked above).
+    plain = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert plain[0] == want[0] and all(p != w for p, w in zip(plain[1:], want[1:]))
+
+
+def test_expert_adapters_prefix_cache_keyed_by_adapter(adapters):
+    """One prompt (a full block and more) under two expert adapters and the base model,
+    twice: no hit across adapters in the first round (blocks and GDN state checkpoints are
+    per adapter), each its own prefix in the second with the same tokens; the first
+    adapter's are peft's (the mixed-batch test's oracle run, reused)."""
+    base, dirs = adapters("qwen3_5_moe")
+    prompt = PROMPTS[3]
+    reqs = _requests(dirs)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              kv_cache_memory=1 << 23, warm_up=False)
+    got = []
+    for rnd in range(2):
+        for lora in (reqs[2], reqs[1], None):
+            out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=lora,
+                               use_tqdm=False)[0]
+            got.append(out.outputs[0].token_ids)
+            assert out.num_cached_tokens == (0 if rnd == 0 else 16)
+            llm.engine.kv.check_whole()
+    assert got[:3] == got[3:] and len({tuple(g) for g in got[:3]}) == 3
+    assert got[0] == _peft(dirs[2], base, prompt)
+
+
+def _rewrite(src, dst, edit) -> None:
+    """Copy adapter ``src`` to ``dst`` with ``edit(key, tensor) -> tensor`` on its tensors."""
+    shutil.copytree(src, dst)
+    f = dst / "adapter_model.safetensors"
+    save_file({k: edit(k, t).contiguous() for k, t in load_file(str(f)).items()}, str(f))
+
+
+def test_bad_expert_adapters_name_the_problem(adapters, llama_dir, tmp_path):
+    base, dirs = adapters("qwen3_next")
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              kv_cache_memory=1 << 22, warm_up=False)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+
+    def refused(path, match, lora_id, on=llm):
+        with pytest.raises(ValueError, match=match):
+            on.generate(prompt, GREEDY, lora_request=LoRARequest(f"bad{lora_id}", lora_id,
+                                                                  str(path)))
+
+    # Three experts' pairs where the model has four (rank 4: A (12, in), B (out, 12)).
+    refused_dir = tmp_path / "count"
+    _rewrite(dirs[1], refused_dir,
+             lambda k, t: t[:12] if ".lora_A." in k else t[:, :12])
+    refused(refused_dir, r"'bad1' does not fit the base model at "
+            r"model\.layers\.\d\.mlp\.experts\.(gate_up|down)_proj.*hold 3 experts of rank 4, "
+            r"the model has 4 experts", 1)
+    # Expert inputs of another width (down_proj's A: 30 columns, the experts' width is 32).
+    width = tmp_path / "width"
+    _rewrite(dirs[1], width, lambda k, t: t[:, :30] if k.endswith("experts.lora_A.weight")
+             else t)
+    refused(width, r"'bad2' does not fit.*experts\.down_proj.*takes 32 inputs", 2)
+    # A target parameter that is not a routed expert product.
+    other = tmp_path / "other"
+    shutil.copytree(dirs[1], other)
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    cfg["target_parameters"] = ["experts.gate_up_proj", "experts.gate_up_proj_bias"]
+    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    refused(other, r"'bad3'.*target parameters \['experts\.gate_up_proj_bias'\] are not "
+            r"supported", 3)
+    # transformers 4's per-expert linears' tensors (not PEFT's stacked-expert format).
+    v4 = tmp_path / "v4"
+    _rewrite(dirs[1], v4, lambda k, t: t)
+    tensors = load_file(str(v4 / "adapter_model.safetensors"))
+    save_file({k.replace(".mlp.experts.", ".mlp.experts.0.down_proj.", 1)
+               .replace(".base_layer.", ".", 1): t for k, t in tensors.items()},
+              str(v4 / "adapter_model.safetensors"))
+    refused(v4, r"'bad5': per-expert LoRA tensors \(model\.layers\.\d\.mlp\.experts\.0\.down_proj"
+            r".*not served", 5)
+    llm.engine.kv.check_whole()
+    # Expert targets on a model without experts.
+    dense = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=1,
+                max_lora_rank=8, kv_cache_memory=1 << 22, warm_up=False)
+    refused(dirs[1], r"'bad4'.*model\.layers\.0\.mlp\.experts'?: this model has no routed "
+            r"expert stack there \(expert stacks: none\)", 4, on=dense)
+
+
+def _definition(x, gu, dn, top_idx, top_w, slot_of_row, pairs):
+    """Per token: its experts with ``W_e + B_e A_e`` of its own adapter (none for -1)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    inter = dn.shape[2]
+    for i in range(x.shape[0]):
+        s = int(slot_of_row[i])
+        for j in range(top_idx.shape[1]):
+            e = int(top_idx[i, j])
+            w_gu, w_dn = gu[e].double(), dn[e].double()
+            if s >= 0:
+                (a1, b1), (a2, b2) = pairs[s]
+                w_gu = w_gu + b1[e].double() @ a1[e].double()
+                w_dn = w_dn + b2[e].double() @ a2[e].double()
+            h = w_gu @ x[i].double()
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[i] += float(top_w[i, j]) * (w_dn @ act)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_terms_follow_each_rows_adapter(dtype):
+    """MoEExperts with two resident adapters (different ranks) and base rows: every token's
+    routed rows use its own slot; bf16 decode-sized steps (which take the GEMV / native
+    path without adapters) get the terms too."""
+    g = torch.Generator().manual_seed(3)
+    n_exp, hidden, inter, t, k = 4, 24, 12, 5 if dtype == torch.float32 else 3, 2
+    experts = MoEExperts(n_exp, hidden, inter)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(n_exp, 2 * inter, hidden, generator=g) * 0.2)
+        experts.down_proj.copy_(torch.randn(n_exp, hidden, inter, generator=g) * 0.2)
+    experts.to(dtype)
+    step = LoRAStep()
+    lora = LoRAExperts(experts, *experts.lora_stack()[1:], step, num_slots=2, max_rank=8)
+    pairs = []
+    for slot, r in enumerate((8, 3)):
+        pair = []
+        for part, (d_in, d_out) in (("gate_up_proj", (hidden, 2 * inter)),
+                                    ("down_proj", (inter, hidden))):
+            a = torch.randn(n_exp, r, d_in, generator=g) * 0.3
+            b = torch.randn(n_exp, d_out, r, generator=g) * 0.3
+            lora.set_part(slot, part, a, b)
+            pair.append((a, b))
+        pairs.append(pair)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    top_idx = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
+    top_w = torch.rand(t, k, generator=g).to(dtype)
+    experts.use_gemv = False  # bf16 decode sizes: F.linear's products, the general path's bits
+    plain = experts(x, top_idx, top_w).clone()
+    slot_of_row = torch.tensor([1, -1, 0, 0, 1][:t])
+    step.idx = slot_of_row
+    got = experts(x, top_idx, top_w)
+    want = _definition(x, experts.gate_up_proj.data, experts.down_proj.data, top_idx, top_w,
+                       slot_of_row, pairs)
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    base = slot_of_row < 0
+    assert torch.equal(got[base], plain[base])  # base rows keep their bits
+    assert (got[~base].double() - plain[~base].double()).abs().max() > 20 * tol
+
+
+
+def test_tensor_parallel_cuts_sum_to_the_whole_term():
+    """Two ranks' expert shards (intermediate dimension split), each with the adapters cut
+    as its weights are: their partial outputs sum to the one-rank definition (the MoE block's
+    all-reduce). Built in one process (``set_tensor_parallel``: the shard each rank builds)."""
+    g = torch.Generator().manual_seed(5)
+    n_exp, hidden, inter, t, k, r = 4, 16, 12, 6, 2, 4
+    gu = torch.randn(n_exp, 2 * inter, hidden, generator=g) * 0.2
+    dn = torch.randn(n_exp, hidden, inter, generator=g) * 0.2
+    pair = [(torch.randn(n_exp, r, d_in, generator=g) * 0.3,
+             torch.randn(n_exp, d_out, r, generator=g) * 0.3)
+            for d_in, d_out in ((hidden, 2 * inter), (inter, hidden))]
+    x = torch.randn(t, hidden, generator=g)
+    top_idx = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
+    top_w = torch.rand(t, k, generator=g)
+    slot_of_row = torch.tensor([0, -1, 0, 0, -1, 0])
+    total = torch.zeros(t, hidden, dtype=torch.float64)
+    try:
+        for rank in range(2):
+            set_tensor_parallel(rank, 2)
+            experts = MoEExperts(n_exp, hidden, inter)
+            for e in range(n_exp):
+                experts.load_expert(e, "gate_proj", gu[e, :inter])
+                experts.load_expert(e, "up_proj", gu[e, inter:])
+                experts.load_expert(e, "down_proj", dn[e])
+            step = LoRAStep(idx=slot_of_row)
+            lora = LoRAExperts(experts, *experts.lora_stack()[1:], step, num_slots=1,
+                                max_rank=r)
+            for part, (a, b) in zip(("gate_up_proj", "down_proj"), pair):
+                lora.set_part(0, part, a, b)
+            total += experts(x, top_idx, top_w).double()
+    finally:
+        set_tensor_parallel(0, 1)
+    want = _definition(x, gu, dn, top_idx, top_w, slot_of_row, [pair])
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ep2_expert_adapters_match_peft(adapters):
+    """Two ranks under expert parallelism: each rank holds its own experts' adapters whole
+    (the intermediate-dimension split is checked above without processes)."""
+    base, dirs = adapters("qwen3_5_moe")
+    loras = [None, *_requests(dirs)]
+    want = [_peft(d, base, p) for d, p in zip([None, *dirs], PROMPTS)]
+    llm = LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True,
+              enable_expert_parallel=True, max_loras=3, max_lora_rank=16,
+              kv_cache_memory=1 << 22, threads_per_rank=1, warm_up=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                            lora_request=loras, use_tqdm=False)
+        assert _ids(outs) == want
+        llm.engine.kv.check_whole()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_layout_takes_stacks_not_routed_per_expert_linears():
+    """Routed experts kept as per-expert linears (Nemotron-H's ``experts.{e}``, called on their
+    routed rows only) get no per-row hook (the step's slot index does not follow those rows);
+    a shared expert, called on every row, keeps its adapters; expert stacks are taken."""
+    layer = nn.Module()
+    layer.experts = nn.ModuleList(nn.ModuleDict({"up_proj": nn.Linear(8, 16)})
+                                  for _ in range(2))
+    layer.shared_experts = nn.ModuleDict({"up_proj": nn.Linear(8, 16)})
+    layer.mlp = nn.Module()
+    layer.mlp.experts = MoEExperts(6, 8, 4)
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer])
+    assert set(lora_layout(model)) == {"layers.0.shared_experts.up_proj"}
+    stacks = experts_layouts(model)
+    assert list(stacks) == ["layers.0.mlp.experts"]
+    assert stacks["layers.0.mlp.experts"][1] == ExpertsLayout(6, 0, 6, 8, 4, 4)

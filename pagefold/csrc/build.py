@@ -199,7 +199,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_qgemv_affine_q8.restype = i32
     lib.pf_qgemv_q8_limit_isa.argtypes = [i32]
     lib.pf_qgemv_q8_limit_isa.restype = i32
-    lib.pf_qgemv_q8_takes.argtypes = [i32]
+    lib.pf_qgemv_q8_takes.argtypes = [i32, i64]
     lib.pf_qgemv_q8_takes.restype = i32
     lib.pf_quant_matrix_words.restype = i32
     lib.pf_linear_quant.argtypes = lib.pf_linear_bf16.argtypes

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
-from pagefold.quantization.gguf_blocks import GROUP, KERNEL_BITS, decode_rows
+from pagefold.quantization.gguf_blocks import CODE_BITS, GROUP, KERNEL_BITS, decode_rows
 from pagefold.quantization.native_matrix import QuantMatrix, describe
 
 __all__ = ["GGUFWeight", "KERNEL_MAX_ROWS"]
@@ -67,6 +67,8 @@ class GGUFWeight:
         for kind, _ in parts:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.bits = max(KERNEL_BITS[kind] for kind, _ in parts)
+        # the int8-activation kernel's ``bits``: 4 (nibbles), or the codes' bits (one a byte)
+        self.q8_bits = 4 if self.bits == 4 else max(CODE_BITS[kind] for kind, _ in parts)
         self.group = min(GROUP[kind] for kind, _ in parts)
         codes, scales, mins = [], [], []
         for kind, raw in parts:
@@ -92,8 +94,8 @@ class GGUFWeight:
         """Whether bf16 rows take the int8-activation kernel (fixed once decided)."""
         if self._q8 is None:
             lib = cpu_ops.kernels()
-            self._q8 = (QGEMV == "q8" and lib is not None and self.group == 32
-                        and bool(lib.pf_qgemv_q8_takes(self.bits)))
+            self._q8 = (QGEMV == "q8" and lib is not None
+                        and bool(lib.pf_qgemv_q8_takes(self.q8_bits, self.group)))
         return self._q8
 
     def native(self) -> tuple[QuantMatrix, int] | None:
@@ -103,8 +105,9 @@ class GGUFWeight:
         if self._native is None:
             ok = (self.bits in (4, 8) and self.k % self.group == 0
                   and (self.bits == 8 or self.group == 32))
-            got = describe("affine_q8" if self.act_q8() else "affine", self.codes, self.scale,
-                           self.min, self.bits, self.group,
+            q8 = self.act_q8()
+            got = describe("affine_q8" if q8 else "affine", self.codes, self.scale,
+                           self.min, self.q8_bits if q8 else self.bits, self.group,
                            int(self.scale.dtype == torch.float16)) if ok else None
             self._native = got if got is not None else False
         return self._native or None
@@ -138,13 +141,12 @@ class GGUFWeight:
             return None
         xf = x.float().contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        fn = (lib.pf_qgemv_affine_q8 if x.dtype != torch.float32 and self.act_q8()
-              else lib.pf_qgemv_affine)
-        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n,
-                                 self.codes.data_ptr(), self.bits, self.group,
-                                 self.scale.data_ptr(), self.min.data_ptr(),
-                                 int(self.scale.dtype == torch.float16), y.data_ptr(),
-                                 self.n, torch.get_num_threads())
+        q8 = x.dtype != torch.float32 and self.act_q8()
+        fn = lib.pf_qgemv_affine_q8 if q8 else lib.pf_qgemv_affine
+        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n, self.codes.data_ptr(),
+                self.q8_bits if q8 else self.bits, self.group, self.scale.data_ptr(),
+                self.min.data_ptr(), int(self.scale.dtype == torch.float16), y.data_ptr(),
+                self.n, torch.get_num_threads())
         return y if rc == 0 else None
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ agree to float32 rounding, not bitwise). ``rows`` decodes gathered rows (embeddi
 Activations: float32 rows always take the float32 kernel (the exactness tests hold float32
 models to transformers on the decoded weights). bf16 rows take ``pf_qgemv_affine_q8``
 (``csrc/qgemv_q8.cpp``: the rows quantized to int8 per group of 32, integer dot products, as
-llama.cpp multiplies its Q4/Q8 weights) where a compiled form takes the weight's codes (groups
-of 32: Q4_0, Q4_1, Q8_0, Q4_K), unless ``PAGEFOLD_QGEMV=float`` keeps the float32 kernel
+llama.cpp multiplies its quantized weights) where a compiled form takes the weight's codes
+(``q8_bits``: their own width; every kept type on AVX-512 VNNI, all but Q8_0's 8-bit codes on
+AVX2; Q6_K's groups of 16 too), unless ``PAGEFOLD_QGEMV=float`` keeps the float32 kernel
 (to compare the two). The module path and the native decode driver (:meth:`GGUFWeight.native`)
 take the same kernel, so they agree bit for bit.
 """

@@ -10,7 +10,8 @@ Q4_0 embedding and a Q6_K untied head (vocabulary-parallel).
 In one process, each rank's layer against gguf-py's decoder (independent of pagefold): the
 row-parallel ranks' partial products sum to the full product, a fused column-parallel
 layer's rank holds its rows of each shard, a vocabulary split of an odd vocabulary pads the
-last rank with zero rows; and a split inside a super-block is an error naming the layer.
+last rank with zero rows (a table of the wrong height is an error); and a split inside a
+super-block is an error naming the layer.
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def test_ranks_hold_blocks_of_the_gguf_weight(two_ranks):
         x = torch.randn(2, 64, generator=gen)
         torch.testing.assert_close(head(x).double(), x.double() @ want.double().T,
                                    rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"lin: GGUF Q4_1 table of 35 rows, expected 19 a "
+                                         r"rank .*truncated"):  # a truncated table
+        _load(lm_head_linear(64, 37), {None: ("Q4_1", raw[:35])})
 
 
 def test_split_inside_a_block_names_the_layer(two_ranks):

@@ -75,6 +75,10 @@ class GGUFSplit:
                                         "file)")
             return cut.take(raw).contiguous()
         if self.vocab_rows is not None:
+            if -(-raw.shape[0] // tp_size()) != self.vocab_rows:
+                raise QuantizationError(f"{what}: GGUF {kind} table of {raw.shape[0]} rows, "
+                                        f"expected {self.vocab_rows} a rank over {tp_size()} "
+                                        "ranks (truncated or corrupt file)")
             n = max(0, min(self.vocab_rows, raw.shape[0] - self.start))
             out = torch.zeros((self.vocab_rows, raw.shape[1]), dtype=raw.dtype)
             out[:n] = raw[self.start:self.start + n]

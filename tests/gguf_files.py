@@ -15,6 +15,8 @@ import numpy as np
 
 K_SIZES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 2, 64, 512, 2
+# Mamba-1 (``mamba``): inner channels (expand 2), state size, dt rank, conv kernel.
+SSM_INNER, SSM_STATE, SSM_RANK, SSM_CONV = 2 * HIDDEN, 16, 16, 4
 
 
 def _tokenizer_fields(src: Path) -> dict:
@@ -65,9 +67,12 @@ def _quantized(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.
 def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: str = "Q4_0",
                     embed_kind: str | None = None, tied: bool = True,
                     kinds: dict[str, str] | None = None, seed: int = 0) -> Path:
-    """A 2-layer ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``lfm2``: short-conv hybrid) GGUF whose
-    linears are ``kind`` (``kinds``: per tensor-name suffix, e.g. ``{"attn_v": "Q6_K"}``),
-    embedding ``embed_kind`` (default ``kind``), lm_head tied or its own ``output.weight``."""
+    """A 2-layer ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``lfm2``: short-conv hybrid,
+    ``mamba``: Mamba-1) GGUF whose linears are ``kind`` (``kinds``: per tensor-name suffix,
+    e.g. ``{"attn_v": "Q6_K"}``), embedding ``embed_kind`` (default ``kind``), lm_head tied or
+    its own ``output.weight``. Mamba's state tensors are F32 as llama.cpp writes them:
+    ``ssm_a`` = -exp(A_log), ``ssm_conv1d`` (channels, kernel), ``ssm_d``, ``ssm_dt`` (its
+    16 inputs are not whole blocks); ``ssm_in`` / ``ssm_x`` / ``ssm_out`` are ``kind``."""
     rng = np.random.default_rng(seed)
     # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's default (128) it is.
     head_dim = 128 if arch == "qwen3" else HEAD_DIM
@@ -80,6 +85,11 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
+    if arch == "mamba":
+        w.add_uint32("mamba.ssm.conv_kernel", SSM_CONV)
+        w.add_uint32("mamba.ssm.inner_size", SSM_INNER)
+        w.add_uint32("mamba.ssm.state_size", SSM_STATE)
+        w.add_uint32("mamba.ssm.time_step_rank", SSM_RANK)
     if arch == "lfm2":  # a short-conv layer, then an attention layer (KV heads 0: no attention)
         w.add_head_count_kv([0, KV_HEADS])
         w.add_uint32("lfm2.shortconv.l_cache", 3)
@@ -118,6 +128,20 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     for i in range(LAYERS):
         b = f"blk.{i}"
         norm(f"{b}.attn_norm.weight", HIDDEN)
+        if arch == "mamba":
+            def f32(name: str, a: np.ndarray) -> None:
+                w.add_tensor(name, a.astype(np.float32))
+
+            lin(f"{b}.ssm_in.weight", 2 * SSM_INNER, HIDDEN)
+            f32(f"{b}.ssm_conv1d.weight", 0.3 * rng.standard_normal((SSM_INNER, SSM_CONV)))
+            f32(f"{b}.ssm_conv1d.bias", 0.1 * rng.standard_normal(SSM_INNER))
+            lin(f"{b}.ssm_x.weight", SSM_RANK + 2 * SSM_STATE, SSM_INNER)
+            f32(f"{b}.ssm_dt.weight", 0.2 * rng.standard_normal((SSM_INNER, SSM_RANK)))
+            f32(f"{b}.ssm_dt.bias", rng.uniform(-4.0, -2.0, SSM_INNER))
+            f32(f"{b}.ssm_a", -rng.uniform(0.5, 4.0, (SSM_INNER, SSM_STATE)))
+            f32(f"{b}.ssm_d", 1.0 + 0.1 * rng.standard_normal(SSM_INNER))
+            lin(f"{b}.ssm_out.weight", HIDDEN, SSM_INNER)
+            continue
         norm(f"{b}.ffn_norm.weight", HIDDEN)
         lin(f"{b}.ffn_gate.weight", FFN, HIDDEN)
         lin(f"{b}.ffn_up.weight", FFN, HIDDEN)

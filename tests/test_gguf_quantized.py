@@ -6,8 +6,10 @@ with gguf-py and undoes llama.cpp's Q/K row permutation) in float32: the quantiz
 function, so greedy tokens must be equal. Also: the kernel (every form: AVX-512, AVX2,
 scalar) against gguf-py's decoder (independent of pagefold) on awkward shapes, and bad input.
 
-Families: dense (llama, qwen2 with q/k/v biases, qwen3) and the LFM2 short-conv hybrid. Not
-covered: GDN / Mamba-2 hybrids and MoE. transformers 5 reads no qwen3_next / qwen3_5 /
+Families: dense (llama, qwen2 with q/k/v biases, qwen3), the LFM2 short-conv hybrid and
+Mamba-1 (a state-space stack: its in / x / out projections kept quantized, its conv, A, D and
+dt tensors as stored, transformers' ``ssm_a`` -> ``A_log`` mapping). Not covered: GDN /
+Mamba-2 hybrids and MoE. transformers 5 reads no qwen3_next / qwen3_5 /
 nemotron_h / mamba2 GGUF (so there is no oracle), and of the MoE GGUFs it reads (qwen2moe,
 qwen3moe, gpt-oss, minimax-m2) pagefold serves only gpt-oss, whose experts are MXFP4. A GGUF's
 stacked expert tensors load dequantized (``gguf_dequant_``).
@@ -80,6 +82,8 @@ CASES = [("llama", t, {}) for t in TYPES] + [
     ("qwen3", "Q4_1", {"embed_kind": "Q6_K", "tied": False}),
     ("qwen2", "Q5_K", {}),  # fused qkv_proj with its bias
     ("lfm2", "Q4_K", {}),  # hybrid: short-conv in/out projections quantized, conv as stored
+    # Mamba-1: in / x / out projections quantized; conv, A (-exp(A_log)), D, dt as stored
+    ("mamba", "Q8_0", {"kinds": {"ssm_x": "Q4_1", "ssm_out": "Q4_K"}}),
 ]
 
 

@@ -151,3 +151,72 @@ def test_mxfp4_experts_ep2(tiny_model_factory, tmp_path):
     finally:
         llm.engine.shutdown()
     assert got == hf_greedy(tmp_path / "ref", PROMPTS, N_NEW)
+
+
+@pytest.fixture(params=[0, 1, 2], ids=["best", "avx2", "scalar"])
+def mxfp4_isa(request):
+    """Each form of ``pf_qgemv_mxfp4`` (AVX-512, AVX2 + FMA, scalar) in turn."""
+    from pagefold.csrc import cpu_ops
+
+    lib = cpu_ops.kernels()
+    if lib is None:
+        pytest.skip("no compiled kernels")
+    old = lib.pf_mxfp4_limit_isa(request.param)
+    yield lib
+    lib.pf_mxfp4_limit_isa(old)
+
+
+def test_mxfp4_kernel_matches_the_spec_on_awkward_shapes(mxfp4_isa):
+    """``mxfp4_linear`` on 1..33 rows (33: past the compiled kernel's 32, the tile-decoding
+    reference) against the spec's values in float64 (codes and E8M0 scales decoded here, the
+    subnormal scale byte 0 included), odd block counts and output rows: within float32
+    rounding of the sums; a row's result does not depend on the rows beside it."""
+    from pagefold.quantization.mxfp4 import mxfp4_linear
+
+    gen = torch.Generator().manual_seed(11)
+    lut = torch.cat([MAGNITUDES, -MAGNITUDES]).double()
+    for n, groups in ((37, 3), (5, 1), (16, 5)):
+        k = 32 * groups
+        blocks = torch.randint(0, 256, (n, groups, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(118, 136, (n, groups), generator=gen, dtype=torch.uint8)
+        scales[0, 0] = 0  # 2^-127: subnormal weights
+        codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).reshape(n, groups, 32).long()
+        w = (lut[codes] * torch.pow(2.0, scales.double() - 127)[..., None]).reshape(n, k)
+        for m in (1, 2, 3, 4, 5, 17, 32, 33):
+            x = torch.randn(m, k, generator=gen)
+            got = mxfp4_linear(x, blocks, scales)
+            want = x.double() @ w.t()
+            bound = 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert ((got.double() - want).abs() <= bound).all(), (n, k, m)
+            if m <= 32:
+                assert torch.equal(mxfp4_linear(x[m - 1:].contiguous(), blocks, scales),
+                                   got[m - 1:])
+        xb = torch.randn(3, k, generator=gen).bfloat16()
+        got = mxfp4_linear(xb, blocks, scales)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), xb.double() @ w.t(), rtol=1e-2, atol=1e-6)
+
+
+def test_mxfp4_kernel_takes_few_rows():
+    """The compiled kernel answers 1..32 rows (its bits, not the reference's); a width that is
+    not whole blocks, or 65 rows, is refused with nothing written."""
+    from pagefold.csrc import cpu_ops
+    from pagefold.quantization.mxfp4 import mxfp4_linear
+
+    lib = cpu_ops.kernels()
+    if lib is None:
+        pytest.skip("no compiled kernels")
+    gen = torch.Generator().manual_seed(12)
+    blocks = torch.randint(0, 256, (9, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (9, 2), generator=gen, dtype=torch.uint8)
+    x = torch.randn(4, 64, generator=gen)
+    y = torch.full((4, 9), 7.0)
+    assert lib.pf_qgemv_mxfp4(x.data_ptr(), 4, 64, 9, blocks.data_ptr(), scales.data_ptr(),
+                              y.data_ptr(), 9, 1) == 0
+    assert torch.equal(mxfp4_linear(x, blocks, scales), y)
+    z = torch.full((4, 9), 7.0)
+    for m, k in ((4, 48), (65, 64)):
+        assert lib.pf_qgemv_mxfp4(x.data_ptr(), m, k, 9, blocks.data_ptr(), scales.data_ptr(),
+                                  z.data_ptr(), 9, 1) == 1
+    assert bool((z == 7.0).all())

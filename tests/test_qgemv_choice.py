@@ -118,7 +118,7 @@ def test_flags_mode_and_a_bad_mode(monkeypatch):
     monkeypatch.setenv("PAGEFOLD_QGEMV", "flags")
     w = _weight("Q4_1", 1024, 512)
     qgemv_choice.choose([w], timer=lambda *a: pytest.fail("timed the flags' choice"))
-    takes = bool(lib.pf_qgemv_q8_takes(4))
+    takes = bool(lib.pf_qgemv_q8_takes(4, 32))
     assert w.choice == (("q8" if takes else "float"), 32)
     monkeypatch.setenv("PAGEFOLD_QGEMV", "fastest")
     with pytest.raises(ValueError, match="PAGEFOLD_QGEMV='fastest': expected one of auto"):
@@ -152,7 +152,7 @@ def test_products_follow_the_choice_on_both_paths():
     assert torch.equal(w.matmul(x[:4]), w.product(x[:4], "float").bfloat16())
     tiles = torch.nn.functional.linear(x[:5], _dense(w).bfloat16())
     assert torch.equal(w.matmul(x[:5]), tiles)
-    if lib.pf_qgemv_q8_takes(4):
+    if lib.pf_qgemv_q8_takes(4, 32):
         q = _weight("Q4_1", 96, 128)
         q.choice = ("q8", 32)
         assert torch.equal(q.matmul(x), q.product(x, "q8").bfloat16())

@@ -1,9 +1,10 @@
 """Quantized MoE experts (Qwen3-Next: GDN + sparse MoE with a shared expert) against
 transformers running the same weights dequantized: a checkpoint storing every expert's
 ``gate_proj`` / ``up_proj`` / ``down_proj`` quantized (compressed-tensors W4A16 groups of 32,
-GPTQ int4 act-order), and ``quantization=int8|int4|fp8`` on load, which quantizes the experts
-as it does every linear. The checkpoints and the on-load rule are ``tests/test_quantization.py``'s
-(written from the formats' documentation), applied here to every expert's matrices."""
+GPTQ int4 act-order, FP8 with block scales), and ``quantization=int8|int4|fp8`` on load,
+which quantizes the experts as it does every linear. The checkpoints and the on-load rule
+are ``tests/test_quantization.py``'s (written from the formats' documentation), applied here
+to every expert's matrices."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _experts_quantized(model_dir) -> int:
                if getattr(m, "quantized", None))
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-g32", "gptq-int4-g32-actorder"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-g32", "gptq-int4-g32-actorder", "fp8-block"])
 def test_quantized_expert_checkpoint_matches_dequantized_transformers(tiny_model_factory,
                                                                       tmp_path, fmt):
     src = tiny_model_factory("qwen3_next")
@@ -36,8 +37,8 @@ def test_quantized_expert_checkpoint_matches_dequantized_transformers(tiny_model
     # reshuffles (plain only); its attention, MLP and expert linears quantize.
     write_quantized(src, tmp_path / "q", tmp_path / "ref", fmt, plain=("linear_attn",))
     stored = load_file(str(tmp_path / "q" / "model.safetensors"))
-    assert "model.layers.0.mlp.experts.3.down_proj.scales" in stored or \
-        "model.layers.0.mlp.experts.3.down_proj.weight_scale" in stored
+    assert any(f"model.layers.0.mlp.experts.3.down_proj.{t}" in stored
+               for t in ("scales", "weight_scale", "weight_scale_inv"))
     assert _pagefold(tmp_path / "q") == _oracle(tmp_path / "ref")
     assert _experts_quantized(tmp_path / "q") == 4 * 4  # 4 experts in each of 4 layers
 

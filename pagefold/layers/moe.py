@@ -470,11 +470,14 @@ _PER_EXPERT = re.compile(r"^(?P<mod>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj
 class ExpertWeightRouter:
     """Takes per-expert checkpoint tensors out of a weight stream and copies them in place.
 
-    ``route(weights)`` yields every other tensor unchanged (for ``load_into``). Afterwards
-    ``complete()`` names the stacked parameters every piece of which was loaded this way.
+    ``route(weights)`` yields every other tensor unchanged (for ``load_into``), and so an FP8
+    expert ``weight`` of a quantized checkpoint (the model's ``pf_quant`` set: the quantizer
+    turns the experts into quantized linears as the tensor loads). Afterwards ``complete()``
+    names the stacked parameters every piece of which was loaded this way.
     """
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.modules = {n: m for n, m in model.named_modules() if isinstance(m, MoEExperts)}
         self.seen: dict[str, set[tuple[int, str]]] = {}
 
@@ -482,7 +485,9 @@ class ExpertWeightRouter:
               ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             m = _PER_EXPERT.match(name)
-            if m is None or m["mod"] not in self.modules:
+            quantized = (tensor.dtype == torch.float8_e4m3fn
+                         and getattr(self.model, "pf_quant", None) is not None)
+            if m is None or m["mod"] not in self.modules or quantized:
                 yield name, tensor
                 continue
             self.modules[m["mod"]].load_expert(int(m["e"]), m["proj"], tensor)

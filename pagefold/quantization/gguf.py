@@ -19,7 +19,11 @@ other quantized tensor (stacked MoE experts) as ``<param>.gguf_dequant_<type>``.
 
 Invariants: a fused layer takes every shard from the file's quantized tensors or none (a
 plain shard beside quantized ones is refused, naming the layer); every shard of a layer is
-filled before it finalizes; under tensor parallelism or off the CPU GGUF layers are refused.
+filled before it finalizes; off the CPU GGUF layers are refused. Under tensor parallelism
+each layer keeps its rank's part of the file's blocks (:mod:`.gguf_tp`: output rows,
+vocabulary rows, or input columns in whole blocks), and a row-parallel layer sums the ranks'
+products as ``RowParallelLinear`` does; a vocabulary-parallel embedding zeroes the ids
+another rank holds and sums the ranks' rows.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagefold.distributed.parallel_state import tp_size
+from pagefold.distributed.parallel_state import all_reduce, tp_rank
+from pagefold.layers.linear import RowParallelLinear
+from pagefold.layers.vocab import VocabParallelEmbedding
 from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
+from pagefold.quantization.gguf_tp import GGUFSplit, gguf_split
 
 __all__ = ["DEQUANT_PREFIX", "KEEP_PREFIX", "GGUFEmbedding", "GGUFLinear", "GGUFQuantizer",
            "gguf_weights"]
@@ -72,8 +79,8 @@ class _RawHolder(nn.Module):
     each shard's raw rows until :meth:`build`."""
 
     def _init_raw(self, layer: str, rows: int, cols: int,
-                  shards: dict[str, tuple[int, int]]) -> None:
-        self.layer, self.rows, self.cols = layer, rows, cols
+                  shards: dict[str, tuple[int, int]], split: GGUFSplit | None) -> None:
+        self.layer, self.rows, self.cols, self.split = layer, rows, cols, split
         self.shards = dict(shards)
         self.raw: dict[str, tuple[str, torch.Tensor]] = {}
         self.packed: GGUFWeight | None = None
@@ -89,6 +96,8 @@ class _RawHolder(nn.Module):
                                         f"(has {list(self.shards)})")
             if key in self.raw:
                 raise QuantizationError(f"{self.layer}: shard {key!r} given twice")
+            if self.split is not None:
+                tensor = self.split.take(kind, tensor, key)
             n = self.shards[key][1]
             if tensor.dim() != 2 or tensor.shape[0] != n:
                 raise QuantizationError(f"{self.layer}{' (' + key + ')' if key else ''}: GGUF "
@@ -130,9 +139,9 @@ class GGUFLinear(_RawHolder):
 
     def __init__(self, in_features: int, out_features: int,
                  shards: dict[str, tuple[int, int]], bias: nn.Parameter | None, layer: str,
-                 float_out: bool = False) -> None:
+                 float_out: bool = False, split: GGUFSplit | None = None) -> None:
         super().__init__()
-        self._init_raw(layer, out_features, in_features, shards)
+        self._init_raw(layer, out_features, in_features, shards, split)
         self.in_features, self.out_features = in_features, out_features
         self.bias = bias
         self.float_out = float_out
@@ -148,9 +157,9 @@ class GGUFLinear(_RawHolder):
         """For the native decode driver (``layers.native_record``): (descriptor address, bias
         address or 0, its GEMV's address, most rows), the product :meth:`forward` makes on
         bf16 rows; None for logits (``float_out``), a bias not bf16, or a weight the few-row
-        kernel does not take."""
+        kernel does not take, or a row-parallel layer (its sum over the ranks)."""
         b = self.bias
-        if (self.packed is None or self.float_out
+        if (self.packed is None or self.float_out or (self.split is not None and self.split.row)
                 or (b is not None and not (b.dtype == torch.bfloat16 and b.is_contiguous()))):
             return None
         got = self.packed.native()
@@ -164,7 +173,13 @@ class GGUFLinear(_RawHolder):
         if self.packed is None:
             raise RuntimeError(f"{self.layer}: GGUF layer used before its weights loaded")
         y = self.packed.matmul(x, self.float_out)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        b = None if self.bias is None else self.bias.to(y.dtype)
+        if self.split is None or not self.split.row:
+            return y if b is None else y + b
+        if not self.split.reduce:  # the caller sums the ranks' partials: bias once
+            return y if b is None or tp_rank() else y + b
+        y = all_reduce(y)
+        return y if b is None else y + b
 
     def extra_repr(self) -> str:
         kinds = self.packed.kinds if self.packed is not None else {}
@@ -176,15 +191,26 @@ class GGUFEmbedding(_RawHolder):
     """An embedding table holding GGUF blocks; a lookup decodes the rows it gathers into
     ``dtype`` (the model's)."""
 
-    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, layer: str) -> None:
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, layer: str,
+                 split: GGUFSplit | None = None) -> None:
         super().__init__()
-        self._init_raw(layer, num_embeddings, dim, {"": (0, num_embeddings)})
+        self._init_raw(layer, num_embeddings, dim, {"": (0, num_embeddings)}, split)
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, dim, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             raise RuntimeError(f"{self.layer}: GGUF embedding used before its weights loaded")
-        return self.packed.rows(ids).to(self.dtype)
+        if self.split is None:
+            return self.packed.rows(ids).to(self.dtype)
+        local = ids - self.split.start  # vocabulary-parallel: this rank's rows, summed
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = self.packed.rows(local.masked_fill(outside, 0)).to(self.dtype)
+        return all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
+# The plain layers a GGUF layer replaces (one rank, and their tensor-parallel forms).
+LINEARS = (nn.Linear, RowParallelLinear)
+EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)
 
 
 def _swap(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -218,31 +244,29 @@ class GGUFQuantizer:
             if name == "weight" and isinstance(mod, GGUFLinear):
                 raise QuantizationError(f"{path}: the GGUF file stores part of this fused "
                                         "layer plain and part quantized (unsupported)")
-            if (name == "weight" and type(mod) is nn.Linear
+            if (name == "weight" and type(mod) in LINEARS
                     and getattr(mod.weight, "fused", None) is not None):
                 self.plain.add(path)
             return None
         if kind not in TYPE_SIZE:
             raise QuantizationError(f"{target}: GGUF type {kind} is not supported")
-        if tp_size() > 1:
-            raise QuantizationError(f"{path}: GGUF weights kept quantized under tensor "
-                                    "parallelism are not supported yet (load the file with "
-                                    "quantization='none')")
         dev = getattr(getattr(mod, "weight", None), "device", torch.device("cpu"))
         if dev.type != "cpu":
             raise QuantizationError(f"{path}: GGUF weights kept quantized run on the CPU only "
                                     f"(this model is on {dev}); load the file with "
                                     "quantization='none'")
         new = mod
-        if type(mod) is nn.Embedding:
-            new = GGUFEmbedding(mod.num_embeddings, mod.embedding_dim, mod.weight.dtype, path)
+        if type(mod) in EMBEDDINGS:
+            new = GGUFEmbedding(mod.num_embeddings, mod.embedding_dim, mod.weight.dtype, path,
+                                gguf_split(mod, path))
             self.embedding_weights[id(mod.weight)] = new
-        elif type(mod) is nn.Linear:
+        elif type(mod) in LINEARS:
             if path in self.plain:
                 raise QuantizationError(f"{path}: the GGUF file stores part of this fused "
                                         "layer plain and part quantized (unsupported)")
             new = GGUFLinear(mod.in_features, mod.out_features, _shards(mod), mod.bias, path,
-                             float_out=bool(getattr(mod, "pf_logits", False)))
+                             float_out=bool(getattr(mod, "pf_logits", False)),
+                             split=gguf_split(mod, path))
         elif not isinstance(mod, (GGUFLinear, GGUFEmbedding)):
             raise QuantizationError(f"{target}: a GGUF {kind} tensor of a "
                                     f"{type(mod).__name__} (not a linear or embedding) cannot "

@@ -18,7 +18,9 @@ Activations: float32 rows always take the float32 kernel (the exactness tests ho
 models to transformers on the decoded weights). bf16 rows take the weight's :attr:`choice`
 (:mod:`.qgemv_choice`: measured at load): ``pf_qgemv_affine_q8`` (``csrc/qgemv_q8.cpp``: the
 rows quantized to int8 per group of 32, integer dot products, as llama.cpp multiplies its
-Q4/Q8 weights; group-32 codes only) or ``pf_qgemv_affine``, up to the chosen rows, and decoded
+quantized weights, where a compiled form takes the codes: ``q8_bits``, their own width; every
+kept type on AVX-512 VNNI, all but Q8_0's 8-bit codes on AVX2; Q6_K's groups of 16 too) or
+``pf_qgemv_affine``, up to the chosen rows, and decoded
 tiles with ``F.linear`` above. The module path and the native decode driver
 (:meth:`GGUFWeight.native`) take the same kernel, so they agree bit for bit.
 """
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
-from pagefold.quantization.gguf_blocks import GROUP, KERNEL_BITS, decode_rows
+from pagefold.quantization.gguf_blocks import CODE_BITS, GROUP, KERNEL_BITS, decode_rows
 from pagefold.quantization.native_matrix import QuantMatrix, describe
 from pagefold.quantization.qgemv_choice import KERNEL_MAX_ROWS, flags_pick
 
@@ -62,6 +64,8 @@ class GGUFWeight:
         for kind, _ in parts:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.bits = max(KERNEL_BITS[kind] for kind, _ in parts)
+        # the int8-activation kernel's ``bits``: 4 (nibbles), or the codes' bits (one a byte)
+        self.q8_bits = 4 if self.bits == 4 else max(CODE_BITS[kind] for kind, _ in parts)
         self.group = min(GROUP[kind] for kind, _ in parts)
         codes, scales, mins = [], [], []
         for kind, raw in parts:
@@ -94,14 +98,15 @@ class GGUFWeight:
 
     def kernel_names(self) -> list[str]:
         """The few-row kernels for bf16 rows, the flags' pick first: int8 activations where a
-        compiled form takes the codes (groups of 32)."""
+        compiled form takes the codes (``q8_bits`` of them, in groups of ``group``)."""
         lib = cpu_ops.kernels()
-        q8 = lib is not None and self.group == 32 and bool(lib.pf_qgemv_q8_takes(self.bits))
+        q8 = lib is not None and bool(lib.pf_qgemv_q8_takes(self.q8_bits, self.group))
         return ["q8", "float"] if q8 else ["float"]
 
     def signature(self) -> str:
         """What besides (N, K) decides a product's speed: code bits, group, scale width."""
-        return f"gguf b{self.bits} g{self.group} {str(self.scale.dtype).removeprefix('torch.')}"
+        return (f"gguf b{self.q8_bits} g{self.group} "
+                f"{str(self.scale.dtype).removeprefix('torch.')}")
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
         return self.codes, self.scale, self.min
@@ -121,7 +126,7 @@ class GGUFWeight:
             ok = (self.bits in (4, 8) and self.k % self.group == 0
                   and (self.bits == 8 or self.group == 32) and name != "torch")
             got = describe("affine_q8" if name == "q8" else "affine", self.codes, self.scale,
-                           self.min, self.bits, self.group,
+                           self.min, self.q8_bits if name == "q8" else self.bits, self.group,
                            int(self.scale.dtype == torch.float16)) if ok else None
             self._native = got if got is not None else False
         return self._native or None
@@ -161,8 +166,9 @@ class GGUFWeight:
         xf = x.float().contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
         fn = lib.pf_qgemv_affine_q8 if name == "q8" else lib.pf_qgemv_affine
-        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n, self.codes.data_ptr(), self.bits,
-                self.group, self.scale.data_ptr(), self.min.data_ptr(),
+        rc = fn(xf.data_ptr(), xf.shape[0], self.k, self.n, self.codes.data_ptr(),
+                self.q8_bits if name == "q8" else self.bits, self.group,
+                self.scale.data_ptr(), self.min.data_ptr(),
                 int(self.scale.dtype == torch.float16), y.data_ptr(), self.n,
                 torch.get_num_threads())
         return y if rc == 0 else None

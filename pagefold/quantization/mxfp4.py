@@ -8,8 +8,11 @@ values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Stacked experts carry a l
 expert dimension.
 
 The product decodes a tile of rows into float32 (every value and scale exact in float32) and
-multiplies; that is the reference the Triton kernel (``ops/quant/triton.py``, where the
-Triton kernels run) is tested against.
+multiplies (:func:`mxfp4_reference`); that is the reference the compiled CPU kernel
+(``pf_qgemv_mxfp4``, ``csrc/mxfp4.cpp``: 1..``KERNEL_MAX_ROWS`` rows, float32 sums of the
+exactly decoded weights, so it agrees with the reference to float32 rounding of the sums) and
+the Triton kernel (``ops/quant/triton.py``, where the Triton kernels run) are tested against.
+bf16 rows take the compiled kernel through float32 (their product rounded to bf16 once).
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagefold.csrc import cpu_ops
 from pagefold.kernels import dispatch
 from pagefold.quantization.formats import QuantizationError
 
-__all__ = ["E2M1", "MXFP4_BLOCK", "check_mxfp4", "dequantize_mxfp4", "mxfp4_linear"]
+__all__ = ["E2M1", "KERNEL_MAX_ROWS", "MXFP4_BLOCK", "check_mxfp4", "dequantize_mxfp4",
+           "mxfp4_linear", "mxfp4_reference"]
 
 MXFP4_BLOCK = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 TILE_ROWS = 2048  # rows decoded at a time: bounds the transient float32 tile
+KERNEL_MAX_ROWS = 32  # activation rows the compiled kernel takes (more: the reference)
 
 
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
@@ -66,14 +72,38 @@ def _decode_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+def _kernel(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """``pf_qgemv_mxfp4`` on 1..``KERNEL_MAX_ROWS`` CPU rows (float32 sums), else None."""
+    if (x.device.type != "cpu" or x.dim() != 2 or not 1 <= x.shape[0] <= KERNEL_MAX_ROWS
+            or not (blocks.is_contiguous() and scales.is_contiguous())
+            or x.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    lib = cpu_ops.kernels()
+    if lib is None:
+        return None
+    xf = x.float().contiguous()
+    n, k = scales.shape[0], scales.shape[1] * MXFP4_BLOCK
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.pf_qgemv_mxfp4(xf.data_ptr(), xf.shape[0], k, n, blocks.data_ptr(),
+                            scales.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y.to(x.dtype) if rc == 0 else None
+
+
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for the MXFP4 matrix ``w`` (R, K), decoded a tile of rows at a time into
-    ``x``'s dtype (exact in float32 and bfloat16); the Triton kernel where the Triton kernels
-    run."""
+    """``x @ w.T`` for the MXFP4 matrix ``w`` (R, K): the compiled kernel for few CPU rows,
+    the Triton kernel where the Triton kernels run, else :func:`mxfp4_reference`."""
     if dispatch.use_triton(x.device) and x.dim() == 2:
         from pagefold.ops.quant.triton import mxfp4_gemm  # imports triton: only where it runs
 
         return mxfp4_gemm(x.float(), blocks, scales).to(x.dtype)
+    y = _kernel(x, blocks, scales)
+    return y if y is not None else mxfp4_reference(x, blocks, scales)
+
+
+def mxfp4_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor
+                    ) -> torch.Tensor:
+    """``x @ w.T`` decoding a tile of rows at a time into ``x``'s dtype (exact in float32 and
+    bfloat16) and multiplying with ``F.linear``."""
     rows = scales.shape[0]
     if rows <= TILE_ROWS:
         return F.linear(x, dequantize_mxfp4(blocks, scales, _decode_dtype(x.dtype)).to(x.dtype))

@@ -39,27 +39,32 @@ from dataclasses import dataclass, field
 
 
 def key_name(key: Hashable) -> str:
-    """The wire / file name of a prefix-cache key: ``a<group>-<hash hex>`` for an attention
-    block ``(group, hash)``, ``s<group>-<hash hex>`` for a checkpoint ``("ckpt", group, hash)``."""
+    """The wire / file name of a page key: ``a<group>-<hash hex>`` for an attention block
+    ``(group, hash)``, ``s<group>-<hash hex>`` for a checkpoint ``("ckpt", group, hash)``,
+    ``t<group>-<hash hex>`` for a prompt tail ``("tail", group, hash)`` (see
+    ``core/prompt_tail.py``: never a prefix-cache entry, only transferred)."""
     if len(key) == 3:  # type: ignore[arg-type]
-        _, group, h = key  # type: ignore[misc]
-        return f"s{group}-{h.hex()}"
+        kind, group, h = key  # type: ignore[misc]
+        return f"{'s' if kind == 'ckpt' else 't'}{group}-{h.hex()}"
     group, h = key  # type: ignore[misc]
     return f"a{group}-{h.hex()}"
 
 
 def key_group(key: Hashable) -> int:
-    """The cache group a prefix-cache key belongs to."""
+    """The cache group a page key belongs to."""
     return key[1] if len(key) == 3 else key[0]  # type: ignore[index,arg-type]
+
+
+KIND_OF_LETTER = {"s": "ckpt", "t": "tail"}
 
 
 def key_from_name(name: str) -> tuple:
     """Inverse of :func:`key_name`; raises ValueError on a malformed name."""
     kind, _, rest = name.partition("-")
-    if kind[:1] not in ("a", "s") or not rest:
+    if kind[:1] not in ("a", "s", "t") or not rest:
         raise ValueError(f"not a page key name: {name!r}")
     group, h = int(kind[1:]), bytes.fromhex(rest)
-    return ("ckpt", group, h) if kind[0] == "s" else (group, h)
+    return (KIND_OF_LETTER[kind[0]], group, h) if kind[0] != "a" else (group, h)
 
 
 @dataclass(slots=True)
@@ -301,6 +306,12 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def has_pending(self) -> bool:
         """Ops are queued for the next step."""
+
+    def tail_keys(self, req_id: str) -> dict[int, Hashable]:
+        """The prompt-tail keys registered for ``req_id``, per cache group (prefill/decode
+        disaggregation: the producer's partial last block and state after all but the last
+        prompt token; see ``core/prompt_tail.py``); empty by default."""
+        return {}
 
     def release(self, req_id: str) -> None:  # noqa: B027 - nothing is per request by default
         """``req_id`` no longer holds pages (finished, aborted, preempted or starting over)."""

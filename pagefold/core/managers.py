@@ -140,6 +140,15 @@ class GroupManager(ABC):
     def wants_checkpoints(self) -> bool:
         return False
 
+    def take_tail(self, req_id: str, key: Hashable) -> TierLoads:
+        """A consumer's prompt tail (``core/prompt_tail.py``) under ``key``: the pages of the
+        request it is loaded into (allocated here; the caller checked the pool has them)."""
+        return []
+
+    def tail_block_ids(self, req_id: str) -> list[int]:
+        """A producer's prompt-tail pages held for ``req_id`` (state groups; empty: none)."""
+        return []
+
 
 class FullAttentionManager(GroupManager):
     """One block per ``block_size`` tokens, allocated as the sequence grows; hash-chained.
@@ -271,6 +280,12 @@ class FullAttentionManager(GroupManager):
         self.loading.pop(req_id, None)
         super().free(req_id)
 
+    def take_tail(self, req_id: str, key: Hashable) -> TierLoads:
+        # The partial block after the hit's full blocks: the request's own, never cached.
+        (b,) = self.pool.allocate(1)
+        self.req_blocks.setdefault(req_id, []).append(b)
+        return [(key, [b.block_id])]
+
     def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
                    is_checkpoint_target: bool) -> list[PageCopy]:
         blocks = self.req_blocks.get(req_id, [])
@@ -334,11 +349,16 @@ class StateManager(GroupManager):
     checkpoint, so memory pressure cannot evict it before the request ends or is preempted:
     a preempted request resumes from it (recompute with credit), a finished one leaves it for
     the next conversation turn.
+
+    A producer's prompt tail (``core/prompt_tail.py``: the state after all but the last
+    prompt token, not a block boundary) is held in ``tail`` pages of its own, never a cache
+    entry, until the request is freed.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.own_checkpoint: dict[str, list[Block]] = {}
+        self.tail: dict[str, list[Block]] = {}
         # Captures planned for the running step: (num_tokens, cache key, pages held).
         self.pending: dict[str, list[tuple[int, tuple, list[Block]]]] = {}
 
@@ -349,6 +369,40 @@ class StateManager(GroupManager):
             self.pool.free(own)
         for _, _, dst in self.pending.pop(req_id, ()):
             self.pool.free(dst)
+        tail = self.tail.pop(req_id, None)
+        if tail:
+            self.pool.free(tail)
+
+    def _take_tail_pages(self, req_id: str) -> list[Block] | None:
+        pages = self.group.pages_per_state
+        if req_id in self.tail or req_id not in self.req_blocks or self.pool.num_free < pages:
+            return None
+        self.tail[req_id] = dst = self.pool.allocate(pages)
+        return dst
+
+    def plan_tail(self, req_id: str, num_tokens: int) -> StateCapture | None:
+        """Pages for the prompt tail's state after ``num_tokens`` tokens, written by the coming
+        step's kernels; None: the pool is short (or a tail is held already)."""
+        dst = self._take_tail_pages(req_id)
+        if dst is None:
+            return None
+        return StateCapture(req_id, self.index, num_tokens, [b.block_id for b in dst])
+
+    def copy_tail(self, req_id: str) -> list[PageCopy]:
+        """The step that ended at the tail length ran: copy the state into tail pages (pinned
+        until the copy ran: the caller releases that reference)."""
+        dst = self._take_tail_pages(req_id)
+        if dst is None:
+            return []
+        self.pool.touch(dst)
+        return [PageCopy(self.index, self.block_ids(req_id), [b.block_id for b in dst])]
+
+    def tail_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.tail.get(req_id, ())]
+
+    def take_tail(self, req_id: str, key: Hashable) -> TierLoads:
+        self.allocate(req_id, 0, 0)  # the tail state loads straight into the own pages
+        return [(key, self.block_ids(req_id))]
 
     def _keep_as_own(self, req_id: str, dst: list[Block]) -> None:
         old = self.own_checkpoint.get(req_id)

@@ -483,10 +483,10 @@ def test_issue_criterion_twenty_600_token_prompts_twice_then_after_restart(tiny_
     def run(llm):
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    # Four at a time: with all 20 in flight the pool (about 7 requests) has no room to take
-    # some prompts' checkpoints in the first place (``plan_capture`` skips them when the pool
-    # is short), and a hybrid hit needs one; that is capture policy, not the tiers.
-    kw = dict(dtype="float32", max_model_len=640, kv_cache_memory="3MiB", max_num_seqs=4,
+    # All 20 in flight: the pool (about 7 requests) is full while most prompts prefill, so
+    # their checkpoints (a hybrid hit needs one) reach the tiers through staging pages
+    # (``core/capture_staging.py``), not the pool.
+    kw = dict(dtype="float32", max_model_len=640, kv_cache_memory="3MiB", max_num_seqs=20,
               kv_offloading_dir=str(tmp_path), kv_offloading_disk_size="256MiB")
     llm = LLM(str(model), kv_offloading_size=0.05, **kw)
     first = run(llm)
@@ -496,6 +496,7 @@ def test_issue_criterion_twenty_600_token_prompts_twice_then_after_restart(tiny_
     assert _tokens(second) == _tokens(first)
     assert llm.engine.offload.stats.tokens_loaded >= 0.9 * total
     assert llm.engine.kv.pool.stats.evictions > 0
+    assert llm.engine.kv.staging.staged > 0  # some checkpoints went through staging pages
     llm.engine.shutdown()
     llm.engine.kv.check_whole()
 

@@ -38,6 +38,7 @@ import logging
 from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool, CacheEntry
+from pagefold.core.capture_staging import CaptureStaging, stage_captures
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_connector import (
     ConnectorOutput,
@@ -48,7 +49,7 @@ from pagefold.core.kv_connector import (
 )
 from pagefold.core.managers import GroupManager, PageCopy, StateCapture, make_manager
 from pagefold.core.prefix_cache import update_block_hashes
-from pagefold.core.prompt_tail import export_entries, tail_groups, tail_len, wants_tail
+from pagefold.core.prompt_tail import export_entries, tail_len, takes_tail, wants_tail
 from pagefold.core.swap import (
     HostPool,
     PreemptionCost,
@@ -109,6 +110,7 @@ class KVCacheManager:
         # request id -> (hit tokens, tokens of it only the connector could serve).
         self.connector: KVConnectorScheduler | None = None
         self._loading: dict[str, tuple[int, int]] = {}
+        self.staging: CaptureStaging | None = None
         # Consumers whose hit takes a prompt tail (``core/prompt_tail.py``): group -> key.
         self._tail: dict[str, dict] = {}
 
@@ -119,6 +121,13 @@ class KVCacheManager:
                              "enable_prefix_caching")
         self.connector = connector
         self.pool.on_evict = self._save_evicted
+
+    def enable_capture_staging(self) -> None:
+        """Offload tiers: checkpoints captured in the kernels reach the connector through
+        staging pages when the pool has no room (``core/capture_staging.py``); a capture in
+        a short pool is planned deepest target first."""
+        if self.capture_in_kernel and self.connector is not None:
+            self.staging = stage_captures(self.pool, self.connector, self.managers)
 
     def _save_evicted(self, e: CacheEntry) -> None:
         if self.connector.wants(e.key):
@@ -194,19 +203,12 @@ class KVCacheManager:
         the last token. Returns the hit in blocks."""
         self._tail.pop(req.request_id, None)
         keys = self.connector.tail_keys(req.request_id) if self.connector is not None else {}
-        if not keys or set(keys) != set(tail_groups(self.managers, req, self.block_size)):
-            return hit
-        end = tail_len(req)
-        full = end // self.block_size
-        if full * self.block_size == end and hit == full \
-                and self._find_hit(req, plan=False, pool_only=True) == full:
-            return hit  # the pool serves all but the last token itself
-        hashes = req.block_hashes
-        if any(not m.wants_checkpoints() and m.hit_lengths(hashes, full, self._stored) < full
-               for m in self.managers):
+        if not keys or not takes_tail(self.managers, req, self.block_size, keys, hit,
+                                      self._stored,
+                                      lambda: self._find_hit(req, False, pool_only=True)):
             return hit
         self._tail[req.request_id] = keys
-        return full
+        return tail_len(req) // self.block_size
 
     def should_defer(self, req: Request) -> bool:
         """True when the block after ``req``'s current hit is being computed by another request."""
@@ -287,12 +289,16 @@ class KVCacheManager:
             if not targets or n < 2 or targets[-1] <= start:
                 continue
             hashes = update_block_hashes(req, self.block_size)
-            for t in targets:
-                if start < t < start + n:
-                    for m in self.managers:
-                        cap = m.plan_capture(req.request_id, hashes, t)
-                        if cap is not None:
-                            caps.append(cap)
+            # Staging (a short pool): the deepest checkpoint first, the one a hit wants; it
+            # alone may take a staging set (they are few).
+            inside = [t for t in targets if start < t < start + n]
+            if self.staging is not None:
+                inside.reverse()
+            for i, t in enumerate(inside):
+                for m in self.managers:
+                    cap = m.plan_capture(req.request_id, hashes, t, staging_ok=i == 0)
+                    if cap is not None:
+                        caps.append(cap)
         return caps
 
     def cap_spec_chunk(self, req: Request, num_new: int) -> int:
@@ -431,6 +437,8 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         self._pins_in_flight.extend(self._pins)
         self._pins = []
+        if self.staging is not None:
+            self.staging.step_sent()
         return copies
 
     def release_pins(self) -> None:
@@ -438,6 +446,8 @@ class KVCacheManager:
         for blocks in self._pins_in_flight:
             self.pool.free(blocks)
         self._pins_in_flight = []
+        if self.staging is not None:
+            self.staging.step_done()
 
     @property
     def has_pending_copies(self) -> bool:
@@ -580,6 +590,8 @@ class KVCacheManager:
         assert not self._loading, "requests still loading pages"
         if self.connector is not None:
             self.connector.check_whole()
+        if self.staging is not None:
+            self.staging.check_idle()
         self.pool.check_whole()
 
 

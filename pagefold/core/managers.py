@@ -101,10 +101,11 @@ class GroupManager(ABC):
         """Free blocks that taking a hit of ``n_blocks`` would consume (beyond new blocks)."""
         return 0
 
-    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int
-                     ) -> StateCapture | None:
+    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int,
+                     staging_ok: bool = False) -> StateCapture | None:
         """Pages for a checkpoint at ``num_tokens`` that the coming step writes in its kernels
-        (registered as a cache entry by ``after_step``); None: nothing to capture."""
+        (registered as a cache entry by ``after_step``); None: nothing to capture.
+        ``staging_ok``: a short pool may use a staging set (``core/capture_staging.py``)."""
         return None
 
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
@@ -359,16 +360,22 @@ class StateManager(GroupManager):
         super().__init__(*args, **kwargs)
         self.own_checkpoint: dict[str, list[Block]] = {}
         self.tail: dict[str, list[Block]] = {}
-        # Captures planned for the running step: (num_tokens, cache key, pages held).
-        self.pending: dict[str, list[tuple[int, tuple, list[Block]]]] = {}
+        # Captures planned for the running step: (num_tokens, cache key, pages held, staged).
+        self.pending: dict[str, list[tuple[int, tuple, list[Block], bool]]] = {}
+        # Offload tiers: page sets for captures the pool has no room for (``CaptureStaging``:
+        # take / give_back / captured), or None.
+        self.staging = None
 
     def free(self, req_id: str) -> None:
         super().free(req_id)
         own = self.own_checkpoint.pop(req_id, None)
         if own:
             self.pool.free(own)
-        for _, _, dst in self.pending.pop(req_id, ()):
-            self.pool.free(dst)
+        for _, _, dst, staged in self.pending.pop(req_id, ()):
+            if staged:
+                self.staging.give_back(dst)
+            else:
+                self.pool.free(dst)
         tail = self.tail.pop(req_id, None)
         if tail:
             self.pool.free(tail)
@@ -410,23 +417,31 @@ class StateManager(GroupManager):
         if old:
             self.pool.free(old)
 
-    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int
-                     ) -> StateCapture | None:
+    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int,
+                     staging_ok: bool = False) -> StateCapture | None:
         bs, pages = self.block_size, self.group.pages_per_state
         if num_tokens % bs or not 0 < num_tokens // bs <= len(hashes):
             return None
         key = self._key(hashes[num_tokens // bs - 1])
-        if key in self.pool.entries or self.pool.num_free < pages or req_id not in self.req_blocks:
+        if key in self.pool.entries or req_id not in self.req_blocks:
             return None
-        dst = self.pool.allocate(pages)  # held (ref 1) until after_step registers it
-        self.pending.setdefault(req_id, []).append((num_tokens, key, dst))
+        staged = self.pool.num_free < pages
+        if not staged:
+            dst = self.pool.allocate(pages)  # held (ref 1) until after_step registers it
+        elif not staging_ok or self.staging is None \
+                or (dst := self.staging.take(key, pages)) is None:
+            return None
+        self.pending.setdefault(req_id, []).append((num_tokens, key, dst, staged))
         return StateCapture(req_id, self.index, num_tokens, [b.block_id for b in dst])
 
     def _register_captures(self, req_id: str) -> None:
         """The step ran: its captured checkpoints become cache entries (first writer wins),
-        the newest one held by the request as its own."""
-        for num_tokens, key, dst in self.pending.pop(req_id, ()):
-            if self.pool.cache(key, dst, num_tokens, is_checkpoint=True):
+        the newest one held by the request as its own; a staged one goes to the tiers."""
+        for num_tokens, key, dst, staged in sorted(self.pending.pop(req_id, ()),
+                                                   key=lambda p: p[0]):
+            if staged:
+                self.staging.captured(key, self.index, dst, num_tokens)
+            elif self.pool.cache(key, dst, num_tokens, is_checkpoint=True):
                 self._keep_as_own(req_id, dst)
             else:
                 self.pool.free(dst)

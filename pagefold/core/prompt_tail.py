@@ -25,7 +25,7 @@ to block-aligned pages (the consumer then computes from the last block boundary 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from pagefold.core.block_pool import BlockPool
 from pagefold.core.managers import GroupManager
@@ -66,6 +66,23 @@ def wants_tail(req: Request) -> bool:
     from its parent)."""
     params = req.kv_transfer_params
     return bool(params and params.get("do_remote_decode")) and req.parent_id is None
+
+
+def takes_tail(managers: list[GroupManager], req: Request, block_size: int,
+               keys: dict[int, Hashable], hit: int, stored: Callable[[Hashable], bool],
+               pool_hit: Callable[[], int]) -> bool:
+    """Whether a consumer whose connector holds the tail ``keys`` (per group) takes them with
+    the attention blocks before them (it then computes only the last prompt token): the tail
+    is whole, every attention block up to it can be served, and its own pool does not already
+    serve all but the last token (``hit`` blocks; ``pool_hit()``: the pool's alone)."""
+    if set(keys) != set(tail_groups(managers, req, block_size)):
+        return False
+    end = tail_len(req)
+    full = end // block_size
+    if full * block_size == end and hit == full and pool_hit() == full:
+        return False
+    return all(m.wants_checkpoints() or m.hit_lengths(req.block_hashes, full, stored) >= full
+               for m in managers)
 
 
 def export_entries(pool: BlockPool, managers: list[GroupManager], req: Request,

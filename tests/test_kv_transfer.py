@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from pagefold import LLM, SamplingParams
+from pagefold.engine.core_proc import core_stats
 from pagefold.entrypoints.proxy import Proxy, build_app, prefill_body
+from pagefold.metrics import ServerMetrics
 from pagefold.offload.page_file import PageGeometry
 from pagefold.testing.tiny_models import random_prompts
 from pagefold.transfer import worker as transfer_worker
@@ -118,6 +120,12 @@ def test_producer_to_consumer_equals_one_engine(arch, tiny_model_factory, prompt
     for p in prompts:
         params = _prefill(prod, p)
         assert params["num_tokens"] == len(p) - 1 and params["remote_port"]
+        # The tail: every state group's state after L - 1 tokens, and every attention group's
+        # partial last block when L - 1 ends inside one.
+        pps = params["pages_per_state"]
+        tails = [k for k in params["remote_block_keys"] if k.startswith("t")]
+        partial = (len(p) - 1) % BS != 0
+        assert len(tails) == sum(1 for n in pps if n or partial)
         before, computed = counter.total(), cons.engine.scheduler.prompt_tokens_computed
         got = _decode(cons, p, params)
         prompt_computed = counter.total() - before - (MAX_TOKENS - 1)
@@ -132,9 +140,30 @@ def test_producer_to_consumer_equals_one_engine(arch, tiny_model_factory, prompt
     assert stats.tokens_loaded == sum(len(p) - 1 for p in prompts)
     assert prod.engine.transfer.stats.exports == len(prompts)
     assert not prod.engine.runner.connector.outbox  # every export was pulled and freed
-    if arch != "qwen3":  # a state checkpoint travelled with the attention pages
-        assert cons.engine.kv.pool.checkpoint_stats()[0] > 0
+    _check_metrics(cons, prompts)
     _whole(prod, cons, single)
+
+
+def _check_metrics(cons: LLM, prompts: list[list[int]]) -> None:
+    """The decode instance's /metrics (vLLM's names too): each prompt's last token computed
+    here, the rest loaded through the connector."""
+    metrics = ServerMetrics("m")
+    metrics.record_core_stats(core_stats(cons.engine))
+    text = metrics.render().decode()
+
+    def value(sample: str) -> float:
+        return float(next(x for x in text.splitlines() if x.startswith(sample)).split()[-1])
+
+    pulled = sum(len(p) - 1 for p in prompts)
+    for prefix in ("pagefold", "vllm"):
+        by = f'{prefix}:prompt_tokens_by_source_total{{model_name="m",source='
+        assert value(by + '"local_compute"}') == len(prompts)
+        assert value(by + '"external_kv_transfer"}') == pulled
+        assert value(by + '"local_cache_hit"}') == 0
+        assert value(f'{prefix}:external_prefix_cache_hits_total{{model_name="m"}}') == pulled
+        assert value(f'{prefix}:external_prefix_cache_queries_total{{model_name="m"}}') \
+            == sum(len(p) for p in prompts)
+        assert value(f'{prefix}:prompt_tokens_cached_total{{model_name="m"}}') == pulled
 
 
 def test_parallel_sampling_consumer(tiny_model_factory, prompts):

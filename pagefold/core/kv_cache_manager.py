@@ -35,7 +35,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool, CacheEntry
 from pagefold.core.capture_staging import CaptureStaging, stage_captures
@@ -48,7 +47,7 @@ from pagefold.core.kv_connector import (
     key_group,
 )
 from pagefold.core.managers import GroupManager, PageCopy, StateCapture, make_manager
-from pagefold.core.prefix_cache import update_block_hashes
+from pagefold.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from pagefold.core.prompt_tail import export_entries, tail_len, takes_tail, wants_tail
 from pagefold.core.swap import (
     HostPool,
@@ -63,18 +62,6 @@ from pagefold.core.swap import (
 from pagefold.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which served from cache
-    requests: int = 0
-    requests_hit: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -407,13 +394,17 @@ class KVCacheManager:
 
     def record_admission(self, req: Request, hit_tokens: int) -> None:
         """A request was admitted with ``hit_tokens`` from cache: count it, and promise its
-        own uncached prompt blocks to later arrivals (see ``should_defer``)."""
+        own uncached prompt blocks to later arrivals (see ``should_defer``). A loading hit
+        counts its own length (a prompt tail: all but the last token) and its tier part."""
+        loading = self._loading.get(req.request_id)
+        hit_tokens, tier = loading if loading is not None else (hit_tokens, 0)
         if self.caching:
             for h in req.block_hashes[hit_tokens // self.block_size:]:
                 self._inflight.setdefault(h, req.request_id)
         self.stats.requests += 1
         self.stats.queries += req.num_tokens
         self.stats.hits += hit_tokens
+        self.stats.local_hits += hit_tokens - tier
         self.stats.requests_hit += hit_tokens > 0
 
     def after_step(self, req: Request) -> None:

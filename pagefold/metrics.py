@@ -143,6 +143,13 @@ class ServerMetrics:
             "pagefold:kv_transfer_load_failures",
             "Pages that did not arrive, timed out or failed a checksum (recomputed).", m,
             registry=r)
+        self.transfer_pulls = Counter(
+            "pagefold:kv_transfer_pulls", "Pulls from prefill instances that landed.", m,
+            registry=r)
+        self.transfer_pull_seconds = Counter(
+            "pagefold:kv_transfer_pull_seconds",
+            "Wall time of those pulls, request to answer (divide by kv_transfer_pulls for the "
+            "mean transfer latency).", m, registry=r)
         self.transfer_exports = Counter(
             "pagefold:kv_transfer_exports",
             "Prefills whose pages were exported for a decode instance to pull.", m, registry=r)
@@ -247,6 +254,8 @@ class ServerMetrics:
             (self.transfer_failures, "transfer_load_failures"),
             (self.transfer_exports, "transfer_exports"),
             (self.offload_staged, "offload_checkpoints_staged"),
+            (self.transfer_pulls, "transfer_pulls"),
+            (self.transfer_pull_seconds, "transfer_pull_seconds"),
             (self.external_queries, "external_prefix_queries"))
         for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
@@ -311,7 +320,7 @@ class ServerMetrics:
         self._advance("cached", stats.prefix_local_hits + external,
                       self.prompt_tokens_cached.labels(name))
 
-    def _advance(self, key: str, value: int, counter) -> None:
+    def _advance(self, key: str, value: float, counter) -> None:
         """Increment ``counter`` by how far the cumulative ``value`` passed the last one."""
         last = self._last.get(key, 0)
         if value > last:

@@ -164,6 +164,8 @@ def _check_metrics(cons: LLM, prompts: list[list[int]]) -> None:
         assert value(f'{prefix}:external_prefix_cache_queries_total{{model_name="m"}}') \
             == sum(len(p) for p in prompts)
         assert value(f'{prefix}:prompt_tokens_cached_total{{model_name="m"}}') == pulled
+    assert value('pagefold:kv_transfer_pulls_total{model_name="m"}') == len(prompts)
+    assert value('pagefold:kv_transfer_pull_seconds_total{model_name="m"}') > 0
 
 
 def test_parallel_sampling_consumer(tiny_model_factory, prompts):
@@ -345,14 +347,15 @@ def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qw
 
 @pytest.mark.parametrize("arch,prod_tp,cons_tp", [
     ("qwen3", 1, 2), ("qwen3", 2, 1), ("qwen3_5", 1, 2), ("qwen3_5", 2, 1),
-    ("nemotron_h", 1, 2)])
+    ("nemotron_h", 1, 2), ("kimi_linear", 2, 1)])
 def test_mixed_tensor_parallelism_reshards(arch, prod_tp, cons_tp, tiny_model_factory, prompts):
     """A producer and a consumer of different TP sizes: each consumer rank pulls the producer
     ranks whose heads overlap its own and assembles its shard (a TP 1 producer's rank 0
     answers both TP 2 consumer ranks; a TP 1 consumer pulls both TP 2 producer ranks). Tokens
     equal a single engine's; the consumer computes only the last prompt token (its scheduler's
-    counter); both pools are whole."""
-    model = tiny_model_factory(arch)
+    counter); both pools are whole. Kimi Linear: KDA states cut by heads, MLA latent pages
+    replicated on every rank."""
+    model = tiny_model_factory(arch, **MIXED_TP_OVERRIDES.get(arch, {}))
     base = 20000 + int(time.time() * 1000) % 20000
     prod = _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": base},
                    **_tp(prod_tp))
@@ -376,6 +379,10 @@ def test_mixed_tensor_parallelism_reshards(arch, prod_tp, cons_tp, tiny_model_fa
     finally:
         prod.engine.shutdown()
         cons.engine.shutdown()
+
+
+MIXED_TP_OVERRIDES = {"kimi_linear": dict(num_attention_heads=4, num_key_value_heads=4,
+                                          linear_num_heads=4)}
 
 
 def _tp(n: int) -> dict:

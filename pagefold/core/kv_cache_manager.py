@@ -30,6 +30,11 @@
   pages are allocated and the loads queued, but it computes nothing until the worker reports
   them (``finish_load``: then its computed length jumps to the hit; a failed key is forgotten
   and the request starts over, so a bad page is recomputed, never used).
+* Prefill/decode disaggregation's prompt tail (``core/prompt_tail.py``): a producer's
+  ``do_remote_decode`` request takes its state after all but the last prompt token (a capture
+  or a copy at ``L - 1``); a consumer's hit may load it, computing only the last token.
+* Staging pages (``core/capture_staging.py``): with offload tiers, a capture the full pool
+  cannot hold goes to the tiers through a reserved page set.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ class ConnectorOutput:
     keys whose page was missing, truncated or corrupt (never copied into the pool);
     ``store_failed``: keys that could not be written (disk full): the scheduler side forgets
     them. ``loaded_from``: per tier name, the pages (entries) read from it; ``bytes_*``:
-    payload bytes moved."""
+    payload bytes moved; ``pulls`` / ``pull_seconds``: a transfer's pulls that landed and their
+    wall time from request to answer (a consumer's latency)."""
 
     finished: list[str] = field(default_factory=list)
     failed: dict[str, list[str]] = field(default_factory=dict)
@@ -165,6 +166,8 @@ class ConnectorOutput:
     loaded_from: dict[str, int] = field(default_factory=dict)
     bytes_loaded: int = 0
     bytes_saved: int = 0
+    pulls: int = 0
+    pull_seconds: float = 0.0
 
 
 class PendingLoads:
@@ -227,7 +230,7 @@ class ReportMerger:
     """Tensor parallelism: the ranks' reports, step after step, as one report per step. Ranks
     finish a request's loads in different steps (each reads its own files): it is reported
     finished once every rank has; a key failed when it failed on any rank (its page is then
-    recomputed on all of them). Counts are rank 0's, bytes the sum."""
+    recomputed on all of them). Counts (and pull latencies) are rank 0's, bytes the sum."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -240,7 +243,8 @@ class ReportMerger:
             self._done.pop(rid, None)
             self._failed.pop(rid, None)
         first = reports[0] or ConnectorOutput()
-        out = ConnectorOutput(loaded_from=dict(first.loaded_from))
+        out = ConnectorOutput(loaded_from=dict(first.loaded_from), pulls=first.pulls,
+                              pull_seconds=first.pull_seconds)
         for rank, r in enumerate(reports):
             if r is None:
                 continue

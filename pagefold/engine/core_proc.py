@@ -151,6 +151,8 @@ class CoreStats(msgspec.Struct):
     transfer_refused: int = 0
     transfer_exports: int = 0
     transfer_exports_held: int = 0  # exported prefills waiting for their consumer now
+    transfer_pulls: int = 0  # pulls that landed (consumer)
+    transfer_pull_seconds: float = 0.0  # their wall time, request to answer
 
 
 class RequestError(msgspec.Struct):
@@ -240,7 +242,8 @@ def _transfer_stats(core) -> dict[str, int]:
     st = index.stats
     return {"transfer_tokens_loaded": st.tokens_loaded, "transfer_bytes_loaded": st.bytes_loaded,
             "transfer_load_failures": st.load_failures, "transfer_refused": st.refused,
-            "transfer_exports": st.exports,
+            "transfer_exports": st.exports, "transfer_pulls": st.pulls,
+            "transfer_pull_seconds": st.pull_seconds,
             # The outbox of this process's runner (tensor parallelism: the ranks hold theirs).
             "transfer_exports_held": len(getattr(getattr(core.runner, "connector", None),
                                                  "outbox", ()))}

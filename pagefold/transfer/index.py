@@ -57,6 +57,8 @@ class TransferStats:
     exports: int = 0  # requests whose pages were exported (producer)
     pages_exported: int = 0
     bytes_exported: int = 0
+    pulls: int = 0  # pulls that landed (one per request and producer; rank 0's under TP)
+    pull_seconds: float = 0.0  # their wall time, request to answer
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,8 @@ class TransferIndex(KVConnectorScheduler):
                 self.stats.requests_loaded += 1
             self.release(rid)
         self.stats.pages_loaded += out.loaded_from.get("remote", 0)
+        self.stats.pulls += out.pulls
+        self.stats.pull_seconds += out.pull_seconds
         self.stats.bytes_loaded += out.bytes_loaded
         self.stats.bytes_exported += out.bytes_saved
 

@@ -211,6 +211,28 @@ def test_chunked_prefill_on_the_producer(in_kernel, tiny_model_factory, prompts)
     _whole(prod, cons, single)
 
 
+def test_no_room_for_the_tail_falls_back_to_block_pages(tiny_model_factory, prompts,
+                                                       qwen35_single, monkeypatch):
+    """A producer whose pool gives no page for the tail's state exports the blocks and the
+    deepest checkpoint; the consumer computes from that block boundary on, tokens exact."""
+    from pagefold.core.managers import StateManager
+
+    monkeypatch.setattr(StateManager, "plan_tail", lambda self, req_id, n: None)
+    monkeypatch.setattr(StateManager, "copy_tail", lambda self, req_id: [])
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    p = prompts[1]
+    params = _prefill(prod, p)
+    n = (len(p) - 1) // BS * BS
+    assert params["num_tokens"] == n
+    assert not any(k.startswith("t") for k in params["remote_block_keys"])
+    computed = cons.engine.scheduler.prompt_tokens_computed
+    got = _decode(cons, p, params)
+    assert _toks(got) == qwen35_single[1] and got.num_cached_tokens == n
+    assert cons.engine.scheduler.prompt_tokens_computed - computed == len(p) - n
+    _whole(prod, cons)
+
+
 def test_batches_on_both_sides(tiny_model_factory, prompts, qwen35_single):
     """Four prefills in one batch (exports of several requests in one step), then four
     decodes in one batch (several pulls in flight at once)."""

@@ -244,8 +244,8 @@ class KVCacheManager:
         targets.update(last - k * bs for k in (0, 3))
         if attention_hit > hit:
             targets.add(attention_hit * bs)  # reuse proved to happen here
-        if wants_tail(req) and self.connector is not None:
-            targets.add(tail_len(req))  # a prompt tail's state (unless captured in a kernel)
+        if wants_tail(req) and self.connector is not None and not self.capture_in_kernel:
+            targets.add(tail_len(req))  # a chunk ends there for a prompt tail's state
         start = hit * bs
         self._targets[req.request_id] = sorted(t for t in targets if t > start)
 

@@ -143,9 +143,36 @@ class ServerMetrics:
             "pagefold:kv_transfer_load_failures",
             "Pages that did not arrive, timed out or failed a checksum (recomputed).", m,
             registry=r)
+        self.transfer_pulls = Counter(
+            "pagefold:kv_transfer_pulls", "Pulls from prefill instances that landed.", m,
+            registry=r)
+        self.transfer_pull_seconds = Counter(
+            "pagefold:kv_transfer_pull_seconds",
+            "Wall time of those pulls, request to answer (divide by kv_transfer_pulls for the "
+            "mean transfer latency).", m, registry=r)
         self.transfer_exports = Counter(
             "pagefold:kv_transfer_exports",
             "Prefills whose pages were exported for a decode instance to pull.", m, registry=r)
+        self.offload_staged = Counter(
+            "pagefold:kv_offload_checkpoints_staged",
+            "State checkpoints saved to the tiers through staging pages (the pool was full).",
+            m, registry=r)
+        self.external_queries = Counter(
+            "pagefold:external_prefix_cache_queries",
+            "Prompt tokens looked up while a KV connector (offload tiers, transfer) is on.", m,
+            registry=r)
+        self.external_hits = Counter(
+            "pagefold:external_prefix_cache_hits",
+            "Prompt tokens loaded through a KV connector (offload tiers, transfer).", m,
+            registry=r)
+        self.tokens_by_source = Counter(
+            "pagefold:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from: computed here, this pool's prefix "
+            "cache, a KV connector.", m + ["source"], registry=r)
+        self.prompt_tokens_cached = Counter(
+            "pagefold:prompt_tokens_cached",
+            "Prompt tokens not computed: from the prefix cache or a KV connector.", m,
+            registry=r)
         self.prompt_tokens = Counter("pagefold:prompt_tokens", "Prompt tokens processed.", m,
                                      registry=r)
         self.generation_tokens = Counter("pagefold:generation_tokens", "Tokens generated.", m,
@@ -225,7 +252,11 @@ class ServerMetrics:
             (self.transfer_tokens, "transfer_tokens_loaded"),
             (self.transfer_bytes, "transfer_bytes_loaded"),
             (self.transfer_failures, "transfer_load_failures"),
-            (self.transfer_exports, "transfer_exports"))
+            (self.transfer_exports, "transfer_exports"),
+            (self.offload_staged, "offload_checkpoints_staged"),
+            (self.transfer_pulls, "transfer_pulls"),
+            (self.transfer_pull_seconds, "transfer_pull_seconds"),
+            (self.external_queries, "external_prefix_queries"))
         for metric, _ in self._core_counters:
             metric.labels(model_name)  # exported as 0 before the first event
         for metric in (self.prompt_tokens, self.generation_tokens, self.checkpoints,
@@ -236,6 +267,10 @@ class ServerMetrics:
         for tier in ("host", "disk"):
             self.offload_saves.labels(model_name, tier)
             self.offload_loads.labels(model_name, tier)
+        for source in SOURCES:
+            self.tokens_by_source.labels(model_name, source)
+        self.external_hits.labels(model_name)
+        self.prompt_tokens_cached.labels(model_name)
 
     # ------------------------------------------------------------------ engine-core side
     def record_core_stats(self, stats) -> None:
@@ -262,6 +297,7 @@ class ServerMetrics:
                           self.offload_saves.labels(name, tier))
             self._advance(f"offload_load:{tier}", getattr(stats, f"offload_loads_{tier}", 0),
                           self.offload_loads.labels(name, tier))
+        self._record_sources(stats)
         self.checkpoints.labels(name).set(stats.num_checkpoints)
         self.checkpoint_bytes.labels(name).set(stats.checkpoint_bytes)
         if stats.prefix_queries:
@@ -272,7 +308,19 @@ class ServerMetrics:
             self.spec_acceptance_rate.labels(name).set(acc / stats.spec_num_draft_tokens)
             self.spec_mean_accepted_length.labels(name).set(1 + acc / drafts)
 
-    def _advance(self, key: str, value: int, counter) -> None:
+    def _record_sources(self, stats) -> None:
+        """Prompt tokens by source (vLLM's ``prompt_tokens_by_source``): computed by the
+        forwards, hit in this pool, loaded through a KV connector (offload, transfer)."""
+        name = self.model_name
+        external = stats.offload_tokens_loaded + stats.transfer_tokens_loaded
+        values = (stats.prompt_tokens_computed, stats.prefix_local_hits, external)
+        for source, value in zip(SOURCES, values):
+            self._advance(f"source:{source}", value, self.tokens_by_source.labels(name, source))
+        self._advance("external_hits", external, self.external_hits.labels(name))
+        self._advance("cached", stats.prefix_local_hits + external,
+                      self.prompt_tokens_cached.labels(name))
+
+    def _advance(self, key: str, value: float, counter) -> None:
         """Increment ``counter`` by how far the cumulative ``value`` passed the last one."""
         last = self._last.get(key, 0)
         if value > last:
@@ -354,6 +402,9 @@ class ServerMetrics:
                 "preemptions": value(self.preemptions)}
 
 
+# ``pagefold:prompt_tokens_by_source``'s sources, vLLM's label values.
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
 # pagefold name -> vLLM's name of the same series (vLLM dashboards read these). Counters carry
 # the ``_total`` suffix in the exposition; histograms their ``_bucket``/``_sum``/``_count``.
 VLLM_NAMES = {
@@ -379,6 +430,10 @@ VLLM_NAMES = {
     "pagefold:request_decode_time_seconds": "vllm:request_decode_time_seconds",
     "pagefold:request_inference_time_seconds": "vllm:request_inference_time_seconds",
     "pagefold:cache_config_info": "vllm:cache_config_info",
+    "pagefold:external_prefix_cache_queries": "vllm:external_prefix_cache_queries",
+    "pagefold:external_prefix_cache_hits": "vllm:external_prefix_cache_hits",
+    "pagefold:prompt_tokens_by_source": "vllm:prompt_tokens_by_source",
+    "pagefold:prompt_tokens_cached": "vllm:prompt_tokens_cached",
 }
 # Older vLLM names some dashboards still use (same series again).
 VLLM_LEGACY_NAMES = {

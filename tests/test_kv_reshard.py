@@ -122,3 +122,70 @@ def test_attention_pages_reshard_exactly(kv_heads, src_tp, dst_tp):
 def test_a_spec_without_a_split_is_refused():
     spec = StateSpec("mystery", (StateComponent("s", (4, 2), torch.float32),))
     assert "no tensor-parallel split" in why_not(spec, 1, 2)
+
+
+
+def _family_specs(factory, arch: str, tp: int, **overrides) -> dict:
+    """One rank's specs of the tiny ``arch`` (its config.json) at ``tp`` ranks."""
+    import json
+
+    cfg = json.loads((factory(arch, **overrides) / "config.json").read_text())
+    return layer_specs_from_config(cfg, model_dtype=torch.float32, tensor_parallel_size=tp)
+
+
+def _chunks(t: torch.Tensor, parts: int, tp: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s rows of ``t``: ``t`` is ``parts`` equal row blocks, each cut in ``tp``."""
+    return torch.cat([p.chunk(tp)[r] for p in t.chunk(parts)])
+
+
+KIMI = dict(num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("mamba", {}),  # Mamba-1: conv and ssm channels
+    ("lfm2", {}),  # the short conv's channels
+    ("minimax", {}),  # the lightning kv state, by heads
+    ("kimi_linear", KIMI)])  # KDA: the q | k | v conv channels by heads, the ssm by heads
+@pytest.mark.parametrize("src_tp,dst_tp", [(1, 2), (2, 1)])
+def test_family_states_reshard_exactly(arch, overrides, src_tp, dst_tp, tiny_model_factory):
+    """Each state component's channels (rows) cut by ranks as the layers load their weights,
+    written out independently of the specs' splits."""
+    specs = _family_specs(tiny_model_factory, arch, 1, **overrides)
+    name = next(k for k, s in specs.items() if isinstance(s, StateSpec))
+    full_spec = specs[name]
+    g = torch.Generator().manual_seed(5)
+    fulls = [torch.randn(*c.shape, generator=g).to(c.dtype) for c in full_spec.components]
+
+    def spec_of(tp):
+        return _family_specs(tiny_model_factory, arch, tp, **overrides)[name]
+
+    def rows_of(tp, r):
+        return _pack_state(spec_of(tp), [
+            _chunks(t, 3 if (full_spec.kind, c.name) == ("kda", "conv") else 1, tp, r)
+            for c, t in zip(full_spec.components, fulls)], 64)
+
+    assert why_not(spec_of(1), src_tp, dst_tp) is None
+    _check(src_tp, dst_tp, spec_of, rows_of, 64, rows_of(dst_tp, 0).shape[0])
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(1, 2), (2, 1)])
+def test_mla_latent_pages_are_replicated(src_tp, dst_tp, tiny_model_factory):
+    """Kimi Linear's MLA latent rows: every rank keeps the whole page; a consumer rank copies
+    the lowest producer rank's."""
+    from pagefold.core.kv_cache_spec import MLASpec
+
+    specs = _family_specs(tiny_model_factory, "kimi_linear", 1, **KIMI)
+    name = next(k for k, s in specs.items() if isinstance(s, MLASpec))
+    pages = 2
+    full = torch.randn(pages, *specs[name].page_shape(BS),
+                       generator=torch.Generator().manual_seed(6))
+
+    def spec_of(tp):
+        return _family_specs(tiny_model_factory, "kimi_linear", tp, **KIMI)[name]
+
+    def rows_of(tp, r):
+        return full.view(torch.uint8).reshape(pages, -1).clone()
+
+    assert why_not(spec_of(1), src_tp, dst_tp) is None
+    assert source_ranks(spec_of(dst_tp), src_tp, dst_tp, dst_tp - 1) == [0]
+    _check(src_tp, dst_tp, spec_of, rows_of, rows_of(1, 0).shape[1], pages)

@@ -2,10 +2,11 @@
 engine pulls the pages (attention blocks and the state checkpoint) and decodes.
 
 Exactness: the consumer's greedy float32 tokens equal a single engine's (cold); tokens *and*
-logprobs equal, bit for bit, a single engine that serves the same prompt with the same prefix
-hit (its second pass: the pages were pulled byte-exact, so the consumer computes exactly what
-that engine computes). The consumer computes only the prompt's tail after its last full block
-(a prompt of k blocks + 1 token: only its last token), counted from the runner's step messages.
+logprobs equal, bit for bit, a single engine that prefills all but the last prompt token in one
+chunk and then computes the last token alone (what producer and consumer compute together: the
+pages were pulled byte-exact). The consumer computes only the prompt's last token (the
+producer's partial last block and its state after ``L - 1`` tokens travel too: the prompt
+tail), counted from the runner's step messages.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 from pagefold import LLM, SamplingParams
+from pagefold.engine.core_proc import core_stats
 from pagefold.entrypoints.proxy import Proxy, build_app, prefill_body
+from pagefold.metrics import ServerMetrics
 from pagefold.offload.page_file import PageGeometry
 from pagefold.testing.tiny_models import random_prompts
 from pagefold.transfer import worker as transfer_worker
@@ -97,9 +100,14 @@ def _whole(*llms: LLM) -> None:
         llm.engine.kv.check_whole()
 
 
+def _split(model, prompt: list[int], sp: SamplingParams = GREEDY, **kw):
+    """A single engine's output computing ``prompt[:-1]`` in one chunk, then its last token."""
+    return _single(_engine(model, max_num_batched_tokens=len(prompt) - 1, **kw), prompt, sp)
+
+
 @pytest.fixture(scope="module")
 def prompts():
-    # Lengths 81 (5 blocks + 1 token: the consumer computes only the last token), then others.
+    # Lengths 81 (5 blocks + 1 token: no partial block in the tail), then others.
     ps = random_prompts(3, 60, 90, 512, seed=11)
     return [random_prompts(1, 81, 81, 512, seed=12)[0], *ps]
 
@@ -111,26 +119,53 @@ def test_producer_to_consumer_equals_one_engine(arch, tiny_model_factory, prompt
     counter = StepCounter(cons)
     for p in prompts:
         params = _prefill(prod, p)
-        n_blocks = (len(p) - 1) // BS
-        assert params["num_tokens"] == n_blocks * BS and params["remote_port"]
-        before = counter.total()
+        assert params["num_tokens"] == len(p) - 1 and params["remote_port"]
+        # The tail: every state group's state after L - 1 tokens, and every attention group's
+        # partial last block when L - 1 ends inside one.
+        pps = params["pages_per_state"]
+        tails = [k for k in params["remote_block_keys"] if k.startswith("t")]
+        partial = (len(p) - 1) % BS != 0
+        assert len(tails) == sum(1 for n in pps if n or partial)
+        before, computed = counter.total(), cons.engine.scheduler.prompt_tokens_computed
         got = _decode(cons, p, params)
         prompt_computed = counter.total() - before - (MAX_TOKENS - 1)
+        assert cons.engine.scheduler.prompt_tokens_computed - computed == 1
         cold, warm = _single(single, p), _single(single, p)
         assert _toks(got) == _toks(cold) == _toks(warm)
-        assert _lp(got) == _lp(warm)  # the same hit, the same bytes: bit-identical
-        assert got.num_cached_tokens == warm.num_cached_tokens == n_blocks * BS
-        assert prompt_computed == len(p) - n_blocks * BS  # only the tail after the last block
-        if len(p) == 81:
-            assert prompt_computed == 1  # no prefill beyond the last token
+        assert _lp(got) == _lp(_split(model, p))  # the same computation, bit for bit
+        assert got.num_cached_tokens == len(p) - 1
+        assert prompt_computed == 1  # the decode instance computes only the last token
     stats = cons.engine.transfer.stats
     assert stats.requests_loaded == len(prompts) and stats.load_failures == 0
-    assert stats.tokens_loaded == sum((len(p) - 1) // BS * BS for p in prompts)
+    assert stats.tokens_loaded == sum(len(p) - 1 for p in prompts)
     assert prod.engine.transfer.stats.exports == len(prompts)
     assert not prod.engine.runner.connector.outbox  # every export was pulled and freed
-    if arch != "qwen3":  # a state checkpoint travelled with the attention pages
-        assert cons.engine.kv.pool.checkpoint_stats()[0] > 0
+    _check_metrics(cons, prompts)
     _whole(prod, cons, single)
+
+
+def _check_metrics(cons: LLM, prompts: list[list[int]]) -> None:
+    """The decode instance's /metrics (vLLM's names too): each prompt's last token computed
+    here, the rest loaded through the connector."""
+    metrics = ServerMetrics("m")
+    metrics.record_core_stats(core_stats(cons.engine))
+    text = metrics.render().decode()
+
+    def value(sample: str) -> float:
+        return float(next(x for x in text.splitlines() if x.startswith(sample)).split()[-1])
+
+    pulled = sum(len(p) - 1 for p in prompts)
+    for prefix in ("pagefold", "vllm"):
+        by = f'{prefix}:prompt_tokens_by_source_total{{model_name="m",source='
+        assert value(by + '"local_compute"}') == len(prompts)
+        assert value(by + '"external_kv_transfer"}') == pulled
+        assert value(by + '"local_cache_hit"}') == 0
+        assert value(f'{prefix}:external_prefix_cache_hits_total{{model_name="m"}}') == pulled
+        assert value(f'{prefix}:external_prefix_cache_queries_total{{model_name="m"}}') \
+            == sum(len(p) for p in prompts)
+        assert value(f'{prefix}:prompt_tokens_cached_total{{model_name="m"}}') == pulled
+    assert value('pagefold:kv_transfer_pulls_total{model_name="m"}') == len(prompts)
+    assert value('pagefold:kv_transfer_pull_seconds_total{model_name="m"}') > 0
 
 
 def test_parallel_sampling_consumer(tiny_model_factory, prompts):
@@ -151,20 +186,51 @@ def test_parallel_sampling_consumer(tiny_model_factory, prompts):
     _whole(prod, cons, single)
 
 
-def test_chunked_prefill_on_the_producer(tiny_model_factory, prompts):
-    """A producer that prefills in 32-token chunks: the pages it exports are those chunks'
-    bytes; a single engine chunking alike, serving the prompt a second time, is the same."""
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_chunked_prefill_on_the_producer(in_kernel, tiny_model_factory, prompts):
+    """A producer that prefills in 32-token chunks. A 65-token prompt: its last chunk is the
+    last token alone, the tail's state is copied after the chunk ending at token 64 (a single
+    engine chunking alike computes the same, bit for bit). Without in-kernel captures, the
+    chunk of a 60-90-token prompt is cut at ``L - 1`` for the tail's state."""
     model = tiny_model_factory("qwen3_5")
-    prod = _engine(model, max_num_batched_tokens=32, kv_transfer_config={
-        "kv_role": "kv_producer", "kv_port": 0})
+    prod = _engine(model, max_num_batched_tokens=32, state_checkpoints_in_kernel=in_kernel,
+                   kv_transfer_config={"kv_role": "kv_producer", "kv_port": 0})
     cons = _consumer(model)
+    counter = StepCounter(cons)
     single = _engine(model, max_num_batched_tokens=32)
-    p = prompts[2]
-    got = _decode(cons, p, _prefill(prod, p))
-    cold, warm = _single(single, p), _single(single, p)
-    assert _toks(got) == _toks(cold) and _lp(got) == _lp(warm)
-    assert got.num_cached_tokens == (len(p) - 1) // BS * BS
+    p = random_prompts(1, 65, 65, 512, seed=13)[0] if in_kernel else prompts[2]
+    params = _prefill(prod, p)
+    assert params["num_tokens"] == len(p) - 1
+    assert any(k.startswith("t1-") for k in params["remote_block_keys"])  # the tail's state
+    got = _decode(cons, p, params)
+    cold = _single(single, p)
+    assert _toks(got) == _toks(cold) and got.num_cached_tokens == len(p) - 1
+    if in_kernel:
+        assert _lp(got) == _lp(cold)
+    assert counter.total() == 1 + MAX_TOKENS - 1
     _whole(prod, cons, single)
+
+
+def test_no_room_for_the_tail_falls_back_to_block_pages(tiny_model_factory, prompts,
+                                                       qwen35_single, monkeypatch):
+    """A producer whose pool gives no page for the tail's state exports the blocks and the
+    deepest checkpoint; the consumer computes from that block boundary on, tokens exact."""
+    from pagefold.core.managers import StateManager
+
+    monkeypatch.setattr(StateManager, "plan_tail", lambda self, req_id, n: None)
+    monkeypatch.setattr(StateManager, "copy_tail", lambda self, req_id: [])
+    model = tiny_model_factory("qwen3_5")
+    prod, cons = _producer(model), _consumer(model)
+    p = prompts[1]
+    params = _prefill(prod, p)
+    n = (len(p) - 1) // BS * BS
+    assert params["num_tokens"] == n
+    assert not any(k.startswith("t") for k in params["remote_block_keys"])
+    computed = cons.engine.scheduler.prompt_tokens_computed
+    got = _decode(cons, p, params)
+    assert _toks(got) == qwen35_single[1] and got.num_cached_tokens == n
+    assert cons.engine.scheduler.prompt_tokens_computed - computed == len(p) - n
+    _whole(prod, cons)
 
 
 def test_batches_on_both_sides(tiny_model_factory, prompts, qwen35_single):
@@ -184,7 +250,7 @@ def test_batches_on_both_sides(tiny_model_factory, prompts, qwen35_single):
         sps.append(sp)
     got = cons.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     assert [_toks(g)[0] for g in got] == [qwen35_single[i][0] for i in range(len(prompts))]
-    assert [g.num_cached_tokens for g in got] == [(len(p) - 1) // BS * BS for p in prompts]
+    assert [g.num_cached_tokens for g in got] == [len(p) - 1 for p in prompts]
     assert cons.engine.transfer.stats.requests_loaded == len(prompts)
     assert not prod.engine.runner.connector.outbox
     _whole(prod, cons)
@@ -248,10 +314,10 @@ def test_an_export_nobody_pulls_is_freed_after_keep_s(tiny_model_factory, prompt
 def test_a_consumer_that_hits_its_own_pool_releases_the_export(tiny_model_factory, prompts):
     model = tiny_model_factory("qwen3_5")
     prod, cons = _producer(model), _consumer(model)
-    p = prompts[1]
+    p = prompts[0]  # 5 blocks + 1 token: its own pool serves all but the last token
     _single(cons, p)  # the consumer caches the prompt itself first
     got = _decode(cons, p, _prefill(prod, p))
-    assert got.num_cached_tokens == (len(p) - 1) // BS * BS  # from its own pool
+    assert got.num_cached_tokens == len(p) - 1  # from its own pool
     assert cons.engine.transfer.stats.requests_loaded == 0
     cons.engine.flush()  # the release leaves with the next step
     worker = prod.engine.runner.connector
@@ -292,7 +358,7 @@ def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qw
         assert params["remote_tp_size"] == 2 and params["remote_port"] == base
         got = _decode(cons, prompts[0], params)
         assert _toks(got) == qwen35_single[0]
-        assert got.num_cached_tokens == (len(prompts[0]) - 1) // BS * BS
+        assert got.num_cached_tokens == len(prompts[0]) - 1
         assert cons.engine.transfer.stats.requests_loaded == 1
         assert cons.engine.transfer.stats.load_failures == 0
         _whole(prod, cons)
@@ -303,13 +369,15 @@ def test_tensor_parallel_ranks_send_their_shards(tiny_model_factory, prompts, qw
 
 @pytest.mark.parametrize("arch,prod_tp,cons_tp", [
     ("qwen3", 1, 2), ("qwen3", 2, 1), ("qwen3_5", 1, 2), ("qwen3_5", 2, 1),
-    ("nemotron_h", 1, 2)])
+    ("nemotron_h", 1, 2), ("kimi_linear", 2, 1)])
 def test_mixed_tensor_parallelism_reshards(arch, prod_tp, cons_tp, tiny_model_factory, prompts):
     """A producer and a consumer of different TP sizes: each consumer rank pulls the producer
     ranks whose heads overlap its own and assembles its shard (a TP 1 producer's rank 0
     answers both TP 2 consumer ranks; a TP 1 consumer pulls both TP 2 producer ranks). Tokens
-    equal a single engine's; the consumer computes only the tail; both pools are whole."""
-    model = tiny_model_factory(arch)
+    equal a single engine's; the consumer computes only the last prompt token (its scheduler's
+    counter); both pools are whole. Kimi Linear: KDA states cut by heads, MLA latent pages
+    replicated on every rank."""
+    model = tiny_model_factory(arch, **MIXED_TP_OVERRIDES.get(arch, {}))
     base = 20000 + int(time.time() * 1000) % 20000
     prod = _engine(model, kv_transfer_config={"kv_role": "kv_producer", "kv_port": base},
                    **_tp(prod_tp))
@@ -319,19 +387,24 @@ def test_mixed_tensor_parallelism_reshards(arch, prod_tp, cons_tp, tiny_model_fa
         for p in prompts[:2]:
             params = _prefill(prod, p)
             assert params["remote_tp_size"] == prod_tp and params["model_layout"]
-            n_blocks = (len(p) - 1) // BS
+            computed = cons.engine.scheduler.prompt_tokens_computed
             got = _decode(cons, p, params)
             assert _toks(got) == _toks(_single(single, p))
-            assert got.num_cached_tokens == n_blocks * BS  # computed: only the tail
+            assert got.num_cached_tokens == len(p) - 1
+            assert cons.engine.scheduler.prompt_tokens_computed - computed == 1  # the last
         stats = cons.engine.transfer.stats
         assert stats.requests_loaded == 2 and stats.load_failures == 0 and stats.refused == 0
-        assert stats.tokens_loaded == sum((len(p) - 1) // BS * BS for p in prompts[:2])
+        assert stats.tokens_loaded == sum(len(p) - 1 for p in prompts[:2])
         if prod_tp == 1:
             assert not prod.engine.runner.connector.outbox  # both consumer ranks pulled it
         _whole(prod, cons)
     finally:
         prod.engine.shutdown()
         cons.engine.shutdown()
+
+
+MIXED_TP_OVERRIDES = {"kimi_linear": dict(num_attention_heads=4, num_key_value_heads=4,
+                                          linear_num_heads=4)}
 
 
 def _tp(n: int) -> dict:

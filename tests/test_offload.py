@@ -194,6 +194,48 @@ def test_a_tier_hit_pins_its_keys_before_its_own_allocations_evict():
     kv.check_whole()
 
 
+def test_a_full_pool_captures_checkpoints_into_staging_pages_for_the_tiers():
+    """No free page for a checkpoint: the deepest target of the chunk is captured into a
+    staging set, saved to the host tier with the next step (never a pool entry), and the set
+    is free again once that step ran; a later request of the prompt hits it in the tier."""
+    from pagefold.core.spec_families import mamba2_state
+
+    state = mamba2_state(heads=2, head_dim=4, groups=1, state=4, kernel=4, tp=1, num_spec=0,
+                         conv_dtype=torch.float32, ssm_dtype=torch.float32)
+    attn = FullAttentionSpec(2, 8, torch.float32)
+    cfg = plan_pagefold({"layers.0": attn, "layers.1": state}, 16, 64 * 1024)
+    kv = KVCacheManager(cfg, enable_prefix_caching=True, capture_in_kernel=True)
+    usable = kv.pool.num_usable
+    index = OffloadIndex(host_slots=64, page_bytes=cfg.page_bytes,
+                         group_layers=[len(g.layer_names) for g in cfg.groups])
+    kv.attach_connector(index)
+    kv.enable_capture_staging()
+    reserved = kv.pool.reserved
+    assert reserved and kv.pool.num_usable == usable - len(reserved)
+    g = next(i for i, grp in enumerate(cfg.groups) if grp.pages_per_state)
+    req = Request("a", list(range(1, 71)), SamplingParams(max_tokens=1))
+    assert kv.find_hit(req) == 0  # plans its targets: 16 and 64 inside the chunk
+    assert kv.allocate_slots(req, 70)
+    hog = kv.pool.allocate(kv.pool.num_free)  # every other page held: the pool is full
+    (cap,) = kv.plan_captures([req], [70])  # the deepest only: staging sets are few
+    assert cap.num_tokens == 64 and cap.group == g and set(cap.pages) <= reserved
+    req.num_computed_tokens = 70
+    kv.after_step(req)
+    key = ("ckpt", g, req.block_hashes[3])
+    assert key not in kv.pool.entries and index.contains(key)
+    kv.take_copies()
+    (save,) = [sv for sv in kv.take_kv_ops().saves if sv.key == key_name(key)]
+    assert save.pages == cap.pages and save.host_slots  # read at the start of this step
+    kv.release_pins()  # the step ran: the set is free again
+    assert kv.staging.staged == 1
+    kv.pool.free(hog)
+    kv.free(req)
+    again = Request("b", list(range(1, 71)), SamplingParams(max_tokens=1))
+    assert kv.find_hit(again) == 4  # attention blocks in the pool, the checkpoint in the tier
+    kv.take_kv_ops()
+    kv.check_whole()
+
+
 def test_rank_reports_merge_across_steps():
     merger = ReportMerger(2)
     r0 = ConnectorOutput(finished=["a", "b"], failed={"b": ["a0-01"]}, bytes_loaded=10)
@@ -483,10 +525,10 @@ def test_issue_criterion_twenty_600_token_prompts_twice_then_after_restart(tiny_
     def run(llm):
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    # Four at a time: with all 20 in flight the pool (about 7 requests) has no room to take
-    # some prompts' checkpoints in the first place (``plan_capture`` skips them when the pool
-    # is short), and a hybrid hit needs one; that is capture policy, not the tiers.
-    kw = dict(dtype="float32", max_model_len=640, kv_cache_memory="3MiB", max_num_seqs=4,
+    # All 20 in flight: the pool (about 7 requests) is full while most prompts prefill, so
+    # their checkpoints (a hybrid hit needs one) reach the tiers through staging pages
+    # (``core/capture_staging.py``), not the pool.
+    kw = dict(dtype="float32", max_model_len=640, kv_cache_memory="3MiB", max_num_seqs=20,
               kv_offloading_dir=str(tmp_path), kv_offloading_disk_size="256MiB")
     llm = LLM(str(model), kv_offloading_size=0.05, **kw)
     first = run(llm)
@@ -496,6 +538,7 @@ def test_issue_criterion_twenty_600_token_prompts_twice_then_after_restart(tiny_
     assert _tokens(second) == _tokens(first)
     assert llm.engine.offload.stats.tokens_loaded >= 0.9 * total
     assert llm.engine.kv.pool.stats.evictions > 0
+    assert llm.engine.kv.staging.staged > 0  # some checkpoints went through staging pages
     llm.engine.shutdown()
     llm.engine.kv.check_whole()
 

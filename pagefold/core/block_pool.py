@@ -77,6 +77,14 @@ class BlockPool:
         self.tick = 0  # advanced once per engine step
         self.stats = PoolStats()
         self.on_evict: Callable[[CacheEntry], None] | None = None
+        # Blocks taken for good by their owner (checkpoint staging pages): not usable.
+        self.reserved: frozenset[int] = frozenset()
+
+    def reserve(self, n: int) -> list[Block]:
+        """Take ``n`` blocks out of the usable pool for good (before any request runs)."""
+        blocks = self.allocate(n)
+        self.reserved = self.reserved | {b.block_id for b in blocks}
+        return blocks
 
     # ------------------------------------------------------------------ queries
     @property
@@ -86,7 +94,7 @@ class BlockPool:
 
     @property
     def num_usable(self) -> int:
-        return self.num_blocks - 1
+        return self.num_blocks - 1 - len(self.reserved)
 
     @property
     def usage(self) -> float:
@@ -244,6 +252,7 @@ class BlockPool:
 
     def check_whole(self) -> None:
         """Assert that no block is held: every usable block is free (plain or cached)."""
-        held = [b.block_id for b in self.blocks[1:] if b.ref_cnt != 0]
+        held = [b.block_id for b in self.blocks[1:] if b.ref_cnt != 0
+                and b.block_id not in self.reserved]
         assert not held, f"blocks still referenced: {held[:20]}"
         assert self.num_free == self.num_usable, (self.num_free, self.num_usable)

@@ -30,14 +30,19 @@
   pages are allocated and the loads queued, but it computes nothing until the worker reports
   them (``finish_load``: then its computed length jumps to the hit; a failed key is forgotten
   and the request starts over, so a bad page is recomputed, never used).
+* Prefill/decode disaggregation's prompt tail (``core/prompt_tail.py``): a producer's
+  ``do_remote_decode`` request takes its state after all but the last prompt token (a capture
+  or a copy at ``L - 1``); a consumer's hit may load it, computing only the last token.
+* Staging pages (``core/capture_staging.py``): with offload tiers, a capture the full pool
+  cannot hold goes to the tiers through a reserved page set.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from pagefold.core.block_pool import Block, BlockPool, CacheEntry
+from pagefold.core.capture_staging import CaptureStaging, stage_captures
 from pagefold.core.kv_cache_planner import KVCacheConfig
 from pagefold.core.kv_connector import (
     ConnectorOutput,
@@ -47,7 +52,8 @@ from pagefold.core.kv_connector import (
     key_group,
 )
 from pagefold.core.managers import GroupManager, PageCopy, StateCapture, make_manager
-from pagefold.core.prefix_cache import update_block_hashes
+from pagefold.core.prefix_cache import PrefixCacheStats, update_block_hashes
+from pagefold.core.prompt_tail import export_entries, tail_len, takes_tail, wants_tail
 from pagefold.core.swap import (
     HostPool,
     PreemptionCost,
@@ -55,22 +61,12 @@ from pagefold.core.swap import (
     SwapOp,
     SwappedRequest,
     SwapStats,
+    swap_in_pages,
+    swap_out_pages,
 )
 from pagefold.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which served from cache
-    requests: int = 0
-    requests_hit: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -103,9 +99,12 @@ class KVCacheManager:
         self.swap_stats = SwapStats()
         self.preempt_log = PreemptionLog()
         # KV connector (off until ``attach_connector``); requests whose hit is loading:
-        # request id -> (hit blocks, tokens of it only the connector could serve).
+        # request id -> (hit tokens, tokens of it only the connector could serve).
         self.connector: KVConnectorScheduler | None = None
         self._loading: dict[str, tuple[int, int]] = {}
+        self.staging: CaptureStaging | None = None
+        # Consumers whose hit takes a prompt tail (``core/prompt_tail.py``): group -> key.
+        self._tail: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ KV connector
     def attach_connector(self, connector: KVConnectorScheduler) -> None:
@@ -114,6 +113,13 @@ class KVCacheManager:
                              "enable_prefix_caching")
         self.connector = connector
         self.pool.on_evict = self._save_evicted
+
+    def enable_capture_staging(self) -> None:
+        """Offload tiers: checkpoints captured in the kernels reach the connector through
+        staging pages when the pool has no room (``core/capture_staging.py``); a capture in
+        a short pool is planned deepest target first."""
+        if self.capture_in_kernel and self.connector is not None:
+            self.staging = stage_captures(self.pool, self.connector, self.managers)
 
     def _save_evicted(self, e: CacheEntry) -> None:
         if self.connector.wants(e.key):
@@ -152,7 +158,7 @@ class KVCacheManager:
     def finish_load(self, req: Request, failed_names: list[str]) -> bool:
         """``req``'s loads ran. True: its computed length is now the hit. False: a page was
         bad; the good ones stay cached, the request holds nothing and starts over."""
-        hit_blocks, tier_tokens = self._loading.pop(req.request_id)
+        hit_tokens, tier_tokens = self._loading.pop(req.request_id)
         failed = {key_from_name(n) for n in failed_names}
         for m in self.managers:
             m.finish_tier_load(req.request_id, failed)
@@ -160,40 +166,41 @@ class KVCacheManager:
             self.free(req)
             req.num_computed_tokens = 0
             return False
-        req.num_computed_tokens = hit_blocks * self.block_size
+        req.num_computed_tokens = hit_tokens
         self.connector.stats.tokens_loaded += tier_tokens
         return True
 
     def export_prompt(self, req: Request) -> dict | None:
-        """A finished prefill leaves for another engine: the cached pages of its prompt (each
-        attention group's blocks along the chain, each state group's deepest checkpoint, up to
-        the longest hit a request of this prompt can take) go to the connector, which returns
-        the ``kv_transfer_params`` (None: nothing cached, or the connector does not export).
+        """A finished prefill leaves for another engine: the pages of its prompt
+        (``prompt_tail.export_entries``: the cached blocks and the tail, or the deepest
+        checkpoint when no tail was taken) go to the connector, which returns the
+        ``kv_transfer_params`` (None: nothing cached, or the connector does not export).
         Call before ``free``."""
         if self.connector is None or not self.caching:
             return None
-        n = (req.num_prompt_tokens - 1) // self.block_size
-        hashes = update_block_hashes(req, self.block_size)[:n]
-        entries = []
-        for m in self.managers:
-            if m.wants_checkpoints():  # the deepest checkpoint is the one a hit restores
-                keys = [("ckpt", m.index, h) for h in reversed(hashes)]
-            else:
-                keys = [(m.index, h) for h in hashes]
-            for key in keys:
-                e = self.pool.entry(key)
-                if e is not None:
-                    entries.append((key, m.index, [b.block_id for b in e.blocks]))
-                    if m.wants_checkpoints():
-                        break
-        return self.connector.export(req.request_id, entries, n * self.block_size)
+        entries, num_tokens = export_entries(self.pool, self.managers, req, self.block_size)
+        return self.connector.export(req.request_id, entries, num_tokens)
 
     # ------------------------------------------------------------------ prefix hits
     def find_hit(self, req: Request) -> int:
         """Blocks of ``req``'s prefix servable from cache (0 when caching is off)."""
         if not self.caching or req.num_computed_tokens:
             return 0
-        return self._find_hit(req, plan=True)
+        return self._plan_tail(req, self._find_hit(req, plan=True))
+
+    def _plan_tail(self, req: Request, hit: int) -> int:
+        """A consumer whose connector holds the prompt's whole tail, and every attention
+        block before it, takes them (``allocate_slots`` loads the tail into its own pages; it
+        then computes only the last prompt token), unless its own pool already serves all but
+        the last token. Returns the hit in blocks."""
+        self._tail.pop(req.request_id, None)
+        keys = self.connector.tail_keys(req.request_id) if self.connector is not None else {}
+        if not keys or not takes_tail(self.managers, req, self.block_size, keys, hit,
+                                      self._stored,
+                                      lambda: self._find_hit(req, False, pool_only=True)):
+            return hit
+        self._tail[req.request_id] = keys
+        return tail_len(req) // self.block_size
 
     def should_defer(self, req: Request) -> bool:
         """True when the block after ``req``'s current hit is being computed by another request."""
@@ -237,6 +244,8 @@ class KVCacheManager:
         targets.update(last - k * bs for k in (0, 3))
         if attention_hit > hit:
             targets.add(attention_hit * bs)  # reuse proved to happen here
+        if wants_tail(req) and self.connector is not None and not self.capture_in_kernel:
+            targets.add(tail_len(req))  # a chunk ends there for a prompt tail's state
         start = hit * bs
         self._targets[req.request_id] = sorted(t for t in targets if t > start)
 
@@ -261,17 +270,27 @@ class KVCacheManager:
         if not (self.caching and self.has_state and self.capture_in_kernel):
             return caps
         for req, n in zip(reqs, counts):
+            start, end = req.num_computed_tokens, tail_len(req)
+            if start < end < start + n and wants_tail(req) and self.connector is not None:
+                for m in self.managers:
+                    cap = m.plan_tail(req.request_id, end) if m.wants_checkpoints() else None
+                    if cap is not None:
+                        caps.append(cap)
             targets = self._targets.get(req.request_id)
             start = req.num_computed_tokens
             if not targets or n < 2 or targets[-1] <= start:
                 continue
             hashes = update_block_hashes(req, self.block_size)
-            for t in targets:
-                if start < t < start + n:
-                    for m in self.managers:
-                        cap = m.plan_capture(req.request_id, hashes, t)
-                        if cap is not None:
-                            caps.append(cap)
+            # Staging (a short pool): the deepest checkpoint first, the one a hit wants; it
+            # alone may take a staging set (they are few).
+            inside = [t for t in targets if start < t < start + n]
+            if self.staging is not None:
+                inside.reverse()
+            for i, t in enumerate(inside):
+                for m in self.managers:
+                    cap = m.plan_capture(req.request_id, hashes, t, staging_ok=i == 0)
+                    if cap is not None:
+                        caps.append(cap)
         return caps
 
     def cap_spec_chunk(self, req: Request, num_new: int) -> int:
@@ -293,14 +312,18 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def blocks_needed(self, req: Request, num_new_tokens: int, hit_blocks: int = 0) -> int:
-        """Net blocks the pool must supply to compute ``num_new_tokens`` more tokens."""
+        """Net blocks the pool must supply to compute ``num_new_tokens`` more tokens (a
+        prompt tail's pages included: state groups then take no checkpoint hit)."""
         start = req.num_computed_tokens + hit_blocks * self.block_size
         end = start + num_new_tokens
+        tail = req.request_id in self._tail
         need = 0
         for m in self.managers:
-            if hit_blocks:
+            if hit_blocks and not (tail and m.wants_checkpoints()):
                 need += m.hit_cost(req.block_hashes, hit_blocks, self._stored)
                 need += m.num_blocks_needed("\0probe", start, end) - _hit_blocks_held(m, hit_blocks)
+            elif tail:
+                need += m.num_blocks_needed("\0probe", start, end)
             else:
                 need += m.num_blocks_needed(req.request_id, start, end)
                 need -= m.num_blocks_to_free(req.request_id, start)
@@ -310,44 +333,53 @@ class KVCacheManager:
         """Give ``req`` every block it needs for ``num_new_tokens`` more tokens, or nothing.
 
         With ``hit_blocks``, the request first takes its cached prefix (its
-        ``num_computed_tokens`` jumps to the hit length).
+        ``num_computed_tokens`` jumps to the hit length); with a prompt tail planned by
+        ``find_hit``, also the tail (it jumps to all but the last prompt token).
         """
         if req.request_id in self.swapped:
             return self._swap_in(req, num_new_tokens)
         if self.blocks_needed(req, num_new_tokens, hit_blocks) > self.pool.num_free:
             return False
-        if hit_blocks:
+        tail = self._tail.pop(req.request_id, None)
+        if hit_blocks or tail:
             # Hold every group's hit blocks first: a state group allocating its pages takes
             # from the free queue, which could otherwise evict the attention blocks (or another
-            # group's checkpoint) this very hit is about to use.
+            # group's checkpoint) this very hit is about to use. With a tail, state groups
+            # take no checkpoint: the tail's state loads into their own pages.
             stored, hashes = self._stored, req.block_hashes
-            held = [b for m in self.managers for b in m.hit_blocks(hashes, hit_blocks, stored)]
+            hit = [m for m in self.managers if hit_blocks
+                   and not (tail and m.wants_checkpoints())]
+            held = [b for m in hit for b in m.hit_blocks(hashes, hit_blocks, stored)]
             self.pool.touch(held)
             if stored is not None:  # ... and the tier keys, against the saves they cause
-                for m in self.managers:
+                for m in hit:
                     self.connector.pin(m.tier_keys(hashes, hit_blocks, stored))
             loads = 0
             try:
                 for m in self.managers:
-                    if stored is None:
+                    copies, tier = [], []
+                    if m in hit and stored is None:
                         copies = m.take_hit(req.request_id, hashes, hit_blocks)
-                    else:
+                    elif m in hit:
                         copies, tier = m.take_tier_hit(req.request_id, hashes, hit_blocks,
                                                        stored)
-                        for key, rows in tier:
-                            self.connector.record_load(req.request_id, key, m.index, rows)
-                        loads += len(tier)
+                    if tail and m.index in tail:
+                        tier = tier + m.take_tail(req.request_id, tail[m.index])
+                    for key, rows in tier:
+                        self.connector.record_load(req.request_id, key, m.index, rows)
+                    loads += len(tier)
                     for c in copies:
                         self._pins.append([self.pool.blocks[b] for b in c.src])
                     self._copies.extend(copies)
             finally:
                 self.pool.free(held)
+            hit_tokens = tail_len(req) if tail else hit_blocks * self.block_size
             if loads:  # computes nothing until the loads are reported (``finish_load``)
                 pool_hit = self._find_hit(req, plan=False, pool_only=True)
-                self._loading[req.request_id] = (hit_blocks,
-                                                 (hit_blocks - pool_hit) * self.block_size)
+                self._loading[req.request_id] = (hit_tokens,
+                                                 hit_tokens - pool_hit * self.block_size)
                 return True
-            req.num_computed_tokens = hit_blocks * self.block_size
+            req.num_computed_tokens = hit_tokens
         end = req.num_computed_tokens + num_new_tokens
         for m in self.managers:
             m.allocate(req.request_id, req.num_computed_tokens, end, self._copies)
@@ -367,13 +399,17 @@ class KVCacheManager:
 
     def record_admission(self, req: Request, hit_tokens: int) -> None:
         """A request was admitted with ``hit_tokens`` from cache: count it, and promise its
-        own uncached prompt blocks to later arrivals (see ``should_defer``)."""
+        own uncached prompt blocks to later arrivals (see ``should_defer``). A loading hit
+        counts its own length (a prompt tail: all but the last token) and its tier part."""
+        loading = self._loading.get(req.request_id)
+        hit_tokens, tier = loading if loading is not None else (hit_tokens, 0)
         if self.caching:
             for h in req.block_hashes[hit_tokens // self.block_size:]:
                 self._inflight.setdefault(h, req.request_id)
         self.stats.requests += 1
         self.stats.queries += req.num_tokens
         self.stats.hits += hit_tokens
+        self.stats.local_hits += hit_tokens - tier
         self.stats.requests_hit += hit_tokens > 0
 
     def after_step(self, req: Request) -> None:
@@ -382,8 +418,12 @@ class KVCacheManager:
             return
         hashes = update_block_hashes(req, self.block_size)
         target = self.has_state and self._is_target(req, req.num_computed_tokens)
+        tail = (self.has_state and req.num_computed_tokens == tail_len(req)
+                and self.connector is not None and wants_tail(req))
         for m in self.managers:
             copies = m.after_step(req.request_id, hashes, req.num_computed_tokens, target)
+            if tail and m.wants_checkpoints():  # the prompt tail's state (not in a kernel)
+                copies = copies + m.copy_tail(req.request_id)
             for c in copies:
                 self._pins.append([self.pool.blocks[b] for b in c.dst])
             self._copies.extend(copies)
@@ -393,6 +433,8 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         self._pins_in_flight.extend(self._pins)
         self._pins = []
+        if self.staging is not None:
+            self.staging.step_sent()
         return copies
 
     def release_pins(self) -> None:
@@ -400,6 +442,8 @@ class KVCacheManager:
         for blocks in self._pins_in_flight:
             self.pool.free(blocks)
         self._pins_in_flight = []
+        if self.staging is not None:
+            self.staging.step_done()
 
     @property
     def has_pending_copies(self) -> bool:
@@ -461,44 +505,20 @@ class KVCacheManager:
         return kind
 
     def _swap_out(self, req: Request, nbytes: int) -> None:
-        host_lists = []
-        for m, blocks in zip(self.managers, self._held(req.request_id)):
-            real = [b for b in blocks if b is not self.pool.null_block]
-            rows = iter(self.host.allocate(len(real)))
-            hl = [None if b is self.pool.null_block else next(rows) for b in blocks]
-            host_lists.append(hl)
-            if real:
-                self._swaps.append(SwapOp(m.index, [b.block_id for b in real],
-                                          [h for h in hl if h is not None], to_host=True))
-            if blocks:
-                self.pool.free(list(reversed(m.req_blocks.pop(req.request_id))))
+        host_lists, ops = swap_out_pages(self.managers, self.pool, self.host, req.request_id)
+        self._swaps.extend(ops)
         self.swapped[req.request_id] = SwappedRequest(host_lists, nbytes)
         self.swap_stats.swaps_out += 1
         self.swap_stats.bytes_out += nbytes
 
     def _swap_in(self, req: Request, num_new_tokens: int) -> bool:
         sw = self.swapped[req.request_id]
-        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new_tokens
-        need = 0
-        for m, hl in zip(self.managers, sw.host_blocks):
-            need += sum(h is not None for h in hl)
-            # Ask the policy about growth with a table of the swapped length (null stand-ins).
-            m.req_blocks[req.request_id] = [self.pool.null_block] * len(hl)
-            need += m.num_blocks_needed(req.request_id, start, end)
-            del m.req_blocks[req.request_id]
-        if need > self.pool.num_free:
+        start = req.num_computed_tokens
+        ops = swap_in_pages(self.managers, self.pool, self.host, req.request_id, sw.host_blocks,
+                            start, start + num_new_tokens, self._copies)
+        if ops is None:
             return False
-        for m, hl in zip(self.managers, sw.host_blocks):
-            rows = [h for h in hl if h is not None]
-            dev = iter(self.pool.allocate(len(rows)))
-            m.req_blocks[req.request_id] = [self.pool.null_block if h is None else next(dev)
-                                            for h in hl]
-            if rows:
-                real = [b.block_id for b in m.req_blocks[req.request_id]
-                        if b is not self.pool.null_block]
-                self._swaps.append(SwapOp(m.index, real, rows, to_host=False))
-                self.host.free(rows)  # the copy back is queued before any later swap-out
-            m.allocate(req.request_id, start, end, self._copies)
+        self._swaps.extend(ops)
         del self.swapped[req.request_id]
         self.swap_stats.swaps_in += 1
         self.swap_stats.bytes_in += sw.num_bytes
@@ -518,6 +538,7 @@ class KVCacheManager:
                             if not any((c.group, b) in owned for b in c.dst)]
         for m in self.managers:
             m.free(req.request_id)
+        self._tail.pop(req.request_id, None)
         if self._loading.pop(req.request_id, None) is not None:
             self.connector.cancel_loads(req.request_id)  # its pages go back to the pool now
         if self.connector is not None:
@@ -555,6 +576,9 @@ class KVCacheManager:
             "page copies still pending"
         assert not any(getattr(m, "pending", None) for m in self.managers), \
             "state captures still pending"
+        assert not any(getattr(m, "tail", None) for m in self.managers), \
+            "prompt-tail pages outlived their requests"
+        assert not self._tail, "planned prompt tails outlived their requests"
         assert not self._inflight, "in-flight prefix promises outlived their requests"
         assert not self.swapped and not self._swaps, "swapped requests or swap copies remain"
         if self.host is not None:
@@ -562,6 +586,8 @@ class KVCacheManager:
         assert not self._loading, "requests still loading pages"
         if self.connector is not None:
             self.connector.check_whole()
+        if self.staging is not None:
+            self.staging.check_idle()
         self.pool.check_whole()
 
 

@@ -176,6 +176,7 @@ class MLASpec:
 
     latent_dim: int
     dtype: torch.dtype
+    split: TPSplit | None = field(default=None, compare=False)  # replicated: unit == full
 
     manager_kind = "full_attention"
 

@@ -39,27 +39,32 @@ from dataclasses import dataclass, field
 
 
 def key_name(key: Hashable) -> str:
-    """The wire / file name of a prefix-cache key: ``a<group>-<hash hex>`` for an attention
-    block ``(group, hash)``, ``s<group>-<hash hex>`` for a checkpoint ``("ckpt", group, hash)``."""
+    """The wire / file name of a page key: ``a<group>-<hash hex>`` for an attention block
+    ``(group, hash)``, ``s<group>-<hash hex>`` for a checkpoint ``("ckpt", group, hash)``,
+    ``t<group>-<hash hex>`` for a prompt tail ``("tail", group, hash)`` (see
+    ``core/prompt_tail.py``: never a prefix-cache entry, only transferred)."""
     if len(key) == 3:  # type: ignore[arg-type]
-        _, group, h = key  # type: ignore[misc]
-        return f"s{group}-{h.hex()}"
+        kind, group, h = key  # type: ignore[misc]
+        return f"{'s' if kind == 'ckpt' else 't'}{group}-{h.hex()}"
     group, h = key  # type: ignore[misc]
     return f"a{group}-{h.hex()}"
 
 
 def key_group(key: Hashable) -> int:
-    """The cache group a prefix-cache key belongs to."""
+    """The cache group a page key belongs to."""
     return key[1] if len(key) == 3 else key[0]  # type: ignore[index,arg-type]
+
+
+KIND_OF_LETTER = {"s": "ckpt", "t": "tail"}
 
 
 def key_from_name(name: str) -> tuple:
     """Inverse of :func:`key_name`; raises ValueError on a malformed name."""
     kind, _, rest = name.partition("-")
-    if kind[:1] not in ("a", "s") or not rest:
+    if kind[:1] not in ("a", "s", "t") or not rest:
         raise ValueError(f"not a page key name: {name!r}")
     group, h = int(kind[1:]), bytes.fromhex(rest)
-    return ("ckpt", group, h) if kind[0] == "s" else (group, h)
+    return (KIND_OF_LETTER[kind[0]], group, h) if kind[0] != "a" else (group, h)
 
 
 @dataclass(slots=True)
@@ -152,7 +157,8 @@ class ConnectorOutput:
     keys whose page was missing, truncated or corrupt (never copied into the pool);
     ``store_failed``: keys that could not be written (disk full): the scheduler side forgets
     them. ``loaded_from``: per tier name, the pages (entries) read from it; ``bytes_*``:
-    payload bytes moved."""
+    payload bytes moved; ``pulls`` / ``pull_seconds``: a transfer's pulls that landed and their
+    wall time from request to answer (a consumer's latency)."""
 
     finished: list[str] = field(default_factory=list)
     failed: dict[str, list[str]] = field(default_factory=dict)
@@ -160,6 +166,8 @@ class ConnectorOutput:
     loaded_from: dict[str, int] = field(default_factory=dict)
     bytes_loaded: int = 0
     bytes_saved: int = 0
+    pulls: int = 0
+    pull_seconds: float = 0.0
 
 
 class PendingLoads:
@@ -222,7 +230,7 @@ class ReportMerger:
     """Tensor parallelism: the ranks' reports, step after step, as one report per step. Ranks
     finish a request's loads in different steps (each reads its own files): it is reported
     finished once every rank has; a key failed when it failed on any rank (its page is then
-    recomputed on all of them). Counts are rank 0's, bytes the sum."""
+    recomputed on all of them). Counts (and pull latencies) are rank 0's, bytes the sum."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -235,7 +243,8 @@ class ReportMerger:
             self._done.pop(rid, None)
             self._failed.pop(rid, None)
         first = reports[0] or ConnectorOutput()
-        out = ConnectorOutput(loaded_from=dict(first.loaded_from))
+        out = ConnectorOutput(loaded_from=dict(first.loaded_from), pulls=first.pulls,
+                              pull_seconds=first.pull_seconds)
         for rank, r in enumerate(reports):
             if r is None:
                 continue
@@ -301,6 +310,12 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def has_pending(self) -> bool:
         """Ops are queued for the next step."""
+
+    def tail_keys(self, req_id: str) -> dict[int, Hashable]:
+        """The prompt-tail keys registered for ``req_id``, per cache group (prefill/decode
+        disaggregation: the producer's partial last block and state after all but the last
+        prompt token; see ``core/prompt_tail.py``); empty by default."""
+        return {}
 
     def release(self, req_id: str) -> None:  # noqa: B027 - nothing is per request by default
         """``req_id`` no longer holds pages (finished, aborted, preempted or starting over)."""

@@ -101,10 +101,11 @@ class GroupManager(ABC):
         """Free blocks that taking a hit of ``n_blocks`` would consume (beyond new blocks)."""
         return 0
 
-    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int
-                     ) -> StateCapture | None:
+    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int,
+                     staging_ok: bool = False) -> StateCapture | None:
         """Pages for a checkpoint at ``num_tokens`` that the coming step writes in its kernels
-        (registered as a cache entry by ``after_step``); None: nothing to capture."""
+        (registered as a cache entry by ``after_step``); None: nothing to capture.
+        ``staging_ok``: a short pool may use a staging set (``core/capture_staging.py``)."""
         return None
 
     def take_hit(self, req_id: str, hashes: list[bytes], n_blocks: int) -> list[PageCopy]:
@@ -139,6 +140,15 @@ class GroupManager(ABC):
 
     def wants_checkpoints(self) -> bool:
         return False
+
+    def take_tail(self, req_id: str, key: Hashable) -> TierLoads:
+        """A consumer's prompt tail (``core/prompt_tail.py``) under ``key``: the pages of the
+        request it is loaded into (allocated here; the caller checked the pool has them)."""
+        return []
+
+    def tail_block_ids(self, req_id: str) -> list[int]:
+        """A producer's prompt-tail pages held for ``req_id`` (state groups; empty: none)."""
+        return []
 
 
 class FullAttentionManager(GroupManager):
@@ -271,6 +281,12 @@ class FullAttentionManager(GroupManager):
         self.loading.pop(req_id, None)
         super().free(req_id)
 
+    def take_tail(self, req_id: str, key: Hashable) -> TierLoads:
+        # The partial block after the hit's full blocks: the request's own, never cached.
+        (b,) = self.pool.allocate(1)
+        self.req_blocks.setdefault(req_id, []).append(b)
+        return [(key, [b.block_id])]
+
     def after_step(self, req_id: str, hashes: list[bytes], num_computed: int,
                    is_checkpoint_target: bool) -> list[PageCopy]:
         blocks = self.req_blocks.get(req_id, [])
@@ -334,21 +350,66 @@ class StateManager(GroupManager):
     checkpoint, so memory pressure cannot evict it before the request ends or is preempted:
     a preempted request resumes from it (recompute with credit), a finished one leaves it for
     the next conversation turn.
+
+    A producer's prompt tail (``core/prompt_tail.py``: the state after all but the last
+    prompt token, not a block boundary) is held in ``tail`` pages of its own, never a cache
+    entry, until the request is freed.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.own_checkpoint: dict[str, list[Block]] = {}
-        # Captures planned for the running step: (num_tokens, cache key, pages held).
-        self.pending: dict[str, list[tuple[int, tuple, list[Block]]]] = {}
+        self.tail: dict[str, list[Block]] = {}
+        # Captures planned for the running step: (num_tokens, cache key, pages held, staged).
+        self.pending: dict[str, list[tuple[int, tuple, list[Block], bool]]] = {}
+        # Offload tiers: page sets for captures the pool has no room for (``CaptureStaging``:
+        # take / give_back / captured), or None.
+        self.staging = None
 
     def free(self, req_id: str) -> None:
         super().free(req_id)
         own = self.own_checkpoint.pop(req_id, None)
         if own:
             self.pool.free(own)
-        for _, _, dst in self.pending.pop(req_id, ()):
-            self.pool.free(dst)
+        for _, _, dst, staged in self.pending.pop(req_id, ()):
+            if staged:
+                self.staging.give_back(dst)
+            else:
+                self.pool.free(dst)
+        tail = self.tail.pop(req_id, None)
+        if tail:
+            self.pool.free(tail)
+
+    def _take_tail_pages(self, req_id: str) -> list[Block] | None:
+        pages = self.group.pages_per_state
+        if req_id in self.tail or req_id not in self.req_blocks or self.pool.num_free < pages:
+            return None
+        self.tail[req_id] = dst = self.pool.allocate(pages)
+        return dst
+
+    def plan_tail(self, req_id: str, num_tokens: int) -> StateCapture | None:
+        """Pages for the prompt tail's state after ``num_tokens`` tokens, written by the coming
+        step's kernels; None: the pool is short (or a tail is held already)."""
+        dst = self._take_tail_pages(req_id)
+        if dst is None:
+            return None
+        return StateCapture(req_id, self.index, num_tokens, [b.block_id for b in dst])
+
+    def copy_tail(self, req_id: str) -> list[PageCopy]:
+        """The step that ended at the tail length ran: copy the state into tail pages (pinned
+        until the copy ran: the caller releases that reference)."""
+        dst = self._take_tail_pages(req_id)
+        if dst is None:
+            return []
+        self.pool.touch(dst)
+        return [PageCopy(self.index, self.block_ids(req_id), [b.block_id for b in dst])]
+
+    def tail_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.tail.get(req_id, ())]
+
+    def take_tail(self, req_id: str, key: Hashable) -> TierLoads:
+        self.allocate(req_id, 0, 0)  # the tail state loads straight into the own pages
+        return [(key, self.block_ids(req_id))]
 
     def _keep_as_own(self, req_id: str, dst: list[Block]) -> None:
         old = self.own_checkpoint.get(req_id)
@@ -356,23 +417,31 @@ class StateManager(GroupManager):
         if old:
             self.pool.free(old)
 
-    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int
-                     ) -> StateCapture | None:
+    def plan_capture(self, req_id: str, hashes: list[bytes], num_tokens: int,
+                     staging_ok: bool = False) -> StateCapture | None:
         bs, pages = self.block_size, self.group.pages_per_state
         if num_tokens % bs or not 0 < num_tokens // bs <= len(hashes):
             return None
         key = self._key(hashes[num_tokens // bs - 1])
-        if key in self.pool.entries or self.pool.num_free < pages or req_id not in self.req_blocks:
+        if key in self.pool.entries or req_id not in self.req_blocks:
             return None
-        dst = self.pool.allocate(pages)  # held (ref 1) until after_step registers it
-        self.pending.setdefault(req_id, []).append((num_tokens, key, dst))
+        staged = self.pool.num_free < pages
+        if not staged:
+            dst = self.pool.allocate(pages)  # held (ref 1) until after_step registers it
+        elif not staging_ok or self.staging is None \
+                or (dst := self.staging.take(key, pages)) is None:
+            return None
+        self.pending.setdefault(req_id, []).append((num_tokens, key, dst, staged))
         return StateCapture(req_id, self.index, num_tokens, [b.block_id for b in dst])
 
     def _register_captures(self, req_id: str) -> None:
         """The step ran: its captured checkpoints become cache entries (first writer wins),
-        the newest one held by the request as its own."""
-        for num_tokens, key, dst in self.pending.pop(req_id, ()):
-            if self.pool.cache(key, dst, num_tokens, is_checkpoint=True):
+        the newest one held by the request as its own; a staged one goes to the tiers."""
+        for num_tokens, key, dst, staged in sorted(self.pending.pop(req_id, ()),
+                                                   key=lambda p: p[0]):
+            if staged:
+                self.staging.captured(key, self.index, dst, num_tokens)
+            elif self.pool.cache(key, dst, num_tokens, is_checkpoint=True):
                 self._keep_as_own(req_id, dst)
             else:
                 self.pool.free(dst)

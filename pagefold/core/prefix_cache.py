@@ -11,10 +11,24 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 
 from pagefold.request import Request
 
 ROOT = b"\x00" * 16
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from cache (the pool or a KV connector)
+    local_hits: int = 0  # of those, from the pool itself
+    requests: int = 0
+    requests_hit: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 def root_hash(extra_keys: tuple = ()) -> bytes:

@@ -130,6 +130,9 @@ class Scheduler:
         # worker reports their loads (or go back to waiting when a page was bad).
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # Prompt tokens the forwards computed (a prefix hit or pulled pages are not computed;
+        # a recompute after preemption counts again).
+        self.prompt_tokens_computed = 0
         self._finished_ids: list[str] = []
         # What the runner holds: requests it has seen since their last preemption, and the
         # block tables it was last sent (diffs are taken against them).
@@ -445,6 +448,8 @@ class Scheduler:
             r = self.requests.get(rid)
             if r is None:
                 continue  # ended while the step ran
+            self.prompt_tokens_computed += max(0, min(n, r.num_prompt_tokens
+                                                      - r.num_computed_tokens))
             r.num_computed_tokens += n
             stepped.append(r)
             tok = sampled.get(rid)

@@ -164,11 +164,12 @@ def _lfm2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     hidden = int(_get(cfg, "hidden_size"))
     kernel = int(_get(cfg, "conv_L_cache"))
     heads = int(_get(cfg, "num_attention_heads"))
-    attn = FullAttentionSpec(max(1, int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
-                                 // tp), hidden // heads, kv_dtype)
-    conv = StateSpec(kind="shortconv", components=(
+    kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
+    attn = FullAttentionSpec(max(1, kv_heads // tp), hidden // heads, kv_dtype,
+                             TPSplit(2, ((kv_heads, 1),)))
+    conv = StateSpec(kind="shortconv", components=(  # channels cut like in_proj's B, C, x rows
         StateComponent("conv", (_split(hidden, tp, "LFM2 hidden_size"), kernel - 1 + num_spec),
-                       model_dtype),))
+                       model_dtype, TPSplit(0, ((hidden, 1),))),))
     return {f"layers.{i}": attn if t == "full_attention" else conv
             for i, t in enumerate(lfm2_layer_types(cfg))}
 
@@ -218,7 +219,8 @@ def _zamba2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
         ssm_dtype=_ssm_dtype(cfg, model_dtype, ssm_override))
     attn_heads = int(_get(cfg, "num_attention_heads"))
     kv_heads = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
-    attn = FullAttentionSpec(max(1, kv_heads // tp), 2 * hidden // attn_heads, kv_dtype)
+    attn = FullAttentionSpec(max(1, kv_heads // tp), 2 * hidden // attn_heads, kv_dtype,
+                             TPSplit(2, ((kv_heads, 1),)))
     out: dict[str, LayerSpec] = {f"layers.{i}": state for i in range(num_layers(cfg))}
     for i in zamba2_hybrid_layers(cfg):
         out[f"layers.{i}.attn"] = attn  # one KV cache per use of a shared block
@@ -240,9 +242,10 @@ def mamba1_state(*, inter: int, state: int, kernel: int, tp: int, num_spec: int,
                  conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> StateSpec:
     """Mamba-1 state: ``(conv (I / tp, K - 1 + spec), ssm (I / tp, N))``."""
     i = _split(inter, tp, "Mamba-1 intermediate size")
+    cut = TPSplit(0, ((inter, 1),))  # channels cut like in_proj's xs rows
     return StateSpec(kind="mamba1", components=(
-        StateComponent("conv", (i, kernel - 1 + num_spec), conv_dtype),
-        StateComponent("ssm", (i, state), ssm_dtype),
+        StateComponent("conv", (i, kernel - 1 + num_spec), conv_dtype, cut),
+        StateComponent("ssm", (i, state), ssm_dtype, cut),
     ))
 
 
@@ -319,7 +322,7 @@ def _minimax(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     d = config_head_dim(cfg)
     lightning = StateSpec(kind="lightning", components=(
         StateComponent("kv", (_split(heads, tp, "MiniMax heads"), d, d),
-                       _ssm_dtype(cfg, model_dtype, ssm_override)),))
+                       _ssm_dtype(cfg, model_dtype, ssm_override), TPSplit(0, ((heads, 1),))),))
     attn = _attention(cfg, tp, kv_dtype)
     return {f"layers.{i}": attn if t == "full_attention" else lightning
             for i, t in enumerate(minimax_layer_types(cfg))}
@@ -361,15 +364,19 @@ def kimi_layer_types(cfg: Any) -> list[str]:
 
 def _kimi_linear(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     lin = _kimi_linear_cfg(cfg)
-    heads, d = _split(int(lin["heads"]), tp, "KDA heads"), int(lin["head_dim"])
+    full, d = int(lin["heads"]), int(lin["head_dim"])
+    heads = _split(full, tp, "KDA heads")
     ssm = (torch.float32 if ssm_override in (None, "auto")
            else _ssm_dtype(cfg, model_dtype, ssm_override))  # transformers keeps it in float32
+    qkv = (full * d, d)  # the q, k and v conv channels, each cut by heads
     kda = StateSpec(kind="kda", components=(
-        StateComponent("conv", (3 * heads * d, int(lin["kernel"]) - 1 + num_spec), model_dtype),
-        StateComponent("ssm", (heads, d, d), ssm),
+        StateComponent("conv", (3 * heads * d, int(lin["kernel"]) - 1 + num_spec), model_dtype,
+                       TPSplit(0, (qkv, qkv, qkv))),
+        StateComponent("ssm", (heads, d, d), ssm, TPSplit(0, ((full, 1),))),
     ))
     latent = int(_get(cfg, "kv_lora_rank")) + int(_get(cfg, "qk_rope_head_dim"))
-    mla = MLASpec(latent, kv_dtype)  # the latent is shared by all heads: not split across ranks
+    # The latent is shared by all heads: every rank keeps it whole (a replicated split).
+    mla = MLASpec(latent, kv_dtype, TPSplit(1, ((latent, latent),)))
     return {f"layers.{i}": mla if t == "full_attention" else kda
             for i, t in enumerate(kimi_layer_types(cfg))}
 

@@ -90,3 +90,50 @@ class PreemptionLog:
     recomputed_tokens: int = 0  # tokens requeued for recompute
     credited_tokens: int = 0  # of those, expected back from prefix cache and checkpoints
     decisions: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+
+def swap_out_pages(managers: list, pool, host: HostPool, req_id: str
+                   ) -> tuple[list[list[int | None]], list[SwapOp]]:
+    """Move ``req_id``'s pages of every group (``core.managers.GroupManager``) to host rows:
+    the rows per group (None for a null block) and the copies out; its blocks are freed."""
+    host_lists, ops = [], []
+    for m in managers:
+        blocks = m.req_blocks.get(req_id, [])
+        real = [b for b in blocks if b is not pool.null_block]
+        rows = iter(host.allocate(len(real)))
+        hl = [None if b is pool.null_block else next(rows) for b in blocks]
+        host_lists.append(hl)
+        if real:
+            ops.append(SwapOp(m.index, [b.block_id for b in real],
+                              [h for h in hl if h is not None], to_host=True))
+        if blocks:
+            pool.free(list(reversed(m.req_blocks.pop(req_id))))
+    return host_lists, ops
+
+
+def swap_in_pages(managers: list, pool, host: HostPool, req_id: str,
+                  host_lists: list[list[int | None]], start: int, end: int,
+                  copies: list) -> list[SwapOp] | None:
+    """Bring ``req_id``'s pages back from ``host_lists`` and grow them for tokens
+    ``[start, end)`` (page copies the growth implies go to ``copies``); None, touching
+    nothing, when the pool cannot hold them."""
+    need = 0
+    for m, hl in zip(managers, host_lists):
+        need += sum(h is not None for h in hl)
+        # Ask the policy about growth with a table of the swapped length (null stand-ins).
+        m.req_blocks[req_id] = [pool.null_block] * len(hl)
+        need += m.num_blocks_needed(req_id, start, end)
+        del m.req_blocks[req_id]
+    if need > pool.num_free:
+        return None
+    ops = []
+    for m, hl in zip(managers, host_lists):
+        rows = [h for h in hl if h is not None]
+        dev = iter(pool.allocate(len(rows)))
+        m.req_blocks[req_id] = [pool.null_block if h is None else next(dev) for h in hl]
+        if rows:
+            real = [b.block_id for b in m.req_blocks[req_id] if b is not pool.null_block]
+            ops.append(SwapOp(m.index, real, rows, to_host=False))
+            host.free(rows)  # the copy back is queued before any later swap-out
+        m.allocate(req_id, start, end, copies)
+    return ops

@@ -113,6 +113,9 @@ class CoreStats(msgspec.Struct):
     num_steps: int  # cumulative model steps
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # cumulative tokens of those served from the cache
+    prefix_local_hits: int = 0  # of those, from the pool itself (not a KV connector)
+    external_prefix_queries: int = 0  # prompt tokens looked up while a KV connector is on
+    prompt_tokens_computed: int = 0  # cumulative prompt tokens the forwards computed
     prefix_requests: int = 0  # cumulative admissions looked up in the prefix cache
     prefix_requests_hit: int = 0  # of those, admissions with at least one cached block
     preemptions_by_kind: dict[str, int] = {}  # cumulative, "swap" / "recompute"
@@ -138,6 +141,7 @@ class CoreStats(msgspec.Struct):
     offload_tokens_loaded: int = 0
     offload_load_failures: int = 0
     offload_store_failures: int = 0
+    offload_checkpoints_staged: int = 0  # checkpoints saved through staging pages
     # Prefill/decode disaggregation (cumulative; transfer/index.py TransferStats): prompt tokens
     # and payload bytes pulled from producers, pages that failed (recomputed), requests whose
     # params were refused, requests exported to consumers.
@@ -147,6 +151,8 @@ class CoreStats(msgspec.Struct):
     transfer_refused: int = 0
     transfer_exports: int = 0
     transfer_exports_held: int = 0  # exported prefills waiting for their consumer now
+    transfer_pulls: int = 0  # pulls that landed (consumer)
+    transfer_pull_seconds: float = 0.0  # their wall time, request to answer
 
 
 class RequestError(msgspec.Struct):
@@ -214,6 +220,10 @@ def core_stats(core, num_steps: int = 0) -> CoreStats:
         num_usable_blocks=kv.pool.num_usable, kv_usage=kv.usage, groups=groups,
         num_steps=num_steps, prefix_queries=int(getattr(pstats, "queries", 0)),
         prefix_hits=int(getattr(pstats, "hits", 0)),
+        prefix_local_hits=int(getattr(pstats, "local_hits", 0)),
+        external_prefix_queries=(int(getattr(pstats, "queries", 0))
+                                 if getattr(kv, "connector", None) is not None else 0),
+        prompt_tokens_computed=s.prompt_tokens_computed,
         prefix_requests=int(getattr(pstats, "requests", 0)),
         prefix_requests_hit=int(getattr(pstats, "requests_hit", 0)),
         preemptions_by_kind=dict(s.preemptions_by_kind), swaps_out=swap.swaps_out,
@@ -232,7 +242,8 @@ def _transfer_stats(core) -> dict[str, int]:
     st = index.stats
     return {"transfer_tokens_loaded": st.tokens_loaded, "transfer_bytes_loaded": st.bytes_loaded,
             "transfer_load_failures": st.load_failures, "transfer_refused": st.refused,
-            "transfer_exports": st.exports,
+            "transfer_exports": st.exports, "transfer_pulls": st.pulls,
+            "transfer_pull_seconds": st.pull_seconds,
             # The outbox of this process's runner (tensor parallelism: the ranks hold theirs).
             "transfer_exports_held": len(getattr(getattr(core.runner, "connector", None),
                                                  "outbox", ()))}
@@ -247,7 +258,9 @@ def _offload_stats(core) -> dict[str, int]:
             "offload_loads_host": st.loads_host, "offload_loads_disk": st.loads_disk,
             "offload_tokens_loaded": st.tokens_loaded,
             "offload_load_failures": st.load_failures,
-            "offload_store_failures": st.store_failures}
+            "offload_store_failures": st.store_failures,
+            "offload_checkpoints_staged": (core.kv.staging.staged
+                                           if core.kv.staging is not None else 0)}
 
 
 def _spec_stats(core) -> dict[str, int]:

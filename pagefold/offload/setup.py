@@ -74,6 +74,10 @@ def attach_offload(plan: OffloadPlan | None, kv, runner) -> OffloadIndex | None:
                          group_layers=list(plan.group_layers), disk_dir=plan.disk_dir(0),
                          disk_bytes=plan.disk_bytes)
     kv.attach_connector(index)
+    kv.enable_capture_staging()  # checkpoints reach the tiers even from a full pool
     logger.info("kv offloading: %s%s", index.describe(),
                 f" (per rank, {plan.tp_size} ranks)" if plan.tp_size > 1 else "")
+    if kv.staging is not None:
+        logger.info("kv offloading: %d pool blocks held as checkpoint staging pages",
+                    kv.staging.num_blocks)
     return index

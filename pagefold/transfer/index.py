@@ -39,6 +39,7 @@ from pagefold.core.kv_connector import (
     key_name,
 )
 from pagefold.core.prefix_cache import update_block_hashes
+from pagefold.core.prompt_tail import TAIL, tail_hash
 from pagefold.request import Request
 from pagefold.transfer.reshard import why_not
 
@@ -56,6 +57,8 @@ class TransferStats:
     exports: int = 0  # requests whose pages were exported (producer)
     pages_exported: int = 0
     bytes_exported: int = 0
+    pulls: int = 0  # pulls that landed (one per request and producer; rank 0's under TP)
+    pull_seconds: float = 0.0  # their wall time, request to answer
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,9 @@ class TransferIndex(KVConnectorScheduler):
                 keys, why = [], "malformed remote_block_keys"
         if why is None:
             own = set(update_block_hashes(req, self.block_size))
-            keys = [k for k in keys if k[-1] in own]  # the chain of this very prompt only
+            tail = tail_hash(req, self.block_size)
+            # the chain of this very prompt only (a tail: its first L - 1 tokens exactly)
+            keys = [k for k in keys if (k[-1] == tail if k[0] == TAIL else k[-1] in own)]
             if not keys:
                 why = "none of the exported pages belong to this prompt (prompt or salt differ)"
         if why is not None:
@@ -166,6 +171,9 @@ class TransferIndex(KVConnectorScheduler):
 
     def contains(self, key: Hashable) -> bool:
         return key in self._owner
+
+    def tail_keys(self, req_id: str) -> dict[int, Hashable]:
+        return {k[1]: k for k in self._keys.get(req_id, ()) if k[0] == TAIL and k in self._owner}
 
     def wants(self, key: Hashable) -> bool:
         return False  # evicted pages are not saved anywhere by this connector
@@ -244,6 +252,8 @@ class TransferIndex(KVConnectorScheduler):
                 self.stats.requests_loaded += 1
             self.release(rid)
         self.stats.pages_loaded += out.loaded_from.get("remote", 0)
+        self.stats.pulls += out.pulls
+        self.stats.pull_seconds += out.pull_seconds
         self.stats.bytes_loaded += out.bytes_loaded
         self.stats.bytes_exported += out.bytes_saved
 

@@ -9,7 +9,8 @@ rank ``r`` of ``tp`` holds the full range ``[pick * size, (pick + 1) * size)`` w
 ``parts = min(units, tp)``, ``size = full / parts``, ``pick = r * parts // tp``. A consumer
 rank's range of a block is covered by the producer ranks' ranges (each either equal to or
 disjoint from another: parts are aligned), so its bytes are copies of producer bytes, nothing
-computed: the reshard is byte-exact. A spec without a split (or of another kind, MLA) is not
+computed: the reshard is byte-exact. MLA's latent page ``[block_size, latent]`` is replicated
+(every rank keeps it whole: one block whose unit is its extent). A spec without a split is not
 reshardable: ``why_not`` says so and the caller refuses the transfer.
 """
 
@@ -20,7 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefold.core.kv_cache_spec import LayerSpec, StateSpec, TPSplit, dtype_size, is_attention
+from pagefold.core.kv_cache_spec import (
+    LayerSpec,
+    MLASpec,
+    StateSpec,
+    TPSplit,
+    dtype_size,
+    is_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,8 @@ def spec_at(spec: LayerSpec, tp: int) -> LayerSpec:
             shape[c.split.axis] = rank_extent(c.split, tp)
             comps.append(dataclasses.replace(c, shape=tuple(shape)))
         return dataclasses.replace(spec, components=tuple(comps))
+    if isinstance(spec, MLASpec):
+        return dataclasses.replace(spec, latent_dim=rank_extent(spec.split, tp))
     return dataclasses.replace(spec, num_kv_heads=rank_extent(spec.split, tp))
 
 
@@ -94,8 +104,8 @@ def why_not(spec: LayerSpec, src_tp: int, dst_tp: int) -> str | None:
     why not (a spec kind or component without a split, a block that does not cut)."""
     if isinstance(spec, StateSpec):
         splits = [(c.name, c.split) for c in spec.components]
-    elif is_attention(spec) and hasattr(spec, "num_kv_heads"):
-        splits = [("heads", spec.split)]
+    elif is_attention(spec):
+        splits = [("latent" if isinstance(spec, MLASpec) else "heads", spec.split)]
     else:
         return f"{type(spec).__name__} pages have no tensor-parallel split"
     for name, split in splits:

@@ -182,13 +182,14 @@ class TransferWorker(KVConnectorWorker):
             if loads is None:  # a release: the producer may free this export now
                 self._release(remote)
                 continue
+            t0 = time.monotonic()
             try:
                 got = self._pull(remote, loads)
             except Exception:  # noqa: BLE001 - a failed pull is recomputed, never fatal
                 logger.exception("kv transfer: pull from %s:%s failed", remote.host,
                                  remote.port)
                 got = {}
-            self._done.put((req_id, loads, got))
+            self._done.put((req_id, loads, got, time.monotonic() - t0))
 
     def _sources(self, remote) -> dict[int, int]:
         """Producer rank -> how many consumer ranks pull it, for this rank's pulls of
@@ -271,7 +272,9 @@ class TransferWorker(KVConnectorWorker):
         return got
 
     def _land(self, item: tuple, out: ConnectorOutput) -> None:
-        req_id, loads, got = item
+        req_id, loads, got, seconds = item
+        out.pulls += 1
+        out.pull_seconds += seconds
         if self._pending.wanted(req_id):
             for name, _, pages in loads:
                 rows = got.get(name)

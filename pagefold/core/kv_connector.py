@@ -169,6 +169,11 @@ class ConnectorOutput:
     pulls: int = 0
     pull_seconds: float = 0.0
 
+    def count_load(self, tier: str, rows) -> None:
+        """One entry's ``rows`` (its payload bytes, a uint8 tensor) landed from ``tier``."""
+        self.loaded_from[tier] = self.loaded_from.get(tier, 0) + 1
+        self.bytes_loaded += rows.numel()
+
 
 class PendingLoads:
     """A worker's asynchronous loads, per request: how many have not landed, the keys that

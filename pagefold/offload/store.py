@@ -152,8 +152,7 @@ class OffloadStore(KVConnectorWorker):
                 self._pending.fail(req_id, name)
             else:
                 self._scatter(group, pages, rows)
-                out.loaded_from["disk"] = out.loaded_from.get("disk", 0) + 1
-                out.bytes_loaded += rows.numel()
+                out.count_load("disk", rows)
         self._pending.landed(req_id, out)
 
     @torch.inference_mode()
@@ -181,8 +180,7 @@ class OffloadStore(KVConnectorWorker):
                 rows = torch.stack([self.host[li].index_select(0, slots)
                                     for li in range(self.group_layers[ld.group])])
                 self._scatter(ld.group, ld.pages, rows)
-                out.loaded_from["host"] = out.loaded_from.get("host", 0) + 1
-                out.bytes_loaded += rows.numel()
+                out.count_load("host", rows)
             else:
                 self._pending.start(ld.req_id)
                 self._jobs.put(("read", ld.req_id, ld.key, ld.group, ld.pages))

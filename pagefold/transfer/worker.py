@@ -282,8 +282,7 @@ class TransferWorker(KVConnectorWorker):
                     self._pending.fail(req_id, name)
                     continue
                 scatter_rows(self.shared, pages, rows)
-                out.loaded_from["remote"] = out.loaded_from.get("remote", 0) + 1
-                out.bytes_loaded += rows.numel()
+                out.count_load("remote", rows)
         self._pending.landed(req_id, out)
 
     # ------------------------------------------------------------------ a step's ops

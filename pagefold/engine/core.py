@@ -53,7 +53,7 @@ from pagefold.spec_decode.draft_model import draft_layer_specs
 from pagefold.spec_decode.eagle import eagle_layer_specs, load_eagle_config
 from pagefold.spec_decode.engine import SpecDecoder
 from pagefold.spec_decode.mtp import mtp_layer_specs
-from pagefold.spec_decode.proposers import TP_METHODS, build_proposer
+from pagefold.spec_decode.proposers import build_proposer
 from pagefold.spec_decode.verify_support import check_verify_support
 from pagefold.structured_output.manager import StructuredOutputManager
 from pagefold.transfer.setup import TransferPlan, attach_transfer, transfer_plan
@@ -298,10 +298,6 @@ class EngineCore:
         check_model_supports(sc, hf_config)
         if sc.method == "ngram":
             return {}
-        if self.tp > 1 and sc.method not in TP_METHODS:
-            raise ValueError(f"speculative method {sc.method!r} needs tensor_parallel_size 1; "
-                             f"use {{\"method\": \"ngram\", ...}} or a draft 'model' with "
-                             f"tensor parallelism")
         if sc.method == "mtp":
             return mtp_layer_specs(specs, text_config(hf_config))
         if not Path(sc.model).is_dir():
@@ -310,7 +306,7 @@ class EngineCore:
         if sc.method in ("eagle", "eagle3"):
             return eagle_layer_specs(specs, load_eagle_config(sc.model), sc.method,
                                      kv_dtype(self.config.kv_cache_dtype, self.dtype),
-                                     self.config.block_size)
+                                     self.config.block_size, self.tp)
         draft_arch, draft_cfg = load_hf_config(sc.model)
         check_model_supports(sc, hf_config, draft_cfg)
         if self.tp > 1:  # the draft is sharded like the target: its fields must divide too

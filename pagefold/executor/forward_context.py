@@ -59,7 +59,7 @@ class ForwardContext:
     # EAGLE-3 drafting (spec_decode.aux_hidden): the target decoder layers whose *input*
     # hidden state the drafter consumes, in the drafter's order; None (the default, every
     # step without an EAGLE-3 drafter) captures nothing. ``aux_hidden`` holds what the
-    # capture hooks stored this forward ({layer index: (T, hidden)}).
+    # decoder stack captured this forward ({layer index: (T, hidden)}).
     aux_layers: tuple[int, ...] | None = None
     aux_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -90,6 +90,14 @@ class ForwardContext:
             for t in states.values():
                 t[fresh] = 0
         return states
+
+    def capture_layer_input(self, index: int, x: torch.Tensor,
+                            residual: torch.Tensor | None) -> None:
+        """Called by a decoder stack before its layer ``index``: keep the hidden state entering
+        it when the drafter reads that layer (``x``, plus ``residual`` for the stacks with the
+        fused add + norm convention). A copy: the stream may later be updated in place."""
+        if self.aux_layers is not None and index in self.aux_layers:
+            self.aux_hidden[index] = x.clone() if residual is None else x + residual
 
     def drafter_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a hidden-state drafter takes from this target forward: ``hidden`` (the

@@ -23,7 +23,7 @@ from pagefold.core.sched_output import (
 )
 from pagefold.core.swap import SwapOp
 from pagefold.csrc import cpu_ops
-from pagefold.distributed.parallel_state import pp_is_last, tp_rank
+from pagefold.distributed.parallel_state import broadcast_ints, pp_is_last, tp_rank
 from pagefold.executor.cache_tensors import CacheTensors, wide_rows
 from pagefold.executor.copy_stream import CopyStream
 from pagefold.executor.cuda_graphs import DecodeGraphs
@@ -344,16 +344,21 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
         if tp_rank() != 0:  # sampling happens once, on rank 0
-            if self.proposer is not None:  # its collectives pair with rank 0's (a draft model:
-                # the only proposer under TP, it never reads the sampled tokens)
-                self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
+            if self.proposer is not None:  # its collectives pair with rank 0's
+                emitted = {}
+                if self.proposer.reads_sampled:  # EAGLE / MTP: rank 0's sampled tokens
+                    got = broadcast_ints([0] * len(inp.sample_req_idx))
+                    emitted = {i: [t] for i, t in zip(inp.sample_req_idx, got, strict=True)}
+                self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), emitted)
             return {}
         sreqs = [reqs[i] for i in inp.sample_req_idx]
         sampled = self.sample(logits, sreqs)
         if self.proposer is not None:  # the draft model / MTP computes this step's tokens too
+            toks = [sampled[reqs[i].req_id].token_id for i in inp.sample_req_idx]
+            if self.proposer.reads_sampled:
+                broadcast_ints(toks)  # to the other ranks' proposers (a no-op alone)
             self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden),
-                               {i: [sampled[reqs[i].req_id].token_id]
-                                for i in inp.sample_req_idx})
+                               {i: [t] for i, t in zip(inp.sample_req_idx, toks, strict=True)})
         return sampled
 
     def sample(self, logits: torch.Tensor,

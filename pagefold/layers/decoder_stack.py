@@ -63,6 +63,9 @@ class DecoderStack(nn.Module):
     residual_stream: bool = False
     # False for stacks that never took the native decode step (kept on the module path).
     native_decode: bool = True
+    # ``forward`` hands every layer's input to ``ctx.capture_layer_input`` when the step asks
+    # (``ctx.aux_layers``: an EAGLE-3 drafter reads chosen layers' inputs).
+    captures_layer_inputs: bool = True
 
     def build_stack(self, num_layers: int, make_layer: Callable[[int], nn.Module],
                     make_embed: Callable[[], nn.Module], make_norm: Callable[[], nn.Module],
@@ -84,6 +87,12 @@ class DecoderStack(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return getattr(self, self._embed_name)(input_ids)
+
+    @property
+    def token_embedding(self) -> nn.Module:
+        """The token embedding table itself, without a model's scaling of its rows (what an
+        EAGLE / MTP drafter shares with its target)."""
+        return getattr(self, self._embed_name)
 
     def embed_inputs(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """The first stage's input rows: the token embeddings (a multimodal model overrides
@@ -129,7 +138,10 @@ class DecoderStack(nn.Module):
         if native is not None:
             return self.native_final(*native)
         residual = None
-        for layer in self.layers:
+        capture = getattr(ctx, "aux_layers", None) is not None
+        for i, layer in enumerate(self.layers):
+            if capture:  # an EAGLE-3 drafter reads this step's layer inputs
+                ctx.capture_layer_input(i, x, residual)
             x, residual = self.run_layer(layer, positions, x, residual, ctx)
         return self.final_norm(x, residual)
 

@@ -163,6 +163,9 @@ class Zamba2HybridLayer(nn.Module):
 
 
 class Zamba2Model(nn.Module):
+    # Like ``DecoderStack``: every layer's input goes to ``ctx.capture_layer_input``.
+    captures_layer_inputs = True
+
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
         hybrid = zamba2_hybrid_layers(cfg)
@@ -177,9 +180,16 @@ class Zamba2Model(nn.Module):
             for b in range(min(cfg.num_mem_blocks, len(hybrid))))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def token_embedding(self) -> nn.Module:
+        return self.embed_tokens
+
     def forward(self, input_ids, positions, ctx):
         x = emb = self.embed_tokens(input_ids)
+        capture = getattr(ctx, "aux_layers", None) is not None
         for i, layer in enumerate(self.layers):
+            if capture:
+                ctx.capture_layer_input(i, x, None)
             if i in self.use_of:
                 block = self.shared_blocks[self.block_of[i]]
                 t = block(positions, x, emb, self.use_of[i], f"layers.{i}.attn", ctx)

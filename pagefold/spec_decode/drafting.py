@@ -51,7 +51,12 @@ class Proposer:
       tokens the target kept (``keep[i]`` tokens of request i from its start).
     * :meth:`sync` after a step without drafts: the proposer processes the same tokens.
     * :meth:`forget` drops a request's bookkeeping (finished or preempted).
+
+    ``reads_sampled``: :meth:`sync` reads the tokens sampled this step (``emitted``), so under
+    tensor parallelism the ranks that do not sample receive rank 0's.
     """
+
+    reads_sampled: bool = False
 
     def propose(self, runner, batch: StepBatch, drafts: list[list[int]]) -> DraftResult:
         raise NotImplementedError

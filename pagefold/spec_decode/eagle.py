@@ -41,10 +41,14 @@ from pagefold.layers.attention_block import GQAAttention, head_dim_of, split_hea
 from pagefold.layers.linear import column_linear, load_into
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.norm import RMSNorm
-from pagefold.layers.vocab import lm_head_linear, vocab_embedding
+from pagefold.layers.vocab import gather_logits, lm_head_linear, vocab_embedding
 from pagefold.models.llama import CausalLM, DecoderLayer
 from pagefold.models.weights import iter_weights
-from pagefold.spec_decode.aux_hidden import attach_capture, default_aux_layer_ids
+from pagefold.spec_decode.aux_hidden import (
+    check_aux_layers,
+    default_aux_layer_ids,
+    target_embedding,
+)
 from pagefold.spec_decode.hidden_proposer import HiddenStateProposer
 
 __all__ = ["EAGLE_PREFIX", "Eagle3Head", "EagleHead", "EagleProposer", "aux_layer_ids",
@@ -68,11 +72,14 @@ def _num_layers(dcfg, method: str) -> int:
 
 
 def eagle_layer_specs(target: dict[str, LayerSpec], dcfg, method: str, kv_dtype: torch.dtype,
-                      block_size: int) -> dict[str, LayerSpec]:
-    """One full-attention cache entry per head layer; ValueError when its pages cannot share
-    the target's pool (pagefold keeps one attention page size per pool)."""
+                      block_size: int, tensor_parallel_size: int = 1) -> dict[str, LayerSpec]:
+    """One full-attention cache entry per head layer (this rank's KV heads: the head is
+    sharded like the target); ValueError when its pages cannot share the target's pool
+    (pagefold keeps one attention page size per pool) or its heads do not divide."""
     kv_heads = getattr(dcfg, "num_key_value_heads", None) or dcfg.num_attention_heads
-    spec = FullAttentionSpec(int(kv_heads), head_dim_of(dcfg), kv_dtype)
+    _, kv_per_rank, _ = split_heads(int(dcfg.num_attention_heads), int(kv_heads),
+                                    tensor_parallel_size)
+    spec = FullAttentionSpec(kv_per_rank, head_dim_of(dcfg), kv_dtype)
     t_attn = [s for s in target.values() if is_attention(s)]
     if t_attn and t_attn[0].page_bytes(block_size) != spec.page_bytes(block_size):
         raise ValueError(
@@ -144,7 +151,7 @@ class EagleHead(nn.Module):
     def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return self.target_logits(g)
-        return self.lm_head(g).float()
+        return gather_logits(self.lm_head(g), self.vocab_size).float()
 
 
 class Eagle3Layer(nn.Module):
@@ -178,6 +185,7 @@ class Eagle3Head(nn.Module):
         h = dcfg.hidden_size
         self.vocab_size = vocab_size
         draft_vocab = int(getattr(dcfg, "draft_vocab_size", None) or vocab_size)
+        self.draft_vocab = draft_vocab
         self.fc = nn.Linear(3 * target_hidden, h, bias=False)
         self.midlayer = Eagle3Layer(dcfg, max_positions)
         self.norm = RMSNorm(h, dcfg.rms_norm_eps)
@@ -198,7 +206,7 @@ class Eagle3Head(nn.Module):
         return out + residual
 
     def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
-        small = self.lm_head(self.norm(g)).float()
+        small = gather_logits(self.lm_head(self.norm(g)), self.draft_vocab).float()
         if self.same_vocab:
             return small
         out = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
@@ -256,7 +264,7 @@ def load_eagle(path: str | Path, method: str, target: nn.Module, target_cfg,
         raise ValueError(f"speculative method {method!r}: the head checkpoint {path} lacks "
                          f"{len(missing)} tensor(s), e.g. {missing[0]}")
     if method == "eagle3":
-        n = head.lm_head.weight.shape[0]
+        n = head.draft_vocab  # the whole draft vocabulary (lm_head rows are per rank)
         if d2t is not None:
             if d2t.shape != (n,):
                 raise ValueError(f"d2t has shape {tuple(d2t.shape)}; the draft vocabulary is {n}")
@@ -270,7 +278,7 @@ def load_eagle(path: str | Path, method: str, target: nn.Module, target_cfg,
             raise ValueError("d2t maps draft ids outside the target's vocabulary")
     head.eval().requires_grad_(False)
     if head.embed_tokens is None:
-        head.embed = target.model.embed_tokens.__call__
+        head.embed = target_embedding(target).__call__
     if isinstance(head, EagleHead) and head.lm_head is None:
         head.target_logits = target.compute_logits
     return head
@@ -286,5 +294,5 @@ class EagleProposer(HiddenStateProposer):
             if len(aux_layers) != 3:
                 raise ValueError(f"EAGLE-3 takes 3 target layers, got "
                                  f"eagle_aux_hidden_state_layer_ids {list(aux_layers)}")
-            attach_capture(target, aux_layers, target_cfg.hidden_size)
+            check_aux_layers(target, aux_layers)
         super().__init__(head, head.compute_logits, aux_layers)

@@ -47,6 +47,8 @@ class HiddenStateProposer(Proposer):
     logits over the target's vocabulary. ``aux_layers``: the target layers whose inputs the
     head consumes (EAGLE-3), None to take the target's output."""
 
+    reads_sampled = True  # a row's next token is the one sampled after it
+
     def __init__(self, head: nn.Module, logits: Callable[[torch.Tensor], torch.Tensor],
                  aux_layers: tuple[int, ...] | None = None) -> None:
         self.head = head

@@ -33,6 +33,7 @@ from pagefold.layers.norm import RMSNorm
 from pagefold.models.qwen3_5 import HybridCausalLM, HybridDecoderLayer
 from pagefold.models.qwen3_next import next_mlp
 from pagefold.models.weights import iter_weights
+from pagefold.spec_decode.aux_hidden import target_embedding
 from pagefold.spec_decode.hidden_proposer import HiddenStateProposer
 
 __all__ = ["MTP_PREFIX", "MtpProposer", "MultiTokenPredictor", "load_mtp", "mtp_layer_specs",
@@ -121,7 +122,7 @@ def load_mtp(model_dir: str | Path, cfg, target: nn.Module, dtype: torch.dtype,
             f"(mtp.* tensors); {model_dir} lacks {len(missing)} of them, e.g. "
             f"mtp.{missing[0]}. Use {{\"method\": \"ngram\", ...}} or a draft 'model' instead.")
     mtp.eval().requires_grad_(False)
-    mtp.embed = target.model.embed_tokens.__call__
+    mtp.embed = target_embedding(target).__call__
     return mtp
 
 

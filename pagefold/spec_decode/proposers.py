@@ -1,12 +1,15 @@
 """Building the runner-side proposer a ``speculative_config`` asks for (a draft model, MTP
 heads, an EAGLE / EAGLE-3 head), on the engine's runner at TP 1 or on every tensor-parallel
-rank (draft models only: the draft is sharded like the target, its caches in each rank's
-share of the pool).
+rank. Under tensor parallelism every method's drafter is sharded like the target (the
+layers' own shards: attention heads, MLP columns, vocabulary rows; an EAGLE / MTP ``fc`` and
+norms are replicated), its caches in each rank's share of the pool; the target's hidden
+states it reads are whole on every rank.
 
 Invariant under tensor parallelism: every rank runs the same proposer passes (their
 collectives pair up) and ends each pass with the same drafts, rank 0's
 (:func:`pagefold.spec_decode.drafting.draft_tokens` broadcasts them), so the verify forward
-sees the same tokens on every rank.
+sees the same tokens on every rank; a hidden-state drafter (EAGLE, MTP) also reads the
+tokens sampled after a step, which rank 0 broadcasts (``Proposer.reads_sampled``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from pagefold.csrc import cpu_ops
 from pagefold.spec_decode.config import SpeculativeConfig
 from pagefold.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from pagefold.spec_decode.drafting import Proposer
-from pagefold.spec_decode.eagle import EagleProposer, aux_layer_ids, load_eagle, load_eagle_config
+from pagefold.spec_decode.eagle import (
+    EagleProposer,
+    aux_layer_ids,
+    load_eagle,
+    load_eagle_config,
+)
 from pagefold.spec_decode.mtp import MtpProposer, load_mtp
 
-__all__ = ["TP_METHODS", "build_proposer"]
-
-# The methods that run under tensor parallelism (each rank builds its own proposer).
-TP_METHODS = ("ngram", "draft_model")
+__all__ = ["build_proposer"]
 
 
 def build_proposer(sc: SpeculativeConfig | None, model_dir: str, target: torch.nn.Module,

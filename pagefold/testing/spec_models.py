@@ -91,13 +91,29 @@ def add_mtp_weights(model_dir: str | Path, num_layers: int = 1, seed: int = 0,
     return model_dir
 
 
+def _head_geometry(text) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of an EAGLE head whose attention pages have the
+    target's page size: the target's own attention shape; for an MLA target (one latent of
+    ``kv_lora_rank + qk_rope_head_dim`` per token) one KV head of half that width; for a
+    target without attention (pure Mamba) two heads over the hidden size."""
+    h = text.hidden_size
+    if getattr(text, "kv_lora_rank", None):
+        width = text.kv_lora_rank + text.qk_rope_head_dim
+        return text.num_attention_heads, 1, width // 2
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        return 2, 2, h // 2
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(text, "head_dim", None) or h // heads
+
+
 def write_eagle_head(target_dir: str | Path, dst: str | Path, method: str, *, seed: int = 0,
                      std: float = 0.1, num_layers: int = 1, draft_vocab: int | None = None,
                      aux_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
                      tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a random ``method`` ("eagle" / "eagle3") head for the model at ``target_dir``
-    into ``dst`` (see the module docstring). Its attention has the target's KV heads and
-    head_dim (the pool's page size); ``draft_vocab`` (EAGLE-3): a draft vocabulary of that
+    into ``dst`` (see the module docstring). Its attention pages have the target's page size
+    (:func:`_head_geometry`); ``draft_vocab`` (EAGLE-3): a draft vocabulary of that
     many target ids (a seeded random subset, ``d2t`` / ``t2d`` written); ``aux_layer_ids``:
     the config's ``eagle_aux_hidden_state_layer_ids``; ``intermediate_size``: the MLP's
     width (default twice the hidden size); ``tensors`` replace the random ones
@@ -107,9 +123,7 @@ def write_eagle_head(target_dir: str | Path, dst: str | Path, method: str, *, se
     cfg = AutoConfig.from_pretrained(str(target_dir))
     text = getattr(cfg, "text_config", None) or cfg
     h, vocab = text.hidden_size, text.vocab_size
-    kv = text.num_key_value_heads
-    d = getattr(text, "head_dim", None) or h // text.num_attention_heads
-    heads = text.num_attention_heads
+    heads, kv, d = _head_geometry(text)
     inter = intermediate_size or 2 * h
     g = torch.Generator().manual_seed(seed)
 

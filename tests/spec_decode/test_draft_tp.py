@@ -57,11 +57,3 @@ def test_draft_model_under_tp2_equals_tp1(tiny_model_factory, tmp_path, arch: st
         llm.engine.kv.check_whole()
     finally:
         llm.engine.shutdown()
-
-
-def test_other_methods_under_tp_are_refused(tiny_model_factory, tmp_path) -> None:
-    target = tiny_model_factory("qwen3")
-    with pytest.raises(ValueError, match="needs tensor_parallel_size 1"):
-        LLM(str(target), tensor_parallel_size=2,
-            speculative_config={"method": "eagle", "model": str(tmp_path),
-                                "num_speculative_tokens": 2})

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -22,8 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from pagefold import LLM, SamplingParams
 from pagefold.testing import tiny_models
-from pagefold.testing.oracle import hf_greedy, load_hf_model
+from pagefold.testing.oracle import hf_greedy
 from pagefold.testing.spec_models import write_eagle_head
+from tests.spec_decode.eagle_reference import check_drafts, record_drafts
 
 K = 3
 NEW = 10
@@ -55,133 +55,9 @@ def _gen(llm: LLM, prompts) -> list[list[int]]:
                                   use_tqdm=False)]
 
 
-def _record_drafts(llm: LLM) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(tokens up to the verified one, drafts) of every round the head drafted itself (not
-    the stand-in for a request it held nothing for)."""
-    prop = llm.engine.runner.proposer
-    llm.engine.spec.MAX_BACKOFF = 1  # random heads: keep drafting after rejections
-    seen = []
-    inner = prop.propose
-
-    def propose(runner, batch, drafts):
-        held = [r.req_id in prop.pending for r in batch.reqs]
-        res = inner(runner, batch, drafts)
-        for r, s, old, new, h in zip(batch.reqs, batch.starts, drafts, res.drafts, held):
-            if old and old[0] < 0 and h:
-                seen.append((tuple(r.token_ids[: s + 1]), tuple(new)))
-        return res
-
-    prop.propose = propose
-    return seen
-
-
-# --- an independent implementation of the heads (torch only) --------------------------------
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = (pos[:, None].double() * inv[None]).float()
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-def _layer(w: dict, p: str, cfg: dict, attn_in: torch.Tensor, residual: torch.Tensor
-           ) -> torch.Tensor:
-    """A Llama layer's attention (causal over all rows, positions 0..R-1) and MLP; returns
-    the layer's output (residual stream)."""
-    t = attn_in.shape[0]
-    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    pos = torch.arange(t)
-    q = (attn_in @ w[f"{p}.self_attn.q_proj.weight"].T).view(t, nh, d)
-    k = (attn_in @ w[f"{p}.self_attn.k_proj.weight"].T).view(t, nkv, d)
-    v = (attn_in @ w[f"{p}.self_attn.v_proj.weight"].T).view(t, nkv, d)
-    q, k = _rope(q, pos, cfg["rope_theta"]), _rope(k, pos, cfg["rope_theta"])
-    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(t, nh * d)
-    x = residual + o @ w[f"{p}.self_attn.o_proj.weight"].T
-    h = _rms(x, w[f"{p}.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
-    g = torch.nn.functional.silu(h @ w[f"{p}.mlp.gate_proj.weight"].T)
-    return x + (g * (h @ w[f"{p}.mlp.up_proj.weight"].T)) @ w[f"{p}.mlp.down_proj.weight"].T
-
-
-def _ref_head_rows(method: str, w: dict, cfg: dict, emb: torch.Tensor, hid: torch.Tensor,
-                   own: torch.Tensor) -> torch.Tensor:
-    """The head's output rows for embeddings ``emb`` (R, H): the first ``hid.shape[0]`` rows
-    take the target's hidden rows ``hid``, the rest the head's own outputs ``own``."""
-    eps = cfg["rms_norm_eps"]
-    if method == "eagle":
-        x = torch.cat([emb, torch.cat([hid, own])], -1) @ w["fc.weight"].T
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"layers.{i}"
-            a = x if i == 0 else _rms(x, w[f"{p}.input_layernorm.weight"], eps)
-            x = _layer(w, p, cfg, a, x)
-        return x
-    h = torch.cat([hid @ w["fc.weight"].T, own])
-    a = torch.cat([_rms(emb, w["midlayer.input_layernorm.weight"], eps),
-                   _rms(h, w["midlayer.hidden_norm.weight"], eps)], -1)
-    return _layer(w, "midlayer", cfg, a, h)
-
-
-def _ref_drafts(method: str, w: dict, cfg: dict, embed: torch.Tensor, lm_head: torch.Tensor,
-                hid: torch.Tensor, tokens: tuple[int, ...], k: int) -> list[int]:
-    """Greedy drafts after ``tokens`` (the last one at position s): row p < s takes the
-    target's hidden row p and token p + 1; chained rows take the previous draft and row."""
-    s = len(tokens) - 1
-    ids = list(tokens[1:])
-    own = torch.zeros(0, hid.shape[1] if method == "eagle" else cfg["hidden_size"])
-    drafts: list[int] = []
-    for _ in range(k):
-        rows = _ref_head_rows(method, w, cfg, embed[torch.tensor(ids)], hid[:s], own)
-        g = rows[-1]
-        if method == "eagle":
-            tok = int((g @ lm_head.T).argmax())
-        else:
-            small = int((_rms(g, w["norm.weight"], cfg["rms_norm_eps"])
-                         @ w["lm_head.weight"].T).argmax())
-            tok = small + int(w["d2t"][small])
-        drafts.append(tok)
-        ids.append(tok)
-        own = torch.cat([own, g[None]])
-    return drafts
-
-
-_HIDDEN: dict = {}  # (target, method, sequence) -> transformers' hidden rows for the head
-
-
 def _check_drafts(case, seen) -> int:
-    """Every recorded round's drafts equal the reference head's on transformers' hidden
-    states; returns how many rounds were checked."""
     arch, method, target, head, prompts, ref = case
-    hf = load_hf_model(target)
-    w = load_file(str(head / "model.safetensors"))
-    cfg = json.loads((head / "config.json").read_text())
-    n = hf.config.get_text_config().num_hidden_layers
-    aux = [min(max(i, 0), n - 1) for i in (2, n // 2, n - 3)]  # vLLM's, clamped
-    embed = hf.get_input_embeddings().weight.detach()
-    lm_head = hf.get_output_embeddings().weight.detach()
-    full = [p + r for p, r in zip(prompts, ref)]
-    for tokens, drafts in seen:
-        seq = next(v for v in full if tuple(v[: len(tokens)]) == tokens)
-        key = (str(target), method, tuple(seq))
-        if key not in _HIDDEN:
-            with torch.inference_mode():
-                hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
-            _HIDDEN[key] = (hs[-1][0] if method == "eagle"
-                            else torch.cat([hs[i][0] for i in aux], -1))
-        with torch.inference_mode():
-            want = _ref_drafts(method, w, cfg, embed, lm_head, _HIDDEN[key], tokens,
-                               len(drafts))
-        assert list(drafts) == want, (tokens, drafts, want)
-    return len(seen)
+    return check_drafts(target, head, method, [p + r for p, r in zip(prompts, ref)], seen)
 
 
 @pytest.mark.parametrize("scenario", ["chunk7_prefix", "preempt"])
@@ -200,7 +76,7 @@ def test_greedy_with_eagle_equals_transformers(case, scenario: str) -> None:
                "swap_space": "8MiB", "max_num_batched_tokens": 29}
     llm = LLM(str(target), speculative_config=_spec(method, head), **kw)
     assert "eagle.layers.0" in {n for g in llm.engine.kv_config.groups for n in g.layer_names}
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     assert _gen(llm, prompts) == ref
     if scenario == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0

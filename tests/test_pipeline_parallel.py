@@ -201,6 +201,7 @@ def test_pp2_greedy_matches_transformers(tiny_model_factory, monkeypatch, capsys
             llm.engine.kv.check_whole()
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv.stats.hits > 0  # the second pass (and shared prefixes) hit
+        assert llm.engine.batches.peak == 2  # two step messages were in flight at once
         # Every rank's pool is its stage's as `pagefold capacity -pp 2` reports it.
         stages = _capacity_stages(model_dir, memory, tp, capsys)
         want = [{"num_blocks": s["num_blocks"], "pool_bytes": s["pool_bytes"]}

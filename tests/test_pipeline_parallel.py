@@ -26,6 +26,7 @@ from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_stages
 from pagefold.core.kv_cache_spec import FullAttentionSpec
 from pagefold.core.spec_from_config import layer_specs_from_config
+from pagefold.distributed import pipeline
 from pagefold.distributed.executor import TPWorkerError
 from pagefold.distributed.pipeline import (
     ENV_PARTITION,
@@ -105,12 +106,14 @@ def test_stage_pools_hold_only_their_layers():
         [("layers.0.attn",)], [("layers.1.attn",)])
 
 
-def test_unconverted_architecture_is_refused(tiny_model_factory):
-    """A model not built through the shared DecoderStack is a clear error naming it, before
-    any worker starts."""
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported for Zamba2"):
-        LLM(str(tiny_model_factory("zamba2")), pipeline_parallel_size=2, max_model_len=MAX_LEN,
-            kv_cache_memory=1 << 22)
+def test_model_without_decoder_stack_is_refused(tiny_model_factory, monkeypatch):
+    """A model not built through the shared DecoderStack is a clear error naming its
+    architecture, before any worker starts (every registered model builds through it now)."""
+    arch, cfg = load_hf_config(str(tiny_model_factory("llama")))
+    monkeypatch.setattr(pipeline, "model_class",
+                        lambda name: lambda tcfg, max_positions: torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=f"pipeline parallelism is not supported for {arch}"):
+        layer_costs(arch, text_config(cfg))
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_5"])
@@ -227,8 +230,9 @@ def test_pp2_greedy_matches_transformers(tiny_model_factory, monkeypatch, capsys
 # Stacks with their own hooks: scaled embeddings and a tied head (Gemma 3), parallel
 # attention + Mamba-2 caches named ``layers.{i}.attn`` / ``.mamba`` (Falcon-H1), a float32
 # residual stream handed between stages and its own head (Mamba), the native-step stack with
-# an embedding multiplier (Granite-4.0-H). One pass each, no pool pressure.
-HOOKED = ["gemma3", "falcon_h1", "mamba", "granitemoehybrid"]
+# an embedding multiplier (Granite-4.0-H), the embeddings as the second stream and shared
+# blocks held by every stage that uses them (Zamba2). One pass each, no pool pressure.
+HOOKED = ["gemma3", "falcon_h1", "mamba", "granitemoehybrid", "zamba2"]
 
 
 @pytest.mark.slow

@@ -3,7 +3,9 @@
 ``step()`` is three calls (the step contract of ``core/sched_output.py``): the scheduler makes
 the step's message, the runner executes it, the scheduler applies the sampled tokens (appends
 them, applies the token-level stop rules, caches, frees finished requests on the same step).
-Text-level stops (stop strings) are found by the output processor, which aborts.
+Text-level stops (stop strings) are found by the output processor, which aborts. Under
+pipeline parallelism the same calls run with up to one message per stage in flight
+(``engine/batch_queue.py``).
 """
 
 from __future__ import annotations

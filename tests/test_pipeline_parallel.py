@@ -3,7 +3,8 @@ against transformers in float32.
 
 One engine per architecture kind -- dense (Llama), Gated DeltaNet (Qwen3.5), Mamba-2 hybrid
 (Nemotron-H), MoE (Qwen3-Next) -- runs prompts sharing a prefix under chunked prefill at an odd
-budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
+budget and a pool small enough to preempt, twice (the second pass hits the prefix cache and
+aborts a request while its message is in flight), with two step messages in flight, and
 must reproduce ``hf_greedy`` token for token. Every rank's pool must be its stage's pool as
 ``pagefold capacity --pipeline-parallel-size 2`` reports it. Killing a stage's rank must end
 the engine with an error naming it, never a hang.
@@ -179,6 +180,31 @@ def _capacity_stages(model_dir, memory: int, tp: int, capsys) -> list[dict]:
 
 
 
+def _pass_with_abort_in_flight(eng, ref: list[list[int]]) -> None:
+    """The prompts again (prefix hits), stepped by hand with one more request that is aborted
+    while its message is in flight (its result is dropped when collected); a new request
+    takes its id at once, with ``PROMPTS[2]``."""
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"p{i}", p, GREEDY)
+    eng.add_request("gone", PROMPTS[1][:25], GREEDY)
+    got: dict[str, list[int]] = {}
+    aborted = False
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not aborted and "gone" in eng.scheduler.in_flight:
+            eng.abort(["gone"])
+            got.pop("gone", None)
+            eng.add_request("gone", PROMPTS[2], GREEDY)
+            aborted = True
+    assert aborted
+    want = {f"p{i}": r for i, r in enumerate(ref)} | {"gone": ref[2]}
+    bad = sorted(k for k in want if got.get(k) != want[k])
+    assert not bad, f"{bad} differ from transformers"
+    assert not eng.scheduler.in_flight
+    eng.flush()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -195,13 +221,13 @@ def test_pp2_greedy_matches_transformers(tiny_model_factory, monkeypatch, capsys
               max_model_len=MAX_LEN, kv_cache_memory=memory, max_num_batched_tokens=13,
               threads_per_rank=1)
     try:
-        for _ in range(2):
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
-                                use_tqdm=False)
-            got = [o.outputs[0].token_ids for o in outs]
-            bad = [i for i, (g, r) in enumerate(zip(got, ref)) if g != r]
-            assert not bad, f"prompts {bad} differ from transformers"
-            llm.engine.kv.check_whole()
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        bad = [i for i, (g, r) in enumerate(zip(got, ref)) if g != r]
+        assert not bad, f"prompts {bad} differ from transformers"
+        llm.engine.kv.check_whole()
+        _pass_with_abort_in_flight(llm.engine, ref)
+        llm.engine.kv.check_whole()
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv.stats.hits > 0  # the second pass (and shared prefixes) hit
         assert llm.engine.batches.peak == 2  # two step messages were in flight at once

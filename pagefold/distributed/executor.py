@@ -129,11 +129,14 @@ class TPExecutor:
         replies: list[tuple | None] = [None] * self.size
         start = time.monotonic()
         while any(r is None for r in replies):
+            # Wait (briefly, to watch the processes) on the first rank yet to answer, never
+            # spin: under pipeline parallelism the last stage answers long after the first.
+            first = replies.index(None)
             for rank, (p, c) in enumerate(zip(self.procs, self.conns)):
                 if replies[rank] is not None:
                     continue
                 try:
-                    ready = c.poll(0 if rank else self.POLL_S)
+                    ready = c.poll(self.POLL_S if rank == first else 0)
                     msg = c.recv() if ready else None
                 except (EOFError, OSError):
                     msg = None

@@ -8,14 +8,15 @@ Same model (~150M parameters by default), same token ids, greedy, bf16. Workload
 a time, 3 requests). Each rank gets one torch thread, the TP=1 engine one thread, so the ratio
 shows what splitting the work over two cores buys after the collectives' cost (gloo over
 loopback: one all-reduce per row-parallel layer, one gather of the logits). PP=2 splits the
-layers into two stages (one step runs through both in turn, hidden states sent between them);
-it has no micro-batches in flight, so it cannot beat TP=1 on compute: its row shows what the
-stage hand-off and the extra process cost.
+layers into two stages, hidden states sent between them; it runs twice: with one step message
+at a time (``PAGEFOLD_PP_BATCHES_IN_FLIGHT=1``: the stages take turns, ``in flight`` 1) and
+with two in flight (the default: stage 0 runs one message while stage 1 runs the previous).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -23,9 +24,13 @@ import torch
 from benchmarks.common import bench_model, print_table, random_workload
 
 
-def run(model: str, tp: int, work, args, pp: int = 1) -> dict:
+def run(model: str, tp: int, work, args, pp: int = 1, in_flight: int | None = None) -> dict:
     from pagefold import LLM, SamplingParams
+    from pagefold.engine.batch_queue import ENV_IN_FLIGHT
 
+    os.environ.pop(ENV_IN_FLIGHT, None)
+    if in_flight is not None:
+        os.environ[ENV_IN_FLIGHT] = str(in_flight)
     llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, pipeline_parallel_size=pp,
               threads_per_rank=1,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -44,11 +49,13 @@ def run(model: str, tp: int, work, args, pp: int = 1) -> dict:
                                     use_tqdm=False)
                 n_out += sum(len(o.outputs[0].token_ids) for o in outs)
             dt = time.perf_counter() - t
-            rows.append({"workload": name, "tp": tp, "pp": pp, "seconds": dt,
+            rows.append({"workload": name, "tp": tp, "pp": pp,
+                         "in flight": in_flight or pp, "seconds": dt,
                          "out tok/s": n_out / dt})
         return rows
     finally:
         llm.engine.shutdown()
+        os.environ.pop(ENV_IN_FLIGHT, None)
 
 
 def main() -> None:
@@ -70,13 +77,14 @@ def main() -> None:
     one = run(model, 1, work, args)
     others = [run(model, 2, work, args)]
     if not args.no_pp:
+        others.append(run(model, 1, work, args, pp=2, in_flight=1))
         others.append(run(model, 1, work, args, pp=2))
     rows = []
     for i, a in enumerate(one):
         rows += [a] + [dict(o[i], **{"x TP=1": o[i]["out tok/s"] / a["out tok/s"]})
                        for o in others]
     print(f"{args.arch} h{args.hidden} l{args.layers}, bf16, one thread per rank")
-    print_table(rows, ["workload", "tp", "pp", "seconds", "out tok/s", "x TP=1"])
+    print_table(rows, ["workload", "tp", "pp", "in flight", "seconds", "out tok/s", "x TP=1"])
 
 
 if __name__ == "__main__":

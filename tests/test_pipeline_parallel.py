@@ -3,7 +3,8 @@ against transformers in float32.
 
 One engine per architecture kind -- dense (Llama), Gated DeltaNet (Qwen3.5), Mamba-2 hybrid
 (Nemotron-H), MoE (Qwen3-Next) -- runs prompts sharing a prefix under chunked prefill at an odd
-budget and a pool small enough to preempt, twice (the second pass hits the prefix cache), and
+budget and a pool small enough to preempt, twice (the second pass hits the prefix cache and
+aborts a request while its message is in flight), with two step messages in flight, and
 must reproduce ``hf_greedy`` token for token. Every rank's pool must be its stage's pool as
 ``pagefold capacity --pipeline-parallel-size 2`` reports it. Killing a stage's rank must end
 the engine with an error naming it, never a hang.
@@ -26,6 +27,7 @@ from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_stages
 from pagefold.core.kv_cache_spec import FullAttentionSpec
 from pagefold.core.spec_from_config import layer_specs_from_config
+from pagefold.distributed import pipeline
 from pagefold.distributed.executor import TPWorkerError
 from pagefold.distributed.pipeline import (
     ENV_PARTITION,
@@ -105,12 +107,14 @@ def test_stage_pools_hold_only_their_layers():
         [("layers.0.attn",)], [("layers.1.attn",)])
 
 
-def test_unconverted_architecture_is_refused(tiny_model_factory):
-    """A model not built through the shared DecoderStack is a clear error naming it, before
-    any worker starts."""
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported for Zamba2"):
-        LLM(str(tiny_model_factory("zamba2")), pipeline_parallel_size=2, max_model_len=MAX_LEN,
-            kv_cache_memory=1 << 22)
+def test_model_without_decoder_stack_is_refused(tiny_model_factory, monkeypatch):
+    """A model not built through the shared DecoderStack is a clear error naming its
+    architecture, before any worker starts (every registered model builds through it now)."""
+    arch, cfg = load_hf_config(str(tiny_model_factory("llama")))
+    monkeypatch.setattr(pipeline, "model_class",
+                        lambda name: lambda tcfg, max_positions: torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=f"pipeline parallelism is not supported for {arch}"):
+        layer_costs(arch, text_config(cfg))
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_5"])
@@ -176,6 +180,31 @@ def _capacity_stages(model_dir, memory: int, tp: int, capsys) -> list[dict]:
 
 
 
+def _pass_with_abort_in_flight(eng, ref: list[list[int]]) -> None:
+    """The prompts again (prefix hits), stepped by hand with one more request that is aborted
+    while its message is in flight (its result is dropped when collected); a new request
+    takes its id at once, with ``PROMPTS[2]``."""
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"p{i}", p, GREEDY)
+    eng.add_request("gone", PROMPTS[1][:25], GREEDY)
+    got: dict[str, list[int]] = {}
+    aborted = False
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not aborted and "gone" in eng.scheduler.in_flight:
+            eng.abort(["gone"])
+            got.pop("gone", None)
+            eng.add_request("gone", PROMPTS[2], GREEDY)
+            aborted = True
+    assert aborted
+    want = {f"p{i}": r for i, r in enumerate(ref)} | {"gone": ref[2]}
+    bad = sorted(k for k in want if got.get(k) != want[k])
+    assert not bad, f"{bad} differ from transformers"
+    assert not eng.scheduler.in_flight
+    eng.flush()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -192,15 +221,16 @@ def test_pp2_greedy_matches_transformers(tiny_model_factory, monkeypatch, capsys
               max_model_len=MAX_LEN, kv_cache_memory=memory, max_num_batched_tokens=13,
               threads_per_rank=1)
     try:
-        for _ in range(2):
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
-                                use_tqdm=False)
-            got = [o.outputs[0].token_ids for o in outs]
-            bad = [i for i, (g, r) in enumerate(zip(got, ref)) if g != r]
-            assert not bad, f"prompts {bad} differ from transformers"
-            llm.engine.kv.check_whole()
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        bad = [i for i, (g, r) in enumerate(zip(got, ref)) if g != r]
+        assert not bad, f"prompts {bad} differ from transformers"
+        llm.engine.kv.check_whole()
+        _pass_with_abort_in_flight(llm.engine, ref)
+        llm.engine.kv.check_whole()
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv.stats.hits > 0  # the second pass (and shared prefixes) hit
+        assert llm.engine.batches.peak == 2  # two step messages were in flight at once
         # Every rank's pool is its stage's as `pagefold capacity -pp 2` reports it.
         stages = _capacity_stages(model_dir, memory, tp, capsys)
         want = [{"num_blocks": s["num_blocks"], "pool_bytes": s["pool_bytes"]}
@@ -226,8 +256,9 @@ def test_pp2_greedy_matches_transformers(tiny_model_factory, monkeypatch, capsys
 # Stacks with their own hooks: scaled embeddings and a tied head (Gemma 3), parallel
 # attention + Mamba-2 caches named ``layers.{i}.attn`` / ``.mamba`` (Falcon-H1), a float32
 # residual stream handed between stages and its own head (Mamba), the native-step stack with
-# an embedding multiplier (Granite-4.0-H). One pass each, no pool pressure.
-HOOKED = ["gemma3", "falcon_h1", "mamba", "granitemoehybrid"]
+# an embedding multiplier (Granite-4.0-H), the embeddings as the second stream and shared
+# blocks held by every stage that uses them (Zamba2). One pass each, no pool pressure.
+HOOKED = ["gemma3", "falcon_h1", "mamba", "granitemoehybrid", "zamba2"]
 
 
 @pytest.mark.slow

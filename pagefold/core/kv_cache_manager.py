@@ -88,7 +88,8 @@ class KVCacheManager:
         self._inflight: dict[bytes, str] = {}  # prompt block hash -> producing request
         self._copies: list[PageCopy] = []
         self._pins: list[list[Block]] = []  # pins of the queued copies
-        self._pins_in_flight: list[list[Block]] = []  # pins of the copies of the current step
+        # Per step message not yet applied, oldest first: the pins of the copies it carries.
+        self._pins_in_flight: list[list[list[Block]]] = []
         self.capture_in_kernel = capture_in_kernel
         # Preemption by swap (off until ``attach_swap``).
         self.host: HostPool | None = None
@@ -431,17 +432,20 @@ class KVCacheManager:
     def take_copies(self) -> list[PageCopy]:
         """The queued copies, for this step's message; their pins stay until ``release_pins``."""
         copies, self._copies = self._copies, []
-        self._pins_in_flight.extend(self._pins)
+        self._pins_in_flight.append(self._pins)
         self._pins = []
         if self.staging is not None:
             self.staging.step_sent()
         return copies
 
-    def release_pins(self) -> None:
-        """After the step that carried them ran: unpin the copied pages."""
-        for blocks in self._pins_in_flight:
-            self.pool.free(blocks)
-        self._pins_in_flight = []
+    def release_pins(self, oldest_only: bool = False) -> None:
+        """After the step that carried them ran: unpin the copied pages (``oldest_only``: of
+        the oldest message taken, when several are in flight under pipeline parallelism)."""
+        done = self._pins_in_flight[:1] if oldest_only else self._pins_in_flight
+        for pins in done:
+            for blocks in pins:
+                self.pool.free(blocks)
+        self._pins_in_flight = self._pins_in_flight[len(done):]
         if self.staging is not None:
             self.staging.step_done()
 
@@ -572,7 +576,7 @@ class KVCacheManager:
     def check_whole(self) -> None:
         for m in self.managers:
             assert not m.req_blocks, f"requests still hold blocks: {list(m.req_blocks)[:10]}"
-        assert not self._pins and not self._copies and not self._pins_in_flight, \
+        assert not self._pins and not self._copies and not any(self._pins_in_flight), \
             "page copies still pending"
         assert not any(getattr(m, "pending", None) for m in self.managers), \
             "state captures still pending"

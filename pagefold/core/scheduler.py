@@ -14,6 +14,14 @@ stop_token_ids, max_tokens, max_model_len), caches what became reusable (full bl
 checkpoints) and frees finished requests on that same step. Text-level stops (stop strings) are
 the output processor's, which aborts. Beam search's operations (fork a request, swap its newest
 token, pause it) are scheduler operations between steps.
+
+Pipeline parallelism (``max_in_flight`` P > 1, ``engine/batch_queue.py``): messages are made
+while earlier ones are still running. A request in an unapplied message is skipped (a decoding
+request has no token to compute before its sampled one lands; the next chunk of a prefill
+waits too, the simple rule); a message takes at most ``ceil(running / P)`` running requests;
+and nothing is preempted while a message is in flight: a request that needs a preemption ends
+the schedule and sets ``drain``, the engine applies every in-flight message first, and the
+victims are then chosen exactly as without a pipeline.
 """
 
 from __future__ import annotations
@@ -146,6 +154,13 @@ class Scheduler:
         # ``spec_token_ids`` at the start of each schedule and counts the verified results.
         self.drafter = None
         self.spec_token_ids: dict[str, list[int]] = {}
+        # Pipeline parallelism (``engine/batch_queue.py``): up to ``max_in_flight`` messages
+        # run at once. ``in_flight``: the requests of messages not applied yet (never scheduled
+        # again before); ``drain``: the last schedule stopped at a request that needs a
+        # preemption, which waits until no message is in flight.
+        self.max_in_flight = 1
+        self.in_flight: dict[str, Request] = {}
+        self.drain = False
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -179,6 +194,8 @@ class Scheduler:
         """A new request continuing ``parent_id`` token for token (beam search): attention
         blocks shared copy-on-write, states copied. Call between steps."""
         parent = self.requests[parent_id]
+        if parent_id in self.in_flight:
+            raise RuntimeError(f"request {parent_id!r} is in a step in flight; fork it after")
         if child_id in self.requests:
             raise ValueError(f"request id {child_id!r} is already in use")
         if parent.status == RequestStatus.RUNNING and not self.kv.can_fork(parent, 1):
@@ -197,7 +214,8 @@ class Scheduler:
         """Swap the newest sampled token (not computed yet, so nothing in the cache changes;
         the runner gets the new one with the next step's tokens)."""
         r = self.requests[request_id]
-        if not r.output_token_ids or r.num_computed_tokens >= r.num_tokens:
+        if (not r.output_token_ids or r.num_computed_tokens >= r.num_tokens
+                or request_id in self.in_flight):
             raise ValueError(f"request {request_id!r} has no uncomputed sampled token")
         r.output_token_ids[-1] = token_id
         r.all_token_ids[-1] = token_id
@@ -282,6 +300,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         encoder = EncoderBudget(self.max_num_batched_tokens)
         scheduled: dict[str, int] = {}
+        pipelined = self.max_in_flight > 1
+        busy = pipelined and bool(self.in_flight)
+        self.drain = False
+        # Pipelined, a message takes at most its share of the running requests, so that the
+        # next one finds requests that are not in flight.
+        seats = -(-len(self.running) // self.max_in_flight)
 
         # 0. Parallel sampling: families whose shared prompt prefix is computed fork now.
         for req in [r for r in self.running if r.ready_to_fork]:
@@ -291,9 +315,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.paused:
+            if req.paused or req.request_id in self.in_flight:
                 i += 1
                 continue
+            if pipelined and len(scheduled) >= seats:
+                break
             n = req.num_tokens - req.num_computed_tokens
             drafts = self.spec_token_ids.get(req.request_id) if n == 1 else None
             if drafts:
@@ -310,6 +336,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
+                if busy:  # victims are chosen with nothing in flight: the engine drains
+                    self.drain = True
+                    break
                 victim = self._victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
@@ -321,6 +350,8 @@ class Scheduler:
                 if victim is req:
                     n = 0
                     break
+            if self.drain:
+                break
             if n == 0:
                 continue  # req was preempted; running[i] is now the next request
             scheduled[req.request_id] = n
@@ -333,13 +364,13 @@ class Scheduler:
 
         # 2. Waiting requests, while budget, seats and blocks last (none if we just preempted).
         # A request whose prefix another request is computing right now waits for that hit.
-        if not out.preempted_ids:
+        if not out.preempted_ids and not self.drain:
             loras = self._running_loras()
             for req in list(self.waiting):
                 if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                     break
-                if req.paused or self.kv.should_defer(req):
-                    continue
+                if req.paused or self.kv.should_defer(req) or req.request_id in self.in_flight:
+                    continue  # (in flight: an aborted request's id, reused)
                 lid = req.lora_request.lora_int_id if req.lora_request is not None else 0
                 if lid and lid not in loras and len(loras) >= (self.max_loras or 0):
                     continue  # every adapter slot is taken by running requests: wait
@@ -380,6 +411,8 @@ class Scheduler:
             if n is not None:
                 out.num_scheduled[req.request_id] = n
                 self._describe(req, n, out)
+                if pipelined:
+                    self.in_flight[req.request_id] = req
         if out.num_scheduled and self.kv.capture_in_kernel:
             # Checkpoint targets inside the chunks: taken by the kernels (no chunk was cut).
             out.captures = self.kv.plan_captures(
@@ -446,6 +479,8 @@ class Scheduler:
         finished: list[tuple[Request, RequestStatus]] = []
         for rid, n in out.num_scheduled.items():
             r = self.requests.get(rid)
+            if self.max_in_flight > 1 and self.in_flight.pop(rid, None) is not r:
+                continue  # ended while in flight (the id may name a newer request now)
             if r is None:
                 continue  # ended while the step ran
             self.prompt_tokens_computed += max(0, min(n, r.num_prompt_tokens
@@ -482,7 +517,7 @@ class Scheduler:
         # Cache what this step made reusable (before finished requests free their pages).
         for r in stepped:
             self.kv.after_step(r)
-        self.kv.release_pins()
+        self.kv.release_pins(oldest_only=self.max_in_flight > 1)
         for r, status in finished:
             params = r.kv_transfer_params
             # One export per prompt: a family's children share the parent's prompt pages.

@@ -2,8 +2,9 @@
 
 ``TPExecutor`` stands where the single-process ``ModelRunner`` stands in ``EngineCore``: the
 scheduler (in the engine process) makes each step's message, the executor sends the same
-bytes to every rank and returns the sampling rank's tokens (rank 0; under pipeline parallelism
-tensor-parallel rank 0 of the last stage, see ``worker.sampling_rank``). Ranks rendezvous over ``env://``
+bytes to every rank (``submit``) and returns the sampling rank's tokens (``collect``): rank 0;
+under pipeline parallelism tensor-parallel rank 0 of the last stage (``worker.sampling_rank``),
+with several messages in flight, answered in order. Ranks rendezvous over ``env://``
 (``MASTER_ADDR`` / ``MASTER_PORT``; a free local port by default).
 
 Failure: while waiting, the executor watches every rank's process. A rank that exits or
@@ -130,11 +131,14 @@ class TPExecutor:
         replies: list[tuple | None] = [None] * self.size
         start = time.monotonic()
         while any(r is None for r in replies):
+            # Wait (briefly, to watch the processes) on the first rank yet to answer, never
+            # spin: under pipeline parallelism the last stage answers long after the first.
+            first = replies.index(None)
             for rank, (p, c) in enumerate(zip(self.procs, self.conns)):
                 if replies[rank] is not None:
                     continue
                 try:
-                    ready = c.poll(0 if rank else self.POLL_S)
+                    ready = c.poll(self.POLL_S if rank == first else 0)
                     msg = c.recv() if ready else None
                 except (EOFError, OSError):
                     msg = None
@@ -171,6 +175,13 @@ class TPExecutor:
             time.sleep(0.05)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step message on every rank and return the sampling rank's tokens."""
+        self.submit(out)
+        return self.collect(out)
+
+    def submit(self, out: SchedulerOutput) -> None:
+        """Send ``out`` to every rank without waiting (pipeline parallelism keeps several in
+        flight: every rank runs its messages in order and answers each in turn)."""
         if not self.procs:
             raise TPWorkerError(self._error or "the tensor-parallel workers were shut down")
         data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -180,6 +191,9 @@ class TPExecutor:
             except (BrokenPipeError, OSError):
                 self._fail(f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
                            f"is gone; the engine cannot continue")
+
+    def collect(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """The answers to the oldest message submitted (``out``): the sampling rank's tokens."""
         replies = self._collect()
         first = replies[self._sampler]
         self.num_forward_tokens = first[2]

@@ -8,7 +8,8 @@ collectives (all-reduce after row-parallel layers, vocabulary gathers) go over
 its stage's pool and hands its hidden states on to the next stage (``layers/decoder_stack``).
 Tensor-parallel rank 0 of the last stage alone samples and answers with the tokens
 (``sampling_rank``); the other ranks answer ``None``. A rank that fails answers with the error
-text and exits.
+text and exits. Under pipeline parallelism a rank reads the engine's messages ahead
+(``read_ahead``): several are in flight, each answered in turn.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +107,29 @@ def build_rank_runner(init: WorkerInit, rank: int = 0, stage: int = 0) -> ModelR
     return runner
 
 
+def read_ahead(conn) -> Callable[[], bytes]:
+    """A reader thread that takes the engine's messages off ``conn`` as they come; returns the
+    call that hands them out in order (``b""`` once the engine is gone).
+
+    Under pipeline parallelism the engine sends message k+1 while this rank still runs k; were
+    both that message and this rank's answer to k larger than the socket's buffer, each side
+    would block in its send. Reading ahead keeps the engine's sends from ever waiting on us."""
+    inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+
+    def pump() -> None:
+        try:
+            while True:
+                data = conn.recv_bytes()
+                inbox.put(data)
+                if not data:
+                    return
+        except (EOFError, OSError):
+            inbox.put(b"")
+
+    threading.Thread(target=pump, name="pagefold-step-reader", daemon=True).start()
+    return inbox.get
+
+
 def worker_main(rank: int, size: int, conn) -> None:
     """Serve one rank: read the ``WorkerInit``, join the group, build the shard, then run the
     step messages until an empty message (or the engine's end of the connection)."""
@@ -124,8 +151,9 @@ def worker_main(rank: int, size: int, conn) -> None:
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
         conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel,
                    runner.encoders is not None))
+        recv = read_ahead(conn) if pp > 1 else conn.recv_bytes
         while True:
-            data = conn.recv_bytes()
+            data = recv()
             if not data:
                 break
             out = pickle.loads(data)

@@ -3,7 +3,9 @@
 ``step()`` is three calls (the step contract of ``core/sched_output.py``): the scheduler makes
 the step's message, the runner executes it, the scheduler applies the sampled tokens (appends
 them, applies the token-level stop rules, caches, frees finished requests on the same step).
-Text-level stops (stop strings) are found by the output processor, which aborts.
+Text-level stops (stop strings) are found by the output processor, which aborts. Under
+pipeline parallelism the same calls run with up to one message per stage in flight
+(``engine/batch_queue.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pagefold.distributed.parallel_state import (
 )
 from pagefold.distributed.pipeline import plan_pipeline
 from pagefold.distributed.worker import WorkerInit
+from pagefold.engine.batch_queue import BatchQueue, batches_in_flight
 from pagefold.executor.runner_builder import build_runner
 from pagefold.kernels import dispatch
 from pagefold.layers.attention_block import split_heads
@@ -284,6 +287,9 @@ class EngineCore:
         self.scheduler.drafter = self.spec  # drafts before, counters after each step
         self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.scheduler.structured = self.structured
+        # Pipeline parallelism: up to one step message per stage in flight (batch_queue.py).
+        self.batches = (BatchQueue(self.scheduler, self.runner, batches_in_flight(self.pp))
+                        if self.pp > 1 else None)
         if warm and self.world == 1:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
@@ -529,16 +535,18 @@ class EngineCore:
             self.spec.exclude(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.batches)
 
     def flush(self) -> None:
         """When no request is left: run the token-free step that copies what the last steps
         queued (a finished request's final state checkpoint), so the pool is whole again."""
-        while not self.scheduler.requests and self.scheduler.has_unfinished():
+        while not self.scheduler.requests and self.has_unfinished():
             self.step()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineCoreOutput]:
+        if self.batches is not None:  # pipeline parallelism: several messages in flight
+            return self.batches.step()
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
         return self.scheduler.update_from_output(out, sampled)

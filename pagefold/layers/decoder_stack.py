@@ -113,6 +113,13 @@ class DecoderStack(nn.Module):
             return layer(positions, x, ctx, residual)
         return layer(positions, x, ctx), None
 
+    def capture_input(self, ctx, index: int, x: torch.Tensor,
+                      residual: torch.Tensor | None) -> None:
+        """Hand layer ``index``'s input to the step (``ctx.capture_layer_input``): the
+        residual stream, ``x`` plus ``residual`` for the fused add + norm style. A stack whose
+        second stream is not a residual overrides this."""
+        ctx.capture_layer_input(index, x, residual)
+
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         norm = getattr(self, self._norm_name)
         if residual is None:
@@ -141,7 +148,7 @@ class DecoderStack(nn.Module):
         capture = getattr(ctx, "aux_layers", None) is not None
         for i, layer in enumerate(self.layers):
             if capture:  # an EAGLE-3 drafter reads this step's layer inputs
-                ctx.capture_layer_input(i, x, residual)
+                self.capture_input(ctx, i, x, residual)
             x, residual = self.run_layer(layer, positions, x, residual, ctx)
         return self.final_norm(x, residual)
 

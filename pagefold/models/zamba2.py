@@ -19,6 +19,9 @@ Tensor parallelism: the shared blocks split like any attention + MLP (query/KV h
 MLP's gate and up columns); a LoRA adapter's down-projection (``d_in -> rank``) is replicated
 and its up-projection cut exactly as the projection it adds to, so ``proj(h) + lora(h)``
 stays this rank's slice. The Mamba-2 layers split as in ``mamba2_hybrid.py``.
+
+Pipeline parallelism: the model is a ``DecoderStack`` whose second stream is the embeddings;
+each stage holds the shared blocks its own hybrid layers use.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 from pagefold.core.spec_families import zamba2_hybrid_layers
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.layers.attention_block import split_heads
+from pagefold.layers.decoder_stack import AbsentPart, DecoderStack, stage_builds
 from pagefold.layers.linear import column_linear, row_linear
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
@@ -147,6 +151,7 @@ class Zamba2MambaLayer(nn.Module):
             proj_bias=bool(cfg.add_bias_linear), conv_bias=True)
         self.mamba = Mamba2Mixer(mcfg, f"layers.{layer_idx}")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layer_idx = layer_idx
 
     def forward(self, x, ctx, t=None):
         h = self.input_layernorm(x if t is None else x + t)
@@ -160,42 +165,49 @@ class Zamba2HybridLayer(nn.Module):
         super().__init__()
         self.mamba_decoder = Zamba2MambaLayer(cfg, layer_idx)
         self.linear = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer_idx = layer_idx
 
 
-class Zamba2Model(nn.Module):
-    # Like ``DecoderStack``: every layer's input goes to ``ctx.capture_layer_input``.
-    captures_layer_inputs = True
+class Zamba2Model(DecoderStack):
+    """Embeddings -> layers -> final norm (``DecoderStack``, on the module path). The stack's
+    second stream is the embeddings (every shared block reads them): a pipeline stage receives
+    ``(x, embeddings)`` and hands both on, and builds the shared blocks its hybrid layers use
+    (a block used on two stages is held by both)."""
+
+    residual_stream = True
+    native_decode = False
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
         hybrid = zamba2_hybrid_layers(cfg)
         self.use_of = {layer: j for j, layer in enumerate(hybrid)}
         self.block_of = {layer: j % cfg.num_mem_blocks for j, layer in enumerate(hybrid)}
-        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Zamba2HybridLayer(cfg, i) if i in self.use_of else Zamba2MambaLayer(cfg, i)
-            for i in range(cfg.num_hidden_layers))
+        self.build_stack(
+            cfg.num_hidden_layers,
+            lambda i: Zamba2HybridLayer(cfg, i) if i in self.use_of else Zamba2MambaLayer(cfg, i),
+            lambda: vocab_embedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            hidden_size=cfg.hidden_size, tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            norm_name="final_layernorm")
+        used = {self.block_of[i] for i in hybrid if stage_builds(i)}
         self.shared_blocks = nn.ModuleList(
-            Zamba2SharedBlock(cfg, b, len(hybrid), max_positions)
+            Zamba2SharedBlock(cfg, b, len(hybrid), max_positions) if b in used else AbsentPart()
             for b in range(min(cfg.num_mem_blocks, len(hybrid))))
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    @property
-    def token_embedding(self) -> nn.Module:
-        return self.embed_tokens
+    def capture_input(self, ctx, index, x, emb) -> None:
+        ctx.capture_layer_input(index, x, None)  # the second stream is the embeddings
 
-    def forward(self, input_ids, positions, ctx):
-        x = emb = self.embed_tokens(input_ids)
-        capture = getattr(ctx, "aux_layers", None) is not None
-        for i, layer in enumerate(self.layers):
-            if capture:
-                ctx.capture_layer_input(i, x, None)
-            if i in self.use_of:
-                block = self.shared_blocks[self.block_of[i]]
-                t = block(positions, x, emb, self.use_of[i], f"layers.{i}.attn", ctx)
-                x = layer.mamba_decoder(x, ctx, layer.linear(t))
-            else:
-                x = layer(x, ctx)
+    def run_layer(self, layer, positions, x, emb, ctx):
+        if emb is None:
+            emb = x  # the first layer's input is the embeddings
+        i = layer.layer_idx
+        if i not in self.use_of:
+            return layer(x, ctx), emb
+        block = self.shared_blocks[self.block_of[i]]
+        t = block(positions, x, emb, self.use_of[i], f"layers.{i}.attn", ctx)
+        return layer.mamba_decoder(x, ctx, layer.linear(t)), emb
+
+    def final_norm(self, x, emb):
         return self.final_layernorm(x)
 
 

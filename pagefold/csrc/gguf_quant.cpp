@@ -192,6 +192,37 @@ void row_product(const float* x, int64_t m, int64_t k, const uint8_t* row, int b
   }
 }
 
+// Whether the kernels take this layout: 4-bit codes in groups of 32 or 8-bit codes in groups
+// dividing k; float16 scales only where the CPU widens them (F16C).
+inline bool layout_ok(int32_t bits, int64_t group, int64_t k, int32_t half) {
+#if !defined(__F16C__)
+  if (half) return false;
+#endif
+  return (bits == 4 || bits == 8) && k >= 1 && group >= 1 && k % group == 0 &&
+         (bits != 4 || group == 32);
+}
+
+// Row o's scales and mins as float32: the tensors' own row, or (float16 tensors, exact for
+// Q4_0 / Q4_1 / Q8_0) widened into sc_buf / mn_buf (groups floats each).
+inline void row_scales(const void* scale, const void* mins, int32_t half, int64_t o,
+                       int64_t groups, float* sc_buf, float* mn_buf, const float** sc,
+                       const float** mn) {
+  *sc = static_cast<const float*>(scale) + o * groups;
+  *mn = static_cast<const float*>(mins) + o * groups;
+#if defined(__F16C__)
+  if (half) {
+    const uint16_t* hs = static_cast<const uint16_t*>(scale) + o * groups;
+    const uint16_t* hm = static_cast<const uint16_t*>(mins) + o * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      sc_buf[g] = _cvtsh_ss(hs[g]);
+      mn_buf[g] = _cvtsh_ss(hm[g]);
+    }
+    *sc = sc_buf;
+    *mn = mn_buf;
+  }
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -207,12 +238,7 @@ int pf_gguf_limit_isa(int32_t limit) {
 int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                     int32_t bits, int64_t group, const void* scale, const void* mins,
                     int32_t half, float* y, int64_t ldy, int32_t nthreads) {
-  if ((bits != 4 && bits != 8) || m < 1 || m > kMaxRows || k < 1 || n < 1 || group < 1 ||
-      k % group || (bits == 4 && group != 32) || ldy < n)
-    return 1;
-#if !defined(__F16C__)
-  if (half) return 1;
-#endif
+  if (!layout_ok(bits, group, k, half) || m < 1 || m > kMaxRows || n < 1 || ldy < n) return 1;
   const int64_t groups = k / group;
   const int64_t row_bytes = k * bits / 8;
   const std::vector<float> xsum = pf::group_sums(x, m, k, group);
@@ -223,20 +249,8 @@ int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8
     float out[kMaxRows];
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < n; ++o) {
-      const float* sc = static_cast<const float*>(scale) + o * groups;
-      const float* mn = static_cast<const float*>(mins) + o * groups;
-#if defined(__F16C__)
-      if (half) {  // float16 scales and mins (exact for Q4_0 / Q4_1 / Q8_0): widened per row
-        const uint16_t* hs = static_cast<const uint16_t*>(scale) + o * groups;
-        const uint16_t* hm = static_cast<const uint16_t*>(mins) + o * groups;
-        for (int64_t g = 0; g < groups; ++g) {
-          sc_row[g] = _cvtsh_ss(hs[g]);
-          mn_row[g] = _cvtsh_ss(hm[g]);
-        }
-        sc = sc_row.data();
-        mn = mn_row.data();
-      }
-#endif
+      const float *sc, *mn;
+      row_scales(scale, mins, half, o, groups, sc_row.data(), mn_row.data(), &sc, &mn);
       row_product(x, m, k, codes + o * row_bytes, bits, group, sc, mn, xsum.data(), w.data(),
                   out);
       for (int64_t r = 0; r < m; ++r) y[r * ldy + o] = out[r];
@@ -260,38 +274,24 @@ int pf_affine_decode_bf16(const uint8_t* codes, int32_t bits, int64_t group, con
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
-  if ((bits != 4 && bits != 8) || n < 1 || k < 1 || group < 1 || k % group ||
-      (bits == 4 && group != 32) || ldo < k)
-    return 1;
-#if !defined(__F16C__)
-  if (half) return 1;
-#endif
+  if (!layout_ok(bits, group, k, half) || n < 1 || ldo < k) return 1;
   const int64_t groups = k / group;
   const int64_t row_bytes = k * bits / 8;
   const bool par = n >= 16 && nthreads > 1;
 #pragma omp parallel num_threads(nthreads) if (par)
   {
-    std::vector<float> w(group);
+    std::vector<float> w(group), sc_row(half ? groups : 0), mn_row(half ? groups : 0);
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < n; ++o) {
       const uint8_t* src = codes + o * row_bytes;
       uint16_t* dst = out + o * ldo;
+      const float *sc, *mn;
+      row_scales(scale, mins, half, o, groups, sc_row.data(), mn_row.data(), &sc, &mn);
       for (int64_t g = 0; g < groups; ++g) {
-        float sc, mn;
-#if defined(__F16C__)
-        if (half) {
-          sc = _cvtsh_ss(static_cast<const uint16_t*>(scale)[o * groups + g]);
-          mn = _cvtsh_ss(static_cast<const uint16_t*>(mins)[o * groups + g]);
-        } else
-#endif
-        {
-          sc = static_cast<const float*>(scale)[o * groups + g];
-          mn = static_cast<const float*>(mins)[o * groups + g];
-        }
         decode_codes(src + g * group * bits / 8, bits, group, w.data());
         for (int64_t j = 0; j < group; ++j) {
-          const float p = w[j] * sc;
-          dst[g * group + j] = pf::f32_to_bf16(p + mn);
+          const float p = w[j] * sc[g];
+          dst[g * group + j] = pf::f32_to_bf16(p + mn[g]);
         }
       }
     }

@@ -40,6 +40,10 @@ TARGETS = {
                    ["in_proj_qkvz", "in_proj_ba", "o_proj"]],
     "bamba": [["in_proj", "out_proj"], ["q_proj", "o_proj"], ["gate_proj", "up_proj",
                                                              "down_proj"]],
+    # Nemotron-H: PEFT saves ``model.layers.*`` (transformers' name), the checkpoint and
+    # pagefold say ``backbone.layers.*``; PEFT refuses its Mamba out_proj.
+    "nemotron_h": [["in_proj", "q_proj"], ["o_proj", "up_proj"], ["in_proj", "down_proj",
+                                                                  "k_proj"]],
 }
 PROMPTS = [[5, 17, 42, 9, 77, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300],
            [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
@@ -109,7 +113,7 @@ def test_compiled_kernels_equal_torch_form(dtype):
     assert not torch.equal(y[~base], y0[~base])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_next", "bamba"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_next", "bamba", "nemotron_h"])
 def test_mixed_batch_matches_peft(adapters, arch):
     base, dirs = adapters(arch)
     loras = [None, *_requests(dirs)]

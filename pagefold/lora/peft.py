@@ -32,6 +32,12 @@ from pagefold.lora.errors import LoRAError
 from pagefold.lora.peft_experts import expert_pairs, peft_pattern, read_expert_part
 
 PREFIX = "base_model.model."
+# The decoder roots one checkpoint may carry under either name.
+ROOT_ALIASES = ("model", "backbone")
+
+
+def _roots(layout: dict) -> set[str]:
+    return {path.split(".", 1)[0] + "." for path in layout}
 
 
 @dataclass
@@ -51,6 +57,12 @@ def _resolve(module: str, layout: dict[str, LinearLayout],
     """(layout path, part) for a checkpoint module name, or None."""
     if module.startswith("model.language_model."):  # multimodal checkpoints' text tower
         module = "model." + module.removeprefix("model.language_model.")
+    root, _, rest = module.partition(".")
+    if root in ROOT_ALIASES and f"{root}." not in _roots(layout):
+        # transformers renames a checkpoint's root (Nemotron-H's ``backbone.`` is ``model.``
+        # in transformers 5, so PEFT saves ``model.layers.*``); the model keeps the
+        # checkpoint's name.
+        module = next((f"{r}{rest}" for r in _roots(layout) if r[:-1] in ROOT_ALIASES), module)
     head, _, last = module.rpartition(".")
     target = f"{head}.{fused_names[last]}" if last in fused_names else module
     lay = layout.get(target)

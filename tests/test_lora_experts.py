@@ -348,6 +348,25 @@ def test_gpt_oss_expert_terms_under_tensor_parallel_cuts():
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
 
 
+def test_tp2_granite_expert_and_shared_mlp_adapters_match_peft(adapters):
+    """Granite-4.0-H under two tensor-parallel ranks: expert adapters cut on the intermediate
+    dimension, and the third adapter's shared-MLP ``input_linear`` (cut by the model's own
+    loader, gate | up rows) cut as its rows."""
+    base, dirs = adapters("granitemoehybrid")
+    loras = [None, *_requests(dirs)]
+    want = [_peft(d, base, p) for d, p in zip([None, *dirs], PROMPTS)]
+    llm = LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True,
+              max_loras=3, max_lora_rank=16, kv_cache_memory=1 << 22, threads_per_rank=1,
+              warm_up=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                            lora_request=loras, use_tqdm=False)
+        assert _ids(outs) == want
+        llm.engine.kv.check_whole()
+    finally:
+        llm.engine.shutdown()
+
+
 def test_ep2_expert_adapters_match_peft(adapters):
     """Two ranks under expert parallelism: each rank holds its own experts' adapters whole
     (the intermediate-dimension split is checked above without processes)."""

@@ -7,12 +7,12 @@ widths). pagefold adds ``s * B_e (A_e h)`` to the expert's product instead, for 
 the tokens routed to ``e``, each row with its own adapter slot.
 
 A :class:`LoRAExperts` attaches to one expert stack -- a :class:`~pagefold.layers.moe.MoEExperts`
-or a model's own (Granite-4.0-H's ``GraniteMoE``), each describing itself with
-``lora_stack()`` -- as its ``lora`` attribute (the experts, their weights and their native
-record are unchanged) and
-holds ``num_slots`` resident adapters for it, per local expert, stacked so that one expert's
-slots are one contiguous (slots, R, width) block for the punica shrink / expand of
-:mod:`pagefold.ops.lora` (the torch, compiled CPU or Triton form, as the linears use):
+or a model's own (Granite-4.0-H's ``GraniteMoE``, gpt-oss's ``GptOssExperts``), each
+describing itself with ``lora_stack()`` -- as its ``lora`` attribute (the experts, their
+weights and their native record are unchanged) and holds ``num_slots`` resident adapters for
+it, per local expert, stacked so that one expert's slots are one contiguous (slots, R, width)
+block for the punica shrink / expand of :mod:`pagefold.ops.lora` (the torch, compiled CPU or
+Triton form, as the linears use):
 
 * ``gate_up_proj``: ``a`` (E, slots, R, hidden), ``b`` (E, slots, R, 2 * inter) -- B
   transposed with the scaling folded in, its output order the weight's: gate rows then up

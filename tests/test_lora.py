@@ -12,12 +12,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from pagefold import LLM, LoRARequest, SamplingParams
+from pagefold.distributed.parallel_state import set_tensor_parallel
+from pagefold.layers.linear import load_into
+from pagefold.layers.lora_linear import LoRALinear, LoRAStep
+from pagefold.lora.layout import lora_layout
 from pagefold.lora.request import LoRARequest as LoRARequestFromPackage
+from pagefold.models.granite_hybrid import GraniteSharedMLP
 from pagefold.ops.lora import cpu as lora_cpu
 from pagefold.ops.lora import reference as lora_ref
 from pagefold.testing.lora_adapters import make_adapter, peft_greedy
@@ -260,3 +267,41 @@ def test_preemption_and_odd_chunks_stay_exact(adapters):
     assert _ids(outs) == want
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.lora.loads > 3
     llm.engine.kv.check_whole()
+
+
+def test_granite_shared_mlp_adapter_cut_as_its_gate_up_rows():
+    """Granite-4.0-H's shared MLP (``input_linear``: gate | up rows cut by the model's own
+    loader) under two tensor-parallel ranks, built in one process: its adapter's B is cut as
+    those rows, so the ranks' partial outputs sum to the one-rank definition; base rows keep
+    the plain output."""
+    g = torch.Generator().manual_seed(11)
+    hidden, inter, r = 16, 12, 4
+    cfg = SimpleNamespace(hidden_size=hidden, shared_intermediate_size=inter, hidden_act="silu")
+    w_in = torch.randn(2 * inter, hidden, generator=g) * 0.3
+    w_out = torch.randn(hidden, inter, generator=g) * 0.3
+    a = torch.randn(r, hidden, generator=g) * 0.4
+    b = torch.randn(2 * inter, r, generator=g) * 0.4
+    x = torch.randn(4, hidden, generator=g)
+    idx = torch.tensor([0, -1, 0, 0])
+
+    def mlp_out(w, rows):
+        gate, up = (rows.double() @ w.double().T).split(inter, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w_out.double().T
+
+    want = torch.where((idx >= 0)[:, None], mlp_out(w_in + b @ a, x), mlp_out(w_in, x))
+    total = torch.zeros(4, hidden, dtype=torch.float64)
+    try:
+        for rank in range(2):
+            set_tensor_parallel(rank, 2)
+            model = nn.Module()
+            model.layers = nn.ModuleList([GraniteSharedMLP(cfg)])
+            load_into(model.layers[0], [("input_linear.weight", w_in),
+                                        ("output_linear.weight", w_out)])
+            lin, lay = lora_layout(model)["layers.0.input_linear"]
+            assert lay.kind == "column" and lay.parts["input_linear"].full_rows == 2 * inter
+            LoRALinear(lin, lay, LoRAStep(idx=idx), num_slots=1, max_rank=r).set_part(
+                0, "input_linear", a, b)
+            total += model.layers[0](x).double()
+    finally:
+        set_tensor_parallel(0, 1)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """LoRA on routed MoE experts (PEFT ``target_parameters`` on the stacked ``gate_up_proj`` /
-``down_proj``; Jamba shares Qwen's ``MoEExperts`` and was checked the same way by hand): a
-batch mixing the base model and three adapters gives, per row, the greedy
+``down_proj``; Jamba shares Qwen's ``MoEExperts`` and was checked the same way by hand; gpt-oss
+has its own interleaved, biased stacks): a batch mixing the base model and two or three
+adapters gives, per row, the greedy
 float32 tokens of transformers + peft with that adapter; the prefix cache stays keyed by
 adapter; bad expert adapters are clear errors; the expert-level terms equal a per-row
 definition (each routed row with its own token's adapter, base rows untouched).
@@ -22,10 +23,12 @@ from torch import nn
 
 from pagefold import LLM, LoRARequest, SamplingParams
 from pagefold.distributed.parallel_state import set_tensor_parallel
+from pagefold.layers.linear import load_into
 from pagefold.layers.lora_experts import ExpertsLayout, LoRAExperts
 from pagefold.layers.lora_linear import LoRAStep
 from pagefold.layers.moe import MoEExperts
 from pagefold.lora.layout import experts_layouts, lora_layout
+from pagefold.models.gpt_oss import GptOssExperts
 from pagefold.testing.lora_adapters import make_adapter, peft_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
@@ -34,10 +37,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
 NEW = 5
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
-# (rank, target_modules, target_parameters): experts + attention, experts only, and a third
-# mixing one expert product with the model's linears (Qwen3-Next: PEFT itself turns the
-# v4 names gate_proj / up_proj / down_proj into the expert stacks' parameters, gate_up at
-# rank 2r through rank_pattern / alpha_pattern).
+# (rank, target_modules, target_parameters): experts + attention, experts only, and (where
+# listed) a third mixing one expert product with the model's linears (Qwen3-Next: PEFT
+# itself turns the v4 names gate_proj / up_proj / down_proj into the expert stacks'
+# parameters, gate_up at rank 2r through rank_pattern / alpha_pattern).
 THIRD = {
     "qwen3_next": (4, ["gate_proj", "up_proj", "down_proj", "in_proj_qkvz"], None),
     "qwen3_5_moe": (16, ["gate_proj", "down_proj", "in_proj_qkv"], ["experts.down_proj"]),
@@ -57,7 +60,8 @@ def adapters(tiny_model_factory, tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             base = tiny_model_factory(arch)
-            specs = [(8, ["q_proj", "o_proj"], EXPERTS), (4, [], EXPERTS), THIRD[arch]]
+            specs = [(8, ["q_proj", "o_proj"], EXPERTS), (4, [], EXPERTS)]
+            specs += [THIRD[arch]] if arch in THIRD else []
             made[arch] = (base, [make_adapter(base, root / f"{arch}-{i}", rank=r,
                                               target_modules=t, target_parameters=p,
                                               seed=20 + i)
@@ -86,18 +90,18 @@ def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "granitemoehybrid", "gpt_oss"])
 def test_expert_adapters_mixed_batch_match_peft(adapters, arch):
     base, dirs = adapters(arch)
     loras = [None, *_requests(dirs)]
     want = [_peft(d, base, p) for d, p in zip([None, *dirs], PROMPTS)]
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
               kv_cache_memory=1 << 23, max_num_batched_tokens=23, warm_up=False)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(loras)]]
     outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
     assert _ids(outs) == want
     llm.engine.kv.check_whole()
-    assert llm.engine.runner.lora.loads == 3
+    assert llm.engine.runner.lora.loads == len(dirs)
     # Every adapter matters (its rows are not the base model's; base rows checked above).
     plain = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert plain[0] == want[0] and all(p != w for p, w in zip(plain[1:], want[1:]))
@@ -177,7 +181,8 @@ def test_bad_expert_adapters_name_the_problem(adapters, llama_dir, tmp_path):
     dense = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=1,
                 max_lora_rank=8, kv_cache_memory=1 << 22, warm_up=False)
     refused(dirs[1], r"'bad4'.*model\.layers\.0\.mlp\.experts'?: this model has no routed "
-            r"expert stack there \(expert stacks: none\)", 4, on=dense)
+            r"expert stack there to adapt \(quantized experts, MXFP4 included, take no adapters; "
+            r"expert stacks: none\)", 4, on=dense)
 
 
 def _definition(x, gu, dn, top_idx, top_w, slot_of_row, pairs):
@@ -275,6 +280,91 @@ def test_tensor_parallel_cuts_sum_to_the_whole_term():
         set_tensor_parallel(0, 1)
     want = _definition(x, gu, dn, top_idx, top_w, slot_of_row, [pair])
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def _gpt_oss_definition(x, w, top_idx, top_w, slot_of_row, pair, limit=7.0, alpha=1.702):
+    """gpt-oss's experts per token in float64, ``W_e + (B_e A_e)^T`` on its (in, out) weights
+    for adapter rows: gate_up's outputs 2j / 2j+1 are channel j's gate / up."""
+    gu, gu_b, dn, dn_b = (t.double() for t in w)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for i in range(x.shape[0]):
+        for j in range(top_idx.shape[1]):
+            e = int(top_idx[i, j])
+            w_gu, w_dn = gu[e], dn[e]
+            if slot_of_row[i] >= 0:
+                (a1, b1), (a2, b2) = pair
+                w_gu = w_gu + (b1[e].double() @ a1[e].double()).T
+                w_dn = w_dn + (b2[e].double() @ a2[e].double()).T
+            h = x[i].double() @ w_gu + gu_b[e]
+            gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            out[i] += float(top_w[i, j]) * (act @ w_dn + dn_b[e])
+    return out
+
+
+def test_gpt_oss_expert_terms_under_tensor_parallel_cuts():
+    """gpt-oss's interleaved gate/up stacks with one adapter, on one rank and as two ranks'
+    intermediate shards (a contiguous run of interleaved columns each, built in one process):
+    adapter rows follow the definition, base rows keep their bits, the shards sum to it."""
+    g = torch.Generator().manual_seed(7)
+    n_exp, hidden, inter, t, k, r = 4, 16, 12, 6, 2, 4
+    cfg = type("Cfg", (), dict(num_local_experts=n_exp, hidden_size=hidden,
+                               intermediate_size=inter))()
+    w = [torch.randn(n_exp, hidden, 2 * inter, generator=g) * 0.3,
+         torch.randn(n_exp, 2 * inter, generator=g) * 0.1,
+         torch.randn(n_exp, inter, hidden, generator=g) * 0.3,
+         torch.randn(n_exp, hidden, generator=g) * 0.1]
+    pair = [(torch.randn(n_exp, r, d_in, generator=g) * 0.4,
+             torch.randn(n_exp, d_out, r, generator=g) * 0.4)
+            for d_in, d_out in ((hidden, 2 * inter), (inter, hidden))]
+    x = torch.randn(t, hidden, generator=g)
+    top_idx = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
+    top_w = torch.rand(t, k, generator=g)
+    slot_of_row = torch.tensor([0, -1, 0, 0, -1, 0])
+    want = _gpt_oss_definition(x, w, top_idx, top_w, slot_of_row, pair)
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    total = torch.zeros(t, hidden, dtype=torch.float64)
+    try:
+        for size in (1, 2):
+            for rank in range(size):
+                set_tensor_parallel(rank, size)
+                experts = GptOssExperts(cfg)
+                load_into(experts, zip(names, w))
+                plain = experts(x, top_idx, top_w)
+                step = LoRAStep(idx=slot_of_row)
+                lora = LoRAExperts(experts, *experts.lora_stack()[1:], step, num_slots=1,
+                                    max_rank=r)
+                for part, (a, b) in zip(("gate_up_proj", "down_proj"), pair):
+                    lora.set_part(0, part, a, b)
+                got = experts(x, top_idx, top_w)
+                base = slot_of_row < 0
+                assert torch.equal(got[base], plain[base])
+                if size == 1:
+                    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+                else:
+                    total += got.double()
+    finally:
+        set_tensor_parallel(0, 1)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_granite_expert_and_shared_mlp_adapters_match_peft(adapters):
+    """Granite-4.0-H under two tensor-parallel ranks: expert adapters cut on the intermediate
+    dimension, and the third adapter's shared-MLP ``input_linear`` (cut by the model's own
+    loader, gate | up rows) cut as its rows."""
+    base, dirs = adapters("granitemoehybrid")
+    loras = [None, *_requests(dirs)]
+    want = [_peft(d, base, p) for d, p in zip([None, *dirs], PROMPTS)]
+    llm = LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True,
+              max_loras=3, max_lora_rank=16, kv_cache_memory=1 << 22, threads_per_rank=1,
+              warm_up=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                            lora_request=loras, use_tqdm=False)
+        assert _ids(outs) == want
+        llm.engine.kv.check_whole()
+    finally:
+        llm.engine.shutdown()
 
 
 def test_ep2_expert_adapters_match_peft(adapters):

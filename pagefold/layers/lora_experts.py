@@ -7,15 +7,16 @@ widths). pagefold adds ``s * B_e (A_e h)`` to the expert's product instead, for 
 the tokens routed to ``e``, each row with its own adapter slot.
 
 A :class:`LoRAExperts` attaches to one expert stack -- a :class:`~pagefold.layers.moe.MoEExperts`
-or a model's own (Granite-4.0-H's ``GraniteMoE``), each describing itself with
-``lora_stack()`` -- as its ``lora`` attribute (the experts, their weights and their native
-record are unchanged) and
-holds ``num_slots`` resident adapters for it, per local expert, stacked so that one expert's
-slots are one contiguous (slots, R, width) block for the punica shrink / expand of
-:mod:`pagefold.ops.lora` (the torch, compiled CPU or Triton form, as the linears use):
+or a model's own (Granite-4.0-H's ``GraniteMoE``, gpt-oss's ``GptOssExperts``), each
+describing itself with ``lora_stack()`` -- as its ``lora`` attribute (the experts, their
+weights and their native record are unchanged) and holds ``num_slots`` resident adapters for
+it, per local expert, stacked so that one expert's slots are one contiguous (slots, R, width)
+block for the punica shrink / expand of :mod:`pagefold.ops.lora` (the torch, compiled CPU or
+Triton form, as the linears use):
 
 * ``gate_up_proj``: ``a`` (E, slots, R, hidden), ``b`` (E, slots, R, 2 * inter) -- B
-  transposed with the scaling folded in, its gate rows then its up rows as the weight's;
+  transposed with the scaling folded in, its output order the weight's: gate rows then up
+  rows, or gate and up interleaved channel by channel (gpt-oss, ``ExpertsLayout.interleaved``);
 * ``down_proj``: ``a`` (E, slots, R, inter), ``b`` (E, slots, R, hidden).
 
 Inside the expert loop the experts call :meth:`LoRAExperts.rows` with the token ids routed to
@@ -24,7 +25,8 @@ its own token's adapter; base rows, slot -1, get nothing and keep their bits) an
 :meth:`LoRAExperts.add` after each product.
 
 Tensor parallelism (experts' intermediate dimension split): ``gate_up``'s A is whole and its B
-keeps this rank's gate rows and up rows (as the weight's rows are cut); ``down``'s A keeps this
+keeps this rank's gate rows and up rows (as the weight's rows are cut: two runs, or one run of
+interleaved pairs); ``down``'s A keeps this
 rank's input columns, so its shrink is a partial sum, and its B is whole: the added term is a
 partial sum like the expert's own output, completed by the MoE block's one all-reduce.
 Expert parallelism: this rank's whole experts' adapters, uncut.
@@ -47,7 +49,9 @@ PARAMS = ("gate_up_proj", "down_proj")  # transformers' registration order (PEFT
 @dataclass(frozen=True)
 class ExpertsLayout:
     """A LoRA-able expert stack: ``total`` experts in the checkpoint, this rank's
-    ``[first, first + count)``; ``hidden``; the full intermediate width and this rank's."""
+    ``[first, first + count)``; ``hidden``; the full intermediate width and this rank's;
+    ``interleaved``: gate_up's outputs alternate gate and up per channel (gpt-oss) rather than
+    all gate outputs then all up outputs."""
 
     total: int
     first: int
@@ -55,6 +59,7 @@ class ExpertsLayout:
     hidden: int
     inter_full: int
     inter_local: int
+    interleaved: bool = False
 
     def widths(self, param: str) -> tuple[int, int]:
         """(in, out) of one expert's full ``param`` product (PEFT's ``in_features`` /
@@ -96,7 +101,9 @@ class LoRAExperts:
         b = b_full.narrow(0, lay.first, lay.count)
         if lay.inter_local != lay.inter_full:  # tensor parallelism: this rank's inter share
             lo, n = tp_rank() * lay.inter_local, lay.inter_local
-            if part == "gate_up_proj":
+            if part == "gate_up_proj" and lay.interleaved:  # channel j: outputs 2j, 2j + 1
+                b = b.narrow(1, 2 * lo, 2 * n)
+            elif part == "gate_up_proj":
                 b = torch.cat([b.narrow(1, lo, n), b.narrow(1, lay.inter_full + lo, n)], dim=1)
             else:
                 a = a.narrow(2, lo, n)

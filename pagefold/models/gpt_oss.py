@@ -22,6 +22,12 @@ interleaved gate/up columns, the matching down rows -- the router is replicated,
 bias is added on rank 0 only and the layer's partial sums meet in one all-reduce. Expert
 parallelism: each rank holds ``E/N`` whole experts (MXFP4 blocks included, cut along the
 expert axis) with their biases, combined exactly by ``layers/expert_parallel.py``.
+
+LoRA on the experts (PEFT ``target_parameters`` ``experts.gate_up_proj`` / ``down_proj``;
+transformers' stacks are (E, in, out), which PEFT reads unswapped: the pairs are per expert
+``A`` (r, in), ``B`` (out, r) as for every stack): ``lora`` (``layers/lora_experts``) adds each
+routed row's terms to its expert's two products before their biases, the gate/up term in the
+interleaved column order. MXFP4 experts (no stacked weights) take no expert adapters.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pagefold.layers.attention_block import split_heads
 from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
 from pagefold.layers.linear import column_linear, load_into, row_linear, shard_rows
+from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.moe import split_expert_inter
 from pagefold.layers.norm import RMSNorm
 from pagefold.layers.rotary import RotaryEmbedding
@@ -81,6 +88,9 @@ class GptOssAttention(nn.Module):
 
 class GptOssExperts(nn.Module):
     """Stacked experts, parameters named and shaped as transformers' GptOssExperts."""
+
+    # Resident LoRA adapters (``layers/lora_experts.LoRAExperts``), set by the LoRA manager.
+    lora = None
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -153,22 +163,40 @@ class GptOssExperts(nn.Module):
             b, sc = ((tensor, other) if part == "blocks" else (other, tensor))
             check_mxfp4(b, sc, name)
 
+    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:
+        """For LoRA: (the adapters' path below this module, the layout, a weight for dtype and
+        device); None once a projection loaded as MXFP4 (no stacked weight to adapt)."""
+        if self.mxfp4:
+            return None
+        total, first = ((self.ep.total, self.ep.first) if self.ep is not None
+                        else (self.num_experts, 0))
+        return "", ExpertsLayout(total, first, self.num_experts, self.hidden, self.full_inter,
+                                 self.inter, interleaved=True), self.down_proj
+
     def _product(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
         if proj in self.mxfp4:
             return mxfp4_linear(x, getattr(self, f"{proj}_blocks")[e],
                                 getattr(self, f"{proj}_scales")[e])
         return x @ getattr(self, proj)[e]
 
-    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        h = self._glu(self._product(h, "gate_up_proj", e) + self.gate_up_proj_bias[e])
-        y = self._product(h, "down_proj", e)
+    def _expert(self, e: int, h: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on rows ``h`` (those of tokens ``tok``), each product with its
+        rows' LoRA terms (added before the bias, as PEFT's merged weight does)."""
+        slots = self.lora.rows(tok) if self.lora is not None else None
+        gu = self._product(h, "gate_up_proj", e)
+        if slots is not None:
+            self.lora.add(e, "gate_up_proj", h, gu, slots)
+        act = self._glu(gu + self.gate_up_proj_bias[e])
+        y = self._product(act, "down_proj", e)
+        if slots is not None:
+            self.lora.add(e, "down_proj", act, y, slots)
         return y + self.down_proj_bias[e] if self.add_down_bias else y
 
     def forward_ep(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: the routed sum over every rank's experts, complete and the
         same bits on every rank (``layers/expert_parallel.py``)."""
         return routed_ep(x, idx, self.ep, lambda e, tok, slot: (
-            self._expert(e, x[tok]) * w[tok, slot, None]).to(x.dtype))[0]
+            self._expert(e, x[tok], tok) * w[tok, slot, None]).to(x.dtype))[0]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), idx/w (T, k) -> (T, hidden): each token's chosen experts, weighted."""
@@ -183,10 +211,7 @@ class GptOssExperts(nn.Module):
             sel = order[start : start + n]
             start += n
             tok, slot = sel // idx.shape[1], sel % idx.shape[1]
-            h = self._glu(self._product(x[tok], "gate_up_proj", e) + self.gate_up_proj_bias[e])
-            y = self._product(h, "down_proj", e)
-            if self.add_down_bias:
-                y = y + self.down_proj_bias[e]
+            y = self._expert(e, x[tok], tok)
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(x.dtype))
         return out
 

@@ -33,7 +33,7 @@ from pagefold.layers.activations import get_activation
 from pagefold.layers.attention_block import GQAAttention
 from pagefold.layers.decoder_stack import DecoderStack
 from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_experts
-from pagefold.layers.linear import row_linear, shard_rows
+from pagefold.layers.linear import RowCut, row_linear, shard_rows
 from pagefold.layers.lm_head import CausalLMHead
 from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.mlp import GatedMLP
@@ -179,7 +179,8 @@ class GraniteSharedMLP(nn.Module):
     """SwiGLU with fused ``input_linear`` (2S, H) (gate first) and ``output_linear`` (H, S).
 
     Tensor parallelism: this rank's gate and up rows and down columns; the output is a partial
-    sum (the decoder layer all-reduces it with the experts')."""
+    sum (the decoder layer all-reduces it with the experts'). LoRA on ``input_linear`` cuts
+    its B as these rows (``lora_cuts``)."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -187,6 +188,11 @@ class GraniteSharedMLP(nn.Module):
         self.inter = split_expert_inter(full, "shared_intermediate_size")
         self.input_linear = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         shard_rows(self.input_linear.weight, [full, full], "shared_intermediate_size")
+        if tp_size() > 1:
+            # The same gate | up cut for LoRA's column layout (``lora/layout.py``); not
+            # ``tp_cuts``, which quantized layers would also take (they refuse this split).
+            self.input_linear.lora_cuts = {
+                "": RowCut([full, full], tp_size(), "shared_intermediate_size")}
         self.output_linear = row_linear(full, cfg.hidden_size, bias=False,
                                         what="shared_intermediate_size", reduce=False)
         self.act = _activation(cfg.hidden_act)

@@ -229,3 +229,14 @@ def test_compiled_tile_decode_is_the_torch_decode_in_bf16(kind):
     assert lib.pf_affine_decode_bf16(w.codes.data_ptr(), w.bits, 48, w.scale.data_ptr(),
                                      w.min.data_ptr(), 0, 70, 512, out.data_ptr(), 512, 2) == 1
     assert torch.all(out == 7.0)
+
+
+def test_a_kernel_that_declines_the_layout_keeps_the_flags_choice():
+    """Measuring a weight whose kernel refuses its layout gives no table (the load goes on
+    and the weight keeps the flags' choice and its run-time fallback), never an error."""
+    w = _weight("Q4_1", 1024, 512)
+    w.product = lambda x, name: None  # every kernel declines
+    stream = qgemv_choice.WeightStream([w])
+    assert qgemv_choice.measure(w, stream, w.kernel_names()) is None
+    qgemv_choice.choose([w])
+    assert w.choice == qgemv_choice.flags_pick(w)

@@ -104,6 +104,14 @@ def measure(proto, stream: WeightStream, kernels: list[str], deadline: float = m
     decodes the whole weight on every call) is probed once at the most rows and timed, from
     the most rows down, only while within ``PRUNE`` of the best kernel (below, a larger
     count's time bounds it: ``decide`` reads it so)."""
+    try:
+        return _measure_rows(proto, stream, kernels, deadline)
+    except Declined:
+        return None  # not this weight's kernel: it keeps the flags' choice (and its fallback)
+
+
+def _measure_rows(proto, stream: WeightStream, kernels: list[str], deadline: float
+                  ) -> tuple[Table, dict[int, float]] | None:
     n, k = proto.n, proto.k
     calls = gemv_timing.calls_for(proto.nbytes)
     g = torch.Generator().manual_seed(n * 131 + k)
@@ -135,11 +143,15 @@ def measure(proto, stream: WeightStream, kernels: list[str], deadline: float = m
     return table, tile
 
 
+class Declined(Exception):
+    """A kernel refused a weight's layout (its product falls back at run time too)."""
+
+
 def _runner(name: str) -> Callable[[torch.Tensor, object], object]:
     def run(x: torch.Tensor, w) -> object:
         y = w.product(x, name)
         if y is None:
-            raise RuntimeError(f"the {name} kernel declined a timing product")
+            raise Declined(name)
         return y
     return run
 
@@ -170,6 +182,7 @@ def choose(weights: Iterable, timer: Callable | None = None) -> int:
             groups.setdefault(w.signature(), []).append(w)
     # One load's budget for all of them, the signature of the largest weight first.
     deadline = time.perf_counter() + gemv_choice.BUDGET_S
+
     def timed(proto, stream: WeightStream, kernels: list[str]):
         return measure(proto, stream, kernels, deadline)
 

@@ -8,6 +8,8 @@ transformers needs one to read the file). Nothing of ``pagefold.quantization`` i
 
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -19,6 +21,28 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 2, 64, 512, 2
 SSM_INNER, SSM_STATE, SSM_RANK, SSM_CONV = 2 * HIDDEN, 16, 16, 4
 
 
+@contextmanager
+def one_parse():
+    """Within the block, ``gguf.GGUFReader`` parses each file once (transformers parses the
+    whole metadata again for its config and its tensors: seconds each for SmolLM2's 49k-token
+    vocabulary, which every tiny GGUF here carries)."""
+    original = gguf.GGUFReader
+    readers: dict = {}
+
+    def reader(p, mode="r"):
+        key = (str(Path(p).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(p, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+@functools.lru_cache(maxsize=4)
 def _tokenizer_fields(src: Path) -> dict:
     r = gguf.GGUFReader(str(src))
 

@@ -31,7 +31,7 @@ from pagefold.models import gguf_checkpoint
 from pagefold.models.smollm2 import installed_gguf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_files import write_tiny_gguf  # noqa: E402
+from gguf_files import one_parse, write_tiny_gguf  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 23, 41, 8, 77], [300, 12, 4, 250, 31, 66, 90, 145, 9, 14, 200]]
 N_NEW = 8
@@ -45,9 +45,11 @@ def _oracle(path: Path) -> list[list[int]]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    sd = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    with one_parse():
+        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        sd = load_gguf_checkpoint(str(path), return_tensors=True,
+                                  model_to_load=model)["tensors"]
     model.load_state_dict(sd, strict=False)
     model.tie_weights()
     model.eval()

@@ -33,6 +33,7 @@ import os
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -102,18 +103,19 @@ def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):  # only for transformers' tensor name map: no memory
-        skeleton = AutoModelForCausalLM.from_config(config)
-    if keep_quantized:
-        tensors, names = quantized_tensors(path, skeleton)
-    else:
-        # transformers shows a tqdm bar over the tensors while it dequantizes them.
-        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
-                                      torch_dtype=dtype)
-        tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
-        names = set(tensors)
+    with _one_reader():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with torch.device("meta"):  # only for transformers' tensor name map: no memory
+            skeleton = AutoModelForCausalLM.from_config(config)
+        if keep_quantized:
+            tensors, names = quantized_tensors(path, skeleton)
+        else:
+            # transformers shows a tqdm bar over the tensors while it dequantizes them.
+            parsed = load_gguf_checkpoint(str(path), return_tensors=True,
+                                          model_to_load=skeleton, torch_dtype=dtype)
+            tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
+            names = set(tensors)
     expected = {k for k in skeleton.state_dict()
                 if not (getattr(config, "tie_word_embeddings", False) and k == "lm_head.weight")}
     missing = sorted(expected - names)
@@ -137,6 +139,29 @@ def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype,
     (out / "pagefold_source.json").write_text(json.dumps(
         {"gguf": str(path), "sha256": file_digest(path), "dtype": str(dtype),
          "kept_quantized": keep_quantized}, indent=2) + "\n")
+
+
+@contextmanager
+def _one_reader():
+    """One ``gguf.GGUFReader`` per file while converting: transformers parses the whole
+    metadata again for the config, the tokenizer and the tensors (seconds each for a
+    49k-token vocabulary, in Python), and every parse of an unchanged file is the same."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(p, mode="r"):
+        key = (str(Path(p).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(p, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def _remove_stale_tmp(root: Path) -> None:

@@ -28,7 +28,6 @@ another rank holds and sums the ranks' rows.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -41,6 +40,7 @@ from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
 from pagefold.quantization.gguf_tp import GGUFSplit, gguf_split
+from pagefold.quantization.native_matrix import record_matrix
 
 __all__ = ["DEQUANT_PREFIX", "KEEP_PREFIX", "GGUFEmbedding", "GGUFLinear", "GGUFQuantizer",
            "gguf_weights"]
@@ -158,16 +158,10 @@ class GGUFLinear(_RawHolder):
         address or 0, its GEMV's address, most rows), the product :meth:`forward` makes on
         bf16 rows; None for logits (``float_out``), a bias not bf16, or a weight the few-row
         kernel does not take, or a row-parallel layer (its sum over the ranks)."""
-        b = self.bias
-        if (self.packed is None or self.float_out or (self.split is not None and self.split.row)
-                or (b is not None and not (b.dtype == torch.bfloat16 and b.is_contiguous()))):
+        if (self.packed is None or self.float_out
+                or (self.split is not None and self.split.row)):
             return None
-        got = self.packed.native()
-        if got is None:
-            return None
-        desc, fn = got
-        return (ctypes.addressof(desc), b.data_ptr() if b is not None else 0, fn,
-                self.packed.bf16_choice()[1])
+        return record_matrix(self.packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

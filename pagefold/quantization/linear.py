@@ -10,7 +10,6 @@ decoded, so a 4-bit layer holds about a quarter of its bf16 bytes.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
@@ -29,6 +28,7 @@ from pagefold.quantization.formats import (
     QuantizationError,
 )
 from pagefold.quantization.int_kernel import IntWeight
+from pagefold.quantization.native_matrix import record_matrix
 from pagefold.quantization.tp import GROUP_INDEX, TPSplit, regroup
 
 __all__ = ["QuantLinear", "finalize_all", "quantize_weight", "weights_summary"]
@@ -177,16 +177,9 @@ class QuantLinear(nn.Module):
         address, bias address or 0, its GEMV's address, most rows), the product
         :meth:`forward` makes on bf16 rows; None before :meth:`finalize` packed the weight,
         with act-order inputs, or a bias not bf16."""
-        b = self.bias
-        if (self.packed is None or self.in_index is not None
-                or (b is not None and not (b.dtype == torch.bfloat16 and b.is_contiguous()))):
+        if self.packed is None or self.in_index is not None:
             return None
-        got = self.packed.native()
-        if got is None:
-            return None
-        desc, fn = got
-        return (ctypes.addressof(desc), b.data_ptr() if b is not None else 0, fn,
-                self.packed.bf16_choice()[1])
+        return record_matrix(self.packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x)

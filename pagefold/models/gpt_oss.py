@@ -27,7 +27,9 @@ LoRA on the experts (PEFT ``target_parameters`` ``experts.gate_up_proj`` / ``dow
 transformers' stacks are (E, in, out), which PEFT reads unswapped: the pairs are per expert
 ``A`` (r, in), ``B`` (out, r) as for every stack): ``lora`` (``layers/lora_experts``) adds each
 routed row's terms to its expert's two products before their biases, the gate/up term in the
-interleaved column order. MXFP4 experts (no stacked weights) take no expert adapters.
+interleaved column order. MXFP4 experts take them the same way: the product stays the MXFP4
+one (the rows of its blocks are the interleaved gate/up columns, so the term's order is the
+same) and the adapters' float terms are added to it.
 """
 
 from __future__ import annotations
@@ -163,15 +165,13 @@ class GptOssExperts(nn.Module):
             b, sc = ((tensor, other) if part == "blocks" else (other, tensor))
             check_mxfp4(b, sc, name)
 
-    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:
-        """For LoRA: (the adapters' path below this module, the layout, a weight for dtype and
-        device); None once a projection loaded as MXFP4 (no stacked weight to adapt)."""
-        if self.mxfp4:
-            return None
+    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor]:
+        """For LoRA: (the adapters' path below this module, the layout, a tensor of the model
+        dtype and device: the down bias, which MXFP4 experts keep plain too)."""
         total, first = ((self.ep.total, self.ep.first) if self.ep is not None
                         else (self.num_experts, 0))
         return "", ExpertsLayout(total, first, self.num_experts, self.hidden, self.full_inter,
-                                 self.inter, interleaved=True), self.down_proj
+                                 self.inter, interleaved=True), self.down_proj_bias
 
     def _product(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
         if proj in self.mxfp4:

@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "CODE_BITS", "GGUFTypeError", "GROUP", "KERNEL_BITS", "TYPE_SIZE", "SUPPORTED",
-           "decode_rows", "dequantize_rows", "row_bytes"]
+__all__ = ["BLOCK", "CODE_BITS", "GGUFTypeError", "GROUP", "HALF_SCALES", "KERNEL_BITS",
+           "TYPE_SIZE", "SUPPORTED", "decode_rows", "dequantize_rows", "row_bytes"]
 
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 TYPE_SIZE = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 GROUP = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 KERNEL_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+# Types whose scale and min per group are float16 values (the block's f16 ``d`` and ``m``,
+# ``-8 d``, ``-128 d``): the kernel layout holds them as float16 (``gguf_kernel.layout``).
+HALF_SCALES = ("Q4_0", "Q4_1", "Q8_0")
 # The bits of a type's codes (every code is below 2 ** CODE_BITS): what the int8-activation
 # kernel's forms check (AVX2's byte products take codes of at most 6 bits).
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}

@@ -28,16 +28,23 @@ tiles with ``F.linear`` above. The module path and the native decode driver
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops
-from pagefold.quantization.gguf_blocks import CODE_BITS, GROUP, KERNEL_BITS, decode_rows
+from pagefold.quantization.gguf_blocks import (
+    CODE_BITS,
+    GROUP,
+    HALF_SCALES,
+    KERNEL_BITS,
+    decode_rows,
+)
 from pagefold.quantization.native_matrix import QuantMatrix, describe
 from pagefold.quantization.qgemv_choice import KERNEL_MAX_ROWS, flags_pick
 
-__all__ = ["GGUFWeight", "KERNEL_MAX_ROWS"]
+__all__ = ["GGUFWeight", "KERNEL_MAX_ROWS", "layout", "layout_bytes"]
 
 TILE_ROWS = 2048
 
@@ -54,6 +61,26 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(packed.shape[0], -1)
 
 
+def layout(kinds: Iterable[str]) -> tuple[int, int, bool]:
+    """(code bits, group, float16 scales) of a weight from parts of GGUF types ``kinds``: the
+    widest codes (4-bit two to a byte, else one a byte), the smallest group, and float16
+    scales and mins only where every part's are float16 values (``HALF_SCALES``; a K type's
+    ``d`` times its 6-bit sub-block scale is not, in general: float32)."""
+    kinds = list(kinds)
+    return (max(KERNEL_BITS[k] for k in kinds), min(GROUP[k] for k in kinds),
+            all(k in HALF_SCALES for k in kinds))
+
+
+def layout_bytes(kinds: Iterable[str], n: int, k: int) -> int:
+    """Bytes :class:`GGUFWeight` holds for an ``n`` x ``k`` weight of parts of GGUF types
+    ``kinds`` (its codes, scales and mins; what ``pagefold capacity`` counts, without the
+    weight's data: exact unless a float16-scaled type's ``-8 d`` / ``-128 d`` overflows
+    float16, when the weight holds float32 scales)."""
+    bits, group, half = layout(kinds)
+    scale_bytes = 2 if half else 4
+    return n * (k // 2 if bits == 4 else k) + 2 * n * (k // group) * scale_bytes
+
+
 class GGUFWeight:
     """An ``n`` x ``k`` weight from GGUF parts ``[(kind, raw rows), ...]`` stacked in order
     (each raw (rows, row_bytes) uint8 of ``kind``); ``kinds`` counts the parts per type."""
@@ -63,10 +90,9 @@ class GGUFWeight:
         self.kinds: dict[str, int] = {}
         for kind, _ in parts:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        self.bits = max(KERNEL_BITS[kind] for kind, _ in parts)
+        self.bits, self.group, half = layout(self.kinds)
         # the int8-activation kernel's ``bits``: 4 (nibbles), or the codes' bits (one a byte)
         self.q8_bits = 4 if self.bits == 4 else max(CODE_BITS[kind] for kind, _ in parts)
-        self.group = min(GROUP[kind] for kind, _ in parts)
         codes, scales, mins = [], [], []
         for kind, raw in parts:
             q, s, m = decode_rows(kind, raw, k, what)
@@ -80,10 +106,12 @@ class GGUFWeight:
         self.scale = torch.cat(scales).contiguous()
         self.min = torch.cat(mins).contiguous()
         # Q4_0 / Q4_1 / Q8_0 scales and mins are float16 values (d, m, -8 d, -128 d): held as
-        # float16 when every one converts back exactly (a quarter of a Q4_1 weight's bytes)
-        half_s, half_m = self.scale.half(), self.min.half()
-        if torch.equal(half_s.float(), self.scale) and torch.equal(half_m.float(), self.min):
-            self.scale, self.min = half_s, half_m
+        # float16 (a quarter of a Q4_1 weight's bytes) unless one does not convert back exactly
+        # (-8 d or -128 d past float16's range: a corrupt-looking but readable file).
+        if half:
+            half_s, half_m = self.scale.half(), self.min.half()
+            if torch.equal(half_s.float(), self.scale) and torch.equal(half_m.float(), self.min):
+                self.scale, self.min = half_s, half_m
         # bf16 rows' (kernel, most rows): ``q8`` / ``float`` / ``torch`` (decoded tiles), set
         # by ``qgemv_choice.choose`` at load (the flags' choice when nothing chose).
         self.choice: tuple[str, int] | None = None

@@ -8,6 +8,7 @@ not weights)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ from tests.test_quantization import write_quantized
 def _loaded_bytes(model_dir, **kw) -> int:
     llm = LLM(str(model_dir), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
               warm_up=False, **kw)
-    model = llm.engine.model
+    return _held(llm.engine.model)
+
+
+def _held(model) -> int:
     assert not [n for n, _ in model.named_buffers() if not n.endswith(("rotary.cos",
                                                                       "rotary.sin"))]
     seen, total = set(), 0
@@ -97,6 +101,24 @@ def test_gguf_kept_quantized_weight_bytes(tmp_path, monkeypatch, capsys):
     got = _reported(path, capsys)  # --json: the conversion's lines are not on stdout
     assert got["quantization"] == "gguf"
     assert got["bytes"] == _loaded_bytes(path)
+    # Two ranks: rank 0 as the engine's worker loads it (built here in one process).
+    from pagefold.checkpoint import load_hf_config
+    from pagefold.distributed.parallel_state import set_tensor_parallel
+    from pagefold.models.gguf_checkpoint import resolve_model
+    from pagefold.models.registry import load_model
+
+    model_dir = Path(resolve_model(str(path)))
+    arch, hf_config = load_hf_config(str(model_dir))
+    set_tensor_parallel(0, 2)
+    try:
+        rank0 = _held(load_model(model_dir, hf_config, arch, torch.float32, 64,
+                                 torch.device("cpu")))
+    finally:
+        set_tensor_parallel(0, 1)
+    assert _reported(path, capsys, "-tp", "2")["bytes"] == rank0 < got["bytes"]
+    # Four ranks cut the Q6_K down projections' super-blocks (128 of 512 inputs): the engine
+    # refuses that split, so no figure.
+    assert "cuts a GGUF Q6_K block of 256" in _reported(path, capsys, "-tp", "4")["error"]
 
 
 def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):

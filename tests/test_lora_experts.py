@@ -327,18 +327,30 @@ def _gpt_oss_definition(x, w, top_idx, top_w, slot_of_row, pair, limit=7.0, alph
     return out
 
 
-def test_gpt_oss_expert_terms_under_tensor_parallel_cuts():
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_gpt_oss_expert_terms_under_tensor_parallel_cuts(mxfp4):
     """gpt-oss's interleaved gate/up stacks with one adapter, on one rank and as two ranks'
     intermediate shards (a contiguous run of interleaved columns each, built in one process):
-    adapter rows follow the definition, base rows keep their bits, the shards sum to it."""
+    adapter rows follow the definition, base rows keep their bits, the shards sum to it. MXFP4:
+    the stacks loaded as blocks and scales (each rank its gate/up rows and whole down blocks),
+    the definition on their dequantized weights."""
     g = torch.Generator().manual_seed(7)
-    n_exp, hidden, inter, t, k, r = 4, 16, 12, 6, 2, 4
+    n_exp, hidden, inter, t, k, r = (4, 32, 64, 6, 2, 4) if mxfp4 else (4, 16, 12, 6, 2, 4)
     cfg = type("Cfg", (), dict(num_local_experts=n_exp, hidden_size=hidden,
                                intermediate_size=inter))()
     w = [torch.randn(n_exp, hidden, 2 * inter, generator=g) * 0.3,
          torch.randn(n_exp, 2 * inter, generator=g) * 0.1,
          torch.randn(n_exp, inter, hidden, generator=g) * 0.3,
          torch.randn(n_exp, hidden, generator=g) * 0.1]
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    stored = {}
+    if mxfp4:
+        from tests.test_mxfp4 import mxfp4_quantize
+
+        for i in (0, 2):  # blocks run along each product's inputs: (E, out, in) rows
+            blocks, scales, deq = mxfp4_quantize(w[i].transpose(1, 2))
+            stored[names[i]] = (blocks, scales)
+            w[i] = deq.transpose(1, 2).contiguous()
     pair = [(torch.randn(n_exp, r, d_in, generator=g) * 0.4,
              torch.randn(n_exp, d_out, r, generator=g) * 0.4)
             for d_in, d_out in ((hidden, 2 * inter), (inter, hidden))]
@@ -347,14 +359,17 @@ def test_gpt_oss_expert_terms_under_tensor_parallel_cuts():
     top_w = torch.rand(t, k, generator=g)
     slot_of_row = torch.tensor([0, -1, 0, 0, -1, 0])
     want = _gpt_oss_definition(x, w, top_idx, top_w, slot_of_row, pair)
-    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
     total = torch.zeros(t, hidden, dtype=torch.float64)
     try:
         for size in (1, 2):
             for rank in range(size):
                 set_tensor_parallel(rank, size)
                 experts = GptOssExperts(cfg)
-                load_into(experts, zip(names, w))
+                load_into(experts, [(n, v) for n, v in zip(names, w) if n not in stored])
+                for proj, (blocks, scales) in stored.items():
+                    experts.load_mxfp4(proj, "blocks", blocks, proj)
+                    experts.load_mxfp4(proj, "scales", scales, proj)
+                assert (experts.gate_up_proj is None) == mxfp4
                 plain = experts(x, top_idx, top_w)
                 step = LoRAStep(idx=slot_of_row)
                 lora = LoRAExperts(experts, *experts.lora_stack()[1:], step, num_slots=1,

@@ -15,7 +15,8 @@ embedding whose weight it stores as GGUF blocks (``<module>.gguf_<type>`` in its
 headers, fused shards by the model's ``fused_names``) as ``GGUFWeight`` holds it
 (``quantization.gguf_kernel.layout_bytes``: codes, scales and mins in the kernel layout of its
 parts' types), a tied head once with its embedding table; its other tensors (norms, stacked
-experts decoded on load) in the model dtype.
+experts decoded on load) in the model dtype. A row-parallel split inside a GGUF block (the
+engine refuses it) is a ``ValueError``, not a figure.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pagefold.models.weights import safetensors_files
 from pagefold.quantization.config import ON_LOAD_GROUP, QuantPlan, resolve
 from pagefold.quantization.formats import FP8, IntFormat, PackedInt, QuantMethod
 from pagefold.quantization.gguf import DEQUANT_PREFIX, EMBEDDINGS, KEEP_PREFIX, LINEARS
+from pagefold.quantization.gguf_blocks import BLOCK
 from pagefold.quantization.gguf_kernel import layout_bytes
 
 __all__ = ["linear_bytes", "weight_bytes"]
@@ -121,7 +123,14 @@ def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int 
     kinds = layers.get(path)
     if kinds is None and "layers." in path:  # a checkpoint prefix other than the model's
         kinds = next((v for key, v in layers.items() if _tail(key) == _tail(path)), None)
-    return layout_bytes(kinds, n, k) if kinds else None
+    if not kinds:
+        return None
+    cut = [c for c in kinds if k % BLOCK[c]] if isinstance(mod, RowParallelLinear) else []
+    if cut:  # the engine refuses this split (``quantization.gguf_tp``): no figure for it
+        raise ValueError(f"{path}: tensor parallelism gives each of {tp_size()} ranks {k} of "
+                         f"its inputs, which cuts a GGUF {cut[0]} block of {BLOCK[cut[0]]} "
+                         "inputs (the file loads with tensor_parallel_size 1)")
+    return layout_bytes(kinds, n, k)
 
 
 def _on_load(kind: str, full_k: int) -> QuantMethod | None:

@@ -1,0 +1,243 @@
+"""Tiny GGUFs of the hybrids, written from a transformers model as llama.cpp's converter
+writes them (``convert_hf_to_gguf.py``: facts only), with the ``gguf`` package; nothing of
+pagefold's reader is used.
+
+:func:`write_hybrid_gguf` returns the reference state dict: the model's weights as the file
+holds them, in Hugging Face layout. A quantized tensor's reference is
+``gguf.quants.dequantize(gguf.quants.quantize(w))`` of the Hugging Face weight: llama.cpp's
+transforms of quantized tensors only move or split rows (Q/K permutation, ``in_proj_qkvz``
+split, experts stacked), and quantization is per row, so that is exactly what the file's
+blocks decode to. Float transforms are undone here as a reader must: ``A_log`` stored as
+``-exp(A_log)`` comes back as ``log(-A)``, Qwen3-Next's ``norm + 1`` as ``stored - 1``.
+
+Layouts (llama.cpp 0.3.36):
+
+* ``qwen3next``: ``in_proj_qkvz`` (per key head ``[q | k | v (r) | z (r)]``) split into
+  ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z); ``in_proj_ba`` stored as is
+  (``ssm_ba``); conv1d squeezed; ``dt_bias`` as ``ssm_dt.bias``; norms ``+ 1`` except the
+  GDN norm; experts stacked ``ffn_{gate,up,down}_exps``; routers F32.
+* ``nemotron_h``: attention Q/K rows permuted per head (``LlamaModel.permute``), A / D as
+  (heads, 1), the gated norm as (groups, channels / groups), conv squeezed.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+Q = gguf.GGMLQuantizationType
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` of Q/K rows."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+class _Writer:
+    def __init__(self, path, arch: str, kind: str, tok: dict) -> None:
+        self.w = gguf.GGUFWriter(str(path), arch)
+        self.arch, self.kind = arch, Q[kind]
+        self.ref: dict[str, torch.Tensor] = {}
+        w = self.w
+        w.add_name("tiny-hybrid")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tok["tokens"])
+        w.add_token_types(tok["types"])
+        w.add_token_merges(tok["merges"])
+        w.add_bos_token_id(tok["bos"])
+        w.add_eos_token_id(tok["eos"])
+
+    def key(self, name: str, value) -> None:
+        full = f"{self.arch}.{name}"
+        if isinstance(value, list):
+            self.w.add_array(full, value)
+        elif isinstance(value, float):
+            self.w.add_float32(full, value)
+        else:
+            self.w.add_uint32(full, int(value))
+
+    def quant(self, gguf_name: str, hf_name: str, w: torch.Tensor, moved=None) -> None:
+        """``w`` (Hugging Face layout) quantized when its rows are whole blocks (else F32,
+        as llama.cpp falls back); ``moved``: llama.cpp's row transform of the stored tensor."""
+        a = w.detach().float().numpy()
+        if a.shape[-1] % 32:
+            self.f32(gguf_name, hf_name, w, moved)
+            return
+        q = gguf.quants.quantize(a, self.kind)
+        self.ref[hf_name] = torch.from_numpy(gguf.quants.dequantize(q, self.kind).copy())
+        stored = gguf.quants.quantize(moved(a) if moved else a, self.kind)
+        self.w.add_tensor(gguf_name, stored, raw_dtype=self.kind)
+
+    def f32(self, gguf_name: str, hf_name: str | None, w: torch.Tensor, moved=None,
+            ref: torch.Tensor | None = None) -> None:
+        a = w.detach().float().numpy()
+        self.w.add_tensor(gguf_name, np.ascontiguousarray(moved(a) if moved else a))
+        if hf_name is not None:
+            self.ref[hf_name] = (ref if ref is not None else w.detach().float()).clone()
+
+    def close(self) -> dict[str, torch.Tensor]:
+        self.w.write_header_to_file()
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+        return self.ref
+
+
+def _a_stored(a_log: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what llama.cpp stores: -exp(A_log), what a reader gets back: log(-stored))."""
+    stored = -torch.exp(a_log.detach().float())
+    return stored, torch.log(-stored)
+
+
+def _qwen3next(w: _Writer, model, cfg) -> None:
+    sd = model.state_dict()
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    r = nv // nk
+    head_dim = cfg.head_dim
+    w.key("block_count", cfg.num_hidden_layers)
+    w.key("context_length", cfg.max_position_embeddings)
+    w.key("embedding_length", cfg.hidden_size)
+    w.key("feed_forward_length", cfg.intermediate_size)
+    w.key("attention.head_count", cfg.num_attention_heads)
+    w.key("attention.head_count_kv", cfg.num_key_value_heads)
+    w.key("attention.key_length", head_dim)
+    w.key("attention.value_length", head_dim)
+    w.key("attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
+    w.key("rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    w.key("rope.dimension_count",
+          int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    w.key("expert_count", cfg.num_experts)
+    w.key("expert_used_count", cfg.num_experts_per_tok)
+    w.key("expert_feed_forward_length", cfg.moe_intermediate_size)
+    w.key("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    w.key("ssm.conv_kernel", cfg.linear_conv_kernel_dim)
+    w.key("ssm.state_size", dk)
+    w.key("ssm.group_count", nk)
+    w.key("ssm.time_step_rank", nv)
+    w.key("ssm.inner_size", nv * dv)
+    w.key("full_attention_interval", 4)
+    w.w.add_array("qwen3next.attention.recurrent_layers",
+                  [t == "linear_attention" for t in cfg.layer_types])
+
+    def norm(gname: str, hname: str) -> None:  # stored + 1, read back - 1
+        stored = sd[hname].float() + 1
+        w.f32(gname, hname, stored, ref=stored - 1)
+
+    w.quant("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
+    norm("output_norm.weight", "model.norm.weight")
+    w.quant("output.weight", "lm_head.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        b, p = f"blk.{i}", f"model.layers.{i}."
+        norm(f"{b}.attn_norm.weight", p + "input_layernorm.weight")
+        norm(f"{b}.post_attention_norm.weight", p + "post_attention_layernorm.weight")
+        if cfg.layer_types[i] == "linear_attention":
+            la = p + "linear_attn."
+            qkvz = sd[la + "in_proj_qkvz.weight"].float()
+            per = qkvz.reshape(nk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = per.split([dk, dk, r * dv, r * dv], dim=1)
+            qkv = torch.cat([t.reshape(-1, cfg.hidden_size) for t in (q, k, v)])
+            z = z.reshape(-1, cfg.hidden_size)
+            # llama.cpp's split is a row permutation of in_proj_qkvz: its quantized rows are
+            # those of the Hugging Face tensor (reference: the whole tensor round-tripped)
+            w.quant(f"{b}.attn_qkv.weight", la + "in_proj_qkvz.weight", qkvz,
+                    moved=lambda a, qkv=qkv: qkv.numpy())
+            w.w.add_tensor(f"{b}.attn_gate.weight", gguf.quants.quantize(z.numpy(), w.kind),
+                           raw_dtype=w.kind)
+            w.quant(f"{b}.ssm_ba.weight", la + "in_proj_ba.weight",
+                    sd[la + "in_proj_ba.weight"])
+            w.f32(f"{b}.ssm_conv1d.weight", la + "conv1d.weight", sd[la + "conv1d.weight"],
+                  moved=lambda a: a.squeeze(1))
+            w.f32(f"{b}.ssm_dt.bias", la + "dt_bias", sd[la + "dt_bias"])
+            stored, back = _a_stored(sd[la + "A_log"])
+            w.f32(f"{b}.ssm_a", la + "A_log", stored, ref=back)
+            w.f32(f"{b}.ssm_norm.weight", la + "norm.weight", sd[la + "norm.weight"])
+            w.quant(f"{b}.ssm_out.weight", la + "out_proj.weight", sd[la + "out_proj.weight"])
+        else:
+            sa = p + "self_attn."
+            for g, h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                         ("attn_output", "o_proj")):
+                w.quant(f"{b}.{g}.weight", f"{sa}{h}.weight", sd[f"{sa}{h}.weight"])
+            norm(f"{b}.attn_q_norm.weight", sa + "q_norm.weight")
+            norm(f"{b}.attn_k_norm.weight", sa + "k_norm.weight")
+        mp = p + "mlp."
+        w.f32(f"{b}.ffn_gate_inp.weight", mp + "gate.weight", sd[mp + "gate.weight"])
+        gu, dn = sd[mp + "experts.gate_up_proj"].float(), sd[mp + "experts.down_proj"].float()
+        inter = cfg.moe_intermediate_size
+        w.quant(f"{b}.ffn_gate_exps.weight", mp + "experts.gate_up_proj", gu,
+                moved=lambda a: np.ascontiguousarray(a[:, :inter]))
+        w.w.add_tensor(f"{b}.ffn_up_exps.weight",
+                       gguf.quants.quantize(np.ascontiguousarray(gu.numpy()[:, inter:]),
+                                            w.kind), raw_dtype=w.kind)
+        w.quant(f"{b}.ffn_down_exps.weight", mp + "experts.down_proj", dn)
+        for g, h in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                     ("ffn_down_shexp", "down_proj")):
+            w.quant(f"{b}.{g}.weight", f"{mp}shared_expert.{h}.weight",
+                    sd[f"{mp}shared_expert.{h}.weight"])
+        w.f32(f"{b}.ffn_gate_inp_shexp.weight", mp + "shared_expert_gate.weight",
+              sd[mp + "shared_expert_gate.weight"])
+
+
+def _nemotron_h(w: _Writer, model, cfg) -> None:
+    sd = model.state_dict()
+    types = cfg.layers_block_type
+    n = len(types)
+    heads, hd, groups = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups
+    w.key("block_count", n)
+    w.key("context_length", cfg.max_position_embeddings)
+    w.key("embedding_length", cfg.hidden_size)
+    w.key("feed_forward_length", [cfg.intermediate_size if t == "mlp" else 0 for t in types])
+    w.key("attention.head_count", cfg.num_attention_heads)
+    w.key("attention.head_count_kv",
+          [cfg.num_key_value_heads if "attention" in t else 0 for t in types])
+    w.key("attention.key_length", cfg.head_dim)
+    w.key("attention.value_length", cfg.head_dim)
+    w.key("attention.layer_norm_epsilon", float(cfg.layer_norm_epsilon))
+    w.key("ssm.conv_kernel", cfg.conv_kernel)
+    w.key("ssm.state_size", cfg.ssm_state_size)
+    w.key("ssm.group_count", groups)
+    w.key("ssm.inner_size", heads * hd)
+    w.key("ssm.time_step_rank", heads)
+    w.quant("token_embd.weight", "model.embeddings.weight", sd["model.embeddings.weight"])
+    w.f32("output_norm.weight", "model.norm_f.weight", sd["model.norm_f.weight"])
+    w.quant("output.weight", "lm_head.weight", sd["lm_head.weight"])
+    for i, t in enumerate(types):
+        b, mx = f"blk.{i}", f"model.layers.{i}.mixer."
+        w.f32(f"{b}.attn_norm.weight", f"model.layers.{i}.norm.weight",
+              sd[f"model.layers.{i}.norm.weight"])
+        if t in ("mamba", "linear_attention"):
+            w.quant(f"{b}.ssm_in.weight", mx + "in_proj.weight", sd[mx + "in_proj.weight"])
+            w.f32(f"{b}.ssm_conv1d.weight", mx + "conv1d.weight", sd[mx + "conv1d.weight"],
+                  moved=lambda a: a.squeeze(1))
+            w.f32(f"{b}.ssm_conv1d.bias", mx + "conv1d.bias", sd[mx + "conv1d.bias"])
+            w.f32(f"{b}.ssm_dt.bias", mx + "dt_bias", sd[mx + "dt_bias"])
+            stored, back = _a_stored(sd[mx + "A_log"])
+            w.f32(f"{b}.ssm_a", mx + "A_log", stored.reshape(-1, 1), ref=back)
+            w.f32(f"{b}.ssm_d", mx + "D", sd[mx + "D"], moved=lambda a: a.reshape(-1, 1))
+            w.f32(f"{b}.ssm_norm.weight", mx + "norm.weight", sd[mx + "norm.weight"],
+                  moved=lambda a: a.reshape(groups, -1))
+            w.quant(f"{b}.ssm_out.weight", mx + "out_proj.weight", sd[mx + "out_proj.weight"])
+        elif "attention" in t:
+            w.quant(f"{b}.attn_q.weight", mx + "q_proj.weight", sd[mx + "q_proj.weight"],
+                    moved=lambda a: _permute(a, cfg.num_attention_heads))
+            w.quant(f"{b}.attn_k.weight", mx + "k_proj.weight", sd[mx + "k_proj.weight"],
+                    moved=lambda a: _permute(a, cfg.num_key_value_heads))
+            w.quant(f"{b}.attn_v.weight", mx + "v_proj.weight", sd[mx + "v_proj.weight"])
+            w.quant(f"{b}.attn_output.weight", mx + "o_proj.weight", sd[mx + "o_proj.weight"])
+        else:
+            w.quant(f"{b}.ffn_up.weight", mx + "up_proj.weight", sd[mx + "up_proj.weight"])
+            w.quant(f"{b}.ffn_down.weight", mx + "down_proj.weight", sd[mx + "down_proj.weight"])
+
+
+WRITERS = {"qwen3next": _qwen3next, "nemotron_h": _nemotron_h}
+
+
+def write_hybrid_gguf(path, model, arch: str, kind: str, tok: dict) -> dict[str, torch.Tensor]:
+    """``model`` (a transformers model) as llama.cpp writes an ``arch`` GGUF of ``kind``
+    linears into ``path``; returns the reference state dict (module docstring)."""
+    w = _Writer(path, arch, kind, tok)
+    WRITERS[arch](w, model, model.config)
+    return w.close()

@@ -90,11 +90,28 @@ def _pagefold(model: str, **kw) -> list[list[int]]:
 
 
 CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("nemotron_h", "nemotron_h", "Q4_0")]
+# GGUF weight pieces the load log counts (a fused layer counts its shards): Qwen3-Next:
+# embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the attention layer's
+# q, k, v and o, per layer the shared expert's gate and up (its down, 48 inputs, is F32) and
+# 4 experts x (gate, up, down); Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v
+# and o, 3 x (up, down).
+QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
+             "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2}
+
+
+def _tokenizer(n: int = 512) -> dict:
+    """SmolLM2's first ``n`` tokens and the merges among them: a real GGUF BPE tokenizer,
+    with a small vocabulary (the tiny models' embedding and head stay small)."""
+    tok = _tokenizer_fields(installed_gguf())
+    keep = set(tok["tokens"][:n])
+    merges = [m for m in tok["merges"]
+              if all(x in keep for x in (*m.split(" "), m.replace(" ", "")))]
+    return dict(tok, tokens=tok["tokens"][:n], types=tok["types"][:n], merges=merges)
 
 
 @pytest.mark.parametrize("hf_arch, arch, kind", CASES, ids=[c[1] for c in CASES])
 def test_hybrid_gguf_matches_transformers(tmp_path, monkeypatch, caplog, hf_arch, arch, kind):
-    tok = _tokenizer_fields(installed_gguf())
+    tok = _tokenizer()
     model = _model(hf_arch, len(tok["tokens"]))
     path = tmp_path / f"tiny-{arch}.gguf"
     ref = write_hybrid_gguf(path, model, arch, kind, tok)
@@ -105,7 +122,7 @@ def test_hybrid_gguf_matches_transformers(tmp_path, monkeypatch, caplog, hf_arch
         got = _pagefold(str(path))
     assert got == want
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")][-1]
-    assert f"gguf {kind}:" in line, line
+    assert f"gguf {kind}: {QUANTIZED[arch]} tensors" in line, line
 
 
 def test_unsupported_architecture_is_named(tmp_path):
@@ -124,7 +141,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_missing_tensor_is_named(tmp_path):
-    tok = _tokenizer_fields(installed_gguf())
+    tok = _tokenizer()
     model = _model("nemotron_h", len(tok["tokens"]))
     path = tmp_path / "t.gguf"
     original = gguf.GGUFWriter.add_tensor

@@ -52,7 +52,9 @@ class Out:
     transform (the tensor is decoded first); ``shape``: the result's shape (float only);
     ``part``: position when several GGUF tensors are joined along the rows (``gate_up_proj``);
     ``cols``: a column permutation (moved as whole blocks, or decoded); ``decode``: always
-    stored as float (routers: not a linear layer of the model)."""
+    stored as float (routers: not a linear layer of the model); ``expert``: a stacked MoE
+    tensor (experts, rows, cols) whose expert ``e`` kept quantized is the Hugging Face
+    per-expert weight ``<experts>.<e>.<expert>.weight``."""
 
     hf: str
     rows: np.ndarray | None = None
@@ -61,6 +63,7 @@ class Out:
     part: int | None = None
     cols: np.ndarray | None = None
     decode: bool = False
+    expert: str | None = None
 
 
 @dataclass
@@ -245,9 +248,11 @@ def _qwen_gdn_plan(short: str, suffix: str, bid: int | None, cfg: dict) -> list[
         return [Out(f"{p}mlp.shared_expert_gate.weight", decode=True, value=lambda w: w,
                     shape=(1, cfg["hidden_size"]))]
     if short in ("ffn_gate_exps", "ffn_up_exps"):
-        return [Out(f"{p}mlp.experts.gate_up_proj", part=0 if short == "ffn_gate_exps" else 1)]
+        gate = short == "ffn_gate_exps"
+        return [Out(f"{p}mlp.experts.gate_up_proj", part=0 if gate else 1,
+                    expert="gate_proj" if gate else "up_proj")]
     if short == "ffn_down_exps":
-        return [Out(f"{p}mlp.experts.down_proj")]
+        return [Out(f"{p}mlp.experts.down_proj", expert="down_proj")]
     return None
 
 

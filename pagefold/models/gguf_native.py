@@ -10,8 +10,10 @@ parameter names and class name), and the tensors under Hugging Face names in
 * ``<module>.gguf_<type>`` (rows, row_bytes) uint8: a 2-D linear / embedding weight kept
   quantized, its rows permuted or split as the arch table says (raw block rows: bit for bit
   the file's);
+* ``<experts>.<e>.<proj>.gguf_<type>``: expert ``e``'s rows of a stacked ``ffn_*_exps``
+  tensor, kept quantized (``quantization/gguf.py`` makes the experts GGUF layers);
 * ``<param>.gguf_dequant_<type>`` (..., rows, row_bytes): another quantized tensor (stacked
-  MoE experts, gate and up rows joined into ``gate_up_proj``), decoded when it loads;
+  experts of which a part is stored as float), decoded when it loads;
 * float32 for the rest: F32 / F16 / BF16 tensors and those a transform must decode
   (``A_log``, norms, conv weights, routers).
 
@@ -164,6 +166,21 @@ def _stored(p: _Piece, keep: bool, dtype: torch.dtype) -> tuple[str, torch.Tenso
     return f"{hf}.{DEQUANT_PREFIX}{p.kind.lower()}", raw
 
 
+def _per_expert(key: str, parts: list[_Piece]) -> dict[str, torch.Tensor]:
+    """Stacked experts kept quantized: expert ``e``'s raw rows as the per-expert weight
+    ``<experts>.<e>.<proj>.gguf_<type>`` (``quantization/gguf.py`` makes each expert's
+    products GGUF layers)."""
+    base = key.rpartition(".")[0]
+    out = {}
+    for p in parts:
+        for e in range(p.value.shape[0]):
+            piece = _Piece(Out(f"{base}.{e}.{p.out.expert}.weight"), p.value[e].contiguous(),
+                           p.kind)
+            name, raw = _stored(piece, True, torch.float32)
+            out[name] = raw
+    return out
+
+
 def _tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
 
@@ -201,12 +218,15 @@ def read_gguf(path: Path, reader, dtype: torch.dtype, keep_quantized: bool):
     tensors: dict[str, torch.Tensor] = {}
     names: set[str] = set()
     for key, ps in pieces.items():
+        names.add(key)
+        if keep_quantized and all(q.kind is not None and q.out.expert for q in ps):
+            tensors.update(_per_expert(key, ps))
+            continue
         p = _join(key, ps) if ps[0].out.part is not None else ps[0]
         if not keep_quantized and p.kind is not None:
             p = _Piece(p.out, _decode(p), None)
         stored, v = _stored(p, keep_quantized, dtype)
         tensors[stored] = v
-        names.add(key)
     for whole, parts in _JOINED.items():
         for n in list(names):
             if n.endswith(parts[0]):

@@ -287,17 +287,23 @@ def _nemotron_h_config(m: Meta) -> dict:
         elif m.has(f"blk.{i}.ffn_up.weight"):
             types.append("mlp")
         else:
-            raise GGUFConversionError(f"nemotron_h GGUF: block {i} has no ssm_in, attn_q or "
-                                      "ffn_up tensor (MoE Nemotron-H GGUFs, nemotron_h_moe, "
-                                      "are not read yet)")
+            raise GGUFConversionError(f"{m.arch} GGUF: block {i} has no ssm_in, attn_q or "
+                                      "ffn_up tensor (Nemotron-H MoE blocks, ffn_*_exps, are "
+                                      "not read from GGUF yet)")
     hidden = int(m.need("embedding_length"))
+    # nemotron_h_moe (what the converter writes whenever the config names
+    # num_experts_per_tok, as transformers 5's always does) gives 0 for dense MLP widths
+    mlp = [i for i, t in enumerate(types) if t == "mlp"]
+    inter = _max(m.get("feed_forward_length", 0) or 0)
+    if not inter and mlp:
+        inter = m.tensors[f"blk.{mlp[0]}.ffn_up.weight"][0]
     return dict(
         _common(m), layers_block_type=types,
         num_attention_heads=_max(m.need("attention.head_count")),
         num_key_value_heads=_max(m.need("attention.head_count_kv")),
         head_dim=int(m.get("attention.key_length", hidden // _max(m.need(
             "attention.head_count")))),
-        intermediate_size=_max(m.need("feed_forward_length")),
+        intermediate_size=inter or 1,
         mamba_num_heads=c["num_heads"], mamba_head_dim=c["head_dim"], n_groups=c["n_groups"],
         ssm_state_size=c["ssm_state_size"], conv_kernel=c["conv_kernel"],
         expand=c["head_dim"] * c["num_heads"] // hidden,
@@ -372,4 +378,5 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen35moe": ArchSpec("qwen3_5_moe_text", _qwen_gdn_config, _qwen_gdn_plan),
     "mamba2": ArchSpec("mamba2", _mamba2_config, _mamba2_plan),
     "nemotron_h": ArchSpec("nemotron_h", _nemotron_h_config, _nemotron_h_plan),
+    "nemotron_h_moe": ArchSpec("nemotron_h", _nemotron_h_config, _nemotron_h_plan),
 }

@@ -16,6 +16,11 @@ Layouts (llama.cpp 0.3.36):
   ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z); ``in_proj_ba`` stored as is
   (``ssm_ba``); conv1d squeezed; ``dt_bias`` as ``ssm_dt.bias``; norms ``+ 1`` except the
   GDN norm; experts stacked ``ffn_{gate,up,down}_exps``; routers F32.
+* ``qwen35``: as Qwen3-Next's GDN (its checkpoint has ``in_proj_qkv`` / ``in_proj_z`` /
+  ``in_proj_b`` / ``in_proj_a`` already: ``attn_qkv`` / ``attn_gate`` / ``ssm_beta`` /
+  ``ssm_alpha``), value heads reordered from grouped-by-key-head to tiled when there are
+  fewer key heads (rows of v, z, b, a, conv channels, A, dt; columns of ``ssm_out``); dense
+  MLP; mrope sections.
 * ``nemotron_h``: attention Q/K rows permuted per head (``LlamaModel.permute``), A / D as
   (heads, 1), the gated norm as (groups, channels / groups), conv squeezed.
 """
@@ -92,11 +97,15 @@ def _a_stored(a_log: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return stored, torch.log(-stored)
 
 
-def _qwen3next(w: _Writer, model, cfg) -> None:
-    sd = model.state_dict()
-    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    r = nv // nk
+def _tiled(a: np.ndarray, nk: int, r: int, width: int, axis: int = 0) -> np.ndarray:
+    """llama.cpp's ``_reorder_v_heads``: value heads grouped by key head -> tiled."""
+    a = np.moveaxis(a, axis, 0)
+    shape = a.shape
+    t = a.reshape(nk, r, width, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+
+def _qwen_keys(w: _Writer, cfg) -> None:
     head_dim = cfg.head_dim
     w.key("block_count", cfg.num_hidden_layers)
     w.key("context_length", cfg.max_position_embeddings)
@@ -110,22 +119,89 @@ def _qwen3next(w: _Writer, model, cfg) -> None:
     w.key("rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
     w.key("rope.dimension_count",
           int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    w.key("expert_count", cfg.num_experts)
-    w.key("expert_used_count", cfg.num_experts_per_tok)
-    w.key("expert_feed_forward_length", cfg.moe_intermediate_size)
-    w.key("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    if "mrope_section" in cfg.rope_parameters:
+        w.key("rope.dimension_sections", [*cfg.rope_parameters["mrope_section"], 0][:4])
+    if getattr(cfg, "num_experts", 0):
+        w.key("expert_count", cfg.num_experts)
+        w.key("expert_used_count", cfg.num_experts_per_tok)
+        w.key("expert_feed_forward_length", cfg.moe_intermediate_size)
+        w.key("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
     w.key("ssm.conv_kernel", cfg.linear_conv_kernel_dim)
-    w.key("ssm.state_size", dk)
-    w.key("ssm.group_count", nk)
-    w.key("ssm.time_step_rank", nv)
-    w.key("ssm.inner_size", nv * dv)
+    w.key("ssm.state_size", cfg.linear_key_head_dim)
+    w.key("ssm.group_count", cfg.linear_num_key_heads)
+    w.key("ssm.time_step_rank", cfg.linear_num_value_heads)
+    w.key("ssm.inner_size", cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     w.key("full_attention_interval", 4)
-    w.w.add_array("qwen3next.attention.recurrent_layers",
+    w.w.add_array(f"{w.arch}.attention.recurrent_layers",
                   [t == "linear_attention" for t in cfg.layer_types])
 
-    def norm(gname: str, hname: str) -> None:  # stored + 1, read back - 1
-        stored = sd[hname].float() + 1
-        w.f32(gname, hname, stored, ref=stored - 1)
+
+def _norm(w: _Writer, sd: dict, gname: str, hname: str) -> None:
+    """Qwen's zero-centred norms: stored + 1, read back - 1."""
+    stored = sd[hname].float() + 1
+    w.f32(gname, hname, stored, ref=stored - 1)
+
+
+def _qwen_attention(w: _Writer, sd: dict, b: str, p: str) -> None:
+    sa = p + "self_attn."
+    for g, h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                 ("attn_output", "o_proj")):
+        w.quant(f"{b}.{g}.weight", f"{sa}{h}.weight", sd[f"{sa}{h}.weight"])
+    _norm(w, sd, f"{b}.attn_q_norm.weight", sa + "q_norm.weight")
+    _norm(w, sd, f"{b}.attn_k_norm.weight", sa + "k_norm.weight")
+
+
+def _qwen35(w: _Writer, model, cfg) -> None:
+    """Qwen3.5 (dense MLP): value heads tiled when there are fewer key heads."""
+    sd = model.state_dict()
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    r, qk = nv // nk, 2 * nk * dk
+    _qwen_keys(w, cfg)
+    w.quant("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
+    _norm(w, sd, "output_norm.weight", "model.norm.weight")
+    for i in range(cfg.num_hidden_layers):
+        b, p = f"blk.{i}", f"model.layers.{i}."
+        _norm(w, sd, f"{b}.attn_norm.weight", p + "input_layernorm.weight")
+        _norm(w, sd, f"{b}.post_attention_norm.weight", p + "post_attention_layernorm.weight")
+        if cfg.layer_types[i] == "linear_attention":
+            la = p + "linear_attn."
+
+            def qkv_rows(a):
+                return np.concatenate([a[:qk], _tiled(a[qk:], nk, r, dv)])
+
+            w.quant(f"{b}.attn_qkv.weight", la + "in_proj_qkv.weight",
+                    sd[la + "in_proj_qkv.weight"], moved=qkv_rows)
+            w.quant(f"{b}.attn_gate.weight", la + "in_proj_z.weight",
+                    sd[la + "in_proj_z.weight"], moved=lambda a: _tiled(a, nk, r, dv))
+            for g, h in (("ssm_beta", "in_proj_b"), ("ssm_alpha", "in_proj_a")):
+                w.quant(f"{b}.{g}.weight", f"{la}{h}.weight", sd[f"{la}{h}.weight"],
+                        moved=lambda a: _tiled(a, nk, r, 1))
+            w.f32(f"{b}.ssm_conv1d.weight", la + "conv1d.weight", sd[la + "conv1d.weight"],
+                  moved=lambda a: qkv_rows(a.squeeze(1)))
+            w.f32(f"{b}.ssm_dt.bias", la + "dt_bias", sd[la + "dt_bias"],
+                  moved=lambda a: _tiled(a, nk, r, 1))
+            stored, back = _a_stored(sd[la + "A_log"])
+            w.f32(f"{b}.ssm_a", la + "A_log", stored, ref=back,
+                  moved=lambda a: _tiled(a, nk, r, 1))
+            w.f32(f"{b}.ssm_norm.weight", la + "norm.weight", sd[la + "norm.weight"])
+            w.quant(f"{b}.ssm_out.weight", la + "out_proj.weight", sd[la + "out_proj.weight"],
+                    moved=lambda a: _tiled(a, nk, r, dv, axis=1))
+        else:
+            _qwen_attention(w, sd, b, p)
+        for g, h in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+            w.quant(f"{b}.{g}.weight", f"{p}mlp.{h}.weight", sd[f"{p}mlp.{h}.weight"])
+
+
+def _qwen3next(w: _Writer, model, cfg) -> None:
+    sd = model.state_dict()
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    r = nv // nk
+    _qwen_keys(w, cfg)
+
+    def norm(gname: str, hname: str) -> None:
+        _norm(w, sd, gname, hname)
 
     w.quant("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
     norm("output_norm.weight", "model.norm.weight")
@@ -157,12 +233,7 @@ def _qwen3next(w: _Writer, model, cfg) -> None:
             w.f32(f"{b}.ssm_norm.weight", la + "norm.weight", sd[la + "norm.weight"])
             w.quant(f"{b}.ssm_out.weight", la + "out_proj.weight", sd[la + "out_proj.weight"])
         else:
-            sa = p + "self_attn."
-            for g, h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
-                         ("attn_output", "o_proj")):
-                w.quant(f"{b}.{g}.weight", f"{sa}{h}.weight", sd[f"{sa}{h}.weight"])
-            norm(f"{b}.attn_q_norm.weight", sa + "q_norm.weight")
-            norm(f"{b}.attn_k_norm.weight", sa + "k_norm.weight")
+            _qwen_attention(w, sd, b, p)
         mp = p + "mlp."
         w.f32(f"{b}.ffn_gate_inp.weight", mp + "gate.weight", sd[mp + "gate.weight"])
         gu, dn = sd[mp + "experts.gate_up_proj"].float(), sd[mp + "experts.down_proj"].float()
@@ -232,7 +303,7 @@ def _nemotron_h(w: _Writer, model, cfg) -> None:
             w.quant(f"{b}.ffn_down.weight", mx + "down_proj.weight", sd[mx + "down_proj.weight"])
 
 
-WRITERS = {"qwen3next": _qwen3next, "nemotron_h": _nemotron_h}
+WRITERS = {"qwen3next": _qwen3next, "qwen35": _qwen35, "nemotron_h": _nemotron_h}
 
 
 def write_hybrid_gguf(path, model, arch: str, kind: str, tok: dict) -> dict[str, torch.Tensor]:

@@ -43,13 +43,15 @@ pytestmark = pytest.mark.skipif(installed_gguf() is None,
 # Config entries a GGUF does not carry are left at transformers' defaults (pagefold's config
 # from the file has those defaults too).
 _NOT_CARRIED = {"nemotron_h": ("chunk_size", "residual_in_fp32")}
+# Qwen3.5 with value heads of 32: its out_proj's tiled columns move as whole Q4_0 blocks.
+_OVERRIDES = {"qwen3_5": {"linear_value_head_dim": 32}}
 
 
 def _model(arch: str, vocab: int, seed: int = 0):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    kw = tiny_models.arch_config_kwargs(arch)
+    kw = tiny_models.arch_config_kwargs(arch, **_OVERRIDES.get(arch, {}))
     for k in _NOT_CARRIED.get(arch, ()):
         kw.pop(k, None)
     kw.update(vocab_size=vocab, max_position_embeddings=256)
@@ -67,9 +69,12 @@ def _model(arch: str, vocab: int, seed: int = 0):
 
 def _oracle(model, ref: dict[str, torch.Tensor]) -> list[list[int]]:
     sd = model.state_dict()
-    missing = sorted(k for k in sd if k not in ref)
+    tied = model.config.tie_word_embeddings
+    missing = sorted(k for k in sd if k not in ref and not (tied and k == "lm_head.weight"))
     assert not missing, missing  # the file holds every tensor
-    model.load_state_dict({k: ref[k].reshape(sd[k].shape) for k in sd})
+    model.load_state_dict({k: ref[k].reshape(sd[k].shape) for k in sd if k in ref},
+                          strict=not tied)
+    model.tie_weights()
     outs = []
     with torch.inference_mode():
         for p in PROMPTS:
@@ -89,14 +94,16 @@ def _pagefold(model: str, **kw) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("nemotron_h", "nemotron_h", "Q4_0")]
+CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
+         ("nemotron_h", "nemotron_h", "Q4_0")]
 # GGUF weight pieces the load log counts (a fused layer counts its shards): Qwen3-Next:
 # embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the attention layer's
 # q, k, v and o, per layer the shared expert's gate and up (its down, 48 inputs, is F32) and
-# 4 experts x (gate, up, down); Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v
+# 4 experts x (gate, up, down); Qwen3.5 (tied head): embedding, per GDN layer in_proj
+# (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down; Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v
 # and o, 3 x (up, down).
 QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
-             "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2}
+             "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2}
 
 
 def _tokenizer(n: int = 512) -> dict:

@@ -239,7 +239,7 @@ def _qwen3next(w: _Writer, model, cfg) -> None:
         gu, dn = sd[mp + "experts.gate_up_proj"].float(), sd[mp + "experts.down_proj"].float()
         inter = cfg.moe_intermediate_size
         w.quant(f"{b}.ffn_gate_exps.weight", mp + "experts.gate_up_proj", gu,
-                moved=lambda a: np.ascontiguousarray(a[:, :inter]))
+                moved=lambda a, n=inter: np.ascontiguousarray(a[:, :n]))
         w.w.add_tensor(f"{b}.ffn_up_exps.weight",
                        gguf.quants.quantize(np.ascontiguousarray(gu.numpy()[:, inter:]),
                                             w.kind), raw_dtype=w.kind)

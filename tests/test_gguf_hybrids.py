@@ -96,12 +96,12 @@ def _pagefold(model: str, **kw) -> list[list[int]]:
 
 CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
          ("nemotron_h", "nemotron_h", "Q4_0")]
-# GGUF weight pieces the load log counts (a fused layer counts its shards): Qwen3-Next:
-# embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the attention layer's
-# q, k, v and o, per layer the shared expert's gate and up (its down, 48 inputs, is F32) and
-# 4 experts x (gate, up, down); Qwen3.5 (tied head): embedding, per GDN layer in_proj
-# (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down; Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v
-# and o, 3 x (up, down).
+# GGUF weight pieces the load log counts (a fused layer counts its shards):
+# Qwen3-Next: embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the
+# attention layer's q, k, v and o, per layer the shared expert's gate and up (its down, 48
+# inputs, is F32) and 4 experts x (gate, up, down); Qwen3.5 (tied head): embedding, per GDN
+# layer in_proj (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down;
+# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down).
 QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
              "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2}
 

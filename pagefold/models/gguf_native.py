@@ -35,7 +35,14 @@ import torch
 
 from pagefold.models.gguf_archs import ARCHS, GGUFConversionError, Meta, Out
 from pagefold.quantization.gguf import DEQUANT_PREFIX, KEEP_PREFIX
-from pagefold.quantization.gguf_blocks import BLOCK, SUPPORTED, TYPE_SIZE, GGUFTypeError, decode_rows
+from pagefold.quantization.gguf_blocks import (
+    BLOCK,
+    SUPPORTED,
+    TYPE_SIZE,
+    GGUFTypeError,
+    decode_rows,
+    dequantize_rows,
+)
 
 __all__ = ["native_arch", "read_gguf"]
 
@@ -148,8 +155,6 @@ def _join(name: str, parts: list[_Piece]) -> _Piece:
 def _decode(p: _Piece) -> torch.Tensor:
     raw = p.value
     k = raw.shape[-1] // TYPE_SIZE[p.kind] * BLOCK[p.kind]
-    from pagefold.quantization.gguf_blocks import dequantize_rows
-
     w = dequantize_rows(p.kind, raw.reshape(-1, raw.shape[-1]), k, p.out.hf)
     return w.reshape(*raw.shape[:-1], k)
 

@@ -13,8 +13,11 @@ Invariants:
 * failures raise :class:`GGUFConversionError` with what went wrong and what to do.
 
 The GGUF parsing, tensor name mapping and dequantization are transformers' (it reads the
-metadata into a config and tokenizer, and undoes llama.cpp's Q/K row permutation); pagefold
-adds the caching, the atomic write and the messages.
+metadata into a config and tokenizer, and undoes llama.cpp's Q/K row permutation) for the
+architectures it reads; the GDN hybrids and the Mamba-2 family, which transformers 5 does not
+read, pagefold reads itself (``models/gguf_native.py``, tables in ``models/gguf_archs.py``),
+into the same stored form. An architecture neither reads is a :class:`GGUFConversionError`
+naming it. pagefold adds the caching, the atomic write and the messages.
 
 Kept quantized (the default of ``LLM`` and the CLI; ``keep_quantized=True``): the directory
 ``<stem>-<digest>-gguf`` holds the same config, tokenizer and generation config, with

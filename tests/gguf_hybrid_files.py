@@ -303,7 +303,87 @@ def _nemotron_h(w: _Writer, model, cfg) -> None:
             w.quant(f"{b}.ffn_down.weight", mx + "down_proj.weight", sd[mx + "down_proj.weight"])
 
 
-WRITERS = {"qwen3next": _qwen3next, "qwen35": _qwen35, "nemotron_h": _nemotron_h}
+def _granitehybrid(w: _Writer, model, cfg) -> None:
+    """Granite-4.0-H: Mamba-2 as Mamba2Model writes it, attention as Llama's (Q/K
+    permuted), MoE experts split from ``input_linear`` (gate rows, then up), the shared MLP's
+    ``input_linear`` split into ``ffn_gate_shexp`` / ``ffn_up_shexp``; multipliers as
+    ``*_scale`` keys."""
+    sd = model.state_dict()
+    n, heads = cfg.num_hidden_layers, cfg.mamba_n_heads
+    attn = [t == "full_attention" for t in cfg.layer_types]
+    w.key("block_count", n)
+    w.key("context_length", cfg.max_position_embeddings)
+    w.key("embedding_length", cfg.hidden_size)
+    w.key("feed_forward_length", cfg.intermediate_size)
+    w.key("attention.head_count", cfg.num_attention_heads)
+    w.key("attention.head_count_kv", [cfg.num_key_value_heads if a else 0 for a in attn])
+    w.key("attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
+    w.key("rope.freq_base", 10000.0)
+    w.w.add_bool("granitehybrid.rope.scaling.finetuned", False)
+    for k, v in (("attention.scale", cfg.attention_multiplier),
+                 ("embedding_scale", cfg.embedding_multiplier),
+                 ("residual_scale", cfg.residual_multiplier),
+                 ("logit_scale", cfg.logits_scaling)):
+        w.key(k, float(v))
+    w.key("expert_count", cfg.num_local_experts)
+    w.key("expert_used_count", cfg.num_experts_per_tok)
+    w.key("expert_shared_feed_forward_length", cfg.shared_intermediate_size)
+    w.key("ssm.conv_kernel", cfg.mamba_d_conv)
+    w.key("ssm.state_size", cfg.mamba_d_state)
+    w.key("ssm.group_count", cfg.mamba_n_groups)
+    w.key("ssm.inner_size", heads * cfg.mamba_d_head)
+    w.key("ssm.time_step_rank", heads)
+    w.quant("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
+    w.f32("output_norm.weight", "model.norm.weight", sd["model.norm.weight"])
+    inter, shared = cfg.intermediate_size, cfg.shared_intermediate_size
+    for i in range(n):
+        b, p = f"blk.{i}", f"model.layers.{i}."
+        w.f32(f"{b}.attn_norm.weight", p + "input_layernorm.weight",
+              sd[p + "input_layernorm.weight"])
+        w.f32(f"{b}.ffn_norm.weight", p + "post_attention_layernorm.weight",
+              sd[p + "post_attention_layernorm.weight"])
+        if attn[i]:
+            sa = p + "self_attn."
+            w.quant(f"{b}.attn_q.weight", sa + "q_proj.weight", sd[sa + "q_proj.weight"],
+                    moved=lambda a: _permute(a, cfg.num_attention_heads))
+            w.quant(f"{b}.attn_k.weight", sa + "k_proj.weight", sd[sa + "k_proj.weight"],
+                    moved=lambda a: _permute(a, cfg.num_key_value_heads))
+            w.quant(f"{b}.attn_v.weight", sa + "v_proj.weight", sd[sa + "v_proj.weight"])
+            w.quant(f"{b}.attn_output.weight", sa + "o_proj.weight", sd[sa + "o_proj.weight"])
+        else:
+            mx = p + "mamba."
+            w.quant(f"{b}.ssm_in.weight", mx + "in_proj.weight", sd[mx + "in_proj.weight"])
+            w.f32(f"{b}.ssm_conv1d.weight", mx + "conv1d.weight", sd[mx + "conv1d.weight"],
+                  moved=lambda a: a.squeeze(1))
+            w.f32(f"{b}.ssm_conv1d.bias", mx + "conv1d.bias", sd[mx + "conv1d.bias"])
+            w.f32(f"{b}.ssm_dt.bias", mx + "dt_bias", sd[mx + "dt_bias"])
+            stored, back = _a_stored(sd[mx + "A_log"])
+            w.f32(f"{b}.ssm_a", mx + "A_log", stored.reshape(-1, 1), ref=back)
+            w.f32(f"{b}.ssm_d", mx + "D", sd[mx + "D"], moved=lambda a: a.reshape(-1, 1))
+            w.f32(f"{b}.ssm_norm.weight", mx + "norm.weight", sd[mx + "norm.weight"],
+                  moved=lambda a: a.reshape(cfg.mamba_n_groups, -1))
+            w.quant(f"{b}.ssm_out.weight", mx + "out_proj.weight", sd[mx + "out_proj.weight"])
+        moe = p + "block_sparse_moe."
+        w.f32(f"{b}.ffn_gate_inp.weight", moe + "router.weight", sd[moe + "router.weight"])
+        gu = sd[moe + "experts.gate_up_proj"].float()
+        w.quant(f"{b}.ffn_gate_exps.weight", moe + "experts.gate_up_proj", gu,
+                moved=lambda a: np.ascontiguousarray(a[:, :inter]))
+        w.w.add_tensor(f"{b}.ffn_up_exps.weight", gguf.quants.quantize(
+            np.ascontiguousarray(gu.numpy()[:, inter:]), w.kind), raw_dtype=w.kind)
+        w.quant(f"{b}.ffn_down_exps.weight", moe + "experts.down_proj",
+                sd[moe + "experts.down_proj"])
+        mlp = p + "shared_mlp."
+        gu = sd[mlp + "input_linear.weight"].float()
+        w.quant(f"{b}.ffn_gate_shexp.weight", mlp + "input_linear.weight", gu,
+                moved=lambda a: np.ascontiguousarray(a[:shared]))
+        w.w.add_tensor(f"{b}.ffn_up_shexp.weight", gguf.quants.quantize(
+            np.ascontiguousarray(gu.numpy()[shared:]), w.kind), raw_dtype=w.kind)
+        w.quant(f"{b}.ffn_down_shexp.weight", mlp + "output_linear.weight",
+                sd[mlp + "output_linear.weight"])
+
+
+WRITERS = {"qwen3next": _qwen3next, "qwen35": _qwen35, "nemotron_h": _nemotron_h,
+           "granitehybrid": _granitehybrid}
 
 
 def write_hybrid_gguf(path, model, arch: str, kind: str, tok: dict) -> dict[str, torch.Tensor]:

@@ -9,9 +9,13 @@ oracle is that transformers model with its weights replaced by what the file hol
 (``dequantize(quantize(w))``, ``log(-(-exp(A_log)))``, ...): the quantized model's own
 function, so greedy tokens in float32 must be equal.
 
-Families: Qwen3-Next (GDN hybrid with MoE experts: ``attn_qkv`` / ``attn_gate`` / ``ssm_ba``
-rows, stacked ``ffn_*_exps``), Nemotron-H (Mamba-2 hybrid: ``ssm_in`` / ``ssm_out`` kept
-quantized, permuted attention Q/K rows, A / D / norm reshaped). Bad input: an unsupported
+Families: Qwen3-Next (GDN hybrid with MoE experts kept quantized per expert: ``attn_qkv`` /
+``attn_gate`` / ``ssm_ba`` rows, stacked ``ffn_*_exps``), Qwen3.5 (tiled value heads, its
+``ssm_out`` columns moved as whole blocks), Nemotron-H (Mamba-2 hybrid: ``ssm_in`` /
+``ssm_out`` kept quantized, permuted attention Q/K rows, A / D / norm reshaped), Granite-4.0-H
+(Mamba-2 + attention + MoE with a shared MLP, multipliers from the ``*_scale`` keys; its
+stacked experts load decoded). The float tensors pagefold stores are also compared with the
+reference bit for bit. Bad input: an unsupported
 architecture and a missing tensor name themselves.
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagefold import LLM, SamplingParams
 from pagefold.models import gguf_checkpoint
@@ -42,7 +47,8 @@ pytestmark = pytest.mark.skipif(installed_gguf() is None,
 
 # Config entries a GGUF does not carry are left at transformers' defaults (pagefold's config
 # from the file has those defaults too).
-_NOT_CARRIED = {"nemotron_h": ("chunk_size", "residual_in_fp32")}
+_NOT_CARRIED = {"nemotron_h": ("chunk_size", "residual_in_fp32"),
+                "granitemoehybrid": ("mamba_chunk_size",)}
 # Qwen3.5 with value heads of 32: its out_proj's tiled columns move as whole Q4_0 blocks.
 _OVERRIDES = {"qwen3_5": {"linear_value_head_dim": 32}}
 
@@ -95,15 +101,18 @@ def _pagefold(model: str, **kw) -> list[list[int]]:
 
 
 CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
-         ("nemotron_h", "nemotron_h", "Q4_0")]
+         ("nemotron_h", "nemotron_h", "Q4_0"), ("granitemoehybrid", "granitehybrid", "Q8_0")]
 # GGUF weight pieces the load log counts (a fused layer counts its shards):
 # Qwen3-Next: embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the
 # attention layer's q, k, v and o, per layer the shared expert's gate and up (its down, 48
 # inputs, is F32) and 4 experts x (gate, up, down); Qwen3.5 (tied head): embedding, per GDN
 # layer in_proj (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down;
-# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down).
+# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down);
+# Granite-4.0-H (tied; its stacked experts load decoded): embedding, 3 x Mamba-2 (in, out),
+# attention q, k, v, o, per layer the shared MLP's input (gate + up joined) and output.
 QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
-             "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2}
+             "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2,
+             "granitehybrid": 1 + 3 * 2 + 4 + 4 * 2}
 
 
 def _tokenizer(n: int = 512) -> dict:
@@ -130,6 +139,14 @@ def test_hybrid_gguf_matches_transformers(tmp_path, monkeypatch, caplog, hf_arch
     assert got == want
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")][-1]
     assert f"gguf {kind}: {QUANTIZED[arch]} tensors" in line, line
+    # the float tensors pagefold wrote (A_log, norms, conv, dt, ...) are the reference's, bit
+    # for bit (a state tensor's error can hide in a tiny model's greedy tokens)
+    (conv,) = (tmp_path / "cache" / "gguf").iterdir()
+    stored = load_file(str(conv / "model.safetensors"))
+    checked = [k for k, v in stored.items() if v.is_floating_point() and k in ref]
+    assert len(checked) >= 8
+    for k in checked:
+        assert torch.equal(stored[k], ref[k].reshape(stored[k].shape)), k
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -1,8 +1,8 @@
 """GGUF architectures pagefold reads itself: llama.cpp's names and transforms, inverted.
 
 transformers 5 reads no GGUF of the GDN hybrids (``qwen3next``, ``qwen35``, ``qwen35moe``)
-nor of the Mamba-2 family (``mamba2``, ``nemotron_h``), so for those :mod:`.gguf_native`
-reads the file with the tables here. Each :class:`ArchSpec` gives
+nor of the Mamba-2 family (``mamba2``, ``nemotron_h``, ``nemotron_h_moe`` without MoE blocks,
+``granitehybrid``), so for those :mod:`.gguf_native` reads the file with the tables here. Each :class:`ArchSpec` gives
 
 * ``config``: the Hugging Face config keyword arguments from the file's metadata (keys as
   llama.cpp's ``convert_hf_to_gguf.py`` writes them, ``gguf.Keys``), and
@@ -20,8 +20,10 @@ is already the split pagefold's model makes (loaded as ``in_proj_qkv`` / ``in_pr
 by rows); Qwen3.5's value heads reordered from grouped-by-key-head to tiled (rows of ``v``,
 ``z``, ``b``, ``a``, ``A_log``, ``dt_bias``, conv channels; columns of ``out_proj``); the
 Mamba-2 family's ``A`` / ``D`` as (heads, 1) and the gated norm as (groups, channels / groups);
-Nemotron-H's attention Q/K rows permuted as Llama's (``LlamaModel.permute``); MoE experts
-stacked into ``ffn_{gate,up,down}_exps`` (gate and up joined back into ``gate_up_proj``).
+Nemotron-H's and Granite's attention Q/K rows permuted as Llama's (``LlamaModel.permute``);
+MoE experts stacked into ``ffn_{gate,up,down}_exps`` (gate and up joined back into
+``gate_up_proj``); Granite's shared MLP ``input_linear`` split into ``ffn_{gate,up}_shexp``
+(joined back) and its multipliers written as ``*_scale`` keys.
 
 Invariant: every row index is a permutation or a contiguous part of the stored rows, so a
 quantized tensor keeps its blocks bit for bit; a column permutation (Qwen3.5's ``out_proj``
@@ -372,6 +374,73 @@ def _nemotron_h_plan(short: str, suffix: str, bid: int | None, cfg: dict) -> lis
     return _mamba2_mixer(short, suffix, mx, cfg)
 
 
+def _granite_hybrid_config(m: Meta) -> dict:
+    c = _mamba2_common(m)
+    n = m.blocks()
+    kv = m.need("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * n
+    hidden = int(m.need("embedding_length"))
+    experts = int(m.get("expert_count", 0) or 0)
+    # widths from the tensors: llama.cpp writes the expert width as feed_forward_length and
+    # the shared MLP's only for the shared-expert variant
+    up = "ffn_up_shexp" if experts else "ffn_up"
+    shared = next((m.tensors[k][0] for k in m.tensors if k.endswith(f".{up}.weight")), 0)
+    cfg = dict(
+        _common(m),
+        layer_types=["full_attention" if k else "linear_attention" for k in kv[:n]],
+        num_attention_heads=_max(m.need("attention.head_count")),
+        num_key_value_heads=max(int(k) for k in kv) or 1,
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_parameters=dict(rope_type="default",
+                             rope_theta=float(m.get("rope.freq_base", 10000.0))),
+        position_embedding_type="rope" if m.get("rope.scaling.finetuned") else None,
+        embedding_multiplier=float(m.get("embedding_scale", 1.0)),
+        residual_multiplier=float(m.get("residual_scale", 1.0)),
+        logits_scaling=float(m.get("logit_scale", 1.0)),
+        attention_multiplier=float(m.get("attention.scale", 1.0)),
+        num_local_experts=experts, shared_intermediate_size=shared,
+        mamba_n_heads=c["num_heads"], mamba_d_head=c["head_dim"], mamba_n_groups=c["n_groups"],
+        mamba_d_state=c["ssm_state_size"], mamba_d_conv=c["conv_kernel"],
+        mamba_expand=c["head_dim"] * c["num_heads"] // hidden,
+        mamba_conv_bias=any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+        mamba_proj_bias=any(k.endswith("ssm_in.bias") for k in m.tensors),
+    )
+    if experts:
+        cfg.update(num_experts_per_tok=int(m.need("expert_used_count")),
+                   intermediate_size=next(m.tensors[k][-2] for k in m.tensors
+                                          if k.endswith(".ffn_gate_exps.weight")))
+    return cfg
+
+
+def _granite_hybrid_plan(short: str, suffix: str, bid: int | None, cfg: dict
+                         ) -> list[Out] | None:
+    top = {"token_embd": "model.embed_tokens.weight", "output": "lm_head.weight",
+           "output_norm": "model.norm.weight"}
+    if bid is None:
+        return [Out(top[short])] if short in top else None
+    p = f"model.layers.{bid}."
+    plain = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_down_shexp": "shared_mlp.output_linear", "ffn_down": "shared_mlp.output_linear"}
+    if short in plain:
+        return [Out(f"{p}{plain[short]}.{suffix}")]
+    if short in ("attn_q", "attn_k"):  # llama.cpp permutes them as Llama's (undo_permute)
+        n = cfg["num_attention_heads"] if short == "attn_q" else cfg["num_key_value_heads"]
+        rows = n * (cfg["hidden_size"] // cfg["num_attention_heads"])
+        return [Out(f"{p}self_attn.{short[-1]}_proj.{suffix}", rows=_unpermute(n, rows))]
+    if short in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_gate", "ffn_up"):
+        return [Out(f"{p}shared_mlp.input_linear.weight", part=0 if "gate" in short else 1)]
+    if short == "ffn_gate_inp":
+        return [Out(f"{p}block_sparse_moe.router.weight", decode=True)]
+    # pagefold's Granite experts are stacked parameters, not MoEExperts: decoded on load
+    if short in ("ffn_gate_exps", "ffn_up_exps"):
+        return [Out(f"{p}block_sparse_moe.experts.gate_up_proj",
+                    part=0 if short == "ffn_gate_exps" else 1)]
+    if short == "ffn_down_exps":
+        return [Out(f"{p}block_sparse_moe.experts.down_proj")]
+    return _mamba2_mixer(short, suffix, f"{p}mamba.", dict(cfg, num_heads=cfg["mamba_n_heads"]))
+
+
 ARCHS: dict[str, ArchSpec] = {
     "qwen3next": ArchSpec("qwen3_next", _qwen_gdn_config, _qwen_gdn_plan),
     "qwen35": ArchSpec("qwen3_5_text", _qwen_gdn_config, _qwen_gdn_plan),
@@ -379,4 +448,6 @@ ARCHS: dict[str, ArchSpec] = {
     "mamba2": ArchSpec("mamba2", _mamba2_config, _mamba2_plan),
     "nemotron_h": ArchSpec("nemotron_h", _nemotron_h_config, _nemotron_h_plan),
     "nemotron_h_moe": ArchSpec("nemotron_h", _nemotron_h_config, _nemotron_h_plan),
+    "granitehybrid": ArchSpec("granitemoehybrid", _granite_hybrid_config,
+                              _granite_hybrid_plan),
 }

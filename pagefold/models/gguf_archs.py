@@ -2,7 +2,8 @@
 
 transformers 5 reads no GGUF of the GDN hybrids (``qwen3next``, ``qwen35``, ``qwen35moe``)
 nor of the Mamba-2 family (``mamba2``, ``nemotron_h``, ``nemotron_h_moe`` without MoE blocks,
-``granitehybrid``), so for those :mod:`.gguf_native` reads the file with the tables here. Each :class:`ArchSpec` gives
+``granitehybrid``), so for those :mod:`.gguf_native` reads the file with the tables here.
+Each :class:`ArchSpec` gives
 
 * ``config``: the Hugging Face config keyword arguments from the file's metadata (keys as
   llama.cpp's ``convert_hf_to_gguf.py`` writes them, ``gguf.Keys``), and

@@ -386,11 +386,18 @@ def _granite_hybrid_config(m: Meta) -> dict:
     # the shared MLP's only for the shared-expert variant
     up = "ffn_up_shexp" if experts else "ffn_up"
     shared = next((m.tensors[k][0] for k in m.tensors if k.endswith(f".{up}.weight")), 0)
+    # layer kinds from the tensors: the converter's per-layer head_count_kv is all 0 for a
+    # config whose layer_types say "full_attention" (transformers 5) rather than "attention"
+    attn = [i for i in range(n) if m.has(f"blk.{i}.attn_q.weight")]
+    heads = _max(m.need("attention.head_count"))
+    kv_heads = max(int(k) for k in kv)
+    if not kv_heads and attn:
+        kv_heads = m.tensors[f"blk.{attn[0]}.attn_k.weight"][0] // (hidden // heads)
     cfg = dict(
         _common(m),
-        layer_types=["full_attention" if k else "linear_attention" for k in kv[:n]],
-        num_attention_heads=_max(m.need("attention.head_count")),
-        num_key_value_heads=max(int(k) for k in kv) or 1,
+        layer_types=["full_attention" if i in attn else "linear_attention" for i in range(n)],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or 1,
         rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_parameters=dict(rope_type="default",
                              rope_theta=float(m.get("rope.freq_base", 10000.0))),

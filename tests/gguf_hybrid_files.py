@@ -64,16 +64,23 @@ class _Writer:
         else:
             self.w.add_uint32(full, int(value))
 
-    def quant(self, gguf_name: str, hf_name: str, w: torch.Tensor, moved=None) -> None:
+    def quant(self, gguf_name: str, hf_name: str, w: torch.Tensor, moved=None,
+              back=None) -> None:
         """``w`` (Hugging Face layout) quantized when its rows are whole blocks (else F32,
-        as llama.cpp falls back); ``moved``: llama.cpp's row transform of the stored tensor."""
+        as llama.cpp falls back); ``moved``: llama.cpp's row transform of the stored tensor;
+        ``back``: the inverse of a column transform (which does not commute with per-block
+        quantization: the reference is then the stored tensor decoded and moved back)."""
         a = w.detach().float().numpy()
         if a.shape[-1] % 32:
             self.f32(gguf_name, hf_name, w, moved)
             return
         q = gguf.quants.quantize(a, self.kind)
-        self.ref[hf_name] = torch.from_numpy(gguf.quants.dequantize(q, self.kind).copy())
         stored = gguf.quants.quantize(moved(a) if moved else a, self.kind)
+        if back is not None:
+            deq = back(gguf.quants.dequantize(stored, self.kind))
+            self.ref[hf_name] = torch.from_numpy(np.ascontiguousarray(deq))
+        else:
+            self.ref[hf_name] = torch.from_numpy(gguf.quants.dequantize(q, self.kind).copy())
         self.w.add_tensor(gguf_name, stored, raw_dtype=self.kind)
 
     def f32(self, gguf_name: str, hf_name: str | None, w: torch.Tensor, moved=None,
@@ -110,7 +117,8 @@ def _qwen_keys(w: _Writer, cfg) -> None:
     w.key("block_count", cfg.num_hidden_layers)
     w.key("context_length", cfg.max_position_embeddings)
     w.key("embedding_length", cfg.hidden_size)
-    w.key("feed_forward_length", cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None):
+        w.key("feed_forward_length", cfg.intermediate_size)
     w.key("attention.head_count", cfg.num_attention_heads)
     w.key("attention.head_count_kv", cfg.num_key_value_heads)
     w.key("attention.key_length", head_dim)
@@ -151,8 +159,28 @@ def _qwen_attention(w: _Writer, sd: dict, b: str, p: str) -> None:
     _norm(w, sd, f"{b}.attn_k_norm.weight", sa + "k_norm.weight")
 
 
+def _qwen_moe(w: _Writer, sd: dict, b: str, mp: str, cfg) -> None:
+    """Router and shared-expert gate F32, experts stacked (gate and up split)."""
+    w.f32(f"{b}.ffn_gate_inp.weight", mp + "gate.weight", sd[mp + "gate.weight"])
+    gu, dn = sd[mp + "experts.gate_up_proj"].float(), sd[mp + "experts.down_proj"].float()
+    inter = cfg.moe_intermediate_size
+    w.quant(f"{b}.ffn_gate_exps.weight", mp + "experts.gate_up_proj", gu,
+            moved=lambda a, n=inter: np.ascontiguousarray(a[:, :n]))
+    w.w.add_tensor(f"{b}.ffn_up_exps.weight",
+                   gguf.quants.quantize(np.ascontiguousarray(gu.numpy()[:, inter:]),
+                                        w.kind), raw_dtype=w.kind)
+    w.quant(f"{b}.ffn_down_exps.weight", mp + "experts.down_proj", dn)
+    for g, h in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                 ("ffn_down_shexp", "down_proj")):
+        w.quant(f"{b}.{g}.weight", f"{mp}shared_expert.{h}.weight",
+                sd[f"{mp}shared_expert.{h}.weight"])
+    w.f32(f"{b}.ffn_gate_inp_shexp.weight", mp + "shared_expert_gate.weight",
+          sd[mp + "shared_expert_gate.weight"])
+
+
 def _qwen35(w: _Writer, model, cfg) -> None:
-    """Qwen3.5 (dense MLP): value heads tiled when there are fewer key heads."""
+    """Qwen3.5 (dense MLP, or MoE as Qwen3-Next's for ``qwen35moe``): value heads tiled
+    when there are fewer key heads."""
     sd = model.state_dict()
     nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -160,6 +188,8 @@ def _qwen35(w: _Writer, model, cfg) -> None:
     _qwen_keys(w, cfg)
     w.quant("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
     _norm(w, sd, "output_norm.weight", "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        w.quant("output.weight", "lm_head.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         b, p = f"blk.{i}", f"model.layers.{i}."
         _norm(w, sd, f"{b}.attn_norm.weight", p + "input_layernorm.weight")
@@ -186,9 +216,13 @@ def _qwen35(w: _Writer, model, cfg) -> None:
                   moved=lambda a: _tiled(a, nk, r, 1))
             w.f32(f"{b}.ssm_norm.weight", la + "norm.weight", sd[la + "norm.weight"])
             w.quant(f"{b}.ssm_out.weight", la + "out_proj.weight", sd[la + "out_proj.weight"],
-                    moved=lambda a: _tiled(a, nk, r, dv, axis=1))
+                    moved=lambda a: _tiled(a, nk, r, dv, axis=1),
+                    back=lambda a: _tiled(a, r, nk, dv, axis=1))
         else:
             _qwen_attention(w, sd, b, p)
+        if getattr(cfg, "num_experts", 0):
+            _qwen_moe(w, sd, b, p + "mlp.", cfg)
+            continue
         for g, h in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
             w.quant(f"{b}.{g}.weight", f"{p}mlp.{h}.weight", sd[f"{p}mlp.{h}.weight"])
 
@@ -234,22 +268,7 @@ def _qwen3next(w: _Writer, model, cfg) -> None:
             w.quant(f"{b}.ssm_out.weight", la + "out_proj.weight", sd[la + "out_proj.weight"])
         else:
             _qwen_attention(w, sd, b, p)
-        mp = p + "mlp."
-        w.f32(f"{b}.ffn_gate_inp.weight", mp + "gate.weight", sd[mp + "gate.weight"])
-        gu, dn = sd[mp + "experts.gate_up_proj"].float(), sd[mp + "experts.down_proj"].float()
-        inter = cfg.moe_intermediate_size
-        w.quant(f"{b}.ffn_gate_exps.weight", mp + "experts.gate_up_proj", gu,
-                moved=lambda a, n=inter: np.ascontiguousarray(a[:, :n]))
-        w.w.add_tensor(f"{b}.ffn_up_exps.weight",
-                       gguf.quants.quantize(np.ascontiguousarray(gu.numpy()[:, inter:]),
-                                            w.kind), raw_dtype=w.kind)
-        w.quant(f"{b}.ffn_down_exps.weight", mp + "experts.down_proj", dn)
-        for g, h in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
-                     ("ffn_down_shexp", "down_proj")):
-            w.quant(f"{b}.{g}.weight", f"{mp}shared_expert.{h}.weight",
-                    sd[f"{mp}shared_expert.{h}.weight"])
-        w.f32(f"{b}.ffn_gate_inp_shexp.weight", mp + "shared_expert_gate.weight",
-              sd[mp + "shared_expert_gate.weight"])
+        _qwen_moe(w, sd, b, p + "mlp.", cfg)
 
 
 def _nemotron_h(w: _Writer, model, cfg) -> None:
@@ -382,8 +401,8 @@ def _granitehybrid(w: _Writer, model, cfg) -> None:
                 sd[mlp + "output_linear.weight"])
 
 
-WRITERS = {"qwen3next": _qwen3next, "qwen35": _qwen35, "nemotron_h": _nemotron_h,
-           "granitehybrid": _granitehybrid}
+WRITERS = {"qwen3next": _qwen3next, "qwen35": _qwen35, "qwen35moe": _qwen35,
+           "nemotron_h": _nemotron_h, "granitehybrid": _granitehybrid}
 
 
 def write_hybrid_gguf(path, model, arch: str, kind: str, tok: dict) -> dict[str, torch.Tensor]:

@@ -101,18 +101,24 @@ def _pagefold(model: str, **kw) -> list[list[int]]:
 
 
 CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
+         ("qwen3_5_moe", "qwen35moe", "Q8_0"),
          ("nemotron_h", "nemotron_h", "Q4_0"), ("granitemoehybrid", "granitehybrid", "Q8_0")]
 # GGUF weight pieces the load log counts (a fused layer counts its shards):
 # Qwen3-Next: embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the
 # attention layer's q, k, v and o, per layer the shared expert's gate and up (its down, 48
-# inputs, is F32) and 4 experts x (gate, up, down); Qwen3.5 (tied head): embedding, per GDN
-# layer in_proj (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down;
-# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down);
+# inputs, is F32) and 4 experts x (gate, up, down). Qwen3.5 (tied head): embedding, per GDN
+# layer in_proj (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down.
+# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down).
 # Granite-4.0-H (tied; its stacked experts load decoded): embedding, 3 x Mamba-2 (in, out),
 # attention q, k, v, o, per layer the shared MLP's input (gate + up joined) and output.
+# Qwen3.5-MoE (value heads of 24: out_proj's tiled columns are not whole blocks, so it is
+# decoded; expert width 24: ffn_down_exps is F32, so its experts load decoded): embedding,
+# head, per GDN layer in_proj (qkv, z, b, a), attention q, k, v, o, per layer the shared
+# expert's gate and up.
 QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
              "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2,
-             "granitehybrid": 1 + 3 * 2 + 4 + 4 * 2}
+             "granitehybrid": 1 + 3 * 2 + 4 + 4 * 2,
+             "qwen35moe": 2 + 3 * 4 + 4 + 4 * 2}
 
 
 def _tokenizer(n: int = 512) -> dict:

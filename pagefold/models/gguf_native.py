@@ -222,9 +222,14 @@ def read_gguf(path: Path, reader, dtype: torch.dtype, keep_quantized: bool):
             pieces.setdefault(key, []).append(_take(t, out, keep_quantized))
     tensors: dict[str, torch.Tensor] = {}
     names: set[str] = set()
+    # an experts module is split per expert only when all its stacked tensors are kept
+    # quantized (its stacked parameters go when the first per-expert tensor loads)
+    plain_experts = {k.rpartition(".")[0] for k, ps in pieces.items()
+                     if any(q.out.expert and q.kind is None for q in ps)}
     for key, ps in pieces.items():
         names.add(key)
-        if keep_quantized and all(q.kind is not None and q.out.expert for q in ps):
+        if keep_quantized and key.rpartition(".")[0] not in plain_experts and all(
+                q.kind is not None and q.out.expert for q in ps):
             tensors.update(_per_expert(key, ps))
             continue
         p = _join(key, ps) if ps[0].out.part is not None else ps[0]

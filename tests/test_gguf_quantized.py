@@ -8,11 +8,9 @@ scalar) against gguf-py's decoder (independent of pagefold) on awkward shapes, a
 
 Families: dense (llama, qwen2 with q/k/v biases, qwen3), the LFM2 short-conv hybrid and
 Mamba-1 (a state-space stack: its in / x / out projections kept quantized, its conv, A, D and
-dt tensors as stored, transformers' ``ssm_a`` -> ``A_log`` mapping). Not covered: GDN /
-Mamba-2 hybrids and MoE. transformers 5 reads no qwen3_next / qwen3_5 /
-nemotron_h / mamba2 GGUF (so there is no oracle), and of the MoE GGUFs it reads (qwen2moe,
-qwen3moe, gpt-oss, minimax-m2) pagefold serves only gpt-oss, whose experts are MXFP4. A GGUF's
-stacked expert tensors load dequantized (``gguf_dequant_``).
+dt tensors as stored, transformers' ``ssm_a`` -> ``A_log`` mapping). The GDN / Mamba-2
+hybrids and MoE, whose GGUFs transformers 5 does not read (pagefold reads them itself), are
+tested in ``tests/test_gguf_hybrids.py`` against a transformers model of the same weights.
 """
 
 from __future__ import annotations

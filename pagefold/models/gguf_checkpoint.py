@@ -13,8 +13,11 @@ Invariants:
 * failures raise :class:`GGUFConversionError` with what went wrong and what to do.
 
 The GGUF parsing, tensor name mapping and dequantization are transformers' (it reads the
-metadata into a config and tokenizer, and undoes llama.cpp's Q/K row permutation); pagefold
-adds the caching, the atomic write and the messages.
+metadata into a config and tokenizer, and undoes llama.cpp's Q/K row permutation) for the
+architectures it reads; the GDN hybrids and the Mamba-2 family, which transformers 5 does not
+read, pagefold reads itself (``models/gguf_native.py``, tables in ``models/gguf_archs.py``),
+into the same stored form. An architecture neither reads is a :class:`GGUFConversionError`
+naming it. pagefold adds the caching, the atomic write and the messages.
 
 Kept quantized (the default of ``LLM`` and the CLI; ``keep_quantized=True``): the directory
 ``<stem>-<digest>-gguf`` holds the same config, tokenizer and generation config, with
@@ -38,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from pagefold.models.gguf_archs import ARCHS, GGUFConversionError
+from pagefold.models.gguf_native import native_arch, read_gguf
 from pagefold.models.gguf_raw import quantized_tensors
 from pagefold.quantization.gguf_blocks import GGUFTypeError
 
@@ -45,10 +50,6 @@ logger = logging.getLogger("pagefold")
 
 GGUF_MAGIC = b"GGUF"
 _STALE_TMP_SECONDS = 3600.0
-
-
-class GGUFConversionError(RuntimeError):
-    """A GGUF file could not be turned into a checkpoint (message says why and what to do)."""
 
 
 def default_cache_dir() -> Path:
@@ -96,26 +97,62 @@ def _check_header(path: Path) -> None:
             "corrupt or of another format: download or reinstall it")
 
 
-def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype,
-                      keep_quantized: bool = False) -> None:
-    """Everything of the checkpoint into ``out`` (an empty directory)."""
-    from safetensors.torch import save_file
+def _read_with_transformers(path: Path, dtype: torch.dtype, keep_quantized: bool):
+    """(config, tokenizer, meta-device model, stored tensors, Hugging Face names covered) of
+    a GGUF whose architecture transformers reads."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):  # only for transformers' tensor name map: no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    if keep_quantized:
+        tensors, names = quantized_tensors(path, skeleton)
+    else:
+        # transformers shows a tqdm bar over the tensors while it dequantizes them.
+        parsed = load_gguf_checkpoint(str(path), return_tensors=True,
+                                      model_to_load=skeleton, torch_dtype=dtype)
+        tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
+        names = set(tensors)
+    return config, tokenizer, skeleton, tensors, names
+
+
+def _check_architecture(path: Path, reader) -> str | None:
+    """The architecture when pagefold reads it itself (``gguf_native``); None when
+    transformers does; else a GGUFConversionError naming it and both lists."""
+    arch = native_arch(reader)
+    if arch is not None:
+        return arch
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    f = reader.fields.get("general.architecture")
+    name = str(f.contents()) if f is not None else "(none)"
+    aliases = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+               "minimax-m2": "minimax_m2"}
+    if name not in GGUF_SUPPORTED_ARCHITECTURES and aliases.get(name) not in (
+            GGUF_SUPPORTED_ARCHITECTURES):
+        raise GGUFConversionError(
+            f"{path}: GGUF architecture {name!r} is not supported (pagefold reads "
+            f"{', '.join(sorted(ARCHS))} itself; transformers reads "
+            f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    return None
+
+
+def _write_checkpoint(path: Path, out: Path, dtype: torch.dtype,
+                      keep_quantized: bool = False) -> None:
+    """Everything of the checkpoint into ``out`` (an empty directory)."""
+    import gguf
+    from safetensors.torch import save_file
+
     with _one_reader():
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        with torch.device("meta"):  # only for transformers' tensor name map: no memory
-            skeleton = AutoModelForCausalLM.from_config(config)
-        if keep_quantized:
-            tensors, names = quantized_tensors(path, skeleton)
+        reader = gguf.GGUFReader(str(path))
+        if _check_architecture(path, reader) is not None:
+            config, tokenizer, skeleton, tensors, names = read_gguf(path, reader, dtype,
+                                                                    keep_quantized)
         else:
-            # transformers shows a tqdm bar over the tensors while it dequantizes them.
-            parsed = load_gguf_checkpoint(str(path), return_tensors=True,
-                                          model_to_load=skeleton, torch_dtype=dtype)
-            tensors = {k: v.contiguous() for k, v in parsed["tensors"].items()}
-            names = set(tensors)
+            config, tokenizer, skeleton, tensors, names = _read_with_transformers(
+                path, dtype, keep_quantized)
     expected = {k for k in skeleton.state_dict()
                 if not (getattr(config, "tie_word_embeddings", False) and k == "lm_head.weight")}
     missing = sorted(expected - names)

@@ -355,7 +355,9 @@ class HybridCausalLM(CausalLM):
         seen: set[str] = set()
         loaded = load_into(self, experts.route(self._canonical(weights, seen)),
                            rename=self.fused_names)
-        if not self.tied and "lm_head.weight" not in seen:
+        # a kept-quantized GGUF head is stored as lm_head.gguf_<type>
+        if not self.tied and not any(n.startswith(("lm_head.weight", "lm_head.gguf_"))
+                                     for n in seen):
             logger.info("checkpoint has no lm_head.weight: tying it to the input embeddings")
             self.tie_head(self.model.embed_tokens)
         self.check_loaded(loaded, experts.complete())

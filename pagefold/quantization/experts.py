@@ -18,6 +18,8 @@ checkpoint (global expert ids) are refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from pagefold.distributed.parallel_state import tp_size
@@ -27,13 +29,14 @@ from pagefold.quantization.formats import QuantizationError, QuantMethod
 from pagefold.quantization.linear import QuantLinear, quantize_weight
 from pagefold.quantization.tp import TPSplit
 
-__all__ = ["ExpertLinears", "convert_experts", "quantize_experts"]
+__all__ = ["ExpertLinears", "convert_experts", "install_experts", "quantize_experts"]
 
 
 class ExpertLinears(nn.Module):
-    """One expert's ``gate_up_proj`` and ``down_proj`` quantized linears."""
+    """One expert's ``gate_up_proj`` and ``down_proj`` quantized linears (``QuantLinear``, or
+    ``GGUFLinear`` for a GGUF's experts)."""
 
-    def __init__(self, gate_up_proj: QuantLinear, down_proj: QuantLinear) -> None:
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
@@ -52,6 +55,16 @@ def _install(mod: MoEExperts, experts: list[ExpertLinears]) -> None:
     for e, ex in enumerate(experts):
         mod.add_module(str(e), ex)
     mod.quantized = experts
+
+
+def install_experts(mod: MoEExperts, make: Callable[[int], ExpertLinears], path: str) -> None:
+    """Make every expert ``e`` of ``mod`` the layers ``make(e)`` (one rank, all experts: under
+    tensor or expert parallelism a QuantizationError naming the layer)."""
+    if tp_size() > 1 or mod.ep is not None:
+        raise QuantizationError(f"{path}: GGUF experts kept quantized run on one rank only "
+                                "(no tensor or expert parallelism); load the file with "
+                                "quantization='none'")
+    _install(mod, [make(e) for e in range(mod.num_experts)])
 
 
 def _layers(mod: MoEExperts, methods: tuple[QuantMethod, QuantMethod], path: str, e: int

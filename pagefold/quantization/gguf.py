@@ -1,9 +1,11 @@
 """GGUF checkpoints kept quantized: layers that hold a GGUF file's blocks, and their loading.
 
-A kept-quantized GGUF conversion (``models/gguf_checkpoint.py``, ``models/gguf_raw.py``)
-stores each quantized linear or embedding weight as ``<module>.gguf_<type>`` (rows,
-row_bytes) uint8, rows in the model's order (llama.cpp's Q/K permutation undone), and every
-other quantized tensor (stacked MoE experts) as ``<param>.gguf_dequant_<type>``.
+A kept-quantized GGUF conversion (``models/gguf_checkpoint.py``, ``models/gguf_raw.py``,
+``models/gguf_native.py``) stores each quantized linear or embedding weight as
+``<module>.gguf_<type>`` (rows, row_bytes) uint8, rows in the model's order (llama.cpp's Q/K
+permutation undone), MoE experts that pagefold's reader splits per expert as
+``<experts>.<e>.<proj>.gguf_<type>``, and every other quantized tensor (stacked experts of
+transformers' reader) as ``<param>.gguf_dequant_<type>``.
 
 * :func:`gguf_weights` wraps the checkpoint's tensor stream: ``gguf_dequant_`` tensors are
   decoded into float32 under their parameter's name (the experts' stacked parameters load
@@ -15,7 +17,10 @@ other quantized tensor (stacked MoE experts) as ``<param>.gguf_dequant_<type>``.
   loads into a placeholder parameter of that type, whose loader keeps the raw rows;
   :meth:`GGUFQuantizer.finalize` builds each layer's :class:`~.gguf_kernel.GGUFWeight` (the
   raw rows and placeholders are dropped) and points a tied lm_head at the embedding's
-  weight, so the file's blocks are held once.
+  weight, so the file's blocks are held once. The first per-expert tensor of an
+  ``MoEExperts`` makes each of its experts a pair of GGUF layers (``gate_up_proj`` with
+  shards ``gate_proj`` / ``up_proj``, ``down_proj``; ``quantization/experts.py``), one rank
+  only (under tensor or expert parallelism: an error naming the layer).
 
 Invariants: a fused layer takes every shard from the file's quantized tensors or none (a
 plain shard beside quantized ones is refused, naming the layer); every shard of a layer is
@@ -35,7 +40,9 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.layers.linear import RowParallelLinear
+from pagefold.layers.moe import MoEExperts
 from pagefold.layers.vocab import VocabParallelEmbedding
+from pagefold.quantization.experts import ExpertLinears, install_experts
 from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
@@ -218,6 +225,33 @@ def _shards(lin: nn.Linear) -> dict[str, tuple[int, int]]:
     return dict(fused.shards) if fused is not None else {"": (0, lin.out_features)}
 
 
+def _gguf_experts(model: nn.Module, path: str) -> bool:
+    """``path`` = ``<experts>.<e>.gate_up_proj|down_proj`` of an :class:`MoEExperts` with its
+    experts still stacked: every expert made a pair of GGUF layers (the file's per-expert
+    rows load into them); False for another path."""
+    parent, _, proj = path.rpartition(".")
+    where, _, e = parent.rpartition(".")
+    if proj not in ("gate_up_proj", "down_proj") or not e.isdigit():
+        return False
+    try:
+        mod = model.get_submodule(where)
+    except AttributeError:
+        return False
+    if not isinstance(mod, MoEExperts) or mod.quantized is not None:
+        return False
+    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
+
+    def make(i: int) -> ExpertLinears:
+        layer = f"{where}.{i}"
+        return ExpertLinears(
+            GGUFLinear(hidden, 2 * inter, {"gate_proj": (0, inter), "up_proj": (inter, inter)},
+                       None, f"{layer}.gate_up_proj"),
+            GGUFLinear(inter, hidden, {"": (0, hidden)}, None, f"{layer}.down_proj"))
+
+    install_experts(mod, make, where)
+    return True
+
+
 class GGUFQuantizer:
     """The model-side half of loading a kept-quantized GGUF (set as ``model.pf_quant``)."""
 
@@ -233,7 +267,9 @@ class GGUFQuantizer:
         try:
             mod = model.get_submodule(path)
         except AttributeError:
-            return None
+            if kind is None or not _gguf_experts(model, path):
+                return None
+            mod = model.get_submodule(path)
         if kind is None:
             if name == "weight" and isinstance(mod, GGUFLinear):
                 raise QuantizationError(f"{path}: the GGUF file stores part of this fused "

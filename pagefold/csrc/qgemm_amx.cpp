@@ -1,0 +1,265 @@
+// Many-row products with GGUF-layout weights (gguf_quant.cpp's layout, unchanged: unsigned
+// codes row-major, per output row and weight group of 32 or 16 inputs a scale and a min) on
+// int8 activations, on the AMX tile unit (TDPBUSD: unsigned weight codes times signed
+// activations, int32 sums).
+//
+// Why: at 8-32 rows the int8-activation GEMV (qgemv_q8.cpp) is compute-bound (a vpdpbusd and
+// a float rescale per 64 products a row), while one tile instruction multiplies 16 weight
+// rows by 16 activation rows over a whole weight group.
+//
+// The activations are quantized per row and group of 32 as qgemv_q8.cpp quantizes them
+// (q8_act.h: the same integers q and scales d), and each output is, per weight group h in
+// order (h within activation group g(h)), with the integer dot product exact in int32:
+//   acc = fma(float(dot(q[r, h], code[o, h])), scale[o, h] * d[r, g(h)], acc)
+//   acc = fma(min[o, h], d[r, g(h)] * sum(q[r, h]), acc)
+// from acc = 0: float32 rounding of the same function qgemv_q8.cpp computes (its sums run in
+// another order, so the two agree to float32 rounding, not bitwise). Each output element is
+// one thread's chain in that fixed order, whichever rows share the call: a row's bits do not
+// depend on the rows beside it, nor on the thread count.
+//
+// Rows below `g_from` (pf_qgemm_q8_from) take qgemv_q8.cpp's form instead (few rows: its
+// VNNI GEMV reads the weights at about the same speed with far less work a weight), so the
+// bits of a call depend on whether it has at least `g_from` rows, as a product above a GEMV's
+// rows takes another path.
+//
+// Layout in the tile unit: A (16 weight rows x one weight group of codes, the codes as
+// stored: 8-bit codes straight from the weight, 4-bit codes unpacked per 16-row strip into a
+// buffer of bytes), B (the group's activations of 16 rows, 4 inputs a row per 4 bytes: packed
+// once per call), C (16 weight rows x 16 activation rows, int32), then the float rescale above
+// with one vector of 16 activation rows per weight row.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+#include "q8_act.h"
+
+extern "C" int pf_amx_ready();  // gemv_amx.cpp
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;  // as pf_qgemv_affine_q8
+int g_from = 8;                   // the least rows this form takes (below: qgemv_q8.cpp's)
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(PF_AVX512)
+#define PF_QGEMM_AMX 1
+
+constexpr int kT = 16;  // weight rows per strip (A / C tile rows), activation rows per half
+
+// The rows' int8 activations in B-tile order: per half of 16 rows and weight group h, W / 4
+// tile rows of 64 bytes (row r's inputs 4j..4j+3 at bytes 4r..4r+3); per half and h the 16
+// rows' d[r, g(h)] and d[r, g(h)] * sum(q[r, h]) (zero past the last row).
+struct Packed {
+  int64_t W, H, halves;
+  std::vector<int8_t> b;
+  std::vector<float> d, dsum;
+
+  Packed(const float* x, int64_t m, int64_t k, int64_t wg)
+      : W(wg), H(k / wg), halves((m + kT - 1) / kT),
+        b(static_cast<size_t>(halves * k * kT), 0),
+        d(static_cast<size_t>(halves * H * kT), 0.f),
+        dsum(static_cast<size_t>(halves * H * kT), 0.f) {
+    const int64_t per = 32 / wg;
+    std::vector<int8_t> q(static_cast<size_t>(k));
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t half = r / kT, rr = r % kT;
+      for (int64_t g = 0; g < k / 32; ++g) {
+        int32_t sum[2];
+        const float dg = pf::q8_group(x + r * k + g * 32, q.data() + g * 32, wg, sum);
+        for (int64_t p = 0; p < per; ++p) {
+          const int64_t at = (half * H + g * per + p) * kT + rr;
+          d[at] = dg;
+          dsum[at] = dg * static_cast<float>(sum[p]);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        int8_t* dst = b.data() + (half * H + h) * W * kT;
+        for (int64_t i = 0; i < W; ++i) dst[(i / 4) * 64 + rr * 4 + i % 4] = q[h * W + i];
+      }
+    }
+  }
+};
+
+// tmm0 / tmm1: C (16 x 16 int32); tmm2 / tmm3: A (16 weight rows x W codes); tmm4 / tmm5: B
+// (W / 4 rows of 16 x 4 activations). Two of each: consecutive groups in different tiles.
+void configure(int64_t W) {
+  pf::TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
+  for (int t : {2, 3}) cfg.rows[t] = kT, cfg.colsb[t] = static_cast<uint16_t>(W);
+  for (int t : {4, 5}) cfg.rows[t] = static_cast<uint8_t>(W / 4), cfg.colsb[t] = kT * 4;
+  _tile_loadconfig(&cfg);
+}
+
+// One row's 4-bit codes (GGUF order per group of 32: byte j holds input j low, j + 16 high)
+// as k bytes in input order.
+void unpack4(const uint8_t* src, int64_t k, uint8_t* dst) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  // 16-byte quarters: [lo0 hi0 lo1 hi1] and [lo2 hi2 lo3 hi3] of the lo / hi nibbles
+  const __m512i i0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i i1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const int64_t bytes = k / 2;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    const int64_t left = std::min<int64_t>(64, bytes - b);
+    const __mmask64 lm = left == 64 ? ~0ull : (1ull << left) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(lm, src + b);
+    const __m512i lo = _mm512_and_si512(v, mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    const int64_t out = 2 * left;  // bytes written: 32, 64, 96 or 128
+    const __mmask64 m0 = out >= 64 ? ~0ull : (1ull << out) - 1;
+    _mm512_mask_storeu_epi8(dst + 2 * b, m0, _mm512_permutex2var_epi64(lo, i0, hi));
+    if (out > 64) {
+      const __mmask64 m1 = out == 128 ? ~0ull : (1ull << (out - 64)) - 1;
+      _mm512_mask_storeu_epi8(dst + 2 * b + 64, m1, _mm512_permutex2var_epi64(lo, i1, hi));
+    }
+  }
+}
+
+// acc[i] (16 activation rows of weight row i) += group h's C tile (c: 16 x 16 int32), rescaled.
+inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t H, int64_t h,
+                    const float* dv, const float* dsv, __m512 (&acc)[kT]) {
+  const __m512 d = _mm512_loadu_ps(dv + h * kT);
+  const __m512 ds = _mm512_loadu_ps(dsv + h * kT);
+  for (int i = 0; i < kT; ++i) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kT));
+    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[i * H + h])), acc[i]);
+    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mn[i * H + h]), ds, acc[i]);
+  }
+}
+
+// One strip of 16 weight rows (A: codes of row i at a + i * lda; sc / mn: float32 scales and
+// mins, row i at i * H; `valid` rows of the strip are real) times every activation row: y's
+// columns o0..o0 + valid - 1.
+void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const float* sc,
+           const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
+  const int64_t W = p.W, H = p.H;
+  alignas(64) int32_t c[2][kT * kT];
+  alignas(64) float out[kT][kT];
+  for (int64_t half = 0; half < p.halves; ++half) {
+    const int8_t* b = p.b.data() + half * H * W * kT;
+    const float* dv = p.d.data() + half * H * kT;
+    const float* dsv = p.dsum.data() + half * H * kT;
+    __m512 acc[kT];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    int64_t h = 0;
+    for (; h + 2 <= H; h += 2) {
+      _tile_loadd(2, a + h * W, lda);
+      _tile_loadd(4, b + h * W * kT, 64);
+      _tile_loadd(3, a + (h + 1) * W, lda);
+      _tile_loadd(5, b + (h + 1) * W * kT, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_dpbusd(0, 2, 4);
+      _tile_dpbusd(1, 3, 5);
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      rescale(c[0], sc, mn, H, h, dv, dsv, acc);
+      rescale(c[1], sc, mn, H, h + 1, dv, dsv, acc);
+    }
+    if (h < H) {
+      _tile_loadd(2, a + h * W, lda);
+      _tile_loadd(4, b + h * W * kT, 64);
+      _tile_zero(0);
+      _tile_dpbusd(0, 2, 4);
+      _tile_stored(0, c[0], 64);
+      rescale(c[0], sc, mn, H, h, dv, dsv, acc);
+    }
+    for (int i = 0; i < kT; ++i) _mm512_store_ps(out[i], acc[i]);
+    const int64_t rows = std::min<int64_t>(kT, m - half * kT);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* yr = y + (half * kT + r) * ldy + o0;
+      for (int i = 0; i < valid; ++i) yr[i] = out[i][r];
+    }
+  }
+}
+
+// Whether the tile form takes `bits`-bit codes in weight groups of `group`.
+bool takes(int32_t bits, int64_t group) {
+  return pf_amx_ready() && ((bits == 4 && group == 32) || (bits >= 5 && bits <= 8 &&
+                                                           (group == 32 || group == 16)));
+}
+#else
+bool takes(int32_t, int64_t) { return false; }
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Set the least rows the tile form takes (fewer: qgemv_q8.cpp's form); returns the old value.
+// Tests set 1 to check the tile form at every row count.
+int pf_qgemm_q8_from(int32_t rows) {
+  const int old = g_from;
+  g_from = std::max(1, rows);
+  return old;
+}
+
+// Whether this build and CPU run the tile form for `bits`-bit codes in groups of `group`.
+int pf_qgemm_q8_takes(int32_t bits, int64_t group) { return takes(bits, group) ? 1 : 0; }
+
+// pf_qgemv_affine_q8's arguments, layout and return codes (1: not taken, nothing written):
+// rows below g_from run pf_qgemv_affine_q8 itself, g_from and more the tile form.
+int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                       int32_t bits, int64_t group, const void* scale, const void* mins,
+                       int32_t half, float* y, int64_t ldy, int32_t nthreads) {
+  if (m < 1 || m > kMaxRows || k < 32 || k % 32 || n < 1 || ldy < n || !takes(bits, group))
+    return 1;
+  if (m < g_from)
+    return pf_qgemv_affine_q8(x, m, k, n, codes, bits, group, scale, mins, half, y, ldy,
+                              nthreads);
+#if defined(PF_QGEMM_AMX)
+  const Packed p(x, m, k, group);
+  const int64_t H = k / group, row_bytes = bits == 4 ? k / 2 : k;
+  const int64_t strips = (n + kT - 1) / kT;
+  const bool par = n >= 64 && nthreads > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    configure(group);
+    std::vector<uint8_t> buf(static_cast<size_t>(kT * k), 0);
+    std::vector<float> sc(static_cast<size_t>(kT * H), 0.f), mn(sc.size(), 0.f);
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < strips; ++s) {
+      const int64_t o0 = s * kT;
+      const int valid = static_cast<int>(std::min<int64_t>(kT, n - o0));
+      // The strip's scales and mins as float32 rows (zero past the last weight row).
+      for (int i = 0; i < kT; ++i) {
+        float* si = sc.data() + i * H;
+        float* mi = mn.data() + i * H;
+        if (i >= valid) {
+          std::fill_n(si, H, 0.f), std::fill_n(mi, H, 0.f);
+        } else if (half) {
+          const uint16_t* hs = static_cast<const uint16_t*>(scale) + (o0 + i) * H;
+          const uint16_t* hm = static_cast<const uint16_t*>(mins) + (o0 + i) * H;
+          for (int64_t h = 0; h < H; ++h) si[h] = _cvtsh_ss(hs[h]), mi[h] = _cvtsh_ss(hm[h]);
+        } else {
+          std::memcpy(si, static_cast<const float*>(scale) + (o0 + i) * H, H * sizeof(float));
+          std::memcpy(mi, static_cast<const float*>(mins) + (o0 + i) * H, H * sizeof(float));
+        }
+      }
+      const uint8_t* a = codes + o0 * row_bytes;
+      int64_t lda = row_bytes;
+      if (bits == 4 || valid < kT) {  // codes as bytes in a strip buffer (zero rows past n)
+        for (int i = 0; i < kT; ++i) {
+          uint8_t* dst = buf.data() + i * k;
+          if (i >= valid)
+            std::memset(dst, 0, k);
+          else if (bits == 4)
+            unpack4(a + i * row_bytes, k, dst);
+          else
+            std::memcpy(dst, a + i * row_bytes, k);
+        }
+        a = buf.data();
+        lda = k;
+      }
+      strip(p, m, a, lda, sc.data(), mn.data(), o0, valid, y, ldy);
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  return 1;
+#endif
+}
+
+}  // extern "C"

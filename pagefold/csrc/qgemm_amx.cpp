@@ -74,21 +74,23 @@ struct Packed {
           dsum[at] = dg * static_cast<float>(sum[p]);
         }
       }
+      // row rr's 4 inputs 4j..4j+3 of group h: the 4 bytes at tile row j, column rr
       for (int64_t h = 0; h < H; ++h) {
-        int8_t* dst = b.data() + (half * H + h) * W * kT;
-        for (int64_t i = 0; i < W; ++i) dst[(i / 4) * 64 + rr * 4 + i % 4] = q[h * W + i];
+        int8_t* dst = b.data() + (half * H + h) * W * kT + rr * 4;
+        for (int64_t j = 0; j < W / 4; ++j) std::memcpy(dst + j * 64, q.data() + h * W + 4 * j, 4);
       }
     }
   }
 };
 
-// tmm0 / tmm1: C (16 x 16 int32); tmm2 / tmm3: A (16 weight rows x W codes); tmm4 / tmm5: B
-// (W / 4 rows of 16 x 4 activations). Two of each: consecutive groups in different tiles.
+// tmm0..3: C (16 x 16 int32: two pairs of groups, one pair computed while the other's are
+// rescaled); tmm4 / tmm5: A (16 weight rows x W codes); tmm6 / tmm7: B (W / 4 rows of 16 x 4
+// activations).
 void configure(int64_t W) {
   pf::TileConfig cfg;
-  for (int t : {0, 1}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
-  for (int t : {2, 3}) cfg.rows[t] = kT, cfg.colsb[t] = static_cast<uint16_t>(W);
-  for (int t : {4, 5}) cfg.rows[t] = static_cast<uint8_t>(W / 4), cfg.colsb[t] = kT * 4;
+  for (int t : {0, 1, 2, 3}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
+  for (int t : {4, 5}) cfg.rows[t] = kT, cfg.colsb[t] = static_cast<uint16_t>(W);
+  for (int t : {6, 7}) cfg.rows[t] = static_cast<uint8_t>(W / 4), cfg.colsb[t] = kT * 4;
   _tile_loadconfig(&cfg);
 }
 
@@ -134,7 +136,7 @@ inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t 
 void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const float* sc,
            const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
   const int64_t W = p.W, H = p.H;
-  alignas(64) int32_t c[2][kT * kT];
+  alignas(64) int32_t c[4][kT * kT];
   alignas(64) float out[kT][kT];
   for (int64_t half = 0; half < p.halves; ++half) {
     const int8_t* b = p.b.data() + half * H * W * kT;
@@ -142,28 +144,47 @@ void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const floa
     const float* dsv = p.dsum.data() + half * H * kT;
     __m512 acc[kT];
     for (auto& v : acc) v = _mm512_setzero_ps();
-    int64_t h = 0;
-    for (; h + 2 <= H; h += 2) {
-      _tile_loadd(2, a + h * W, lda);
-      _tile_loadd(4, b + h * W * kT, 64);
-      _tile_loadd(3, a + (h + 1) * W, lda);
-      _tile_loadd(5, b + (h + 1) * W * kT, 64);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_dpbusd(0, 2, 4);
-      _tile_dpbusd(1, 3, 5);
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      rescale(c[0], sc, mn, H, h, dv, dsv, acc);
-      rescale(c[1], sc, mn, H, h + 1, dv, dsv, acc);
-    }
-    if (h < H) {
-      _tile_loadd(2, a + h * W, lda);
-      _tile_loadd(4, b + h * W * kT, 64);
-      _tile_zero(0);
-      _tile_dpbusd(0, 2, 4);
-      _tile_stored(0, c[0], 64);
-      rescale(c[0], sc, mn, H, h, dv, dsv, acc);
+    // Groups h, h + 1 into C tiles 0 / 1 (even pairs) or 2 / 3 (odd pairs), stored to c[]:
+    // the tile unit runs pair j + 1 while the vector units rescale pair j. Tile register
+    // numbers are immediates, hence the two spelled-out pairs.
+    const auto pair = [&](int64_t h, int set) {
+      const bool two = h + 1 < H;
+      int32_t* c0 = c[2 * set];
+      int32_t* c1 = c[2 * set + 1];
+      if (set == 0) {
+        _tile_loadd(4, a + h * W, lda);
+        _tile_loadd(6, b + h * W * kT, 64);
+        _tile_zero(0);
+        _tile_dpbusd(0, 4, 6);
+        if (two) {
+          _tile_loadd(5, a + (h + 1) * W, lda);
+          _tile_loadd(7, b + (h + 1) * W * kT, 64);
+          _tile_zero(1);
+          _tile_dpbusd(1, 5, 7);
+        }
+        _tile_stored(0, c0, 64);
+        if (two) _tile_stored(1, c1, 64);
+      } else {
+        _tile_loadd(4, a + h * W, lda);
+        _tile_loadd(6, b + h * W * kT, 64);
+        _tile_zero(2);
+        _tile_dpbusd(2, 4, 6);
+        if (two) {
+          _tile_loadd(5, a + (h + 1) * W, lda);
+          _tile_loadd(7, b + (h + 1) * W * kT, 64);
+          _tile_zero(3);
+          _tile_dpbusd(3, 5, 7);
+        }
+        _tile_stored(2, c0, 64);
+        if (two) _tile_stored(3, c1, 64);
+      }
+    };
+    pair(0, 0);
+    for (int64_t h = 0; h < H; h += 2) {
+      const int set = static_cast<int>((h / 2) & 1);
+      if (h + 2 < H) pair(h + 2, set ^ 1);
+      rescale(c[2 * set], sc, mn, H, h, dv, dsv, acc);
+      if (h + 1 < H) rescale(c[2 * set + 1], sc, mn, H, h + 1, dv, dsv, acc);
     }
     for (int i = 0; i < kT; ++i) _mm512_store_ps(out[i], acc[i]);
     const int64_t rows = std::min<int64_t>(kT, m - half * kT);
@@ -231,7 +252,11 @@ int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const ui
         } else if (half) {
           const uint16_t* hs = static_cast<const uint16_t*>(scale) + (o0 + i) * H;
           const uint16_t* hm = static_cast<const uint16_t*>(mins) + (o0 + i) * H;
-          for (int64_t h = 0; h < H; ++h) si[h] = _cvtsh_ss(hs[h]), mi[h] = _cvtsh_ss(hm[h]);
+          for (int64_t h = 0; h < H; h += 16) {
+            const __mmask16 mk = H - h >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (H - h)) - 1);
+            _mm512_mask_storeu_ps(si + h, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, hs + h)));
+            _mm512_mask_storeu_ps(mi + h, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, hm + h)));
+          }
         } else {
           std::memcpy(si, static_cast<const float*>(scale) + (o0 + i) * H, H * sizeof(float));
           std::memcpy(mi, static_cast<const float*>(mins) + (o0 + i) * H, H * sizeof(float));

@@ -21,6 +21,7 @@ enum Format : int64_t {
   kAffine = 1,    // GGUF codes, w = scale * code + min; float32 activations (pf_qgemv_affine)
   kAffineQ8 = 2,  // the same weights on int8 activations (pf_qgemv_affine_q8)
   kInt = 3,       // w = scale * (code - zero), integer or FP8 codes (pf_qgemv_int)
+  kAffineQ8mm = 4,  // GGUF codes on int8 activations, AMX tiles from a few rows (qgemm_amx.cpp)
 };
 
 // One matrix: its format, codes, per row and group scales and mins / zeros, code bits, group,
@@ -59,6 +60,11 @@ int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* 
       break;
     case kAffineQ8:
       rc = pf_qgemv_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
+                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
+                              N, nthreads);
+      break;
+    case kAffineQ8mm:
+      rc = pf_qgemm_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
                               q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
                               N, nthreads);
       break;

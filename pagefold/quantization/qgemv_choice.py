@@ -1,9 +1,11 @@
 """Which product each quantized weight's bf16 rows take, and up to how many rows: chosen by
 measuring, as the bf16 GEMVs are (``csrc/gemv_choice``).
 
-A GGUF weight's few-row product has two compiled kernels, ``q8`` (``pf_qgemv_affine_q8``: the
-rows quantized to int8 per group, integer dot products; group-32 codes only) and ``float``
-(``pf_qgemv_affine``: float32 sums); an integer or FP8 weight (GPTQ, AWQ, compressed-tensors,
+A GGUF weight's few-row product has up to three compiled kernels, ``q8``
+(``pf_qgemv_affine_q8``: the rows quantized to int8 per group, integer dot products; group-32
+codes only), ``q8mm`` (``pf_qgemm_affine_q8``: the same int8 rows on the AMX tile unit from a
+few rows up, ``q8``'s form below; CPUs with AMX-INT8 only) and ``float`` (``pf_qgemv_affine``:
+float32 sums); an integer or FP8 weight (GPTQ, AWQ, compressed-tensors,
 on-load int4 / int8 / fp8) has ``int`` (``pf_qgemv_int``). Above a kernel's rows the ``tile``
 path decodes a tile of output rows to bf16 and runs oneDNN's GEMM. Which is fastest, and up to
 how many rows, depends on the CPU (VNNI or not, how wide its units are), the format, the shape
@@ -23,8 +25,8 @@ A weight takes part through: ``n``, ``k``, ``nbytes``, ``choice`` (set here), ``
 and ``product(x, name)`` (``torch``: the tile path).
 
 ``PAGEFOLD_QGEMV``: ``auto`` (default, measured), ``flags`` (the first kernel name, up to 32
-rows, untimed), ``q8`` / ``float`` (that GGUF kernel up to 32 rows where the weight has it, else
-the flags' pick), ``tile`` (no kernel: every bf16 product decodes tiles).
+rows, untimed), ``q8`` / ``q8mm`` / ``float`` (that GGUF kernel up to 32 rows where the weight
+has it, else the flags' pick), ``tile`` (no kernel: every bf16 product decodes tiles).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from pagefold.csrc.gemv_choice import ROWS, Table
 __all__ = ["MODES", "KERNEL_MAX_ROWS", "choose", "choose_for", "flags_pick", "requested"]
 
 KERNEL_MAX_ROWS = 32
-KERNELS = ("q8", "float")  # the ones a mode can force
+KERNELS = ("q8", "q8mm", "float")  # the ones a mode can force
 TILE = "tile"
 MODES = ("auto", "flags", *KERNELS, TILE)
 FORMAT = 1

@@ -41,7 +41,7 @@ extern "C" int pf_amx_ready();  // gemv_amx.cpp
 namespace {
 
 constexpr int64_t kMaxRows = 64;  // as pf_qgemv_affine_q8
-int g_from = 8;                   // the least rows this form takes (below: qgemv_q8.cpp's)
+int g_from = 4;                   // the least rows this form takes (below: qgemv_q8.cpp's)
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(PF_AVX512)
 #define PF_QGEMM_AMX 1
@@ -118,6 +118,35 @@ void unpack4(const uint8_t* src, int64_t k, uint8_t* dst) {
   }
 }
 
+// The permutations of transpose16's stages (block sizes 8, 4, 2, 1): lane l of the first
+// row of a pair takes (l & s ? the second row's l - s : its own l), of the second (l & s ?
+// the second's l : the first's l + s).
+struct Swaps {
+  alignas(64) int32_t lo[4][16], hi[4][16];
+  constexpr Swaps() : lo(), hi() {
+    for (int t = 0, s = 8; t < 4; ++t, s /= 2)
+      for (int l = 0; l < 16; ++l) {
+        lo[t][l] = (l & s) ? 16 + l - s : l;
+        hi[t][l] = (l & s) ? 16 + l : l + s;
+      }
+  }
+};
+constexpr Swaps kSwaps;
+
+// r (16 x 16 floats) transposed in place: the off-diagonal blocks of 8, 4, 2 and 1 swapped.
+inline void transpose16(__m512 (&r)[kT]) {
+  int t = 0;
+  for (int s = 8; s >= 1; s /= 2, ++t) {
+    const __m512i il = _mm512_load_si512(kSwaps.lo[t]), ih = _mm512_load_si512(kSwaps.hi[t]);
+    for (int j = 0; j < kT; ++j) {
+      if (j & s) continue;
+      const __m512 a = r[j], c = r[j + s];
+      r[j] = _mm512_permutex2var_ps(a, il, c);
+      r[j + s] = _mm512_permutex2var_ps(a, ih, c);
+    }
+  }
+}
+
 // acc[i] (16 activation rows of weight row i) += group h's C tile (c: 16 x 16 int32), rescaled.
 inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t H, int64_t h,
                     const float* dv, const float* dsv, __m512 (&acc)[kT]) {
@@ -125,20 +154,102 @@ inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t 
   const __m512 ds = _mm512_loadu_ps(dsv + h * kT);
   for (int i = 0; i < kT; ++i) {
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kT));
-    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[i * H + h])), acc[i]);
-    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mn[i * H + h]), ds, acc[i]);
+    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[h * kT + i])), acc[i]);
+    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mn[h * kT + i]), ds, acc[i]);
   }
 }
 
+// The same, the accumulators in memory (acc: 16 x 16 floats): the second half of a pair of
+// halves (sixteen more registers than there are).
+inline void rescale_mem(const int32_t* c, const float* sc, const float* mn, int64_t H, int64_t h,
+                        const float* dv, const float* dsv, float* acc) {
+  const __m512 d = _mm512_loadu_ps(dv + h * kT);
+  const __m512 ds = _mm512_loadu_ps(dsv + h * kT);
+  for (int i = 0; i < kT; ++i) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kT));
+    __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[h * kT + i])),
+                               _mm512_load_ps(acc + i * kT));
+    v = _mm512_fmadd_ps(_mm512_set1_ps(mn[h * kT + i]), ds, v);
+    _mm512_store_ps(acc + i * kT, v);
+  }
+}
+
+// Rows [16 half, +16) of y's columns o0..o0 + valid - 1 from acc (weight row i, activation
+// row r at acc[i][r]; clobbered).
+inline void put(__m512 (&acc)[kT], int64_t half, int64_t m, int64_t o0, int valid, float* y,
+                int64_t ldy) {
+  transpose16(acc);
+  const int64_t rows = std::min<int64_t>(kT, m - half * kT);
+  const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_mask_storeu_ps(y + (half * kT + r) * ldy + o0, mk, acc[r]);
+}
+
+// Halves `half` and `half + 1` of the activation rows at once: each group's A tile loaded once
+// for both (tmm4 / tmm5 even / odd groups; B tmm6 / tmm7 the two halves; C tmm0 / tmm1 an even
+// group's two halves, tmm2 / tmm3 an odd group's), the next group's tiles issued before this
+// one's rescale. Each output's chain is the one-half form's.
+void strip_pair(const Packed& p, int64_t half, int64_t m, const uint8_t* a, int64_t lda,
+                const float* sc, const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
+  const int64_t W = p.W, H = p.H;
+  alignas(64) int32_t c[4][kT * kT];
+  alignas(64) float accb[kT * kT] = {};
+  const int8_t* b0 = p.b.data() + half * H * W * kT;
+  const int8_t* b1 = b0 + H * W * kT;
+  const float* dv0 = p.d.data() + half * H * kT;
+  const float* ds0 = p.dsum.data() + half * H * kT;
+  const float* dv1 = dv0 + H * kT;
+  const float* ds1 = ds0 + H * kT;
+  __m512 acc[kT];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const auto group = [&](int64_t h) {
+    if ((h & 1) == 0) {
+      _tile_loadd(4, a + h * W, lda);
+      _tile_loadd(6, b0 + h * W * kT, 64);
+      _tile_loadd(7, b1 + h * W * kT, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+    } else {
+      _tile_loadd(5, a + h * W, lda);
+      _tile_loadd(6, b0 + h * W * kT, 64);
+      _tile_loadd(7, b1 + h * W * kT, 64);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+    }
+  };
+  group(0);
+  for (int64_t h = 0; h < H; ++h) {
+    if (h + 1 < H) group(h + 1);
+    const int set = static_cast<int>(h & 1);
+    rescale(c[2 * set], sc, mn, H, h, dv0, ds0, acc);
+    rescale_mem(c[2 * set + 1], sc, mn, H, h, dv1, ds1, accb);
+  }
+  put(acc, half, m, o0, valid, y, ldy);
+  for (int i = 0; i < kT; ++i) acc[i] = _mm512_load_ps(accb + i * kT);
+  put(acc, half + 1, m, o0, valid, y, ldy);
+}
+
 // One strip of 16 weight rows (A: codes of row i at a + i * lda; sc / mn: float32 scales and
-// mins, row i at i * H; `valid` rows of the strip are real) times every activation row: y's
+// mins of row i and group h at h * 16 + i; `valid` rows of the strip are real) times every activation row: y's
 // columns o0..o0 + valid - 1.
 void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const float* sc,
            const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
   const int64_t W = p.W, H = p.H;
   alignas(64) int32_t c[4][kT * kT];
-  alignas(64) float out[kT][kT];
   for (int64_t half = 0; half < p.halves; ++half) {
+    if (half + 1 < p.halves) {
+      strip_pair(p, half, m, a, lda, sc, mn, o0, valid, y, ldy);
+      ++half;
+      continue;
+    }
     const int8_t* b = p.b.data() + half * H * W * kT;
     const float* dv = p.d.data() + half * H * kT;
     const float* dsv = p.dsum.data() + half * H * kT;
@@ -186,12 +297,7 @@ void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const floa
       rescale(c[2 * set], sc, mn, H, h, dv, dsv, acc);
       if (h + 1 < H) rescale(c[2 * set + 1], sc, mn, H, h + 1, dv, dsv, acc);
     }
-    for (int i = 0; i < kT; ++i) _mm512_store_ps(out[i], acc[i]);
-    const int64_t rows = std::min<int64_t>(kT, m - half * kT);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* yr = y + (half * kT + r) * ldy + o0;
-      for (int i = 0; i < valid; ++i) yr[i] = out[i][r];
-    }
+    put(acc, half, m, o0, valid, y, ldy);
   }
 }
 
@@ -243,23 +349,27 @@ int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const ui
     for (int64_t s = 0; s < strips; ++s) {
       const int64_t o0 = s * kT;
       const int valid = static_cast<int>(std::min<int64_t>(kT, n - o0));
-      // The strip's scales and mins as float32 rows (zero past the last weight row).
-      for (int i = 0; i < kT; ++i) {
-        float* si = sc.data() + i * H;
-        float* mi = mn.data() + i * H;
-        if (i >= valid) {
-          std::fill_n(si, H, 0.f), std::fill_n(mi, H, 0.f);
-        } else if (half) {
-          const uint16_t* hs = static_cast<const uint16_t*>(scale) + (o0 + i) * H;
-          const uint16_t* hm = static_cast<const uint16_t*>(mins) + (o0 + i) * H;
-          for (int64_t h = 0; h < H; h += 16) {
-            const __mmask16 mk = H - h >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (H - h)) - 1);
-            _mm512_mask_storeu_ps(si + h, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, hs + h)));
-            _mm512_mask_storeu_ps(mi + h, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, hm + h)));
+      // The strip's scales and mins as float32, transposed: group h's 16 rows at h * 16
+      // (zero past the last weight row).
+      for (int64_t h0 = 0; h0 < H; h0 += kT) {
+        const int64_t hn = std::min<int64_t>(kT, H - h0);
+        const __mmask16 mk = static_cast<__mmask16>((1u << hn) - 1);
+        for (int t = 0; t < 2; ++t) {
+          const void* src = t ? mins : scale;
+          __m512 r[kT];
+          for (int i = 0; i < kT; ++i) {
+            const int64_t at = (o0 + i) * H + h0;
+            if (i >= valid)
+              r[i] = _mm512_setzero_ps();
+            else if (half)
+              r[i] = _mm512_cvtph_ps(
+                  _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + at));
+            else
+              r[i] = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + at);
           }
-        } else {
-          std::memcpy(si, static_cast<const float*>(scale) + (o0 + i) * H, H * sizeof(float));
-          std::memcpy(mi, static_cast<const float*>(mins) + (o0 + i) * H, H * sizeof(float));
+          transpose16(r);
+          float* dst = (t ? mn : sc).data() + h0 * kT;
+          for (int64_t j = 0; j < hn; ++j) _mm512_storeu_ps(dst + j * kT, r[j]);
         }
       }
       const uint8_t* a = codes + o0 * row_bytes;

@@ -240,3 +240,28 @@ def test_a_kernel_that_declines_the_layout_keeps_the_flags_choice():
     assert qgemv_choice.measure(w, stream, w.kernel_names()) is None
     qgemv_choice.choose([w])
     assert w.choice == qgemv_choice.flags_pick(w)
+
+
+def test_the_tile_kernel_is_chosen_when_the_timings_say_so(monkeypatch):
+    """``q8mm`` (AMX tiles, on CPUs with AMX-INT8) joins the table where it runs: chosen at
+    all 32 rows when its fake times win, forced by ``PAGEFOLD_QGEMV=q8mm``; elsewhere the
+    weight does not list it and the mode falls back to the flags' pick."""
+    w = _weight("Q4_1", 1024, 512)
+    names = w.kernel_names()
+    if "q8mm" not in names:
+        assert not lib.pf_qgemm_q8_takes(4, 32)
+        monkeypatch.setenv("PAGEFOLD_QGEMV", "q8mm")
+        qgemv_choice.choose([w], timer=lambda *a: pytest.fail("timed a forced choice"))
+        assert w.choice == qgemv_choice.flags_pick(w)
+        return
+    assert names[0] == "q8"  # the flags' pick stays the GEMV
+    calls: list = []
+    qgemv_choice.choose([w], timer=_timer("q8mm", 32, calls))
+    assert w.choice == ("q8mm", 32) and calls[0][1] == names
+    assert w.native() is not None
+    x = torch.randn(20, 512).bfloat16()
+    assert torch.equal(w.matmul(x), w.product(x, "q8mm").bfloat16())
+    other = _weight("Q4_1", 1024, 512, 1)
+    monkeypatch.setenv("PAGEFOLD_QGEMV", "q8mm")
+    qgemv_choice.choose([other], timer=lambda *a: pytest.fail("timed a forced choice"))
+    assert other.choice == ("q8mm", 32)

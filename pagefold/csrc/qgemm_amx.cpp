@@ -83,12 +83,11 @@ struct Packed {
   }
 };
 
-// tmm0..3: C (16 x 16 int32: two pairs of groups, one pair computed while the other's are
-// rescaled); tmm4 / tmm5: A (16 weight rows x W codes); tmm6 / tmm7: B (W / 4 rows of 16 x 4
-// activations).
+// tmm0 / tmm1: C (16 x 16 int32); tmm4 / tmm5: A (16 weight rows x W codes); tmm6 / tmm7: B
+// (W / 4 rows of 16 x 4 activations): even and odd groups.
 void configure(int64_t W) {
   pf::TileConfig cfg;
-  for (int t : {0, 1, 2, 3}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
+  for (int t : {0, 1}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
   for (int t : {4, 5}) cfg.rows[t] = kT, cfg.colsb[t] = static_cast<uint16_t>(W);
   for (int t : {6, 7}) cfg.rows[t] = static_cast<uint8_t>(W / 4), cfg.colsb[t] = kT * 4;
   _tile_loadconfig(&cfg);
@@ -159,21 +158,6 @@ inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t 
   }
 }
 
-// The same, the accumulators in memory (acc: 16 x 16 floats): the second half of a pair of
-// halves (sixteen more registers than there are).
-inline void rescale_mem(const int32_t* c, const float* sc, const float* mn, int64_t H, int64_t h,
-                        const float* dv, const float* dsv, float* acc) {
-  const __m512 d = _mm512_loadu_ps(dv + h * kT);
-  const __m512 ds = _mm512_loadu_ps(dsv + h * kT);
-  for (int i = 0; i < kT; ++i) {
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kT));
-    __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[h * kT + i])),
-                               _mm512_load_ps(acc + i * kT));
-    v = _mm512_fmadd_ps(_mm512_set1_ps(mn[h * kT + i]), ds, v);
-    _mm512_store_ps(acc + i * kT, v);
-  }
-}
-
 // Rows [16 half, +16) of y's columns o0..o0 + valid - 1 from acc (weight row i, activation
 // row r at acc[i][r]; clobbered).
 inline void put(__m512 (&acc)[kT], int64_t half, int64_t m, int64_t o0, int valid, float* y,
@@ -185,117 +169,45 @@ inline void put(__m512 (&acc)[kT], int64_t half, int64_t m, int64_t o0, int vali
     _mm512_mask_storeu_ps(y + (half * kT + r) * ldy + o0, mk, acc[r]);
 }
 
-// Halves `half` and `half + 1` of the activation rows at once: each group's A tile loaded once
-// for both (tmm4 / tmm5 even / odd groups; B tmm6 / tmm7 the two halves; C tmm0 / tmm1 an even
-// group's two halves, tmm2 / tmm3 an odd group's), the next group's tiles issued before this
-// one's rescale. Each output's chain is the one-half form's.
-void strip_pair(const Packed& p, int64_t half, int64_t m, const uint8_t* a, int64_t lda,
-                const float* sc, const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
-  const int64_t W = p.W, H = p.H;
-  alignas(64) int32_t c[4][kT * kT];
-  alignas(64) float accb[kT * kT] = {};
-  const int8_t* b0 = p.b.data() + half * H * W * kT;
-  const int8_t* b1 = b0 + H * W * kT;
-  const float* dv0 = p.d.data() + half * H * kT;
-  const float* ds0 = p.dsum.data() + half * H * kT;
-  const float* dv1 = dv0 + H * kT;
-  const float* ds1 = ds0 + H * kT;
-  __m512 acc[kT];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  const auto group = [&](int64_t h) {
-    if ((h & 1) == 0) {
-      _tile_loadd(4, a + h * W, lda);
-      _tile_loadd(6, b0 + h * W * kT, 64);
-      _tile_loadd(7, b1 + h * W * kT, 64);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_dpbusd(0, 4, 6);
-      _tile_dpbusd(1, 4, 7);
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-    } else {
-      _tile_loadd(5, a + h * W, lda);
-      _tile_loadd(6, b0 + h * W * kT, 64);
-      _tile_loadd(7, b1 + h * W * kT, 64);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_dpbusd(2, 5, 6);
-      _tile_dpbusd(3, 5, 7);
-      _tile_stored(2, c[2], 64);
-      _tile_stored(3, c[3], 64);
-    }
-  };
-  group(0);
-  for (int64_t h = 0; h < H; ++h) {
-    if (h + 1 < H) group(h + 1);
-    const int set = static_cast<int>(h & 1);
-    rescale(c[2 * set], sc, mn, H, h, dv0, ds0, acc);
-    rescale_mem(c[2 * set + 1], sc, mn, H, h, dv1, ds1, accb);
-  }
-  put(acc, half, m, o0, valid, y, ldy);
-  for (int i = 0; i < kT; ++i) acc[i] = _mm512_load_ps(accb + i * kT);
-  put(acc, half + 1, m, o0, valid, y, ldy);
-}
-
 // One strip of 16 weight rows (A: codes of row i at a + i * lda; sc / mn: float32 scales and
-// mins of row i and group h at h * 16 + i; `valid` rows of the strip are real) times every activation row: y's
-// columns o0..o0 + valid - 1.
+// mins of row i and group h at h * 16 + i; `valid` rows of the strip are real) times every
+// activation row, 16 rows (a half) at a time: y's columns o0..o0 + valid - 1.
+//
+// The tile unit runs its instructions in order, so each group's tiles go in one of two sets
+// (even groups tmm4 A / tmm6 B / tmm0 C, odd ones tmm5 / tmm7 / tmm1) and the next group's
+// product is issued before this group's C is stored: a product's latency overlaps the next
+// one's, and the vector units rescale group h while the tile unit works on h + 1.
 void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const float* sc,
            const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
   const int64_t W = p.W, H = p.H;
-  alignas(64) int32_t c[4][kT * kT];
+  alignas(64) int32_t c[2][kT * kT];
   for (int64_t half = 0; half < p.halves; ++half) {
-    if (half + 1 < p.halves) {
-      strip_pair(p, half, m, a, lda, sc, mn, o0, valid, y, ldy);
-      ++half;
-      continue;
-    }
     const int8_t* b = p.b.data() + half * H * W * kT;
     const float* dv = p.d.data() + half * H * kT;
     const float* dsv = p.dsum.data() + half * H * kT;
     __m512 acc[kT];
     for (auto& v : acc) v = _mm512_setzero_ps();
-    // Groups h, h + 1 into C tiles 0 / 1 (even pairs) or 2 / 3 (odd pairs), stored to c[]:
-    // the tile unit runs pair j + 1 while the vector units rescale pair j. Tile register
-    // numbers are immediates, hence the two spelled-out pairs.
-    const auto pair = [&](int64_t h, int set) {
-      const bool two = h + 1 < H;
-      int32_t* c0 = c[2 * set];
-      int32_t* c1 = c[2 * set + 1];
-      if (set == 0) {
+    const auto issue = [&](int64_t h) {
+      if ((h & 1) == 0) {
         _tile_loadd(4, a + h * W, lda);
         _tile_loadd(6, b + h * W * kT, 64);
         _tile_zero(0);
         _tile_dpbusd(0, 4, 6);
-        if (two) {
-          _tile_loadd(5, a + (h + 1) * W, lda);
-          _tile_loadd(7, b + (h + 1) * W * kT, 64);
-          _tile_zero(1);
-          _tile_dpbusd(1, 5, 7);
-        }
-        _tile_stored(0, c0, 64);
-        if (two) _tile_stored(1, c1, 64);
       } else {
-        _tile_loadd(4, a + h * W, lda);
-        _tile_loadd(6, b + h * W * kT, 64);
-        _tile_zero(2);
-        _tile_dpbusd(2, 4, 6);
-        if (two) {
-          _tile_loadd(5, a + (h + 1) * W, lda);
-          _tile_loadd(7, b + (h + 1) * W * kT, 64);
-          _tile_zero(3);
-          _tile_dpbusd(3, 5, 7);
-        }
-        _tile_stored(2, c0, 64);
-        if (two) _tile_stored(3, c1, 64);
+        _tile_loadd(5, a + h * W, lda);
+        _tile_loadd(7, b + h * W * kT, 64);
+        _tile_zero(1);
+        _tile_dpbusd(1, 5, 7);
       }
     };
-    pair(0, 0);
-    for (int64_t h = 0; h < H; h += 2) {
-      const int set = static_cast<int>((h / 2) & 1);
-      if (h + 2 < H) pair(h + 2, set ^ 1);
-      rescale(c[2 * set], sc, mn, H, h, dv, dsv, acc);
-      if (h + 1 < H) rescale(c[2 * set + 1], sc, mn, H, h + 1, dv, dsv, acc);
+    issue(0);
+    for (int64_t h = 0; h < H; ++h) {
+      if (h + 1 < H) issue(h + 1);
+      if ((h & 1) == 0)
+        _tile_stored(0, c[0], 64);
+      else
+        _tile_stored(1, c[1], 64);
+      rescale(c[h & 1], sc, mn, H, h, dv, dsv, acc);
     }
     put(acc, half, m, o0, valid, y, ldy);
   }

@@ -3,9 +3,10 @@
 // int8 activations, on the AMX tile unit (TDPBUSD: unsigned weight codes times signed
 // activations, int32 sums).
 //
-// Why: at 8-32 rows the int8-activation GEMV (qgemv_q8.cpp) is compute-bound (a vpdpbusd and
-// a float rescale per 64 products a row), while one tile instruction multiplies 16 weight
-// rows by 16 activation rows over a whole weight group.
+// Why: from a few rows on, the int8-activation GEMV (qgemv_q8.cpp) is compute-bound (a
+// vpdpbusd and a float rescale per 64 products a row), while one tile instruction multiplies
+// 16 weight rows by 16 activation rows over a whole weight group (at 32 rows 3-5x the GEMV's
+// speed in isolation on a Sapphire Rapids Xeon, one thread).
 //
 // The activations are quantized per row and group of 32 as qgemv_q8.cpp quantizes them
 // (q8_act.h: the same integers q and scales d), and each output is, per weight group h in
@@ -17,10 +18,10 @@
 // one thread's chain in that fixed order, whichever rows share the call: a row's bits do not
 // depend on the rows beside it, nor on the thread count.
 //
-// Rows below `g_from` (pf_qgemm_q8_from) take qgemv_q8.cpp's form instead (few rows: its
-// VNNI GEMV reads the weights at about the same speed with far less work a weight), so the
-// bits of a call depend on whether it has at least `g_from` rows, as a product above a GEMV's
-// rows takes another path.
+// Rows below `g_from` (pf_qgemm_q8_from; 4) take qgemv_q8.cpp's form instead (at 1-2 rows its
+// VNNI GEMV was 1.2-1.5x the tile form's speed, at 4 rows 0.7-0.9x, same Xeon), so the bits
+// of a call depend on whether it has at least `g_from` rows, as a product above a GEMV's rows
+// takes another path.
 //
 // Layout in the tile unit: A (16 weight rows x one weight group of codes, the codes as
 // stored: 8-bit codes straight from the weight, 4-bit codes unpacked per 16-row strip into a

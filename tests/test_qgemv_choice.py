@@ -96,12 +96,12 @@ def test_choose_takes_the_measured_kernel_and_rows_then_reads_the_cache():
 def test_a_choice_within_the_margin_keeps_the_flags_kernel():
     w = _weight("Q4_1", 1024, 512)
     flags = qgemv_choice.flags_pick(w)
-    if flags[0] != "q8":
+    if flags[0] == "float":
         pytest.skip("no int8-activation form here: one kernel, nothing to choose")
 
     def timer(proto, stream, kernels):
-        return ({"q8": dict.fromkeys(ROWS, 10.0), "float": dict.fromkeys(ROWS, 9.5)},
-                dict.fromkeys(ROWS, math.inf))
+        return ({name: dict.fromkeys(ROWS, 10.0 if name == flags[0] else 9.5)
+                 for name in kernels}, dict.fromkeys(ROWS, math.inf))
     qgemv_choice.choose([w], timer=timer)
     assert w.choice == flags
 
@@ -119,7 +119,8 @@ def test_flags_mode_and_a_bad_mode(monkeypatch):
     w = _weight("Q4_1", 1024, 512)
     qgemv_choice.choose([w], timer=lambda *a: pytest.fail("timed the flags' choice"))
     takes = bool(lib.pf_qgemv_q8_takes(4, 32))
-    assert w.choice == (("q8" if takes else "float"), 32)
+    tiles = takes and bool(lib.pf_qgemm_q8_takes(4, 32))
+    assert w.choice == (("q8mm" if tiles else "q8" if takes else "float"), 32)
     monkeypatch.setenv("PAGEFOLD_QGEMV", "fastest")
     with pytest.raises(ValueError, match="PAGEFOLD_QGEMV='fastest': expected one of auto"):
         qgemv_choice.choose([_weight("Q4_1", 1024, 512)])
@@ -240,3 +241,32 @@ def test_a_kernel_that_declines_the_layout_keeps_the_flags_choice():
     assert qgemv_choice.measure(w, stream, w.kernel_names()) is None
     qgemv_choice.choose([w])
     assert w.choice == qgemv_choice.flags_pick(w)
+
+
+def test_the_tile_kernel_is_chosen_when_the_timings_say_so(monkeypatch):
+    """``q8mm`` (AMX tiles, on CPUs with AMX-INT8) joins the table where it runs, first (the
+    flags' pick): kept at all 32 rows when its fake times win, the GEMV when its do; forced by
+    ``PAGEFOLD_QGEMV=q8mm``; elsewhere the weight does not list it and the mode falls back to
+    the flags' pick."""
+    w = _weight("Q4_1", 1024, 512)
+    names = w.kernel_names()
+    if "q8mm" not in names:
+        assert not lib.pf_qgemm_q8_takes(4, 32)
+        monkeypatch.setenv("PAGEFOLD_QGEMV", "q8mm")
+        qgemv_choice.choose([w], timer=lambda *a: pytest.fail("timed a forced choice"))
+        assert w.choice == qgemv_choice.flags_pick(w)
+        return
+    assert names[:2] == ["q8mm", "q8"]  # the flags' pick: tiles where the CPU has them
+    calls: list = []
+    qgemv_choice.choose([w], timer=_timer("q8mm", 32, calls))
+    assert w.choice == ("q8mm", 32) and calls[0][1] == names
+    gemv = _weight("Q4_1", 2048, 512, 2)  # the GEMV when the timings say so (another shape)
+    qgemv_choice.choose([gemv], timer=_timer("q8", 32, calls))
+    assert gemv.choice == ("q8", 32)
+    assert w.native() is not None
+    x = torch.randn(20, 512).bfloat16()
+    assert torch.equal(w.matmul(x), w.product(x, "q8mm").bfloat16())
+    other = _weight("Q4_1", 1024, 512, 1)
+    monkeypatch.setenv("PAGEFOLD_QGEMV", "q8mm")
+    qgemv_choice.choose([other], timer=lambda *a: pytest.fail("timed a forced choice"))
+    assert other.choice == ("q8mm", 32)

@@ -24,8 +24,8 @@ _SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocke
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp",
             _DIR / "moe.cpp", _DIR / "pages.cpp", _DIR / "quant.cpp",
             _DIR / "gguf_quant.cpp", _DIR / "lora.cpp", _DIR / "qgemv_q8.cpp",
-            _DIR / "quant_linear.cpp", _DIR / "mxfp4.cpp"]
-_HEADERS = [_DIR / "common.h", _DIR / "kernels.h"]
+            _DIR / "quant_linear.cpp", _DIR / "mxfp4.cpp", _DIR / "qgemm_amx.cpp"]
+_HEADERS = [_DIR / "common.h", _DIR / "kernels.h", _DIR / "q8_act.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _loaded: list[str] = []  # the key of the library load() returned
 
@@ -203,6 +203,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_qgemv_q8_limit_isa.restype = i32
     lib.pf_qgemv_q8_takes.argtypes = [i32, i64]
     lib.pf_qgemv_q8_takes.restype = i32
+    lib.pf_qgemm_affine_q8.argtypes = lib.pf_qgemv_affine.argtypes
+    lib.pf_qgemm_affine_q8.restype = i32
+    lib.pf_qgemm_q8_from.argtypes = [i32]
+    lib.pf_qgemm_q8_from.restype = i32
+    lib.pf_qgemm_q8_takes.argtypes = [i32, i64]
+    lib.pf_qgemm_q8_takes.restype = i32
     lib.pf_qgemv_mxfp4.argtypes = [p, i64, i64, i64, p, p, p, i64, i32]
     lib.pf_qgemv_mxfp4.restype = i32
     lib.pf_mxfp4_limit_isa.argtypes = [i32]

@@ -63,11 +63,15 @@ int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, in
                  int64_t* idx, uint16_t* w, int nthreads);
 int pf_moe_shared_add(const uint16_t* routed, const uint16_t* shared, const uint16_t* gate,
                       int64_t gate_stride, uint16_t* out, int64_t t, int64_t d, int nthreads);
-// The quantized few-row products (gguf_quant.cpp, qgemv_q8.cpp, quant.cpp): float32 rows.
+// The quantized few-row products (gguf_quant.cpp, qgemv_q8.cpp, qgemm_amx.cpp, quant.cpp):
+// float32 rows.
 int pf_qgemv_affine(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                     int32_t bits, int64_t group, const void* scale, const void* mins,
                     int32_t half, float* y, int64_t ldy, int32_t nthreads);
 int pf_qgemv_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                       int32_t bits, int64_t group, const void* scale, const void* mins,
+                       int32_t half, float* y, int64_t ldy, int32_t nthreads);
+int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                        int32_t bits, int64_t group, const void* scale, const void* mins,
                        int32_t half, float* y, int64_t ldy, int32_t nthreads);
 int pf_affine_decode_bf16(const uint8_t* codes, int32_t bits, int64_t group, const void* scale,

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common.h"
+#include "q8_act.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -66,17 +67,8 @@ struct Activations {
     const int64_t per = kG / wg;  // weight groups per activation group
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < groups; ++g) {
-        const float* xs = x + r * k + g * kG;
-        float amax = 0.f;
-        for (int64_t i = 0; i < kG; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float id = amax > 0.f ? 127.0f / amax : 0.f;
-        const float dg = amax / 127.0f;
-        int8_t* qs = q.data() + r * kpad + g * kG;
-        int32_t sum[2] = {0, 0};
-        for (int64_t i = 0; i < kG; ++i) {
-          qs[i] = static_cast<int8_t>(std::nearbyint(xs[i] * id));
-          sum[per == 2 && i >= wg] += qs[i];
-        }
+        int32_t sum[2];
+        const float dg = pf::q8_group(x + r * k + g * kG, q.data() + r * kpad + g * kG, wg, sum);
         d[r * gpad + g] = dg;
         for (int64_t h = 0; h < per; ++h)
           dsum[r * hpad + g * per + h] = dg * static_cast<float>(sum[h]);

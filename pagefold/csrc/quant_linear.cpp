@@ -21,6 +21,7 @@ enum Format : int64_t {
   kAffine = 1,    // GGUF codes, w = scale * code + min; float32 activations (pf_qgemv_affine)
   kAffineQ8 = 2,  // the same weights on int8 activations (pf_qgemv_affine_q8)
   kInt = 3,       // w = scale * (code - zero), integer or FP8 codes (pf_qgemv_int)
+  kAffineQ8mm = 4,  // GGUF codes on int8 activations, AMX tiles from a few rows (qgemm_amx.cpp)
 };
 
 // One matrix: its format, codes, per row and group scales and mins / zeros, code bits, group,
@@ -49,8 +50,7 @@ int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* 
   if (M < 1 || N < 1 || K < 1) return 1;
   std::vector<float> xf(static_cast<size_t>(M * K)), yf(static_cast<size_t>(M * N));
   const uint16_t* xs = static_cast<const uint16_t*>(x);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < K; ++i) xf[r * K + i] = pf::bf16_to_f32(xs[r * x_stride + i]);
+  for (int64_t r = 0; r < M; ++r) pf::to_float(xs + r * x_stride, xf.data() + r * K, K);
   int rc;
   switch (q.format) {
     case kAffine:
@@ -59,6 +59,11 @@ int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* 
       break;
     case kAffineQ8:
       rc = pf_qgemv_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
+                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
+                              N, nthreads);
+      break;
+    case kAffineQ8mm:
+      rc = pf_qgemm_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
                               q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
                               N, nthreads);
       break;
@@ -73,12 +78,22 @@ int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* 
   if (rc) return rc;
   uint16_t* ys = static_cast<uint16_t*>(y);
   const uint16_t* b = static_cast<const uint16_t*>(bias);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t o = 0; o < N; ++o) {
+  for (int64_t r = 0; r < M; ++r) {
+    int64_t o = 0;
+#if defined(PF_AVX512)
+    // 16 at a time, the same roundings (vrnd / vstore round as f32_to_bf16 does)
+    for (; o + 16 <= N; o += 16) {
+      __m512 v = pf::vrnd<uint16_t>(_mm512_loadu_ps(yf.data() + r * N + o));
+      if (b) v = _mm512_add_ps(v, pf::vload<uint16_t>(b + o));
+      pf::vstore<uint16_t>(ys + r * y_stride + o, v);
+    }
+#endif
+    for (; o < N; ++o) {
       uint16_t v = pf::f32_to_bf16(yf[r * N + o]);
       if (b) v = pf::f32_to_bf16(pf::bf16_to_f32(v) + pf::bf16_to_f32(b[o]));
       ys[r * y_stride + o] = v;
     }
+  }
   return 0;
 }
 

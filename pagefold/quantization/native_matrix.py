@@ -22,7 +22,7 @@ from pagefold.csrc import cpu_ops
 __all__ = ["FORMATS", "QuantMatrix", "describe", "record_matrix"]
 
 # quant_linear.cpp's enum Format.
-FORMATS = {"affine": 1, "affine_q8": 2, "int": 3}
+FORMATS = {"affine": 1, "affine_q8": 2, "int": 3, "affine_q8mm": 4}
 
 
 class QuantMatrix(ctypes.Structure):

@@ -1,10 +1,13 @@
 """Which product each quantized weight's bf16 rows take, and up to how many rows: chosen by
 measuring, as the bf16 GEMVs are (``csrc/gemv_choice``).
 
-A GGUF weight's few-row product has two compiled kernels, ``q8`` (``pf_qgemv_affine_q8``: the
-rows quantized to int8 per group, integer dot products; group-32 codes only) and ``float``
-(``pf_qgemv_affine``: float32 sums); an integer or FP8 weight (GPTQ, AWQ, compressed-tensors,
-on-load int4 / int8 / fp8) has ``int`` (``pf_qgemv_int``). Above a kernel's rows the ``tile``
+A GGUF weight's few-row product has up to three compiled kernels, ``q8``
+(``pf_qgemv_affine_q8``: the rows quantized to int8 per group, integer dot products; group-32
+codes only), ``q8mm`` (``pf_qgemm_affine_q8``: the same int8 rows on the AMX tile unit from 4
+rows up, ``q8``'s form and bits below, so only there does a verify step keep a decode step's
+bits; CPUs with AMX-INT8 only, where it is the flags' pick) and ``float`` (``pf_qgemv_affine``:
+float32 sums); an integer or FP8 weight (GPTQ, AWQ, compressed-tensors, on-load int4 / int8 /
+fp8) has ``int`` (``pf_qgemv_int``). Above a kernel's rows the ``tile``
 path decodes a tile of output rows to bf16 and runs oneDNN's GEMM. Which is fastest, and up to
 how many rows, depends on the CPU (VNNI or not, how wide its units are), the format, the shape
 and the row count, so at load :func:`choose` times, per distinct (format, N, K), each kernel at
@@ -23,8 +26,8 @@ A weight takes part through: ``n``, ``k``, ``nbytes``, ``choice`` (set here), ``
 and ``product(x, name)`` (``torch``: the tile path).
 
 ``PAGEFOLD_QGEMV``: ``auto`` (default, measured), ``flags`` (the first kernel name, up to 32
-rows, untimed), ``q8`` / ``float`` (that GGUF kernel up to 32 rows where the weight has it, else
-the flags' pick), ``tile`` (no kernel: every bf16 product decodes tiles).
+rows, untimed), ``q8`` / ``q8mm`` / ``float`` (that GGUF kernel up to 32 rows where the weight
+has it, else the flags' pick), ``tile`` (no kernel: every bf16 product decodes tiles).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pagefold.csrc.gemv_choice import ROWS, Table
 __all__ = ["MODES", "KERNEL_MAX_ROWS", "choose", "choose_for", "flags_pick", "requested"]
 
 KERNEL_MAX_ROWS = 32
-KERNELS = ("q8", "float")  # the ones a mode can force
+KERNELS = ("q8", "q8mm", "float")  # the ones a mode can force
 TILE = "tile"
 MODES = ("auto", "flags", *KERNELS, TILE)
 FORMAT = 1
@@ -58,7 +61,8 @@ def requested() -> str:
 
 def flags_pick(weight) -> tuple[str, int]:
     """The untimed choice: the weight's first kernel (int8 activations where a compiled form
-    takes GGUF codes) up to :data:`KERNEL_MAX_ROWS` rows."""
+    takes GGUF codes, on AMX tiles where the CPU has them) up to :data:`KERNEL_MAX_ROWS`
+    rows."""
     return weight.kernel_names()[0], KERNEL_MAX_ROWS
 
 
@@ -100,7 +104,9 @@ def measure(proto, stream: WeightStream, kernels: list[str], deadline: float = m
             ) -> tuple[Table, dict[int, float]] | None:
     """Seconds of each of ``kernels`` and of the tile path at each of ``ROWS`` rows on
     streamed twins of ``proto``; None when a machine too busy to time gave no plausible
-    figure, or past ``deadline`` (a ``time.perf_counter`` value). The tile path (which
+    figure, or past ``deadline`` (a ``time.perf_counter`` value). At each row count a kernel
+    whose one probing call took ``PRUNE`` times the fastest one's is not timed (inf). The
+    tile path (which
     decodes the whole weight on every call) is probed once at the most rows and timed, from
     the most rows down, only while within ``PRUNE`` of the best kernel (below, a larger
     count's time bounds it: ``decide`` reads it so)."""
@@ -126,10 +132,10 @@ def _measure_rows(proto, stream: WeightStream, kernels: list[str], deadline: flo
         if time.perf_counter() > deadline:
             return None
         x = torch.randn(r, k, generator=g).bfloat16()
-        got = gemv_timing.time_rows({name: (_runner(name), weights) for name in kernels}, x,
-                                    calls)
+        got = gemv_timing.time_rows({name: (_runner(name), weights)
+                                     for name in _worth_timing(kernels, x, weights)}, x, calls)
         for name in kernels:
-            table[name][r] = got[name]
+            table[name][r] = got.get(name, math.inf)
         best = min(got.values())
         if tile_alive is None:  # one call: a decode of the whole weight is no GEMV's match
             t0 = time.perf_counter()
@@ -141,6 +147,24 @@ def _measure_rows(proto, stream: WeightStream, kernels: list[str], deadline: flo
         if not gemv_choice.plausible(min(best, tile[r]), proto.nbytes):
             return None
     return table, tile
+
+
+def _worth_timing(kernels: list[str], x: torch.Tensor, weights: Callable[[], object]
+                  ) -> list[str]:
+    """The kernels to time at ``x``'s rows: a call each after an untimed one (first-call
+    costs: the tile state's first use, allocations), those within ``PRUNE`` of the fastest
+    (the rest are not this row count's pick: inf in the table, so ``decide`` keeps them below
+    it; without this a 32-row GEMV on a large head, tens of ms a call, took the whole load's
+    budget on a busy machine and no shape was ever timed)."""
+    once = {}
+    for name in kernels:
+        _runner(name)(x, weights())
+        w = weights()
+        t0 = time.perf_counter()
+        _runner(name)(x, w)
+        once[name] = time.perf_counter() - t0
+    fastest = min(once.values())
+    return [name for name in kernels if once[name] <= gemv_choice.PRUNE * fastest]
 
 
 class Declined(Exception):

@@ -1,0 +1,313 @@
+// Many-row products with GGUF-layout weights (gguf_quant.cpp's layout, unchanged: unsigned
+// codes row-major, per output row and weight group of 32 or 16 inputs a scale and a min) on
+// int8 activations, on the AMX tile unit (TDPBUSD: unsigned weight codes times signed
+// activations, int32 sums).
+//
+// Why: from a few rows on, the int8-activation GEMV (qgemv_q8.cpp) is compute-bound (a
+// vpdpbusd and a float rescale per 64 products a row), while one tile instruction multiplies
+// 16 weight rows by 16 activation rows over a whole weight group (at 32 rows 3-5x the GEMV's
+// speed in isolation on a Sapphire Rapids Xeon, one thread).
+//
+// The activations are quantized per row and group of 32 as qgemv_q8.cpp quantizes them
+// (q8_act.h: the same integers q and scales d), and each output is, per weight group h in
+// order (h within activation group g(h)), with the integer dot product exact in int32:
+//   acc = fma(float(dot(q[r, h], code[o, h])), scale[o, h] * d[r, g(h)], acc)
+//   acc = fma(min[o, h], d[r, g(h)] * sum(q[r, h]), acc)
+// from acc = 0: float32 rounding of the same function qgemv_q8.cpp computes (its sums run in
+// another order, so the two agree to float32 rounding, not bitwise). Each output element is
+// one thread's chain in that fixed order, whichever rows share the call: a row's bits do not
+// depend on the rows beside it, nor on the thread count.
+//
+// Rows below `g_from` (pf_qgemm_q8_from; 4) take qgemv_q8.cpp's form instead (at 1-2 rows its
+// VNNI GEMV was 1.2-1.5x the tile form's speed, at 4 rows 0.7-0.9x, same Xeon), so the bits
+// of a call depend on whether it has at least `g_from` rows, as a product above a GEMV's rows
+// takes another path.
+//
+// Layout in the tile unit: A (16 weight rows x one weight group of codes, the codes as
+// stored: 8-bit codes straight from the weight, 4-bit codes unpacked per 16-row strip into a
+// buffer of bytes), B (the group's activations of 16 rows, 4 inputs a row per 4 bytes: packed
+// once per call), C (16 weight rows x 16 activation rows, int32), then the float rescale above
+// with one vector of 16 activation rows per weight row.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+#include "q8_act.h"
+
+extern "C" int pf_amx_ready();  // gemv_amx.cpp
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;  // as pf_qgemv_affine_q8
+int g_from = 4;                   // the least rows this form takes (below: qgemv_q8.cpp's)
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(PF_AVX512)
+#define PF_QGEMM_AMX 1
+
+constexpr int kT = 16;  // weight rows per strip (A / C tile rows), activation rows per half
+
+// The rows' int8 activations in B-tile order: per half of 16 rows and weight group h, W / 4
+// tile rows of 64 bytes (row r's inputs 4j..4j+3 at bytes 4r..4r+3); per half and h the 16
+// rows' d[r, g(h)] and d[r, g(h)] * sum(q[r, h]) (zero past the last row).
+struct Packed {
+  int64_t W, H, halves;
+  std::vector<int8_t> b;
+  std::vector<float> d, dsum;
+
+  Packed(const float* x, int64_t m, int64_t k, int64_t wg)
+      : W(wg), H(k / wg), halves((m + kT - 1) / kT),
+        b(static_cast<size_t>(halves * k * kT), 0),
+        d(static_cast<size_t>(halves * H * kT), 0.f),
+        dsum(static_cast<size_t>(halves * H * kT), 0.f) {
+    const int64_t per = 32 / wg;
+    std::vector<int8_t> q(static_cast<size_t>(k));
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t half = r / kT, rr = r % kT;
+      for (int64_t g = 0; g < k / 32; ++g) {
+        int32_t sum[2];
+        const float dg = pf::q8_group(x + r * k + g * 32, q.data() + g * 32, wg, sum);
+        for (int64_t p = 0; p < per; ++p) {
+          const int64_t at = (half * H + g * per + p) * kT + rr;
+          d[at] = dg;
+          dsum[at] = dg * static_cast<float>(sum[p]);
+        }
+      }
+      // row rr's 4 inputs 4j..4j+3 of group h: the 4 bytes at tile row j, column rr
+      for (int64_t h = 0; h < H; ++h) {
+        int8_t* dst = b.data() + (half * H + h) * W * kT + rr * 4;
+        for (int64_t j = 0; j < W / 4; ++j) std::memcpy(dst + j * 64, q.data() + h * W + 4 * j, 4);
+      }
+    }
+  }
+};
+
+// tmm0 / tmm1: C (16 x 16 int32); tmm4 / tmm5: A (16 weight rows x W codes); tmm6 / tmm7: B
+// (W / 4 rows of 16 x 4 activations): even and odd groups.
+void configure(int64_t W) {
+  pf::TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
+  for (int t : {4, 5}) cfg.rows[t] = kT, cfg.colsb[t] = static_cast<uint16_t>(W);
+  for (int t : {6, 7}) cfg.rows[t] = static_cast<uint8_t>(W / 4), cfg.colsb[t] = kT * 4;
+  _tile_loadconfig(&cfg);
+}
+
+// One row's 4-bit codes (GGUF order per group of 32: byte j holds input j low, j + 16 high)
+// as k bytes in input order.
+void unpack4(const uint8_t* src, int64_t k, uint8_t* dst) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  // 16-byte quarters: [lo0 hi0 lo1 hi1] and [lo2 hi2 lo3 hi3] of the lo / hi nibbles
+  const __m512i i0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i i1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const int64_t bytes = k / 2;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    const int64_t left = std::min<int64_t>(64, bytes - b);
+    const __mmask64 lm = left == 64 ? ~0ull : (1ull << left) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(lm, src + b);
+    const __m512i lo = _mm512_and_si512(v, mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    const int64_t out = 2 * left;  // bytes written: 32, 64, 96 or 128
+    const __mmask64 m0 = out >= 64 ? ~0ull : (1ull << out) - 1;
+    _mm512_mask_storeu_epi8(dst + 2 * b, m0, _mm512_permutex2var_epi64(lo, i0, hi));
+    if (out > 64) {
+      const __mmask64 m1 = out == 128 ? ~0ull : (1ull << (out - 64)) - 1;
+      _mm512_mask_storeu_epi8(dst + 2 * b + 64, m1, _mm512_permutex2var_epi64(lo, i1, hi));
+    }
+  }
+}
+
+// The permutations of transpose16's stages (block sizes 8, 4, 2, 1): lane l of the first
+// row of a pair takes (l & s ? the second row's l - s : its own l), of the second (l & s ?
+// the second's l : the first's l + s).
+struct Swaps {
+  alignas(64) int32_t lo[4][16], hi[4][16];
+  constexpr Swaps() : lo(), hi() {
+    for (int t = 0, s = 8; t < 4; ++t, s /= 2)
+      for (int l = 0; l < 16; ++l) {
+        lo[t][l] = (l & s) ? 16 + l - s : l;
+        hi[t][l] = (l & s) ? 16 + l : l + s;
+      }
+  }
+};
+constexpr Swaps kSwaps;
+
+// r (16 x 16 floats) transposed in place: the off-diagonal blocks of 8, 4, 2 and 1 swapped.
+inline void transpose16(__m512 (&r)[kT]) {
+  int t = 0;
+  for (int s = 8; s >= 1; s /= 2, ++t) {
+    const __m512i il = _mm512_load_si512(kSwaps.lo[t]), ih = _mm512_load_si512(kSwaps.hi[t]);
+    for (int j = 0; j < kT; ++j) {
+      if (j & s) continue;
+      const __m512 a = r[j], c = r[j + s];
+      r[j] = _mm512_permutex2var_ps(a, il, c);
+      r[j + s] = _mm512_permutex2var_ps(a, ih, c);
+    }
+  }
+}
+
+// acc[i] (16 activation rows of weight row i) += group h's C tile (c: 16 x 16 int32), rescaled.
+inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t H, int64_t h,
+                    const float* dv, const float* dsv, __m512 (&acc)[kT]) {
+  const __m512 d = _mm512_loadu_ps(dv + h * kT);
+  const __m512 ds = _mm512_loadu_ps(dsv + h * kT);
+  for (int i = 0; i < kT; ++i) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kT));
+    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[h * kT + i])), acc[i]);
+    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mn[h * kT + i]), ds, acc[i]);
+  }
+}
+
+// Rows [16 half, +16) of y's columns o0..o0 + valid - 1 from acc (weight row i, activation
+// row r at acc[i][r]; clobbered).
+inline void put(__m512 (&acc)[kT], int64_t half, int64_t m, int64_t o0, int valid, float* y,
+                int64_t ldy) {
+  transpose16(acc);
+  const int64_t rows = std::min<int64_t>(kT, m - half * kT);
+  const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_mask_storeu_ps(y + (half * kT + r) * ldy + o0, mk, acc[r]);
+}
+
+// One strip of 16 weight rows (A: codes of row i at a + i * lda; sc / mn: float32 scales and
+// mins of row i and group h at h * 16 + i; `valid` rows of the strip are real) times every
+// activation row, 16 rows (a half) at a time: y's columns o0..o0 + valid - 1.
+//
+// The tile unit runs its instructions in order, so each group's tiles go in one of two sets
+// (even groups tmm4 A / tmm6 B / tmm0 C, odd ones tmm5 / tmm7 / tmm1) and the next group's
+// product is issued before this group's C is stored: a product's latency overlaps the next
+// one's, and the vector units rescale group h while the tile unit works on h + 1.
+void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const float* sc,
+           const float* mn, int64_t o0, int valid, float* y, int64_t ldy) {
+  const int64_t W = p.W, H = p.H;
+  alignas(64) int32_t c[2][kT * kT];
+  for (int64_t half = 0; half < p.halves; ++half) {
+    const int8_t* b = p.b.data() + half * H * W * kT;
+    const float* dv = p.d.data() + half * H * kT;
+    const float* dsv = p.dsum.data() + half * H * kT;
+    __m512 acc[kT];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    const auto issue = [&](int64_t h) {
+      if ((h & 1) == 0) {
+        _tile_loadd(4, a + h * W, lda);
+        _tile_loadd(6, b + h * W * kT, 64);
+        _tile_zero(0);
+        _tile_dpbusd(0, 4, 6);
+      } else {
+        _tile_loadd(5, a + h * W, lda);
+        _tile_loadd(7, b + h * W * kT, 64);
+        _tile_zero(1);
+        _tile_dpbusd(1, 5, 7);
+      }
+    };
+    issue(0);
+    for (int64_t h = 0; h < H; ++h) {
+      if (h + 1 < H) issue(h + 1);
+      if ((h & 1) == 0)
+        _tile_stored(0, c[0], 64);
+      else
+        _tile_stored(1, c[1], 64);
+      rescale(c[h & 1], sc, mn, H, h, dv, dsv, acc);
+    }
+    put(acc, half, m, o0, valid, y, ldy);
+  }
+}
+
+// Whether the tile form takes `bits`-bit codes in weight groups of `group`.
+bool takes(int32_t bits, int64_t group) {
+  return pf_amx_ready() && ((bits == 4 && group == 32) || (bits >= 5 && bits <= 8 &&
+                                                           (group == 32 || group == 16)));
+}
+#else
+bool takes(int32_t, int64_t) { return false; }
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Set the least rows the tile form takes (fewer: qgemv_q8.cpp's form); returns the old value.
+// Tests set 1 to check the tile form at every row count.
+int pf_qgemm_q8_from(int32_t rows) {
+  const int old = g_from;
+  g_from = std::max(1, rows);
+  return old;
+}
+
+// Whether this build and CPU run the tile form for `bits`-bit codes in groups of `group`.
+int pf_qgemm_q8_takes(int32_t bits, int64_t group) { return takes(bits, group) ? 1 : 0; }
+
+// pf_qgemv_affine_q8's arguments, layout and return codes (1: not taken, nothing written):
+// rows below g_from run pf_qgemv_affine_q8 itself, g_from and more the tile form.
+int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                       int32_t bits, int64_t group, const void* scale, const void* mins,
+                       int32_t half, float* y, int64_t ldy, int32_t nthreads) {
+  if (m < 1 || m > kMaxRows || k < 32 || k % 32 || n < 1 || ldy < n || !takes(bits, group))
+    return 1;
+  if (m < g_from)
+    return pf_qgemv_affine_q8(x, m, k, n, codes, bits, group, scale, mins, half, y, ldy,
+                              nthreads);
+#if defined(PF_QGEMM_AMX)
+  const Packed p(x, m, k, group);
+  const int64_t H = k / group, row_bytes = bits == 4 ? k / 2 : k;
+  const int64_t strips = (n + kT - 1) / kT;
+  const bool par = n >= 64 && nthreads > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    configure(group);
+    std::vector<uint8_t> buf(static_cast<size_t>(kT * k), 0);
+    std::vector<float> sc(static_cast<size_t>(kT * H), 0.f), mn(sc.size(), 0.f);
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < strips; ++s) {
+      const int64_t o0 = s * kT;
+      const int valid = static_cast<int>(std::min<int64_t>(kT, n - o0));
+      // The strip's scales and mins as float32, transposed: group h's 16 rows at h * 16
+      // (zero past the last weight row).
+      for (int64_t h0 = 0; h0 < H; h0 += kT) {
+        const int64_t hn = std::min<int64_t>(kT, H - h0);
+        const __mmask16 mk = static_cast<__mmask16>((1u << hn) - 1);
+        for (int t = 0; t < 2; ++t) {
+          const void* src = t ? mins : scale;
+          __m512 r[kT];
+          for (int i = 0; i < kT; ++i) {
+            const int64_t at = (o0 + i) * H + h0;
+            if (i >= valid)
+              r[i] = _mm512_setzero_ps();
+            else if (half)
+              r[i] = _mm512_cvtph_ps(
+                  _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + at));
+            else
+              r[i] = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + at);
+          }
+          transpose16(r);
+          float* dst = (t ? mn : sc).data() + h0 * kT;
+          for (int64_t j = 0; j < hn; ++j) _mm512_storeu_ps(dst + j * kT, r[j]);
+        }
+      }
+      const uint8_t* a = codes + o0 * row_bytes;
+      int64_t lda = row_bytes;
+      if (bits == 4 || valid < kT) {  // codes as bytes in a strip buffer (zero rows past n)
+        for (int i = 0; i < kT; ++i) {
+          uint8_t* dst = buf.data() + i * k;
+          if (i >= valid)
+            std::memset(dst, 0, k);
+          else if (bits == 4)
+            unpack4(a + i * row_bytes, k, dst);
+          else
+            std::memcpy(dst, a + i * row_bytes, k);
+        }
+        a = buf.data();
+        lda = k;
+      }
+      strip(p, m, a, lda, sc.data(), mn.data(), o0, valid, y, ldy);
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  return 1;
+#endif
+}
+
+}  // extern "C"

@@ -18,10 +18,14 @@
 // one thread's chain in that fixed order, whichever rows share the call: a row's bits do not
 // depend on the rows beside it, nor on the thread count.
 //
-// Rows below `g_from` (pf_qgemm_q8_from; 4) take qgemv_q8.cpp's form instead (at 1-2 rows its
-// VNNI GEMV was 1.2-1.5x the tile form's speed, at 4 rows 0.7-0.9x, same Xeon), so the bits
-// of a call depend on whether it has at least `g_from` rows, as a product above a GEMV's rows
-// takes another path.
+// Rows below `g_from` (pf_qgemm_q8_from; 16) take qgemv_q8.cpp's form instead, so the bits of
+// a call depend on whether it has at least `g_from` rows, as a product above a GEMV's rows
+// takes another path. Why 16, not the 4 rows where the tile form starts to win (at 1-2 rows
+// the VNNI GEMV was 1.2-2.2x the tile form's speed, at 4 rows 0.7-0.9x, at 8 rows 0.5x, same
+// Xeon): a speculative verify step's rows (1 + k a request) must keep the bits of a decode
+// step's one row, so that greedy tokens and logprobs with speculation on equal those with it
+// off (tests/spec_decode/test_bf16_verify.py); below 16 rows they do, as the bf16 GEMVs keep
+// one form up to their 32 rows. Batches of 16 and more (where the tiles are 3-5x) keep them.
 //
 // Layout in the tile unit: A (16 weight rows x one weight group of codes, the codes as
 // stored: 8-bit codes straight from the weight, 4-bit codes unpacked per 16-row strip into a
@@ -42,7 +46,7 @@ extern "C" int pf_amx_ready();  // gemv_amx.cpp
 namespace {
 
 constexpr int64_t kMaxRows = 64;  // as pf_qgemv_affine_q8
-int g_from = 4;                   // the least rows this form takes (below: qgemv_q8.cpp's)
+int g_from = 16;                  // the least rows this form takes (below: qgemv_q8.cpp's)
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(PF_AVX512)
 #define PF_QGEMM_AMX 1

@@ -129,8 +129,8 @@ class GGUFWeight:
     def kernel_names(self) -> list[str]:
         """The few-row kernels for bf16 rows, the flags' pick first: int8 activations where a
         compiled form takes the codes (``q8_bits`` of them, in groups of ``group``), on AMX
-        tiles where the CPU has them (``q8mm``: the GEMV's own form and bits below 4 rows,
-        2-5x its speed from 8 rows, measured on a Sapphire Rapids Xeon)."""
+        tiles where the CPU has them (``q8mm``: the GEMV's own form and bits below 16 rows,
+        3-5x its speed from 16 rows, measured on a Sapphire Rapids Xeon)."""
         lib = cpu_ops.kernels()
         q8 = lib is not None and bool(lib.pf_qgemv_q8_takes(self.q8_bits, self.group))
         tiles = lib is not None and bool(lib.pf_qgemm_q8_takes(self.q8_bits, self.group))

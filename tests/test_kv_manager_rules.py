@@ -216,3 +216,37 @@ def test_the_least_recently_used_prefix_is_evicted_first():
     s.add_request(_req("c", range(40, 65), max_tokens=1))  # 25 tokens: 7 blocks
     assert _step(s).num_scheduled == {"c": 25}
     assert s.kv.pool.entry(a0) is None and s.kv.pool.entry(b0) is not None
+
+
+# ---------------------------------------------------------------- swap
+def test_a_swapped_request_comes_back_with_exactly_the_blocks_it_needs_free():
+    """4 blocks. a (8 tokens: 2 blocks) and b (3 tokens: 1 block) run; a is swapped out.
+    Back, a needs its 2 pages plus a block for position 8: 3, exactly what is free while b
+    decodes inside its block."""
+    s = _sched({"attn": ATTN}, blocks=4)
+    s.kv.attach_swap(8, "swap", PreemptionCost(flops_per_token=1.0))
+    s.add_request(_req("a", range(8), arrival_time=0.0))
+    s.add_request(_req("b", range(20, 23), arrival_time=1.0))
+    _step(s)
+    s._preempt(s.requests["a"])
+    assert s.kv.pool.num_free == 3 and s.kv.host.num_free == 6
+    out = _step(s)
+    assert out.num_scheduled == {"b": 1, "a": 1}
+    assert [(r.req_id, r.num_computed_tokens) for r in out.new_reqs] == [("a", 8)]
+    assert s.kv.pool.num_free == 0 and s.kv.host.num_free == 8
+
+
+def test_the_host_pool_refuses_what_it_lacks_and_finds_a_row_held_or_freed_twice():
+    from pagefold.core.swap import HostPool
+
+    h = HostPool(2)
+    rows = h.allocate(2)
+    assert sorted(rows) == [0, 1] and h.num_free == 0
+    with pytest.raises(RuntimeError, match=r"^host pool: asked for 1 blocks, 0 free$"):
+        h.allocate(1)
+    h.free([rows[0]])
+    with pytest.raises(AssertionError, match="^host pool blocks still held$"):
+        h.check_whole()  # one row still out
+    h.free([rows[0]])  # freed twice: two rows listed, one of them twice
+    with pytest.raises(AssertionError, match="^host pool blocks still held$"):
+        h.check_whole()

@@ -79,32 +79,60 @@ def test_auto_mode_takes_the_cheaper_preemption(caching, flops, bandwidth, kind,
 
 
 def test_swap_and_recompute_modes_ignore_the_costs():
-    """``swap`` swaps even when a recompute would be free; ``recompute`` never swaps."""
-    for mode, kind in (("swap", "swap"), ("recompute", "recompute")):
+    """``swap`` swaps where a recompute would cost nothing; ``recompute`` recomputes where a
+    swap would cost nothing."""
+    for mode, flops, bandwidth in (("swap", 1e-9, 1.0), ("recompute", 1.0, 1e12)):
         s = _sched({"attn": ATTN})
-        s.kv.attach_swap(16, mode, PreemptionCost(flops_per_token=1e-9, compute_rate=1.0,
-                                                  link_bandwidth=1.0))
+        s.kv.attach_swap(16, mode, PreemptionCost(flops_per_token=flops, compute_rate=1.0,
+                                                  link_bandwidth=bandwidth))
         s.add_request(_req("a", range(10)))
         _step(s)
-        assert s.kv.preempt(s.requests["a"]) == kind
+        assert s.kv.preempt(s.requests["a"]) == mode
+
+
+def test_a_swap_moves_every_layer_of_its_pages():
+    """Two attention layers share one group: a page is one block of each layer, so a's 3
+    pages move 3 x 2 x 128 bytes each way."""
+    kv = KVCacheManager(plan_pagefold({"l0": ATTN, "l1": ATTN}, BS, 41 * 2 * PAGE))
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
+    kv.attach_swap(16, "swap", PreemptionCost(flops_per_token=1.0))
+    s.add_request(_req("a", range(10)))
+    _step(s)
+    assert kv.preempt(s.requests["a"]) == "swap"
+    assert kv.preempt_log.decisions == [("a", "swap", 3 * 2 * PAGE, 10)]
+    assert (kv.swap_stats.swaps_out, kv.swap_stats.bytes_out) == (1, 3 * 2 * PAGE)
 
 
 def test_the_preemption_log_counts_every_decision_and_keeps_the_last_256():
-    s = _sched({"attn": ATTN})
+    """Recomputes of prompts of 10, 11, 12 tokens (cached: 2, 2, 3 full blocks of the
+    tokens but the last: 8 + 8 + 12 credited), then two swap-outs and swap-ins of a 10-token
+    request (3 pages each way)."""
+    s = _sched({"attn": ATTN}, caching=True)
     kv = s.kv
-    for i in range(3):  # a computes 10, 11, 12 tokens before each recompute
-        s.add_request(_req(f"a{i}", range(10 + i)))
+    for i in range(3):
+        s.add_request(_req(f"a{i}", range(100 * i, 100 * i + 10 + i)))
         _step(s)
         kv.preempt(s.requests[f"a{i}"])
         s.finish_request(f"a{i}", RequestStatus.FINISHED_ABORTED)
     log = kv.preempt_log
-    assert (log.recompute, log.swap, log.recomputed_tokens) == (3, 0, 10 + 11 + 12)
+    assert (log.recompute, log.swap, log.recomputed_tokens, log.credited_tokens) == (
+        3, 0, 10 + 11 + 12, 8 + 8 + 12)
     for i in range(300):  # nothing held: each is logged all the same
         kv.preempt(_req(f"x{i}", range(5)))
     assert len(log.decisions) == 256
     assert log.decisions[0] == ("x44", "recompute", 0, 0)
     assert log.decisions[-1] == ("x299", "recompute", 0, 0)
     assert log.recompute == 303
+    kv.caching = False
+    kv.attach_swap(8, "swap", PreemptionCost(flops_per_token=1.0))
+    s.add_request(_req("b", range(500, 510)))
+    _step(s)
+    for _ in range(2):
+        s._preempt(s.requests["b"])
+        _step(s)  # b comes back
+    assert (log.recompute, log.swap) == (303, 2) and len(log.decisions) == 256
+    assert (kv.swap_stats.swaps_out, kv.swap_stats.swaps_in) == (2, 2)
+    assert (kv.swap_stats.bytes_out, kv.swap_stats.bytes_in) == (6 * PAGE, 6 * PAGE)
 
 
 # ---------------------------------------------------------------- in-flight deferral
@@ -250,3 +278,26 @@ def test_the_host_pool_refuses_what_it_lacks_and_finds_a_row_held_or_freed_twice
     h.free([rows[0]])  # freed twice: two rows listed, one of them twice
     with pytest.raises(AssertionError, match="^host pool blocks still held$"):
         h.check_whole()
+
+
+def test_a_deep_checkpoint_outlives_a_newer_block_by_its_saved_tokens():
+    """The score weighs recency (one per step) against saved tokens per page. A hybrid (an
+    attention page per 4 tokens, a 2-page state), 20 blocks. x (17 tokens; targets 4 and
+    16) leaves, with the step each was made: its checkpoint at 4 (step 1, 4 tokens over 2
+    pages: score 1 + 2 = 3), block 0 (step 1: 1 + 4 = 5), blocks 1-3 (step 2: 6) and the
+    checkpoint at 16 (step 2: 2 + 16 / 2 = 10). y (5 tokens) adds its checkpoint at 4 (step
+    4: 4 + 2 = 6) and its block 0 (step 4: 4 + 4 = 8). 11 pages cached, 9 plain. Six 3-token
+    requests (a block and a state each: 18 pages) evict 9 pages in score order: everything
+    but x's checkpoint at 16. (Two steps per tick would score y's block 8 + 4 = 12, x's
+    checkpoint 4 + 8 = 12, and evict the checkpoint first.)"""
+    s = _sched({"attn": ATTN, "state": STATE}, blocks=20, caching=True)
+    x, y = _req("x", range(17), max_tokens=1), _req("y", range(100, 105), max_tokens=1)
+    for r, chunks in ((x, [4, 12, 1]), (y, [4, 1])):
+        s.add_request(r)
+        assert [_step(s).num_scheduled[r.request_id] for _ in chunks] == chunks
+    pool = s.kv.pool
+    assert not s.has_unfinished() and len(pool.entries) == 8 and len(pool._plain) == 9
+    for i in range(6):
+        s.add_request(_req(f"z{i}", range(200 + 10 * i, 203 + 10 * i)))
+    assert len(_step(s).num_scheduled) == 6 and pool.num_free == 2
+    assert set(pool.entries) == {("ckpt", 1, x.block_hashes[3])}

@@ -48,16 +48,17 @@ def _step(s: Scheduler):
 # ---------------------------------------------------------------- auto preemption
 @pytest.mark.parametrize("caching, flops, bandwidth, kind", [
     # a: a 10-token prompt computed in one step (3 blocks of 128 bytes: 384 bytes to move,
-    # a swap costs 2 x 384 / bandwidth seconds); a recompute `flops` seconds per token redone.
-    (True, 1.0, 384.0, "recompute"),  # 2 tokens to redo (8 credited: 2 cached blocks): 2 s
-    (True, 1.0, 768.0, "swap"),  # swap 1 s < 2 s
-    (False, 1.0, 384.0, "swap"),  # no credit: 10 s to redo > 2 s
-    (False, 0.25, 384.0, "swap"),  # 2.5 s > 2 s
-    (False, 0.125, 384.0, "recompute"),  # 1.25 s < 2 s
+    # a swap costs 2 x 384 / bandwidth seconds); a recompute flops / 2 seconds per token
+    # redone (a compute rate of 2 FLOP/s).
+    (True, 2.0, 384.0, "recompute"),  # 2 tokens to redo (8 credited: 2 cached blocks): 2 s
+    (True, 2.0, 768.0, "swap"),  # swap 1 s < 2 s
+    (False, 2.0, 384.0, "swap"),  # no credit: 10 s to redo > 2 s
+    (False, 0.5, 384.0, "swap"),  # 2.5 s > 2 s
+    (False, 0.25, 384.0, "recompute"),  # 1.25 s < 2 s
 ])
 def test_auto_mode_takes_the_cheaper_preemption(caching, flops, bandwidth, kind, caplog):
     s = _sched({"attn": ATTN}, caching=caching)
-    s.kv.attach_swap(16, "auto", PreemptionCost(flops_per_token=flops, compute_rate=1.0,
+    s.kv.attach_swap(16, "auto", PreemptionCost(flops_per_token=flops, compute_rate=2.0,
                                                 link_bandwidth=bandwidth))
     s.add_request(_req("a", range(10)))
     _step(s)

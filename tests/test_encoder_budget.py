@@ -30,6 +30,7 @@ def _req(spans: list[tuple[int, int]], bidirectional: bool = False, rid: str = "
     (24, 10, 30, 10),  # starts inside the first (not encoded yet): both new, cut at 20
     (24, 36, 10, 10),  # past both images
     (0, 0, 3, 3),  # no image in the chunk: no budget needed
+    (16, 20, 16, 16),  # image 0 ends where the chunk starts: only image 1 (16) is new
 ])
 def test_a_chunk_is_cut_before_the_image_the_budget_cannot_take(limit, start, n, want):
     assert EncoderBudget(limit).cap(_req([(4, 16), (20, 16)]), start, n) == want
@@ -43,8 +44,12 @@ def test_charged_images_count_once_per_request_and_use_up_the_step():
     assert (b.left, b.taken, r.mm_encoded) == (8, True, {0})
     # r's next chunk starts inside image 0 (encoded: free); image 1 (16) does not fit in 8
     assert b.cap(r, 12, 20) == 8
+    assert b.cap(r, 20, 16) == 0  # starts at image 1, which does not fit: waits
     # another request in the same step: its image 0 (4) fits in 8, its image 1 (8) not in 4
     assert b.cap(_req([(0, 4), (4, 8)], rid="o"), 0, 20) == 4
+    b3 = EncoderBudget(24)
+    b3.charge(r, 0, 20)  # ends right before image 1: not charged
+    assert (b3.left, r.mm_encoded) == (24, {0})
     b2 = EncoderBudget(24)  # the next step: only image 1 is new
     b2.charge(r, 0, 40)
     assert (b2.left, r.mm_encoded) == (8, {0, 1})

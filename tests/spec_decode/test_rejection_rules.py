@@ -57,8 +57,8 @@ def test_target_probs_follow_the_sampling_params(sp, want):
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     """Row 0 has generated nothing (min_tokens 2): EOS (3) and stop id 1 are banned, stop id
-    9 lies outside the vocabulary; row 1 has generated 2 tokens: nothing banned."""
-    sp = SamplingParams(min_tokens=2, stop_token_ids=[1, 9])
+    5 lies just outside the vocabulary; row 1 has generated 2 tokens: nothing banned."""
+    sp = SamplingParams(min_tokens=2, stop_token_ids=[1, 5])
     x = processed_logits(torch.zeros(2, V), _meta([sp, sp], [[], [0, 0]], eos=[3, 3]))
     inf = float("-inf")
     assert x.tolist() == [[0.0, inf, 0.0, inf, 0.0], [0.0] * V]

@@ -61,6 +61,6 @@ def test_rank_reports_merge_counts_from_rank_0_bytes_summed_failures_united():
     assert out.finished == ["a"] and out.failed == {"a": ["a0-01", "s1-02", "a0-03"]}
     assert out.store_failed == ["x", "y", "z"] and out.loaded_from == {"host": 2, "disk": 1}
     assert (out.bytes_loaded, out.bytes_saved, out.pulls, out.pull_seconds) == (14, 9, 2, 0.5)
-    out = m.merge([None, None], ["c"])  # c aborted: rank 0 will never finish it
+    out = m.merge([None, None], ["c", "z"])  # c aborted (rank 0 never finishes it); z unseen
     out = m.merge([ConnectorOutput(finished=["c"]), ConnectorOutput(finished=["c"])], [])
     assert out.finished == ["c"] and out.failed == {}

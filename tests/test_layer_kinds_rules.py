@@ -64,7 +64,26 @@ def test_kinds_follow_the_documented_precedence(family, cfg, kinds):
      r"^Bamba attn_layer_indices \[2, -1\] are outside 0\.\.1$"),
     ("granite", {}, "^the model config has no 'num_hidden_layers' \\(or 'n_layer', "
      "'num_layers'\\), needed to size its cache$"),
+    ("gdn", {"layer_types": ["mamba"]},
+     "^layer 0 of this Gated DeltaNet hybrid config has unknown layer type 'mamba'"),
+    ("nemotron_h", {"layers_block_type": ["gdn"]},
+     "^layer 0 of this Nemotron-H config has unknown layer type 'gdn'"),
+    ("granite", {"layer_types": ["mlp"]},
+     "^layer 0 of this Granite-4.0-H config has unknown layer type 'mlp'"),
+    ("bamba", {"layers_block_type": ["mlp"]},
+     "^layer 0 of this Bamba config has unknown layer type 'mlp'"),
 ])
 def test_bad_configs_name_what_is_wrong(family, cfg, message):
     with pytest.raises(ValueError, match=message):
         layer_kinds(cfg, family)
+
+
+def test_a_missing_field_is_named_with_its_aliases():
+    from pagefold.core.layer_kinds import config_get
+
+    with pytest.raises(ValueError, match="^the model config has no 'a', needed to size its "
+                       "cache$"):
+        config_get({}, "a")
+    with pytest.raises(ValueError, match=r"^the model config has no 'a' \(or 'b'\), needed"):
+        config_get({"a": None}, "a", "b")
+    assert config_get({"a": None, "b": 0}, "a", "b") == 0 and config_get({}, "a", default=3) == 3

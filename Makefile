@@ -42,7 +42,11 @@ PKG ?= pagefold/core/kv_cache_planner.py
 TESTS ?= tests/test_capacity.py tests/test_capacity_reality.py
 # ONLY: mutant name globs, e.g. ONLY="*Scheduler*schedule__mutmut_*" (default: all of PKG).
 ONLY ?=
+# TIMEOUT: mutmut's timeout multiplier (default 3, see scripts/mutmut_run.py); raise it to
+# re-check a group's timeouts, which count as kills.
+TIMEOUT ?=
 mutants: $(STAMP)
 	$(BIN)/pip install -q -e '.[mutation]'
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/mutmut_run.py $(PKG) --tests $(TESTS) \
-		$(if $(ONLY),--only $(foreach o,$(ONLY),'$(o)'))
+		$(if $(ONLY),--only $(foreach o,$(ONLY),'$(o)')) \
+		$(if $(TIMEOUT),--timeout-multiplier $(TIMEOUT))

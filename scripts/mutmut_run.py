@@ -12,8 +12,10 @@ their diffs for docs/TESTING.md, where each is killed by a test or argued equiva
     make mutants PKG=pagefold/core/capacity.py TESTS="tests/test_capacity.py" \
         ONLY="*capacity_report__mutmut_*"
 
-``--only`` keeps the mutants whose names match the glob patterns (mutmut 3 names a method's
-mutants ``module.xǁClassǁmethod__mutmut_N`` and a function's ``module.x_function__mutmut_N``):
+A mutant that loops forever is counted a timeout (a kill) after ``--timeout-multiplier`` x 2
+times its tests' CPU time. ``--only`` keeps the mutants whose names match the glob patterns
+(mutmut 3 names a method's mutants ``module.xǁClassǁmethod__mutmut_N`` and a function's
+``module.x_function__mutmut_N``):
 a large module is then tested where it is most at risk, with the tests that reach it.
 
 Exit status: 0 when no mutant survived, 1 otherwise.
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=[], help="mutant name globs to run "
                    "(default: every mutant of the modules)")
     p.add_argument("--max-children", type=int, default=1, help="mutants run in parallel")
+    p.add_argument("--timeout-multiplier", type=float, default=3.0, help="a mutant times out "
+                   "after (its tests' time + 1 s) x this x 2 of CPU time (mutmut's default, 15, "
+                   "let each mutant that loops forever spin for minutes on a 20 s selection)")
     p.add_argument("--keep", action="store_true", help="keep the temporary copy (its path "
                    "is printed) to inspect with `mutmut browse`")
     args = p.parse_args(argv)
@@ -50,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tmp)
     copy_repo(root)
     # mutmut reads [tool.mutmut] from pyproject.toml, else [mutmut] from setup.cfg.
-    lines = ["[mutmut]", "source_paths=pagefold", "only_mutate="]
+    lines = ["[mutmut]", "source_paths=pagefold", f"timeout_multiplier={args.timeout_multiplier}",
+             "only_mutate="]
     lines += [f"    {m}" for m in args.modules]
     lines += ["also_copy=", "    tests", "pytest_add_cli_args=", "    -p", "    no:cacheprovider",
               "pytest_add_cli_args_test_selection="]

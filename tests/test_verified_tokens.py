@@ -164,6 +164,18 @@ def test_a_verify_step_caches_the_blocks_it_completed():
     assert [s.kv.pool.lookup((0, h)) is not None for h in r.block_hashes[:2]] == [True, True]
 
 
+def test_a_verify_step_that_stops_on_its_last_token_still_caches_its_blocks():
+    """A stop on the last emitted token leaves the computed length at the step's end, so
+    the block it completed (positions 4..7) is cached as after any step; only a stop
+    *before* the last emitted token caches nothing of the step."""
+    s, r = _decoding(caching=True)
+    s.spec_token_ids = {"r": [7, 8]}
+    out = s.schedule()  # positions 5, 6, 7
+    s.update_from_output(out, {"r": VerifiedTokens([7, 8, EOS], 2)})
+    assert r.output_token_ids == [6, 7, 8, EOS] and "r" not in s.requests
+    assert [s.kv.pool.lookup((0, h)) is not None for h in r.block_hashes[:2]] == [True, True]
+
+
 def test_replacing_a_token_needs_an_uncomputed_sampled_one():
     s = Scheduler(KVCacheManager(plan_pagefold({"a": ATTN}, BS, 33 * ATTN.page_bytes(BS))),
                   max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)

@@ -158,5 +158,8 @@ def test_state_layers_without_a_verify_pass_are_refused() -> None:
     check_verify_support(ok, {"layers.0"})
     bad = nn.Sequential(Mamba1Mixer(cfg, "layers.0"), Replaced(cfg, "layers.1"))
     check_verify_support(bad, {"layers.0"})  # layers.1 is not a state layer here
-    with pytest.raises(ValueError, match="cannot verify drafts .*Replaced"):
+    with pytest.raises(ValueError, match="^speculative decoding cannot verify drafts on "
+                       "this model's Replaced state layers yet"):
         check_verify_support(bad, {"layers.0", "layers.1"})
+    with pytest.raises(ValueError, match="on the draft model's Replaced state layers"):
+        check_verify_support(bad, {"layers.1"}, "the draft model")

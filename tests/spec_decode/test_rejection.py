@@ -176,3 +176,60 @@ def test_all_accepted_drafts_take_the_bonus_from_the_row_after_them(m: int) -> N
                                {0: torch.Generator().manual_seed(seed)})
         assert res.num_accepted == [m] and res.tokens == [d + [4]]
         assert res.rows == [list(range(m + 1))]
+
+
+def _rows(supports: list[tuple[int, ...]]) -> torch.Tensor:
+    """Logits rows uniform over each support (exactly 1/len per token after softmax)."""
+    x = torch.full((len(supports), V), float("-inf"))
+    for j, sup in enumerate(supports):
+        x[j, list(sup)] = 0.0
+    return x
+
+
+def _expected(d: list[int], seed: int, ratio: float, resid: int, bonus: int):
+    """The documented rule with the request's own generator: its first ``len(d)`` draws
+    are the uniforms, accepted while ``u < ratio``; the token after is the residual's only
+    token (or the bonus row's only token when every draft is accepted)."""
+    u = torch.rand(len(d), generator=torch.Generator().manual_seed(seed))
+    a = 0
+    while a < len(d) and bool(u[a] < torch.tensor(ratio, dtype=torch.float32)):
+        a += 1
+    return d[:a] + [resid if a < len(d) else bonus], a
+
+
+@pytest.mark.parametrize("q_of_draft", [None, 1.0, 0.75, 0.25])
+def test_accepted_counts_follow_the_requests_own_uniforms(q_of_draft) -> None:
+    """Two requests in one verify batch, each with its own seeded generator. Every draft
+    row gives its draft probability 1/2 and token 4 the other half; the row after the
+    drafts puts everything on token 0. A draft is accepted while ``u < p / q``: 1/2 for a
+    deterministic drafter (``q`` one-hot) or ``q(d) = 1``, 2/3 for ``q(d) = 3/4``, always for
+    ``q(d) = 1/4``. A rejected draft is replaced by the residual ``max(p - q, 0)``, whose
+    only token is 4; all accepted take the bonus 0. Each request's verdict depends only on
+    its own generator."""
+    sp = SamplingParams(temperature=1.0)
+    drafts = [[1, 2, 1], [2, 1]]
+    logits = torch.cat([_rows([(t, 4) for t in d] + [(0,)]) for d in drafts])
+    p_rows, o_rows = expand_for_verify([sp, sp], [[], []], drafts)
+    qs = None
+    if q_of_draft is not None:  # q(d) on the draft, the rest on token 3 (p(3) = 0)
+        qs = []
+        for d in drafts:
+            q = torch.zeros(len(d), V)
+            for j, t in enumerate(d):
+                q[j, t], q[j, 3] = q_of_draft, 1.0 - q_of_draft
+            qs.append(q)
+    ratio = 0.5 / (q_of_draft or 1.0)
+    seen = set()
+    for seed in range(24):
+        gens = {0: torch.Generator().manual_seed(seed),
+                1: torch.Generator().manual_seed(1000 + seed)}
+        res = rejection_sample(logits, _meta(p_rows, o_rows), drafts, gens, qs)
+        want = [_expected(d, s, ratio, 4, 0) for d, s in zip(drafts, (seed, 1000 + seed),
+                                                              strict=True)]
+        assert res.tokens == [w[0] for w in want]
+        assert res.num_accepted == [w[1] for w in want]
+        assert res.rows == [list(range(want[0][1] + 1)),
+                            list(range(4, 4 + want[1][1] + 1))]
+        seen.update(w[1] for w in want)
+    # the cases are all reached: every count for q(d) <= 1, all accepted for q(d) = 1/4
+    assert seen == ({3, 2} if q_of_draft == 0.25 else {0, 1, 2, 3})

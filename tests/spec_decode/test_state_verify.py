@@ -190,3 +190,6 @@ def test_select_states_rejects_bad_counts() -> None:
         select_states(states, cu, [2, 0])
     with pytest.raises(ValueError, match="num_accepted"):
         select_states(states, cu, [0])
+    with pytest.raises(ValueError, match=r"^num_accepted must be in \[0, len\) per sequence; "
+                       r"got \[0, 3\] for lengths \[2, 3\]$"):
+        select_states(states, cu, [0, 3])  # the second sequence has 3 tokens: 0..2

@@ -250,10 +250,12 @@ class ModelRunner:
         if out.kv_ops and self.connector is not None:
             # First: a save reads pages this step's copies, swaps or forward may overwrite.
             report = self.connector.run(out.kv_ops)
-        self.swap([op for op in out.swaps if op.to_host])
+        if out.swaps:
+            self.swap([op for op in out.swaps if op.to_host])
         if out.copies:
             self.copy_pages(out.copies)
-        self.swap([op for op in out.swaps if not op.to_host])
+        if out.swaps:
+            self.swap([op for op in out.swaps if not op.to_host])
         return report
 
     def _forward(self, batch: StepBatch, tokens: list[list[int]], totals: list[int], *,
@@ -342,7 +344,10 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
             return {}
-        logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
+        # Every row sampled (rows ascending, so all of them in order): no gather copy.
+        every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
+        logits = self.model.compute_logits(  # a collective under TP
+            hidden if every else hidden[inp.logits_rows])
         if tp_rank() != 0:  # sampling happens once, on rank 0
             if self.proposer is not None:  # its collectives pair with rank 0's
                 emitted = {}

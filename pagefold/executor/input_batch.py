@@ -187,10 +187,10 @@ def _small_decode(kv_config: KVCacheConfig, token_lists: list[list[int]], starts
     bs = kv_config.block_size
     n = len(starts)
 
-    def i64(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+    def i64(values) -> torch.Tensor:  # from numpy: ~1 us, torch.tensor(list) ~5
+        return torch.from_numpy(np.array(values, dtype=_i64))
 
-    rows = torch.arange(n + 1, dtype=torch.int64)  # cu_seqlens; its first n: the decode rows
+    rows = torch.from_numpy(np.arange(n + 1, dtype=_i64))  # cu_seqlens; first n: decode rows
     decode_tok = rows[:-1]
     init = [s > 0 for s in starts]
     init_t = None
@@ -201,7 +201,7 @@ def _small_decode(kv_config: KVCacheConfig, token_lists: list[list[int]], starts
         if isinstance(spec, StateSpec):
             attn_meta.append(None)
             if init_t is None:
-                init_t = torch.tensor(init, dtype=torch.bool)
+                init_t = torch.from_numpy(np.array(init, dtype=np.bool_))
             state_meta.append(StateMetadata(
                 page_ids=i64(group_block_ids[gi]).reshape(n, group.pages_per_state),
                 cu_seqlens=rows,

@@ -13,6 +13,7 @@ from pagefold.executor.sampler import (
     apply_penalties,
     gather_logprobs,
     make_generator,
+    plain_greedy,
 )
 from pagefold.sampling_params import SamplingParams
 
@@ -314,3 +315,23 @@ def test_hand_built_metadata_top_k() -> None:
     for _ in range(5):
         out = sampler(logits, meta).sampled_token_ids
         assert out[[0, 2]].tolist() == logits[[0, 2]].argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("kw,plain", [
+    ({}, True), ({"max_tokens": 7, "seed": 3}, True),
+    ({"temperature": 0.7}, False), ({"repetition_penalty": 1.3}, False),
+    ({"presence_penalty": 0.5}, False), ({"frequency_penalty": 0.5}, False),
+    ({"min_tokens": 2}, False), ({"logprobs": 0}, False), ({"logprob_token_ids": [1]}, False),
+    ({"logit_bias": {1: 5.0}}, False), ({"allowed_token_ids": [1, 2]}, False),
+])
+def test_plain_greedy_rows_are_the_samplers_argmax(kw, plain):
+    """``plain_greedy`` holds exactly for rows whose sampling is the raw argmax (the runner
+    then skips the metadata): each feature that changes a row's token or output says no."""
+    sp = SamplingParams(temperature=0.0, **kw) if "temperature" not in kw else \
+        SamplingParams(**kw)
+    assert plain_greedy(sp) is plain
+    if plain:
+        logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
+        got = sampler(logits, _meta([sp, sp], eos=[1, 1]))
+        assert torch.equal(got.sampled_token_ids, Sampler.argmax(logits))
+        assert got.logprobs is None

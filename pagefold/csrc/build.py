@@ -178,7 +178,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_relu2.restype = i32
     lib.pf_sigmoid_gate.argtypes = [i32, p, i64, p, i64, i64, p, i64, i64, i32, i32, i32]
     lib.pf_sigmoid_gate.restype = i32
-    lib.pf_blocks_decode.argtypes = [p, p, i32, p, p, p, p, p, p, i64, i64, p, i32, p]
+    lib.pf_blocks_decode.argtypes = [p, p, i32, p, p, p, p, p, p, i64, i64, p, i32, p, p,
+                                     f32, i32, p]
     lib.pf_blocks_decode.restype = i32
     lib.pf_blocks_decode_fields.restype = i32
     lib.pf_moe_experts_few.argtypes = [p, p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p,

@@ -281,10 +281,14 @@ int pf_blocks_decode_fields() { return (kFields * 100 + kFloats) * 100 + kDyn; }
 // kernel: the Python block's own forward), called with (block index, normed rows, t, d, dst). dyn:
 // kDyn per block. groups: kGroupFields per attention group. Returns 0, -1 for a bad block, or
 // the first nonzero kernel result OR-ed over a block (the kernels refused an input).
+// final_out: null, or where the stack's final norm of (out + residual) goes, the module path's
+// last pf_rms_norm call (weight final_w, final_eps, mode final_zc; the residual updated in
+// place as there), so a step needs no second call for it.
 int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
                      const int64_t* dyn, const int64_t* groups, void* gemv_fn, void* x, void* res,
                      void* out, int64_t t, int64_t d, const int64_t* pos, int nthreads,
-                     void* moe_fn) {
+                     void* moe_fn, const void* final_w, float final_eps, int final_zc,
+                     void* final_out) {
   if (n_blocks < 1 || t < 1) return -1;
   const StepArgs s{reinterpret_cast<GemvFn>(gemv_fn), t, d, pos, groups, nthreads};
   Scratch m(blocks, n_blocks, t, d);
@@ -314,6 +318,9 @@ int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
     if (rc) return rc;
     cur = dst;
   }
+  if (final_out != nullptr)
+    return pf_rms_norm(kBf16, out, d, resid, d, final_w, final_out, d, t, static_cast<int>(d),
+                       final_eps, final_zc, nthreads);
   return 0;
 }
 

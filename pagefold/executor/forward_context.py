@@ -29,6 +29,9 @@ class StateMetadata:
     has_initial_state: torch.Tensor
     all_decode: bool
     any_initial_state: bool
+    # Every request continues a state (``has_initial_state`` all True): the kernels need no
+    # fresh flags. False where unknown (a reader then looks at the tensor).
+    all_initial_state: bool = False
     # (N,) bool on a speculative verify step: the requests whose chunk is 1 + k decode tokens.
     spec_rows: torch.Tensor | None = None
     capture_after: torch.Tensor | None = None

@@ -26,6 +26,10 @@ _i64 = np.int64
 # stands for, so with the row-independent bf16 linears a verify step computes bit for bit what
 # those steps would (greedy speculation keeps bf16 tokens), and the reads are theirs.
 SHORT_CHUNK_AS_DECODE = 16
+# A CPU step of this many decode rows at most (no captures, no image spans) is built from
+# Python lists (:func:`_small_decode`): the same tensors as the general path's, in a third of
+# its ~50 small numpy and torch calls (a batch-1 decode step's fixed cost).
+SMALL_DECODE_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -71,6 +75,9 @@ def build_inputs(
     dev = torch.device(device) if device is not None else torch.device("cpu")
     bs = kv_config.block_size
     n_req = len(counts)
+    if (dev.type == "cpu" and 0 < n_req <= SMALL_DECODE_ROWS and not captures
+            and not image_spans and all(c == 1 for c in counts)):
+        return _small_decode(kv_config, token_lists, starts, totals, group_block_ids)
     count = np.asarray(counts, dtype=_i64)
     start = np.asarray(starts, dtype=_i64)
     cu = np.zeros(n_req + 1, dtype=_i64)
@@ -101,16 +108,20 @@ def build_inputs(
     attn_meta: list[AttentionMetadata | None] = []
     state_meta: list[StateMetadata | None] = []
     has_init = start > 0
+    init_t = None  # has_init as a tensor, one for every state group (read only)
     for gi, group in enumerate(kv_config.groups):
         spec = group.spec
         if isinstance(spec, StateSpec):
             attn_meta.append(None)
             pages = np.fromiter(chain.from_iterable(group_block_ids[gi]), dtype=_i64,
                                 count=n_req * group.pages_per_state)
+            if init_t is None:
+                init_t = put(has_init)
+                any_init, all_init = bool(has_init.any()), bool(has_init.all())
             meta = StateMetadata(
                 page_ids=put(pages.reshape(n_req, group.pages_per_state)), cu_seqlens=cu_t,
-                has_initial_state=put(has_init), all_decode=all_decode,
-                any_initial_state=bool(has_init.any()))
+                has_initial_state=init_t, all_decode=all_decode,
+                any_initial_state=any_init, all_initial_state=all_init)
             caps = captures.get(gi) if captures else None
             if caps:
                 # The state after prefix length p is the one after flat token cu[i] + p - s - 1.
@@ -159,6 +170,62 @@ def build_inputs(
             all_decode=all_decode))
 
     sample_req_idx = [i for i in range(n_req) if starts[i] + counts[i] >= totals[i]]
-    logits_rows = put(cu[1:][np.asarray(sample_req_idx, dtype=_i64)] - 1)
+    if all_decode and len(sample_req_idx) == n_req:  # every row: rows 0..n-1, cu[:-1]
+        logits_rows = decode_tok
+    else:
+        logits_rows = put(cu[1:][np.asarray(sample_req_idx, dtype=_i64)] - 1)
     return StepInputs(put(ids), put(positions), attn_meta, state_meta, logits_rows,
                       sample_req_idx)
+
+
+def _small_decode(kv_config: KVCacheConfig, token_lists: list[list[int]], starts: list[int],
+                  totals: list[int], group_block_ids: list[list[list[int]]]) -> StepInputs:
+    """:func:`build_inputs` for a CPU step where every request computes one token (no
+    captures, no image spans), from Python lists: equal tensors (values, dtypes, shapes), the
+    state groups sharing one ``has_initial_state`` and the attention groups one
+    ``decode_tok`` (read only)."""
+    bs = kv_config.block_size
+    n = len(starts)
+
+    def i64(values) -> torch.Tensor:  # from numpy: ~1 us, torch.tensor(list) ~5
+        return torch.from_numpy(np.array(values, dtype=_i64))
+
+    rows = torch.from_numpy(np.arange(n + 1, dtype=_i64))  # cu_seqlens; first n: decode rows
+    decode_tok = rows[:-1]
+    init = [s > 0 for s in starts]
+    init_t = None
+    attn_meta: list[AttentionMetadata | None] = []
+    state_meta: list[StateMetadata | None] = []
+    for gi, group in enumerate(kv_config.groups):
+        spec = group.spec
+        if isinstance(spec, StateSpec):
+            attn_meta.append(None)
+            if init_t is None:
+                init_t = torch.from_numpy(np.array(init, dtype=np.bool_))
+            state_meta.append(StateMetadata(
+                page_ids=i64(group_block_ids[gi]).reshape(n, group.pages_per_state),
+                cu_seqlens=rows,
+                has_initial_state=init_t, all_decode=True, any_initial_state=any(init),
+                all_initial_state=all(init)))
+            continue
+        state_meta.append(None)
+        window = spec.window if isinstance(spec, SlidingWindowSpec) else None
+        chunk = spec.chunk if isinstance(spec, ChunkedLocalAttentionSpec) else None
+        width = max(1, max(len(t) for t in group_block_ids[gi]))
+        tables = [t + [0] * (width - len(t)) for t in group_block_ids[gi]]  # 0: the null block
+        seq_lens = [s + 1 for s in starts]
+        kv_start = None
+        if window:
+            kv_start = i64([max(q - window, 0) for q in seq_lens])
+        if chunk:
+            kv_start = i64([s - s % chunk for s in starts])
+        attn_meta.append(AttentionMetadata(
+            slot_mapping=i64([t[s // bs] * bs + s % bs for t, s in zip(tables, starts)]),
+            decode_tok=decode_tok,
+            decode_tables=i64(tables),
+            decode_seq_lens=i64(seq_lens), decode_kv_start=kv_start, block_size=bs,
+            prefills=[], image_rows=[], sliding_window=window, all_decode=True))
+    sample_req_idx = [i for i in range(n) if starts[i] + 1 >= totals[i]]
+    logits_rows = decode_tok if len(sample_req_idx) == n else i64(sample_req_idx)
+    return StepInputs(i64([t[0] for t in token_lists]), i64(starts), attn_meta, state_meta,
+                      logits_rows, sample_req_idx)

@@ -34,9 +34,11 @@ from pagefold.executor.input_batch import StepInputs, build_inputs
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
 from pagefold.executor.sampler import (
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     gather_logprobs,
     make_generator,
+    plain_greedy,
 )
 from pagefold.multimodal.encoder_cache import EncoderCache
 from pagefold.spec_decode.verify import verify_drafts
@@ -250,10 +252,12 @@ class ModelRunner:
         if out.kv_ops and self.connector is not None:
             # First: a save reads pages this step's copies, swaps or forward may overwrite.
             report = self.connector.run(out.kv_ops)
-        self.swap([op for op in out.swaps if op.to_host])
+        if out.swaps:
+            self.swap([op for op in out.swaps if op.to_host])
         if out.copies:
             self.copy_pages(out.copies)
-        self.swap([op for op in out.swaps if not op.to_host])
+        if out.swaps:
+            self.swap([op for op in out.swaps if not op.to_host])
         return report
 
     def _forward(self, batch: StepBatch, tokens: list[list[int]], totals: list[int], *,
@@ -342,7 +346,10 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.sync(self, batch, inp, ctx.drafter_hidden(hidden), {})
             return {}
-        logits = self.model.compute_logits(hidden[inp.logits_rows])  # a collective under TP
+        # Every row sampled (rows ascending, so all of them in order): no gather copy.
+        every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
+        logits = self.model.compute_logits(  # a collective under TP
+            hidden if every else hidden[inp.logits_rows])
         if tp_rank() != 0:  # sampling happens once, on rank 0
             if self.proposer is not None:  # its collectives pair with rank 0's
                 emitted = {}
@@ -363,22 +370,11 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor,
                sreqs: list[CachedRequestState]) -> dict[str, SampledToken]:
-        gens = {}
-        for row, r in enumerate(sreqs):
-            g = self.generator_for(r)
-            if g is not None:
-                gens[row] = g
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in sreqs],
-            [r.output_token_ids for r in sreqs],
-            [r.prompt_token_ids for r in sreqs],
-            gens,
-            eos_token_ids=[r.eos_token_id for r in sreqs],
-            device=self.device,
-        )
-        if self._grammar:
-            meta.token_bitmask = self._bitmask(self._grammar, sreqs, logits.shape[1])
-        out = self.sampler(logits, meta)
+        if not self._grammar and all(plain_greedy(r.sampling_params) for r in sreqs):
+            # The sampler's whole work for such rows (no metadata to build).
+            out = SamplerOutput(Sampler.argmax(logits))
+        else:
+            out = self._sample_all(logits, sreqs)
         ids = out.sampled_token_ids.tolist()
         result = {}
         lp_ids = out.logprobs_token_ids.tolist() if out.logprobs_token_ids is not None else None
@@ -402,6 +398,25 @@ class ModelRunner:
                     and len(r.prompt_logprobs) == len(r.prompt_token_ids) - 1):
                 result[r.req_id].prompt_logprobs = r.prompt_logprobs
         return result
+
+    def _sample_all(self, logits: torch.Tensor,
+                    sreqs: list[CachedRequestState]) -> SamplerOutput:
+        gens = {}
+        for row, r in enumerate(sreqs):
+            g = self.generator_for(r)
+            if g is not None:
+                gens[row] = g
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in sreqs],
+            [r.output_token_ids for r in sreqs],
+            [r.prompt_token_ids for r in sreqs],
+            gens,
+            eos_token_ids=[r.eos_token_id for r in sreqs],
+            device=self.device,
+        )
+        if self._grammar:
+            meta.token_bitmask = self._bitmask(self._grammar, sreqs, logits.shape[1])
+        return self.sampler(logits, meta)
 
     @staticmethod
     def _bitmask(grammar: dict[str, bytes], sreqs: list[CachedRequestState],

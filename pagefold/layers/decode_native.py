@@ -154,7 +154,17 @@ class NativeBlocks:
         self.floats = (ctypes.c_float * len(flts))(*flts)
         self.callbacks = ModuleCallbacks(self.parts)
         self.max_block = lib.pf_max_block()
+        self.finals: dict[int, tuple | None] = {}
         self.ok = True
+
+    def final_record(self, norm: torch.nn.Module) -> tuple | None:
+        """``norm.native_norm()`` (weight pointer, eps, mode), asked once per norm (the
+        records' pointers are fixed while this object is used, as the blocks' norms' are)."""
+        key = id(norm)
+        if key not in self.finals:
+            fn = getattr(norm, "native_norm", None)
+            self.finals[key] = fn() if fn is not None else None
+        return self.finals[key]
 
     def usable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """The per-step conditions on the rows: bf16 on the CPU, contiguous, not too many,
@@ -167,12 +177,15 @@ class NativeBlocks:
                 and not dispatch.use_triton(x.device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx,
-                residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                residual: torch.Tensor | None = None, final: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
         """Every block on ``x`` (T, hidden) as the module path runs them, ``usable`` holding;
         returns ``(last part's output, residual)``, whose sum is the blocks' output (``x`` or
         ``residual`` takes the residual stream in place, as the module path's first add), or
-        None where a part's ``native_dyn`` declined this step (nothing has run then)."""
+        None where a part's ``native_dyn`` declined this step (nothing has run then). With
+        ``final`` (a norm's ``native_norm()``: weight pointer, eps, mode) the same call also
+        applies that norm to the sum, as the module path's final fused add + norm, and
+        returns the normalised rows alone."""
         st = Step(self.lib, ctx, x.shape[0], positions, self.max_block)
         dyn: list[int] = []
         for p in self.parts:
@@ -182,6 +195,7 @@ class NativeBlocks:
             dyn += d + [0] * (DYN - len(d))
         groups = st.group_values() or [0]
         out = torch.empty_like(x)
+        normed = torch.empty_like(x) if final is not None else None
         t = x.shape[0]
         gemv = t <= self.gemv_rows  # each matrix's own GEMV (from the records), else callbacks
         cb = self.callbacks
@@ -191,11 +205,15 @@ class NativeBlocks:
             (ctypes.c_int64 * len(groups))(*groups),
             None if gemv else cb.linear, x.data_ptr(),
             residual.data_ptr() if residual is not None else None, out.data_ptr(), t,
-            x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe)
+            x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe,
+            *(final if final is not None else (None, 0.0, 0)),
+            normed.data_ptr() if normed is not None else None)
         if cb.error is not None:
             raise cb.error
         if rc:
             raise RuntimeError("a CPU kernel refused checked inputs in the native decode step")
+        if normed is not None:
+            return normed
         return out, (residual if residual is not None else x)
 
 
@@ -218,12 +236,15 @@ def _routing(linears: tuple) -> tuple:
     return tuple(id(getattr(m, "pf_gemv", None)) for m in linears)
 
 
-def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor, ctx
-        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor, ctx,
+        final_norm: torch.nn.Module | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """``owner``'s decoder ``layers`` on the embeddings ``x`` in one native step, or None where
     the step takes the module path (nothing has run then). Returns ``(last part's output,
-    residual)``: the final norm of their sum is the model's output. The packed records are
-    kept on ``owner`` and rebuilt when the linears' GEMV routing changed."""
+    residual)``: the final norm of their sum is the model's output; given ``final_norm`` (a
+    norm whose forward with a residual is the fused add + norm) whose ``native_norm``
+    answers, that output itself, one tensor (the norm runs in the same C call). The packed
+    records are kept on ``owner`` and rebuilt when the linears' GEMV routing changed."""
     if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not len(layers):
         return None
     if ctx.lora_rows:  # LoRA terms come from the linears' hooks: the module path runs them
@@ -247,4 +268,5 @@ def run(owner: torch.nn.Module, layers, x: torch.Tensor, positions: torch.Tensor
         owner.__dict__["_pf_native_blocks"] = (lins, _routing(lins), blocks, native)
     if not native.usable(x, None):
         return None
-    return native.forward(x, positions, ctx)
+    final = native.final_record(final_norm) if final_norm is not None else None
+    return native.forward(x, positions, ctx, final=final)

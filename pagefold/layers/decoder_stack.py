@@ -99,13 +99,14 @@ class DecoderStack(nn.Module):
         this to place its encoder's rows, ``ctx.mm_embeds``)."""
         return self.embed(input_ids)
 
-    def _native(self, layers, x: torch.Tensor, positions: torch.Tensor, ctx):
+    def _native(self, layers, x: torch.Tensor, positions: torch.Tensor, ctx,
+                final_norm: nn.Module | None = None):
         # The native step takes 1-D positions and token embeddings only (no M-RoPE rows, no
         # image rows placed in the step).
         if (not self.native_decode or positions.dim() != 1
                 or getattr(ctx, "mm_embeds", None) is not None):
             return None
-        return decode_native.run(self, layers, x, positions, ctx)
+        return decode_native.run(self, layers, x, positions, ctx, final_norm)
 
     def run_layer(self, layer: nn.Module, positions: torch.Tensor, x: torch.Tensor,
                   residual: torch.Tensor | None, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,9 +142,13 @@ class DecoderStack(nn.Module):
             return self._stage_forward(input_ids, positions, ctx)
         x = self.embed_inputs(input_ids, ctx)
         # Small CPU decode steps: the same kernels in one C call (decode_native, same bits).
-        native = self._native(self.layers, x, positions, ctx)
+        # The default native_final (the final norm's fused add + norm) runs in the same C
+        # call; a stack that overrides it gets the (output, residual) pair.
+        fused = type(self).native_final is DecoderStack.native_final
+        native = self._native(self.layers, x, positions, ctx,
+                              getattr(self, self._norm_name) if fused else None)
         if native is not None:
-            return self.native_final(*native)
+            return native if isinstance(native, torch.Tensor) else self.native_final(*native)
         residual = None
         capture = getattr(ctx, "aux_layers", None) is not None
         for i, layer in enumerate(self.layers):

@@ -195,7 +195,8 @@ class Step:
         if s is None:
             pages = meta.page_ids.contiguous()
             cu = meta.cu_seqlens.to(torch.int64).contiguous()
-            fresh = cpu_ops.fresh_flags(meta.has_initial_state)
+            fresh = (None if meta.all_initial_state
+                     else cpu_ops.fresh_flags(meta.has_initial_state))
             self.keep += [pages, cu, fresh, meta]
             s = self.states[id(meta)] = (pages.data_ptr(), pages.shape[1],
                                          fresh.data_ptr() if fresh is not None else 0,

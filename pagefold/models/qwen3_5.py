@@ -298,8 +298,10 @@ class HybridDecoderLayer(nn.Module):
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(positions, h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual add and the norm in one pass; the sum (x + h rounded, as the add alone)
+        # goes into the mixer output's own storage, never into x (a caller may hold x).
+        h, x = self.post_attention_layernorm(x, h)
+        return x + self.mlp(h)
 
 
 class HybridModel(DecoderStack):

@@ -131,9 +131,9 @@ class GatedAttention(nn.Module):
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk = None
-        if positions.dim() == 1 and qkv.device.type == "cpu":
-            # One pass for q/k norm + partial RoPE (the native decode step's kernel: the same
-            # roundings as the two modules below); M-RoPE rows take the modules.
+        if positions.dim() == 1 and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16:
+            # One pass for q/k norm + partial RoPE (the native decode step's kernel: in bf16 the
+            # same roundings as the two modules below; float32 sums differ, M-RoPE rows too).
             qk = elementwise.qk_norm_rope(
                 qkv, positions, self.rotary.cos, self.rotary.sin, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_off=0,

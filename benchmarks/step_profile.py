@@ -1,8 +1,17 @@
-"""Time (or profile) SmolLM2's batch-32 workload step by step through ``LLM.step``.
+"""Time (or profile) a batched workload step by step through ``LLM.step``.
 
     OMP_NUM_THREADS=1 python -m benchmarks.step_profile                # step times
     OMP_NUM_THREADS=1 python -m benchmarks.step_profile --cprofile     # + cProfile (C kernels)
     OMP_NUM_THREADS=1 python -m benchmarks.step_profile --torch        # + torch.profiler (CPU)
+    python -m benchmarks.step_profile --model qwen3_5-h1024-l24-i5120 --requests 64 \
+        --out 128 --phases                                             # + per-phase table
+
+``--model``: ``smollm2`` (default, the trained SmolLM2-135M-Instruct) or a random model named
+as ``benchmarks.llama_compare`` names them (``ARCH-hH-lL[-iI]``). ``--phases`` prints, per
+step kind (prefill: some request computes several tokens; decode), each phase's time and share
+(``benchmarks.step_phases``: timers wrapped around this one engine's calls, so the engine's
+own path has no hook); ``PAGEFOLD_NATIVE_DECODE=0`` splits the native decode driver's time into
+GDN recurrence and decode attention.
 
 ``--requests`` prompts of ``--prompt`` random tokens, ``--out`` greedy tokens each (default 32 x
 256 -> 64, compare.py's ``smollm2-b32``), all submitted at once after one warm-up round; every
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import random
 import time
@@ -30,14 +40,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--cprofile", action="store_true")
     p.add_argument("--torch", action="store_true")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--phases", action="store_true", help="per-phase table of the last round")
     args = p.parse_args(argv)
 
     import torch
 
+    from benchmarks.llama_compare import hf_model
     from pagefold import LLM, SamplingParams
-    from pagefold.models.smollm2 import smollm2_checkpoint
 
-    llm = LLM(str(smollm2_checkpoint()), dtype="bfloat16", max_model_len=2048,
+    path = hf_model(args.model)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=2048,
               kv_cache_memory=2 << 30, max_num_seqs=256,
               max_num_batched_tokens=args.max_num_batched_tokens)
     rng = random.Random(0)
@@ -45,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def one_round() -> tuple[float, float, list[float]]:
         for _ in range(args.requests):
-            ids = [rng.randrange(5, 49152) for _ in range(args.prompt)]
+            ids = [rng.randrange(5, vocab) for _ in range(args.prompt)]
             llm.add_request({"prompt_token_ids": ids}, sp)
         t0 = time.perf_counter()
         steps, done = [], 0
@@ -56,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         return steps[0], time.perf_counter() - t0, steps
 
     one_round()  # warm-up: oneDNN primitives, kernel build
+    timer = None
     print(f"threads {torch.get_num_threads()}")
     for i in range(args.rounds):
         prof = cProfile.Profile() if args.cprofile and i == 0 else None
@@ -65,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
 
             tprof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             tprof.__enter__()
+        if args.phases and i == args.rounds - 1:
+            from benchmarks.step_phases import instrument
+
+            timer = instrument(llm)
         if prof:
             prof.enable()
         first, total, steps = one_round()
@@ -80,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         if tprof:
             print(tprof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cpu_time_total", row_limit=30))
+    if timer is not None:
+        print(f"phases of round {args.rounds - 1} ({args.model}, {args.requests} x "
+              f"{args.prompt} -> {args.out}):")
+        print(timer.table())
 
 
 if __name__ == "__main__":

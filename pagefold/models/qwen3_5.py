@@ -126,12 +126,26 @@ class GatedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
         t = x.shape[0]
-        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        qg, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qk = None
+        if positions.dim() == 1 and qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16:
+            # One pass for q/k norm + partial RoPE (the native decode step's kernel: in bf16 the
+            # same roundings as the two modules below; float32 sums differ, M-RoPE rows too).
+            qk = elementwise.qk_norm_rope(
+                qkv, positions, self.rotary.cos, self.rotary.sin, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, q_off=0,
+                q_head_stride=2 * self.head_dim, k_off=self.q_size,
+                q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps,
+                zero_centered=True)
+        if qk is not None:
+            q, k = qk
+        else:
+            q = self.q_norm(q)
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q, k)
         o = ctx.attention(self.layer_name, q, k, v, self.scale)
         o = sigmoid_gate(o.reshape(t, -1), gate)
         return self.o_proj(o)
@@ -284,8 +298,10 @@ class HybridDecoderLayer(nn.Module):
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(positions, h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual add and the norm in one pass; the sum (x + h rounded, as the add alone)
+        # goes into the mixer output's own storage, never into x (a caller may hold x).
+        h, x = self.post_attention_layernorm(x, h)
+        return x + self.mlp(h)
 
 
 class HybridModel(DecoderStack):

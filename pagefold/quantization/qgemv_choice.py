@@ -6,8 +6,9 @@ A GGUF weight's few-row product has up to three compiled kernels, ``q8``
 codes only), ``q8mm`` (``pf_qgemm_affine_q8``: the same int8 rows on the AMX tile unit from 16
 rows up, ``q8``'s form and bits below, so that a verify step of up to 15 rows keeps a decode
 step's bits; CPUs with AMX-INT8 only, where it is the flags' pick) and ``float``
-(``pf_qgemv_affine``: float32 sums); an integer or FP8 weight (GPTQ, AWQ, compressed-tensors, on-load int4 / int8 /
-fp8) has ``int`` (``pf_qgemv_int``). Above a kernel's rows the ``tile``
+(``pf_qgemv_affine``: float32 sums); an integer or FP8 weight (GPTQ, AWQ,
+compressed-tensors, on-load int4 / int8 / fp8) has ``int`` (``pf_qgemv_int``). Above a
+kernel's rows the ``tile``
 path decodes a tile of output rows to bf16 and runs oneDNN's GEMM. Which is fastest, and up to
 how many rows, depends on the CPU (VNNI or not, how wide its units are), the format, the shape
 and the row count, so at load :func:`choose` times, per distinct (format, N, K), each kernel at

@@ -38,27 +38,33 @@ def _generate(llm: LLM, prompts):
                                       for step in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, row_independent_routing):
-    # Wide enough that summation order shows in the bf16 logits (at width 64 it rarely does).
-    model = str(tiny_model_factory("qwen3", hidden_size=512, intermediate_size=1024,
-                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64))
-    prompts = tiny_models.random_prompts(3, 30, 90, 512, seed=11)
-    kw = dict(dtype="bfloat16", max_model_len=128, warm_up=False, **row_independent_routing)
+def _assert_spec_equals_plain(model: str, prompts, kw: dict, vocab: int) -> None:
+    """Greedy ngram speculation (k = 4, drafts forced: OFF's continuation with every third
+    draft corrupted, so verify steps accept part of them) gives OFF's tokens and logprobs."""
     off = _generate(LLM(model, **kw), prompts)
     table = {tuple(p): o[0] for p, o in zip(prompts, off)}
     spec = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                           "disable_by_batch_size": 64}, **kw)
 
-    def propose(req, k):  # OFF's continuation, every third draft corrupted: partial accepts
+    def propose(req, k):
         n = req.num_output_tokens
         d = list(table[tuple(req.prompt_token_ids)][n:n + k])
-        return [(t + 1) % 512 if (n + j) % 3 == 2 else t for j, t in enumerate(d)]
+        return [(t + 1) % vocab if (n + j) % 3 == 2 else t for j, t in enumerate(d)]
 
     spec.engine.spec.propose_fn = propose
     on = _generate(spec, prompts)
     m = spec.engine.spec.metrics
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     assert on == off  # tokens and logprobs, exactly
+
+
+def test_bf16_spec_logprobs_equal_plain_decode(tiny_model_factory, row_independent_routing):
+    # Wide enough that summation order shows in the bf16 logits (at width 64 it rarely does).
+    model = str(tiny_model_factory("qwen3", hidden_size=512, intermediate_size=1024,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64))
+    prompts = tiny_models.random_prompts(3, 30, 90, 512, seed=11)
+    kw = dict(dtype="bfloat16", max_model_len=128, warm_up=False, **row_independent_routing)
+    _assert_spec_equals_plain(model, prompts, kw, vocab=512)
 
 
 def test_gguf_spec_logprobs_equal_plain_decode(tmp_path, monkeypatch):
@@ -82,18 +88,4 @@ def test_gguf_spec_logprobs_equal_plain_decode(tmp_path, monkeypatch):
     model = str(write_tiny_gguf(tmp_path / "tiny.gguf", src, arch="llama", kind="Q4_1"))
     prompts = tiny_models.random_prompts(3, 20, 40, 4096, seed=5)
     kw = dict(dtype="bfloat16", max_model_len=96, warm_up=False)
-    off = _generate(LLM(model, **kw), prompts)
-    table = {tuple(p): o[0] for p, o in zip(prompts, off)}
-    spec = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                          "disable_by_batch_size": 64}, **kw)
-
-    def propose(req, k):  # OFF's continuation, every third draft corrupted: partial accepts
-        n = req.num_output_tokens
-        d = list(table[tuple(req.prompt_token_ids)][n:n + k])
-        return [(t + 7) % 4096 if (n + j) % 3 == 2 else t for j, t in enumerate(d)]
-
-    spec.engine.spec.propose_fn = propose
-    on = _generate(spec, prompts)
-    m = spec.engine.spec.metrics
-    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
-    assert on == off  # tokens and logprobs, exactly
+    _assert_spec_equals_plain(model, prompts, kw, vocab=4096)

@@ -122,15 +122,21 @@ def test_batch_size_cut() -> None:
 
 
 def test_hybrids_draft_only_on_steps_without_prefill() -> None:
+    # prefill: tokens left to compute of another running request (0: none running).
     for has_state, waiting, prefill, drafts in [
-        (True, 0, False, True), (True, 1, False, False), (True, 0, True, False),
-        (False, 1, True, True),
+        (True, 0, 0, True), (True, 1, 0, False), (True, 0, 2, False), (True, 0, 5, False),
+        (False, 1, 5, True),
     ]:
         dec, _ = _decoder(has_state=has_state)
-        extra = [_req("p", computed=5)] if prefill else []
+        extra = [_req("p", computed=10 - prefill)] if prefill else []
         s = _sched(_req("a"), *extra, waiting=waiting)
         dec.propose(s)
         assert ("a" in s.spec_token_ids) is drafts, (has_state, waiting, prefill)
+    # has_state defaults to False: a plain model drafts beside prefill work.
+    dec = SpecDecoder(SpeculativeConfig.from_user({"method": "mtp"}), 100)
+    s = _sched(_req("a"), _req("p", computed=5), waiting=1)
+    dec.propose(s)
+    assert s.spec_token_ids == {"a": [-1]}
 
 
 def _verify(dec, s, sampled) -> None:
@@ -139,7 +145,7 @@ def _verify(dec, s, sampled) -> None:
 
 def test_backoff_and_counters() -> None:
     dec, calls = _decoder(k=2)
-    s = _sched(_req("a"), _req("b"))
+    s = _sched(_req("b"), _req("a"))  # a backed-off request skips only itself
     dec.propose(s)                                        # step 1: both draft 2
     _verify(dec, s, {"a": VerifiedTokens([1, 2, 3], 2), "b": VerifiedTokens([9], 0)})
     assert (dec.metrics.num_drafts, dec.metrics.num_draft_tokens,
@@ -159,8 +165,14 @@ def test_backoff_and_counters() -> None:
         seen.append("b" in s.spec_token_ids)
     assert seen == [False, False, False, True]            # steps 4..7
     _verify(dec, s, {"b": VerifiedTokens([1, 2, 3], 2)})  # an acceptance resets it
-    dec.propose(s)
+    dec.propose(s)                                        # step 8
     assert "b" in s.spec_token_ids
+    _verify(dec, s, {"b": VerifiedTokens([9], 0)})        # a first failure again: wait 2
+    seen = []
+    for _ in range(2):
+        dec.propose(s)
+        seen.append("b" in s.spec_token_ids)
+    assert seen == [False, True]                          # steps 9 and 10
 
 
 def test_backoff_caps_at_16_steps() -> None:

@@ -39,7 +39,9 @@ def test_parse_dtype_error(value) -> None:
 
 
 def test_split_for_tp() -> None:
-    assert [split_for_tp(16, tp, "heads") for tp in (1, 2, 4, 8, 16)] == [16, 8, 4, 2, 1]
+    parts = [split_for_tp(16, tp, "heads") for tp in (1, 2, 4, 8, 16)]
+    assert parts == [16, 8, 4, 2, 1]
+    assert {type(p) for p in parts} == {int}  # a shape, never 8.0
     msg = "num_kv_heads (6) is not divisible by tensor_parallel_size 4"
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         split_for_tp(6, 4, "num_kv_heads")

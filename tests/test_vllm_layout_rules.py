@@ -65,6 +65,10 @@ def test_attention_block_size_by_hand() -> None:
     assert vllm_attention_block_size({"s": _state(1024), "a": FULL}) == 16
     assert vllm_attention_block_size({"s": _state(1028), "a": FULL}) == 32
     assert vllm_attention_block_size({"s": _state(100), "a": FULL}, block_size=32) == 32
+    # A block_size under the alignment: raised to 16 by a 1-byte state, kept with no state.
+    one = StateSpec("gdn", (StateComponent("a", (1,), torch.int8),))
+    assert vllm_attention_block_size({"s": one, "a": FULL}, block_size=8) == 16
+    assert vllm_attention_block_size({"a": FULL}, block_size=8) == 8
     msg = ("attention layers store different bytes per token [64, 128]; vLLM's hybrid layout "
            "needs one attention page size")
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
@@ -108,6 +112,7 @@ def test_state_only_pool() -> None:
     off = plan_vllm(specs, memory_bytes=1 << 20, max_model_len=100, enable_prefix_caching=False)
     assert off.blocks_per_request == 1
     assert off.blocks_for_length(10_000) == 1
+    assert lay.blocks_for_length(10_000) == 3  # prefix caching and drafts: 2 + 1
 
 
 def test_hybrid_pool() -> None:
@@ -136,6 +141,9 @@ def test_window_and_chunk_blocks() -> None:
     # Window 8 and 10 tokens a step: min(7 + 10, len) tokens, plus one block.
     assert lay.blocks_per_request == 3  # cdiv(17, 16) + 1
     assert [lay.blocks_for_length(n) for n in (5, 16, 17, 1000)] == [2, 2, 3, 3]
+    w7 = plan_vllm({"w": SlidingWindowSpec(1, 8, F32, window=7)}, memory_bytes=1 << 20,
+                   max_model_len=100, enable_prefix_caching=False, max_num_batched_tokens=10)
+    assert w7.blocks_per_request == 2  # min(6 + 10, 100) = 16 tokens: one block, plus one
     default = plan_vllm({"w": swa}, memory_bytes=1 << 20, max_model_len=10_000,
                         enable_prefix_caching=False, block_size=32)
     assert default.attention_block_size == 32
@@ -148,3 +156,6 @@ def test_window_and_chunk_blocks() -> None:
     m = plan_vllm({"m": mla}, memory_bytes=1 << 20, max_model_len=33,
                   enable_prefix_caching=False)
     assert (m.page_size_bytes, m.blocks_per_request) == (1024, 3)
+    tiny = plan_vllm({"a": FULL}, memory_bytes=1 << 20, max_model_len=1,
+                     enable_prefix_caching=False)  # the smallest max_model_len allowed
+    assert (tiny.blocks_per_request, tiny.kv_cache_size_tokens) == (1, 1024)

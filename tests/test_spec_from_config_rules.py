@@ -211,3 +211,55 @@ def test_bamba_mamba2_by_hand() -> None:
     assert explicit.shape == (8, 32, 16)
     auto = _specs(BAMBA | {"mamba_d_head": "auto"})["layers.0"].components[1]
     assert auto.shape == (8, 16, 16)
+
+
+def test_shapes_are_ints_and_names() -> None:
+    """Shapes are tensor sizes: ints, never ``192.0`` (equal, but not a size)."""
+    sizes = []
+    for cfg, tp in [(GDN, 4), (NEMOTRON, 2), (BAMBA, 1), (QWEN3, 2)]:
+        for spec in _specs(cfg, tensor_parallel_size=tp).values():
+            if hasattr(spec, "components"):
+                assert [c.name for c in spec.components] == ["conv", "ssm"]
+                sizes += [n for c in spec.components for n in c.shape]
+            else:
+                sizes += [spec.num_kv_heads, spec.head_dim]
+    assert {type(n) for n in sizes} == {int}
+    with _raises("Mamba-2 conv_dim (131) is not divisible by tensor_parallel_size 2"):
+        # intermediate 3 * 1 = 3, plus 2 * 2 * 32: odd.
+        _specs(NEMOTRON | {"mamba_num_heads": 3, "mamba_head_dim": 1}, tensor_parallel_size=2)
+
+
+def test_one_spec_object_per_kind() -> None:
+    """Layers of one kind share one spec object (the planner groups equal specs)."""
+    specs = _specs(GDN | {"num_hidden_layers": 8})
+    assert specs["layers.3"] is specs["layers.7"]
+    assert specs["layers.0"] is specs["layers.6"]
+    # A sliding layer first: the attention shape is still read once, for both kinds.
+    cfg = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "hidden_size": 64, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention", "full_attention"]}
+    specs = _specs(cfg)
+    assert specs["layers.0"] == SlidingWindowSpec(2, 16, BF16, 8)
+    assert specs["layers.1"] == FullAttentionSpec(2, 16, BF16)
+    assert specs["layers.1"] is specs["layers.2"]
+
+
+def test_family_readers_get_every_argument() -> None:
+    """A family with its own reader (``spec_families``) gets the text config, the dtypes, the
+    TP size, the SSM override and the draft count."""
+    m2 = {"model_type": "mamba2", "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+          "n_groups": 1, "state_size": 16, "conv_kernel": 4}
+    specs = _specs({"architectures": ["Mamba2ForCausalLM"], "text_config": m2},
+                   tensor_parallel_size=2, mamba_ssm_cache_dtype="float32",
+                   num_speculative_tokens=1)
+    assert sorted(specs) == ["layers.0", "layers.1"]
+    conv, ssm = specs["layers.0"].components
+    # conv_dim 8 * 16 + 2 * 2 * 16 (one group, replicated) = 192 -> 96 a rank; 3 + 1 rows.
+    assert (conv.shape, conv.dtype, ssm.shape, ssm.dtype) == ((96, 4), BF16, (4, 16, 16), F32)
+    g3 = {"model_type": "gemma3_text", "num_hidden_layers": 2, "sliding_window": 32,
+          "layer_types": ["sliding_attention", "full_attention"], "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16}
+    assert _specs(g3, kv_cache_dtype="float16")["layers.1"] == FullAttentionSpec(
+        2, 16, torch.float16)
+    with _raises("this gemma3 config declares no layer that keeps a cache"):
+        _specs(g3 | {"num_hidden_layers": 0, "layer_types": []})

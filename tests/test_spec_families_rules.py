@@ -11,11 +11,19 @@ import re
 import pytest
 import torch
 
-from pagefold.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, TPSplit
+from pagefold.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    StateComponent,
+    StateSpec,
+    TPSplit,
+)
 from pagefold.core.spec_families import (
     gemma3_layer_types,
     gpt_oss_layer_types,
     lfm2_layer_types,
+    llama4_layer_types,
 )
 from pagefold.core.spec_from_config import layer_specs_from_config
 
@@ -132,3 +140,56 @@ def test_mamba2_ssm_dtype_errors() -> None:
         _specs(M2, mamba_ssm_cache_dtype="fp8")
     with _raises(f"the config's mamba_ssm_dtype must be one of {names}; got 'fp8'"):
         _specs(M2 | {"mamba_ssm_dtype": "fp8"})
+
+
+C = "chunked_attention"
+
+
+def test_llama4_layers_by_hand() -> None:
+    # RoPE layers (all but every no_rope_layer_interval-th, 4 by default) are chunked when
+    # attention_chunk_size is set.
+    assert llama4_layer_types({"num_hidden_layers": 5, "attention_chunk_size": 8}) == [
+        C, C, C, F, C]
+    assert llama4_layer_types({"num_hidden_layers": 5, "attention_chunk_size": 8,
+                               "no_rope_layer_interval": 2}) == [C, F, C, F, C]
+    assert llama4_layer_types({"num_hidden_layers": 3}) == [F, F, F]
+    assert llama4_layer_types({"num_hidden_layers": 2, "attention_chunk_size": 8,
+                               "no_rope_layers": [0, 1, 1]}) == [F, C]
+    assert llama4_layer_types({"num_hidden_layers": 4, "attention_chunk_size": 8,
+                               "no_rope_layers": []}) == [C, C, C, F]
+    assert llama4_layer_types({"num_hidden_layers": 9, "layer_types": (F, C)}) == [F, C]
+    with _raises(_unknown(1, "Llama-4", S, "chunked_attention, full_attention")):
+        llama4_layer_types({"layer_types": [C, S]})
+    cfg = {"model_type": "llama4_text", "num_hidden_layers": 4, "attention_chunk_size": 8,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
+    specs = _specs(cfg, tensor_parallel_size=2, kv_cache_dtype="float16")
+    chunked = ChunkedLocalAttentionSpec(2, 16, torch.float16, 8)
+    assert specs == {"layers.0": chunked, "layers.1": chunked, "layers.2": chunked,
+                     "layers.3": FullAttentionSpec(2, 16, torch.float16)}
+    assert specs["layers.0"].split == specs["layers.3"].split == TPSplit(2, ((4, 1),))
+
+
+LFM2 = {"model_type": "lfm2", "num_hidden_layers": 4, "full_attn_idxs": [1, 3],
+        "hidden_size": 64, "conv_L_cache": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2}
+
+
+def test_lfm2_reader_by_hand() -> None:
+    specs = _specs(LFM2, tensor_parallel_size=2, num_speculative_tokens=1,
+                   kv_cache_dtype="float32")
+    # Attention: 2 KV heads over 2 ranks, head_dim 64 // 4; short conv: 64 / 2 channels,
+    # L_cache - 1 + 1 draft rows, in the model dtype.
+    attn = FullAttentionSpec(1, 16, F32)
+    conv = StateSpec("shortconv", (StateComponent("conv", (32, 3), BF16),))
+    assert specs == {"layers.0": conv, "layers.1": attn, "layers.2": conv, "layers.3": attn}
+    assert specs["layers.1"].split == TPSplit(2, ((2, 1),))
+    assert specs["layers.0"].components[0].split == TPSplit(0, ((64, 1),))
+    assert {type(n) for n in (attn.num_kv_heads, specs["layers.1"].head_dim,
+                              *specs["layers.0"].components[0].shape)} == {int}
+    one = _specs(LFM2)
+    assert one["layers.1"] == FullAttentionSpec(2, 16, BF16)
+    assert one["layers.0"].components[0].shape == (64, 2)
+    mha = {k: v for k, v in LFM2.items() if k != "num_key_value_heads"}
+    assert _specs(mha)["layers.1"] == FullAttentionSpec(4, 16, BF16)
+    with _raises("LFM2 hidden_size (64) is not divisible by tensor_parallel_size 3"):
+        _specs(LFM2, tensor_parallel_size=3)

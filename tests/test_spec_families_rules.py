@@ -184,8 +184,10 @@ def test_lfm2_reader_by_hand() -> None:
     assert specs == {"layers.0": conv, "layers.1": attn, "layers.2": conv, "layers.3": attn}
     assert specs["layers.1"].split == TPSplit(2, ((2, 1),))
     assert specs["layers.0"].components[0].split == TPSplit(0, ((64, 1),))
-    assert {type(n) for n in (attn.num_kv_heads, specs["layers.1"].head_dim,
+    assert {type(n) for n in (specs["layers.1"].num_kv_heads, specs["layers.1"].head_dim,
                               *specs["layers.0"].components[0].shape)} == {int}
+    four = _specs(LFM2 | {"num_key_value_heads": 4}, tensor_parallel_size=2)["layers.1"]
+    assert four.num_kv_heads == 2 and type(four.num_kv_heads) is int  # 4 // 2, not 2.0
     one = _specs(LFM2)
     assert one["layers.1"] == FullAttentionSpec(2, 16, BF16)
     assert one["layers.0"].components[0].shape == (64, 2)

@@ -192,3 +192,35 @@ def write_tiny_gguf(path: Path, tokenizer_src: Path, arch: str = "llama", kind: 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# The prompts and length of the GGUF exactness tests (test_gguf_quantized, test_gguf_hybrids).
+PROMPTS = [[5, 17, 99, 23, 41, 8, 77], [300, 12, 4, 250, 31, 66, 90, 145, 9, 14, 200]]
+N_NEW = 8
+
+
+def hf_greedy(model) -> list[list[int]]:
+    """A transformers model's greedy continuation of each of :data:`PROMPTS` (:data:`N_NEW`
+    tokens, EOS never stops it): the tests' reference."""
+    import torch
+
+    outs = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=N_NEW, eos_token_id=[10**9], pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def pagefold_greedy(model: str, **kw) -> list[list[int]]:
+    """pagefold's float32 greedy continuation of :data:`PROMPTS`, in 9-token prefill chunks."""
+    from pagefold import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
+              max_num_batched_tokens=9, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]

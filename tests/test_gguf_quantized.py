@@ -24,15 +24,12 @@ import numpy as np
 import pytest
 import torch
 
-from pagefold import LLM, SamplingParams
 from pagefold.models import gguf_checkpoint
 from pagefold.models.smollm2 import installed_gguf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_files import one_parse, write_tiny_gguf  # noqa: E402
+from gguf_files import hf_greedy, one_parse, pagefold_greedy, write_tiny_gguf  # noqa: E402
 
-PROMPTS = [[5, 17, 99, 23, 41, 8, 77], [300, 12, 4, 250, 31, 66, 90, 145, 9, 14, 200]]
-N_NEW = 8
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 pytestmark = pytest.mark.skipif(installed_gguf() is None,
@@ -51,23 +48,7 @@ def _oracle(path: Path) -> list[list[int]]:
     model.load_state_dict(sd, strict=False)
     model.tie_weights()
     model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=N_NEW, eos_token_id=[10**9], pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
-    return outs
-
-
-def _pagefold(model: str, **kw) -> list[list[int]]:
-    llm = LLM(model, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
-              max_num_batched_tokens=9, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return hf_greedy(model)
 
 
 def _weights_line(caplog) -> str:
@@ -97,7 +78,7 @@ def test_kept_quantized_matches_transformers(tmp_path, monkeypatch, arch, kind, 
     want = _oracle(path)
     assert len({t for o in want for t in o}) > 2  # not a degenerate model
     with caplog.at_level(logging.INFO, logger="pagefold"):
-        got = _pagefold(str(path))
+        got = pagefold_greedy(str(path))
     assert got == want
     line = _weights_line(caplog)
     assert f"gguf {kind}:" in line, line
@@ -110,11 +91,11 @@ def test_explicit_gguf_and_none(tmp_path, monkeypatch, caplog):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", installed_gguf(), "llama", "Q8_0")
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="pagefold"):
-        _pagefold(str(path), quantization="gguf")
+        pagefold_greedy(str(path), quantization="gguf")
     kept = _weights_line(caplog)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagefold"):
-        _pagefold(str(path), quantization="none")
+        pagefold_greedy(str(path), quantization="none")
     plain = _weights_line(caplog)
     assert "gguf Q8_0: 15 tensors" in kept and "gguf" not in plain
     assert float(kept.split()[1]) < 0.5 * float(plain.split()[1])

@@ -29,13 +29,7 @@ from pagefold.spec_decode.rejection import (
 V = 5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's thread pool only adds waits on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TABLE = torch.randn(V * V, V, generator=torch.Generator().manual_seed(3)) * 1.5
 DRAFT_TABLE = torch.randn(V * V, V, generator=torch.Generator().manual_seed(4))

@@ -23,13 +23,7 @@ from pagefold.spec_decode.rejection import (
 V = 5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's thread pool only adds (spinning) waits on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # order 0 > 1 > 2 > 4 > 3

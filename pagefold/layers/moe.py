@@ -134,13 +134,14 @@ class MoEExperts(nn.Module):
         """The stacked (gate_up, down) parameters quantized experts replace."""
         return self.gate_up_proj, self.down_proj
 
-    def install_quantized(self, experts: list[nn.Module]) -> None:
+    def install_quantized(self, experts: list[nn.Module], first: int = 0) -> None:
         """Quantized experts (``quantization.experts``) replace the stacked parameters:
-        expert ``e`` is the child ``"e"``, whose ``gate_up_proj`` / ``down_proj`` run it."""
+        local expert ``e`` is ``experts[e]``, the child ``str(first + e)`` (its checkpoint
+        name), whose ``gate_up_proj`` / ``down_proj`` run it."""
         del self.gate_up_proj, self.down_proj
         self.gate_up_proj = self.down_proj = None  # the stacked weights are gone
         for e, ex in enumerate(experts):
-            self.add_module(str(e), ex)
+            self.add_module(str(first + e), ex)
         self.quantized = experts
 
     def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:

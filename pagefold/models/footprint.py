@@ -19,9 +19,9 @@ stores per expert (``<experts>.<e>.<proj>.gguf_<type>``: kept quantized,
 ``quantization/experts.py``; Granite-4.0-H's below its MoE block's ``experts``) count per
 expert a ``gate_up_proj`` and a ``down_proj`` GGUF layer of that expert's types; experts
 stored stacked (``gguf_dequant_``: decoded on load, as transformers' reader's are) and the
-other tensors (norms, routers) count in the model dtype. A row-parallel split inside a GGUF
-block, or kept-quantized experts under tensor or expert parallelism (the engine refuses
-both), is a ``ValueError``, not a figure.
+other tensors (norms, routers) count in the model dtype; under tensor parallelism a rank's
+part of each expert, under expert parallelism its whole experts. A row-parallel split inside
+a GGUF block (the engine refuses it) is a ``ValueError``, not a figure.
 """
 
 from __future__ import annotations
@@ -150,19 +150,22 @@ def _gguf_experts_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]
     ``experts_path``) kept quantized as GGUF layers (None: stacked, decoded)."""
     if mod.experts_path:
         path = f"{path}.{mod.experts_path}"
-    if _gguf_kinds(f"{path}.0.down_proj", layers) is None:
-        return None
-    if tp_size() > 1 or mod.ep is not None:  # as ``quantization.experts.install_experts``
-        raise ValueError(f"{path}: GGUF experts kept quantized run on one rank only (no "
-                         "tensor or expert parallelism; the file loads with "
-                         "tensor_parallel_size 1)")
     count, hidden, inter = mod.expert_dims()
+    first = mod.ep.first if mod.ep is not None else 0  # the file names experts globally
+    if _gguf_kinds(f"{path}.{first}.down_proj", layers) is None:
+        return None
     total = 0
-    for e in range(count):  # each expert by its own types
+    for e in range(first, first + count):  # each expert by its own types
         gu = _gguf_kinds(f"{path}.{e}.gate_up_proj", layers)
         dn = _gguf_kinds(f"{path}.{e}.down_proj", layers)
         if not gu or not dn:
             raise ValueError(f"{path}: expert {e} is not stored as GGUF blocks like expert 0")
+        cut = [c for c in dn if inter % BLOCK[c]]
+        if cut:  # as ``quantization.gguf_tp`` refuses it
+            raise ValueError(f"{path}: tensor parallelism gives each of {tp_size()} ranks "
+                             f"{inter} of its experts' inputs, which cuts a GGUF {cut[0]} "
+                             f"block of {BLOCK[cut[0]]} inputs (the file loads with "
+                             "tensor_parallel_size 1)")
         total += layout_bytes(gu, 2 * inter, hidden) + layout_bytes(dn, hidden, inter)
     return total
 

@@ -140,12 +140,12 @@ class GraniteMoE(nn.Module):
     def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_linear.weight, self.output_linear.weight
 
-    def install_quantized(self, experts: list[nn.Module]) -> None:
+    def install_quantized(self, experts: list[nn.Module], first: int = 0) -> None:
         """Quantized experts replace the stacks (``MoEExperts.install_quantized``'s contract)."""
         del self.input_linear, self.output_linear
         self.experts = nn.Module()
         for e, ex in enumerate(experts):
-            self.experts.add_module(str(e), ex)
+            self.experts.add_module(str(first + e), ex)
         self.quantized = experts
 
     def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:

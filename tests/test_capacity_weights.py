@@ -127,9 +127,9 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys,
     """GGUFs of Qwen3-Next (GDN + MoE) and Granite-4.0-H (Mamba-2 + MoE), Q4_0: pagefold's
     reader keeps their experts quantized, a ``gate_up_proj`` and a ``down_proj`` GGUF layer
     per expert (4-bit codes two to a byte, float16 scales and mins), so ``pagefold capacity``
-    counts them as held, not stacked in the model dtype. Qwen3-Next (expert width 64) over two
-    ranks: a rank's part of every expert (tensor parallel) or its two experts whole (expert
-    parallel), each figure what rank 0 holds once loaded so."""
+    counts them as held, not stacked in the model dtype. Over two ranks (expert width 64): a
+    rank's part of every expert (tensor parallel) or its two experts whole (expert parallel),
+    each figure what rank 0 holds once loaded so."""
     from pagefold.models.smollm2 import installed_gguf
     from pagefold.quantization.gguf_kernel import layout_bytes
 
@@ -140,9 +140,9 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys,
 
     tok = _tokenizer()
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_hybrid_gguf(path, _model(hf_arch, len(tok["tokens"]), moe_intermediate_size=64)
-                      if arch == "qwen3next" else _model(hf_arch, len(tok["tokens"])),
-                      arch, "Q4_0", tok)
+    widths = (dict(moe_intermediate_size=64) if arch == "qwen3next"  # 32 a rank: whole blocks
+              else dict(intermediate_size=64, shared_intermediate_size=128))
+    write_hybrid_gguf(path, _model(hf_arch, len(tok["tokens"]), **widths), arch, "Q4_0", tok)
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
     got = _reported(path, capsys)
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
@@ -156,8 +156,6 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys,
                 assert set(kinds) == {"gguf Q4_0"}
                 assert nbytes == layout_bytes(["Q4_0"], lin.out_features, lin.in_features)
     assert got["bytes"] == _held(llm.engine.model)
-    if arch != "qwen3next":
-        return
     from pagefold.checkpoint import load_hf_config
     from pagefold.distributed.parallel_state import set_expert_parallel, set_tensor_parallel
     from pagefold.models.gguf_checkpoint import resolve_model

@@ -205,7 +205,7 @@ class GraniteSharedMLP(nn.Module):
 
     Tensor parallelism: this rank's gate and up rows and down columns; the output is a partial
     sum (the decoder layer all-reduces it with the experts'). LoRA on ``input_linear`` cuts
-    its B as these rows (``lora_cuts``)."""
+    its B as these rows (``loader_cuts``)."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -214,9 +214,10 @@ class GraniteSharedMLP(nn.Module):
         self.input_linear = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         shard_rows(self.input_linear.weight, [full, full], "shared_intermediate_size")
         if tp_size() > 1:
-            # The same gate | up cut for LoRA's column layout (``lora/layout.py``); not
-            # ``tp_cuts``, which quantized layers would also take (they refuse this split).
-            self.input_linear.lora_cuts = {
+            # The same gate | up cut for LoRA's column layout (``lora/layout.py``) and a GGUF
+            # layer's raw rows (``quantization/gguf_tp.py``); not ``tp_cuts``, which the other
+            # quantized layers would also take (they refuse this split).
+            self.input_linear.loader_cuts = {
                 "": RowCut([full, full], tp_size(), "shared_intermediate_size")}
         self.output_linear = row_linear(full, cfg.hidden_size, bias=False,
                                         what="shared_intermediate_size", reduce=False)

@@ -121,16 +121,28 @@ def test_gguf_kept_quantized_weight_bytes(tmp_path, monkeypatch, capsys):
     assert "cuts a GGUF Q6_K block of 256" in _reported(path, capsys, "-tp", "4")["error"]
 
 
-@pytest.mark.parametrize("hf_arch, arch", [("qwen3_next", "qwen3next"),
-                                            ("granitemoehybrid", "granitehybrid")])
-def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys, hf_arch, arch):
-    """GGUFs of Qwen3-Next (GDN + MoE) and Granite-4.0-H (Mamba-2 + MoE), Q4_0: pagefold's
-    reader keeps their experts quantized, a ``gate_up_proj`` and a ``down_proj`` GGUF layer
-    per expert (4-bit codes two to a byte, float16 scales and mins), so ``pagefold capacity``
-    counts them as held, not stacked in the model dtype. Over two ranks (expert width 64): a
-    rank's part of every expert (tensor parallel) or its two experts whole (expert parallel),
-    each figure what rank 0 holds once loaded so."""
+# (transformers arch, GGUF arch, widths: experts of 64, 32 a rank over two (whole Q4_0
+# blocks), the expert GGUF layers of the model, whether it places whole experts on ranks)
+_EXPERT_GGUFS = [
+    ("qwen3_next", "qwen3next", dict(moe_intermediate_size=64), 4 * 4 * 2, True),
+    ("granitemoehybrid", "granitehybrid",
+     dict(intermediate_size=64, shared_intermediate_size=128), 4 * 4 * 2, True),
+    ("nemotron_h", "nemotron_h_moe", dict(moe_intermediate_size=64), 2 * 4 * 2, False),
+]
+
+
+@pytest.mark.parametrize("hf_arch, arch, widths, layers, ep", _EXPERT_GGUFS,
+                         ids=[c[1] for c in _EXPERT_GGUFS])
+def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys, hf_arch, arch,
+                                                  widths, layers, ep):
+    """GGUFs of Qwen3-Next (GDN + MoE), Granite-4.0-H and Nemotron-H (Mamba-2 + MoE), Q4_0:
+    pagefold's reader keeps their experts quantized, GGUF layers per expert (4-bit codes two
+    to a byte, float16 scales and mins), so ``pagefold capacity`` counts them as held, not
+    stacked in the model dtype. Over two ranks: a rank's part of every expert (tensor
+    parallel) or its experts whole (expert parallel), each figure what rank 0 holds once
+    loaded so."""
     from pagefold.models.smollm2 import installed_gguf
+    from pagefold.quantization.gguf import GGUFLinear
     from pagefold.quantization.gguf_kernel import layout_bytes
 
     if installed_gguf() is None:
@@ -140,21 +152,19 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys,
 
     tok = _tokenizer()
     path = tmp_path / f"tiny-{arch}.gguf"
-    widths = (dict(moe_intermediate_size=64) if arch == "qwen3next"  # 32 a rank: whole blocks
-              else dict(intermediate_size=64, shared_intermediate_size=128))
-    write_hybrid_gguf(path, _model(hf_arch, len(tok["tokens"]), **widths), arch, "Q4_0", tok)
+    model = _model(hf_arch, len(tok["tokens"]), gguf_arch=arch, **widths)
+    write_hybrid_gguf(path, model, arch, "Q4_0", tok)
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
     got = _reported(path, capsys)
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
               warm_up=False)
-    blocks = [m for m in llm.engine.model.modules() if hasattr(m, "install_quantized")]
-    assert blocks and all(m.quantized is not None for m in blocks)
-    for m in blocks:  # every expert's two products held as Q4_0 blocks, none decoded
-        for ex in m.quantized:
-            for lin in (ex.gate_up_proj, ex.down_proj):
-                kinds, nbytes, _ = lin.pf_weight_bytes()
-                assert set(kinds) == {"gguf Q4_0"}
-                assert nbytes == layout_bytes(["Q4_0"], lin.out_features, lin.in_features)
+    experts = [m for n, m in llm.engine.model.named_modules()
+               if ".experts." in n and isinstance(m, GGUFLinear)]
+    assert len(experts) == layers
+    for lin in experts:  # every expert's products held as Q4_0 blocks, none decoded
+        kinds, nbytes, _ = lin.pf_weight_bytes()
+        assert set(kinds) == {"gguf Q4_0"}
+        assert nbytes == layout_bytes(["Q4_0"], lin.out_features, lin.in_features)
     assert got["bytes"] == _held(llm.engine.model)
     from pagefold.checkpoint import load_hf_config
     from pagefold.distributed.parallel_state import set_expert_parallel, set_tensor_parallel
@@ -163,16 +173,16 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys,
 
     model_dir = Path(resolve_model(str(path)))
     name, hf_config = load_hf_config(str(model_dir))
-    for ep in (False, True):  # rank 0 as the engine's worker loads it
+    for whole in (False, True) if ep else (False,):  # rank 0 as the engine's worker loads it
         set_tensor_parallel(0, 2)
-        set_expert_parallel(ep)
+        set_expert_parallel(whole)
         try:
             rank0 = _held(load_model(model_dir, hf_config, name, torch.float32, 64,
                                      torch.device("cpu")))
         finally:
             set_tensor_parallel(0, 1)
             set_expert_parallel(False)
-        extra = ("--enable-expert-parallel",) if ep else ()
+        extra = ("--enable-expert-parallel",) if whole else ()
         assert _reported(path, capsys, "-tp", "2", *extra)["bytes"] == rank0 < got["bytes"]
 
 

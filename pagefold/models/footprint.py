@@ -117,12 +117,18 @@ def _gguf_layers(model_dir: Path, rename: dict[str, str]) -> dict[str, list[str]
     for key, kinds in list(out.items()):  # a model prefix other than the checkpoint's
         if "layers." in key:
             out.setdefault(_tail(key), kinds)
+        elif "." in key:  # a top-level module (Nemotron-H: model.embeddings -> backbone.)
+            out.setdefault("*." + key.split(".", 1)[1], kinds)
     return out
 
 
 def _gguf_kinds(path: str, layers: dict[str, list[str]]) -> list[str] | None:
     kinds = layers.get(path)
-    return layers.get(_tail(path)) if kinds is None and "layers." in path else kinds
+    if kinds is None and "layers." in path:
+        return layers.get(_tail(path))
+    if kinds is None and "." in path:
+        return layers.get("*." + path.split(".", 1)[1])
+    return kinds
 
 
 def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int | None:

@@ -12,11 +12,12 @@ function, so greedy tokens in float32 must be equal.
 Families: Qwen3-Next (GDN hybrid with MoE experts kept quantized per expert: ``attn_qkv`` /
 ``attn_gate`` / ``ssm_ba`` rows, stacked ``ffn_*_exps``), Qwen3.5 (tiled value heads, its
 ``ssm_out`` columns moved as whole blocks), Nemotron-H (Mamba-2 hybrid: ``ssm_in`` /
-``ssm_out`` kept quantized, permuted attention Q/K rows, A / D / norm reshaped), Granite-4.0-H
-(Mamba-2 + attention + MoE with a shared MLP, multipliers from the ``*_scale`` keys; its
-experts kept quantized per expert too). The float tensors pagefold stores are also compared with the
-reference bit for bit. Bad input: an unsupported
-architecture and a missing tensor name themselves.
+``ssm_out`` kept quantized, permuted attention Q/K rows, A / D / norm reshaped; and
+``nemotron_h_moe`` with MoE blocks: router, score bias, shared expert, latent projections,
+experts kept quantized per expert), Granite-4.0-H (Mamba-2 + attention + MoE with a shared
+MLP, multipliers from the ``*_scale`` keys; its experts kept quantized per expert too). The
+float tensors pagefold stores are also compared with the reference bit for bit. Bad input:
+an unsupported architecture and a missing tensor name themselves.
 """
 
 from __future__ import annotations

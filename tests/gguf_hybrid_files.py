@@ -22,7 +22,10 @@ Layouts (llama.cpp 0.3.36):
   fewer key heads (rows of v, z, b, a, conv channels, A, dt; columns of ``ssm_out``); dense
   MLP; mrope sections.
 * ``nemotron_h``: attention Q/K rows permuted per head (``LlamaModel.permute``), A / D as
-  (heads, 1), the gated norm as (groups, channels / groups), conv squeezed.
+  (heads, 1), the gated norm as (groups, channels / groups), conv squeezed;
+  ``nemotron_h_moe``: MoE blocks as ``ffn_gate_inp`` (router), ``exp_probs_b.bias`` (its
+  score-correction bias), stacked ``ffn_{up,down}_exps``, ``ffn_{up,down}_shexp`` and the
+  latent projections ``ffn_latent_{down,up}``, all as stored (no row moves).
 """
 
 from __future__ import annotations
@@ -279,7 +282,22 @@ def _nemotron_h(w: _Writer, model, cfg) -> None:
     w.key("block_count", n)
     w.key("context_length", cfg.max_position_embeddings)
     w.key("embedding_length", cfg.hidden_size)
-    w.key("feed_forward_length", [cfg.intermediate_size if t == "mlp" else 0 for t in types])
+    moe = "moe" in types  # nemotron_h_moe: feed_forward_length is the experts' width
+    w.key("feed_forward_length", [cfg.moe_intermediate_size if t == "moe" else 0 for t in types]
+          if moe else [cfg.intermediate_size if t == "mlp" else 0 for t in types])
+    if moe:
+        for k, v in (("expert_count", cfg.n_routed_experts),
+                     ("expert_used_count", cfg.num_experts_per_tok),
+                     ("expert_feed_forward_length", cfg.moe_intermediate_size),
+                     ("expert_shared_feed_forward_length",
+                      cfg.moe_shared_expert_intermediate_size),
+                     ("expert_shared_count", cfg.n_shared_experts),
+                     ("expert_weights_scale", float(cfg.routed_scaling_factor)),
+                     ("expert_group_count", cfg.n_group)):
+            w.key(k, v)
+        w.w.add_bool(f"{w.arch}.expert_weights_norm", bool(cfg.norm_topk_prob))
+        if cfg.moe_latent_size:
+            w.key("moe_latent_size", cfg.moe_latent_size)
     w.key("attention.head_count", cfg.num_attention_heads)
     w.key("attention.head_count_kv",
           [cfg.num_key_value_heads if "attention" in t else 0 for t in types])
@@ -317,6 +335,18 @@ def _nemotron_h(w: _Writer, model, cfg) -> None:
                     moved=lambda a: _permute(a, cfg.num_key_value_heads))
             w.quant(f"{b}.attn_v.weight", mx + "v_proj.weight", sd[mx + "v_proj.weight"])
             w.quant(f"{b}.attn_output.weight", mx + "o_proj.weight", sd[mx + "o_proj.weight"])
+        elif t == "moe":  # router and score bias F32, experts stacked (E, out, in)
+            w.f32(f"{b}.ffn_gate_inp.weight", mx + "gate.weight", sd[mx + "gate.weight"])
+            w.f32(f"{b}.exp_probs_b.bias", mx + "gate.e_score_correction_bias",
+                  sd[mx + "gate.e_score_correction_bias"])
+            named = [("ffn_up_exps", "experts.up_proj"), ("ffn_down_exps", "experts.down_proj"),
+                     ("ffn_up_shexp", "shared_experts.up_proj.weight"),
+                     ("ffn_down_shexp", "shared_experts.down_proj.weight")]
+            if cfg.moe_latent_size:
+                named += [("ffn_latent_down", "fc1_latent_proj.weight"),
+                          ("ffn_latent_up", "fc2_latent_proj.weight")]
+            for g, h in named:
+                w.quant(f"{b}.{g}.weight", mx + h, sd[mx + h])
         else:
             w.quant(f"{b}.ffn_up.weight", mx + "up_proj.weight", sd[mx + "up_proj.weight"])
             w.quant(f"{b}.ffn_down.weight", mx + "down_proj.weight", sd[mx + "down_proj.weight"])
@@ -402,7 +432,8 @@ def _granitehybrid(w: _Writer, model, cfg) -> None:
 
 
 WRITERS = {"qwen3next": _qwen3next, "qwen35": _qwen35, "qwen35moe": _qwen35,
-           "nemotron_h": _nemotron_h, "granitehybrid": _granitehybrid}
+           "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h,
+           "granitehybrid": _granitehybrid}
 
 
 def write_hybrid_gguf(path, model, arch: str, kind: str, tok: dict) -> dict[str, torch.Tensor]:

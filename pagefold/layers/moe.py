@@ -123,6 +123,27 @@ class MoEExperts(nn.Module):
         shard_rows(self.gate_up_proj, [self.full_inter] * 2, what, dim=1)
         shard_rows(self.down_proj, [self.full_inter], what, dim=2)
 
+    # Where quantized experts live below this module ("": ``<this>.<e>``), for the loaders.
+    experts_path = ""
+
+    def expert_dims(self) -> tuple[int, int, int]:
+        """(local experts, hidden, this rank's intermediate size) of the stacked experts."""
+        return self.num_experts, self.gate_up_proj.shape[2], self.inter
+
+    def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked (gate_up, down) parameters quantized experts replace."""
+        return self.gate_up_proj, self.down_proj
+
+    def install_quantized(self, experts: list[nn.Module], first: int = 0) -> None:
+        """Quantized experts (``quantization.experts``) replace the stacked parameters:
+        local expert ``e`` is ``experts[e]``, the child ``str(first + e)`` (its checkpoint
+        name), whose ``gate_up_proj`` / ``down_proj`` run it."""
+        del self.gate_up_proj, self.down_proj
+        self.gate_up_proj = self.down_proj = None  # the stacked weights are gone
+        for e, ex in enumerate(experts):
+            self.add_module(str(first + e), ex)
+        self.quantized = experts
+
     def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:
         """For LoRA on the stacked experts: (the adapters' module path relative to this one,
         the layout, a weight for dtype and device); None for quantized experts (no stacks)."""

@@ -2,7 +2,7 @@
 the decoder layers, with its checkpoint parts (a fused ``qkv_proj`` has ``q_proj`` /
 ``k_proj`` / ``v_proj``; an unfused layer one part named as the layer) and how tensor
 parallelism cuts it (``layers/linear.py``: ``tp_cuts`` on column-parallel layers, or a model's
-``lora_cuts``); and the routed experts' stacks (``lora_stack()``) with their layouts."""
+``loader_cuts``); and the routed experts' stacks (``lora_stack()``) with their layouts."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def linear_layout(module: nn.Linear, own_name: str) -> LinearLayout:
         return LinearLayout("row", module.in_features, module.in_features * tp_size(),
                             {own_name: PartLayout(0, out, out)}, reduce=module.reduce)
     fused = getattr(module.weight, "fused", None)
-    # ``lora_cuts``: a column cut known to LoRA alone (a layer its model's own loader cuts,
-    # Granite-4.0-H's shared ``input_linear``; quantized layers keep refusing its split).
-    cuts = getattr(module, "tp_cuts", None) or getattr(module, "lora_cuts", None)
+    # ``loader_cuts``: the column cut of a layer its model's own loader cuts (Granite-4.0-H's
+    # shared ``input_linear``), known to LoRA and GGUF layers (other quantized layers refuse
+    # its split).
+    cuts = getattr(module, "tp_cuts", None) or getattr(module, "loader_cuts", None)
     shards = fused.shards if fused is not None else {"": (0, out)}
     parts = {}
     for key, (off, rows) in shards.items():

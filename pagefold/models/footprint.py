@@ -16,12 +16,12 @@ headers, fused shards by the model's ``fused_names``) as ``GGUFWeight`` holds it
 (``quantization.gguf_kernel.layout_bytes``: codes, scales and mins in the kernel layout of its
 parts' types), a tied head once with its embedding table. MoE experts that pagefold's reader
 stores per expert (``<experts>.<e>.<proj>.gguf_<type>``: kept quantized,
-``quantization/experts.py``) count per expert a ``gate_up_proj`` and a ``down_proj`` GGUF
-layer of that expert's types; experts stored stacked (``gguf_dequant_``: decoded on load, as
-transformers' reader and Granite-4.0-H's experts are) and the other tensors (norms, routers)
-count in the model dtype. A row-parallel split inside a GGUF block, or kept-quantized experts
-under tensor or expert parallelism (the engine refuses both), is a ``ValueError``, not a
-figure.
+``quantization/experts.py``; Granite-4.0-H's below its MoE block's ``experts``) count per
+expert a ``gate_up_proj`` and a ``down_proj`` GGUF layer of that expert's types; experts
+stored stacked (``gguf_dequant_``: decoded on load, as transformers' reader's are) and the
+other tensors (norms, routers) count in the model dtype; under tensor parallelism a rank's
+part of each expert, under expert parallelism its whole experts. A row-parallel split inside
+a GGUF block (the engine refuses it) is a ``ValueError``, not a figure.
 """
 
 from __future__ import annotations
@@ -117,12 +117,18 @@ def _gguf_layers(model_dir: Path, rename: dict[str, str]) -> dict[str, list[str]
     for key, kinds in list(out.items()):  # a model prefix other than the checkpoint's
         if "layers." in key:
             out.setdefault(_tail(key), kinds)
+        elif "." in key:  # a top-level module (Nemotron-H: model.embeddings -> backbone.)
+            out.setdefault("*." + key.split(".", 1)[1], kinds)
     return out
 
 
 def _gguf_kinds(path: str, layers: dict[str, list[str]]) -> list[str] | None:
     kinds = layers.get(path)
-    return layers.get(_tail(path)) if kinds is None and "layers." in path else kinds
+    if kinds is None and "layers." in path:
+        return layers.get(_tail(path))
+    if kinds is None and "." in path:
+        return layers.get("*." + path.split(".", 1)[1])
+    return kinds
 
 
 def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int | None:
@@ -144,22 +150,28 @@ def _gguf_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]) -> int 
     return layout_bytes(kinds, n, k)
 
 
-def _gguf_experts_bytes(path: str, mod: MoEExperts, layers: dict[str, list[str]]
+def _gguf_experts_bytes(path: str, mod: nn.Module, layers: dict[str, list[str]]
                         ) -> int | None:
-    """Bytes of ``mod``'s experts kept quantized as GGUF layers (None: stacked, decoded)."""
-    if _gguf_kinds(f"{path}.0.down_proj", layers) is None:
+    """Bytes of ``mod``'s experts (an ``MoEExperts``, or a model's experts block: its
+    ``experts_path``) kept quantized as GGUF layers (None: stacked, decoded)."""
+    if mod.experts_path:
+        path = f"{path}.{mod.experts_path}"
+    count, hidden, inter = mod.expert_dims()
+    first = mod.ep.first if mod.ep is not None else 0  # the file names experts globally
+    if _gguf_kinds(f"{path}.{first}.down_proj", layers) is None:
         return None
-    if tp_size() > 1 or mod.ep is not None:  # as ``quantization.experts.install_experts``
-        raise ValueError(f"{path}: GGUF experts kept quantized run on one rank only (no "
-                         "tensor or expert parallelism; the file loads with "
-                         "tensor_parallel_size 1)")
-    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
     total = 0
-    for e in range(mod.num_experts):  # each expert by its own types
+    for e in range(first, first + count):  # each expert by its own types
         gu = _gguf_kinds(f"{path}.{e}.gate_up_proj", layers)
         dn = _gguf_kinds(f"{path}.{e}.down_proj", layers)
         if not gu or not dn:
             raise ValueError(f"{path}: expert {e} is not stored as GGUF blocks like expert 0")
+        cut = [c for c in dn if inter % BLOCK[c]]
+        if cut:  # as ``quantization.gguf_tp`` refuses it
+            raise ValueError(f"{path}: tensor parallelism gives each of {tp_size()} ranks "
+                             f"{inter} of its experts' inputs, which cuts a GGUF {cut[0]} "
+                             f"block of {BLOCK[cut[0]]} inputs (the file loads with "
+                             "tensor_parallel_size 1)")
         total += layout_bytes(gu, 2 * inter, hidden) + layout_bytes(dn, hidden, inter)
     return total
 
@@ -246,10 +258,10 @@ def weight_bytes(model_dir: str | Path, hf_config, arch: str, dtype: torch.dtype
                 total += mod.num_experts * (2 * mod.inter * mod.hidden
                                             + mod.hidden * mod.inter) * 17 // 32
                 continue
-            if isinstance(mod, MoEExperts) and gguf:
+            if callable(getattr(mod, "install_quantized", None)) and gguf:
                 nbytes = _gguf_experts_bytes(path, mod, gguf)
                 if nbytes is not None:
-                    seen.update((id(mod.gate_up_proj), id(mod.down_proj)))
+                    seen.update(id(w) for w in mod.expert_stacks())
                     total += nbytes
                     continue
             if isinstance(mod, MoEExperts) and plan is not None:

@@ -1,7 +1,7 @@
 """GGUF architectures pagefold reads itself: llama.cpp's names and transforms, inverted.
 
 transformers 5 reads no GGUF of the GDN hybrids (``qwen3next``, ``qwen35``, ``qwen35moe``)
-nor of the Mamba-2 family (``mamba2``, ``nemotron_h``, ``nemotron_h_moe`` without MoE blocks,
+nor of the Mamba-2 family (``mamba2``, ``nemotron_h``, ``nemotron_h_moe``,
 ``granitehybrid``), so for those :mod:`.gguf_native` reads the file with the tables here.
 Each :class:`ArchSpec` gives
 
@@ -23,8 +23,10 @@ by rows); Qwen3.5's value heads reordered from grouped-by-key-head to tiled (row
 Mamba-2 family's ``A`` / ``D`` as (heads, 1) and the gated norm as (groups, channels / groups);
 Nemotron-H's and Granite's attention Q/K rows permuted as Llama's (``LlamaModel.permute``);
 MoE experts stacked into ``ffn_{gate,up,down}_exps`` (gate and up joined back into
-``gate_up_proj``); Granite's shared MLP ``input_linear`` split into ``ffn_{gate,up}_shexp``
-(joined back) and its multipliers written as ``*_scale`` keys.
+``gate_up_proj``; Nemotron-H's ungated ``ffn_{up,down}_exps``, its router's score bias as
+``exp_probs_b``, its latent projections as ``ffn_latent_{down,up}``), each expert's rows kept
+quantized as that expert's own weight; Granite's shared MLP ``input_linear`` split into
+``ffn_{gate,up}_shexp`` (joined back) and its multipliers written as ``*_scale`` keys.
 
 Invariant: every row index is a permutation or a contiguous part of the stored rows, so a
 quantized tensor keeps its blocks bit for bit; a column permutation (Qwen3.5's ``out_proj``
@@ -289,19 +291,21 @@ def _nemotron_h_config(m: Meta) -> dict:
             types.append("attention")
         elif m.has(f"blk.{i}.ffn_up.weight"):
             types.append("mlp")
+        elif m.has(f"blk.{i}.ffn_up_exps.weight"):
+            types.append("moe")
         else:
-            raise GGUFConversionError(f"{m.arch} GGUF: block {i} has no ssm_in, attn_q or "
-                                      "ffn_up tensor (Nemotron-H MoE blocks, ffn_*_exps, are "
-                                      "not read from GGUF yet)")
+            raise GGUFConversionError(f"{m.arch} GGUF: block {i} has no ssm_in, attn_q, "
+                                      "ffn_up or ffn_up_exps tensor")
     hidden = int(m.need("embedding_length"))
     # nemotron_h_moe (what the converter writes whenever the config names
-    # num_experts_per_tok, as transformers 5's always does) gives 0 for dense MLP widths
+    # num_experts_per_tok, as transformers 5's always does) gives its feed_forward_length to
+    # the MoE blocks (0 for dense MLP ones): a dense width from the tensors
     mlp = [i for i, t in enumerate(types) if t == "mlp"]
-    inter = _max(m.get("feed_forward_length", 0) or 0)
-    if not inter and mlp:
-        inter = m.tensors[f"blk.{mlp[0]}.ffn_up.weight"][0]
+    inter = (m.tensors[f"blk.{mlp[0]}.ffn_up.weight"][0] if mlp
+             else _max(m.get("feed_forward_length", 0) or 0))
     return dict(
-        _common(m), layers_block_type=types,
+        _common(m), **(_nemotron_h_moe_config(m) if "moe" in types else {}),
+        layers_block_type=types,
         num_attention_heads=_max(m.need("attention.head_count")),
         num_key_value_heads=_max(m.need("attention.head_count_kv")),
         head_dim=int(m.get("attention.key_length", hidden // _max(m.need(
@@ -313,6 +317,27 @@ def _nemotron_h_config(m: Meta) -> dict:
         use_conv_bias=m.has(f"blk.{types.index('mamba')}.ssm_conv1d.bias")
         if "mamba" in types else True,
         mamba_proj_bias=False, layer_norm_epsilon=c["layer_norm_epsilon"],
+    )
+
+
+def _nemotron_h_moe_config(m: Meta) -> dict:
+    """Nemotron-H's MoE keys (written by the converter for ``nemotron_h_moe``)."""
+    groups = int(m.get("expert_group_count", 1) or 1)
+    used_groups = m.get("expert_group_used_count")
+    if groups > 1 and used_groups is None:  # the converter does not write topk_group
+        raise GGUFConversionError(f"the {m.arch} GGUF routes over {groups} expert groups but "
+                                  f"lacks {m.arch}.expert_group_used_count (topk_group)")
+    latent = m.get("moe_latent_size")
+    return dict(
+        n_routed_experts=int(m.need("expert_count")),
+        num_experts_per_tok=int(m.need("expert_used_count")),
+        moe_intermediate_size=_max(m.need("expert_feed_forward_length")),
+        moe_shared_expert_intermediate_size=_max(m.need("expert_shared_feed_forward_length")),
+        n_shared_experts=int(m.get("expert_shared_count", 1) or 1),
+        norm_topk_prob=bool(m.get("expert_weights_norm", True)),
+        routed_scaling_factor=float(m.get("expert_weights_scale", 1.0)),
+        n_group=groups, topk_group=int(used_groups or 1),
+        moe_latent_size=int(latent) if latent else None,
     )
 
 
@@ -365,9 +390,18 @@ def _nemotron_h_plan(short: str, suffix: str, bid: int | None, cfg: dict) -> lis
     if short == "attn_norm":
         return [Out(f"model.layers.{bid}.norm.weight")]
     plain = {"attn_v": "v_proj", "attn_output": "o_proj", "ffn_up": "up_proj",
-             "ffn_down": "down_proj"}
+             "ffn_down": "down_proj", "ffn_up_shexp": "shared_experts.up_proj",
+             "ffn_down_shexp": "shared_experts.down_proj", "ffn_latent_down": "fc1_latent_proj",
+             "ffn_latent_up": "fc2_latent_proj"}
     if short in plain:
         return [Out(f"{mx}{plain[short]}.{suffix}")]
+    if short in ("ffn_up_exps", "ffn_down_exps"):  # stacked, kept quantized per expert
+        proj = "up_proj" if short == "ffn_up_exps" else "down_proj"
+        return [Out(f"{mx}experts.{proj}", expert=proj)]
+    if short == "ffn_gate_inp":  # the router, float32 as transformers keeps it
+        return [Out(f"{mx}gate.weight", decode=True)]
+    if short == "exp_probs_b":
+        return [Out(f"{mx}gate.e_score_correction_bias", value=lambda w: w)]
     if short in ("attn_q", "attn_k"):
         n = cfg["num_attention_heads"] if short == "attn_q" else cfg["num_key_value_heads"]
         rows = n * cfg["head_dim"]
@@ -440,12 +474,13 @@ def _granite_hybrid_plan(short: str, suffix: str, bid: int | None, cfg: dict
         return [Out(f"{p}shared_mlp.input_linear.weight", part=0 if "gate" in short else 1)]
     if short == "ffn_gate_inp":
         return [Out(f"{p}block_sparse_moe.router.weight", decode=True)]
-    # pagefold's Granite experts are stacked parameters, not MoEExperts: decoded on load
+    # kept quantized per expert (``<moe>.experts.<e>.<proj>``), as Qwen3-Next's
     if short in ("ffn_gate_exps", "ffn_up_exps"):
-        return [Out(f"{p}block_sparse_moe.experts.gate_up_proj",
-                    part=0 if short == "ffn_gate_exps" else 1)]
+        gate = short == "ffn_gate_exps"
+        return [Out(f"{p}block_sparse_moe.experts.gate_up_proj", part=0 if gate else 1,
+                    expert="gate_proj" if gate else "up_proj")]
     if short == "ffn_down_exps":
-        return [Out(f"{p}block_sparse_moe.experts.down_proj")]
+        return [Out(f"{p}block_sparse_moe.experts.down_proj", expert="down_proj")]
     return _mamba2_mixer(short, suffix, f"{p}mamba.", dict(cfg, num_heads=cfg["mamba_n_heads"]))
 
 

@@ -101,6 +101,11 @@ class GraniteMoE(nn.Module):
     """
 
     lora = None
+    # Quantized experts (a GGUF's, kept quantized: ``quantization.experts``): per local expert
+    # a module whose ``gate_up_proj`` / ``down_proj`` run it, the children ``experts.<e>``
+    # (transformers' names); the stacks are then gone.
+    quantized: list | None = None
+    experts_path = "experts"
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -127,8 +132,27 @@ class GraniteMoE(nn.Module):
         top_logits, idx = logits.topk(self.top_k, dim=-1)
         return idx, torch.softmax(top_logits, dim=-1).to(x.dtype)
 
-    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor]:
-        """For LoRA: (transformers' stack path below this module, layout, a weight)."""
+    def expert_dims(self) -> tuple[int, int, int]:
+        """(local experts, hidden, this rank's intermediate size)."""
+        w = self.input_linear.weight
+        return w.shape[0], w.shape[2], self.inter
+
+    def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_linear.weight, self.output_linear.weight
+
+    def install_quantized(self, experts: list[nn.Module], first: int = 0) -> None:
+        """Quantized experts replace the stacks (``MoEExperts.install_quantized``'s contract)."""
+        del self.input_linear, self.output_linear
+        self.experts = nn.Module()
+        for e, ex in enumerate(experts):
+            self.experts.add_module(str(first + e), ex)
+        self.quantized = experts
+
+    def lora_stack(self) -> tuple[str, ExpertsLayout, torch.Tensor] | None:
+        """For LoRA: (transformers' stack path below this module, layout, a weight); None for
+        quantized experts (no stacks)."""
+        if self.quantized is not None:
+            return None
         w = self.input_linear.weight
         first, count = (self.ep.first, self.ep.count) if self.ep is not None else (
             0, self.num_experts)
@@ -138,12 +162,13 @@ class GraniteMoE(nn.Module):
     def _expert(self, e: int, h: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         """Local expert ``e`` on rows ``h`` (those of tokens ``tok``), LoRA terms added."""
         slots = self.lora.rows(tok) if self.lora is not None else None
-        gu = matmul_t(h, self.input_linear.weight[e])
+        q = self.quantized[e] if self.quantized is not None else None
+        gu = matmul_t(h, self.input_linear.weight[e]) if q is None else q.gate_up_proj(h)
         if slots is not None:
             self.lora.add(e, "gate_up_proj", h, gu, slots)
         gate, up = gu.split(self.inter, dim=-1)
         act = self.act(gate) * up
-        y = matmul_t(act, self.output_linear.weight[e])
+        y = matmul_t(act, self.output_linear.weight[e]) if q is None else q.down_proj(act)
         if slots is not None:
             self.lora.add(e, "down_proj", act, y, slots)
         return y
@@ -180,7 +205,7 @@ class GraniteSharedMLP(nn.Module):
 
     Tensor parallelism: this rank's gate and up rows and down columns; the output is a partial
     sum (the decoder layer all-reduces it with the experts'). LoRA on ``input_linear`` cuts
-    its B as these rows (``lora_cuts``)."""
+    its B as these rows (``loader_cuts``)."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -189,9 +214,10 @@ class GraniteSharedMLP(nn.Module):
         self.input_linear = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         shard_rows(self.input_linear.weight, [full, full], "shared_intermediate_size")
         if tp_size() > 1:
-            # The same gate | up cut for LoRA's column layout (``lora/layout.py``); not
-            # ``tp_cuts``, which quantized layers would also take (they refuse this split).
-            self.input_linear.lora_cuts = {
+            # The same gate | up cut for LoRA's column layout (``lora/layout.py``) and a GGUF
+            # layer's raw rows (``quantization/gguf_tp.py``); not ``tp_cuts``, which the other
+            # quantized layers would also take (they refuse this split).
+            self.input_linear.loader_cuts = {
                 "": RowCut([full, full], tp_size(), "shared_intermediate_size")}
         self.output_linear = row_linear(full, cfg.hidden_size, bias=False,
                                         what="shared_intermediate_size", reduce=False)

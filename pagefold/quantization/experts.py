@@ -13,7 +13,9 @@ Under tensor parallelism an expert splits as the stacked weights do: this rank's
 gate and up shards (column-parallel), its columns of ``down_proj`` (row-parallel, partial sums
 that the MoE block all-reduces). Under expert parallelism the module holds only this rank's
 experts, whole: quantizing them on load works unchanged; per-expert tensors of a quantized
-checkpoint (global expert ids) are refused.
+checkpoint (global expert ids) are refused, except a GGUF's (``install_experts``: children
+named by global id, each rank loading its own experts' blocks; under tensor parallelism
+each expert's GGUF layers cut the file's blocks as ``gguf_tp`` does, ``expert_splits``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pagefold.quantization.formats import QuantizationError, QuantMethod
 from pagefold.quantization.linear import QuantLinear, quantize_weight
 from pagefold.quantization.tp import TPSplit
 
-__all__ = ["ExpertLinears", "convert_experts", "install_experts", "quantize_experts"]
+__all__ = ["ExpertLinears", "convert_experts", "expert_splits", "experts_holder",
+           "install_experts", "quantize_experts"]
 
 
 class ExpertLinears(nn.Module):
@@ -41,30 +44,51 @@ class ExpertLinears(nn.Module):
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
 
+def experts_holder(model: nn.Module, where: str, stacked: bool = True) -> nn.Module | None:
+    """The experts block whose quantized experts are to live at ``where`` (an
+    ``MoEExperts`` there, or a block with ``experts_path`` naming ``where``'s last part below
+    it); with ``stacked``, only while its experts are still stacked. None otherwise."""
+    head, _, tail = where.rpartition(".")
+    for path, rest in ((where, ""), (head, tail)):
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if callable(getattr(mod, "install_quantized", None)) and mod.experts_path == rest:
+            return mod if mod.quantized is None or not stacked else None
+    return None
+
+
 def _splits(mod: MoEExperts) -> tuple[TPSplit | None, TPSplit | None]:
-    if tp_size() == 1 or mod.ep is not None:  # one rank, or whole experts (expert parallel)
+    cuts, full_in = expert_splits(mod)
+    if cuts is None:  # one rank, or whole experts (expert parallel)
         return None, None
-    what = "moe_intermediate_size"
-    cuts = {s: RowCut([mod.full_inter], tp_size(), what) for s in ("gate_proj", "up_proj")}
-    return TPSplit(cuts=cuts), TPSplit(full_in=mod.full_inter, reduce=False)
+    return TPSplit(cuts=cuts), TPSplit(full_in=full_in, reduce=False)
 
 
 def _install(mod: MoEExperts, experts: list[ExpertLinears]) -> None:
-    del mod.gate_up_proj, mod.down_proj
-    mod.gate_up_proj = mod.down_proj = None  # the stacked weights are gone
-    for e, ex in enumerate(experts):
-        mod.add_module(str(e), ex)
-    mod.quantized = experts
+    mod.install_quantized(experts)
 
 
-def install_experts(mod: MoEExperts, make: Callable[[int], ExpertLinears], path: str) -> None:
-    """Make every expert ``e`` of ``mod`` the layers ``make(e)`` (one rank, all experts: under
-    tensor or expert parallelism a QuantizationError naming the layer)."""
-    if tp_size() > 1 or mod.ep is not None:
-        raise QuantizationError(f"{path}: GGUF experts kept quantized run on one rank only "
-                                "(no tensor or expert parallelism); load the file with "
-                                "quantization='none'")
-    _install(mod, [make(e) for e in range(mod.num_experts)])
+def install_experts(mod: nn.Module, make: Callable[[int], ExpertLinears], path: str) -> None:
+    """Make every local expert ``e`` of ``mod`` (an ``MoEExperts``, or a model's experts block
+    with the same ``expert_dims`` / ``install_quantized``) the layers ``make(e)``. Under expert
+    parallelism the children are named by global expert id (``first + e``, the checkpoint's
+    per-expert names: another rank's experts have no place here); ``make`` builds the layers
+    with :func:`expert_splits`' cuts."""
+    first = mod.ep.first if mod.ep is not None else 0
+    mod.install_quantized([make(e) for e in range(mod.expert_dims()[0])], first)
+
+
+def expert_splits(mod: nn.Module) -> tuple[dict | None, int | None]:
+    """How one expert's full tensors split on this rank: (the ``gate_proj`` / ``up_proj``
+    output-row cuts of ``gate_up_proj``, the full inputs of the row-parallel ``down_proj``),
+    or (None, None) with one rank or whole experts (expert parallelism)."""
+    if tp_size() == 1 or mod.ep is not None:
+        return None, None
+    cuts = {s: RowCut([mod.full_inter], tp_size(), "moe_intermediate_size")
+            for s in ("gate_proj", "up_proj")}
+    return cuts, mod.full_inter
 
 
 def _layers(mod: MoEExperts, methods: tuple[QuantMethod, QuantMethod], path: str, e: int

@@ -19,8 +19,10 @@ transformers' reader) as ``<param>.gguf_dequant_<type>``.
   raw rows and placeholders are dropped) and points a tied lm_head at the embedding's
   weight, so the file's blocks are held once. The first per-expert tensor of an
   ``MoEExperts`` makes each of its experts a pair of GGUF layers (``gate_up_proj`` with
-  shards ``gate_proj`` / ``up_proj``, ``down_proj``; ``quantization/experts.py``), one rank
-  only (under tensor or expert parallelism: an error naming the layer).
+  shards ``gate_proj`` / ``up_proj``, ``down_proj``; ``quantization/experts.py``): under
+  tensor parallelism each cut as a column- / row-parallel layer (the intermediate rows of
+  gate and up, the down inputs in whole blocks; partial sums the MoE block all-reduces),
+  under expert parallelism this rank's whole experts, another rank's tensors skipped.
 
 Invariants: a fused layer takes every shard from the file's quantized tensors or none (a
 plain shard beside quantized ones is refused, naming the layer); every shard of a layer is
@@ -40,9 +42,13 @@ from torch import nn
 
 from pagefold.distributed.parallel_state import all_reduce, tp_rank
 from pagefold.layers.linear import RowParallelLinear
-from pagefold.layers.moe import MoEExperts
 from pagefold.layers.vocab import VocabParallelEmbedding
-from pagefold.quantization.experts import ExpertLinears, install_experts
+from pagefold.quantization.experts import (
+    ExpertLinears,
+    expert_splits,
+    experts_holder,
+    install_experts,
+)
 from pagefold.quantization.formats import QuantizationError
 from pagefold.quantization.gguf_blocks import BLOCK, TYPE_SIZE, dequantize_rows
 from pagefold.quantization.gguf_kernel import GGUFWeight
@@ -225,31 +231,37 @@ def _shards(lin: nn.Linear) -> dict[str, tuple[int, int]]:
     return dict(fused.shards) if fused is not None else {"": (0, lin.out_features)}
 
 
-def _gguf_experts(model: nn.Module, path: str) -> bool:
-    """``path`` = ``<experts>.<e>.gate_up_proj|down_proj`` of an :class:`MoEExperts` with its
-    experts still stacked: every expert made a pair of GGUF layers (the file's per-expert
-    rows load into them); False for another path."""
+def _gguf_experts(model: nn.Module, path: str) -> str | None:
+    """``path`` = ``<experts>.<e>.gate_up_proj|down_proj`` of an ``MoEExperts`` (or a model's
+    experts block, ``experts.experts_holder``): with its experts still stacked, every local
+    expert made a pair of GGUF layers (the file's per-expert rows load into them, cut for
+    tensor parallelism), ``"reload"``; ``"skip"`` for an expert another rank holds (expert
+    parallelism); None for another path."""
     parent, _, proj = path.rpartition(".")
     where, _, e = parent.rpartition(".")
     if proj not in ("gate_up_proj", "down_proj") or not e.isdigit():
-        return False
-    try:
-        mod = model.get_submodule(where)
-    except AttributeError:
-        return False
-    if not isinstance(mod, MoEExperts) or mod.quantized is not None:
-        return False
-    hidden, inter = mod.gate_up_proj.shape[2], mod.inter
+        return None
+    mod = experts_holder(model, where, stacked=False)
+    if mod is None:
+        return None
+    if mod.quantized is not None:
+        return "skip" if mod.ep is not None and not mod.ep.owns(int(e)) else None
+    _, hidden, inter = mod.expert_dims()
+    cuts, full_in = expert_splits(mod)
 
     def make(i: int) -> ExpertLinears:
-        layer = f"{where}.{i}"
+        layer = f"{where}.{i + (mod.ep.first if mod.ep is not None else 0)}"
+        gu = None if cuts is None else GGUFSplit(f"{layer}.gate_up_proj", cuts=cuts)
+        dn = None if cuts is None else GGUFSplit(f"{layer}.down_proj", full_in=full_in,
+                                                 reduce=False)
         return ExpertLinears(
             GGUFLinear(hidden, 2 * inter, {"gate_proj": (0, inter), "up_proj": (inter, inter)},
-                       None, f"{layer}.gate_up_proj"),
-            GGUFLinear(inter, hidden, {"": (0, hidden)}, None, f"{layer}.down_proj"))
+                       None, f"{layer}.gate_up_proj", split=gu),
+            GGUFLinear(inter, hidden, {"": (0, hidden)}, None, f"{layer}.down_proj",
+                       split=dn))
 
     install_experts(mod, make, where)
-    return True
+    return "skip" if mod.ep is not None and not mod.ep.owns(int(e)) else "reload"
 
 
 class GGUFQuantizer:
@@ -267,8 +279,9 @@ class GGUFQuantizer:
         try:
             mod = model.get_submodule(path)
         except AttributeError:
-            if kind is None or not _gguf_experts(model, path):
-                return None
+            act = _gguf_experts(model, path) if kind is not None else None
+            if act != "reload":
+                return act
             mod = model.get_submodule(path)
         if kind is None:
             if name == "weight" and isinstance(mod, GGUFLinear):

@@ -4,8 +4,9 @@ A GGUF quantized tensor is stored as rows of whole blocks (``gguf_blocks``: ``BL
 inputs in ``TYPE_SIZE[kind]`` bytes), so a rank's part is cut from the raw rows without
 decoding anything, following the split of the plain layer the GGUF layer replaces:
 
-* column-parallel (``column_linear``: ``tp_cuts``): this rank's output rows of each fused
-  shard (``RowCut``), whole rows of raw bytes;
+* column-parallel (``column_linear``: ``tp_cuts``; or a model's own row loader that names
+  its cut as ``loader_cuts``): this rank's output rows of each fused shard (``RowCut``),
+  whole rows of raw bytes;
 * row-parallel (``RowParallelLinear``): this rank's input columns, the bytes of the blocks
   that hold them. A rank's inputs must be whole blocks (32 inputs for Q4_0 / Q4_1 / Q8_0, a
   super-block of 256 for Q4_K / Q5_K / Q6_K); a split inside a block is an error naming the
@@ -108,7 +109,8 @@ def gguf_split(mod: nn.Module, path: str) -> GGUFSplit | None:
         return None
     if isinstance(mod, RowParallelLinear):
         return GGUFSplit(path, full_in=mod.in_features * tp_size(), reduce=mod.reduce)
-    cuts = getattr(mod, "tp_cuts", None)
+    # ``loader_cuts``: the same row cut of a layer its model's own loader splits
+    cuts = getattr(mod, "tp_cuts", None) or getattr(mod, "loader_cuts", None)
     if cuts:
         return GGUFSplit(path, cuts=cuts)
     if isinstance(mod, VocabParallelEmbedding):

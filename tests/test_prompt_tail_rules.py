@@ -32,6 +32,7 @@ from pagefold.core.managers import PageCopy, StateCapture
 from pagefold.core.prefix_cache import hash_block, root_hash
 from pagefold.core.sched_output import RunnerOutput, SampledToken
 from pagefold.core.scheduler import Scheduler
+from pagefold.multimodal.inputs import ImageFeature, MultiModalInputs
 from pagefold.request import Request
 from pagefold.sampling_params import SamplingParams
 from pagefold.transfer.index import TransferIndex
@@ -52,11 +53,11 @@ def _chain(prompt: list[int], salt: tuple = ()) -> list[bytes]:
     return out
 
 
-def _tail_hash(prompt: list[int]) -> bytes:
+def _tail_hash(prompt: list[int], salt: tuple = ()) -> bytes:
     """The chain over the first ``L - 1`` tokens, the partial block's tokens hashed last."""
     end = len(prompt) - 1
     n = end // BS
-    parent = _chain(prompt)[n - 1] if n else root_hash()
+    parent = _chain(prompt, salt)[n - 1] if n else root_hash(salt)
     return hash_block(parent, prompt[n * BS:end])
 
 
@@ -79,9 +80,11 @@ class Engine:
         self.steps: list = []  # every step's SchedulerOutput
         self.params: dict[str, dict | None] = {}  # finished request -> its kv_transfer_params
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 1, **params) -> Request:
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 1, salt: tuple = (),
+            **params) -> Request:
         req = Request(rid, list(prompt), SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params}))
+            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params}),
+            extra_keys=salt)
         if params and not params.get("do_remote_decode"):
             assert self.index.expect(req, params)  # as the engine core does on arrival
         self.s.add_request(req)
@@ -409,4 +412,143 @@ def test_a_consumer_with_no_room_waits_and_later_hits_its_own_pool():
     kv.free(d)
     ops = kv.take_kv_ops()
     assert [(r.req_id, r.keys) for r in ops.releases] == [("d", [])]
+    kv.check_whole()
+
+
+# ---------------------------------------------------------------- edges
+def test_chunks_end_on_the_last_boundary_and_three_blocks_before_it():
+    # L = 12: the last boundary before the last token is 8 (not 12: position 11 is the last
+    # a later prompt can continue after); L = 18: 16 and 16 - 12 = 4.
+    e = Engine("p", 20)
+    e.add("a", list(range(100, 112)))
+    e.add("b", list(range(200, 218)))
+    e.run()
+    assert e.scheduled("a") == [8, 4] and e.scheduled("b") == [4, 12, 2]
+
+
+def test_a_state_group_before_the_attention_group_skips_only_itself():
+    # Group 0 the state, group 1 attention: pages 1-2 the state, 3-4 blocks 0-1, 5-6 the
+    # checkpoint at 8, 7 block 2, 8-9 the tail state.
+    p = Engine("p", 10, specs={"layers.0": STATE, "layers.1": ATTN})
+    p.add("p", PROMPT, do_remote_decode=True)
+    p.run()
+    assert p.exports() == [("p", key_name((1, H[0])), 1, [3]), ("p", key_name((1, H[1])), 1, [4]),
+                           ("p", key_name(("tail", 0, T)), 0, [8, 9]),
+                           ("p", key_name(("tail", 1, T)), 1, [7])]
+
+
+def test_a_prompt_shorter_than_a_block_and_a_cache_salt_name_their_tail():
+    prompt = [5, 6, 7, 8]  # n = 0 full blocks travel: the tail is block 0's first 3 tokens
+    for salt in ((), ("cache_salt", "s")):
+        p = Engine("p", 8, specs={"layers.0": ATTN})
+        p.add("p", prompt, salt=salt, do_remote_decode=True)
+        p.run()
+        tail = key_name(("tail", 0, hash_block(root_hash(salt), prompt[:3])))
+        assert p.exports() == [("p", tail, 0, [1])] and p.params["p"]["num_tokens"] == 3
+
+
+def test_an_image_in_the_partial_block_is_part_of_the_tail_name():
+    def image(offset: int, length: int) -> MultiModalInputs:
+        return MultiModalInputs([ImageFeature(offset, length, "img", b"", [0], [1, 1, 1])])
+
+    def accepts(prompt: list[int], mm: MultiModalInputs, h: bytes) -> bool:
+        index = TransferIndex(engine_id="d", layout="L", block_size=BS, host="d", port=7,
+                              producer=False, consumer=True)
+        req = Request("d", prompt, SamplingParams(), mm_inputs=mm)
+        ok = index.expect(req, _params([key_name(("tail", 1, h))]))
+        index.release("d")
+        return ok
+
+    # L = 10, an image at 8-9: the tail (positions 8 .. 8) names it; blocks 0-1 do not.
+    h1 = _chain(PROMPT)[1]
+    assert accepts(PROMPT, image(8, 2), hash_block(h1, PROMPT[8:9], ["img"]))
+    assert not accepts(PROMPT, image(8, 2), hash_block(h1, PROMPT[8:9]))
+    # L = 9, an image at 6-9: block 1 names it; the tail has no token of its own (8 = 2
+    # blocks), so its name is the chain's extended by nothing.
+    p9 = PROMPT[:9]
+    h1 = hash_block(hash_block(root_hash(), p9[:4]), p9[4:8], ["img"])
+    assert accepts(p9, image(6, 4), hash_block(h1, []))
+    assert not accepts(p9, image(6, 4), hash_block(h1, [], ["img"]))
+
+
+def test_a_producer_that_hits_its_own_cache_up_to_the_tail_exports_the_checkpoint():
+    # L = 9 computed here before: blocks 0-1 and the checkpoint at 8 cached. The producer's
+    # request starts at 8 = L - 1: no step runs past L - 1 nor ends there, so no tail is
+    # taken; the export is the block-aligned one (8 tokens).
+    p = Engine("p", 12, capture=True)
+    prompt = PROMPT[:9]
+    h = _chain(prompt)
+    p.add("x", prompt)
+    p.run()
+    p.steps.clear()
+    p.add("p", prompt, do_remote_decode=True)
+    p.run()
+    assert p.scheduled("p") == [1] and not any(o.captures for o in p.steps)
+    assert [e[1] for e in p.exports()] == [key_name((0, h[0])), key_name((0, h[1])),
+                                          key_name(("ckpt", 1, h[1]))]
+    assert p.params["p"]["num_tokens"] == 8
+
+
+def test_a_two_token_chunk_captures_a_target_inside_it():
+    # L = 9, budget 7: chunks 0..7 and 7..9; 8 (the tail and the last boundary) is inside
+    # the second. Pages: blocks 1-2, the state 3-4, block 2 takes 5, the tail 6-7, the
+    # checkpoint 8-9.
+    p = Engine("p", 10, capture=True, budget=7)
+    prompt = PROMPT[:9]
+    p.add("p", prompt, do_remote_decode=True)
+    p.run()
+    assert p.scheduled("p") == [7, 2]
+    assert [o.captures for o in p.steps[:2]] == [[], [StateCapture("p", 1, 8, [6, 7]),
+                                                      StateCapture("p", 1, 8, [8, 9])]]
+    assert p.exports()[-1][1:] == (key_name(("tail", 1, _tail_hash(prompt))), 1, [6, 7])
+
+
+def test_a_request_without_targets_does_not_stop_the_next_ones_captures():
+    # "s" (L = 3) has no boundary before its last token; "x" (L = 10) has 8. Pages: s's block
+    # 1 and state 2-3, x's blocks 4-6 and state 7-8, the checkpoint 9-10.
+    e = Engine("p", 12, capture=True)
+    e.add("s", [60, 61, 62])
+    e.add("x", PROMPT)
+    e.run()
+    assert e.steps[0].num_scheduled == {"s": 3, "x": 10}
+    assert e.steps[0].captures == [StateCapture("x", 1, 8, [9, 10])]
+
+
+def test_a_chunk_ending_on_a_target_leaves_it_to_a_copy():
+    # Budget 8: the chunk 0..8 ends on the target 8 (not strictly inside): after the step the
+    # state (3-4) is copied into the checkpoint's pages (5-6).
+    e = Engine("p", 10, capture=True, budget=8)
+    e.add("x", PROMPT)
+    e.run()
+    assert [o.captures for o in e.steps[:2]] == [[], []]
+    assert e.steps[1].copies == [PageCopy(1, [3, 4], [5, 6])]
+
+
+def test_the_targets_of_one_chunk_are_captured_shallowest_first():
+    # L = 18, a checkpoint every 4 tokens, one chunk: blocks 1-5, the state 6-7, then the
+    # checkpoints at 4, 8, 12, 16 in that order.
+    e = Engine("p", 20, capture=True, interval=4)
+    e.add("x", list(range(30, 48)))
+    e.run()
+    assert e.steps[0].captures == [StateCapture("x", 1, 4 * (i + 1), [8 + 2 * i, 9 + 2 * i])
+                                   for i in range(4)]
+
+
+def test_a_target_at_a_chunks_start_is_not_captured():
+    # L = 18: targets 4 and 16. The chunk 0..4 ends on 4 with the pool full (no checkpoint);
+    # the next chunk 4..10 starts there: nothing strictly inside it.
+    kv = KVCacheManager(plan_pagefold(HYBRID, BS, 21 * PAGE), enable_prefix_caching=True,
+                        capture_in_kernel=True)
+    x = Request("x", list(range(30, 48)), SamplingParams(max_tokens=1))
+    assert kv.find_hit(x) == 0 and kv.allocate_slots(x, 4)
+    assert kv.plan_captures([x], [4]) == []
+    hog = kv.pool.allocate(kv.pool.num_free)
+    x.num_computed_tokens = 4
+    kv.after_step(x)
+    assert kv.take_copies() == []  # no room for the checkpoint at 4
+    kv.release_pins()
+    kv.pool.free(hog)
+    assert kv.allocate_slots(x, 6)
+    assert kv.plan_captures([x], [6]) == []
+    kv.free(x)
     kv.check_whole()

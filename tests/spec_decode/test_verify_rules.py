@@ -29,6 +29,9 @@ from pagefold.spec_decode.drafting import (
     forward_pass,
 )
 
+# Tiny tensors: one torch thread (spinning pool threads read as timeouts under mutmut).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 V = 8
 
 

@@ -19,7 +19,7 @@ from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
 from pagefold.core.sched_output import VerifiedTokens
 from pagefold.executor.runner_state import CachedRequestState, StepBatch
-from pagefold.sampling_params import SamplingParams
+from pagefold.sampling_params import SAMPLING_EPS, SamplingParams
 from pagefold.spec_decode.config import SpeculativeConfig
 from pagefold.spec_decode.drafting import (
     PLACEHOLDER,
@@ -222,21 +222,35 @@ def test_tensor_parallel_ranks_take_rank_zeros_verdict(monkeypatch):
 def test_drafts_are_the_argmax_when_greedy_and_a_draw_from_the_tempered_softmax_else():
     greedy = _state("g", [1], SamplingParams(temperature=0.0))
     hot = _state("h", [1], SamplingParams(temperature=0.5))
+    edge = _state("e", [1], SamplingParams(temperature=SAMPLING_EPS))  # not greedy: a draw
     # Row 1 at T = 1/2: logits (0, ln 3 / 2) -> softmax(0, ln 3) = (1/4, 3/4).
-    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, math.log(3) / 2, -1e9]])
-    gen = torch.Generator().manual_seed(0)
-    toks, probs = draft_tokens(logits, [greedy, hot], lambda r: gen)
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, math.log(3) / 2, -1e9], [0.0, 1.0, 0.5]])
+    gens = {"h": torch.Generator().manual_seed(0), "e": torch.Generator().manual_seed(1)}
+    toks, probs = draft_tokens(logits, [greedy, hot, edge], lambda r: gens.get(r.req_id))
     assert toks[0] == 1 and probs[0] is None and toks[1] in (0, 1)
     assert probs[1].dtype == torch.float32
     assert probs[1].tolist() == pytest.approx([0.25, 0.75, 0.0], abs=1e-6)
-    n = 4000
-    many = torch.tensor([[0.0, math.log(3) / 2, -1e9]] * n)
-    toks, _ = draft_tokens(many, [hot] * n, lambda r: gen)
-    share = sum(toks) / n
-    assert abs(share - 0.75) < 0.03 and 2 not in toks
-    again = draft_tokens(many[:50], [hot] * 50, lambda r: torch.Generator().manual_seed(9))[0]
-    assert again == draft_tokens(many[:50], [hot] * 50,
-                                 lambda r: torch.Generator().manual_seed(9))[0]
+    assert toks[2] == 1 and probs[2] is not None  # softmax(x / 1e-5): all mass on the max
+    # q = (0.7, 0.2, 0.1) at T = 1/2 (logits ln(q) / 2): 4000 draws follow q (a draw is the
+    # exponential race argmax q / e; q * e would give about (0.74, 0.19, 0.07)).
+    n, q = 4000, [0.7, 0.2, 0.1]
+    many = torch.tensor([[math.log(x) / 2 for x in q]] * n)
+    toks, _ = draft_tokens(many, [hot] * n, lambda r: gens.get(r.req_id))
+    assert [toks.count(i) / n for i in range(3)] == pytest.approx(q, abs=0.02)
+
+
+def test_each_request_draws_from_its_own_generator():
+    hot = [_state(rid, [1], SamplingParams(temperature=1.0)) for rid in ("a", "b")]
+    logits = torch.zeros(2, 50)
+
+    def draw(which: list[int]) -> list[int]:
+        gens = {"a": torch.Generator().manual_seed(11), "b": torch.Generator().manual_seed(12)}
+        torch.manual_seed(int(torch.randint(0, 1 << 30, (1,))))  # the global stream moves
+        return draft_tokens(logits[which], [hot[i] for i in which],
+                            lambda r: gens[r.req_id])[0]
+
+    both = draw([0, 1])
+    assert both == draw([0]) + draw([1]) and both == draw([0, 1])
 
 
 def test_the_proposer_interface_defaults():
@@ -283,8 +297,25 @@ def test_a_forward_pass_runs_the_model_over_the_requests_tokens(verify_flag):
     assert meta.page_ids.tolist() == [[3, 4], [6, 7]]
     if verify_flag:
         assert ctx.spec_states == {} and meta.spec_rows.tolist() == [True, True]
+        assert meta.spec_rows.dtype == torch.bool
     else:
         assert ctx.spec_states is None and getattr(meta, "spec_rows", None) is None
+
+
+def test_a_forward_pass_stores_states_unless_told_to_verify():
+    attn = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    state = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))
+
+    class R:
+        kv_config = plan_pagefold({"layers.0": attn, "layers.1": state}, 4, 16 * 128)
+        cache, device = None, torch.device("cpu")
+
+    a = CachedRequestState("a", [1, 2], [1, 2], [], SamplingParams(), None, [[1], [2, 3]])
+    _, inp, ctx = forward_pass(Recorder(), R, [a], [[1, 2]], [0])
+    assert ctx.spec_states is None and ctx.initial_states is None
+    assert ctx.attn_meta is inp.attn_meta and ctx.state_meta is inp.state_meta
+    with pytest.raises(ValueError):  # one start per request
+        forward_pass(Recorder(), R, [a], [[1, 2]], [0, 0])
 
 
 # ---------------------------------------------------------------- proposers

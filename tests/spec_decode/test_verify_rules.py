@@ -41,13 +41,18 @@ def _state(rid: str, prompt: list[int], sp: SamplingParams, out: list[int] = ())
                               [[1, 2], [3, 4]])
 
 
-def _row(top: int, second: int | None = None) -> list[float]:
-    """A logits row whose argmax is ``top`` (10), ``second`` next (5), the rest 0."""
+def _row(top: int, second: int | None = None, v: float = 5.0) -> list[float]:
+    """A logits row whose argmax is ``top`` (10), ``second`` next (``v``), the rest 0."""
     r = [0.0] * V
     r[top] = 10.0
     if second is not None:
-        r[second] = 5.0
+        r[second] = v
     return r
+
+
+def _z(v: float = 5.0) -> float:
+    """log-sum-exp of a ``_row`` with a second token: its logprobs are ``x - z``."""
+    return math.log(math.exp(10) + math.exp(v) + V - 2)
 
 
 class Model:
@@ -89,6 +94,7 @@ class RecordingProposer(Proposer):
 
     def commit(self, runner, batch, res, keep, inp, hidden, emitted) -> None:
         self.calls.append((res, list(keep), inp, hidden.shape, dict(emitted)))
+        self.seen = (runner, batch)
 
 
 def _greedy_batch():
@@ -109,7 +115,8 @@ def test_greedy_drafts_are_accepted_while_they_match_and_the_kept_states_committ
     prop = RecordingProposer()
     ctx = Ctx(8)
     drafted = DraftResult(drafts, [None, None, None])
-    out = verify.verify_drafts(Runner(prop), batch, drafts, drafted, Inp([1, 2]), ctx, hidden)
+    runner, inp = Runner(prop), Inp([1, 2])
+    out = verify.verify_drafts(runner, batch, drafts, drafted, inp, ctx, hidden)
     # a: row 4's argmax 5 accepts draft 5, row 5's argmax 2 rejects 6 and is emitted.
     # b: row 7's argmax 3; logprobs of 3 and the top 1: log_softmax of (10, 5, 0 x 6).
     z = math.log(math.exp(10) + math.exp(5) + 6)
@@ -125,8 +132,9 @@ def test_greedy_drafts_are_accepted_while_they_match_and_the_kept_states_committ
     assert batch.reqs[1].token_ids == [1, 2, 3, 4, 5] and batch.reqs[1].output_token_ids == [
         3, 4, 5]
     assert batch.reqs[2].token_ids == [1, 2, 3]
-    ((res, keep, _, shape, emitted),) = prop.calls
+    ((res, keep, seen_inp, shape, emitted),) = prop.calls
     assert res is drafted and keep == [4, 2, 1] and shape == (8, 2)
+    assert seen_inp is inp and prop.seen[0] is runner and prop.seen[1] is batch
     assert emitted == {1: [5, 2], 2: [3]}
 
 
@@ -151,10 +159,14 @@ def test_a_step_that_samples_nothing_commits_whole_chunks():
     batch = StepBatch(reqs, [0, 0], [3, 2])
     prop = RecordingProposer()
     ctx = Ctx(5)
-    assert verify.verify_drafts(Runner(prop), batch, [[], []], None, Inp([]), ctx,
+    runner, inp, drafted = Runner(prop), Inp([]), DraftResult([[], []], [None, None])
+    assert verify.verify_drafts(runner, batch, [[], []], drafted, inp, ctx,
                                 torch.zeros(5, V)) == {}
     assert ctx.stored == [("layers.1", {"s": [20, 40], "c": [2, 4]})]
-    assert [(c[0], c[1], c[4]) for c in prop.calls] == [(None, [3, 2], {})]
+    ((res, keep, seen_inp, shape, emitted),) = prop.calls
+    assert (res, keep, seen_inp, shape, emitted) == (drafted, [3, 2], inp, (5, 2), {})
+    assert res is drafted and seen_inp is inp
+    assert prop.seen[0] is runner and prop.seen[1] is batch
     empty = Ctx(5)
     empty.spec_states = {}
     verify.verify_drafts(Runner(), batch, [[], []], None, Inp([]), empty, torch.zeros(5, V))
@@ -216,6 +228,65 @@ def test_tensor_parallel_ranks_take_rank_zeros_verdict(monkeypatch):
     assert ids == [6, 3] and lps == pytest.approx([-z, 10 - z], abs=1e-5) and rank == 3
     assert ctx.stored == [("layers.1", {"s": [30, 40, 70], "c": [3, 4, 7]})]
     assert batch.reqs[1].token_ids == [1, 2, 3, 4]  # nothing accepted: nothing written
+
+
+def test_penalties_read_the_prompt_and_min_tokens_bans_the_eos():
+    # "rp": repetition penalty 2 on its prompt's token 3 (10 -> 5): 4 (6) wins. "mt": one
+    # output token of min_tokens 3, so its EOS 5 (10) is banned: 6 (6) wins.
+    rp = CachedRequestState("rp", [3, 1], [3, 1], [], SamplingParams(
+        temperature=0.0, repetition_penalty=2.0), None, [[1], [2, 3]])
+    mt = CachedRequestState("mt", [1], [1, 7], [7], SamplingParams(
+        temperature=0.0, min_tokens=3), 5, [[4], [5, 6]])
+    rows = [_row(3, 4, 6.0), _row(5, 6, 6.0)]
+    out = verify.verify_drafts(Runner(), StepBatch([rp, mt], [2, 1], [1, 1]), [[], []], None,
+                               Inp([0, 1]), Ctx(2), torch.tensor(rows))
+    assert out["rp"].token_ids == [4] and out["mt"].token_ids == [6]
+
+
+def test_each_requests_logprobs_are_read_at_its_own_rows_and_top_k():
+    # r0 (top 0) drafts [1], accepted: rows 0-1; r1 (top 2) no draft: row 2; r2 (top 1)
+    # drafts [3, 4], accepted: rows 3-5. Each row's second token has its own logit v.
+    reqs = [_state("r0", [1], SamplingParams(temperature=0.0, logprobs=0), out=[2]),
+            _state("r1", [1], SamplingParams(temperature=0.0, logprobs=2), out=[2]),
+            _state("r2", [1], SamplingParams(temperature=0.0, logprobs=1), out=[2])]
+    vs = [1.0, 2.0, 3.0, 4.0, 6.0, 7.0]
+    tops = [1, 5, 6, 3, 4, 7]
+    rows = torch.tensor([_row(t, 0, v) for t, v in zip(tops, vs)])
+    out = verify.verify_drafts(Runner(), StepBatch(reqs, [1, 1, 1], [2, 1, 3]),
+                               [[1], [], [3, 4]], None, Inp([0, 1, 2]), Ctx(6), rows)
+    assert [out[r].token_ids for r in ("r0", "r1", "r2")] == [[1, 5], [6], [3, 4, 7]]
+
+    def lp(row: int, k: int) -> tuple:
+        z = _z(vs[row])
+        ids = [tops[row]] + [tops[row], 0][:k]
+        return ids, [10 - z] + [10 - z, vs[row] - z][:k], 1
+
+    for rid, rows_k in (("r0", [(0, 0), (1, 0)]), ("r1", [(2, 2)]),
+                        ("r2", [(3, 1), (4, 1), (5, 1)])):
+        got = out[rid].logprobs
+        want = [lp(row, k) for row, k in rows_k]
+        assert [(ids, rank) for ids, _, rank in got] == [(ids, rank) for ids, _, rank in want]
+        for (_, lps, _), (_, wl, _) in zip(got, want):
+            assert lps == pytest.approx(wl, abs=1e-5)
+
+
+def test_rank_zeros_verdict_keeps_the_rows_of_every_accepted_draft(monkeypatch):
+    # Locally row 1's argmax (2) rejects draft 6; rank 0 accepted both drafts and sampled 0:
+    # tokens 5, 6, 0 from rows 0, 1, 2 with ranks 1, 2, 3.
+    monkeypatch.setattr(verify, "tp_size", lambda: 2)
+    monkeypatch.setattr(verify, "broadcast_ints", lambda values: [2, 0])
+    a = _state("a", [1], SamplingParams(temperature=0.0, logprobs=2), out=[2])
+    rows = torch.tensor([_row(5, 3), _row(2, 6), _row(4, 1)])
+    out = verify.verify_drafts(Runner(), StepBatch([a], [1], [3]), [[5, 6]], None, Inp([0]),
+                               Ctx(3), rows)
+    z = _z()
+    assert (out["a"].token_ids, out["a"].num_accepted) == ([5, 6, 0], 2)
+    got = out["a"].logprobs
+    assert [(ids, rank) for ids, _, rank in got] == [([5, 5, 3], 1), ([6, 2, 6], 2),
+                                                     ([0, 4, 1], 3)]
+    for (_, lps, _), want in zip(got, [[10 - z, 10 - z, 5 - z], [5 - z, 10 - z, 5 - z],
+                                       [-z, 10 - z, 5 - z]]):
+        assert lps == pytest.approx(want, abs=1e-5)
 
 
 # ---------------------------------------------------------------- drafting

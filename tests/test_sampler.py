@@ -335,3 +335,30 @@ def test_plain_greedy_rows_are_the_samplers_argmax(kw, plain):
         got = sampler(logits, _meta([sp, sp], eos=[1, 1]))
         assert torch.equal(got.sampled_token_ids, Sampler.argmax(logits))
         assert got.logprobs is None
+
+
+def test_argmax_numpy_shortcut_equals_torch_max_on_ties_nan_and_infinities():
+    """``Sampler.argmax`` takes numpy's argmax for CPU rows: the same index as torch's
+    ``max(dim).indices`` (first maximum; the first NaN wins) on ties, NaN, +-inf and signed
+    zeros, int64; a tensor that requires grad takes torch's path, same answer."""
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for v in (1, 2, 7, 1000):
+        x = torch.randint(-2, 2, (5, v), generator=g).float()  # many ties
+        cases.append(x)
+        y = x.clone()
+        y[torch.rand(5, v, generator=g) < 0.2] = float("nan")
+        cases.append(y)
+        z = x.clone()
+        z[torch.rand(5, v, generator=g) < 0.3] = float("-inf")
+        z[torch.rand(5, v, generator=g) < 0.1] = float("inf")
+        cases.append(torch.where(z == 0, torch.tensor(-0.0), z))
+    cases.append(torch.tensor([[0.0, -0.0, float("nan"), 1.0, float("nan")]]))
+    cases.append(torch.randn(3, 40, generator=g).bfloat16())
+    for x in cases:
+        want = x.float().max(dim=1).indices
+        got = Sampler.argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, want), x
+    assert Sampler.argmax(cases[-2]).tolist() == [2]
+    w = torch.randn(2, 9, generator=g).requires_grad_()
+    assert torch.equal(Sampler.argmax(w), w.detach().max(dim=1).indices)

@@ -6,6 +6,7 @@ The runner reads only the step message (``core/sched_output.py``) and its own re
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 
@@ -53,6 +54,18 @@ __all__ = ["ModelRunner", "SampledToken"]
 # time of two (2-core Xeon: a 25M-parameter dense model 4.84 -> 2.87 ms, a 56M GDN hybrid
 # 14.9 -> 7.4 ms; a 3.6M model level).
 SMALL_STEP_WORK = 1 << 22
+
+
+def step_inference_mode(fn):
+    """``@torch.inference_mode()`` for a step's method, through the C++ guard that decorator
+    enters (``torch._C._InferenceMode``) without its per-call Python context object: the same
+    mode for the same span, at a third of the cost (~0.7 us against ~2.4 hot, more in a
+    batch-1 CPU decode step of ~1 ms, where the step's caches are cold)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._C._InferenceMode(True):
+            return fn(*args, **kwargs)
+    return run
 
 
 @contextmanager
@@ -304,7 +317,7 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, positions, ctx)
         return inp, ctx, hidden
 
-    @torch.inference_mode()
+    @step_inference_mode
     def _execute_verify(self, batch: StepBatch, spec_token_ids: dict[str, list[int]]
                         ) -> dict[str, VerifiedTokens]:
         """A step where some requests carry drafts. A drafted request is decoding: its count
@@ -333,7 +346,7 @@ class ModelRunner:
                                          drafted=[bool(d) for d in drafts])
         return verify_drafts(self, batch, drafts, drafted, inp, ctx, hidden)
 
-    @torch.inference_mode()
+    @step_inference_mode
     def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         reqs, starts, counts = batch.reqs, batch.starts, batch.counts
         tokens = [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, counts)]

@@ -407,10 +407,15 @@ class Sampler:
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> torch.Tensor:
-        """Each row's greedy token of ``logits`` ``(B, V)``, as float32.
-        max(dim).indices, not argmax: the same first-occurrence index (NaN rows included),
-        and on the CPU about 3x faster (32 x 49152 float32, one thread: 0.76 vs 2.3 ms)."""
-        return logits.float().max(dim=1).indices
+        """Each row's greedy token of ``logits`` ``(B, V)`` (taken as float32), int64.
+        The first index of the row's maximum, a NaN counting as the maximum (the first NaN
+        wins): numpy's ``argmax`` on the CPU (SIMD, one pass: 1 x 16384 in ~2 us against
+        ~10-12 for torch's ``max(dim)``, 32 x 49152 0.5 ms against 1.8, one thread), torch's
+        ``max(dim).indices`` elsewhere (the same index rule; ``argmax`` is ~3x slower)."""
+        x = logits.float()
+        if x.device.type == "cpu" and x.dim() == 2 and not x.requires_grad:
+            return torch.from_numpy(x.numpy().argmax(axis=1))
+        return x.max(dim=1).indices
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``(B, V)``."""

@@ -23,6 +23,8 @@ results are the module path's bits.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from pagefold.csrc import cpu_ops
@@ -124,6 +126,33 @@ def attention_record(hidden: int, *, qkv, o, heads: int, kv_heads: int, head_dim
     return "attention", rec, flts
 
 
+# A state view's layout as the decode kernels take it, per (view, caller's shapes): fixed
+# while the view is (the cache's spec and components do not change), so asked once per layer
+# rather than every step. Weak keys: a dropped engine's views (and their pages) are not kept.
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def state_layout(view, conv_shape: tuple, ssm_shape: tuple, ssm_dtypes: tuple
+                 ) -> tuple[int, int, int] | None:
+    """(conv offset, ssm offset, ssm dtype code) of ``view``'s state (a ``StateView``) when
+    its conv component is bf16 of ``conv_shape`` and its ssm component of ``ssm_shape`` in
+    one of ``ssm_dtypes``, else None (also without the kernels: then nothing is kept)."""
+    key = (conv_shape, ssm_shape, ssm_dtypes)
+    hit = _LAYOUTS.get(view)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    found = cpu_ops.state_kernel(view)
+    if found is None:
+        return None
+    _, conv, ssm, offs = found
+    got = None
+    if (conv.dtype == torch.bfloat16 and conv.shape == conv_shape and ssm.dtype in ssm_dtypes
+            and ssm.shape == ssm_shape):
+        got = (offs["conv"], offs["ssm"], STATE_CODE[ssm.dtype])
+    _LAYOUTS[view] = (key, got)
+    return got
+
+
 class Step:
     """One native step's shared values: the library, the rows, the positions, and the
     per-step lookups the parts' ``native_dyn`` make (each attention group's decode metadata
@@ -183,18 +212,15 @@ class Step:
         if ctx.verify or ctx.initial_states is not None:
             return None
         view, meta = ctx.state(name)
-        found = cpu_ops.state_kernel(view)
-        if (found is None or not meta.all_decode or meta.capture_after is not None
+        layout = state_layout(view, conv_shape, ssm_shape, ssm_dtypes)
+        if (layout is None or not meta.all_decode or meta.capture_after is not None
                 or meta.page_ids.shape[0] != self.t or not view.raw.is_contiguous()):
-            return None
-        _, conv, ssm, offs = found
-        if (conv.dtype != torch.bfloat16 or conv.shape != conv_shape
-                or ssm.dtype not in ssm_dtypes or ssm.shape != ssm_shape):
             return None
         s = self.states.get(id(meta))
         if s is None:
             pages = meta.page_ids.contiguous()
-            cu = meta.cu_seqlens.to(torch.int64).contiguous()
+            cu = meta.cu_seqlens  # .to(dtype) alone costs a few us a layer in a ~1 ms step
+            cu = (cu if cu.dtype == torch.int64 else cu.to(torch.int64)).contiguous()
             fresh = (None if meta.all_initial_state
                      else cpu_ops.fresh_flags(meta.has_initial_state))
             self.keep += [pages, cu, fresh, meta]
@@ -203,5 +229,5 @@ class Step:
                                          cu.data_ptr(), pages.shape[0])
         neg_exp = cpu_ops.neg_exp(a_log)
         self.keep.append(neg_exp)
-        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], offs["conv"], offs["ssm"],
-                s[2], neg_exp.data_ptr(), s[3], s[4], STATE_CODE[ssm.dtype]]
+        return [view.raw.data_ptr(), view.page_bytes, s[0], s[1], layout[0], layout[1],
+                s[2], neg_exp.data_ptr(), s[3], s[4], layout[2]]

@@ -66,6 +66,15 @@ def test_tp2_quantization_on_load_matches_one_rank(tiny_model_factory, kind):
     assert _tokens(src, 2, quantization=kind) == _tokens(src, 1, quantization=kind)
 
 
+@pytest.mark.slow
+def test_tp2_granite_shared_mlp_quantized_on_load_matches_one_rank(tiny_model_factory):
+    """Granite-4.0-H's shared ``input_linear`` is cut by its model's loader (gate rows then up
+    rows a rank, declared as ``loader_cuts``): FP8 on load takes the same cut (it was refused
+    under tensor parallelism)."""
+    src = tiny_model_factory("granitemoehybrid")
+    assert _tokens(src, 2, quantization="fp8") == _tokens(src, 1, quantization="fp8")
+
+
 def test_split_inside_a_group_names_the_layer(tiny_model_factory, tmp_path):
     """The tiny llama's down_proj has 160 inputs: 80 a rank, which groups of 32 do not tile."""
     write_quantized(tiny_model_factory("llama"), tmp_path / "q", tmp_path / "r", "awq-int4-g32")

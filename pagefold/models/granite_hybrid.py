@@ -214,9 +214,10 @@ class GraniteSharedMLP(nn.Module):
         self.input_linear = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         shard_rows(self.input_linear.weight, [full, full], "shared_intermediate_size")
         if tp_size() > 1:
-            # The same gate | up cut for LoRA's column layout (``lora/layout.py``) and a GGUF
-            # layer's raw rows (``quantization/gguf_tp.py``); not ``tp_cuts``, which the other
-            # quantized layers would also take (they refuse this split).
+            # The same gate | up cut for the loaders of raw tensors: LoRA's column layout
+            # (``lora/layout.py``), a GGUF layer's rows (``quantization/gguf_tp.py``) and the
+            # other quantized formats' (``quantization/tp.split_of``). Not ``tp_cuts``: this
+            # plain weight is cut by ``shard_rows`` here, not by a column-parallel linear.
             self.input_linear.loader_cuts = {
                 "": RowCut([full, full], tp_size(), "shared_intermediate_size")}
         self.output_linear = row_linear(full, cfg.hidden_size, bias=False,

@@ -126,12 +126,16 @@ def _in_dim(spec: ParamSpec) -> int | None:
 
 def split_of(mod: nn.Module, path: str = "?") -> TPSplit | None:
     """The split of the plain layer ``mod`` (at ``path``) a quantized layer replaces (None:
-    one rank, or a replicated layer). A layer cut by a model's own loader is refused."""
+    one rank, or a replicated layer). A layer cut by a model's own loader without a declared
+    ``loader_cuts`` is refused."""
     if tp_size() == 1:
         return None
     if isinstance(mod, RowParallelLinear):
         return TPSplit(full_in=mod.in_features * tp_size(), reduce=mod.reduce)
-    cuts = getattr(mod, "tp_cuts", None)
+    # ``loader_cuts``: the row cut of a layer its model's own loader splits (Granite-4.0-H's
+    # shared ``input_linear``: this rank's gate rows then its up rows), declared for the
+    # loaders that cut raw tensors (LoRA, GGUF, these formats).
+    cuts = getattr(mod, "tp_cuts", None) or getattr(mod, "loader_cuts", None)
     if cuts:
         return TPSplit(cuts=cuts)
     if getattr(getattr(mod, "weight", None), "tp_loader", None) is not None:

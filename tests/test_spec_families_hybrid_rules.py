@@ -7,8 +7,6 @@ the attention-only and Mamba-2 readers are in ``test_spec_families_rules.py``)."
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -20,23 +18,9 @@ from pagefold.core.spec_families import (
     minimax_layer_types,
     zamba2_hybrid_layers,
 )
-from pagefold.core.spec_from_config import layer_specs_from_config
+from tests.test_spec_families_rules import BF16, F32, F, S, _raises, _specs, _unknown
 
-BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-S, F = "sliding_attention", "full_attention"
-
-
-def _specs(cfg, **kw):
-    return layer_specs_from_config(cfg, model_dtype=BF16, **kw)
-
-
-def _raises(msg: str):
-    return pytest.raises(ValueError, match=f"^{re.escape(msg)}$")
-
-
-def _unknown(i: int, family: str, value: object, allowed: str) -> str:
-    return (f"layer {i} of this {family} config has unknown layer type {value!r}; "
-            f"supported layer types: {allowed}")
+F16 = torch.float16
 
 
 def _state(spec) -> tuple:

@@ -202,6 +202,8 @@ class Eagle3Head(nn.Module):
         h = hidden.to(e.dtype)
         if step == 0:  # the target's layer inputs; a chained draft feeds its own g back
             h = self.fc(h)
+        elif h is hidden:  # the mid layer's fused add + norm writes into its residual h
+            h = h.clone()
         out, residual = self.midlayer(positions, e, h, ctx)
         return out + residual
 

@@ -271,6 +271,28 @@ def test_the_eagle3_head_maps_the_target_layers_once_and_feeds_g_back() -> None:
     torch.testing.assert_close(mid.seen[1][2], g1)
 
 
+class _InPlaceMid(torch.nn.Module):
+    """Writes into the hidden state it is given, as the real mid layer's fused add + norm
+    writes into its residual; returns ``(embeds, hidden)``."""
+
+    def forward(self, positions, embeds, hidden, ctx):
+        hidden.add_(1.0)
+        return embeds, hidden
+
+
+def test_a_chained_eagle3_draft_leaves_the_callers_g_untouched() -> None:
+    head = Eagle3Head(_dcfg(), 64, target_hidden=H, own_embed=False, vocab_size=VOCAB)
+    head.midlayer = _InPlaceMid()
+    table = torch.randn(VOCAB, H)
+    head.embed = lambda ids: table[ids]
+    g1 = torch.randn(2, H)
+    before = g1.clone()
+    ids, pos = torch.tensor([1, 2]), torch.tensor([0, 1])
+    torch.testing.assert_close(head(ids, pos, object(), hidden=g1, step=1),
+                               table[ids] + before + 1)
+    assert torch.equal(g1, before)
+
+
 def test_eagle3_logits_over_a_smaller_draft_vocabulary() -> None:
     torch.manual_seed(3)
     head = Eagle3Head(_dcfg(draft_vocab_size=3), 64, target_hidden=H, own_embed=False,

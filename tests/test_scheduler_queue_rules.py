@@ -11,7 +11,7 @@ import torch
 
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
-from pagefold.core.kv_cache_spec import FullAttentionSpec
+from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
 from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler, table_diff
 from pagefold.lora.request import LoRARequest
@@ -181,4 +181,18 @@ def test_fork_request_refusals_name_the_problem():
     s.max_in_flight = 2
     s.schedule()
     with pytest.raises(RuntimeError, match=r"^request 'p' is in a step in flight; fork it after$"):
+        s.fork_request("p", "c")
+
+
+def test_a_fork_without_a_free_block_is_refused():
+    """A state-only model (a state is one 256-byte page): the pool's one usable page holds the
+    parent's state, and a child needs its own copy of it now."""
+    state = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))
+    kv = KVCacheManager(plan_pagefold({"s": state}, BS, 2 * 256), enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    s.add_request(_req("p", n=5))
+    s.schedule()
+    assert s.kv.pool.num_free == 0
+    with pytest.raises(RuntimeError,
+                       match=r"^no free blocks to fork a request; lower beam_width or n$"):
         s.fork_request("p", "c")

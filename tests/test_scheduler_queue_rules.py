@@ -196,3 +196,23 @@ def test_a_fork_without_a_free_block_is_refused():
     with pytest.raises(RuntimeError,
                        match=r"^no free blocks to fork a request; lower beam_width or n$"):
         s.fork_request("p", "c")
+
+
+def test_a_step_that_preempts_by_two_kinds_names_both(caplog):
+    """Three 4-token prompts fill a pool of 3 blocks; swap mode with a host pool of one page.
+    At the second step ``a`` needs a block: the victim ``c`` (the latest) swaps out to the
+    host's one page; then ``b`` needs one: the victim is ``b`` itself, and with the host full
+    it is recomputed. One line for both, kinds sorted by name."""
+    s = _sched(blocks=3)
+    s.kv.attach_swap(1, "swap", None)
+    for rid in "abc":
+        s.add_request(_req(rid, n=4))
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagefold.core.scheduler"):
+            out = s.schedule()
+        s.update_from_output(out, {rid: SampledToken(7) for rid in out.num_scheduled})
+    assert out.preempted_ids == ["c", "b"]
+    assert [r.getMessage() for r in caplog.records if r.name == "pagefold.core.scheduler"] == [
+        "preempted 2 request(s) this step (1 by recompute, 1 by swap); 1 running, 2 waiting, "
+        "1 free blocks"]

@@ -216,3 +216,22 @@ def test_a_step_that_preempts_by_two_kinds_names_both(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "pagefold.core.scheduler"] == [
         "preempted 2 request(s) this step (1 by recompute, 1 by swap); 1 running, 2 waiting, "
         "1 free blocks"]
+
+
+def test_a_request_that_preempts_itself_leaves_the_rest_of_the_step_to_the_others():
+    """Priority policy, a pool of 3 blocks. ``b`` (priority 5, the worst) runs first and
+    alone; ``a`` and ``c`` join it, one block each: the pool is full. At the third step ``b``
+    needs a second block and is its own victim: it computes nothing, and the requests after
+    it in the running list (``a``, ``c``: their next token fits their block) still run."""
+    s = _sched(blocks=3, policy="priority")
+    s.add_request(_req("b", priority=5))
+    steps = []
+    for k in range(3):
+        if k == 1:
+            s.add_request(_req("a", priority=0, arrival=1.0))
+            s.add_request(_req("c", priority=1, arrival=2.0))
+        out = s.schedule()
+        steps.append((out.num_scheduled, out.preempted_ids))
+        s.update_from_output(out, {rid: SampledToken(7) for rid in out.num_scheduled})
+    assert steps == [({"b": 3}, []), ({"b": 1, "a": 3, "c": 3}, []),
+                     ({"a": 1, "c": 1}, ["b"])]

@@ -86,9 +86,6 @@ class _WaitingQueue:
     def peek(self) -> Request:
         return self._dq[0] if self.policy == "fcfs" else self._heap[0][3]
 
-    def pop(self) -> Request:
-        return self._dq.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
     def remove(self, req: Request) -> bool:
         if self.policy == "fcfs":
             try:

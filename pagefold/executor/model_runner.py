@@ -83,11 +83,27 @@ def _threads_for(device: torch.device, work: int):
             torch.set_num_threads(threads)
 
 
+def weight_elements(model: torch.nn.Module) -> int:
+    """The model's weight elements, the per-token work ``_threads_for`` weighs: every
+    parameter's elements, and for a layer that holds its weight outside parameters (a GGUF
+    layer's raw blocks, packed codes) its logical ``out x in`` (or ``rows x dim``) instead,
+    so a kept-quantized model is not taken for a tiny one (its steps ran on one thread). A
+    plain model's count is its parameters' (a tied weight once)."""
+    total = sum(p.numel() for p in model.parameters())
+    for mod in model.modules():
+        own = sum(p.numel() for p in mod.parameters(recurse=False))
+        n = getattr(mod, "out_features", None) or getattr(mod, "num_embeddings", None)
+        k = getattr(mod, "in_features", None) or getattr(mod, "embedding_dim", None)
+        if isinstance(n, int) and isinstance(k, int) and n * k > own:
+            total += n * k - own
+    return total
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, device: torch.device,
                  cache_fill: float | None = None, num_host_blocks: int = 0) -> None:
         self.model = model
-        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_params = weight_elements(model)
         if device.type == "cpu":  # bf16 linears: a GEMV per weight shape, else oneDNN
             weights_on_huge_pages(model)  # before any weight pointer is cached
             cpu_ops.use_fast_linears(model)

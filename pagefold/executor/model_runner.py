@@ -46,7 +46,7 @@ from pagefold.spec_decode.verify import verify_drafts
 
 __all__ = ["ModelRunner", "SampledToken"]
 
-# A CPU step whose work (tokens x parameters) is below this runs on one thread: its ops are
+# A CPU step whose work (tokens x weight elements) is below this runs on one thread: its ops are
 # too small for a parallel region to pay, and on a loaded machine every parallel region waits
 # for a thread the OS may have descheduled (spinning, for milliseconds). Kept small: the
 # compiled kernels decide per op whether a parallel region pays (e.g. the GEMV from 256K
@@ -70,7 +70,7 @@ def step_inference_mode(fn):
 
 @contextmanager
 def _threads_for(device: torch.device, work: int):
-    """One torch thread for a CPU step whose ``work`` (tokens x parameters) is below
+    """One torch thread for a CPU step whose ``work`` (tokens x weight elements) is below
     ``SMALL_STEP_WORK``; the caller's thread count is restored afterwards."""
     threads = torch.get_num_threads()
     small = device.type == "cpu" and threads > 1 and work < SMALL_STEP_WORK

@@ -9,7 +9,7 @@
 // (nearest even), then the bf16 bias added and rounded again (torch's bf16 add): the module
 // path's bits.
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "common.h"
 #include "kernels.h"
@@ -23,6 +23,10 @@ enum Format : int64_t {
   kInt = 3,       // w = scale * (code - zero), integer or FP8 codes (pf_qgemv_int)
   kAffineQ8mm = 4,  // GGUF codes on int8 activations, AMX tiles from a few rows (qgemm_amx.cpp)
 };
+
+// Elements (rows x columns) from which pf_linear_quant widens the rows and rounds the results
+// on its threads (below: one thread; a parallel region costs a few microseconds).
+constexpr int64_t kParallelFrom = 16384;
 
 // One matrix: its format, codes, per row and group scales and mins / zeros, code bits, group,
 // and a flag (affine: float16 scales and mins; integer: FP8 codes).
@@ -48,29 +52,38 @@ int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* 
                     int64_t y_stride, int M, int64_t N, int64_t K, int nthreads) {
   const QuantMatrix& q = *static_cast<const QuantMatrix*>(w);
   if (M < 1 || N < 1 || K < 1) return 1;
-  std::vector<float> xf(static_cast<size_t>(M * K)), yf(static_cast<size_t>(M * N));
+  // Uninitialized: every element is written below / by the kernel. The widening and the
+  // rounding back run on the call's threads from a size where a serial pass showed (a
+  // 32-row step's outputs widened on one thread while the other waited: ~1 ms a SmolLM2
+  // step); each element's value does not depend on the split.
+  std::unique_ptr<float[]> xbuf(new float[static_cast<size_t>(M * K)]);
+  std::unique_ptr<float[]> ybuf(new float[static_cast<size_t>(M * N)]);
+  float* const xf = xbuf.get();
+  float* const yf = ybuf.get();
   const uint16_t* xs = static_cast<const uint16_t*>(x);
-  for (int64_t r = 0; r < M; ++r) pf::to_float(xs + r * x_stride, xf.data() + r * K, K);
+#pragma omp parallel for num_threads(nthreads) schedule(static) \
+    if (nthreads > 1 && M * K >= kParallelFrom)
+  for (int64_t r = 0; r < M; ++r) pf::to_float(xs + r * x_stride, xf + r * K, K);
   int rc;
   switch (q.format) {
     case kAffine:
-      rc = pf_qgemv_affine(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits), q.group,
-                           q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(), N, nthreads);
+      rc = pf_qgemv_affine(xf, M, K, N, q.codes, static_cast<int32_t>(q.bits), q.group,
+                           q.scale, q.aux, static_cast<int32_t>(q.flag), yf, N, nthreads);
       break;
     case kAffineQ8:
-      rc = pf_qgemv_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
-                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
+      rc = pf_qgemv_affine_q8(xf, M, K, N, q.codes, static_cast<int32_t>(q.bits),
+                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf,
                               N, nthreads);
       break;
     case kAffineQ8mm:
-      rc = pf_qgemm_affine_q8(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
-                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf.data(),
+      rc = pf_qgemm_affine_q8(xf, M, K, N, q.codes, static_cast<int32_t>(q.bits),
+                              q.group, q.scale, q.aux, static_cast<int32_t>(q.flag), yf,
                               N, nthreads);
       break;
     case kInt:
-      rc = pf_qgemv_int(xf.data(), M, K, N, q.codes, static_cast<int32_t>(q.bits),
+      rc = pf_qgemv_int(xf, M, K, N, q.codes, static_cast<int32_t>(q.bits),
                         static_cast<int32_t>(q.flag), q.group, static_cast<const float*>(q.scale),
-                        static_cast<const float*>(q.aux), yf.data(), N, nthreads);
+                        static_cast<const float*>(q.aux), yf, N, nthreads);
       break;
     default:
       return 1;
@@ -78,12 +91,14 @@ int pf_linear_quant(const void* x, int64_t x_stride, const void* w, const void* 
   if (rc) return rc;
   uint16_t* ys = static_cast<uint16_t*>(y);
   const uint16_t* b = static_cast<const uint16_t*>(bias);
+#pragma omp parallel for num_threads(nthreads) schedule(static) \
+    if (nthreads > 1 && M * N >= kParallelFrom)
   for (int64_t r = 0; r < M; ++r) {
     int64_t o = 0;
 #if defined(PF_AVX512)
     // 16 at a time, the same roundings (vrnd / vstore round as f32_to_bf16 does)
     for (; o + 16 <= N; o += 16) {
-      __m512 v = pf::vrnd<uint16_t>(_mm512_loadu_ps(yf.data() + r * N + o));
+      __m512 v = pf::vrnd<uint16_t>(_mm512_loadu_ps(yf + r * N + o));
       if (b) v = _mm512_add_ps(v, pf::vload<uint16_t>(b + o));
       pf::vstore<uint16_t>(ys + r * y_stride + o, v);
     }

@@ -1,0 +1,167 @@
+"""The scheduler's pipelined steps and step bookkeeping without a model (issue 44: mutmut's
+survivors in ``Scheduler.schedule`` / ``update_from_output``). A real ``Scheduler`` over a
+small pool, driven message by message as ``engine/batch_queue.py`` drives it with
+``max_in_flight`` P > 1: a request in an unapplied message is skipped, a message takes at most
+``ceil(running / P)`` running requests, nothing is preempted while a message is in flight (the
+schedule stops and sets ``drain``), and each applied message unpins the copies of the oldest
+message only. Every expectation is the documented rule worked out by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
+from pagefold.core.sched_output import SampledToken
+from pagefold.core.scheduler import Scheduler
+from pagefold.request import Request, RequestStatus
+from pagefold.sampling_params import SamplingParams
+
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+def _sched(blocks: int, in_flight: int = 1) -> Scheduler:
+    """An attention pool of ``blocks`` usable blocks of 4 tokens (block 0 is the null block)."""
+    kv = KVCacheManager(plan_pagefold({"a": ATTN}, BS, (blocks + 1) * ATTN.page_bytes(BS)),
+                        enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    s.max_in_flight = in_flight
+    return s
+
+
+def _add(s: Scheduler, rid: str, n: int, max_tokens: int = 8, arrival: float = 0.0) -> Request:
+    req = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens),
+                  arrival_time=arrival)
+    s.add_request(req)
+    return req
+
+
+def _tokens(out, tok: int = 50) -> dict[str, SampledToken]:
+    """A sampled token for every request of ``out`` (each chunk reaches its prompt's end)."""
+    return {rid: SampledToken(tok) for rid in out.num_scheduled}
+
+
+def test_a_message_takes_its_share_of_the_running_requests_and_skips_those_in_flight():
+    """P = 2, three requests. Admission is not seat-limited: the first message prefills all
+    three, and a second one made before it is applied finds nothing to do. Once they decode,
+    a message takes ceil(3 / 2) = 2 of them (in running order), the next one the third; a
+    message applied frees its requests for the next."""
+    s = _sched(blocks=16, in_flight=2)
+    a, b, c = (_add(s, rid, 3) for rid in "abc")
+    m1 = s.schedule()
+    assert m1.num_scheduled == {"a": 3, "b": 3, "c": 3}
+    assert list(s.in_flight) == ["a", "b", "c"]
+    m2 = s.schedule()
+    assert m2.num_scheduled == {} and s.drain is False
+    s.update_from_output(m1, _tokens(m1))
+    assert s.in_flight == {}
+    assert [(r.num_computed_tokens, r.num_tokens) for r in (a, b, c)] == [(3, 4)] * 3
+    s.update_from_output(m2, {})
+    m3 = s.schedule()
+    assert m3.num_scheduled == {"a": 1, "b": 1}
+    assert s.in_flight == {"a": a, "b": b}
+    m4 = s.schedule()
+    assert m4.num_scheduled == {"c": 1}
+    assert s.in_flight == {"a": a, "b": b, "c": c}
+    outs = s.update_from_output(m3, _tokens(m3, 51))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [51]), ("b", [51])]
+    assert s.in_flight == {"c": c}
+    assert [r.num_computed_tokens for r in (a, b, c)] == [4, 4, 3]
+    m5 = s.schedule()  # c is still in flight: a and b again
+    assert m5.num_scheduled == {"a": 1, "b": 1}
+    s.update_from_output(m4, _tokens(m4, 52))
+    s.update_from_output(m5, _tokens(m5, 53))
+    assert [r.output_token_ids for r in (a, b, c)] == [[50, 51, 53], [50, 51, 53], [50, 52]]
+    assert s.in_flight == {}
+
+
+def test_seats_round_up_and_one_message_in_flight_means_no_pipeline():
+    """Five decoding requests: P = 2 gives messages of ceil(5 / 2) = 3 and 2, P = 3 of 2, 2
+    and 1. At P = 1 (no pipeline) a message takes every request and nothing is in flight."""
+    for p, sizes in ((2, [3, 2]), (3, [2, 2, 1])):
+        s = _sched(blocks=16, in_flight=p)
+        for rid in "abcde":
+            _add(s, rid, 3)
+        m = s.schedule()
+        s.update_from_output(m, _tokens(m))
+        msgs = [s.schedule() for _ in sizes]
+        assert [len(m.num_scheduled) for m in msgs] == sizes
+        assert [rid for m in msgs for rid in m.num_scheduled] == list("abcde")
+    s = _sched(blocks=16, in_flight=1)
+    for rid in "abcde":
+        _add(s, rid, 3)
+    m = s.schedule()
+    assert s.in_flight == {}
+    s.update_from_output(m, _tokens(m))
+    m = s.schedule()
+    assert m.num_scheduled == dict.fromkeys("abcde", 1) and s.in_flight == {}
+
+
+def test_a_result_for_an_aborted_request_is_dropped_even_when_its_id_is_reused():
+    """P = 2: ``a`` is aborted while its message is in flight and a new request takes its
+    id. The new one waits (its id is in flight), the old message's token is not applied to
+    it, and it is admitted from scratch once that message is applied."""
+    s = _sched(blocks=16, in_flight=2)
+    _add(s, "a", 3)
+    b = _add(s, "b", 2)
+    m1 = s.schedule()
+    assert m1.num_scheduled == {"a": 3, "b": 2}
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    new = _add(s, "a", 5)
+    m2 = s.schedule()
+    assert m2.num_scheduled == {} and list(s.waiting) == [new]
+    outs = s.update_from_output(m1, _tokens(m1))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("b", [50])]
+    assert new.num_computed_tokens == 0 and new.output_token_ids == []
+    assert s.in_flight == {} and b.num_computed_tokens == 2
+    s.update_from_output(m2, {})
+    m3 = s.schedule()
+    assert m3.num_scheduled == {"b": 1, "a": 5}
+    assert [nr.req_id for nr in m3.new_reqs] == ["a"]
+
+
+def test_a_block_shortage_while_a_message_is_in_flight_drains_then_preempts_as_without_one():
+    """P = 2, a pool of 4 blocks: ``a`` (4 tokens), ``b`` (3) and ``c`` (4) take a block each.
+    Decoding, the first message takes 2 seats: ``a`` needs its second block (the last free
+    one), ``b`` fits in its own. The next message reaches ``c``, which needs a block: with a
+    message in flight nothing is preempted; the schedule stops and sets ``drain``. Once both
+    are applied (nothing in flight) the next message preempts as the scheduler without a
+    pipeline does: ``b`` needs a block and the victim is the latest arrival, ``c``."""
+    s = _sched(blocks=4, in_flight=2)
+    a, b, c = _add(s, "a", 4), _add(s, "b", 3, arrival=1.0), _add(s, "c", 4, arrival=2.0)
+    m1 = s.schedule()
+    s.update_from_output(m1, _tokens(m1))
+    assert s.kv.pool.num_free == 1
+    m2 = s.schedule()
+    assert m2.num_scheduled == {"a": 1, "b": 1} and s.kv.pool.num_free == 0
+    w = _add(s, "w", 1, arrival=3.0)  # waits: no admission in a drained schedule
+    m3 = s.schedule()
+    assert s.drain is True
+    assert m3.num_scheduled == {} and m3.preempted_ids == []
+    assert s.running == [a, b, c] and c.status == RequestStatus.RUNNING
+    assert c.num_computed_tokens == 4 and list(s.waiting) == [w]
+    assert s.in_flight == {"a": a, "b": b}
+    s.update_from_output(m2, _tokens(m2, 51))
+    s.update_from_output(m3, {})
+    m4 = s.schedule()
+    assert s.drain is False
+    assert m4.preempted_ids == ["c"] and m4.num_scheduled == {"a": 1, "b": 1}
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert list(s.waiting) == [c, w]
+    s.update_from_output(m4, _tokens(m4, 52))
+
+
+def test_a_shortage_with_nothing_in_flight_preempts_at_once():
+    """P = 2, a pool of 2 blocks, ``a`` and ``b`` of 4 tokens each: the first decode message
+    (nothing in flight) gives ``a`` its second block by preempting ``b`` (the latest), and does
+    not drain."""
+    s = _sched(blocks=2, in_flight=2)
+    a, b = _add(s, "a", 4), _add(s, "b", 4, arrival=1.0)
+    m1 = s.schedule()
+    s.update_from_output(m1, _tokens(m1))
+    m2 = s.schedule()
+    assert s.drain is False
+    assert m2.preempted_ids == ["b"] and m2.num_scheduled == {"a": 1}
+    assert s.running == [a] and list(s.waiting) == [b]

@@ -165,3 +165,69 @@ def test_a_shortage_with_nothing_in_flight_preempts_at_once():
     assert s.drain is False
     assert m2.preempted_ids == ["b"] and m2.num_scheduled == {"a": 1}
     assert s.running == [a] and list(s.waiting) == [b]
+
+
+def test_an_applied_message_unpins_only_the_copies_of_the_oldest_message():
+    """P = 2 on a state-only model with prefix caching (a state is one page; checkpoints every
+    8 tokens). ``a``'s 9-token prompt is cut at its checkpoint target, 8; applying that chunk
+    saves the checkpoint into a new page, pinned (ref 1) until the copy runs and held by ``a``
+    as its newest checkpoint (ref 2). The copy leaves with the next message made (m3: one seat
+    of ceil(2 / 2), ``a``'s) while an empty one (m2) is still in flight: applying m2 must not unpin m3's page; applying m3
+    does."""
+    state = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))
+    kv = KVCacheManager(plan_pagefold({"s": state}, BS, 9 * 256), enable_prefix_caching=True,
+                        checkpoint_interval=8)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    s.max_in_flight = 2
+    a, b = _add(s, "a", 9), _add(s, "b", 2, arrival=1.0)
+    m1 = s.schedule()
+    assert m1.num_scheduled == {"a": 8, "b": 2} and m1.copies == []
+    m2 = s.schedule()
+    assert m2.num_scheduled == {} and m2.copies == []
+    s.update_from_output(m1, {"b": SampledToken(50)})
+    m3 = s.schedule()
+    assert m3.num_scheduled == {"a": 1}  # one seat of ceil(2 / 2)
+    (copy,) = m3.copies
+    (dst,) = copy.dst
+    pool = s.kv.pool
+    assert pool.blocks[dst].ref_cnt == 2
+    s.update_from_output(m2, {})
+    assert pool.blocks[dst].ref_cnt == 2  # m3 has not run: its copy's page stays pinned
+    s.update_from_output(m3, _tokens(m3))
+    assert pool.blocks[dst].ref_cnt == 1
+    assert a.num_computed_tokens == 9 and b.num_computed_tokens == 2
+
+
+def test_the_prompt_token_counter_counts_prompt_positions_computed_again_after_a_recompute():
+    """``prompt_tokens_computed`` counts prompt positions the forwards computed. A pool of 4
+    blocks: ``a`` (7 tokens, 2 tokens to generate) and ``b`` (8) prefill: 15. Decoding, ``a``
+    computes 1 token (no prompt position: still 15) and ``b`` needs a third block: it is its
+    own victim (recompute). ``a`` finishes; ``b`` comes back with its 8 prompt tokens and its
+    sampled one, 9 computed in one chunk of which 8 are prompt positions: 23. Its decode
+    steps add nothing."""
+    s = _sched(blocks=4)
+    a, b = _add(s, "a", 7, max_tokens=2), _add(s, "b", 8, arrival=1.0)
+    counts = []
+    for _ in range(4):
+        out = s.schedule()
+        s.update_from_output(out, _tokens(out))
+        counts.append((out.num_scheduled, s.prompt_tokens_computed))
+    assert counts == [({"a": 7, "b": 8}, 15), ({"a": 1}, 15), ({"b": 9}, 23), ({"b": 1}, 23)]
+    assert a.status == RequestStatus.FINISHED_LENGTH and b.num_preemptions == 1
+
+
+def test_an_output_reports_the_tokens_its_request_found_cached():
+    """``num_cached_tokens`` on every output: 0 for a prompt without a prefix hit, the hit's
+    length (whole blocks) for one that had it."""
+    kv = KVCacheManager(plan_pagefold({"a": ATTN}, BS, 17 * ATTN.page_bytes(BS)),
+                        enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    _add(s, "a", 9)
+    out = s.schedule()
+    (o,) = s.update_from_output(out, _tokens(out))
+    assert (o.request_id, o.num_cached_tokens) == ("a", 0)
+    _add(s, "b", 9)  # the same prompt: its first two blocks (8 tokens) are cached
+    out = s.schedule()
+    assert out.num_scheduled == {"a": 1, "b": 1}
+    outs = s.update_from_output(out, _tokens(out))
+    assert [(o.request_id, o.num_cached_tokens) for o in outs] == [("a", 0), ("b", 8)]

@@ -13,8 +13,9 @@ import torch
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
-from pagefold.core.sched_output import SampledToken
+from pagefold.core.sched_output import SampledToken, SchedulerOutput, VerifiedTokens
 from pagefold.core.scheduler import Scheduler
+from pagefold.offload.index import OffloadIndex
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 
@@ -38,6 +39,14 @@ def _add(s: Scheduler, rid: str, n: int, max_tokens: int = 8, arrival: float = 0
     return req
 
 
+def _step(s: Scheduler) -> SchedulerOutput:
+    """``schedule()``: every call returns the whole step as a message (the engine submits
+    it even when it computes nothing: its copies and pins are paired with it)."""
+    out = s.schedule()
+    assert isinstance(out, SchedulerOutput)
+    return out
+
+
 def _tokens(out, tok: int = 50) -> dict[str, SampledToken]:
     """A sampled token for every request of ``out`` (each chunk reaches its prompt's end)."""
     return {rid: SampledToken(tok) for rid in out.num_scheduled}
@@ -50,26 +59,26 @@ def test_a_message_takes_its_share_of_the_running_requests_and_skips_those_in_fl
     message applied frees its requests for the next."""
     s = _sched(blocks=16, in_flight=2)
     a, b, c = (_add(s, rid, 3) for rid in "abc")
-    m1 = s.schedule()
+    m1 = _step(s)
     assert m1.num_scheduled == {"a": 3, "b": 3, "c": 3}
     assert list(s.in_flight) == ["a", "b", "c"]
-    m2 = s.schedule()
+    m2 = _step(s)
     assert m2.num_scheduled == {} and s.drain is False
     s.update_from_output(m1, _tokens(m1))
     assert s.in_flight == {}
     assert [(r.num_computed_tokens, r.num_tokens) for r in (a, b, c)] == [(3, 4)] * 3
     s.update_from_output(m2, {})
-    m3 = s.schedule()
-    assert m3.num_scheduled == {"a": 1, "b": 1}
+    m3 = _step(s)
     assert s.in_flight == {"a": a, "b": b}
-    m4 = s.schedule()
+    assert m3.num_scheduled == {"a": 1, "b": 1}
+    m4 = _step(s)
     assert m4.num_scheduled == {"c": 1}
     assert s.in_flight == {"a": a, "b": b, "c": c}
     outs = s.update_from_output(m3, _tokens(m3, 51))
     assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [51]), ("b", [51])]
     assert s.in_flight == {"c": c}
     assert [r.num_computed_tokens for r in (a, b, c)] == [4, 4, 3]
-    m5 = s.schedule()  # c is still in flight: a and b again
+    m5 = _step(s)  # c is still in flight: a and b again
     assert m5.num_scheduled == {"a": 1, "b": 1}
     s.update_from_output(m4, _tokens(m4, 52))
     s.update_from_output(m5, _tokens(m5, 53))
@@ -84,18 +93,18 @@ def test_seats_round_up_and_one_message_in_flight_means_no_pipeline():
         s = _sched(blocks=16, in_flight=p)
         for rid in "abcde":
             _add(s, rid, 3)
-        m = s.schedule()
+        m = _step(s)
         s.update_from_output(m, _tokens(m))
-        msgs = [s.schedule() for _ in sizes]
+        msgs = [_step(s) for _ in sizes]
         assert [len(m.num_scheduled) for m in msgs] == sizes
         assert [rid for m in msgs for rid in m.num_scheduled] == list("abcde")
     s = _sched(blocks=16, in_flight=1)
     for rid in "abcde":
         _add(s, rid, 3)
-    m = s.schedule()
+    m = _step(s)
     assert s.in_flight == {}
     s.update_from_output(m, _tokens(m))
-    m = s.schedule()
+    m = _step(s)
     assert m.num_scheduled == dict.fromkeys("abcde", 1) and s.in_flight == {}
 
 
@@ -106,18 +115,18 @@ def test_a_result_for_an_aborted_request_is_dropped_even_when_its_id_is_reused()
     s = _sched(blocks=16, in_flight=2)
     _add(s, "a", 3)
     b = _add(s, "b", 2)
-    m1 = s.schedule()
+    m1 = _step(s)
     assert m1.num_scheduled == {"a": 3, "b": 2}
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     new = _add(s, "a", 5)
-    m2 = s.schedule()
+    m2 = _step(s)
     assert m2.num_scheduled == {} and list(s.waiting) == [new]
     outs = s.update_from_output(m1, _tokens(m1))
     assert [(o.request_id, o.new_token_ids) for o in outs] == [("b", [50])]
     assert new.num_computed_tokens == 0 and new.output_token_ids == []
     assert s.in_flight == {} and b.num_computed_tokens == 2
     s.update_from_output(m2, {})
-    m3 = s.schedule()
+    m3 = _step(s)
     assert m3.num_scheduled == {"b": 1, "a": 5}
     assert [nr.req_id for nr in m3.new_reqs] == ["a"]
 
@@ -131,13 +140,13 @@ def test_a_block_shortage_while_a_message_is_in_flight_drains_then_preempts_as_w
     pipeline does: ``b`` needs a block and the victim is the latest arrival, ``c``."""
     s = _sched(blocks=4, in_flight=2)
     a, b, c = _add(s, "a", 4), _add(s, "b", 3, arrival=1.0), _add(s, "c", 4, arrival=2.0)
-    m1 = s.schedule()
+    m1 = _step(s)
     s.update_from_output(m1, _tokens(m1))
     assert s.kv.pool.num_free == 1
-    m2 = s.schedule()
+    m2 = _step(s)
     assert m2.num_scheduled == {"a": 1, "b": 1} and s.kv.pool.num_free == 0
     w = _add(s, "w", 1, arrival=3.0)  # waits: no admission in a drained schedule
-    m3 = s.schedule()
+    m3 = _step(s)
     assert s.drain is True
     assert m3.num_scheduled == {} and m3.preempted_ids == []
     assert s.running == [a, b, c] and c.status == RequestStatus.RUNNING
@@ -145,7 +154,7 @@ def test_a_block_shortage_while_a_message_is_in_flight_drains_then_preempts_as_w
     assert s.in_flight == {"a": a, "b": b}
     s.update_from_output(m2, _tokens(m2, 51))
     s.update_from_output(m3, {})
-    m4 = s.schedule()
+    m4 = _step(s)
     assert s.drain is False
     assert m4.preempted_ids == ["c"] and m4.num_scheduled == {"a": 1, "b": 1}
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
@@ -159,9 +168,9 @@ def test_a_shortage_with_nothing_in_flight_preempts_at_once():
     not drain."""
     s = _sched(blocks=2, in_flight=2)
     a, b = _add(s, "a", 4), _add(s, "b", 4, arrival=1.0)
-    m1 = s.schedule()
+    m1 = _step(s)
     s.update_from_output(m1, _tokens(m1))
-    m2 = s.schedule()
+    m2 = _step(s)
     assert s.drain is False
     assert m2.preempted_ids == ["b"] and m2.num_scheduled == {"a": 1}
     assert s.running == [a] and list(s.waiting) == [b]
@@ -180,12 +189,12 @@ def test_an_applied_message_unpins_only_the_copies_of_the_oldest_message():
     s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
     s.max_in_flight = 2
     a, b = _add(s, "a", 9), _add(s, "b", 2, arrival=1.0)
-    m1 = s.schedule()
+    m1 = _step(s)
     assert m1.num_scheduled == {"a": 8, "b": 2} and m1.copies == []
-    m2 = s.schedule()
+    m2 = _step(s)
     assert m2.num_scheduled == {} and m2.copies == []
     s.update_from_output(m1, {"b": SampledToken(50)})
-    m3 = s.schedule()
+    m3 = _step(s)
     assert m3.num_scheduled == {"a": 1}  # one seat of ceil(2 / 2)
     (copy,) = m3.copies
     (dst,) = copy.dst
@@ -209,7 +218,7 @@ def test_the_prompt_token_counter_counts_prompt_positions_computed_again_after_a
     a, b = _add(s, "a", 7, max_tokens=2), _add(s, "b", 8, arrival=1.0)
     counts = []
     for _ in range(4):
-        out = s.schedule()
+        out = _step(s)
         s.update_from_output(out, _tokens(out))
         counts.append((out.num_scheduled, s.prompt_tokens_computed))
     assert counts == [({"a": 7, "b": 8}, 15), ({"a": 1}, 15), ({"b": 9}, 23), ({"b": 1}, 23)]
@@ -223,11 +232,59 @@ def test_an_output_reports_the_tokens_its_request_found_cached():
                         enable_prefix_caching=True)
     s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
     _add(s, "a", 9)
-    out = s.schedule()
+    out = _step(s)
     (o,) = s.update_from_output(out, _tokens(out))
     assert (o.request_id, o.num_cached_tokens) == ("a", 0)
     _add(s, "b", 9)  # the same prompt: its first two blocks (8 tokens) are cached
-    out = s.schedule()
+    out = _step(s)
     assert out.num_scheduled == {"a": 1, "b": 1}
     outs = s.update_from_output(out, _tokens(out))
     assert [(o.request_id, o.num_cached_tokens) for o in outs] == [("a", 0), ("b", 8)]
+
+
+def test_the_connector_ops_say_idle_only_when_the_step_computes_and_copies_nothing():
+    """With a KV connector (offload tiers) each step's ops carry ``idle``: the step has no
+    tokens, no page copies and no swaps (the worker may then wait for a load). A state-only
+    model, checkpoints at block boundaries: an empty step is idle; a prefill is not; ``a``'s
+    last decode step reaches the boundary at 4 and finishes, so its checkpoint's copy waits
+    for the next step, which has no tokens but is not idle."""
+    state = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))
+    kv = KVCacheManager(plan_pagefold({"s": state}, BS, 9 * 256), enable_prefix_caching=True,
+                        checkpoint_interval=8)
+    kv.attach_connector(OffloadIndex(host_slots=4, page_bytes=kv.config.page_bytes,
+                                     group_layers=[1]))
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    out = _step(s)
+    assert out.kv_ops.idle is True
+    s.update_from_output(out, {})
+    a = _add(s, "a", 3, max_tokens=2)
+    idle, copies = [], []
+    for _ in range(3):
+        out = _step(s)
+        idle.append(out.kv_ops.idle)
+        copies.append(len(out.copies))
+        s.update_from_output(out, _tokens(out))
+    assert idle == [False, False, False] and copies == [0, 0, 1]
+    assert out.num_scheduled == {} and a.status == RequestStatus.FINISHED_LENGTH
+    out = _step(s)
+    assert out.kv_ops.idle is True and out.copies == []
+
+
+def test_a_verify_step_applies_a_request_without_drafts_as_one_token():
+    """A verify step returns ``VerifiedTokens`` for every request that reached the end of its
+    tokens, drafted or not. ``a`` (decoding, drafts [7, 8]) computes 3 tokens and keeps
+    1 + 1 accepted: 5 computed, 7 and 9 appended. ``b``'s prompt (4 tokens) ends in the same
+    step with no drafts: all 4 stand and its one token is appended."""
+    s = _sched(blocks=16)
+    a = _add(s, "a", 3)
+    out = _step(s)
+    s.update_from_output(out, _tokens(out))
+    b = _add(s, "b", 4)
+    s.spec_token_ids = {"a": [7, 8]}  # as the drafter proposes at the start of a step
+    out = _step(s)
+    assert out.num_scheduled == {"a": 3, "b": 4} and out.spec_token_ids == {"a": [7, 8]}
+    outs = s.update_from_output(out, {"a": VerifiedTokens([7, 9], 1),
+                                      "b": VerifiedTokens([5], 0)})
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [7, 9]), ("b", [5])]
+    assert (a.num_computed_tokens, a.output_token_ids) == (5, [50, 7, 9])
+    assert (b.num_computed_tokens, b.output_token_ids) == (4, [5])

@@ -181,8 +181,8 @@ def test_an_applied_message_unpins_only_the_copies_of_the_oldest_message():
     8 tokens). ``a``'s 9-token prompt is cut at its checkpoint target, 8; applying that chunk
     saves the checkpoint into a new page, pinned (ref 1) until the copy runs and held by ``a``
     as its newest checkpoint (ref 2). The copy leaves with the next message made (m3: one seat
-    of ceil(2 / 2), ``a``'s) while an empty one (m2) is still in flight: applying m2 must not unpin m3's page; applying m3
-    does."""
+    of ceil(2 / 2), ``a``'s) while an empty one (m2) is still in flight: applying m2 must not
+    unpin m3's page; applying m3 does."""
     state = StateSpec("gdn", (StateComponent("ssm", (64,), torch.float32),))
     kv = KVCacheManager(plan_pagefold({"s": state}, BS, 9 * 256), enable_prefix_caching=True,
                         checkpoint_interval=8)

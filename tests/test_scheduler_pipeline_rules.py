@@ -4,7 +4,9 @@ small pool, driven message by message as ``engine/batch_queue.py`` drives it wit
 ``max_in_flight`` P > 1: a request in an unapplied message is skipped, a message takes at most
 ``ceil(running / P)`` running requests, nothing is preempted while a message is in flight (the
 schedule stops and sets ``drain``), and each applied message unpins the copies of the oldest
-message only. Every expectation is the documented rule worked out by hand."""
+message only. Then the step's bookkeeping: the prompt-token counter, an output's cached
+tokens, the connector ops' ``idle`` flag and a verify step's undrafted request. Every
+expectation is the documented rule worked out by hand."""
 
 from __future__ import annotations
 

@@ -147,24 +147,24 @@ def test_two_slots_hold_two_adapters_admitted_in_the_same_step():
 
 
 # ------------------------------------------------------------------ drafts
-def _decoding(model_len: int = 64, policy: str = "fcfs", blocks: int = 32) -> Scheduler:
-    return _sched(model_len=model_len, policy=policy, blocks=blocks)
-
-
 def test_drafts_are_read_only_for_a_request_with_one_token_to_compute():
     """Drafts continue a request's last token: a request mid-prompt takes none, even when
-    the drafter's dict names it."""
-    s = _decoding()
-    _add(s, _req("r", 5))
+    the drafter's dict names it. Budget 4: r's 10-token prompt runs 4 tokens a step."""
+    s = _sched(budget=4)
+    r = _req("r", 10)
+    _add(s, r)
+    _apply(s, s.schedule())
     s.spec_token_ids = {"r": [7, 8]}
     out = s.schedule()
-    assert out.num_scheduled == {"r": 5} and out.spec_token_ids == {}
+    assert out.num_scheduled == {"r": 4} and out.spec_token_ids == {}
+    assert [(c.req_id, c.num_computed_tokens, c.new_token_ids) for c in out.cached_reqs] == \
+        [("r", 4, [5, 6, 7, 8])]
 
 
 def test_a_verify_chunk_stops_at_max_model_len():
     """max_model_len 8; r has 6 tokens, 5 computed. Its last token and 3 drafts would
     write positions 5-8; position 8 is past the model's length: 3 tokens, 2 drafts."""
-    s = _decoding(model_len=8)
+    s = _sched(model_len=8)
     r = _req("r", 5)
     _add(s, r)
     _apply(s, s.schedule(), ("r",))
@@ -174,23 +174,27 @@ def test_a_verify_chunk_stops_at_max_model_len():
 
 
 def test_a_victim_scheduled_earlier_in_the_step_takes_its_drafts_out_of_the_message():
-    """Priority policy, 3 blocks of 4. b (priority 1, 3 tokens) and a (priority 0, 4 tokens)
-    each take a block; both sample. Step 2: b verifies 2 drafts (3 tokens: positions 3-5, a
-    second block, the last free one); a needs a second block for its position 4: the victim
-    is b (the worse priority), already scheduled: its tokens and drafts leave the message.
-    A step that preempts admits nothing: b waits, though a block is free again."""
-    s = _decoding(policy="priority", blocks=3)
+    """Priority policy, 4 blocks of 4. b (priority 1, 3 tokens) runs first; a (priority 0,
+    4 tokens) arrives at step 2, when b decodes position 3: each holds one block, 2 free.
+    Step 3: b verifies 5 drafts (6 tokens, positions 4-9: two more blocks, the last free
+    ones); a, after it, needs a second block for its position 4: the victim is b (the worse
+    priority), already scheduled: its tokens and drafts leave the message, its 3 blocks
+    return, a takes one. A step that preempts admits nothing: b (5 tokens, 2 blocks) waits,
+    though 2 blocks are free."""
+    s = _sched(policy="priority", blocks=4)
     b = _req("b", 3, priority=1, arrival_time=0.0)
+    _add(s, b)
+    _apply(s, s.schedule(), ("b",))
     a = _req("a", 4, priority=0, arrival_time=1.0)
-    _add(s, b, a)
+    _add(s, a)
     out = s.schedule()
-    assert out.num_scheduled == {"b": 3, "a": 4}
+    assert out.num_scheduled == {"b": 1, "a": 4} and s.kv.pool.num_free == 2
     _apply(s, out, ("b", "a"))
-    s.spec_token_ids = {"b": [7, 8]}
+    s.spec_token_ids = {"b": [7, 8, 9, 10, 11]}
     out = s.schedule()
     assert out.preempted_ids == ["b"]
     assert out.num_scheduled == {"a": 1} and out.spec_token_ids == {}
-    assert s.running == [a] and list(s.waiting) == [b] and s.kv.pool.num_free == 1
+    assert s.running == [a] and list(s.waiting) == [b] and s.kv.pool.num_free == 2
 
 
 # ------------------------------------------------------------------ loading requests

@@ -114,6 +114,19 @@ def test_a_running_chunk_cut_to_nothing_is_skipped_and_the_rest_still_run():
     assert a.num_computed_tokens == 2 and a.mm_encoded == set()
 
 
+def test_a_paused_request_leaves_its_share_to_the_requests_after_it():
+    """x, y, p, z decode; p is paused (its driver holds it): x, y and z take one token each,
+    and the budget left admits d, the same step."""
+    s = _sched()
+    reqs = [_req(rid, 3) for rid in "xypz"]
+    _add(s, *reqs)
+    _apply(s, s.schedule(), tuple("xypz"))
+    s.set_paused("p", True)
+    _add(s, _req("d", 5))
+    out = s.schedule()
+    assert out.num_scheduled == {"x": 1, "y": 1, "z": 1, "d": 5}
+
+
 # ------------------------------------------------------------------ adapter slots
 def test_a_new_adapter_waits_for_a_slot_and_the_requests_behind_it_still_run():
     """One adapter slot. p takes it (adapter 1); q (adapter 2) must wait; t (no adapter)

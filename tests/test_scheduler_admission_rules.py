@@ -1,9 +1,10 @@
 """What a step admits and how far each request's chunk goes, without a model (issue 44:
 mutmut's survivors in ``Scheduler.schedule``): the vision encoder's budget on running and
-waiting requests, a chunk cut to nothing, adapter slots, drafts (read only for a decoding
-request, capped at ``max_model_len``, dropped with a victim), no admission on a step that
-preempted, and loading requests holding seats. Each expected schedule is worked out by hand
-from the documented rules (``core/scheduler.py``, ``core/encoder_budget.py``)."""
+waiting requests, a chunk cut to nothing and a paused request (both skipped, the rest run),
+adapter slots, drafts (read only for a decoding request, capped at ``max_model_len``,
+dropped with a victim), no admission on a step that preempted, and loading requests holding
+seats. Each expected schedule is worked out by hand from the documented rules
+(``core/scheduler.py``, ``core/encoder_budget.py``)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,6 @@ import torch
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec
-from pagefold.core.kv_connector import key_name
-from pagefold.core.prefix_cache import hash_block, root_hash
 from pagefold.core.sched_output import SampledToken
 from pagefold.core.scheduler import Scheduler
 from pagefold.lora.request import LoRARequest
@@ -22,6 +20,7 @@ from pagefold.multimodal.inputs import ImageFeature, MultiModalInputs
 from pagefold.request import Request, RequestStatus
 from pagefold.sampling_params import SamplingParams
 from pagefold.transfer.index import TransferIndex
+from tests.test_scheduler_loads_rules import loading_request
 
 BS = 4
 ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -212,21 +211,6 @@ def test_a_victim_scheduled_earlier_in_the_step_takes_its_drafts_out_of_the_mess
 
 
 # ------------------------------------------------------------------ loading requests
-def _loading(rid: str, base: int, index: TransferIndex) -> Request:
-    """A 10-token prompt whose two full blocks another engine computed (8 tokens to load)."""
-    prompt = list(range(base, base + 10))
-    h0 = hash_block(root_hash(()), prompt[:4])
-    names = [key_name((0, h0)), key_name((0, hash_block(h0, prompt[4:8])))]
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p",
-              "remote_host": "p-host", "remote_port": 7, "remote_request_id": rid,
-              "remote_block_keys": names, "num_tokens": 9, "layout": "L", "block_size": BS,
-              "remote_tp_size": 1, "model_layout": "", "page_bytes": 0, "pages_per_state": []}
-    req = Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True,
-                                              extra_args={"kv_transfer_params": params}))
-    assert index.expect(req, params)  # as the engine core does on arrival
-    return req
-
-
 def test_loading_requests_hold_their_seats():
     """Two seats: a and b are admitted as loading (they compute nothing yet) and take both;
     t, behind them, waits."""
@@ -236,7 +220,7 @@ def test_loading_requests_hold_their_seats():
                           producer=False, consumer=True)
     kv.attach_connector(index)
     s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=2, max_model_len=64)
-    _add(s, _loading("a", 10, index), _loading("b", 30, index), _req("t", 3))
+    _add(s, loading_request("a", 10, index), loading_request("b", 30, index), _req("t", 3))
     out = s.schedule()
     assert out.num_scheduled == {} and list(s.loading) == ["a", "b"]
     assert [r.request_id for r in s.waiting] == ["t"]

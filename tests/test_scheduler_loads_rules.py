@@ -32,8 +32,10 @@ def _consumer() -> tuple[Scheduler, TransferIndex]:
     return Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), index
 
 
-def _add(s: Scheduler, index: TransferIndex, rid: str, base: int) -> Request:
-    """A 10-token prompt whose two full blocks the producer computed (8 tokens to load)."""
+def loading_request(rid: str, base: int, index: TransferIndex) -> Request:
+    """A 10-token prompt whose two full blocks the producer computed (8 tokens to load), known
+    to ``index`` as the engine core makes it known on arrival (shared with
+    ``test_scheduler_admission_rules.py``)."""
     prompt = list(range(base, base + 10))
     h0 = hash_block(root_hash(()), prompt[:4])
     names = [key_name((0, h0)), key_name((0, hash_block(h0, prompt[4:8])))]
@@ -44,6 +46,11 @@ def _add(s: Scheduler, index: TransferIndex, rid: str, base: int) -> Request:
     req = Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True,
                                               extra_args={"kv_transfer_params": params}))
     assert index.expect(req, params)  # as the engine core does on arrival
+    return req
+
+
+def _add(s: Scheduler, index: TransferIndex, rid: str, base: int) -> Request:
+    req = loading_request(rid, base, index)
     s.add_request(req)
     return req
 

@@ -467,9 +467,12 @@ class ModelRunner:
         offset = 0
         for r, start, n in zip(reqs, starts, counts):
             k = r.sampling_params.prompt_logprobs
+            if k is None:  # most requests: skip the bounds below (a few us a decode step)
+                offset += n
+                continue
             first = max(start, len(r.prompt_logprobs))
             end = min(start + n, len(r.prompt_token_ids) - 1)
-            if (k is not None and not r.output_token_ids and start <= len(r.prompt_logprobs)
+            if (not r.output_token_ids and start <= len(r.prompt_logprobs)
                     and first < end):
                 rows = torch.arange(offset + first - start, offset + end - start,
                                     device=hidden.device)

@@ -56,6 +56,8 @@ FIELDS = (
 )
 FLOATS = ("norm_eps", "eps2", "scale")
 DYN = 11
+# Values per attention group in the step's group array (``Step.group_values``).
+GROUP_VALUES = native_record.GROUP_VALUES
 # Steps of more rows than this take the module path (the linears' time dwarfs the Python saved,
 # and the driver's scratch holds every role's rows).
 MAX_ROWS = 256
@@ -155,6 +157,19 @@ class NativeBlocks:
         self.callbacks = ModuleCallbacks(self.parts)
         self.max_block = lib.pf_max_block()
         self.finals: dict[int, tuple | None] = {}
+        # The per-step values go into these two arrays, made once: building a ctypes array
+        # from ~50 ints costs ~4-6 us a step, a slice assignment into a kept one ~1 (the
+        # driver reads them only during the call, and a step's groups are at most one per
+        # part). Their addresses are passed as plain ints (the cheapest ``c_void_p``).
+        self.dyn_buf = (ctypes.c_int64 * (DYN * len(self.parts)))()
+        self.groups_buf = (ctypes.c_int64 * max(GROUP_VALUES * len(self.parts), 1))()
+        self.dyn_addr = ctypes.addressof(self.dyn_buf)
+        self.groups_addr = ctypes.addressof(self.groups_buf)
+        # The last part's output where the final norm runs in the call: scratch the caller
+        # never sees (only the normalised rows are returned), so kept from step to step
+        # rather than allocated each one (an allocation costs ~4-6 us in a decode step, whose
+        # caches the weights' streaming has emptied). Grown to the most rows seen.
+        self.scratch = torch.empty(0, hidden, dtype=torch.bfloat16)
         self.ok = True
 
     def final_record(self, norm: torch.nn.Module) -> tuple | None:
@@ -194,15 +209,21 @@ class NativeBlocks:
                 return None
             dyn += d + [0] * (DYN - len(d))
         groups = st.group_values() or [0]
-        out = torch.empty_like(x)
-        normed = torch.empty_like(x) if final is not None else None
+        self.dyn_buf[:len(dyn)] = dyn
+        self.groups_buf[:len(groups)] = groups
         t = x.shape[0]
+        if final is None:
+            out = torch.empty_like(x)
+            normed = None
+        else:
+            if self.scratch.shape[0] < t:
+                self.scratch = torch.empty_like(x)
+            out, normed = self.scratch, torch.empty_like(x)
         gemv = t <= self.gemv_rows  # each matrix's own GEMV (from the records), else callbacks
         cb = self.callbacks
         cb.error = None
         rc = self.lib.pf_blocks_decode(
-            self.blocks, self.floats, len(self.parts), (ctypes.c_int64 * len(dyn))(*dyn),
-            (ctypes.c_int64 * len(groups))(*groups),
+            self.blocks, self.floats, len(self.parts), self.dyn_addr, self.groups_addr,
             None if gemv else cb.linear, x.data_ptr(),
             residual.data_ptr() if residual is not None else None, out.data_ptr(), t,
             x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe,

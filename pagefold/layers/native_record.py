@@ -31,6 +31,9 @@ from pagefold.csrc import cpu_ops
 
 STATE_CODE = {torch.float32: 0, torch.bfloat16: 1}  # the state kernels' ssm dtype codes
 MAX_GEMV_ROWS = 1 << 30  # no record limits the rows (none has linears)
+# An attention group's decode metadata in the step's group array: block tables, their row
+# stride, sequence lengths, KV starts, slots, requests (``Step.attention_dyn``).
+GROUP_VALUES = 6
 
 
 def gemv_ready(lin) -> bool:

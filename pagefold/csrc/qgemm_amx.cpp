@@ -237,7 +237,7 @@ inline void put(__m512 (&acc)[kT], int64_t half, int64_t m, int64_t o0, int vali
 // are in flight, h + 2 issued as soon as h's C is stored (its set free again), so the vector
 // units rescale group h while the tile unit works on h + 1 and h + 2 (one group ahead, h + 1
 // issued just before h's store, measured 3% slower on a SmolLM2 pass at 32 rows).
-void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const float* sc,
+void strip(const Packed& p, const uint8_t* a, int64_t lda, const float* sc,
            const float* mn, int64_t o0, int valid, float* y, int64_t ldy,
            const uint8_t* next, int64_t next_bytes) {
   const int64_t W = p.W, H = p.H;
@@ -278,7 +278,7 @@ void strip(const Packed& p, int64_t m, const uint8_t* a, int64_t lda, const floa
       if (h + 2 < H) issue(h + 2);
       rescale(c[h & 1], sc + chunk_at(h), mn + chunk_at(h), h, dv, dsv, acc);
     }
-    put(acc, half, m, o0, valid, y, ldy);
+    put(acc, half, p.m, o0, valid, y, ldy);
   }
 }
 
@@ -370,7 +370,7 @@ int pf_qgemm_affine_q8(const float* x, int64_t m, int64_t k, int64_t n, const ui
         lda = k;
       }
       const bool more = s + 1 < strips;  // (the static schedule's next strip, mostly)
-      strip(p, m, a, lda, sc.data(), mn.data(), o0, valid, y, ldy,
+      strip(p, a, lda, sc.data(), mn.data(), o0, valid, y, ldy,
             more ? codes + (o0 + kT) * row_bytes : nullptr,
             more ? std::min<int64_t>(kT, n - o0 - kT) * row_bytes : 0);
     }

@@ -91,7 +91,7 @@ class TPExecutor:
         self._reports = ReportMerger(size)  # the ranks' KV connector reports
         replies = self._collect(start_timeout_s)
         self.rank_params: list[int] = [r[1] for r in replies]  # per rank: its shard
-        self.num_params = sum(self.rank_params)  # shards (replicated norms count twice)
+        self.weight_elements = sum(self.rank_params)  # shards (replicated norms count twice)
         self.rank_pools: list[dict] = [r[2] for r in replies]  # per rank: blocks, pool bytes
         # Every rank's state layers take checkpoints inside their kernels (see ModelRunner).
         self.captures_in_kernel = all(r[3] for r in replies)

@@ -149,7 +149,7 @@ def worker_main(rank: int, size: int, conn) -> None:
         sampler = sampling_rank(size, pp)
         pool = {"num_blocks": runner.kv_config.num_blocks,
                 "pool_bytes": sum(t.numel() * t.element_size() for t in runner.cache.shared)}
-        conn.send(("ready", runner.num_params, pool, runner.captures_in_kernel,
+        conn.send(("ready", runner.weight_elements, pool, runner.captures_in_kernel,
                    runner.encoders is not None))
         recv = read_ahead(conn) if pp > 1 else conn.recv_bytes
         while True:

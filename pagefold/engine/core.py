@@ -264,7 +264,7 @@ class EngineCore:
         self.kv.capture_in_kernel = (config.state_checkpoints_in_kernel
                                      and self.runner.captures_in_kernel)
         self.kv.attach_swap(host_blocks, config.preemption_mode,
-                            PreemptionCost(flops_per_token=2.0 * self.runner.num_params))
+                            PreemptionCost(flops_per_token=2.0 * self.runner.weight_elements))
         # Offload tiers (host memory, disk) for the prefix cache: a KV connector.
         self.offload = attach_offload(offload, self.kv, self.runner)
         # Prefill/decode disaggregation: pages pulled from / exported to another engine.

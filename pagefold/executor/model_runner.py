@@ -103,7 +103,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, device: torch.device,
                  cache_fill: float | None = None, num_host_blocks: int = 0) -> None:
         self.model = model
-        self.num_params = weight_elements(model)
+        self.weight_elements = weight_elements(model)
         if device.type == "cpu":  # bf16 linears: a GEMV per weight shape, else oneDNN
             weights_on_huge_pages(model)  # before any weight pointer is cached
             cpu_ops.use_fast_linears(model)
@@ -177,7 +177,7 @@ class ModelRunner:
             per_group.append([[0] * (width or cdiv(n, bs)) for n in counts])
         saved = [t_[0].clone() for t_ in self.cache.shared]
         try:
-            with _threads_for(self.device, num_tokens * self.num_params), \
+            with _threads_for(self.device, num_tokens * self.weight_elements), \
                     torch.inference_mode():
                 tokens = [[1] * n for n in counts]
                 inp = build_inputs(self.kv_config, tokens, [0] * len(counts), counts, counts,
@@ -263,7 +263,7 @@ class ModelRunner:
         if self.encoders is not None:
             self.encoders.forget(out.finished_ids + out.preempted_ids)
         self._grammar = out.grammar_bitmask
-        with _threads_for(self.device, batch.num_tokens * self.num_params):
+        with _threads_for(self.device, batch.num_tokens * self.weight_elements):
             report = self.move_pages(out)
             if not batch.reqs:
                 result = {}

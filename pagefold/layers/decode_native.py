@@ -56,8 +56,6 @@ FIELDS = (
 )
 FLOATS = ("norm_eps", "eps2", "scale")
 DYN = 11
-# Values per attention group in the step's group array (``Step.group_values``).
-GROUP_VALUES = native_record.GROUP_VALUES
 # Steps of more rows than this take the module path (the linears' time dwarfs the Python saved,
 # and the driver's scratch holds every role's rows).
 MAX_ROWS = 256
@@ -162,7 +160,7 @@ class NativeBlocks:
         # driver reads them only during the call, and a step's groups are at most one per
         # part). Their addresses are passed as plain ints (the cheapest ``c_void_p``).
         self.dyn_buf = (ctypes.c_int64 * (DYN * len(self.parts)))()
-        self.groups_buf = (ctypes.c_int64 * max(GROUP_VALUES * len(self.parts), 1))()
+        self.groups_buf = (ctypes.c_int64 * max(native_record.GROUP_VALUES * len(self.parts), 1))()
         self.dyn_addr = ctypes.addressof(self.dyn_buf)
         self.groups_addr = ctypes.addressof(self.groups_buf)
         # The last part's output where the final norm runs in the call: scratch the caller

@@ -69,7 +69,8 @@ def by_name(name: str) -> Candidate:
 
 
 def call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+         out_dtype: torch.dtype = torch.bfloat16,
+         fill: float | None = None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` through the GEMV ``fn`` (a ctypes function with
     ``pf_linear_bf16``'s arguments), or None when the inputs are not ones it takes (dtype,
     device, strides, sizes) or the kernel declines them (nothing written then)."""
@@ -82,7 +83,10 @@ def call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return None
     n, k = weight.shape
     m = x.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype)
+    # ``fill``: the output's values before the call (the self-check fills NaN, so an output
+    # the kernel leaves unwritten fails it instead of showing a reused buffer's old values).
+    y = (torch.empty((m, n), dtype=out_dtype) if fill is None
+         else torch.full((m, n), fill, dtype=out_dtype))
     rc = fn(x.data_ptr(), x.stride(0), weight.data_ptr(),
             bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
             torch.get_num_threads())
@@ -105,7 +109,8 @@ def self_check(fn, rows_limit: int = MAX_ROWS, f32: bool = False) -> bool:
         if m > rows_limit:
             continue
         ref = x[:m].double() @ w.double().t() + b.double()
-        got = call(fn, x[:m], w, b, torch.float32 if f32 else torch.bfloat16)
+        got = call(fn, x[:m], w, b, torch.float32 if f32 else torch.bfloat16,
+                   fill=float("nan"))
         if got is None or not torch.isfinite(got).all():
             return False
         tol = 1e-5 if f32 else 2 ** -7  # one bf16 ulp relative (8 bits of mantissa)

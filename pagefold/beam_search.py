@@ -81,13 +81,14 @@ def beam_search(engine: EngineCore, tokenizer, prompts: list[list[int]],
         engine.add_request(rid, p, sp)
         instances.append(_Instance([_Beam(rid, BeamSearchSequence(list(p)))]))
     try:
-        for _ in range(params.max_tokens):
-            live = [b for inst in instances for b in inst.beams]
-            if not live:
-                break
-            cands = _step_until_all(engine, {b.engine_id for b in live})
-            for inst in instances:
-                _select(engine, inst, cands, eos, bw, params, ids)
+        with engine.single_steps():  # each beam's next token is read before the one after
+            for _ in range(params.max_tokens):
+                live = [b for inst in instances for b in inst.beams]
+                if not live:
+                    break
+                cands = _step_until_all(engine, {b.engine_id for b in live})
+                for inst in instances:
+                    _select(engine, inst, cands, eos, bw, params, ids)
     finally:
         engine.abort([b.engine_id for inst in instances for b in inst.beams])
         engine.flush()

@@ -158,6 +158,11 @@ class EngineConfig:
     # flags (the CPU flags' pick, no timing), torch (none), auto (measured per weight shape);
     # none: PAGEFOLD_GEMV, else auto. Larger products keep their GEMM path either way.
     cpu_gemv_kernel: str | None = None
+    # Decode bursts: while every running request decodes and nothing waits, up to 16 decode
+    # steps run in one engine step as long as they fit this many milliseconds at the measured
+    # step time (a small model's per-step overhead paid once); 0 turns them off. Tokens are
+    # the same; a request arriving meanwhile waits at most about this long.
+    decode_burst_ms: float = 5.0
     # Most multimodal items per prompt, vLLM's dict (or its JSON), e.g. {"image": 2}; only
     # "image" is known. None: 8 images for a checkpoint with a vision tower.
     limit_mm_per_prompt: dict | None = None
@@ -233,6 +238,9 @@ class EngineConfig:
                              f"({self.max_cpu_loras}) at least max_loras")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if not self.decode_burst_ms >= 0:  # NaN too
+            raise ValueError(f"decode_burst_ms must be >= 0 (0: no bursts), got "
+                             f"{self.decode_burst_ms}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"

@@ -288,6 +288,12 @@ def test_chat_returns_text(llama: LLM, llama_dir: Path):
 
 
 def test_abort_keeps_pool_whole_and_others_correct(llama: LLM, llama_ref):
+    # One token per step: the aborts land while every request is still running.
+    with llama.engine.single_steps():
+        _abort_scenario(llama, llama_ref)
+
+
+def _abort_scenario(llama: LLM, llama_ref) -> None:
     plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     picks = [0, 4, 8, 12, 15]
     ids = {llama.add_request(_inputs([PROMPTS[i]])[0], plain): i for i in picks}

@@ -69,3 +69,48 @@ def test_small_decode_inputs_equal_the_general_path(rows, monkeypatch):
     general = build_inputs(*args)
     _same(small, general, "inputs")
     assert small.sample_req_idx == [i for i, r in enumerate(rows) if r[2]]
+
+
+@pytest.mark.parametrize("starts", [
+    [9],
+    [3, 11, 7],  # row 0 crosses into its second block; row 2 past the window's reach
+    [5, 17],  # row 1 crosses the chunked group's chunk start (18 % 6 == 0)
+])
+def test_advanced_decode_inputs_equal_the_next_steps_built_anew(starts):
+    """A decode burst's later forwards: the inputs advanced in place are the next step's as
+    built from scratch, at the same addresses (so lookups made from them stay valid)."""
+    n = len(starts)
+    tables = []
+    for g in CONFIG.groups:
+        if isinstance(g.spec, StateSpec):
+            tables.append([[10 * i + j + 1 for j in range(3)] for i in range(n)])
+        else:  # room for the next position
+            tables.append([[50 + 7 * i + j for j in range(s // BS + 2)]
+                           for i, s in enumerate(starts)])
+    first = build_inputs(CONFIG, [[100 + i] for i in range(n)], starts, [1] * n,
+                         [s + 1 for s in starts], tables)
+    assert input_batch.can_advance(first, n)
+    for m in first.attn_meta:  # views the torch path builds on first use must not survive
+        if m is not None:
+            m.blockwise()
+    ptrs = [t.data_ptr() for t in (first.input_ids, first.positions)] + [
+        m.slot_mapping.data_ptr() for m in first.attn_meta if m is not None]
+    nxt = [s + 1 for s in starts]
+    input_batch.advance_small_decode(first, CONFIG, [200 + i for i in range(n)], nxt, tables)
+    fresh = build_inputs(CONFIG, [[200 + i] for i in range(n)], nxt, [1] * n,
+                         [s + 1 for s in nxt], tables)
+    _same(first, fresh, "advanced")
+    assert ptrs == [t.data_ptr() for t in (first.input_ids, first.positions)] + [
+        m.slot_mapping.data_ptr() for m in first.attn_meta if m is not None]
+
+
+def test_inputs_that_cannot_be_advanced_are_refused():
+    starts = [9, 2]
+    tables = [[[1, 2, 3], [4, 5, 6]] if isinstance(g.spec, StateSpec) else [[1, 2, 3], [4]]
+              for g in CONFIG.groups]
+    one_unsampled = build_inputs(CONFIG, [[1], [2]], starts, [1, 1], [10, 9], tables)
+    assert not input_batch.can_advance(one_unsampled, 2)
+    prefill = build_inputs(CONFIG, [[1], [2, 3]], starts, [1, 2], [10, 4], tables)
+    assert not input_batch.can_advance(prefill, 2)
+    assert input_batch.can_advance(build_inputs(CONFIG, [[1], [2]], starts, [1, 1], [10, 3],
+                                                tables), 2)

@@ -33,7 +33,9 @@ def server(tiny_model_factory, tmp_path_factory):
                             "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                             "--enable-chunked-prefill", "--enable-prompt-tokens-details",
                             "--skip-tokenizer-init", "--show-hidden-metrics-for-version=0.1",
-                            "--max-num-seqs", "8"))
+                            "--max-num-seqs", "8",
+                            # One decode token per step (the step metrics' test counts them).
+                            "--decode-burst-ms", "0"))
     try:
         yield srv.ready()
     finally:
@@ -166,7 +168,7 @@ def _samples(server) -> dict[str, float]:
 def test_vllm_metric_families(client, server):
     before = _samples(server)
     prompt = [5, 6, 7, 8, 9, 10]
-    for _ in range(3):  # one at a time: every step holds one request
+    for _ in range(3):  # one at a time: every step holds one request (and one token)
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
     after = _samples(server)

@@ -33,7 +33,9 @@ seen (tokens, sampling parameters, block tables), built from the message alone:
   sampling generator too; a preempted one comes back later as a new request).
 
 Extending it (speculative decoding): a request may be scheduled for ``1 + k`` tokens whose tail
-is draft tokens; the runner then returns several tokens per request.
+is draft tokens; the runner then returns several tokens per request. A decode burst
+(``decode_burst``) schedules ``k`` tokens of which only the first is known: the runner samples
+the rest itself, one forward at a time.
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ class SchedulerOutput:
     # tokens this step are its last token (``new_token_ids``) followed by these. Drafts are
     # never written into the runner's copy of the request.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A decode burst (``core/decode_burst.py``): every scheduled request decodes its count of
+    # tokens one forward at a time, each sampled token the next forward's input; the runner
+    # returns them as one ``VerifiedTokens`` (all accepted) per request.
+    decode_burst: bool = False
 
     @property
     def total_tokens(self) -> int:

@@ -31,6 +31,7 @@ import logging
 import time
 from collections import deque
 
+from pagefold.core.decode_burst import BurstPolicy
 from pagefold.core.encoder_budget import EncoderBudget
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_connector import ConnectorOutput
@@ -158,6 +159,11 @@ class Scheduler:
         self.max_in_flight = 1
         self.in_flight: dict[str, Request] = {}
         self.drain = False
+        # Decode bursts (``core/decode_burst.py``): the engine sets the budget (off, limit 1,
+        # unless it does); a step's time is from the end of ``schedule`` to the start of
+        # ``update_from_output`` (the runner's execute between them).
+        self.burst = BurstPolicy()
+        self._scheduled_at = 0.0
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -308,6 +314,14 @@ class Scheduler:
         for req in [r for r in self.running if r.ready_to_fork]:
             self._fork(req)
 
+        # A burst: every running request decodes ``burst`` tokens in this message.
+        burst = 1
+        if not (self.waiting or self.loading or pipelined or self.drafter is not None
+                or (self.structured is not None and self.structured.num_constrained(
+                    self.requests))):
+            burst = self.burst.steps(self.running, self.kv, self.max_model_len, budget)
+        out.decode_burst = burst > 1
+
         # 1. Running requests, in order.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -317,7 +331,7 @@ class Scheduler:
                 continue
             if pipelined and len(scheduled) >= seats:
                 break
-            n = req.num_tokens - req.num_computed_tokens
+            n = burst if burst > 1 else req.num_tokens - req.num_computed_tokens
             drafts = self.spec_token_ids.get(req.request_id) if n == 1 else None
             if drafts:
                 n += len(drafts)
@@ -426,6 +440,7 @@ class Scheduler:
         if so is not None and so.num_constrained(self.requests):
             out.grammar_bitmask = so.step_bitmask(self.requests, out.num_scheduled)
         self._log_preemptions(before)
+        self._scheduled_at = time.perf_counter()
         return out
 
     def _running_loras(self) -> set[int]:
@@ -466,6 +481,8 @@ class Scheduler:
         cached, the step's copied pages are unpinned and finished requests freed. The KV
         connector's report (``RunnerOutput.kv_connector_output``) moves requests whose loads
         finished to running, or back to waiting when a page was bad."""
+        self.burst.observe(out.num_scheduled, out.decode_burst,
+                           time.perf_counter() - self._scheduled_at)
         kv_out = getattr(sampled, "kv_connector_output", None)
         if kv_out is not None:
             self._apply_loads(kv_out)
@@ -488,8 +505,9 @@ class Scheduler:
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if isinstance(tok, VerifiedTokens):
-                if self._append_verified(r, n, out.spec_token_ids.get(rid, []), tok, outputs,
-                                         finished):
+                # A burst's tokens are all the runner's own (no draft to reject).
+                drafts = n - 1 if out.decode_burst else len(out.spec_token_ids.get(rid, ()))
+                if self._append_verified(r, drafts, tok, outputs, finished):
                     stepped.pop()
                 continue
             r.append_token(tok.token_id)
@@ -541,16 +559,17 @@ class Scheduler:
             else:  # a bad page: start over, the hit search no longer finds that key
                 self.waiting.push_front(req)
 
-    def _append_verified(self, r: Request, n: int, drafts: list[int], tok: VerifiedTokens,
+    def _append_verified(self, r: Request, drafts: int, tok: VerifiedTokens,
                          outputs: list[EngineCoreOutput],
                          finished: list[tuple[Request, RequestStatus]]) -> bool:
-        """A speculative step's result: of the ``n`` computed tokens only ``1 + accepted``
-        stand (rejected drafts' KV lies past the computed length, to be overwritten); the
-        accepted drafts and the sampled token are appended one by one through the stop rules.
+        """A speculative step's (or a decode burst's) result: of its ``1 + drafts`` computed
+        tokens only ``1 + accepted`` stand (rejected drafts' KV lies past the computed length,
+        to be overwritten); the accepted drafts and the sampled token are appended one by one
+        through the stop rules.
         Returns True when the request stopped before its last emitted token: its computed
         length and committed state then run past its tokens, so nothing of this step may be
         cached for it (it is freed on this step anyway)."""
-        r.num_computed_tokens -= len(drafts) - tok.num_accepted
+        r.num_computed_tokens -= drafts - tok.num_accepted
         eo = EngineCoreOutput(r.request_id, [], num_cached_tokens=max(r.num_cached_tokens, 0),
                               parent_id=r.parent_id, index=r.index)
         outputs.append(eo)

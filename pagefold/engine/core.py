@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from pagefold.architectures import ARCHITECTURES, tensor_parallel_architectures
 from pagefold.checkpoint import generation_eos_ids, load_hf_config, load_tokenizer, text_config
 from pagefold.config import EngineConfig, kv_dtype, pool_bytes, resolve_dtype
 from pagefold.core.capacity import capacity_report, log_capacity
+from pagefold.core.decode_burst import MAX_STEPS, BurstPolicy
 from pagefold.core.kv_cache_manager import KVCacheManager
 from pagefold.core.kv_cache_planner import KVCacheConfig, plan_pagefold
 from pagefold.core.kv_cache_spec import StateSpec
@@ -287,6 +289,7 @@ class EngineCore:
         self.scheduler.drafter = self.spec  # drafts before, counters after each step
         self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.scheduler.structured = self.structured
+        self.scheduler.burst = BurstPolicy(self._burst_budget())
         # Pipeline parallelism: up to one step message per stage in flight (batch_queue.py).
         self.batches = (BatchQueue(self.scheduler, self.runner, batches_in_flight(self.pp))
                         if self.pp > 1 else None)
@@ -294,6 +297,29 @@ class EngineCore:
             secs = self.runner.warm_up(warm, seq_len=warm_len)
             logger.info("warm-up: one %d-token forward in %.2f s (first batches start warm)",
                         warm, secs)
+
+    @contextmanager
+    def single_steps(self):
+        """One token per request per step while inside: decode bursts off (a driver that
+        reads every token as it comes, as the offline beam search does), restored after."""
+        policy = self.scheduler.burst
+        self.scheduler.burst = BurstPolicy()
+        try:
+            yield
+        finally:
+            self.scheduler.burst = policy
+
+    def _burst_budget(self) -> float:
+        """Seconds a decode burst may take (``core/decode_burst.py``): ``decode_burst_ms``,
+        or 0 (no bursts) with speculative decoding, several ranks or a KV connector (their
+        steps exchange per-token state a burst would skip)."""
+        config = self.config
+        if (config.decode_burst_ms <= 0 or self.spec is not None or self.world > 1
+                or self.offload is not None or self.transfer is not None):
+            return 0.0
+        logger.info("decode bursts: up to %d decode steps in one message while they fit "
+                    "%.1f ms and nothing waits", MAX_STEPS, config.decode_burst_ms)
+        return config.decode_burst_ms / 1e3
 
     def _speculative_specs(self, hf_config, specs) -> dict:
         """The cache specs a draft model, MTP or EAGLE heads add to the pool (``{}`` for n-gram);

@@ -65,6 +65,10 @@ class ForwardContext:
     # decoder stack captured this forward ({layer index: (T, hidden)}).
     aux_layers: tuple[int, ...] | None = None
     aux_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    # A decode burst's forward after its first (``core/decode_burst.py``): this context and
+    # its metadata tensors are the previous forward's, advanced in place to the next
+    # positions (same objects, same addresses), so lookups made from them may be reused.
+    burst_step: int = 0
 
     def attention(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:

@@ -231,3 +231,38 @@ def _small_decode(kv_config: KVCacheConfig, token_lists: list[list[int]], starts
     logits_rows = decode_tok if len(sample_req_idx) == n else i64(sample_req_idx)
     return StepInputs(i64([t[0] for t in token_lists]), i64(starts), attn_meta, state_meta,
                       logits_rows, sample_req_idx)
+
+
+def advance_small_decode(inp: StepInputs, kv_config: KVCacheConfig, token_ids: list[int],
+                         starts: list[int], group_block_ids: list[list[list[int]]]) -> None:
+    """Turn ``inp``, made by :func:`build_inputs` for a small CPU decode step
+    (:func:`_small_decode`: every request one token, every row sampled, no captures, no
+    image spans), into the next decode step's inputs in place: request ``i``'s token
+    ``token_ids[i]`` at position ``starts[i]``, the block tables unchanged (they already
+    hold that position). Afterwards every tensor of ``inp`` equals what ``_small_decode``
+    makes for those arguments, at the same addresses (a decode burst's later forwards reuse
+    the per-step lookups made from them)."""
+    bs = kv_config.block_size
+    inp.input_ids.numpy()[:] = token_ids
+    inp.positions.numpy()[:] = starts
+    for group, meta, tables in zip(kv_config.groups, inp.attn_meta, group_block_ids):
+        if meta is None:  # a state group: its pages, lengths and flags stay as they are
+            continue
+        meta.forget_derived()
+        meta.slot_mapping.numpy()[:] = [t[s // bs] * bs + s % bs
+                                        for t, s in zip(tables, starts)]
+        meta.decode_seq_lens.numpy()[:] = [s + 1 for s in starts]
+        spec = group.spec
+        if isinstance(spec, SlidingWindowSpec) and spec.window:
+            meta.decode_kv_start.numpy()[:] = [max(s + 1 - spec.window, 0) for s in starts]
+        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.chunk:
+            meta.decode_kv_start.numpy()[:] = [s - s % spec.chunk for s in starts]
+
+
+def can_advance(inp: StepInputs, n: int) -> bool:
+    """``inp`` is a small CPU decode step's inputs of ``n`` rows, all sampled (what
+    :func:`advance_small_decode` takes)."""
+    return (inp.input_ids.device.type == "cpu" and inp.input_ids.shape[0] == n
+            and len(inp.sample_req_idx) == n and n <= SMALL_DECODE_ROWS
+            and all(m is None or (not m.prefills and not m.image_rows) for m in inp.attn_meta)
+            and all(m is None or m.capture_after is None for m in inp.state_meta))

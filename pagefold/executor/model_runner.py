@@ -31,7 +31,12 @@ from pagefold.executor.cuda_graphs import DecodeGraphs
 from pagefold.executor.forward_context import ForwardContext
 from pagefold.executor.host_malloc import keep_freed_memory
 from pagefold.executor.huge_pages import weights_on_huge_pages
-from pagefold.executor.input_batch import StepInputs, build_inputs
+from pagefold.executor.input_batch import (
+    StepInputs,
+    advance_small_decode,
+    build_inputs,
+    can_advance,
+)
 from pagefold.executor.runner_state import CachedRequestState, RunnerRequests, StepBatch
 from pagefold.executor.sampler import (
     Sampler,
@@ -263,12 +268,16 @@ class ModelRunner:
         if self.encoders is not None:
             self.encoders.forget(out.finished_ids + out.preempted_ids)
         self._grammar = out.grammar_bitmask
-        with _threads_for(self.device, batch.num_tokens * self.weight_elements):
+        # A burst's forwards are one row per request each: weigh one of them.
+        rows = len(batch.reqs) if out.decode_burst else batch.num_tokens
+        with _threads_for(self.device, rows * self.weight_elements):
             report = self.move_pages(out)
             if not batch.reqs:
                 result = {}
             elif out.spec_token_ids:  # speculative verify step (pagefold.spec_decode)
                 result = self._execute_verify(batch, out.spec_token_ids)
+            elif out.decode_burst:  # several decode steps (core/decode_burst.py)
+                result = self._execute_burst(batch)
             else:
                 result = self._execute(batch)
         if report is not None:
@@ -361,6 +370,53 @@ class ModelRunner:
         inp, ctx, hidden = self._forward(batch, tokens, totals,
                                          drafted=[bool(d) for d in drafts])
         return verify_drafts(self, batch, drafts, drafted, inp, ctx, hidden)
+
+    @step_inference_mode
+    def _execute_burst(self, batch: StepBatch) -> dict[str, VerifiedTokens]:
+        """A decode burst: request ``i`` decodes ``batch.counts[i]`` tokens, one forward per
+        token over the requests with tokens left, each sampled token written into the
+        runner's copy of its request and fed to the next forward. Every forward and sampling
+        call is the plain decode step's (same rows, inputs, generators and penalties' view of
+        the outputs), so the tokens are those steps' bits. Returns each request's tokens as
+        one ``VerifiedTokens``, all accepted (the scheduler drops those after a stop).
+
+        While the rows stay the same, a small CPU step's inputs and forward context are
+        advanced in place (``advance_small_decode``, ``ForwardContext.burst_step``) instead
+        of built again: the same values, and the native decode step reuses its lookups."""
+        reqs, starts, counts = batch.reqs, batch.starts, batch.counts
+        ids: list[list[int]] = [[] for _ in reqs]
+        lps: list[list] = [[] for _ in reqs]
+        inp = ctx = tables = None  # tables: set while the inputs may be advanced in place
+        rows: list[int] = []
+        for j in range(max(counts)):
+            live = [i for i, c in enumerate(counts) if c > j]
+            step = StepBatch([reqs[i] for i in live], [starts[i] + j for i in live],
+                             [1] * len(live))
+            tokens = [r.token_ids[s : s + 1] for r, s in zip(step.reqs, step.starts)]
+            if tables is not None and live == rows:
+                advance_small_decode(inp, self.kv_config, [t[0] for t in tokens], step.starts,
+                                     tables)
+                ctx.burst_step = j
+                self.num_forward_tokens += len(live)
+                hidden = self.model(inp.input_ids, inp.positions, ctx)
+            else:
+                inp, ctx, hidden = self._forward(step, tokens, [s + 1 for s in step.starts])
+                rows, tables = live, None
+                if (self.graphs is None and self.encoders is None and not ctx.lora_rows
+                        and ctx.aux_layers is None and can_advance(inp, len(live))):
+                    tables = [[r.block_ids[g] for r in step.reqs]
+                              for g in range(len(self.kv_config.groups))]
+            every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
+            logits = self.model.compute_logits(hidden if every else hidden[inp.logits_rows])
+            sampled = self.sample(logits, step.reqs)
+            for i, r, s in zip(live, step.reqs, step.starts):
+                tok = sampled[r.req_id]
+                r.write(s + 1, [tok.token_id])
+                ids[i].append(tok.token_id)
+                lps[i].append(tok.logprobs)
+        return {r.req_id: VerifiedTokens(ids[i], len(ids[i]) - 1,
+                                         lps[i] if lps[i][0] is not None else None)
+                for i, r in enumerate(reqs)}
 
     @step_inference_mode
     def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:

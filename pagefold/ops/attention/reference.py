@@ -55,6 +55,11 @@ class AttentionMetadata:
     _prefill_pack: tuple | None = None
     _triton_pack: tuple | None = None  # the Triton prefill kernel's rows/slots/tiles
 
+    def forget_derived(self) -> None:
+        """Drop the views built from the tensors on first use (:meth:`blockwise`, the packs):
+        for a caller that changed the tensors in place (a decode burst's next step)."""
+        self._blockwise = self._prefill_pack = self._triton_pack = None
+
     def prefill_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled prefill kernel's view of :attr:`prefills`, built once per step:
         ``rows`` (R, 5) int64 ``tok_start, q_len, ctx_len, kv_start, slot_off`` and every

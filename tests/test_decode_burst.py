@@ -1,0 +1,252 @@
+"""Decode bursts (``core/decode_burst.py``): several decode steps in one message change no
+token, only when tokens are handed out.
+
+Differential: the same requests with bursts forced (a budget no step reaches) and off give the
+same tokens, logprobs and finish reasons, greedy and seeded sampling with penalties, on a
+dense model and on GDN and Mamba-2 hybrids (float32 on the module path, bf16 through the
+native decode step), with prefix caching on: a later prompt hits the blocks and state
+checkpoints the bursts computed. Stops inside a burst (a stop token id, EOS, max_tokens) end
+the request there. The pool is whole after every scenario. The policy and the scheduler's
+rules are checked without a model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagefold import LLM, SamplingParams
+from pagefold.core.decode_burst import MAX_STEPS, BurstPolicy
+from pagefold.core.kv_cache_manager import KVCacheManager
+from pagefold.core.kv_cache_planner import plan_pagefold
+from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
+from pagefold.core.sched_output import SampledToken, VerifiedTokens
+from pagefold.core.scheduler import Scheduler
+from pagefold.request import Request
+
+FORCED = 1e9  # decode_burst_ms: every eligible step bursts (up to MAX_STEPS)
+
+
+def _count_bursts(llm: LLM) -> list[int]:
+    """Wrap the scheduler so each burst message's largest count is recorded."""
+    sched = llm.engine.scheduler
+    seen: list[int] = []
+    schedule = sched.schedule
+
+    def counting():
+        out = schedule()
+        if out.decode_burst:
+            seen.append(max(out.num_scheduled.values()))
+        return out
+
+    sched.schedule = counting
+    return seen
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs,
+             o.outputs[0].cumulative_logprob) for o in outs]
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", None), ("qwen3_5", None),
+                                        ("qwen3_5", "bfloat16"), ("nemotron_h", None)])
+def test_bursts_give_the_tokens_of_single_steps(arch, dtype, tiny_model_factory,
+                                                random_prompts):
+    model = tiny_model_factory(arch)
+    kw = {"dtype": dtype} if dtype else {}
+    on = LLM(str(model), decode_burst_ms=FORCED, block_size=16, **kw)
+    off = LLM(str(model), decode_burst_ms=0, block_size=16, **kw)
+    bursts = _count_bursts(on)
+    prompts = random_prompts(3, 9, 30, 512, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = _run(off, prompts, greedy)
+    assert _run(on, prompts, greedy) == base
+    assert bursts and max(bursts) > 2  # bursts ran, several steps long
+    # A stop token inside a burst: each request ends at its first occurrence of the token
+    # sampled 6th by the first request (the others may not meet it: they run to max_tokens).
+    stop = base[0][0][5]
+    stopped = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
+    got = _run(on, prompts, stopped)
+    assert got == _run(off, prompts, stopped)
+    assert got[0][0][-1] == stop and got[0][1] == "stop" and len(got[0][0]) <= 6
+    # Seeded sampling with penalties and logprobs: the penalties read every earlier token of
+    # the burst; the generator's draws are the single steps' draws.
+    sampled = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=25 + 4 * i,
+                              repetition_penalty=1.3, presence_penalty=0.4, logprobs=2,
+                              ignore_eos=True) for i in range(3)]
+    assert _run(on, prompts, sampled) == _run(off, prompts, sampled)
+    # A prompt that continues the first output: a prefix-cache hit on the blocks (and, on a
+    # hybrid, the state checkpoints) the bursts computed.
+    longer = [{"prompt_token_ids": prompts[0] + base[0][0][:33]}]
+    hit = on.generate(longer, greedy, use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 16  # at least a block the bursts computed
+    assert hit.outputs[0].token_ids == off.generate(longer, greedy,
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    for llm in (on, off):
+        llm.engine.kv.check_whole()
+
+
+def test_a_waiting_request_is_not_held_up_by_a_burst(tiny_model_factory):
+    """While a request waits, no burst is scheduled: it is admitted on the next step."""
+    llm = LLM(str(tiny_model_factory("llama")), decode_burst_ms=FORCED)
+    bursts = _count_bursts(llm)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = llm.add_request({"prompt_token_ids": [5, 6, 7, 8]}, greedy)
+    while not bursts:
+        llm.step()
+    late = llm.add_request({"prompt_token_ids": [9, 10, 11]}, greedy)
+    before = len(bursts)
+    llm.step()  # admits the late request: a plain step
+    assert len(bursts) == before
+    sched = llm.engine.scheduler
+    assert sched.requests[late].num_computed_tokens > 0 and not sched.waiting
+    while llm.engine.has_unfinished():
+        llm.step()
+    assert first != late
+    llm.engine.kv.check_whole()
+
+
+# ----------------------------------------------------------------------------- the policy
+def test_policy_sizes_bursts_by_the_measured_step_time():
+    p = BurstPolicy(budget_s=0.010)
+    assert p.limit == 1  # nothing measured yet
+    p.observe({"a": 1, "b": 1}, False, 0.002)  # an all-decode step of 2 ms
+    assert p.limit == 5
+    p.observe({"a": 5, "b": 3}, True, 0.010)  # a burst: 5 steps in 10 ms, 2 ms each
+    assert p.limit == 5 and p.step_s == pytest.approx(0.002)
+    p.observe({"a": 1}, False, 0.0001)  # fast steps raise it towards the cap
+    for _ in range(40):
+        p.observe({"a": 1}, False, 0.0001)
+    assert p.limit == MAX_STEPS
+    for _ in range(40):
+        p.observe({"a": 1}, False, 0.5)  # slow steps (a large model): no bursts
+    assert p.limit == 1
+
+
+def test_policy_ignores_steps_that_are_not_decode_steps():
+    p = BurstPolicy(budget_s=0.010)
+    p.observe({"a": 1}, False, 0.001)
+    assert p.limit == 10
+    p.observe({"a": 300}, False, 5.0)  # a prefill chunk
+    p.observe({"a": 1, "b": 4}, False, 5.0)  # a decode row beside a prefill / verify chunk
+    p.observe({}, False, 5.0)  # an idle step
+    assert p.limit == 10 and p.step_s == pytest.approx(0.001)
+
+
+def test_policy_off_without_a_budget():
+    p = BurstPolicy(budget_s=0.0)
+    p.observe({"a": 1}, False, 1e-6)
+    assert p.limit == 1 and p.step_s is None
+
+
+def test_decode_burst_ms_must_not_be_negative(llama_dir):
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="decode_burst_ms"):
+            LLM(str(llama_dir), decode_burst_ms=bad)
+
+
+# ----------------------------------------------------------------------------- the scheduler
+BS = 4
+ATTN = FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32)
+STATE = StateSpec("gdn", (StateComponent("ssm", (2, 4), torch.float32),))
+
+
+def _decoding(specs, caching: bool, limit: int = 8, max_tokens: int = 50, prompt: int = 5,
+              blocks: int = 40) -> tuple[Scheduler, Request]:
+    """A request that has sampled its first token, and a scheduler whose policy allows
+    ``limit`` steps."""
+    config = plan_pagefold(specs, BS, 1 << 20)
+    config = plan_pagefold(specs, BS, blocks * config.layers_per_group * config.page_bytes)
+    kv = KVCacheManager(config, enable_prefix_caching=caching)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    s.burst = BurstPolicy(budget_s=1.0, limit=limit)
+    r = Request("r", list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                eos_token_id=99)
+    s.add_request(r)
+    while not r.output_token_ids:  # the prompt (in chunks ending at checkpoints): no burst
+        out = s.schedule()
+        assert not out.decode_burst
+        done = r.num_computed_tokens + out.num_scheduled["r"] >= r.num_tokens
+        s.update_from_output(out, {"r": SampledToken(100)} if done else {})
+    assert (r.num_tokens, r.num_computed_tokens) == (prompt + 1, prompt)
+    return s, r
+
+
+def test_a_burst_takes_the_policys_steps_and_all_its_tokens_count():
+    s, r = _decoding({"a": ATTN}, caching=False, limit=6)
+    out = s.schedule()
+    assert out.decode_burst and out.num_scheduled == {"r": 6}
+    (eo,) = s.update_from_output(out, {"r": VerifiedTokens([1, 2, 3, 4, 5, 6], 5)})
+    assert eo.new_token_ids == [1, 2, 3, 4, 5, 6]
+    # 5 + 6 computed; the last sampled token is not computed yet.
+    assert (r.num_computed_tokens, r.num_tokens) == (11, 12)
+    assert r.output_token_ids == [100, 1, 2, 3, 4, 5, 6]
+
+
+def test_a_stop_inside_a_burst_ends_the_request_there():
+    s, r = _decoding({"a": ATTN}, caching=False, limit=6)
+    free = s.kv.pool.num_free
+    out = s.schedule()
+    (eo,) = s.update_from_output(out, {"r": VerifiedTokens([1, 99, 3, 4, 5, 6], 5)})
+    assert eo.new_token_ids == [1, 99] and eo.finish_reason == "stop"
+    assert r.output_token_ids == [100, 1, 99] and "r" not in s.requests
+    assert s.kv.pool.num_free >= free
+    s.kv.check_whole()
+
+
+def test_a_burst_stops_at_max_tokens_and_max_model_len():
+    s, r = _decoding({"a": ATTN}, caching=False, limit=8, max_tokens=4)
+    out = s.schedule()
+    assert out.num_scheduled == {"r": 3}  # 1 sampled, 3 left
+    s2, r2 = _decoding({"a": ATTN}, caching=False, limit=8, prompt=60)
+    assert s2.schedule().num_scheduled == {"r": 4}  # 60 computed of max_model_len 64
+
+
+def test_a_burst_of_a_state_model_with_caching_ends_on_the_block_boundary():
+    # 5 prompt tokens computed; the next checkpoint is at 8: a burst of 3 lands on it.
+    s, r = _decoding({"a": ATTN, "s": STATE}, caching=True, limit=8)
+    out = s.schedule()
+    assert out.decode_burst and out.num_scheduled == {"r": 3}
+    s.update_from_output(out, {"r": VerifiedTokens([1, 2, 3], 2)})
+    assert r.num_computed_tokens == 8
+    assert s.schedule().num_scheduled == {"r": 4}  # then a whole block
+    # Without caching no checkpoint is due: the policy's steps.
+    s2, _ = _decoding({"a": ATTN, "s": STATE}, caching=False, limit=8)
+    assert s2.schedule().num_scheduled == {"r": 8}
+
+
+def test_no_burst_while_a_request_waits_or_the_pool_is_short():
+    s, r = _decoding({"a": ATTN}, caching=False, limit=8)
+    s.add_request(Request("w", [1, 2, 3], SamplingParams(max_tokens=5)))
+    out = s.schedule()
+    assert not out.decode_burst and out.num_scheduled["r"] == 1
+    # A pool of 4 blocks: the request holds 2 (5 + 1 tokens); 8 more tokens need 2 more
+    # blocks, and two are free besides the null block only if nothing else holds them.
+    s2, r2 = _decoding({"a": ATTN}, caching=False, limit=8, blocks=3)
+    out2 = s2.schedule()
+    assert not out2.decode_burst and out2.num_scheduled == {"r": 1}
+
+
+def test_an_abort_between_bursts_frees_the_request_and_spares_the_others(tiny_model_factory,
+                                                                         random_prompts):
+    model = tiny_model_factory("qwen3_5")
+    on = LLM(str(model), decode_burst_ms=FORCED)
+    bursts = _count_bursts(on)
+    prompts = random_prompts(3, 8, 20, 512, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = [t for t, *_ in _run(LLM(str(model), decode_burst_ms=0), prompts, greedy)]
+    rids = [on.add_request({"prompt_token_ids": p}, greedy) for p in prompts]
+    while len(bursts) < 2:
+        on.step()
+    on.abort([rids[1]])
+    done = {}
+    while on.engine.has_unfinished():
+        for out in on.step():
+            assert out.request_id != rids[1]
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {rids[0]: ref[0], rids[2]: ref[2]}
+    on.engine.kv.check_whole()

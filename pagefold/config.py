@@ -162,7 +162,7 @@ class EngineConfig:
     # steps run in one engine step as long as they fit this many milliseconds at the measured
     # step time (a small model's per-step overhead paid once); 0 turns them off. Tokens are
     # the same; a request arriving meanwhile waits at most about this long.
-    decode_burst_ms: float = 5.0
+    decode_burst_ms: float = 10.0
     # Most multimodal items per prompt, vLLM's dict (or its JSON), e.g. {"image": 2}; only
     # "image" is known. None: 8 images for a checkpoint with a vision tower.
     limit_mm_per_prompt: dict | None = None

@@ -386,6 +386,7 @@ class ModelRunner:
         reqs, starts, counts = batch.reqs, batch.starts, batch.counts
         ids: list[list[int]] = [[] for _ in reqs]
         lps: list[list] = [[] for _ in reqs]
+        greedy = not self._grammar and all(plain_greedy(r.sampling_params) for r in reqs)
         inp = ctx = tables = None  # tables: set while the inputs may be advanced in place
         rows: list[int] = []
         for j in range(max(counts)):
@@ -408,12 +409,17 @@ class ModelRunner:
                               for g in range(len(self.kv_config.groups))]
             every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
             logits = self.model.compute_logits(hidden if every else hidden[inp.logits_rows])
-            sampled = self.sample(logits, step.reqs)
-            for i, r, s in zip(live, step.reqs, step.starts):
-                tok = sampled[r.req_id]
-                r.write(s + 1, [tok.token_id])
-                ids[i].append(tok.token_id)
-                lps[i].append(tok.logprobs)
+            if greedy:  # what ``sample`` does for such rows, without its per-row results
+                toks = Sampler.argmax(logits).tolist()
+                got = [(t, None) for t in toks]
+            else:
+                sampled = self.sample(logits, step.reqs)
+                got = [(sampled[r.req_id].token_id, sampled[r.req_id].logprobs)
+                       for r in step.reqs]
+            for i, r, s, (t, lp) in zip(live, step.reqs, step.starts, got):
+                r.write(s + 1, [t])
+                ids[i].append(t)
+                lps[i].append(lp)
         return {r.req_id: VerifiedTokens(ids[i], len(ids[i]) - 1,
                                          lps[i] if lps[i][0] is not None else None)
                 for i, r in enumerate(reqs)}

@@ -24,6 +24,7 @@ from pagefold.core.kv_cache_planner import plan_pagefold
 from pagefold.core.kv_cache_spec import FullAttentionSpec, StateComponent, StateSpec
 from pagefold.core.sched_output import SampledToken, VerifiedTokens
 from pagefold.core.scheduler import Scheduler
+from pagefold.executor.sampler import Sampler
 from pagefold.request import Request
 
 FORCED = 1e9  # decode_burst_ms: every eligible step bursts (up to MAX_STEPS)
@@ -250,3 +251,55 @@ def test_an_abort_between_bursts_frees_the_request_and_spares_the_others(tiny_mo
                 done[out.request_id] = out.outputs[0].token_ids
     assert done == {rids[0]: ref[0], rids[2]: ref[2]}
     on.engine.kv.check_whole()
+
+
+# ----------------------------------------------------------------------------- greedy head
+def test_compiled_argmax_follows_the_samplers_rule():
+    """``pf_argmax_bf16``: numpy's argmax on the float32 widening (first maximum, first NaN)."""
+    import ctypes
+
+    from pagefold.csrc import cpu_ops
+
+    lib = cpu_ops.kernels()
+    if lib is None:
+        pytest.skip("no compiled kernels on this machine")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 1001, generator=g).bfloat16()
+    x[1, 40] = x[1, 900] = 50.0  # a tie: the first index
+    x[2, 17] = float("nan")
+    x[2, 5] = float("nan")  # two NaNs: the first
+    x[3, 0] = float("nan")
+    x[4] = float("-inf")  # all -inf: index 0
+    x[5, 1000] = 60.0  # the last column
+    x[6, :] = 0.0
+    x[6, 333] = -0.0  # zeros only: the first
+    out = (ctypes.c_int64 * 7)()
+    assert lib.pf_argmax_bf16(x.data_ptr(), 7, 1001, 1001, out) == 0
+    want = x.float().numpy().argmax(axis=1).tolist()
+    assert list(out) == want == [want[0], 40, 5, 0, 0, 1000, 0]
+    # Rows ld apart: a strided view of wider rows.
+    wide = torch.randn(3, 64, generator=g).bfloat16()
+    out3 = (ctypes.c_int64 * 3)()
+    assert lib.pf_argmax_bf16(wide.data_ptr(), 3, 50, 64, out3) == 0
+    assert list(out3) == wide[:, :50].float().numpy().argmax(axis=1).tolist()
+    assert lib.pf_argmax_bf16(wide.data_ptr(), 3, 50, 10, out3) == 1  # rows overlap: refused
+
+
+def test_greedy_head_gives_the_logits_argmax(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("qwen3_5")), dtype="bfloat16")
+    model = llm.engine.runner.model
+    w = model.lm_head.weight
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(3, w.shape[1], generator=g).bfloat16()
+    want = lambda rows: Sampler.argmax(model.compute_logits(rows)).tolist()  # noqa: E731
+    with torch.inference_mode():
+        got = model.greedy_tokens(h)
+        assert got is not None and got == want(h)
+        w[7] = w[300] = (h[0] * 4).bfloat16()  # row 0: tied maxima at 7 and 300 -> 7
+        w[50] = float("nan")  # every row: a NaN logit at 50 -> 50 unless an earlier NaN
+        got = model.greedy_tokens(h)
+        assert got == want(h) == [50, 50, 50]
+        w[50] = 0.0
+        assert model.greedy_tokens(h)[0] == want(h)[0] == 7
+        assert model.greedy_tokens(h.float()) is None  # not the bf16 GEMV's input
+    llm.engine.kv.check_whole()

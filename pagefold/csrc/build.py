@@ -174,6 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_linear_bf16_amx.argtypes = lib.pf_linear_bf16.argtypes
     lib.pf_linear_bf16_amx.restype = i32
     lib.pf_amx_ready.restype = i32
+    lib.pf_argmax_bf16.argtypes = [p, i64, i64, i64, p]
+    lib.pf_argmax_bf16.restype = i32
     lib.pf_relu2.argtypes = [i32, p, i64, p, i64, i32, i32]
     lib.pf_relu2.restype = i32
     lib.pf_sigmoid_gate.argtypes = [i32, p, i64, p, i64, i64, p, i64, i64, i32, i32, i32]

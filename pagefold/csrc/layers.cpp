@@ -606,4 +606,32 @@ int pf_linear_bf16_fma_f32out(const void* x, int64_t x_stride, const void* w, co
   return fma_entry<float>(x, x_stride, w, bias, y, y_stride, M, N, K, nthreads);
 }
 
+// Each row's greedy token of bf16 logits (M rows of N, ld elements apart) read as float32:
+// the first index of the row's maximum, the first NaN winning (numpy's argmax on the float32
+// widening: the sampler's rule). An lm_head's GEMV output goes here without a float32 copy.
+int pf_argmax_bf16(const void* x, int64_t M, int64_t N, int64_t ld, int64_t* out) {
+  if (M < 1 || N < 1 || ld < N) return 1;
+  const uint16_t* p = static_cast<const uint16_t*>(x);
+  for (int64_t r = 0; r < M; ++r) {
+    const uint16_t* row = p + r * ld;
+    int64_t best = 0;
+    float top = bf16_to_f32(row[0]);
+    if (top == top) {
+      for (int64_t i = 1; i < N; ++i) {
+        const float v = bf16_to_f32(row[i]);
+        if (v != v) {  // NaN: the first one is the answer
+          best = i;
+          break;
+        }
+        if (v > top) {
+          top = v;
+          best = i;
+        }
+      }
+    }
+    out[r] = best;
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -387,6 +387,7 @@ class ModelRunner:
         ids: list[list[int]] = [[] for _ in reqs]
         lps: list[list] = [[] for _ in reqs]
         greedy = not self._grammar and all(plain_greedy(r.sampling_params) for r in reqs)
+        head = getattr(self.model, "greedy_tokens", None)  # greedy rows without the logits
         inp = ctx = tables = None  # tables: set while the inputs may be advanced in place
         rows: list[int] = []
         for j in range(max(counts)):
@@ -408,11 +409,14 @@ class ModelRunner:
                     tables = [[r.block_ids[g] for r in step.reqs]
                               for g in range(len(self.kv_config.groups))]
             every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
-            logits = self.model.compute_logits(hidden if every else hidden[inp.logits_rows])
+            final = hidden if every else hidden[inp.logits_rows]
+            toks = head(final) if greedy and head is not None else None
             if greedy:  # what ``sample`` does for such rows, without its per-row results
-                toks = Sampler.argmax(logits).tolist()
+                if toks is None:
+                    toks = Sampler.argmax(self.model.compute_logits(final)).tolist()
                 got = [(t, None) for t in toks]
             else:
+                logits = self.model.compute_logits(final)
                 sampled = self.sample(logits, step.reqs)
                 got = [(sampled[r.req_id].token_id, sampled[r.req_id].logprobs)
                        for r in step.reqs]

@@ -4,10 +4,13 @@ checkpoint filled every parameter."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
-from pagefold.distributed.parallel_state import pp_is_last
+from pagefold.csrc import cpu_ops
+from pagefold.distributed.parallel_state import pp_is_last, tp_size
 from pagefold.layers.decoder_stack import AbsentPart
 from pagefold.layers.vocab import gather_logits, lm_head_linear
 
@@ -44,6 +47,41 @@ class CausalLMHead(nn.Module):
         if self.logits_divisor != 1.0:
             logits = logits / self.logits_divisor
         return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's greedy token, ``Sampler.argmax(self.compute_logits(hidden))``, from the
+        head's bf16 GEMV and a compiled argmax (``pf_argmax_bf16``, the same first-maximum /
+        first-NaN rule) without the float32 logits; None where this head's logits are not
+        that GEMV's bf16 outputs as they are (an override of ``compute_logits``, a divisor,
+        float32 sums, another product, vocabulary shards): the caller then takes the
+        logits. The same bits: the float32 widening of bf16 values is exact."""
+        if type(self).compute_logits is not CausalLMHead.compute_logits or \
+                self.logits_divisor != 1.0 or tp_size() != 1:
+            return None
+        lin = self.lm_head
+        ready = getattr(lin, "pf_gemv", None)
+        lib = cpu_ops.kernels()
+        if (type(lin) is not nn.Linear or ready is None or ready[0] is not lin.weight
+                or lin._forward_hooks or lin._forward_pre_hooks  # a hook's terms
+                or ready[1] is not lin.bias or ready[2].fn is None or lib is None
+                or (lin.pf_float_out and ready[2].f32 is not None)):
+            return None
+        w, b = lin.weight, lin.bias
+        m = hidden.shape[0] if hidden.dim() == 2 else 0
+        if (hidden.dtype != torch.bfloat16 or not hidden.is_cpu
+                or not 1 <= m <= ready[2].max_rows or hidden.stride(1) != 1
+                or hidden.shape[1] != w.shape[1] or w.shape[0] != self.vocab_size):
+            return None
+        n, k = w.shape
+        y = torch.empty((m, n), dtype=torch.bfloat16)
+        if ready[2].fn(hidden.data_ptr(), hidden.stride(0), w.data_ptr(),
+                       b.data_ptr() if b is not None else None, y.data_ptr(), n, m, n, k,
+                       torch.get_num_threads()) != 0:
+            return None
+        out = (ctypes.c_int64 * m)()
+        if lib.pf_argmax_bf16(y.data_ptr(), m, n, n, out) != 0:
+            return None
+        return list(out)
 
     @property
     def head_skip_prefixes(self) -> tuple[str, ...]:

@@ -80,8 +80,9 @@ def test_recompute_credit_is_exactly_what_comes_back(arch, tiny_model_factory):
     rid = fresh.add_request({"prompt_token_ids": prompt}, params)
     req = fresh.engine.scheduler.requests[rid]
     outs = []
-    while req.num_output_tokens < 20:  # 70 + 19 = 89 computed: not a block multiple
-        outs += fresh.step()
+    with fresh.engine.single_steps():  # one token a step: the loop stops at 20 exactly
+        while req.num_output_tokens < 20:  # 70 + 19 = 89 computed: not a block multiple
+            outs += fresh.step()
     kv, sched = fresh.engine.kv, fresh.engine.scheduler
     computed = req.num_computed_tokens
     assert computed % 16

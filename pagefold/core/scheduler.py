@@ -119,14 +119,12 @@ class Scheduler:
         policy: str = "fcfs",
     ) -> None:
         self.kv = kv_cache
-        # The engine's StructuredOutputManager (grammar rows per step, matchers advanced with
-        # sampled tokens); None: no structured output.
+        # The engine's StructuredOutputManager (grammar rows, matchers); None: no grammars.
         self.structured = None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        # Multi-LoRA: at most this many distinct adapters among the running requests (the
-        # runner's resident slots); None: LoRA off.
+        # Multi-LoRA: most distinct adapters among running requests; None: LoRA off.
         self.max_loras: int | None = None
         self.policy = policy
         self.waiting = _WaitingQueue(policy)
@@ -136,8 +134,7 @@ class Scheduler:
         # worker reports their loads (or go back to waiting when a page was bad).
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
-        # Prompt tokens the forwards computed (a prefix hit or pulled pages are not computed;
-        # a recompute after preemption counts again).
+        # Prompt tokens the forwards computed (not a hit's; a recompute counts again).
         self.prompt_tokens_computed = 0
         self._finished_ids: list[str] = []
         # What the runner holds: requests it has seen since their last preemption, and the
@@ -153,15 +150,13 @@ class Scheduler:
         self.drafter = None
         self.spec_token_ids: dict[str, list[int]] = {}
         # Pipeline parallelism (``engine/batch_queue.py``): up to ``max_in_flight`` messages
-        # run at once. ``in_flight``: the requests of messages not applied yet (never scheduled
-        # again before); ``drain``: the last schedule stopped at a request that needs a
-        # preemption, which waits until no message is in flight.
+        # at once. ``in_flight``: the requests of unapplied messages (not scheduled again);
+        # ``drain``: the last schedule stopped at a preemption that waits for none in flight.
         self.max_in_flight = 1
         self.in_flight: dict[str, Request] = {}
         self.drain = False
-        # Decode bursts (``core/decode_burst.py``): the engine sets the budget (off, limit 1,
-        # unless it does); a step's time is from the end of ``schedule`` to the start of
-        # ``update_from_output`` (the runner's execute between them).
+        # Decode bursts (``core/decode_burst.py``): off unless the engine sets a budget; a
+        # step's time runs from the end of ``schedule`` to ``update_from_output``.
         self.burst = BurstPolicy()
         self._scheduled_at = 0.0
 
@@ -315,11 +310,10 @@ class Scheduler:
             self._fork(req)
 
         # A burst: every running request decodes ``burst`` tokens in this message.
-        burst = 1
-        if not (self.waiting or self.loading or pipelined or self.drafter is not None
-                or (self.structured is not None and self.structured.num_constrained(
-                    self.requests))):
-            burst = self.burst.steps(self.running, self.kv, self.max_model_len, budget)
+        so = self.structured
+        idle = not (self.waiting or self.loading or pipelined or self.drafter is not None
+                    or (so is not None and so.num_constrained(self.requests)))
+        burst = self.burst.steps(self.running, self.kv, self.max_model_len, budget) if idle else 1
         out.decode_burst = burst > 1
 
         # 1. Running requests, in order.
@@ -562,10 +556,9 @@ class Scheduler:
     def _append_verified(self, r: Request, drafts: int, tok: VerifiedTokens,
                          outputs: list[EngineCoreOutput],
                          finished: list[tuple[Request, RequestStatus]]) -> bool:
-        """A speculative step's (or a decode burst's) result: of its ``1 + drafts`` computed
-        tokens only ``1 + accepted`` stand (rejected drafts' KV lies past the computed length,
-        to be overwritten); the accepted drafts and the sampled token are appended one by one
-        through the stop rules.
+        """A speculative step's or a decode burst's result: of its ``1 + drafts`` computed tokens
+        only ``1 + accepted`` stand (rejected drafts' KV lies past the computed length, to be
+        overwritten); the accepted drafts and the sampled token go through the stop rules.
         Returns True when the request stopped before its last emitted token: its computed
         length and committed state then run past its tokens, so nothing of this step may be
         cached for it (it is freed on this step anyway)."""

@@ -178,6 +178,23 @@ def build_inputs(
                       sample_req_idx)
 
 
+def _decode_rows(spec, bs: int, tables: list[list[int]], starts: list[int]
+                 ) -> tuple[list[int], list[int], list[int] | None]:
+    """Per request decoding at position ``starts[i]`` of an attention group: the new token's
+    slot, the keys' count and the first key read (None: 0 for every row; a sliding window's
+    or a chunk's start otherwise), the rule :func:`_small_decode` and
+    :func:`advance_small_decode` share."""
+    seq_lens = [s + 1 for s in starts]
+    kv_start = None
+    window = spec.window if isinstance(spec, SlidingWindowSpec) else None
+    if window:
+        kv_start = [max(q - window, 0) for q in seq_lens]
+    chunk = spec.chunk if isinstance(spec, ChunkedLocalAttentionSpec) else None
+    if chunk:
+        kv_start = [s - s % chunk for s in starts]
+    return [t[s // bs] * bs + s % bs for t, s in zip(tables, starts)], seq_lens, kv_start
+
+
 def _small_decode(kv_config: KVCacheConfig, token_lists: list[list[int]], starts: list[int],
                   totals: list[int], group_block_ids: list[list[list[int]]]) -> StepInputs:
     """:func:`build_inputs` for a CPU step where every request computes one token (no
@@ -211,22 +228,16 @@ def _small_decode(kv_config: KVCacheConfig, token_lists: list[list[int]], starts
                 all_initial_state=all(init)))
             continue
         state_meta.append(None)
-        window = spec.window if isinstance(spec, SlidingWindowSpec) else None
-        chunk = spec.chunk if isinstance(spec, ChunkedLocalAttentionSpec) else None
         width = max(1, max(len(t) for t in group_block_ids[gi]))
         tables = [t + [0] * (width - len(t)) for t in group_block_ids[gi]]  # 0: the null block
-        seq_lens = [s + 1 for s in starts]
-        kv_start = None
-        if window:
-            kv_start = i64([max(q - window, 0) for q in seq_lens])
-        if chunk:
-            kv_start = i64([s - s % chunk for s in starts])
+        slots, seq_lens, kv_start = _decode_rows(spec, bs, tables, starts)
         attn_meta.append(AttentionMetadata(
-            slot_mapping=i64([t[s // bs] * bs + s % bs for t, s in zip(tables, starts)]),
-            decode_tok=decode_tok,
-            decode_tables=i64(tables),
-            decode_seq_lens=i64(seq_lens), decode_kv_start=kv_start, block_size=bs,
-            prefills=[], image_rows=[], sliding_window=window, all_decode=True))
+            slot_mapping=i64(slots), decode_tok=decode_tok, decode_tables=i64(tables),
+            decode_seq_lens=i64(seq_lens),
+            decode_kv_start=i64(kv_start) if kv_start is not None else None, block_size=bs,
+            prefills=[], image_rows=[],
+            sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None,
+            all_decode=True))
     sample_req_idx = [i for i in range(n) if starts[i] + 1 >= totals[i]]
     logits_rows = decode_tok if len(sample_req_idx) == n else i64(sample_req_idx)
     return StepInputs(i64([t[0] for t in token_lists]), i64(starts), attn_meta, state_meta,
@@ -249,14 +260,11 @@ def advance_small_decode(inp: StepInputs, kv_config: KVCacheConfig, token_ids: l
         if meta is None:  # a state group: its pages, lengths and flags stay as they are
             continue
         meta.forget_derived()
-        meta.slot_mapping.numpy()[:] = [t[s // bs] * bs + s % bs
-                                        for t, s in zip(tables, starts)]
-        meta.decode_seq_lens.numpy()[:] = [s + 1 for s in starts]
-        spec = group.spec
-        if isinstance(spec, SlidingWindowSpec) and spec.window:
-            meta.decode_kv_start.numpy()[:] = [max(s + 1 - spec.window, 0) for s in starts]
-        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.chunk:
-            meta.decode_kv_start.numpy()[:] = [s - s % spec.chunk for s in starts]
+        slots, seq_lens, kv_start = _decode_rows(group.spec, bs, tables, starts)
+        meta.slot_mapping.numpy()[:] = slots
+        meta.decode_seq_lens.numpy()[:] = seq_lens
+        if kv_start is not None:
+            meta.decode_kv_start.numpy()[:] = kv_start
 
 
 def can_advance(inp: StepInputs, n: int) -> bool:

@@ -9,7 +9,7 @@ import ctypes
 import torch
 from torch import nn
 
-from pagefold.csrc import cpu_ops
+from pagefold.csrc import cpu_ops, gemv_registry
 from pagefold.distributed.parallel_state import pp_is_last, tp_size
 from pagefold.layers.decoder_stack import AbsentPart
 from pagefold.layers.vocab import gather_logits, lm_head_linear
@@ -66,18 +66,13 @@ class CausalLMHead(nn.Module):
                 or ready[1] is not lin.bias or ready[2].fn is None or lib is None
                 or (lin.pf_float_out and ready[2].f32 is not None)):
             return None
-        w, b = lin.weight, lin.bias
         m = hidden.shape[0] if hidden.dim() == 2 else 0
-        if (hidden.dtype != torch.bfloat16 or not hidden.is_cpu
-                or not 1 <= m <= ready[2].max_rows or hidden.stride(1) != 1
-                or hidden.shape[1] != w.shape[1] or w.shape[0] != self.vocab_size):
+        if not 1 <= m <= ready[2].max_rows or lin.weight.shape[0] != self.vocab_size:
+            return None  # above its rows compute_logits takes the GEMM path
+        y = gemv_registry.call(ready[2].fn, hidden, lin.weight, lin.bias)
+        if y is None:
             return None
-        n, k = w.shape
-        y = torch.empty((m, n), dtype=torch.bfloat16)
-        if ready[2].fn(hidden.data_ptr(), hidden.stride(0), w.data_ptr(),
-                       b.data_ptr() if b is not None else None, y.data_ptr(), n, m, n, k,
-                       torch.get_num_threads()) != 0:
-            return None
+        n = y.shape[1]
         out = (ctypes.c_int64 * m)()
         if lib.pf_argmax_bf16(y.data_ptr(), m, n, n, out) != 0:
             return None

@@ -303,3 +303,77 @@ def test_greedy_head_gives_the_logits_argmax(tiny_model_factory):
         assert model.greedy_tokens(h)[0] == want(h)[0] == 7
         assert model.greedy_tokens(h.float()) is None  # not the bf16 GEMV's input
     llm.engine.kv.check_whole()
+
+
+# ----------------------------------------------------------------------------- greedy run
+def _spy_greedy_steps(monkeypatch) -> dict:
+    """Count ``GreedyStep`` calls and keep the last one made."""
+    from pagefold.layers import decode_native
+
+    seen = {"calls": 0, "last": None}
+    init, call = decode_native.GreedyStep.__init__, decode_native.GreedyStep.__call__
+
+    def counting_init(self, *a, **k):
+        init(self, *a, **k)
+        seen["last"] = self
+
+    def counting_call(self):
+        seen["calls"] += 1
+        return call(self)
+
+    monkeypatch.setattr(decode_native.GreedyStep, "__init__", counting_init)
+    monkeypatch.setattr(decode_native.GreedyStep, "__call__", counting_call)
+    return seen
+
+
+@pytest.mark.parametrize("arch,callbacks", [("qwen3_5", False), ("llama", False),
+                                            ("qwen3_next", False), ("qwen3_5", True),
+                                            ("nemotron_h", False)])
+def test_greedy_run_makes_a_bursts_later_steps_with_the_same_tokens(
+        arch, callbacks, tiny_model_factory, random_prompts, monkeypatch):
+    """A bf16 greedy burst's later steps in one compiled call each (``greedy_run``): the
+    tokens of single steps and of the burst's module-level forwards, batch 1 and batch 3;
+    with ``callbacks`` every product goes through the linears' own forwards (the driver's
+    callbacks), as steps above the GEMVs' rows do. Nemotron-H's forward is its own: no run."""
+    from pagefold.layers import lm_head, native_record
+
+    if callbacks:
+        monkeypatch.setattr(native_record, "MAX_GEMV_ROWS", 0)
+    model = str(tiny_model_factory(arch))
+    prompts = random_prompts(3, 9, 30, 512, seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)
+    seen = _spy_greedy_steps(monkeypatch)
+    on = LLM(model, dtype="bfloat16", decode_burst_ms=FORCED, block_size=16)
+    got = [_run(on, prompts, greedy), _run(on, prompts[:1], greedy)]
+    on.engine.kv.check_whole()
+    if arch == "nemotron_h":
+        assert seen["calls"] == 0
+    else:
+        assert seen["calls"] >= 30  # most of both runs' steps
+        assert len(seen["last"].tokens) == 1  # the batch-1 run made its own
+    calls = seen["calls"]
+    monkeypatch.setattr(lm_head.CausalLMHead, "greedy_run", lambda *a, **k: None)
+    assert [_run(on, prompts, greedy), _run(on, prompts[:1], greedy)] == got
+    assert seen["calls"] == calls
+    off = LLM(model, dtype="bfloat16", decode_burst_ms=0, block_size=16)
+    assert [_run(off, prompts, greedy), _run(off, prompts[:1], greedy)] == got
+    off.engine.kv.check_whole()
+
+
+def test_a_greedy_step_refuses_a_stale_run_and_an_id_outside_the_table(tiny_model_factory,
+                                                                       monkeypatch):
+    seen = _spy_greedy_steps(monkeypatch)
+    llm = LLM(str(tiny_model_factory("qwen3_5")), dtype="bfloat16", decode_burst_ms=FORCED)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                 SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    run = seen["last"]
+    assert run is not None and seen["calls"] > 0
+    run.native._last = None  # another step ran since: its values are not the run's
+    with pytest.raises(RuntimeError, match="another step ran"):
+        run()
+    run.native._last = run.last
+    ids = run.keep[0]
+    with torch.inference_mode(), pytest.raises(ValueError, match="outside the embedding table"):
+        ids[0] = run.keep[1].shape[0]  # one past the embedding table
+        run()
+    llm.engine.kv.check_whole()

@@ -184,6 +184,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      f32, i32, p]
     lib.pf_blocks_decode.restype = i32
     lib.pf_blocks_decode_fields.restype = i32
+    lib.pf_blocks_greedy.argtypes = [p, f32]
+    lib.pf_blocks_greedy.restype = i32
+    lib.pf_blocks_greedy_fields.restype = i32
     lib.pf_moe_experts_few.argtypes = [p, p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p,
                                         i32]
     lib.pf_moe_experts_few.restype = i32

@@ -324,4 +324,48 @@ int pf_blocks_decode(const int64_t* blocks, const float* floats, int n_blocks,
   return 0;
 }
 
+// A greedy decode step from token ids to token ids (decode_native.GreedyStep): the embedding
+// rows of ids gathered into x (a copy, as the module path's lookup), pf_blocks_decode with its
+// final norm, the head's GEMV of the normalised rows into bf16 logits and pf_argmax_bf16 over
+// them: the calls the module path makes for a greedy step, in its order, with its arguments
+// (so the same bits), from one ctypes call of two arguments. The values in `plan` (enum
+// GreedyField) are set once per run of steps; only what they point to changes between calls
+// (the ids, positions and the attention metadata, advanced in place by the caller). Returns
+// pf_blocks_decode's result, -2 for an id outside the table, or the head's GEMV's or argmax's.
+enum GreedyField : int {
+  kGBlocks, kGFloats, kGNBlocks, kGDyn, kGGroups, kGGemvAll, kGMoeFn, kGX, kGOut, kGT, kGD,
+  kGPos, kGThreads, kGFinalW, kGFinalZc, kGNormed, kGEmbed, kGEmbedRows, kGIds, kGHeadFn,
+  kGHeadW, kGHeadB, kGVocab, kGLogits, kGTokens, kGreedyFields
+};
+
+int pf_blocks_greedy_fields() { return kGreedyFields; }
+
+int pf_blocks_greedy(const int64_t* plan, float final_eps) {
+  const int64_t t = plan[kGT], d = plan[kGD], rows = plan[kGEmbedRows];
+  const int64_t* ids = ptr<const int64_t>(plan[kGIds]);
+  const uint16_t* table = ptr<const uint16_t>(plan[kGEmbed]);
+  uint16_t* x = ptr<uint16_t>(plan[kGX]);
+  for (int64_t r = 0; r < t; ++r) {
+    if (ids[r] < 0 || ids[r] >= rows) return -2;
+    std::copy_n(table + ids[r] * d, d, x + r * d);
+  }
+  const int nt = static_cast<int>(plan[kGThreads]);
+  void* normed = ptr<void>(plan[kGNormed]);
+  int rc = pf_blocks_decode(ptr<const int64_t>(plan[kGBlocks]), ptr<const float>(plan[kGFloats]),
+                            static_cast<int>(plan[kGNBlocks]), ptr<const int64_t>(plan[kGDyn]),
+                            ptr<const int64_t>(plan[kGGroups]), ptr<void>(plan[kGGemvAll]), x,
+                            nullptr, ptr<void>(plan[kGOut]), t, d, ptr<const int64_t>(plan[kGPos]),
+                            nt, ptr<void>(plan[kGMoeFn]), ptr<const void>(plan[kGFinalW]),
+                            final_eps, static_cast<int>(plan[kGFinalZc]), normed);
+  if (rc) return rc;
+  const int64_t n = plan[kGVocab];
+  void* logits = ptr<void>(plan[kGLogits]);
+  const auto head = reinterpret_cast<GemvFn>(static_cast<intptr_t>(plan[kGHeadFn]));
+  if (head == nullptr) return -1;
+  rc = head(normed, d, ptr<const void>(plan[kGHeadW]), ptr<const void>(plan[kGHeadB]), logits,
+            n, static_cast<int>(t), n, d, nt);
+  if (rc) return rc;
+  return pf_argmax_bf16(logits, t, n, n, ptr<int64_t>(plan[kGTokens]));
+}
+
 }  // extern "C"

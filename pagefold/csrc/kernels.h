@@ -26,6 +26,7 @@ int pf_decode_attention(int dtype, const void* q, int64_t q_stride, const int64_
                         const int64_t* seq_lens, const int64_t* kv_starts, void* out,
                         int64_t out_stride, int B, int H, int KVH, int D, int bs, float scale,
                         int nthreads);
+int pf_argmax_bf16(const void* x, int64_t M, int64_t N, int64_t ld, int64_t* out);
 int pf_silu_mul(int dtype, const void* gu, int64_t stride, void* out, int64_t N, int I,
                 int nthreads);
 int pf_relu2(int dtype, const void* x, int64_t stride, void* out, int64_t N, int I,

@@ -382,35 +382,46 @@ class ModelRunner:
 
         While the rows stay the same, a small CPU step's inputs and forward context are
         advanced in place (``advance_small_decode``, ``ForwardContext.burst_step``) instead
-        of built again: the same values, and the native decode step reuses its lookups."""
+        of built again: the same values, and the native decode step reuses its lookups; for
+        greedy rows the model may then make each such step, head and argmax included, in one
+        compiled call (``CausalLMHead.greedy_run``: the same kernels, so the same bits)."""
         reqs, starts, counts = batch.reqs, batch.starts, batch.counts
         ids: list[list[int]] = [[] for _ in reqs]
         lps: list[list] = [[] for _ in reqs]
         greedy = not self._grammar and all(plain_greedy(r.sampling_params) for r in reqs)
         head = getattr(self.model, "greedy_tokens", None)  # greedy rows without the logits
         inp = ctx = tables = None  # tables: set while the inputs may be advanced in place
+        run = None  # while set: the model's later greedy steps in one compiled call each
         rows: list[int] = []
         for j in range(max(counts)):
             live = [i for i, c in enumerate(counts) if c > j]
             step = StepBatch([reqs[i] for i in live], [starts[i] + j for i in live],
                              [1] * len(live))
             tokens = [r.token_ids[s : s + 1] for r, s in zip(step.reqs, step.starts)]
+            toks = hidden = None
             if tables is not None and live == rows:
                 advance_small_decode(inp, self.kv_config, [t[0] for t in tokens], step.starts,
                                      tables)
                 ctx.burst_step = j
                 self.num_forward_tokens += len(live)
-                hidden = self.model(inp.input_ids, inp.positions, ctx)
+                if run is not None:
+                    toks = run()
+                else:
+                    hidden = self.model(inp.input_ids, inp.positions, ctx)
             else:
                 inp, ctx, hidden = self._forward(step, tokens, [s + 1 for s in step.starts])
-                rows, tables = live, None
+                rows, tables, run = live, None, None
                 if (self.graphs is None and self.encoders is None and not ctx.lora_rows
                         and ctx.aux_layers is None and can_advance(inp, len(live))):
                     tables = [[r.block_ids[g] for r in step.reqs]
                               for g in range(len(self.kv_config.groups))]
-            every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
-            final = hidden if every else hidden[inp.logits_rows]
-            toks = head(final) if greedy and head is not None else None
+                    greedy_run = getattr(self.model, "greedy_run", None)
+                    if greedy and greedy_run is not None:
+                        run = greedy_run(inp.input_ids, inp.positions, ctx)
+            if hidden is not None:
+                every = len(inp.sample_req_idx) == hidden.shape[0] and hidden.is_contiguous()
+                final = hidden if every else hidden[inp.logits_rows]
+                toks = head(final) if greedy and head is not None else None
             if greedy:  # what ``sample`` does for such rows, without its per-row results
                 if toks is None:
                     toks = Sampler.argmax(self.model.compute_logits(final)).tolist()

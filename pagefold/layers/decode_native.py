@@ -247,6 +247,86 @@ class NativeBlocks:
         return out, (residual if residual is not None else x)
 
 
+# decode_step.cpp's GreedyField count (checked against ``pf_blocks_greedy_fields``).
+GREEDY_FIELDS = 25
+
+
+class GreedyStep:
+    """Later steps of a run of greedy decode steps over the same rows, each in one C call
+    (``pf_blocks_greedy``): the embedding rows of the step's ids copied out of the table (the
+    lookup), :meth:`NativeBlocks.forward` with the final norm, the head's GEMV and the argmax,
+    which is what the model's forward and ``CausalLMHead.greedy_tokens`` make, with the same
+    kernels and arguments. Valid while ``native``'s last step is the one it was made after:
+    the caller advances that step's ids, positions and metadata in place between calls (the
+    per-step values in ``native``'s buffers point at them) and runs no other step of this
+    model in between (a call then raises rather than read another step's values)."""
+
+    def __init__(self, native: NativeBlocks, input_ids: torch.Tensor, final: tuple,
+                 table: torch.Tensor, head: tuple) -> None:
+        lib = native.lib
+        if lib.pf_blocks_greedy_fields() != GREEDY_FIELDS:
+            raise RuntimeError("pf_blocks_greedy's plan differs from decode_native's")
+        choice, weight, bias = head
+        t, d, vocab = input_ids.shape[0], native.hidden, weight.shape[0]
+        self.native, self.last, self.lib = native, native._last, lib
+        self.x = torch.empty(t, d, dtype=torch.bfloat16)
+        self.out = torch.empty(t, d, dtype=torch.bfloat16)
+        self.normed = torch.empty(t, d, dtype=torch.bfloat16)
+        self.logits = torch.empty(t, vocab, dtype=torch.bfloat16)
+        self.tokens = (ctypes.c_int64 * t)()
+        # Kept: the tensors behind the plan's pointers.
+        self.keep = (input_ids, table, weight, bias, choice)
+        cb = native.callbacks
+        self.gemv = t <= native.gemv_rows  # as forward: the records' GEMVs, else callbacks
+        vals = [
+            ctypes.addressof(native.blocks), ctypes.addressof(native.floats), len(native.parts),
+            native.dyn_addr, native.groups_addr, 0 if self.gemv else cb.linear.value,
+            0 if self.gemv else cb.moe.value, self.x.data_ptr(), self.out.data_ptr(), t, d,
+            self.last[3].pos, torch.get_num_threads(), final[0], final[2],
+            self.normed.data_ptr(), table.data_ptr(), table.shape[0], input_ids.data_ptr(),
+            choice.address, weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+            vocab, self.logits.data_ptr(), ctypes.addressof(self.tokens)]
+        self.plan = (ctypes.c_int64 * GREEDY_FIELDS)(*vals)
+        self.addr, self.eps = ctypes.addressof(self.plan), float(final[1])
+
+    def __call__(self) -> list[int]:
+        """The next step's greedy token of each row (its ids and metadata already advanced)."""
+        if self.native._last is not self.last:
+            raise RuntimeError("another step ran between a greedy run's steps")
+        cb = self.native.callbacks
+        cb.error = None
+        rc = self.lib.pf_blocks_greedy(self.addr, self.eps)
+        if cb.error is not None:
+            raise cb.error
+        if rc == -2:
+            raise ValueError("a token id outside the embedding table in a greedy step")
+        if rc:
+            raise RuntimeError("a CPU kernel refused checked inputs in the greedy decode step")
+        return self.tokens[:]
+
+
+def greedy_run(owner: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+               final_norm: torch.nn.Module, table: torch.Tensor, head: tuple
+               ) -> GreedyStep | None:
+    """A :class:`GreedyStep` for ``owner``'s next steps after the one it just ran natively in
+    ``ctx`` on ``positions`` with ``final_norm`` fused (:func:`run`), embedding ``input_ids``
+    from ``table``; None where that step was not native (or not with that norm) or the ids or
+    table are not ones the C side reads as they are."""
+    cached = owner.__dict__.get("_pf_native_blocks")
+    native = cached[3] if cached is not None else None
+    if native is None or _routing(cached[0]) != cached[1]:
+        return None
+    last, t = native._last, input_ids.shape[0]
+    final = native.final_record(final_norm)
+    if (last is None or last[0] is not ctx or last[1] is not positions or last[2] != t
+            or final is None or input_ids.dtype != torch.int64 or input_ids.dim() != 1
+            or not input_ids.is_contiguous() or table.dtype != torch.bfloat16
+            or table.dim() != 2 or table.shape[1] != native.hidden or not table.is_contiguous()
+            or head[1].shape[1] != native.hidden):
+        return None
+    return GreedyStep(native, input_ids, final, table, head)
+
+
 def model_blocks(layers) -> list | None:
     """Every ``(norm, part)`` block of ``layers`` in order, or None when a layer does not
     list its blocks."""

@@ -157,6 +157,24 @@ class DecoderStack(nn.Module):
             x, residual = self.run_layer(layer, positions, x, residual, ctx)
         return self.final_norm(x, residual)
 
+    def greedy_run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, head: tuple):
+        """``CausalLMHead.greedy_run``'s step for this stack (``head``: the head's
+        ``greedy_head``), or None unless :meth:`forward` is this class's, embedding with a
+        plain table lookup (an ``embed_inputs`` marked ``pf_images_only`` differs from it only
+        by image rows, which a native step never has) and ending in the fused final norm, on
+        one pipeline stage."""
+        cls, emb = type(self), self.token_embedding
+        if (pp_size() > 1 or cls.forward is not DecoderStack.forward
+                or cls.embed is not DecoderStack.embed
+                or not (cls.embed_inputs is DecoderStack.embed_inputs
+                        or getattr(cls.embed_inputs, "pf_images_only", False))
+                or cls.native_final is not DecoderStack.native_final
+                or type(emb) is not nn.Embedding or emb.max_norm is not None
+                or emb._forward_hooks or emb._forward_pre_hooks):
+            return None
+        return decode_native.greedy_run(self, input_ids, positions, ctx,
+                                        getattr(self, self._norm_name), emb.weight, head)
+
     def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx
                        ) -> torch.Tensor:
         """One pipeline stage: receive (or embed), this stage's layers, send (or norm)."""

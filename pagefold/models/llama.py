@@ -85,6 +85,10 @@ class CausalLM(CausalLMHead):
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    # The step is the decoder stack's alone (CausalLMHead.greedy_run may then make it in one
+    # compiled call); a subclass overriding forward loses this mark with the function.
+    forward.pf_stack_only = True  # type: ignore[attr-defined]
+
     def load_weights(self, weights) -> None:
         self.check_loaded(load_into(self, weights, rename=self.fused_names,
                                     skip_prefixes=self.head_skip_prefixes))

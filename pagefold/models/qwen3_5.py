@@ -327,6 +327,10 @@ class HybridModel(DecoderStack):
             x = x.index_copy(0, rows, embeds.to(x.dtype))
         return x
 
+    # Without image rows (``ctx.mm_embeds`` None, as in every native decode step) this is the
+    # plain lookup: DecoderStack.greedy_run may copy the rows itself.
+    embed_inputs.pf_images_only = True  # type: ignore[attr-defined]
+
 
 class HybridCausalLM(CausalLM):
     """Checkpoint loading shared by the Gated DeltaNet hybrids.

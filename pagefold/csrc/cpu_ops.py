@@ -273,9 +273,8 @@ def _fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
         y = gemm.linear(x, self.weight, self.bias)  # no native bf16 GEMM on this CPU
         if y is not None:
             return y
-        packed = self.pf_packed_weight
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        # oneDNN, its rows padded to a few sizes (gemm.bucket_rows: no new primitive a step).
+        return gemm.onednn_linear(x, self.weight, self.bias, self.pf_packed_weight)
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 

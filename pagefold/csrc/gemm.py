@@ -101,7 +101,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) through :func:`linear` where it applies; for expert
-    weights and other matrices that are not ``nn.Linear`` modules."""
+    """``F.linear(x, weight)`` (no bias) through :func:`linear` where it applies, else
+    :func:`onednn_linear`; for expert weights and other matrices that are not ``nn.Linear``
+    modules."""
     y = linear(x, weight) if x.dim() == 2 else None
-    return torch.nn.functional.linear(x, weight) if y is None else y
+    return onednn_linear(x, weight) if y is None else y
+
+
+# oneDNN makes (JIT-compiles) and caches a primitive per product shape, rows included, and
+# making one costs far more than the product: measured on the AMX Xeon at 2 threads, a new row
+# count took 2.1-2.9 ms against 0.15-0.35 ms cached for 768 x 256 at ~500 rows, 20-25 ms
+# against 6-10 ms for 10240 x 1024, 12-18 ms against 3.4-4 ms for 1024 x 5120. Prefill chunks
+# and mixed steps bring a new row count almost every step (a prompt's length, the decode rows
+# beside it, the tokens each MoE expert drew), so each would pay it. Rows above
+# EXACT_ROWS are rounded up to one of ROWS_PER_OCTAVE sizes per power of two (at most 1/8
+# more rows, ~6% on average; the padding rows are zeros and their outputs dropped): a few
+# dozen shapes per matrix, made once. A row's result does not depend on the rows beside it
+# (tested), so the kept rows are the unpadded product's bits.
+EXACT_ROWS = 32
+ROWS_PER_OCTAVE = 8
+
+
+def bucket_rows(m: int) -> int:
+    """The rows a oneDNN product of ``m`` rows runs with: ``m`` up to :data:`EXACT_ROWS`, else
+    ``m`` rounded up to a multiple of ``2**floor(log2 m) / ROWS_PER_OCTAVE``."""
+    if m <= EXACT_ROWS:
+        return m
+    step = (1 << (m.bit_length() - 1)) // ROWS_PER_OCTAVE
+    return -(-m // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, or oneDNN's product with ``packed`` (``weight`` reordered
+    once: ``cpu_ops.prepack``), with a 2-D bf16 CPU ``x``'s rows padded to
+    :func:`bucket_rows` and the result's extra rows dropped (a view of the first rows)."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    rows = bucket_rows(m)
+    if rows != m and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        padded = x.new_empty((rows, x.shape[1]))
+        padded[:m].copy_(x)
+        padded[m:].zero_()
+        x = padded
+    if packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
+    return y if y.shape[0] == m or m == 0 else y[:m]

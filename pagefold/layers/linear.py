@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagefold.distributed.parallel_state import all_reduce, tp_rank, tp_size
@@ -225,7 +224,7 @@ class RowParallelLinear(nn.Linear):
         y = cpu_ops.linear(x, self.weight, None) if x.dim() == 2 else None  # bf16 GEMV rows
         if y is None:
             y = gemm.linear(x, self.weight)  # bf16 GEMM rows via float32 where that is faster
-        y = F.linear(x, self.weight) if y is None else y
+        y = gemm.onednn_linear(x, self.weight) if y is None else y
         if not self.reduce:
             return y if self.bias is None or tp_rank() else y + self.bias
         y = all_reduce(y)

@@ -137,6 +137,62 @@ def test_policy_ignores_steps_that_are_not_decode_steps():
     assert p.limit == 10 and p.step_s == pytest.approx(0.001)
 
 
+def test_policy_averages_its_step_time_and_takes_a_zero_time():
+    p = BurstPolicy(budget_s=0.012)
+    p.observe({"a": 1}, False, 0.002)
+    p.observe({"a": 1}, False, 0.006)  # the running mean moves a quarter of the way
+    assert p.step_s == pytest.approx(0.003) and p.limit == 4
+    z = BurstPolicy(budget_s=0.010)
+    z.observe({"a": 1}, False, 0.0)  # a step too short for the clock: the cap, no crash
+    assert z.limit == MAX_STEPS
+
+
+class _Req:
+    def __init__(self, computed: int = 10, max_tokens: int | None = 50, outputs: int = 1,
+                 paused: bool = False, forks: tuple = ()) -> None:
+        self.paused, self.fork_children = paused, list(forks)
+        self.output_token_ids = [7] * outputs
+        self.num_computed_tokens, self.num_tokens = computed, computed + 1
+        self.sampling_params = SamplingParams(max_tokens=max_tokens)
+
+
+class _Kv:
+    """``cap`` caps a burst at a checkpoint; ``free`` blocks, each token its own block."""
+
+    def __init__(self, cap: int = 99, free: int = 99) -> None:
+        self.cap, self.asked = cap, []
+        self.pool = type("Pool", (), {"num_free": free})()
+
+    def cap_spec_chunk(self, r, k: int) -> int:
+        self.asked.append(k)
+        return min(k, self.cap)
+
+    def blocks_needed(self, r, k: int) -> int:
+        return k
+
+
+def test_policy_steps_at_their_edges():
+    """``BurstPolicy.steps`` alone: every cap at its boundary."""
+    p = BurstPolicy(budget_s=1.0, limit=2)
+    assert p.steps([_Req()], _Kv(), 64, 64) == 2  # a burst of exactly 2
+    assert p.steps([], _Kv(), 64, 64) == 1  # nothing running
+    assert BurstPolicy(budget_s=1.0, limit=1).steps([_Req()], _Kv(), 64, 64) == 1
+    kv = _Kv(cap=1)
+    assert p.steps([_Req()], kv, 64, 64) == 1 and kv.asked == [2]  # a checkpoint right after
+    p8 = BurstPolicy(budget_s=1.0, limit=8)
+    got = p8.steps([_Req(), _Req()], _Kv(), 64, 7)  # token budget 7 over 2 rows
+    assert got == 3 and type(got) is int
+    assert p8.steps([_Req(max_tokens=2)], _Kv(), 64, 64) == 1  # one token left
+    assert p8.steps([_Req(max_tokens=3)], _Kv(), 64, 64) == 2
+    assert p8.steps([_Req(computed=60)], _Kv(), 64, 64) == 4  # max_model_len 64
+    assert p8.steps([_Req(computed=62)], _Kv(), 64, 64) == 2
+    assert p8.steps([_Req(computed=63)], _Kv(), 64, 64) == 1
+    for r in (_Req(paused=True), _Req(forks=("c",)), _Req(outputs=0)):
+        assert p8.steps([_Req(), r], _Kv(), 64, 64) == 1
+    assert p8.steps([_Req(), _Req()], _Kv(free=16), 64, 64) == 8  # 2 x 8 blocks: all free
+    assert p8.steps([_Req(), _Req()], _Kv(free=15), 64, 64) == 1
+
+
 def test_policy_off_without_a_budget():
     p = BurstPolicy(budget_s=0.0)
     p.observe({"a": 1}, False, 1e-6)

@@ -68,3 +68,14 @@ def test_routed_linear_and_expert_products_keep_their_bits(monkeypatch):
         with torch.no_grad():
             assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
             assert torch.equal(gemm.matmul_t(x, lin.weight), F.linear(x, lin.weight))
+
+
+def test_inputs_of_other_ranks_are_not_padded():
+    """A 3-D input (batch, tokens, features) goes to ``F.linear`` as it is, whatever its
+    first size."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(37, 20, generator=g).bfloat16()
+    for shape in ((33, 5, 20), (3, 40, 20), (1, 7, 20)):
+        x = torch.randn(*shape, generator=g).bfloat16()
+        got = gemm.onednn_linear(x, w)
+        assert got.shape == (*shape[:2], 37) and torch.equal(got, F.linear(x, w))

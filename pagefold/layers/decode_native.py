@@ -194,6 +194,14 @@ class NativeBlocks:
                 and (residual is None or residual.is_contiguous())
                 and not dispatch.use_triton(x.device))
 
+    def check(self, rc: int, what: str) -> None:
+        """After a driver call: re-raise what a callback raised, else fail on a nonzero
+        result (``callbacks.error`` is reset before each call)."""
+        if self.callbacks.error is not None:
+            raise self.callbacks.error
+        if rc:
+            raise RuntimeError(f"a CPU kernel refused checked inputs in the {what}")
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx,
                 residual: torch.Tensor | None = None, final: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
@@ -238,10 +246,7 @@ class NativeBlocks:
             x.shape[1], st.pos, torch.get_num_threads(), None if gemv else cb.moe,
             *(final if final is not None else (None, 0.0, 0)),
             normed.data_ptr() if normed is not None else None)
-        if cb.error is not None:
-            raise cb.error
-        if rc:
-            raise RuntimeError("a CPU kernel refused checked inputs in the native decode step")
+        self.check(rc, "native decode step")
         if normed is not None:
             return normed
         return out, (residual if residual is not None else x)
@@ -296,12 +301,9 @@ class GreedyStep:
         cb = self.native.callbacks
         cb.error = None
         rc = self.lib.pf_blocks_greedy(self.addr, self.eps)
-        if cb.error is not None:
-            raise cb.error
-        if rc == -2:
+        if rc == -2:  # refused before any kernel (or callback) ran
             raise ValueError("a token id outside the embedding table in a greedy step")
-        if rc:
-            raise RuntimeError("a CPU kernel refused checked inputs in the greedy decode step")
+        self.native.check(rc, "greedy decode step")
         return self.tokens[:]
 
 

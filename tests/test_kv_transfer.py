@@ -306,7 +306,7 @@ def test_an_export_nobody_pulls_is_freed_after_keep_s(tiny_model_factory, prompt
     assert worker.outbox  # the export waits for its consumer (the pool itself is whole)
     _whole(prod)
     deadline = time.monotonic() + 5
-    while worker.outbox and time.monotonic() < deadline:
+    while (worker.outbox or not worker.expired) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not worker.outbox and worker.expired == 1
 

@@ -154,21 +154,23 @@ class TransferWorker(KVConnectorWorker):
                 return None
             left = entry[2] if entry[2] is not None else max(1, int(msg.get("pullers", 1)))
             entry[2] = left - 1
+            # Counted before the entry leaves: a reader that sees the outbox empty (without
+            # the lock) then also sees the count.
+            if msg["keys"]:
+                self.sent += 1
+            else:  # a release: the consumer will not pull it
+                self.released += 1
             if entry[2] <= 0:
                 del self.outbox[rid]
         have = {name: (name, group, rows) for name, group, rows in entry[1]}
         pages = [have[k] for k in msg["keys"] if k in have]
-        if msg["keys"]:
-            self.sent += 1
-        else:  # a release: the consumer will not pull it
-            self.released += 1
         return encode_pages(pages, self.layout)
 
     def _expire(self, now: float) -> None:
         with self._lock:
             for rid in [r for r, entry in self.outbox.items() if entry[0] < now]:
+                self.expired += 1  # before the entry leaves (see _answer)
                 del self.outbox[rid]
-                self.expired += 1
                 logger.warning("kv transfer: nobody pulled request %s's pages within %.0f s; "
                                "freed", rid, self.keep_s)
 

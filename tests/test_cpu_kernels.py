@@ -375,6 +375,41 @@ def test_qk_norm_rope_matches_torch(dtype, rotary_dim, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,rotary_dim", [(128, 32), (256, 64), (48, None)])
+def test_qk_norm_rope_gated_zero_centred(dtype, d, rotary_dim):
+    """Qwen3.5's layout: zero-centred q/k norms, partial rotary, each query head followed by
+    its gate in the fused projection (q_head_stride = 2 * head_dim); head dims 128 / 256 (the
+    bf16 path that keeps a head row in registers) and 48 (three 16-lane chunks, rotary halves
+    of 24: the general path)."""
+    class Cfg:
+        rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+
+    g = torch.Generator().manual_seed(7)
+    h, kvh, t = 3, 1, 11
+    rope = RotaryEmbedding(Cfg(), d, 512, rotary_dim=rotary_dim)
+    qn, kn = RMSNorm(d, zero_centered=True).to(dtype), RMSNorm(d, zero_centered=True).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(torch.randn(d, generator=g) * 0.3)
+        kn.weight.copy_(torch.randn(d, generator=g) * 0.3)
+    qkv = (torch.randn(t, (2 * h + 2 * kvh) * d, generator=g) * 2).to(dtype)
+    pos = torch.randint(0, 512, (t,), generator=g)
+    got = elementwise_cpu.qk_norm_rope(qkv, pos, rope.cos, rope.sin, num_heads=h,
+                                       num_kv_heads=kvh, head_dim=d, q_off=0,
+                                       q_head_stride=2 * d, k_off=2 * h * d,
+                                       q_weight=qn.weight, k_weight=kn.weight, eps=1e-6,
+                                       zero_centered=True)
+    assert got is not None
+    q = qkv[:, : 2 * h * d].view(t, h, 2 * d)[..., :d]
+    k = qkv[:, 2 * h * d : (2 * h + kvh) * d].view(t, kvh, d)
+    with torch.no_grad():
+        rq, rk = rope(pos, qn.reference(q), kn.reference(k))
+    check = _close_bits if dtype == torch.bfloat16 else (
+        lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5))
+    check(got[0], rq)
+    check(got[1], rk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [96, 93])  # 93: the vector loops' scalar tail
 def test_silu_and_mul(dtype, inter):
     gu = (torch.randn(17, 2 * inter, generator=torch.Generator().manual_seed(5)) * 6).to(dtype)

@@ -414,8 +414,12 @@ void attend_item(const uint16_t* q, int64_t q_stride, const RowDesc& row, int kv
 }
 
 // The shared driver: validates, sends rows of few lanes to prefill.cpp's kernel, packs the
-// K/V blocks (threads split the blocks), then runs the items (threads take them dynamically,
-// the longest first). -1 (nothing written) for shapes it does not take.
+// K/V blocks (threads split the blocks), then runs the items (threads take them dynamically).
+// Items go kv head by kv head, each head's tiles of a row from the longest down: the threads
+// work on one head's packed K/V at a time, which stays in their L2 (a head of 3,000 keys of 64
+// is 0.8 MB; all 12 heads of an MHA row are 9 MB). Head-minor order (every item a new head)
+// streamed the K/V from memory for each item: 1.37x slower on 12 heads x 3,100 tokens, AMX.
+// -1 (nothing written) for shapes it does not take.
 template <class Products>
 int prefill_blocked(const void* q, int64_t q_stride, const void* cache, const int64_t* slots,
                     const int64_t* rows, int R, void* out, int64_t out_stride, int H, int KVH,
@@ -456,7 +460,8 @@ int prefill_blocked(const void* q, int64_t q_stride, const void* cache, const in
       blk_row.push_back(r);
       blk_idx.push_back(b);
     }
-    // The tiles of a row from the last (the most keys) down, for the dynamic schedule.
+    // The tiles of a row from the last (the most keys) down, for the dynamic schedule (the
+    // shortest items of the last kv head end it).
     for (int64_t l0 = (d.q_len * G - 1) / kLanes * kLanes; l0 >= 0; l0 -= kLanes) {
       item_row.push_back(r);
       item_lane.push_back(l0);
@@ -477,7 +482,8 @@ int prefill_blocked(const void* q, int64_t q_stride, const void* cache, const in
   const auto* ch = static_cast<const uint16_t*>(cache);
   auto* oh = static_cast<uint16_t*>(out);
   const int64_t nblk = static_cast<int64_t>(blk_row.size()) * KVH;
-  const int64_t items = static_cast<int64_t>(item_row.size()) * KVH;
+  const int64_t nk = static_cast<int64_t>(item_row.size());  // items of one kv head
+  const int64_t items = nk * KVH;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
   {
 #pragma omp for schedule(static)
@@ -491,8 +497,8 @@ int prefill_blocked(const void* q, int64_t q_stride, const void* cache, const in
     Products::begin();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t k = it / KVH;
-      attend_item<Products>(qh, q_stride, desc[item_row[k]], static_cast<int>(it % KVH),
+      const int64_t k = it % nk;
+      attend_item<Products>(qh, q_stride, desc[item_row[k]], static_cast<int>(it / nk),
                             item_lane[k], pk, oh, out_stride, G, D, window, scale);
     }
     Products::end();

@@ -437,7 +437,10 @@ void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* 
     for (int j = 1; j < nsub; ++j) vmax = _mm512_max_ps(vmax, _mm512_load_ps(sc[g] + 16 * j));
     const float smax = _mm512_reduce_max_ps(vmax);
     const float mnew = smax > st.m[g] ? smax : st.m[g];
-    const float alpha = std::exp(st.m[g] - mnew);  // exp(-inf) = 0 on the first keys
+    // Once the first tiles are in, the running maximum rarely moves: alpha is then 1 and the
+    // rescale of the sums is skipped (the same bits: x * 1 = x). exp(-inf) = 0 on the first keys.
+    const bool same = st.m[g] == mnew;
+    const float alpha = same ? 1.0f : std::exp(st.m[g] - mnew);
     st.m[g] = mnew;
     const __m512 vm = _mm512_set1_ps(mnew);
     __m512 vsum = _mm512_setzero_ps();
@@ -448,6 +451,7 @@ void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* 
       vsum = _mm512_add_ps(vsum, p);
     }
     st.l[g] = st.l[g] * alpha + _mm512_reduce_add_ps(vsum);
+    if (same) continue;
     const __m512 va = _mm512_set1_ps(alpha);
     float* ag = st.acc + g * D;
     for (int c = 0; c < C; ++c)

@@ -48,6 +48,7 @@ from pagefold.layers.linear import shard_rows
 from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.mlp import GatedMLP
 from pagefold.layers.native_record import Step, gemv_of, gemv_ready
+from pagefold.ops import elementwise
 
 __all__ = ["ExpertWeightRouter", "MoEExperts", "SparseMoeBlock"]
 
@@ -212,8 +213,10 @@ class MoEExperts(nn.Module):
         gu = matmul_t(h, self.gate_up_proj[e]) if q is None else q.gate_up_proj(h)
         if slots is not None:
             self.lora.add(e, "gate_up_proj", h, gu, slots)
-        gate, up = gu.split(self.inter, dim=-1)
-        act = F.silu(gate) * up
+        act = elementwise.silu_and_mul(gu)  # one kernel; the torch ops where it declines
+        if act is None:
+            gate, up = gu.split(self.inter, dim=-1)
+            act = F.silu(gate) * up
         y = matmul_t(act, self.down_proj[e]) if q is None else q.down_proj(act)
         if slots is not None:
             self.lora.add(e, "down_proj", act, y, slots)

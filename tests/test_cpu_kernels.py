@@ -375,12 +375,12 @@ def test_qk_norm_rope_matches_torch(dtype, rotary_dim, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d,rotary_dim", [(128, 32), (256, 64), (48, None)])
+@pytest.mark.parametrize("d,rotary_dim", [(128, 32), (256, 64), (40, 32), (48, None)])
 def test_qk_norm_rope_gated_zero_centred(dtype, d, rotary_dim):
     """Qwen3.5's layout: zero-centred q/k norms, partial rotary, each query head followed by
     its gate in the fused projection (q_head_stride = 2 * head_dim); head dims 128 / 256 (the
-    bf16 path that keeps a head row in registers) and 48 (three 16-lane chunks, rotary halves
-    of 24: the general path)."""
+    bf16 path that keeps a head row in registers), 40 (the same with a masked last chunk) and
+    48 (three 16-lane chunks, rotary halves of 24: the general path)."""
     class Cfg:
         rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
 

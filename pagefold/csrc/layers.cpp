@@ -18,27 +18,30 @@ namespace pf {
 namespace {
 
 #if defined(PF_AVX512)
-// One bf16 head row of D = 16 * C (C <= kMaxHeadDim / 16) in registers: RMSNorm when w is given
-// (rms_row<uint16_t>'s operations and roundings, in the same order) then RoPE on the first
-// 16 * RC channels (RC even: each 16-lane chunk in one half), with cos / sin already rounded
-// to bf16 (cr, sr). The same bits as the general path below, without its trips through memory
-// (the row is read once and written once; it was ~110 cycles a 64-wide head row).
+// One bf16 head row of D (<= kMaxHeadDim) in registers, 16 lanes a chunk, the last one masked:
+// RMSNorm when w is given (rms_row<uint16_t>'s operations and roundings, in the same order),
+// then RoPE on the first 16 * RC channels (RC even, so each chunk lies in one half), with cos /
+// sin already rounded to bf16 (cr, sr). The row is read once and written once (the general
+// path below went through memory twice: ~110 cycles a 64-wide head row, now ~75).
 inline void qk_row_bf16(const uint16_t* src, const uint16_t* w, const __m512* cr,
-                        const __m512* sr, int C, int RC, float eps, bool zc, uint16_t* dst) {
+                        const __m512* sr, int D, int RC, float eps, bool zc, uint16_t* dst) {
+  const int C = (D + 15) / 16;
   __m512 n[kMaxHeadDim / 16];
-  for (int c = 0; c < C; ++c) n[c] = vload<uint16_t>(src + 16 * c);
+  for (int c = 0; c < C; ++c) n[c] = vload<uint16_t>(src + 16 * c, lanes(D - 16 * c));
   if (w) {
     __m512 ss = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) ss = _mm512_fmadd_ps(n[c], n[c], ss);
-    const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(16 * C) + eps);
+    const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + eps);
     const __m512 vr = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
     for (int c = 0; c < C; ++c) {
       const __m512 v = _mm512_mul_ps(n[c], vr);
-      const __m512 wv = vload<uint16_t>(w + 16 * c);
+      const __m512 wv = vload<uint16_t>(w + 16 * c, lanes(D - 16 * c));
       n[c] = vrnd<uint16_t>(zc ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
                                : _mm512_mul_ps(wv, vrnd<uint16_t>(v)));
     }
   }
+  // torch: x * cos + rotate_half(x) * sin, cos/sin rounded to T, each product and the sum
+  // rounded to T; channels past the rotary ones pass through.
   const int hc = RC / 2;
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   for (int c = 0; c < RC; ++c) {
@@ -49,7 +52,7 @@ inline void qk_row_bf16(const uint16_t* src, const uint16_t* w, const __m512* cr
     const __m512 b = vrnd<uint16_t>(_mm512_mul_ps(rh, sr[c]));
     vstore<uint16_t>(dst + 16 * c, _mm512_add_ps(a, b));
   }
-  for (int c = RC; c < C; ++c) vstore<uint16_t>(dst + 16 * c, n[c]);
+  for (int c = RC; c < C; ++c) vstore<uint16_t>(dst + 16 * c, n[c], lanes(D - 16 * c));
 }
 #endif
 
@@ -68,7 +71,7 @@ void qk_rope_all(const T* qkv, int64_t row_stride, int64_t q_off, int64_t q_head
     const int half = rot / 2;
 #if defined(PF_AVX512)
     if constexpr (std::is_same_v<T, uint16_t>) {
-      if (half % 16 == 0 && D % 16 == 0) {  // every head of the token in registers
+      if (half % 16 == 0) {  // every head of the token in registers (qk_row_bf16)
         __m512 cr[kMaxHeadDim / 16], sr[kMaxHeadDim / 16];
         for (int k = 0; k < rot / 16; ++k) {
           cr[k] = vrnd<T>(_mm512_loadu_ps(c + 16 * k));
@@ -78,7 +81,7 @@ void qk_rope_all(const T* qkv, int64_t row_stride, int64_t q_off, int64_t q_head
           const bool is_q = h < H;
           qk_row_bf16(qkv + i * row_stride + (is_q ? q_off + h * q_head_stride
                                                    : k_off + static_cast<int64_t>(h - H) * D),
-                      is_q ? qw : kw, cr, sr, D / 16, rot / 16, eps, zc,
+                      is_q ? qw : kw, cr, sr, D, rot / 16, eps, zc,
                       is_q ? q_out + (i * H + h) * D : k_out + (i * KVH + h - H) * D);
         }
         continue;
@@ -110,25 +113,6 @@ void qk_rope_all(const T* qkv, int64_t row_stride, int64_t q_off, int64_t q_head
                                                     v8rnd<T>(_mm256_loadu_ps(c + d))));
             const __m256 b = v8rnd<T>(_mm256_mul_ps(rh, v8rnd<T>(_mm256_loadu_ps(s + d))));
             v8store<T>(dst + d, _mm256_add_ps(a, b));
-          }
-          for (int d = rot; d < D; ++d) store<T>(dst, d, n[d]);
-          continue;
-        }
-      }
-#endif
-#if defined(PF_AVX512)
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (half % 16 == 0) {  // each 16-lane chunk lies in one half: whole-vector rotate
-          const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-          for (int d = 0; d < rot; d += 16) {
-            const __m512 rh = d < half
-                ? _mm512_castsi512_ps(_mm512_xor_si512(
-                      _mm512_castps_si512(_mm512_load_ps(n + d + half)), sign))
-                : _mm512_load_ps(n + d - half);
-            const __m512 a = vrnd<T>(_mm512_mul_ps(_mm512_load_ps(n + d),
-                                                   vrnd<T>(_mm512_loadu_ps(c + d))));
-            const __m512 b = vrnd<T>(_mm512_mul_ps(rh, vrnd<T>(_mm512_loadu_ps(s + d))));
-            vstore<T>(dst + d, _mm512_add_ps(a, b));
           }
           for (int d = rot; d < D; ++d) store<T>(dst, d, n[d]);
           continue;

@@ -84,6 +84,105 @@ int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_
   return 0;
 }
 
+// The routed experts of a many-token step, in two calls around the GEMM library's products.
+// pagefold.layers.moe_rows groups the step's positions p = token * k + slot by expert on the
+// host (order: the positions sorted by expert, stably; starts: expert e's run is order[starts[e]
+// .. starts[e + 1])) and writes every position's expert output into ys (t * k, hidden), row j
+// holding order[j]'s. pf_moe_experts_grouped fills the runs of min_rows..max_rows positions
+// with the GEMVs, as pf_moe_experts_few would (the same gather, products, SiLU kernel and bits;
+// a GEMV row's bits do not depend on the rows beside it); other runs are the caller's.
+// pf_moe_combine then sums each token's weighted rows in ascending expert order into zeros,
+// rounding as torch's `out.index_add_(rows, y * w)` per expert does.
+
+// Runs of min_rows..max_rows positions, in parallel over experts (each GEMV on one thread) when there
+// are enough of them, else one after another with the GEMVs' own threads. Returns 0, -1 for an
+// argument out of range, or the kernels' nonzero code.
+int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
+                           int k, const int64_t* order, const int64_t* starts, int E,
+                           int min_rows, int max_rows, const uint16_t* gate_up,
+                           const uint16_t* down, int64_t hidden, int64_t inter, uint16_t* ys,
+                           int nthreads) {
+  if (gemv_gu == nullptr || gemv_down == nullptr || k < 1 || min_rows < 1 ||
+      max_rows < min_rows || E < 1)
+    return -1;
+  const GemvFn gemv_g = reinterpret_cast<GemvFn>(gemv_gu);
+  const GemvFn gemv_dn = reinterpret_cast<GemvFn>(gemv_down);
+  std::vector<int> small;
+  for (int e = 0; e < E; ++e) {
+    const int64_t n = starts[e + 1] - starts[e];
+    if (n < 0) return -1;
+    if (n >= min_rows && n <= max_rows) small.push_back(e);
+  }
+  const int groups = static_cast<int>(small.size());
+  const bool outer = nthreads > 1 && groups >= 2 * nthreads;
+  const int inner = outer ? 1 : nthreads;
+  int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (outer) reduction(| : rc)
+  {
+    std::vector<uint16_t> h(static_cast<size_t>(max_rows) * hidden),
+        gu(static_cast<size_t>(max_rows) * 2 * inter), act(static_cast<size_t>(max_rows) * inter);
+#pragma omp for schedule(dynamic, 1)
+    for (int g = 0; g < groups; ++g) {
+      const int e = small[g];
+      const int64_t s = starts[e];
+      const int n = static_cast<int>(starts[e + 1] - s);
+      for (int r = 0; r < n; ++r)
+        std::memcpy(h.data() + r * hidden, x + (order[s + r] / k) * x_stride,
+                    sizeof(uint16_t) * hidden);
+      int c = gemv_g(h.data(), hidden, gate_up + e * 2 * inter * hidden, nullptr, gu.data(),
+                     2 * inter, n, 2 * inter, hidden, inner);
+      c |= pf_silu_mul(1, gu.data(), 2 * inter, act.data(), n, static_cast<int>(inter), inner);
+      c |= gemv_dn(act.data(), inter, down + e * hidden * inter, nullptr, ys + s * hidden,
+                   hidden, n, hidden, inter, inner);
+      rc |= c;
+    }
+  }
+  return rc;
+}
+
+// out (t, hidden) = per token, from zeros, out += bf16(ys[j] * w[p]) over its k positions p in
+// ascending order of j (rank[p] = j where order[j] = p: ascending expert), each add rounded to
+// bf16. ys, top_w (t, k) and out contiguous; tokens split over nthreads. Returns -1 for an order
+// that is not a permutation of 0 .. t * k - 1.
+int pf_moe_combine(const uint16_t* ys, const int64_t* order, int t, int k, const uint16_t* top_w,
+                   int64_t hidden, uint16_t* out, int nthreads) {
+  if (t < 0 || k < 1) return -1;
+  const int64_t np = static_cast<int64_t>(t) * k;
+  std::vector<int64_t> rank(np, -1);
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t p = order[j];
+    if (p < 0 || p >= np || rank[p] != -1) return -1;
+    rank[p] = j;
+  }
+  const bool par = nthreads > 1 && np * hidden >= (1 << 15);
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    std::vector<int64_t> js(k);
+    std::vector<int> slot(k);
+    std::vector<float> acc(hidden);
+#pragma omp for schedule(static)
+    for (int i = 0; i < t; ++i) {
+      for (int s = 0; s < k; ++s) js[s] = rank[static_cast<int64_t>(i) * k + s];
+      // k is small: an insertion sort of the token's slots by rank.
+      for (int s = 0; s < k; ++s) slot[s] = s;
+      for (int a = 1; a < k; ++a)
+        for (int b = a; b > 0 && js[slot[b]] < js[slot[b - 1]]; --b) std::swap(slot[b], slot[b - 1]);
+      for (int64_t d = 0; d < hidden; ++d) acc[d] = 0.0f;
+      for (int a = 0; a < k; ++a) {
+        const int s = slot[a];
+        const float w = bf16_to_f32(top_w[static_cast<int64_t>(i) * k + s]);
+        const uint16_t* yr = ys + js[s] * hidden;
+        // acc holds a bf16 value: round y * w, add, round the sum (torch's bf16 add_).
+        for (int64_t d = 0; d < hidden; ++d)
+          acc[d] = rnd<uint16_t>(acc[d] + rnd<uint16_t>(bf16_to_f32(yr[d]) * w));
+      }
+      uint16_t* o = out + static_cast<int64_t>(i) * hidden;
+      for (int64_t d = 0; d < hidden; ++d) o[d] = f32_to_bf16(acc[d]);
+    }
+  }
+  return 0;
+}
+
 // Router: per token, p = softmax(float(logits)) over E experts (float32, exp(x - max) / sum),
 // the k largest in descending order (ties: the lower expert first), renormalised to sum 1 when
 // norm (p / sum of the k, float32), weights rounded to bf16. logits (t, E) bf16 rows stride

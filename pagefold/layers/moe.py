@@ -47,6 +47,7 @@ from pagefold.layers.expert_parallel import expert_shard, routed_ep, shard_exper
 from pagefold.layers.linear import shard_rows
 from pagefold.layers.lora_experts import ExpertsLayout
 from pagefold.layers.mlp import GatedMLP
+from pagefold.layers.moe_rows import grouped_forward
 from pagefold.layers.native_record import Step, gemv_of, gemv_ready
 from pagefold.ops import elementwise
 
@@ -182,7 +183,12 @@ class MoEExperts(nn.Module):
         if t == 0:
             return torch.zeros_like(x)
         lora = self.lora is not None and self.lora.step.idx is not None
-        out = self._few_rows(x, top_idx, top_w) if self.quantized is None and not lora else None
+        out = None
+        if self.quantized is None and not lora:
+            out = self._few_rows(x, top_idx, top_w)
+            if out is None and self._grouped_ok(x, top_idx, top_w):
+                out = grouped_forward(x, top_idx, top_w, self.gate_up_proj, self.down_proj,
+                                      self.gemv_pair() if self.use_gemv else None)
         if out is not None:
             return out
         out = torch.zeros_like(x)
@@ -201,6 +207,16 @@ class MoEExperts(nn.Module):
             out.index_add_(0, rows, y * weights[start : start + n, None])
             start += n
         return out
+
+    def _grouped_ok(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> bool:
+        """Whether :func:`~pagefold.layers.moe_rows.grouped_forward` takes this step: bf16 CPU
+        rows and stacked weights, int64 ids (``PAGEFOLD_NATIVE_DECODE=0`` keeps the loop)."""
+        gu_w, dn_w = self.gate_up_proj, self.down_proj
+        return (NATIVE and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu
+                and x.stride(1) == 1 and top_idx.dtype == torch.int64
+                and top_w.dtype == torch.bfloat16 and gu_w.dtype == torch.bfloat16
+                and dn_w.dtype == torch.bfloat16 and gu_w.is_cpu
+                and gu_w.is_contiguous() and dn_w.is_contiguous())
 
     def _expert(self, e: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Local expert ``e`` on rows ``h`` (those of ``tokens``):

@@ -53,11 +53,13 @@ def _routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _general(m: MoEExperts, x, idx, w) -> torch.Tensor:
-    m._few_rows = lambda *a: None  # instance attribute: forward takes the general path
+    # Instance attributes: forward takes the general path (the Python loop over experts).
+    m._few_rows = lambda *a: None
+    m._grouped_ok = lambda *a: False
     try:
         return m(x, idx, w)
     finally:
-        del m._few_rows
+        del m._few_rows, m._grouped_ok
 
 
 def _oracle(m: MoEExperts, x, idx, w) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""Routed experts of a many-token bf16 CPU step, grouped: no Python loop over small experts.
+
+:class:`~pagefold.layers.moe.MoEExperts`' general path loops over the experts that drew
+tokens, a dozen torch operations each (gather, two products with their row padding, SiLU,
+weighting, ``index_add_``): ~150-250 us of host work an expert on a 2-core Xeon, whatever its
+rows. A 64-expert top-8 layer over 512 tokens spent most of its 16 ms there, and a 128-expert
+layer in a 64-request decode step (4 rows an expert) 36 ms for ~1 ms of products. Here:
+
+1. One stable sort of the positions ``p = token * k + slot`` by expert and one host sync for
+   the run lengths (as the general path).
+2. Every run of at most ``max_rows`` positions (the rows the chosen GEMVs take) in one C call,
+   ``pf_moe_experts_grouped``: gather, the GEMVs, the SiLU kernel, exactly what the few-token
+   path computes for such an expert, in parallel over experts; on AMX, runs of up to 32 more
+   in a second call with the tile GEMV (:func:`run_kernels`).
+3. Longer runs: the GEMM library's products (``matmul_t``: oneDNN, padded row counts), on
+   slices of one gather of the inputs; their compute outgrows the few ops around them.
+4. One C call, ``pf_moe_combine``: each token's weighted rows summed in ascending expert order
+   into zeros with torch's bf16 roundings (``y * w`` rounded, each add rounded), the general
+   path's accumulation.
+
+Invariant: a row's expert output is the chosen GEMV's when its run fits ``max_rows``, the
+tile GEMV's for runs up to 32 on AMX, oneDNN's otherwise; a run's bits never depend on the
+other experts' runs. Steps of at most ``max_rows`` tokens never get here (the few-token path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagefold.csrc import cpu_ops, gemv_choice
+from pagefold.csrc.gemm import matmul_t
+from pagefold.ops import elementwise
+
+__all__ = ["grouped_forward", "run_kernels"]
+
+# Rows up to which the AMX tile GEMV takes an expert's run past the chosen GEMV's rows. The
+# chooser's row limit answers "GEMV or oneDNN on prepacked weights"; an expert run's GEMM is
+# oneDNN on unpacked weights plus ~4 torch calls. Measured on the AMX Xeon at 2 threads (512 x
+# 512 bf16, weights hot): the tile GEMV 25 / 47 us at 32 / 64 rows in 32-row calls against
+# oneDNN's 36 / 45 us before those calls' ~40 us; streamed, 33 us at 8 rows against 37 for
+# prepacked oneDNN. The tile kernel takes at most 32 rows.
+AMX_RUN_ROWS = 32
+
+
+def run_kernels(gemv_pair: tuple | None) -> list[tuple[tuple, int, int]]:
+    """The (gate_up, down) GEMV choices for expert runs and the run lengths each takes, as
+    ``[((gu, dn), lo, hi), ...]`` over contiguous ranges from 1: the chosen GEMVs up to the
+    smaller of their row limits (what the few-token path computes for such a run), then, where
+    AMX runs here and no kernel is forced, the tile GEMV up to :data:`AMX_RUN_ROWS`. ``[]``
+    without GEMVs (every run takes the GEMM)."""
+    if gemv_pair is None or gemv_pair[0].fn is None or gemv_pair[1].fn is None:
+        return []
+    cap = min(gemv_pair[0].max_rows, gemv_pair[1].max_rows)
+    out = [(gemv_pair, 1, cap)] if cap >= 1 else []
+    if cap < AMX_RUN_ROWS and gemv_choice.requested() in ("auto", "flags"):
+        lib = cpu_ops.kernels()
+        if any(c.name == "amx" for c in gemv_choice.available(lib)):
+            amx = gemv_choice.make_choice(lib, "amx", AMX_RUN_ROWS)
+            out.append(((amx, amx), cap + 1, AMX_RUN_ROWS))
+    return out
+
+
+def grouped_forward(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor, gemv_pair: tuple | None
+                    ) -> torch.Tensor | None:
+    """The routed sum ``(T, hidden)`` for bf16 CPU ``x`` (rows unit stride), ``top_idx`` (T, k)
+    int64, ``top_w`` (T, k) bf16 and the stacked contiguous bf16 weights ``gate_up`` (E, 2I, H)
+    / ``down`` (E, H, I); ``gemv_pair``: the (gate_up, down) GEMV choices, None for none (every
+    run then takes the GEMM). None when the compiled kernels are missing or decline."""
+    lib = cpu_ops.kernels()
+    if lib is None:
+        return None
+    t, k = top_idx.shape
+    n_exp, hidden, inter = gate_up.shape[0], x.shape[1], down.shape[2]
+    flat = top_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # experts ascending, tokens ascending in one
+    counts_t = torch.bincount(flat, minlength=n_exp)
+    if counts_t.shape[0] != n_exp:  # an id out of range: the general path raises for it
+        return None
+    starts_t = torch.zeros(n_exp + 1, dtype=torch.int64)
+    torch.cumsum(counts_t, 0, out=starts_t[1:])
+    counts = counts_t.tolist()  # the one host sync
+    threads = torch.get_num_threads()
+    ys = torch.empty((t * k, hidden), dtype=torch.bfloat16)
+    hi = 0  # runs of 1..hi positions are the GEMVs'
+    for (gu_c, dn_c), lo, hi_r in run_kernels(gemv_pair):
+        if any(lo <= n <= hi_r for n in counts):
+            rc = lib.pf_moe_experts_grouped(
+                gu_c.address, dn_c.address, x.data_ptr(), x.stride(0), k, order.data_ptr(),
+                starts_t.data_ptr(), n_exp, lo, hi_r, gate_up.data_ptr(), down.data_ptr(),
+                hidden, inter, ys.data_ptr(), threads)
+            if rc != 0:
+                return None
+        hi = hi_r
+    big = [e for e, n in enumerate(counts) if n > hi]
+    if big:
+        hx = x.index_select(0, order // k)  # every position's input row, in run order
+        starts = starts_t.tolist()
+        for e in big:
+            s, n = starts[e], counts[e]
+            gu = matmul_t(hx[s : s + n], gate_up[e])
+            act = elementwise.silu_and_mul(gu)
+            if act is None:
+                gate, up = gu.split(inter, dim=-1)
+                act = F.silu(gate) * up
+            ys[s : s + n] = matmul_t(act, down[e])
+    out = torch.empty_like(x) if x.is_contiguous() else torch.empty((t, hidden), dtype=x.dtype)
+    w = top_w.contiguous()
+    if lib.pf_moe_combine(ys.data_ptr(), order.data_ptr(), t, k, w.data_ptr(), hidden,
+                          out.data_ptr(), threads) != 0:
+        return None
+    return out

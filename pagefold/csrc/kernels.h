@@ -65,8 +65,8 @@ int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, in
                            int min_rows, int max_rows, const uint16_t* gate_up,
                            const uint16_t* down, int64_t hidden, int64_t inter, uint16_t* ys,
                            int nthreads);
-int pf_moe_combine(const uint16_t* ys, const int64_t* order, int t, int k, const uint16_t* top_w,
-                   int64_t hidden, uint16_t* out, int nthreads);
+int pf_moe_combine(const int64_t* rows_at, const int64_t* order, int t, int k,
+                   const uint16_t* top_w, int64_t hidden, uint16_t* out, int nthreads);
 int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, int norm,
                  int64_t* idx, uint16_t* w, int nthreads);
 int pf_moe_shared_add(const uint16_t* routed, const uint16_t* shared, const uint16_t* gate,

@@ -88,7 +88,8 @@ int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_
 // pagefold.layers.moe_rows groups the step's positions p = token * k + slot by expert on the
 // host (order: the positions sorted by expert, stably; starts: expert e's run is order[starts[e]
 // .. starts[e + 1])) and writes every position's expert output into ys (t * k, hidden), row j
-// holding order[j]'s. pf_moe_experts_grouped fills the runs of min_rows..max_rows positions
+// holding order[j]'s (long runs' rows may live in their own products instead: pf_moe_combine
+// reads row j at an address). pf_moe_experts_grouped fills the runs of min_rows..max_rows positions
 // with the GEMVs, as pf_moe_experts_few would (the same gather, products, SiLU kernel and bits;
 // a GEMV row's bits do not depend on the rows beside it); other runs are the caller's.
 // pf_moe_combine then sums each token's weighted rows in ascending expert order into zeros,
@@ -140,12 +141,13 @@ int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, in
   return rc;
 }
 
-// out (t, hidden) = per token, from zeros, out += bf16(ys[j] * w[p]) over its k positions p in
+// out (t, hidden) = per token, from zeros, out += bf16(row j * w[p]) over its k positions p in
 // ascending order of j (rank[p] = j where order[j] = p: ascending expert), each add rounded to
-// bf16. ys, top_w (t, k) and out contiguous; tokens split over nthreads. Returns -1 for an order
-// that is not a permutation of 0 .. t * k - 1.
-int pf_moe_combine(const uint16_t* ys, const int64_t* order, int t, int k, const uint16_t* top_w,
-                   int64_t hidden, uint16_t* out, int nthreads) {
+// bf16; row j is the hidden bf16 values at address rows[j] (the grouped buffer, or a long run's
+// own product: no copy). top_w (t, k) and out contiguous; tokens split over nthreads. Returns
+// -1 for an order that is not a permutation of 0 .. t * k - 1.
+int pf_moe_combine(const int64_t* rows_at, const int64_t* order, int t, int k,
+                   const uint16_t* top_w, int64_t hidden, uint16_t* out, int nthreads) {
   if (t < 0 || k < 1) return -1;
   const int64_t np = static_cast<int64_t>(t) * k;
   std::vector<int64_t> rank(np, -1);
@@ -159,7 +161,8 @@ int pf_moe_combine(const uint16_t* ys, const int64_t* order, int t, int k, const
   {
     std::vector<int64_t> js(k);
     std::vector<int> slot(k);
-    std::vector<float> acc(hidden);
+    std::vector<float> wk(k);
+    std::vector<const uint16_t*> rows(k);
 #pragma omp for schedule(static)
     for (int i = 0; i < t; ++i) {
       for (int s = 0; s < k; ++s) js[s] = rank[static_cast<int64_t>(i) * k + s];
@@ -167,17 +170,37 @@ int pf_moe_combine(const uint16_t* ys, const int64_t* order, int t, int k, const
       for (int s = 0; s < k; ++s) slot[s] = s;
       for (int a = 1; a < k; ++a)
         for (int b = a; b > 0 && js[slot[b]] < js[slot[b - 1]]; --b) std::swap(slot[b], slot[b - 1]);
-      for (int64_t d = 0; d < hidden; ++d) acc[d] = 0.0f;
       for (int a = 0; a < k; ++a) {
-        const int s = slot[a];
-        const float w = bf16_to_f32(top_w[static_cast<int64_t>(i) * k + s]);
-        const uint16_t* yr = ys + js[s] * hidden;
-        // acc holds a bf16 value: round y * w, add, round the sum (torch's bf16 add_).
-        for (int64_t d = 0; d < hidden; ++d)
-          acc[d] = rnd<uint16_t>(acc[d] + rnd<uint16_t>(bf16_to_f32(yr[d]) * w));
+        wk[a] = bf16_to_f32(top_w[static_cast<int64_t>(i) * k + slot[a]]);
+        rows[a] = reinterpret_cast<const uint16_t*>(rows_at[js[slot[a]]]);
       }
+      // The sum holds a bf16 value: round y * w, add, round the sum (torch's bf16 add_).
       uint16_t* o = out + static_cast<int64_t>(i) * hidden;
-      for (int64_t d = 0; d < hidden; ++d) o[d] = f32_to_bf16(acc[d]);
+      int64_t d = 0;
+#if defined(PF_AVX512)
+      for (; d < hidden; d += 16) {
+        const __mmask16 m = lanes(hidden - d);
+        __m512 acc = _mm512_setzero_ps();
+        for (int a = 0; a < k; ++a)
+          acc = vrnd<uint16_t>(_mm512_add_ps(
+              acc, vrnd<uint16_t>(_mm512_mul_ps(vload(rows[a] + d, m), _mm512_set1_ps(wk[a])))));
+        vstore(o + d, acc, m);
+      }
+#elif defined(PF_AVX2)
+      for (; d + 8 <= hidden; d += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int a = 0; a < k; ++a)
+          acc = v8rnd<uint16_t>(_mm256_add_ps(
+              acc, v8rnd<uint16_t>(_mm256_mul_ps(v8load(rows[a] + d), _mm256_set1_ps(wk[a])))));
+        v8store(o + d, acc);
+      }
+#endif
+      for (; d < hidden; ++d) {
+        float acc = 0.0f;
+        for (int a = 0; a < k; ++a)
+          acc = rnd<uint16_t>(acc + rnd<uint16_t>(bf16_to_f32(rows[a][d]) * wk[a]));
+        o[d] = f32_to_bf16(acc);
+      }
     }
   }
   return 0;

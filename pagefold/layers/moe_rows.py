@@ -16,7 +16,7 @@ layer in a 64-request decode step (4 rows an expert) 36 ms for ~1 ms of products
    slices of one gather of the inputs; their compute outgrows the few ops around them.
 4. One C call, ``pf_moe_combine``: each token's weighted rows summed in ascending expert order
    into zeros with torch's bf16 roundings (``y * w`` rounded, each add rounded), the general
-   path's accumulation.
+   path's accumulation; it reads each row at an address (long runs' products in place).
 
 Invariant: a row's expert output is the chosen GEMV's when its run fits ``max_rows``, the
 tile GEMV's for runs up to 32 on AMX, oneDNN's otherwise; a run's bits never depend on the
@@ -94,6 +94,9 @@ def grouped_forward(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                 return None
         hi = hi_r
     big = [e for e, n in enumerate(counts) if n > hi]
+    row_bytes = hidden * ys.element_size()
+    rows_at = torch.arange(t * k, dtype=torch.int64) * row_bytes + ys.data_ptr()
+    keep = []  # long runs' products, read in place by the combine
     if big:
         hx = x.index_select(0, order // k)  # every position's input row, in run order
         starts = starts_t.tolist()
@@ -104,10 +107,17 @@ def grouped_forward(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
             if act is None:
                 gate, up = gu.split(inter, dim=-1)
                 act = F.silu(gate) * up
-            ys[s : s + n] = matmul_t(act, down[e])
+            y = matmul_t(act, down[e])
+            if y.stride(1) != 1 or y.dtype != torch.bfloat16:
+                ys[s : s + n] = y
+                continue
+            keep.append(y)
+            rows_at[s : s + n] = (torch.arange(n, dtype=torch.int64)
+                                  * (y.stride(0) * y.element_size()) + y.data_ptr())
     out = torch.empty_like(x) if x.is_contiguous() else torch.empty((t, hidden), dtype=x.dtype)
     w = top_w.contiguous()
-    if lib.pf_moe_combine(ys.data_ptr(), order.data_ptr(), t, k, w.data_ptr(), hidden,
+    if lib.pf_moe_combine(rows_at.data_ptr(), order.data_ptr(), t, k, w.data_ptr(), hidden,
                           out.data_ptr(), threads) != 0:
         return None
+    del keep  # the products outlive the combine that reads them
     return out

@@ -2,14 +2,16 @@
 
 Steps of more tokens than the experts' GEMVs take go through ``grouped_forward``: runs of at
 most ``max_rows`` positions through the GEMVs in one C call, longer ones through the GEMM
-library, and one C call summing each token's weighted rows. Oracles here are torch-only:
+library, and one C call summing each token's weighted rows. The oracles are per-expert loops
+of torch ops over the product kernels themselves (never the grouping code):
 
 * without GEMVs, the block's output is the general path's (the Python loop over experts) bit
   for bit;
-* with them, every row is a per-expert loop whose products are ``cpu_ops.linear`` (the GEMV,
-  whose row bits do not depend on the rows beside it) for runs of at most ``max_rows``
-  positions and ``F.linear`` for longer runs, summed per token in ascending expert order with
-  torch's bf16 roundings.
+* with them, every row is a per-expert loop whose products are the chosen GEMV (whose row bits
+  do not depend on the rows beside it) for runs of at most ``max_rows`` positions, the AMX
+  tile GEMV up to 32 where it runs, and the GEMM path past that (``matmul_t``: oneDNN or the
+  float32-upcast GEMM), summed per token in ascending expert order with torch's bf16
+  roundings.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefold.csrc import cpu_ops, gemv_choice, gemv_registry
+from pagefold.csrc.gemm import matmul_t
 from pagefold.layers import moe, moe_rows
 from pagefold.layers.moe import MoEExperts
 
@@ -70,8 +73,8 @@ def _product(n: int, cap: int):
         fn = getattr(lib, gemv_registry.by_name(cpu_ops.default_choice().name).symbol)
     elif n <= 32 and _amx_runs():
         fn = lib.pf_linear_bf16_amx
-    else:
-        return F.linear
+    else:  # the GEMM path every product past the GEMVs takes (tests/test_onednn_rows.py)
+        return matmul_t
     return lambda x, w: gemv_registry.call(fn, x.contiguous(), w, None)
 
 
@@ -203,11 +206,12 @@ def test_combine_rejects_a_bad_order() -> None:
     lib = cpu_ops.kernels()
     t, k = 3, 2
     ys = torch.zeros(t * k, H, dtype=torch.bfloat16)
+    rows_at = torch.arange(t * k, dtype=torch.int64) * (H * 2) + ys.data_ptr()
     w = torch.ones(t, k, dtype=torch.bfloat16)
     out = torch.empty(t, H, dtype=torch.bfloat16)
     for bad in ([0, 1, 2, 3, 4, 4], [0, 1, 2, 3, 4, 6], [-1, 1, 2, 3, 4, 5]):
         order = torch.tensor(bad, dtype=torch.int64)
-        assert lib.pf_moe_combine(ys.data_ptr(), order.data_ptr(), t, k, w.data_ptr(), H,
+        assert lib.pf_moe_combine(rows_at.data_ptr(), order.data_ptr(), t, k, w.data_ptr(), H,
                                   out.data_ptr(), 1) == -1
 
 

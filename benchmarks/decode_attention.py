@@ -9,7 +9,9 @@ pool as a running engine leaves them), ``heads`` query heads over ``kv_heads`` o
 memory as in a model step, not from the last layer's cache lines). Columns: ``ms`` = the
 best of ``--repeats`` over all layers, ``GB/s`` = K/V bytes read / that time, ``copy GB/s``
 = bytes read and written / time of a ``torch`` copy of a buffer as large as the caches (the
-bandwidth limit), ``vs copy`` = their ratio.
+bandwidth limit), ``vs copy`` = their ratio; ``ms, AMX scores off``: with grouped query heads,
+the same with ``pf_decode_attention_amx(0)`` (the AVX-512 scores; equal to ``ms`` where this
+build or CPU has no AMX).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ SHAPES = [
     ("GQA 4:1 b32", 32, 320, 16, 4, 64),
     ("GQA 8:1 d128 b16", 16, 1000, 16, 2, 128),
     ("GQA 4:1 d128 b1 long", 1, 3000, 32, 8, 128),
+    ("GQA 8:1 d128 b4 long", 4, 3100, 16, 2, 128),
+    ("GQA 2:1 d64 b8", 8, 1000, 8, 4, 64),
+    ("GQA 8:1 d256 b4", 4, 2000, 16, 2, 256),
 ]
 
 
@@ -49,7 +54,18 @@ def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> 
         for c in caches:
             assert attn_cpu.decode_attention(q, None, c, tables, seq_lens, None, scale, out)
 
+    from pagefold.csrc import cpu_ops
+
+    lib = cpu_ops.kernels()
     best = best_seconds(step, repeats)
+    no_amx = None
+    if lib is not None and heads // kv_heads >= 2:  # the AMX scores' shapes: without them too
+        before = lib.pf_decode_attention_amx(0)
+        try:
+            no_amx = best_seconds(step, repeats)
+        finally:
+            lib.pf_decode_attention_amx(before)
+        best = min(best, best_seconds(step, repeats))  # again: noise hits both
     kv_bytes = layers * batch * ctx * 2 * kv_heads * head_dim * 2
     src = torch.empty(kv_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
@@ -57,7 +73,8 @@ def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> 
     gbs, copy_gbs = kv_bytes / best / 1e9, 2 * kv_bytes / copy / 1e9
     return {"shape": label, "batch": batch, "keys": ctx, "heads": f"{heads}/{kv_heads}",
             "head dim": head_dim, "ms": 1000 * best, "GB/s": gbs, "copy GB/s": copy_gbs,
-            "vs copy": gbs / copy_gbs}
+            "vs copy": gbs / copy_gbs,
+            "ms, AMX scores off": None if no_amx is None else 1000 * no_amx}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

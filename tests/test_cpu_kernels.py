@@ -158,6 +158,42 @@ def test_decode_attention_shared_prefix_rows_are_each_rows_own(dtype, h, kvh, d)
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-scores", "avx512-scores"])
+@pytest.mark.parametrize("h,kvh,d", [(8, 1, 128), (16, 1, 64), (10, 2, 64), (4, 2, 256),
+                                     (12, 4, 128)],
+                         ids=["g8-d128", "g16-d64", "g5-d64", "g2-d256", "g3-d128"])
+@pytest.mark.parametrize("window", [None, 23])
+def test_decode_attention_bf16_score_paths(h, kvh, d, window, amx):
+    """bf16 caches with grouped query heads: the AMX tile scores (where this CPU has them) and
+    the AVX-512 ones both match the float64 reference (NaN in every unowned cache slot, keys
+    masked on both sides of sub-blocks by windows), a row's output is its own alone, and the
+    path asked for is the one the kernel took."""
+    lib = cpu_ops.kernels()
+    if amx and not lib.pf_amx_ready():
+        pytest.skip("this CPU has no AMX: no tile scores")
+    before = lib.pf_decode_attention_amx(int(amx))
+    try:
+        q, cache, tables, lens, starts, keys = _paged_decode_case(
+            6, h, kvh, d, 16, torch.bfloat16, window, seed=h * d + kvh)
+        scale = d**-0.5
+        out = torch.full_like(q, float("nan"))
+        assert attn_cpu.decode_attention(q, None, cache, tables, lens, starts, scale, out)
+        ref = _dense(q, keys, lens, starts, scale)
+        torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+        for i in (0, 3):
+            one = torch.full_like(q[i : i + 1], float("nan"))
+            assert attn_cpu.decode_attention(
+                q[i : i + 1], None, cache, tables[i : i + 1], lens[i : i + 1],
+                None if starts is None else starts[i : i + 1], scale, one)
+            assert torch.equal(one[0], out[i])
+        # The path asked for is the one taken (the kernel counts its AMX calls).
+        calls = lib.pf_decode_attention_amx_calls()
+        assert attn_cpu.decode_attention(q, None, cache, tables, lens, starts, scale, out)
+        assert lib.pf_decode_attention_amx_calls() - calls == int(amx)
+    finally:
+        lib.pf_decode_attention_amx(before)
+
+
 def _has_prefill_kernel() -> bool:
     """The prefill kernel needs AVX-512 BF16; elsewhere it declines (SDPA runs instead)."""
     q = torch.zeros(1, 1, 2, dtype=torch.bfloat16)

@@ -5,6 +5,7 @@
 // V at index 1 of the third axis; token t of block b sits at flat slot b * block_size + t.
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -277,6 +278,12 @@ void decode_row_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
 constexpr int kTile = 32;
 constexpr int kSub = kTile / 16;
 
+// AMX scores from this many query heads per kv head (attention_amx.cpp); pf_decode_attention_amx
+// turns them off (tests pin both paths, benchmarks compare them).
+constexpr int kAmxMinGroup = 2;
+std::atomic<int> g_decode_amx{1};
+std::atomic<int64_t> g_decode_amx_calls{0};  // calls that took the AMX scores (tests read it)
+
 #if defined(PF_AVX512)
 // The same computation with AVX-512 intrinsics, 16 keys at a time: head sizes that are a
 // multiple of 16 and blocks that are (the defaults). Scores are 16 horizontal sums per
@@ -307,11 +314,14 @@ inline __m512 hsum16(const __m512* v) {
 
 // Running attention of one (decode row, kv head) over the keys seen so far, for its G query
 // heads: scaled queries qf (G, D), unnormalised sums acc (G, D), running max m and sum l (G).
+// With AMX scores (decode_amx_*), qf holds the G query rows packed as the tile product's B
+// operand (bf16, unscaled) and the scale applies to the sums.
 struct RowState {
   float* qf;
   float* acc;
   float* m;
   float* l;
+  float scale;
 };
 
 // Where one kv head's keys and values live: the layer's cache, its geometry, the head.
@@ -381,7 +391,7 @@ inline void pv_tile(const T* const* vb, const int* lo, const int* hi, int nsub,
 
 // One tile, keys [p0, p0 + kTile) clipped to [kv_start, seq_len), into st. ``prefetch``: also
 // start loading the next tile's rows of this head.
-template <typename T, int D>
+template <typename T, int D, bool AMX>
 void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* table,
                  int64_t p0, int64_t kv_start, int64_t seq_len, bool prefetch) {
   constexpr int C = D / 16;
@@ -412,25 +422,44 @@ void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* 
         }
     }
   }
-  // Scores: per key and head a 16-lane partial dot product (each key converted once, used by
-  // the G heads); a sub-block's 16 partials of a head are summed together (hsum16).
-  for (int j = 0; j < nsub; ++j) {
-    for (int t = 0; t < 16; ++t) {
-      if (t < lo[j] || t >= hi[j]) {
-        for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
-        continue;
-      }
-      __m512 kc[C];
-      load_row<T, D>(kb[j] + t * kv.tok_stride, kc);
+  if constexpr (AMX) {
+    // Scores of a 16-key sub-block for all G heads in one tile product (attention_amx.cpp),
+    // then per head the 16 keys' sums gathered from the product's rows, scaled.
+    alignas(64) float cb[16 * kMaxGroup];
+    const __m512i tix = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(G));
+    const __m512 vs = _mm512_set1_ps(st.scale);
+    for (int j = 0; j < nsub; ++j) {
+      decode_amx_scores(reinterpret_cast<const uint16_t*>(kb[j]), kv.tok_stride,
+                        reinterpret_cast<const uint16_t*>(st.qf), G, D, cb);
       for (int g = 0; g < G; ++g) {
-        const float* qg = st.qf + g * D;
-        __m512 a = _mm512_mul_ps(_mm512_load_ps(qg), kc[0]);
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), kc[c], a);
-        part[g][t] = a;
+        const __m512 sg = _mm512_mul_ps(
+            _mm512_i32gather_ps(_mm512_add_epi32(tix, _mm512_set1_epi32(g)), cb, 4), vs);
+        _mm512_store_ps(sc[g] + 16 * j, _mm512_mask_mov_ps(ninf, mk[j], sg));
       }
     }
-    for (int g = 0; g < G; ++g)
-      _mm512_store_ps(sc[g] + 16 * j, _mm512_mask_mov_ps(ninf, mk[j], hsum16(part[g])));
+  } else {
+    // Scores: per key and head a 16-lane partial dot product (each key converted once, used by
+    // the G heads); a sub-block's 16 partials of a head are summed together (hsum16).
+    for (int j = 0; j < nsub; ++j) {
+      for (int t = 0; t < 16; ++t) {
+        if (t < lo[j] || t >= hi[j]) {
+          for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 kc[C];
+        load_row<T, D>(kb[j] + t * kv.tok_stride, kc);
+        for (int g = 0; g < G; ++g) {
+          const float* qg = st.qf + g * D;
+          __m512 a = _mm512_mul_ps(_mm512_load_ps(qg), kc[0]);
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), kc[c], a);
+          part[g][t] = a;
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm512_store_ps(sc[g] + 16 * j, _mm512_mask_mov_ps(ninf, mk[j], hsum16(part[g])));
+    }
   }
   // One softmax update per head for the whole tile.
   for (int g = 0; g < G; ++g) {
@@ -474,7 +503,7 @@ void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* 
 // alone; the heads of a row take each tile in turn (a tile's rows of all heads are near each
 // other in the token-major cache). Each (row, head) sees the same tiles in the same order as
 // alone: the same bits.
-template <typename T, int D>
+template <typename T, int D, bool AMX>
 void decode_rows_avx512(const T* q, int64_t q_stride, const int64_t* rows, const int* idx, int R,
                         int h0, int h1, const T* cache, int KVH, int bs, const int64_t* tables,
                         int64_t table_stride, const int64_t* seq_lens, const int64_t* kv_starts,
@@ -494,13 +523,16 @@ void decode_rows_avx512(const T* q, int64_t q_stride, const int64_t* rows, const
     for (int h = 0; h < nh; ++h) {
       RowState& s = st[r * nh + h];
       float* base = scratch + static_cast<int64_t>(r * nh + h) * (2 * G * D + 2 * kMaxGroup);
-      s = RowState{base, base + G * D, base + 2 * G * D, base + 2 * G * D + kMaxGroup};
+      s = RowState{base, base + G * D, base + 2 * G * D, base + 2 * G * D + kMaxGroup, scale};
       const T* qb = q + row * q_stride + static_cast<int64_t>(h0 + h) * G * D;
+      if constexpr (AMX)
+        decode_amx_pack_q(reinterpret_cast<const uint16_t*>(qb), G, D,
+                          reinterpret_cast<uint16_t*>(s.qf));
       for (int g = 0; g < G; ++g) {
         __m512 qc[C];
-        load_row<T, D>(qb + g * D, qc);  // split like the keys (load_row)
+        if constexpr (!AMX) load_row<T, D>(qb + g * D, qc);  // split like the keys (load_row)
         for (int c = 0; c < C; ++c) {
-          _mm512_store_ps(s.qf + g * D + 16 * c, _mm512_mul_ps(qc[c], vscale));
+          if constexpr (!AMX) _mm512_store_ps(s.qf + g * D + 16 * c, _mm512_mul_ps(qc[c], vscale));
           _mm512_store_ps(s.acc + g * D + 16 * c, _mm512_setzero_ps());
         }
         s.m[g] = -std::numeric_limits<float>::infinity();
@@ -512,14 +544,14 @@ void decode_rows_avx512(const T* q, int64_t q_stride, const int64_t* rows, const
   for (int64_t p0 = 0; p0 < shared; p0 += kTile)
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < nh; ++h)
-        attend_tile<T, D>(st[r * nh + h], G, kv[h], t0, p0, 0, seq_lens[idx[r]], r == 0);
+        attend_tile<T, D, AMX>(st[r * nh + h], G, kv[h], t0, p0, 0, seq_lens[idx[r]], r == 0);
   for (int r = 0; r < R; ++r) {
     const int b = idx[r];
     const int64_t start = kv_starts ? kv_starts[b] : 0;
     const int64_t* tb = tables + static_cast<int64_t>(b) * table_stride;
     for (int64_t p0 = shared > 0 ? shared : (start / 16) * 16; p0 < seq_lens[b]; p0 += kTile)
       for (int h = 0; h < nh; ++h)
-        attend_tile<T, D>(st[r * nh + h], G, kv[h], tb, p0, start, seq_lens[b], true);
+        attend_tile<T, D, AMX>(st[r * nh + h], G, kv[h], tb, p0, start, seq_lens[b], true);
     const int64_t row = rows ? rows[b] : b;
     for (int h = 0; h < nh; ++h) {
       const RowState& s = st[r * nh + h];
@@ -539,6 +571,27 @@ struct Item {
   int first, count, h0, h1;
   int64_t shared;
 };
+
+#if defined(PF_AVX512)
+// decode_rows_avx512 for head size D (64, 128 or 256) and one work item.
+template <typename T, bool AMX>
+void rows_avx512(int D, const T* q, int64_t q_stride, const int64_t* rows, const int* idx,
+                 const Item& it, const T* cache, int KVH, int bs, const int64_t* tables,
+                 int64_t table_stride, const int64_t* seq_lens, const int64_t* kv_starts, T* out,
+                 int64_t out_stride, int G, float scale, float* scratch) {
+  auto run = [&](auto d) {
+    decode_rows_avx512<T, decltype(d)::value, AMX>(
+        q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH, bs, tables, table_stride,
+        seq_lens, kv_starts, out, out_stride, G, scale, it.shared, scratch);
+  };
+  if (D == 64)
+    run(std::integral_constant<int, 64>());
+  else if (D == 128)
+    run(std::integral_constant<int, 128>());
+  else
+    run(std::integral_constant<int, 256>());
+}
+#endif
 
 // Rows with the same first block are grouped (up to kMaxShareRows, and split so that every
 // thread has work), with the leading keys in blocks common to all of them, whole tiles only,
@@ -607,6 +660,10 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
   const int G = H / KVH;
 #if defined(PF_AVX512)
   if (bs % 16 == 0 && (D == 64 || D == 128 || D == 256)) {
+    // AMX scores for bf16 caches with grouped query heads (every row of the call alike).
+    const bool amx = std::is_same_v<T, uint16_t> && g_decode_amx.load() != 0 &&
+                     G >= kAmxMinGroup && G <= 16 && G <= kMaxGroup && pf_amx_ready() != 0;
+    if (amx) g_decode_amx_calls.fetch_add(1, std::memory_order_relaxed);
     std::vector<int> order;
     std::vector<Item> items;
     plan_items(tables, table_stride, seq_lens, kv_starts, B, KVH, bs, nthreads, order, items);
@@ -618,23 +675,21 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
       std::vector<float> buf(static_cast<size_t>(most) * (2 * G * D + 2 * kMaxGroup) + 16);
       float* scratch = reinterpret_cast<float*>(
           (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~static_cast<uintptr_t>(63));
+      if (amx) decode_amx_begin(G, D);  // this thread's tiles (checked below: it succeeds)
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) {
         const Item& it = items[i];
         const int* idx = order.data() + it.first;
-        if (D == 64)
-          decode_rows_avx512<T, 64>(q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH,
-                                    bs, tables, table_stride, seq_lens, kv_starts, out,
-                                    out_stride, G, scale, it.shared, scratch);
-        else if (D == 128)
-          decode_rows_avx512<T, 128>(q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH,
-                                     bs, tables, table_stride, seq_lens, kv_starts, out,
-                                     out_stride, G, scale, it.shared, scratch);
+        if (amx)
+          rows_avx512<T, true>(D, q, q_stride, rows, idx, it, cache, KVH, bs, tables,
+                               table_stride, seq_lens, kv_starts, out, out_stride, G, scale,
+                               scratch);
         else
-          decode_rows_avx512<T, 256>(q, q_stride, rows, idx, it.count, it.h0, it.h1, cache, KVH,
-                                     bs, tables, table_stride, seq_lens, kv_starts, out,
-                                     out_stride, G, scale, it.shared, scratch);
+          rows_avx512<T, false>(D, q, q_stride, rows, idx, it, cache, KVH, bs, tables,
+                                table_stride, seq_lens, kv_starts, out, out_stride, G, scale,
+                                scratch);
       }
+      if (amx) decode_amx_end();
     }
     return;
   }
@@ -724,6 +779,12 @@ void write_kv_all(const T* k, const T* v, int64_t k_stride, int64_t v_stride,
 using namespace pf;
 
 extern "C" {
+
+// AMX scores in decode attention on (1, the default) or off (0); returns the previous setting.
+int pf_decode_attention_amx(int on) { return g_decode_amx.exchange(on != 0 ? 1 : 0); }
+
+// How many decode attention calls took the AMX scores so far.
+int64_t pf_decode_attention_amx_calls() { return g_decode_amx_calls.load(); }
 
 // Limits the Python side checks before calling (larger shapes take the torch path).
 int pf_max_head_dim() { return kMaxHeadDim; }

@@ -18,7 +18,8 @@ import threading
 from pathlib import Path
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "attention.cpp", _DIR / "prefill.cpp", _DIR / "prefill_blocked.cpp",
+_SOURCES = [_DIR / "attention.cpp", _DIR / "attention_amx.cpp", _DIR / "prefill.cpp",
+            _DIR / "prefill_blocked.cpp",
             _DIR / "layers.cpp", _DIR / "gdn.cpp",
             _DIR / "gemv_amx.cpp", _DIR / "mamba2.cpp", _DIR / "ssd.cpp",
             _DIR / "conv.cpp", _DIR / "gated_norm.cpp", _DIR / "decode_step.cpp",
@@ -106,6 +107,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, i32, i32, i32, i32, f32, i32,  # B, H, KVH, D, block_size, scale, threads
     ]
     lib.pf_decode_attention.restype = i32
+    lib.pf_decode_attention_amx.argtypes = [i32]
+    lib.pf_decode_attention_amx.restype = i32
+    lib.pf_decode_attention_amx_calls.argtypes = []
+    lib.pf_decode_attention_amx_calls.restype = i64
     lib.pf_write_kv.argtypes = [i32, p, p, i64, i64, p, p, i32, i32, i32]
     lib.pf_prefill_attention.argtypes = [p, i64, p, p, p, i32, p, i64, i32, i32, i32, i32, f32,
                                          i32]

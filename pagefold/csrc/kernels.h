@@ -8,9 +8,21 @@ namespace pf {
 // The GEMV cpu_ops picked for this CPU (pf_linear_bf16 / _fma / _amx), passed as a pointer.
 using GemvFn = int (*)(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
                        int64_t y_stride, int M, int64_t N, int64_t K, int nthreads);
+
+// Decode attention's AMX scores (attention_amx.cpp; attention.cpp calls them): begin configures
+// this thread's tiles for G heads of D (false: no AMX here or an unsupported shape), end
+// releases them; pack_q lays a kv head's G query rows out as the tile product's B operand
+// (G * D bf16); scores writes the 16 x G float32 dot products of 16 K rows stride elements
+// apart with the packed queries.
+bool decode_amx_begin(int G, int D);
+void decode_amx_end();
+void decode_amx_pack_q(const uint16_t* q, int G, int D, uint16_t* qv);
+void decode_amx_scores(const uint16_t* k, int64_t stride, const uint16_t* qv, int G, int D,
+                       float* c);
 }  // namespace pf
 
 extern "C" {
+int pf_amx_ready();  // gemv_amx.cpp: the OS granted the AMX tile state
 int pf_rms_norm(int dtype, const void* x, int64_t x_stride, void* res, int64_t res_stride,
                 const void* w, void* out, int64_t out_stride, int64_t N, int D, float eps,
                 int zero_centered, int nthreads);

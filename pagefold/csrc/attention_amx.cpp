@@ -28,11 +28,7 @@ bool decode_amx_begin(int G, int D) {
   cfg.colsb[1] = 64;
   cfg.rows[2] = 16;
   cfg.colsb[2] = static_cast<uint16_t>(4 * G);
-  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, so the stores above
-  // may be dropped as dead (they were: ldtilecfg then faulted on a half-written config); the
-  // barrier makes them land first.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   return true;
 }
 

@@ -43,6 +43,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+#if defined(__AMX_TILE__)
+// ldtilecfg on cfg. GCC's _tile_loadconfig tells the optimiser it reads 8 bytes of cfg, so
+// the stores of the other fields may be dropped as dead (they were in attention_amx.cpp:
+// ldtilecfg faulted on a half-written config); the barrier makes every store land first.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+#endif
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

@@ -56,7 +56,7 @@ void configure(int M) {
   cfg.colsb[4] = kTileK * 2;
   cfg.rows[6] = kTileK / 2;
   cfg.colsb[6] = static_cast<uint16_t>(M * 4);
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // C (16 weight rows x M, row-major) plus bias, rounded into y's columns n..n+15: column m
@@ -101,7 +101,7 @@ void configure_wide(int M1) {
   cfg.colsb[0] = cfg.colsb[6] = kTileRows * 4;
   cfg.colsb[1] = cfg.colsb[7] = static_cast<uint16_t>(M1 * 4);
   cfg.colsb[4] = kTileK * 2;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // One 16-row weight tile from n, all M = 16 + M1 rows.

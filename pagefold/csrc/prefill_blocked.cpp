@@ -220,7 +220,7 @@ struct TileProducts {
       cfg.rows[t] = 16;
       cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    load_tile_config(cfg);
   }
   static void end() { _tile_release(); }
 

@@ -60,7 +60,7 @@ void configure(int64_t W) {
   for (int t : {0, 1}) cfg.rows[t] = kT, cfg.colsb[t] = kT * 4;
   for (int t : {4, 5}) cfg.rows[t] = kT, cfg.colsb[t] = static_cast<uint16_t>(W);
   for (int t : {6, 7}) cfg.rows[t] = static_cast<uint8_t>(W / 4), cfg.colsb[t] = kT * 4;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // One row's 4-bit codes (GGUF order per group of 32: byte j holds input j low, j + 16 high)

@@ -9,8 +9,8 @@ pool as a running engine leaves them), ``heads`` query heads over ``kv_heads`` o
 memory as in a model step, not from the last layer's cache lines). Columns: ``ms`` = the
 best of ``--repeats`` over all layers, ``GB/s`` = K/V bytes read / that time, ``copy GB/s``
 = bytes read and written / time of a ``torch`` copy of a buffer as large as the caches (the
-bandwidth limit), ``vs copy`` = their ratio; ``ms, AMX scores off``: with grouped query heads,
-the same with ``pf_decode_attention_amx(0)`` (the AVX-512 scores; equal to ``ms`` where this
+bandwidth limit), ``vs copy`` = their ratio; ``ms, AMX tiles off``: with grouped query heads,
+the same with ``pf_decode_attention_amx(0)`` (the AVX-512 loops; equal to ``ms`` where this
 build or CPU has no AMX).
 """
 
@@ -59,7 +59,7 @@ def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> 
     lib = cpu_ops.kernels()
     best = best_seconds(step, repeats)
     no_amx = None
-    if lib is not None and heads // kv_heads >= 2:  # the AMX scores' shapes: without them too
+    if lib is not None and heads // kv_heads >= 3:  # the AMX tiles. shapes: without them too
         before = lib.pf_decode_attention_amx(0)
         try:
             no_amx = best_seconds(step, repeats)
@@ -74,7 +74,7 @@ def run_shape(label, batch, ctx, heads, kv_heads, head_dim, layers, repeats) -> 
     return {"shape": label, "batch": batch, "keys": ctx, "heads": f"{heads}/{kv_heads}",
             "head dim": head_dim, "ms": 1000 * best, "GB/s": gbs, "copy GB/s": copy_gbs,
             "vs copy": gbs / copy_gbs,
-            "ms, AMX scores off": None if no_amx is None else 1000 * no_amx}
+            "ms, AMX tiles off": None if no_amx is None else 1000 * no_amx}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -158,19 +158,20 @@ def test_decode_attention_shared_prefix_rows_are_each_rows_own(dtype, h, kvh, d)
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx-scores", "avx512-scores"])
-@pytest.mark.parametrize("h,kvh,d", [(8, 1, 128), (16, 1, 64), (10, 2, 64), (4, 2, 256),
-                                     (12, 4, 128)],
-                         ids=["g8-d128", "g16-d64", "g5-d64", "g2-d256", "g3-d128"])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-tiles", "avx512"])
+@pytest.mark.parametrize("h,kvh,d", [(8, 1, 128), (16, 1, 64), (10, 2, 64), (6, 2, 256),
+                                     (12, 4, 128), (4, 2, 64)],
+                         ids=["g8-d128", "g16-d64", "g5-d64", "g3-d256", "g3-d128", "g2-d64"])
 @pytest.mark.parametrize("window", [None, 23])
 def test_decode_attention_bf16_score_paths(h, kvh, d, window, amx):
-    """bf16 caches with grouped query heads: the AMX tile scores (where this CPU has them) and
-    the AVX-512 ones both match the float64 reference (NaN in every unowned cache slot, keys
-    masked on both sides of sub-blocks by windows), a row's output is its own alone, and the
-    path asked for is the one the kernel took."""
+    """bf16 caches with grouped query heads: the AMX tile path (scores and value sums, where
+    this CPU has them; P rounded to bf16) and the AVX-512 loops both match the float64
+    reference (NaN in every unowned cache slot, keys masked on both sides of sub-blocks by
+    windows), a row's output is its own alone, and the path asked for is the one the kernel
+    took."""
     lib = cpu_ops.kernels()
     if amx and not lib.pf_amx_ready():
-        pytest.skip("this CPU has no AMX: no tile scores")
+        pytest.skip("this CPU has no AMX: no tile path")
     before = lib.pf_decode_attention_amx(int(amx))
     try:
         q, cache, tables, lens, starts, keys = _paged_decode_case(
@@ -186,10 +187,11 @@ def test_decode_attention_bf16_score_paths(h, kvh, d, window, amx):
                 q[i : i + 1], None, cache, tables[i : i + 1], lens[i : i + 1],
                 None if starts is None else starts[i : i + 1], scale, one)
             assert torch.equal(one[0], out[i])
-        # The path asked for is the one taken (the kernel counts its AMX calls).
+        # The path asked for is the one taken (the kernel counts its AMX calls); two query
+        # heads per kv head stay on the AVX-512 loops (the tiles were slower there).
         calls = lib.pf_decode_attention_amx_calls()
         assert attn_cpu.decode_attention(q, None, cache, tables, lens, starts, scale, out)
-        assert lib.pf_decode_attention_amx_calls() - calls == int(amx)
+        assert lib.pf_decode_attention_amx_calls() - calls == int(amx and h // kvh >= 3)
     finally:
         lib.pf_decode_attention_amx(before)
 

@@ -278,11 +278,15 @@ void decode_row_avx2(const T* q, const T* cache, const int64_t* table, int64_t s
 constexpr int kTile = 32;
 constexpr int kSub = kTile / 16;
 
-// AMX scores from this many query heads per kv head (attention_amx.cpp); pf_decode_attention_amx
-// turns them off (tests pin both paths, benchmarks compare them).
-constexpr int kAmxMinGroup = 2;
+// The tile unit takes decode attention's scores and value sums from this many query heads
+// per kv head (attention_amx.cpp). Measured on the AMX Xeon, 2 threads, 8 rows x 1,000 keys:
+// at 2 heads of 64 the tiles were 6% slower than the AVX-512 loops (a tile product of 2 rows
+// and the V repack cost more than they save), at 2 of 128 2-4% faster, at 3 heads 5-12% and at
+// 8 heads of 128 1.5x faster. pf_decode_attention_amx turns them off (tests pin both paths,
+// benchmarks compare them).
+constexpr int kAmxMinGroup = 3;
 std::atomic<int> g_decode_amx{1};
-std::atomic<int64_t> g_decode_amx_calls{0};  // calls that took the AMX scores (tests read it)
+std::atomic<int64_t> g_decode_amx_calls{0};  // calls that took the AMX tiles (tests read it)
 
 #if defined(PF_AVX512)
 // The same computation with AVX-512 intrinsics, 16 keys at a time: head sizes that are a
@@ -314,7 +318,7 @@ inline __m512 hsum16(const __m512* v) {
 
 // Running attention of one (decode row, kv head) over the keys seen so far, for its G query
 // heads: scaled queries qf (G, D), unnormalised sums acc (G, D), running max m and sum l (G).
-// With AMX scores (decode_amx_*), qf holds the G query rows packed as the tile product's B
+// With AMX tiles (decode_amx_*), qf holds the G query rows packed as the tile product's B
 // operand (bf16, unscaled) and the scale applies to the sums.
 struct RowState {
   float* qf;
@@ -475,17 +479,31 @@ void attend_tile(const RowState& st, int G, const KvView<T>& kv, const int64_t* 
     const __m512 vm = _mm512_set1_ps(mnew);
     __m512 vsum = _mm512_setzero_ps();
     for (int j = 0; j < nsub; ++j) {
-      const __m512 p = _mm512_maskz_mov_ps(
+      __m512 p = _mm512_maskz_mov_ps(
           mk[j], exp16_nonpos(_mm512_sub_ps(_mm512_load_ps(sc[g] + 16 * j), vm)));
+      // The tile product takes P as bf16: the sum uses the same rounded terms.
+      if constexpr (AMX) p = vrnd<uint16_t>(p);
       _mm512_store_ps(sc[g] + 16 * j, p);
       vsum = _mm512_add_ps(vsum, p);
     }
+    if constexpr (AMX)
+      for (int j = nsub; j < kSub; ++j) _mm512_store_ps(sc[g] + 16 * j, _mm512_setzero_ps());
     st.l[g] = st.l[g] * alpha + _mm512_reduce_add_ps(vsum);
     if (same) continue;
     const __m512 va = _mm512_set1_ps(alpha);
     float* ag = st.acc + g * D;
     for (int c = 0; c < C; ++c)
       _mm512_store_ps(ag + 16 * c, _mm512_mul_ps(_mm512_load_ps(ag + 16 * c), va));
+  }
+  if constexpr (AMX) {  // value sums on the tile unit, all heads at once
+    const uint16_t* vr[kTile];
+    for (int j = 0; j < kSub; ++j)
+      for (int t = 0; t < 16; ++t)
+        vr[16 * j + t] = j < nsub && t >= lo[j] && t < hi[j]
+                             ? reinterpret_cast<const uint16_t*>(vb[j] + t * kv.tok_stride)
+                             : nullptr;
+    decode_amx_pv(vr, sc[0], G, D, st.acc);
+    return;
   }
   for (int g0 = 0; g0 < G; g0 += HG) {  // value sums, HG heads at a time
     switch (G - g0 < HG ? G - g0 : HG) {
@@ -558,7 +576,9 @@ void decode_rows_avx512(const T* q, int64_t q_stride, const int64_t* rows, const
       for (int g = 0; g < G; ++g) {
         const float inv = 1.f / s.l[g];
         T* o = out + row * out_stride + static_cast<int64_t>((h0 + h) * G + g) * D;
-        for (int d = 0; d < D; ++d) store<T>(o, d, s.acc[g * D + split_index<T>(d)] * inv);
+        // The AVX-512 value sums are held split (load_row); the tile unit's in order.
+        for (int d = 0; d < D; ++d)
+          store<T>(o, d, s.acc[g * D + (AMX ? d : split_index<T>(d))] * inv);
       }
     }
   }
@@ -660,7 +680,7 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
   const int G = H / KVH;
 #if defined(PF_AVX512)
   if (bs % 16 == 0 && (D == 64 || D == 128 || D == 256)) {
-    // AMX scores for bf16 caches with grouped query heads (every row of the call alike).
+    // AMX tiles for bf16 caches with grouped query heads (every row of the call alike).
     const bool amx = std::is_same_v<T, uint16_t> && g_decode_amx.load() != 0 &&
                      G >= kAmxMinGroup && G <= 16 && G <= kMaxGroup && pf_amx_ready() != 0;
     if (amx) g_decode_amx_calls.fetch_add(1, std::memory_order_relaxed);
@@ -780,10 +800,10 @@ using namespace pf;
 
 extern "C" {
 
-// AMX scores in decode attention on (1, the default) or off (0); returns the previous setting.
+// AMX tiles in decode attention on (1, the default) or off (0); returns the previous setting.
 int pf_decode_attention_amx(int on) { return g_decode_amx.exchange(on != 0 ? 1 : 0); }
 
-// How many decode attention calls took the AMX scores so far.
+// How many decode attention calls took the AMX tiles so far.
 int64_t pf_decode_attention_amx_calls() { return g_decode_amx_calls.load(); }
 
 // Limits the Python side checks before calling (larger shapes take the torch path).

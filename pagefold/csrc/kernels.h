@@ -9,7 +9,7 @@ namespace pf {
 using GemvFn = int (*)(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
                        int64_t y_stride, int M, int64_t N, int64_t K, int nthreads);
 
-// Decode attention's AMX scores (attention_amx.cpp; attention.cpp calls them): begin configures
+// Decode attention's AMX tiles (attention_amx.cpp; attention.cpp calls them): begin configures
 // this thread's tiles for G heads of D (false: no AMX here or an unsupported shape), end
 // releases them; pack_q lays a kv head's G query rows out as the tile product's B operand
 // (G * D bf16); scores writes the 16 x G float32 dot products of 16 K rows stride elements
@@ -19,6 +19,9 @@ void decode_amx_end();
 void decode_amx_pack_q(const uint16_t* q, int G, int D, uint16_t* qv);
 void decode_amx_scores(const uint16_t* k, int64_t stride, const uint16_t* qv, int G, int D,
                        float* c);
+// pv: acc (G x D float32) += P (G x 32, bf16 values held as float) . V (32 rows; nullptr:
+// zeros).
+void decode_amx_pv(const uint16_t* const* v, const float* p, int G, int D, float* acc);
 }  // namespace pf
 
 extern "C" {

@@ -95,9 +95,9 @@ int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_
 // pf_moe_combine then sums each token's weighted rows in ascending expert order into zeros,
 // rounding as torch's `out.index_add_(rows, y * w)` per expert does.
 
-// Runs of min_rows..max_rows positions, in parallel over experts (each GEMV on one thread) when there
-// are enough of them, else one after another with the GEMVs' own threads. Returns 0, -1 for an
-// argument out of range, or the kernels' nonzero code.
+// Runs of min_rows..max_rows positions, in parallel over experts (each GEMV on one thread)
+// when there are enough of them, else one after another with the GEMVs' own threads. Returns
+// 0, -1 for an argument out of range, or the kernels' nonzero code.
 int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
                            int k, const int64_t* order, const int64_t* starts, int E,
                            int min_rows, int max_rows, const uint16_t* gate_up,
@@ -169,7 +169,8 @@ int pf_moe_combine(const int64_t* rows_at, const int64_t* order, int t, int k,
       // k is small: an insertion sort of the token's slots by rank.
       for (int s = 0; s < k; ++s) slot[s] = s;
       for (int a = 1; a < k; ++a)
-        for (int b = a; b > 0 && js[slot[b]] < js[slot[b - 1]]; --b) std::swap(slot[b], slot[b - 1]);
+        for (int b = a; b > 0 && js[slot[b]] < js[slot[b - 1]]; --b)
+          std::swap(slot[b], slot[b - 1]);
       for (int a = 0; a < k; ++a) {
         wk[a] = bf16_to_f32(top_w[static_cast<int64_t>(i) * k + slot[a]]);
         rows[a] = reinterpret_cast<const uint16_t*>(rows_at[js[slot[a]]]);

@@ -17,9 +17,9 @@ call preempted) keeps the flags' choice and is timed again at the next load.
 The table is cached as JSON under ``<pagefold cache>/gemv/`` keyed by the CPU model, its
 flags, the thread count, the kernel build and the runnable kernels; a later load reads it (no
 timing). A corrupt, truncated or foreign file (other CPU, build or kernels) is ignored and
-rewritten, with a log line. Weights under :data:`MIN_TIMED_BYTES` (a few microseconds; noise
-would decide) and shapes past the load's :data:`BUDGET_S` take the flags' choice (the
-largest weights are timed first).
+rewritten, with a log line. Weights under :data:`MIN_TIMED_BYTES_BF16` (the call, not the
+kernel, would be timed; noise would decide) and shapes past the load's :data:`BUDGET_S` take
+the flags' choice (the largest weights are timed first).
 
 Overrides, each about the GEMV only (the GEMM path above its rows is unchanged):
 ``PAGEFOLD_GEMV=<kernel>`` or the engine option ``cpu_gemv_kernel`` (which wins) force one
@@ -53,12 +53,22 @@ ROWS = (1, 2, 4, 8, 16, 32)
 ROW_WEIGHT = {1: 4.0, 2: 2.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0}
 KEEP = 0.9  # another (kernel, rows) replaces the flags' one only when it costs <= 0.9 of it
 PRUNE = 3.0  # a kernel this much slower than the best at some rows is not timed at more
+# Weights under these many bytes take the flags' choice untimed: the quantized formats' tables
+# (``quantization/qgemv_choice``) 256 KiB, the bf16 GEMVs' 1 MiB. At 256 KiB - 1 MiB of bf16
+# every kernel's time is mostly the call (512 x 256: 26-40 us for all of them, 1 to 32 rows),
+# and the choices flipped between two builds of the same sources on one host (fma for 1 row on
+# some shapes, AMX on others). A row limit under the batch costs more than the measurement
+# sees: the native decode driver runs a step on the GEMVs only up to the fewest rows any of the
+# model's linears takes, so one (fma, 1) shape sent every decode batch of a tiny model through
+# the Python callbacks: 4-17% of its throughput (gdn-h256-l4, moe-h512-l8 `tput`, in turn with
+# the old threshold's choices; at parity with the kernel forced in both).
 MIN_TIMED_BYTES = 256 << 10
+MIN_TIMED_BYTES_BF16 = 1 << 20
 BUDGET_S = 2.0
 # Below this a product's least time is a preemption, not a measurement (any machine that runs
 # a model reads memory at several GB/s).
 MIN_BANDWIDTH = 1e9
-FORMAT = 1
+FORMAT = 2  # 2: tables cached under the 256 KiB threshold are re-made
 TORCH = "torch"  # no GEMV: every product takes the GEMM path
 MODES = ("auto", "flags", TORCH)
 GEMM = " gemm"  # the GEMM path's key while timing (no kernel has a space)
@@ -338,19 +348,21 @@ def choose(lib: ctypes.CDLL | None, shapes: Iterable[tuple[int, int]], *,
     timer = timer or StreamTimer(sources, time.perf_counter() + BUDGET_S)
     picked = measured_choices(
         shapes, cache_key(lib, names), incumbent, lambda s: timer(s, kernels, incumbent[0]),
-        nbytes=lambda s: 2 * s[0] * s[1], what="gemv", above=gemv_timing.gemm_path())
+        nbytes=lambda s: 2 * s[0] * s[1], what="gemv", above=gemv_timing.gemm_path(),
+        min_bytes=MIN_TIMED_BYTES_BF16)
     return {s: make_choice(lib, *c) for s, c in picked.items()}
 
 
 def measured_choices(shapes: list[tuple[int, int]], key: dict, incumbent: tuple[str, int],
                      timer: Callable[[tuple[int, int]], tuple[Table, dict[int, float]] | None],
                      *, nbytes: Callable[[tuple[int, int]], int], what: str, above: str,
-                     budget_s: float = BUDGET_S) -> dict[tuple[int, int], tuple[str, int]]:
+                     budget_s: float = BUDGET_S, min_bytes: int = MIN_TIMED_BYTES
+                     ) -> dict[tuple[int, int], tuple[str, int]]:
     """The rule every measured kernel table follows (the bf16 GEMVs here, the quantized
     formats' in ``quantization/qgemv_choice``): each shape's (kernel, rows) from the cache
     file of ``key``, else timed by ``timer`` and decided by :func:`decide` against
     ``incumbent`` (a change must be measured twice), the largest weights (``nbytes``) first,
-    within ``budget_s``; shapes under :data:`MIN_TIMED_BYTES`, past the budget or on a
+    within ``budget_s``; shapes under ``min_bytes``, past the budget or on a
     machine too busy to time keep ``incumbent`` (and are timed at the next load). Logs one
     line, ``what`` naming the table and ``above`` the path past the chosen rows."""
     path = cache_path(key)
@@ -362,7 +374,7 @@ def measured_choices(shapes: list[tuple[int, int]], key: dict, incumbent: tuple[
         stale = cached is None and path.exists()  # ignored: rewrite it
     known = dict(cached or {})
     # The largest weights first: they take most of a step's time.
-    todo = sorted((s for s in shapes if s not in known and nbytes(s) >= MIN_TIMED_BYTES),
+    todo = sorted((s for s in shapes if s not in known and nbytes(s) >= min_bytes),
                   key=lambda s: -nbytes(s))
     times: dict[tuple[int, int], dict] = {}
     t0 = time.perf_counter()

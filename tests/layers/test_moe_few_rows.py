@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_helpers import general_path, random_experts
 
 from pagefold.csrc import cpu_ops, gemv_choice
 from pagefold.layers import moe
@@ -36,12 +37,7 @@ def _few_row_limit(monkeypatch) -> None:
 
 
 def _experts() -> MoEExperts:
-    torch.manual_seed(0)
-    m = MoEExperts(E, H, INTER)
-    with torch.no_grad():
-        m.gate_up_proj.normal_(0, 0.2)
-        m.down_proj.normal_(0, 0.2)
-    return m.bfloat16()
+    return random_experts(E, H, INTER)
 
 
 def _routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,14 +48,7 @@ def _routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return x, idx, (w / w.sum(-1, keepdim=True)).bfloat16()
 
 
-def _general(m: MoEExperts, x, idx, w) -> torch.Tensor:
-    # Instance attributes: forward takes the general path (the Python loop over experts).
-    m._few_rows = lambda *a: None
-    m._grouped_ok = lambda *a: False
-    try:
-        return m(x, idx, w)
-    finally:
-        del m._few_rows, m._grouped_ok
+_general = general_path
 
 
 def _oracle(m: MoEExperts, x, idx, w) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_helpers import general_path, random_experts
 
 from pagefold.csrc import cpu_ops, gemv_choice, gemv_registry
 from pagefold.csrc.gemm import matmul_t
@@ -31,12 +32,7 @@ E, H, INTER = 8, 96, 48  # hidden 96: GEMVs' k tails (not a multiple of 32 or 64
 
 
 def _experts() -> MoEExperts:
-    torch.manual_seed(0)
-    m = MoEExperts(E, H, INTER)
-    with torch.no_grad():
-        m.gate_up_proj.normal_(0, 0.2)
-        m.down_proj.normal_(0, 0.2)
-    return m.bfloat16()
+    return random_experts(E, H, INTER)
 
 
 def _routing(t: int, k: int, seed: int, skew: float = 0.0):
@@ -93,13 +89,7 @@ def _oracle(m: MoEExperts, x, idx, w, cap: int, experts=None) -> torch.Tensor:
     return out
 
 
-def _general(m: MoEExperts, x, idx, w) -> torch.Tensor:
-    m._few_rows = lambda *a: None
-    m._grouped_ok = lambda *a: False
-    try:
-        return m(x, idx, w)
-    finally:
-        del m._few_rows, m._grouped_ok
+_general = general_path
 
 
 @pytest.mark.parametrize("t,k", [(40, 2), (67, 3), (200, 4)])
@@ -137,12 +127,7 @@ def test_grouped_matches_per_expert_oracle(t: int, k: int, skew: float, cap: int
 def test_grouped_many_small_runs_in_parallel() -> None:
     """Many experts with a few rows each (a decode batch over a wide MoE): the C call runs the
     experts in parallel over threads; same bits as one after another."""
-    torch.manual_seed(1)
-    m = MoEExperts(64, H, INTER)
-    with torch.no_grad():
-        m.gate_up_proj.normal_(0, 0.2)
-        m.down_proj.normal_(0, 0.2)
-    m = m.bfloat16()
+    m = random_experts(64, H, INTER, seed=1)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(48, H, generator=g).bfloat16()
     w, idx = torch.rand(48, 64, generator=g).softmax(-1).topk(6, -1)

@@ -86,7 +86,11 @@ class MoEExperts(nn.Module):
     can round the last bit of a rare output differently from oneDNN's ``F.linear`` (the same
     contract as every ``nn.Linear`` of such steps under ``cpu_ops.use_fast_linears``); without
     it they are ``F.linear``'s and the block's output is :meth:`forward`'s general path's bit
-    for bit. float32 never takes the GEMV."""
+    for bit. float32 never takes the GEMV. Larger bf16 CPU steps without LoRA take
+    ``moe_rows.grouped_forward`` (short runs through the GEMVs in one C call, long runs
+    through oneDNN, one C call for the weighted sum: the general path's bits where the GEMVs
+    are off); float32, LoRA and quantized experts take the general path, a loop over the
+    experts that drew tokens."""
 
     use_gemv: bool = True
     # Quantized experts (``quantization.experts``): per expert a module whose ``gate_up_proj``

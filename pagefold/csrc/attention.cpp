@@ -695,7 +695,7 @@ void decode_all(const T* q, int64_t q_stride, const int64_t* rows, const T* cach
       std::vector<float> buf(static_cast<size_t>(most) * (2 * G * D + 2 * kMaxGroup) + 16);
       float* scratch = reinterpret_cast<float*>(
           (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~static_cast<uintptr_t>(63));
-      if (amx) decode_amx_begin(G, D);  // this thread's tiles (checked below: it succeeds)
+      if (amx) decode_amx_begin(G, D);  // this thread's tiles (amx checked shape and grant)
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) {
         const Item& it = items[i];

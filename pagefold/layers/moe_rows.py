@@ -25,6 +25,8 @@ other experts' runs. Steps of at most ``max_rows`` tokens never get here (the fe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -54,11 +56,19 @@ def run_kernels(gemv_pair: tuple | None) -> list[tuple[tuple, int, int]]:
     cap = min(gemv_pair[0].max_rows, gemv_pair[1].max_rows)
     out = [(gemv_pair, 1, cap)] if cap >= 1 else []
     if cap < AMX_RUN_ROWS and gemv_choice.requested() in ("auto", "flags"):
-        lib = cpu_ops.kernels()
-        if any(c.name == "amx" for c in gemv_choice.available(lib)):
-            amx = gemv_choice.make_choice(lib, "amx", AMX_RUN_ROWS)
+        amx = _amx_choice(cpu_ops.kernels())
+        if amx is not None:
             out.append(((amx, amx), cap + 1, AMX_RUN_ROWS))
     return out
+
+
+@functools.cache
+def _amx_choice(lib) -> gemv_choice.Choice | None:
+    """The tile GEMV's choice for :data:`AMX_RUN_ROWS` rows where it runs here (made once per
+    library, not per MoE layer call), else None."""
+    if not any(c.name == "amx" for c in gemv_choice.available(lib)):
+        return None
+    return gemv_choice.make_choice(lib, "amx", AMX_RUN_ROWS)
 
 
 def grouped_forward(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,

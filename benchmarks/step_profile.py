@@ -6,8 +6,9 @@
     python -m benchmarks.step_profile --model qwen3_5-h1024-l24-i5120 --requests 64 \
         --out 128 --phases                                             # + per-phase table
 
-``--model``: ``smollm2`` (default, the trained SmolLM2-135M-Instruct) or a random model named
-as ``benchmarks.llama_compare`` names them (``ARCH-hH-lL[-iI]``). ``--phases`` prints, per
+``--model``: ``smollm2`` (default, the trained SmolLM2-135M-Instruct), a shape of the
+developers' sweep (``benchmarks.sweep``, e.g. ``dense-h1024-l24-gqa8-d128``) or a random model
+named as ``benchmarks.llama_compare`` names them (``ARCH-hH-lL[-iI]``). ``--phases`` prints, per
 step kind (prefill: some request computes several tokens; decode), each phase's time and share
 (``benchmarks.step_phases``: timers wrapped around this one engine's calls, so the engine's
 own path has no hook); ``PAGEFOLD_NATIVE_DECODE=0`` splits the native decode driver's time into
@@ -46,12 +47,16 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from benchmarks.common import bench_model
     from benchmarks.llama_compare import hf_model
+    from benchmarks.sweep import SHAPES
     from pagefold import LLM, SamplingParams
 
-    path = hf_model(args.model)
+    shape = next((s for s in SHAPES if s.name == args.model), None)
+    path = (bench_model(shape.arch, shape.hidden, shape.layers, **shape.overrides) if shape
+            else hf_model(args.model))
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=2048,
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=max(2048, args.prompt + args.out),
               kv_cache_memory=2 << 30, max_num_seqs=256,
               max_num_batched_tokens=args.max_num_batched_tokens)
     rng = random.Random(0)

@@ -252,7 +252,7 @@ def test_prefill_attention_matches_dense(h, kvh, d, window, kernel):
 @pytest.mark.parametrize("kernel", ["amx", "blocked"])
 def test_prefill_blocked_every_alignment(h, kvh, window, kernel):
     """The blocked kernels over random chunks: every alignment of a 32-lane tile's first and
-    last query against the 32-key blocks (the diagonal and window-edge blocks are the masked
+    last query against the key blocks (the diagonal and window-edge blocks are the masked
     ones), each row checked against float64 with a tighter bound than a leaked or lost key
     allows. Rows of fewer than 8 query heads x tokens go to the row kernel: bitwise its
     output."""
@@ -459,6 +459,27 @@ def test_silu_and_mul(dtype, inter):
         _close_bits(got, ref)
     else:
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_bf16_denormals():
+    """bf16 results that are float32 denormals round like torch (to bf16 denormals, not to
+    zero): the hardware bf16 conversion flushes them, so vectors holding one take the integer
+    rounding. Denormal SiLU outputs (the first rounding) and denormal products (the store),
+    each in a vector beside normal lanes and in a vector of its own."""
+    inter = 48
+    gu = torch.randn(4, 2 * inter, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tiny = torch.tensor([1e-39, -3e-39, 4e-40, -3e-40], dtype=torch.bfloat16)
+    assert (tiny.float().abs() < torch.finfo(torch.float32).tiny).all()  # bf16 denormals
+    gu[0, 3:7] = tiny                        # silu(x) ~ x / 2: a denormal SiLU
+    gu[1, :16] = tiny.repeat(4)              # a whole vector of them
+    gu[2, 5:9] = 1.5
+    gu[2, inter + 5 : inter + 9] = tiny      # up tiny: a denormal product
+    gu[3, 16:32] = 0.75                      # silu(0.75) * 1e-39: denormal products only
+    gu[3, inter + 16 : inter + 32] = 1e-39
+    got = elementwise_cpu.silu_and_mul(gu)
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    assert (ref[0, 3:7] != 0).all() and (ref[2, 5:9] != 0).all()  # the cases are denormal
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
 @pytest.mark.parametrize("d", [64, 24, 21])

@@ -46,8 +46,26 @@ def test_decide_picks_the_fastest_kernel_and_its_row_limit():
     gemm = {1: 50, 2: 50, 4: 50, 8: 50, 16: 25, 32: 30}
     # a wins at 1-8 rows; past 8 the GEMM is faster than a: a for 1-8, the GEMM above
     assert gemv_choice.decide(table, gemm, None) == ("a", 8)
-    # the incumbent (b for 1-32) costs more than 1 / KEEP times the best: replaced
-    assert gemv_choice.decide(table, gemm, ("b", 32)) == ("a", 8)
+    # the incumbent (b for 1-32) costs more than 1 / KEEP times the best: replaced by a, and
+    # for 16 rows: 16 rows on the GEMM path would leave the native decode driver (DRIVER_COST)
+    assert gemv_choice.decide(table, gemm, ("b", 32)) == ("a", 16)
+    assert gemv_choice.decide(table, gemm, ("b", 4)) == ("a", 8)
+
+
+def test_decide_counts_the_native_driver_under_the_flags_rows():
+    """A kernel 20% faster at 1-2 rows and far slower above, the GEMM path close to the
+    incumbent at 4-32 rows: per shape (a, 2) costs least, but rows the incumbent keeps on its
+    GEMV and the pick would not leave the native decode driver (DRIVER_COST), so the
+    incumbent stays; with a lower incumbent limit, or none, the narrow pick is taken."""
+    table = {"a": {1: 8, 2: 8, 4: 40, 8: 80, 16: INF, 32: INF},
+             "b": {1: 10, 2: 10, 4: 10, 8: 11, 16: 12, 32: 13}}
+    gemm = {1: 14, 2: 14, 4: 11, 8: 11.5, 16: 12, 32: 13}
+    assert gemv_choice.decide(table, gemm, None) == ("a", 2)
+    assert gemv_choice.decide(table, gemm, ("b", 32)) == ("b", 32)
+    assert gemv_choice.decide(table, gemm, ("b", 2)) == ("a", 2)
+    # every kernel pruned before the incumbent's rows: the cheapest narrow pick
+    table["b"] = {1: 10, 2: 10, 4: INF, 8: INF, 16: INF, 32: INF}
+    assert gemv_choice.decide(table, gemm, ("c", 32)) == ("a", 2)
 
 
 def test_decide_keeps_the_incumbent_within_the_margin():

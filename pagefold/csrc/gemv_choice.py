@@ -11,8 +11,12 @@ step's rows then have a decode step's bits) and the row count above which the GE
 over, scored by :func:`decide`: time relative to the best path at each row count, weighted
 towards 1-2 rows (most steps are batch-1 decode), the flags' choice kept unless another is at
 least ``1 / KEEP`` faster overall and a second measurement agrees, so noise does not flip
-kernels. A shape whose fastest path never read its weight at :data:`MIN_BANDWIDTH` (every
-call preempted) keeps the flags' choice and is timed again at the next load.
+kernels. Row counts a choice would send to the GEMM path that the flags' choice keeps on its
+GEMV count :data:`DRIVER_COST` times the GEMM path's time: the native decode driver runs a
+step on the GEMVs only up to the fewest rows any of the model's linears takes, so a lower
+limit on one shape costs every layer of those steps, which timing one shape does not see. A
+shape whose fastest path never read its weight at :data:`MIN_BANDWIDTH` (every call
+preempted) keeps the flags' choice and is timed again at the next load.
 
 The table is cached as JSON under ``<pagefold cache>/gemv/`` keyed by the CPU model, its
 flags, the thread count, the kernel build and the runnable kernels; a later load reads it (no
@@ -52,6 +56,13 @@ ROWS = (1, 2, 4, 8, 16, 32)
 # Most steps are batch-1 decode; verify steps and decode batches come next.
 ROW_WEIGHT = {1: 4.0, 2: 2.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0}
 KEEP = 0.9  # another (kernel, rows) replaces the flags' one only when it costs <= 0.9 of it
+# A row count under the flags' limit that a choice sends to the GEMM path counts this many times
+# the GEMM path's time: there the native decode driver hands the step to the per-layer path
+# (it runs the GEMVs only up to the fewest rows any linear takes). Measured (AMX Xeon, 2
+# threads): noise-level 1-2 row readings gave (fma, 1-4) on 6,144 x 1,024 or 3,072 x 1,024 in
+# some builds' tables, and such a build's `tput` ran 0.81-0.91x of one that kept (amx, 32) (the
+# same code with the kernel forced in both: 0.99-1.01x).
+DRIVER_COST = 1.5
 PRUNE = 3.0  # a kernel this much slower than the best at some rows is not timed at more
 # Weights under these many bytes take the flags' choice untimed: the quantized formats' tables
 # (``quantization/qgemv_choice``) 256 KiB, the bf16 GEMVs' 1 MiB. At 256 KiB - 1 MiB of bf16
@@ -68,7 +79,7 @@ BUDGET_S = 2.0
 # Below this a product's least time is a preemption, not a measurement (any machine that runs
 # a model reads memory at several GB/s).
 MIN_BANDWIDTH = 1e9
-FORMAT = 2  # 2: tables cached under the 256 KiB threshold are re-made
+FORMAT = 3  # 2: tables cached under the 256 KiB threshold re-made; 3: before DRIVER_COST
 TORCH = "torch"  # no GEMV: every product takes the GEMM path
 MODES = ("auto", "flags", TORCH)
 GEMM = " gemm"  # the GEMM path's key while timing (no kernel has a space)
@@ -152,9 +163,10 @@ def monotone(times: dict[int, float]) -> dict[int, float]:
 def decide(table: Table, gemm_times: dict[int, float],
            incumbent: tuple[str, int] | None) -> tuple[str, int]:
     """The (kernel, rows) of least weighted relative cost over :data:`ROWS`, a row count
-    costing the kernel's time up to its rows and the GEMM path's above; ``incumbent`` (the
-    flags' choice) is kept unless the best costs at most :data:`KEEP` of it. Kernels take at
-    least 1 row; (``torch``, 0) when the table has no kernel."""
+    costing the kernel's time up to its rows and the GEMM path's above (times
+    :data:`DRIVER_COST` up to ``incumbent``'s rows); ``incumbent`` (the flags' choice) is kept
+    unless the best costs at most :data:`KEEP` of it. Kernels take at least 1 row; (``torch``,
+    0) when the table has no kernel."""
     if not table:
         return TORCH, 0
     # A product of more rows reads the same weight and computes more: its time bounds the
@@ -162,12 +174,13 @@ def decide(table: Table, gemm_times: dict[int, float],
     table = {name: monotone(t) for name, t in table.items()}
     gemm_times = monotone(gemm_times)
     best = {r: min([gemm_times[r]] + [t[r] for t in table.values()]) for r in ROWS}
+    floor = incumbent[1] if incumbent is not None else 0
 
     def cost(name: str, limit: int) -> float:
         t = table[name]
         total = 0.0
         for r in ROWS:
-            v = t[r] if r <= limit else gemm_times[r]
+            v = t[r] if r <= limit else gemm_times[r] * (DRIVER_COST if r <= floor else 1.0)
             total += ROW_WEIGHT[r] * v / best[r]
         return total
 

@@ -1,5 +1,5 @@
 // Prefill (and chunked-prefill) attention over the paged bf16 K/V cache, blocked: 32 query
-// lanes against blocks of 32 keys, the products on AMX tiles where the CPU has them and on
+// lanes against blocks of 64 keys, the products on AMX tiles where the CPU has them and on
 // AVX512-BF16 dot products (vdpbf16ps) elsewhere. One algorithm, two product units.
 //
 // Same contract as pf_prefill_attention (prefill.cpp): query token i of a row sits at position
@@ -14,11 +14,11 @@
 //
 // Everything is computed transposed, with query "lanes" (row-heads: lane = token * G + head
 // of the G query heads sharing a kv head) as the fast index:
-//   S^T (32 keys x 32 lanes) = K (keys x D) . Q^T
-//   O^T (D x 32 lanes)      += V^T (D x 32 keys) . P^T
+//   S^T (64 keys x 32 lanes) = K (keys x D) . Q^T
+//   O^T (D x 32 lanes)      += V^T (D x 64 keys) . P^T
 // so the softmax statistics of 16 lanes are one vector each and every reduction over keys is
 // a vertical max / add of 16-lane vectors (no horizontal reductions). Per call, the K and V
-// of each (row, kv head) are first gathered from the pages once into blocks of 32 keys (K as
+// of each (row, kv head) are first gathered from the pages once into blocks of 64 keys (K as
 // rows, V transposed), shared by every query tile of the row. Q^T and P^T are held as bf16
 // pairs (32-bit lane l of row p: the lane's dims / keys 2p and 2p + 1): the B operand layout
 // of the tile unit and the lane-parallel operand of vdpbf16ps, whose other operand is then a
@@ -58,14 +58,19 @@ namespace {
 #if defined(PF_PREFILL_BLOCKED)
 
 constexpr int kLanes = 32;  // query row-heads per item: two 16-lane halves
-constexpr int kKeys = 32;   // keys per block: the depth of one P^T . V product
+// Keys per block: the softmax step and the depth of one P^T . V product. 64 keys = two tile
+// depths, so the value product loads and stores each O^T tile once per 64 keys (at 32 it did
+// so per 32: 16/2 x 128 over 2,048 fresh tokens 1.09-1.17x slower, AMX Xeon, 2 threads; the
+// head-dim-64 cases within noise).
+constexpr int kKeys = 64;
+constexpr int kDepth = 32;  // bf16 products of one tile instruction: keys of a score tile
 constexpr float kLazy = 8.0f;  // base-2 headroom before the running maximum is raised
 constexpr int kMinLanes = 8;   // fewer query row-heads in a row: prefill.cpp's row kernel
 
 struct RowDesc {
   int64_t tok_start, q_len, ctx_len, kv_start, slot_off;
   int64_t first, last;  // the keys any query of the row reads
-  int64_t nb;           // blocks of 32 keys from first
+  int64_t nb;           // blocks of kKeys keys from first
   int64_t pack_off;     // this row's packed blocks (kv head 0) in the pack buffer
 };
 
@@ -97,8 +102,9 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-// Gathers block b of (row, kv head) from the pages: K as 32 rows of D, V transposed as D rows
-// of 32 keys; keys past the row's last are zeros (masked scores; zero values keep 0 * V finite).
+// Gathers block b of (row, kv head) from the pages: K as kKeys rows of D, V transposed as D
+// rows of kKeys keys; keys past the row's last are zeros (masked scores; zero values keep 0 * V
+// finite).
 void pack_block(const uint16_t* cache, const int64_t* slots, const RowDesc& row, int kvh,
                 int KVH, int D, int64_t b, uint16_t* kb, uint16_t* vb) {
   const int64_t tok_stride = 2LL * KVH * D;
@@ -116,7 +122,7 @@ void pack_block(const uint16_t* cache, const int64_t* slots, const RowDesc& row,
     vrow[j] = kp + static_cast<int64_t>(KVH) * D;
   }
   // V^T, 16 dims at a time: w[kk] holds (v[2kk][d], v[2kk+1][d]) for the 16 dims; V^T row d is
-  // then w[0..15][d], gathered as 16 words.
+  // then w[0..kKeys / 2 - 1][d], gathered 16 words at a time.
   alignas(64) uint32_t w[kKeys / 2][16];
   const __m512i idx = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -134,9 +140,10 @@ void pack_block(const uint16_t* cache, const int64_t* slots, const RowDesc& row,
       _mm512_store_si512(w[kk], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
     for (int d = 0; d < 16; ++d)
-      _mm512_storeu_si512(vb + (d0 + d) * kKeys,
-                          _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(d)),
-                                                 w, 4));
+      for (int g = 0; g < kKeys / 32; ++g)
+        _mm512_storeu_si512(vb + (d0 + d) * kKeys + 32 * g,
+                            _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(d)),
+                                                   w[16 * g], 4));
   }
 }
 
@@ -148,7 +155,7 @@ struct VecProducts {
   static void begin() {}
   static void end() {}
 
-  // S^T (32 keys x 32 lanes, rows kLanes floats apart) of one K block (32 rows of D).
+  // S^T (kKeys keys x 32 lanes, rows kLanes floats apart) of one K block (kKeys rows of D).
   static void scores(const uint32_t* qt, const uint16_t* kb, int D, float* dst) {
     constexpr int J = 8;
     for (int j0 = 0; j0 < kKeys; j0 += J) {
@@ -173,7 +180,7 @@ struct VecProducts {
     }
   }
 
-  // O^T (D x 32 lanes) += V^T (D rows of 32 keys) . P^T (16 key pairs x 32 lanes).
+  // O^T (D x 32 lanes) += V^T (D rows of kKeys keys) . P^T (kKeys / 2 key pairs x 32 lanes).
   static void values(const uint32_t* pb, const uint16_t* vb, int D, float* ot) {
     constexpr int E = 8;
     for (int d0 = 0; d0 < D; d0 += E) {
@@ -204,15 +211,19 @@ struct VecProducts {
 };
 
 #if defined(PF_PREFILL_AMX)
-// The tile product unit. S phase: tmm0..3 S^T (keys 0-15 / 16-31 x lanes 0-15 / 16-31: tmm0 =
-// keys 0-15 lanes 0-15, tmm1 = keys 0-15 lanes 16-31, tmm2 / tmm3 the same for keys 16-31);
-// tmm4 / tmm5 K rows 0-15 / 16-31 (32 dims); tmm6 / tmm7 Q^T of either lane half (16 dim
-// pairs x 16 lanes). PV phase: tmm6 / tmm7 P^T of either lane half (16 key pairs x 16 lanes);
-// per 16 dims, O^T of either lane half in tmm0 / tmm1 with V^T (16 dims x 32 keys) in tmm4,
-// alternating with tmm2 / tmm3 and tmm5 so consecutive chunks do not wait on each other's
-// tiles. Every tile is 16 rows of 64 bytes. The tile unit runs asynchronously, so the caller's
-// order (scores of block b + 1 before the softmax of b, the value product of b - 1 after it)
-// overlaps the products with the vector work.
+// The tile product unit; every tile is 16 rows of 64 bytes. S phase, per 32 keys of the block:
+// tmm0..3 S^T (keys 0-15 / 16-31 x lanes 0-15 / 16-31: tmm0 = keys 0-15 lanes 0-15, tmm1 =
+// keys 0-15 lanes 16-31, tmm2 / tmm3 the same for keys 16-31); tmm4 / tmm5 K rows 0-15 / 16-31
+// (32 dims); tmm6 / tmm7 Q^T of either lane half (16 dim pairs x 16 lanes). PV phase: the
+// block's P^T stays in tmm2..5 (key pairs 0-15 / 16-31 x lane half: tmm2 / tmm3 keys 0-31 of
+// either half, tmm4 / tmm5 keys 32-63); per 16 dims, O^T of either lane half in tmm0 / tmm1
+// takes both 32-key depths (V^T of keys 0-31 in tmm6, of keys 32-63 in tmm7) between one load
+// and one store. The caller issues the scores of block b + 1 before the softmax of b and the
+// value product of b - 1 after it. Measured on the AMX Xeon (16/2 x 128, 2,048 fresh tokens),
+// the tile and vector work mostly add up rather than overlap (tiles alone 7.8 ms, softmax
+// alone 4.7, both 10.9), and spreading the tile work in units of 4 products through the
+// softmax loop made it slower (12 ms): the time to win is in the softmax's vector work.
+static_assert(kKeys == 2 * kDepth, "the PV phase holds two tile depths of P^T");
 struct TileProducts {
   static void begin() {
     TileConfig cfg;
@@ -226,47 +237,49 @@ struct TileProducts {
 
   static void scores(const uint32_t* qt, const uint16_t* kb, int D, float* dst) {
     constexpr int L = kLanes;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int c = 0; c < D / 32; ++c) {
-      _tile_loadd(6, qt + c * 16 * L, L * 4);
-      _tile_loadd(7, qt + c * 16 * L + 16, L * 4);
-      _tile_loadd(4, kb + c * 32, D * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, kb + 16 * D + c * 32, D * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+    for (int k0 = 0; k0 < kKeys; k0 += kDepth) {
+      const uint16_t* kh = kb + k0 * D;
+      float* dh = dst + k0 * L;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int c = 0; c < D / 32; ++c) {
+        _tile_loadd(6, qt + c * 16 * L, L * 4);
+        _tile_loadd(7, qt + c * 16 * L + 16, L * 4);
+        _tile_loadd(4, kh + c * 32, D * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, kh + 16 * D + c * 32, D * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, dh, L * 4);
+      _tile_stored(1, dh + 16, L * 4);
+      _tile_stored(2, dh + 16 * L, L * 4);
+      _tile_stored(3, dh + 16 * L + 16, L * 4);
     }
-    _tile_stored(0, dst, L * 4);
-    _tile_stored(1, dst + 16, L * 4);
-    _tile_stored(2, dst + 16 * L, L * 4);
-    _tile_stored(3, dst + 16 * L + 16, L * 4);
   }
 
   static void values(const uint32_t* pb, const uint16_t* vb, int D, float* ot) {
     constexpr int L = kLanes;
-    _tile_loadd(6, pb, L * 4);
-    _tile_loadd(7, pb + 16, L * 4);
-    for (int c = 0; c < D / 16; c += 2) {
-      float* o0 = ot + c * 16 * L;
-      float* o1 = o0 + 16 * L;
-      _tile_loadd(0, o0, L * 4);
-      _tile_loadd(1, o0 + 16, L * 4);
-      _tile_loadd(4, vb + c * 16 * kKeys, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(2, o1, L * 4);
-      _tile_loadd(3, o1 + 16, L * 4);
-      _tile_loadd(5, vb + (c + 1) * 16 * kKeys, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_stored(0, o0, L * 4);
-      _tile_stored(1, o0 + 16, L * 4);
-      _tile_stored(2, o1, L * 4);
-      _tile_stored(3, o1 + 16, L * 4);
+    _tile_loadd(2, pb, L * 4);
+    _tile_loadd(3, pb + 16, L * 4);
+    _tile_loadd(4, pb + 16 * L, L * 4);
+    _tile_loadd(5, pb + 16 * L + 16, L * 4);
+    for (int c = 0; c < D / 16; ++c) {
+      float* o = ot + c * 16 * L;
+      const uint16_t* v = vb + c * 16 * kKeys;
+      _tile_loadd(0, o, L * 4);
+      _tile_loadd(1, o + 16, L * 4);
+      _tile_loadd(6, v, kKeys * 2);
+      _tile_dpbf16ps(0, 6, 2);
+      _tile_dpbf16ps(1, 6, 3);
+      _tile_loadd(7, v + kDepth, kKeys * 2);
+      _tile_dpbf16ps(0, 7, 4);
+      _tile_dpbf16ps(1, 7, 5);
+      _tile_stored(0, o, L * 4);
+      _tile_stored(1, o + 16, L * 4);
     }
   }
 };

@@ -49,7 +49,7 @@ KERNEL_MAX_ROWS = 32
 KERNELS = ("q8", "q8mm", "float")  # the ones a mode can force
 TILE = "tile"
 MODES = ("auto", "flags", *KERNELS, TILE)
-FORMAT = 1
+FORMAT = 2  # 2: tables made before gemv_choice.DRIVER_COST re-made
 
 
 def requested() -> str:

@@ -203,8 +203,8 @@ inline __m512i vbf16_bits_int(__m512 v) {
 // f32_to_bf16 on 16 lanes as 16 packed bf16 values. With AVX512-BF16 the hardware conversion
 // (vcvtneps2bf16) computes the same bits (the same round-to-nearest-even carry, NaN quieted
 // with the same bit) except that it flushes denormal inputs to signed zero: vectors holding a
-// denormal take the integer path. It is one instruction against nine: bf16 element-wise
-// kernels ran 1.5x faster with it (SiLU x up over 4,096 x 3,072, AMX Xeon, 2 threads).
+// denormal take the integer path. It is one instruction against nine: SiLU x up over 4,096 x
+// 3,072 bf16 ran 1.1-1.2x faster with it (AMX Xeon, 2 threads, in turn with the old build).
 inline __m256i vbf16_pack(__m512 v) {
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
   if (!_mm512_fpclass_ps_mask(v, 0x20))  // 0x20: denormal

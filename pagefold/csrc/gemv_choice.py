@@ -105,7 +105,11 @@ class Choice:
 
 NO_GEMV = Choice(TORCH, 0)
 _forced: list[str | None] = [None]  # the engine option (set_forced)
-_memo: dict[str, dict[tuple[int, int], tuple[str, int]]] = {}  # by cache path
+# By cache path: (the file's choices and those measured since, the shapes this process gave
+# the flags' choice untimed: past the budget or too busy). Both hold for the process's life, so
+# every model it loads computes with the same kernels (bits); clearing it is a new process.
+_memo: dict[str, tuple[dict[tuple[int, int], tuple[str, int]],
+                       dict[tuple[int, int], tuple[str, int]]]] = {}
 _available: dict[int, list[Candidate]] = {}
 
 
@@ -376,18 +380,22 @@ def measured_choices(shapes: list[tuple[int, int]], key: dict, incumbent: tuple[
     file of ``key``, else timed by ``timer`` and decided by :func:`decide` against
     ``incumbent`` (a change must be measured twice), the largest weights (``nbytes``) first,
     within ``budget_s``; shapes under ``min_bytes``, past the budget or on a
-    machine too busy to time keep ``incumbent`` (and are timed at the next load). Logs one
-    line, ``what`` naming the table and ``above`` the path past the chosen rows."""
+    machine too busy to time keep ``incumbent`` (for the rest of this process: a second model
+    loaded, or the same one again, computes with the kernels of the first; timed at the next
+    process's load). Logs one line, ``what`` naming the table and ``above`` the path past the
+    chosen rows."""
     path = cache_path(key)
     memo_key = str(path)
-    cached = _memo.get(memo_key)
+    memo = _memo.get(memo_key)
     stale = False
-    if cached is None:
+    if memo is None:
         cached = read_cache(path, key)
         stale = cached is None and path.exists()  # ignored: rewrite it
-    known = dict(cached or {})
+        memo = (dict(cached or {}), {})
+    known, held = memo
     # The largest weights first: they take most of a step's time.
-    todo = sorted((s for s in shapes if s not in known and nbytes(s) >= min_bytes),
+    todo = sorted((s for s in shapes
+                   if s not in known and s not in held and nbytes(s) >= min_bytes),
                   key=lambda s: -nbytes(s))
     times: dict[tuple[int, int], dict] = {}
     t0 = time.perf_counter()
@@ -410,8 +418,9 @@ def measured_choices(shapes: list[tuple[int, int]], key: dict, incumbent: tuple[
                     for nm, t in {**table, "gemm": gemm_times}.items()}
     if times or stale:
         write_cache(path, key, known, times)
-    _memo[memo_key] = known
-    picked = {s: known.get(s, incumbent) for s in shapes}
+    held.update((s, incumbent) for s in todo if s not in known)
+    _memo[memo_key] = (known, held)
+    picked = {s: known.get(s) or held.get(s, incumbent) for s in shapes}
     _log(what, above, picked, len(times), len(todo) - len(times), time.perf_counter() - t0,
          path, bool(times), budget_s)
     return picked

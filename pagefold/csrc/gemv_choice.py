@@ -16,7 +16,8 @@ GEMV count :data:`DRIVER_COST` times the GEMM path's time: the native decode dri
 step on the GEMVs only up to the fewest rows any of the model's linears takes, so a lower
 limit on one shape costs every layer of those steps, which timing one shape does not see. A
 shape whose fastest path never read its weight at :data:`MIN_BANDWIDTH` (every call
-preempted) keeps the flags' choice and is timed again at the next load.
+preempted) keeps the flags' choice for the rest of the process and is timed again when a
+later process loads.
 
 The table is cached as JSON under ``<pagefold cache>/gemv/`` keyed by the CPU model, its
 flags, the thread count, the kernel build and the runnable kernels; a later load reads it (no
@@ -401,10 +402,10 @@ def measured_choices(shapes: list[tuple[int, int]], key: dict, incumbent: tuple[
     t0 = time.perf_counter()
     for s in todo:
         if time.perf_counter() - t0 > budget_s:
-            break  # the rest keep the flags' choice this time and are timed next load
+            break  # the rest keep the flags' choice in this process (held below)
         got = timer(s)
         if got is None:
-            continue  # the flags' choice this time, timed again next load
+            continue  # the flags' choice in this process, timed again by the next one
         table, gemm_times = got
         pick = decide(table, gemm_times, incumbent)
         if pick != incumbent:  # a change must be measured twice (noise is not cached)
@@ -441,5 +442,5 @@ def _log(what: str, above: str, picked: dict, measured: int, left: int, seconds:
            else "no timing: cached, or weights too small to time")
     if left:
         how += (f"; {left} shape(s) kept the flags' choice: too busy a machine or past the "
-                f"{budget_s:.1f} s budget, timed at the next load")
+                f"{budget_s:.1f} s budget, timed when a later process loads")
     logger.info("%s: %s; %s above (%s)", what, ", ".join(parts), above, how)

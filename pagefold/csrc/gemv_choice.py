@@ -69,11 +69,8 @@ PRUNE = 3.0  # a kernel this much slower than the best at some rows is not timed
 # (``quantization/qgemv_choice``) 256 KiB, the bf16 GEMVs' 1 MiB. At 256 KiB - 1 MiB of bf16
 # every kernel's time is mostly the call (512 x 256: 26-40 us for all of them, 1 to 32 rows),
 # and the choices flipped between two builds of the same sources on one host (fma for 1 row on
-# some shapes, AMX on others). A row limit under the batch costs more than the measurement
-# sees: the native decode driver runs a step on the GEMVs only up to the fewest rows any of the
-# model's linears takes, so one (fma, 1) shape sent every decode batch of a tiny model through
-# the Python callbacks: 4-17% of its throughput (gdn-h256-l4, moe-h512-l8 `tput`, in turn with
-# the old threshold's choices; at parity with the kernel forced in both).
+# some shapes, AMX on others); one (fma, 1) shape cost a tiny model 4-17% of its throughput
+# (gdn-h256-l4, moe-h512-l8 `tput`; the native decode driver's coupling, see DRIVER_COST).
 MIN_TIMED_BYTES = 256 << 10
 MIN_TIMED_BYTES_BF16 = 1 << 20
 BUDGET_S = 2.0

@@ -7,6 +7,7 @@ bandwidth.
     python -m benchmarks.decode_b1 --models smollm2 --quantization fp8 int8 int4
     python -m benchmarks.decode_b1 --models smollm2 --quantization gguf   # the Q4_1 GGUF kept
     python -m benchmarks.decode_b1 --base main --batch 32 --requests 32 --out 32  # batched
+    python -m benchmarks.decode_b1 --models smollm2 --guard-ab --busy 1  # a core taken
 
 Each (code, model) runs in its own subprocess, one after another, rounds interleaved (the
 order flips every round) so that load from other processes on a shared machine falls on both
@@ -24,6 +25,10 @@ which is read one row at a time; a tied head is read as the head), ``GB/s`` = MB
 512 MiB buffer, read + write counted, best of 5). ``CPU ms`` = median process CPU time per
 decode step (best round) and ``CPU ratio`` its base / this: on a machine other processes
 load, CPU time is the steadier measure of the work a step costs (run with ``--threads 1``).
+
+``--busy N`` starts N busy-loop processes beside every worker (a host whose cores other work
+takes); ``--guard-ab`` adds this tree with ``PAGEFOLD_THREAD_GUARD=0`` (``executor/
+thread_guard.py`` off: steps keep every thread), its ratio against this tree.
 
 ``--profile MODEL``: one worker of this tree under ``torch.profiler`` for 32 decode steps;
 prints the ops by self CPU time and the Python-side share of a step.
@@ -158,15 +163,24 @@ def worker(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_worker(src: Path, spec: dict, tmp: Path) -> dict:
+def run_worker(src: Path, spec: dict, tmp: Path, env_extra: dict | None = None,
+               busy: int = 0) -> dict:
+    """One worker process; ``busy`` busy-loop processes run beside it (a host whose cores
+    other work takes)."""
     out = tmp / "result.json"
     out.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(REPO)]),
-               HF_HUB_OFFLINE="1")
+               HF_HUB_OFFLINE="1", **(env_extra or {}))
     code = ("import json,sys; from benchmarks.decode_b1 import worker; "
             f"json.dump(worker(json.loads(sys.argv[1])), open({str(out)!r}, 'w'))")
-    subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, check=True,
-                   cwd=str(REPO))
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, check=True,
+                       cwd=str(REPO))
+    finally:
+        for lp in loops:
+            lp.kill()
+            lp.wait()
     return json.loads(out.read_text())
 
 
@@ -198,6 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1,
                    help="requests decoding together (--requests of them in all; tok/s and "
                         "TPOT count every request's tokens)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="busy-loop processes beside every worker (a host whose cores other "
+                        "processes take)")
+    p.add_argument("--guard-ab", action="store_true",
+                   help="also run this tree with PAGEFOLD_THREAD_GUARD=0 (steps keep every "
+                        "thread whatever the host does): a row with its ratio against this")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from benchmarks.common import print_table
@@ -214,13 +234,16 @@ def main(argv: list[str] | None = None) -> None:
         codes["base"] = export(args.base, tmp)
     quant = {f"this+{q}": q for q in args.quantization}
     codes.update({c: REPO for c in quant})
+    envs = {"this+noguard": {"PAGEFOLD_THREAD_GUARD": "0"}} if args.guard_ab else {}
+    codes.update({c: REPO for c in envs})
     got: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         for m in args.models:
             order = list(codes) if r % 2 == 0 else list(reversed(codes))
             for c in order:
                 res = run_worker(codes[c], dict(spec, model=model_path(m, quant.get(c)),
-                                                quantization=quant.get(c)), tmp)
+                                                quantization=quant.get(c)), tmp,
+                                 envs.get(c), args.busy)
                 got.setdefault((m, c), []).append(res)
                 print(f"round {r} {m} {c}: {1 / res['tpot']:.1f} tok/s", flush=True)
     rows = []
@@ -235,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                    "MB/step": b["bytes"] / 1e6, "GB/s": gbs,
                    "of copy": gbs * 1e9 / b["copy_bw"]}
             row["CPU ms"] = min(x["cpu"] for x in got[(m, c)]) * 1e3
-            if c in quant:
+            if c in quant or c in envs:
                 row["ratio"] = best["this"]["tpot"] / b["tpot"]
                 row["CPU ratio"] = (min(x["cpu"] for x in got[(m, "this")])
                                     / min(x["cpu"] for x in got[(m, c)]))

@@ -6,10 +6,12 @@
 Kernel table: one bf16 ``MoEExperts`` layer per (experts, hidden, expert width, top-k) with
 random weights and routing, ``T`` tokens a step (past the few-token path's rows: decode batches
 of 64, prefill chunks), timed with the grouped path (``layers/moe_rows.py``) and with the
-general per-expert loop it replaces, alternating calls so the machine's noise hits both; best
-of ``--reps``. ``--engine``: a random Qwen3-Next-style model (hidden 512, 4 layers, 64 experts
-of 256, top 8) through ``LLM.generate``, 64 requests of 256 -> 64 greedy tokens, the two paths
-in turn (same process, same weights, fresh prompts each round), output tokens/s.
+general per-expert loop it replaces, and with the AMX tile GEMV limited to runs of 32 (longer
+runs on oneDNN, as before runs of up to 256 took the tiles: ``tiles to 256`` is that time over
+the grouped path's), alternating calls so the machine's noise hits all; best of ``--reps``.
+``--engine``: a random Qwen3-Next-style model (hidden 512, 4 layers, 64 experts of 256,
+top 8) through ``LLM.generate``, 64 requests of 256 -> 64 greedy tokens, the two paths in turn
+(same process, same weights, fresh prompts each round), output tokens/s.
 """
 
 from __future__ import annotations
@@ -41,15 +43,19 @@ def _layer(e: int, h: int, i: int):
 
 
 class _Paths:
-    """Switches a module's many-token path between the grouped one and the loop."""
+    """Switches a module's many-token path between the grouped one and the loop; ``short``:
+    the grouped path with the AMX tile GEMV limited to runs of 32 (longer runs on oneDNN)."""
 
     def __init__(self) -> None:
+        from pagefold.layers import moe_rows
         from pagefold.layers.moe import MoEExperts
 
         self.cls, self.real = MoEExperts, MoEExperts._grouped_ok
+        self.rows, self.max_run = moe_rows, moe_rows.AMX_MAX_RUN
 
-    def set(self, grouped: bool) -> None:
+    def set(self, grouped: bool, short: bool = False) -> None:
         self.cls._grouped_ok = self.real if grouped else (lambda self, *a: False)
+        self.rows.AMX_MAX_RUN = self.rows.AMX_PIECE_ROWS if short else self.max_run
 
 
 def kernel_table(reps: int) -> list[dict]:
@@ -64,20 +70,23 @@ def kernel_table(reps: int) -> list[dict]:
             x = torch.randn(t, h, generator=g).bfloat16()
             w, idx = torch.randn(t, e, generator=g).softmax(-1).topk(k, -1)
             w = (w / w.sum(-1, keepdim=True)).bfloat16()
-            best = {True: float("inf"), False: float("inf")}
-            for grouped in (True, False):  # warm-up: oneDNN makes its primitives
-                paths.set(grouped)
+            ways = [(True, False), (False, False), (True, True)]  # grouped, loop, short
+            best = dict.fromkeys(ways, float("inf"))
+            for way in ways:  # warm-up: oneDNN makes its primitives
+                paths.set(*way)
                 m(x, idx, w)
             for _ in range(reps):
-                for grouped in (True, False):
-                    paths.set(grouped)
+                for way in ways:
+                    paths.set(*way)
                     t0 = time.perf_counter()
                     m(x, idx, w)
-                    best[grouped] = min(best[grouped], time.perf_counter() - t0)
+                    best[way] = min(best[way], time.perf_counter() - t0)
             paths.set(True)
+            g, loop, short = (best[way] for way in ways)
             rows.append({"experts": f"{e} x {h}x{i} top {k}", "tokens": t,
-                         "loop ms": best[False] * 1e3, "grouped ms": best[True] * 1e3,
-                         "speed-up": best[False] / best[True]})
+                         "loop ms": loop * 1e3, "grouped ms": g * 1e3,
+                         "speed-up": loop / g, "tiles <= 32 ms": short * 1e3,
+                         "tiles to 256": short / g})
         del m
     return rows
 
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with torch_threads(args.threads):
         print_table(kernel_table(args.reps),
-                    ["experts", "tokens", "loop ms", "grouped ms", "speed-up"])
+                    ["experts", "tokens", "loop ms", "grouped ms", "speed-up",
+                     "tiles <= 32 ms", "tiles to 256"])
         if args.engine:
             print()
             print_table(engine_table(args.rounds),

@@ -46,6 +46,8 @@ from pagefold.executor.sampler import (
     make_generator,
     plain_greedy,
 )
+from pagefold.executor.thread_guard import ThreadGuard
+from pagefold.executor.thread_guard import enabled as thread_guard_enabled
 from pagefold.multimodal.encoder_cache import EncoderCache
 from pagefold.spec_decode.verify import verify_drafts
 
@@ -74,17 +76,20 @@ def step_inference_mode(fn):
 
 
 @contextmanager
-def _threads_for(device: torch.device, work: int):
+def _threads_for(device: torch.device, work: int, guard: ThreadGuard | None = None):
     """One torch thread for a CPU step whose ``work`` (tokens x weight elements) is below
-    ``SMALL_STEP_WORK``; the caller's thread count is restored afterwards."""
+    ``SMALL_STEP_WORK``, or while ``guard`` finds this host's cores taken by other processes
+    (``thread_guard.py``); the caller's thread count is restored afterwards."""
     threads = torch.get_num_threads()
-    small = device.type == "cpu" and threads > 1 and work < SMALL_STEP_WORK
-    if small:
-        torch.set_num_threads(1)
+    want = threads
+    if device.type == "cpu" and threads > 1:
+        want = 1 if work < SMALL_STEP_WORK else guard.threads(threads) if guard else threads
+    if want != threads:
+        torch.set_num_threads(want)
     try:
         yield
     finally:
-        if small:
+        if want != threads:
             torch.set_num_threads(threads)
 
 
@@ -115,6 +120,9 @@ class ModelRunner:
             keep_freed_memory()  # activations reuse faulted-in pages from step to step
         self.kv_config = kv_config
         self.device = device
+        # Steps drop to one thread while other processes hold the cores (thread_guard.py).
+        self.thread_guard = (ThreadGuard() if device.type == "cpu" and thread_guard_enabled()
+                             else None)
         self.cache = CacheTensors(kv_config, device, fill=cache_fill)
         # Host pool for swapped-out pages: same geometry, CPU memory (pinned with a GPU).
         pin = device.type == "cuda"
@@ -270,7 +278,7 @@ class ModelRunner:
         self._grammar = out.grammar_bitmask
         # A burst's forwards are one row per request each: weigh one of them.
         rows = len(batch.reqs) if out.decode_burst else batch.num_tokens
-        with _threads_for(self.device, rows * self.weight_elements):
+        with _threads_for(self.device, rows * self.weight_elements, self.thread_guard):
             report = self.move_pages(out)
             if not batch.reqs:
                 result = {}

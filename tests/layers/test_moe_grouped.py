@@ -9,9 +9,9 @@ of torch ops over the product kernels themselves (never the grouping code):
   for bit;
 * with them, every row is a per-expert loop whose products are the chosen GEMV (whose row bits
   do not depend on the rows beside it) for runs of at most ``max_rows`` positions, the AMX
-  tile GEMV up to 32 where it runs, and the GEMM path past that (``matmul_t``: oneDNN or the
-  float32-upcast GEMM), summed per token in ascending expert order with torch's bf16
-  roundings.
+  tile GEMV (32 rows a call) up to 256 where it runs (up to 32 where the widths are not
+  multiples of 32), and the GEMM path past that (``matmul_t``: oneDNN or the float32-upcast
+  GEMM), summed per token in ascending expert order with torch's bf16 roundings.
 """
 
 from __future__ import annotations
@@ -57,33 +57,39 @@ def _pair(rows: int) -> tuple:
 
 def _amx_runs() -> bool:
     """The spec: on a CPU whose AMX tile GEMV runs, with no kernel forced, runs past the chosen
-    GEMV's rows and up to 32 take the tile GEMV."""
+    GEMV's rows take the tile GEMV: up to 256 positions when hidden and expert widths are
+    multiples of 32, else up to 32."""
     return (any(c.name == "amx" for c in gemv_registry.available(cpu_ops.kernels()))
             and gemv_choice.requested() in ("auto", "flags"))
 
 
-def _product(n: int, cap: int):
+def _tile_top(m: MoEExperts) -> int:
+    return 256 if m.gate_up_proj.shape[2] % 32 == 0 and m.inter % 32 == 0 else 32
+
+
+def _product(n: int, cap: int, top: int = 32):
     """The product a run of ``n`` positions takes: (x, w) -> x @ w.T."""
     lib = cpu_ops.kernels()
     if n <= cap:
-        fn = getattr(lib, gemv_registry.by_name(cpu_ops.default_choice().name).symbol)
-    elif n <= 32 and _amx_runs():
-        fn = lib.pf_linear_bf16_amx
+        fn, piece = getattr(lib, gemv_registry.by_name(cpu_ops.default_choice().name).symbol), n
+    elif n <= top and _amx_runs():
+        fn, piece = lib.pf_linear_bf16_amx, 32  # the tile GEMV takes at most 32 rows a call
     else:  # the GEMM path every product past the GEMVs takes (tests/test_onednn_rows.py)
         return matmul_t
-    return lambda x, w: gemv_registry.call(fn, x.contiguous(), w, None)
+    return lambda x, w: torch.cat([gemv_registry.call(fn, x[i:i + piece].contiguous(), w, None)
+                                   for i in range(0, x.shape[0], piece)])
 
 
 def _oracle(m: MoEExperts, x, idx, w, cap: int, experts=None) -> torch.Tensor:
     """Per expert (ascending unless ``experts`` gives the order), its tokens ascending, the
     product its run length takes, then each token's weighted rows added with bf16 roundings."""
     out = torch.zeros_like(x)
-    for e in (range(E) if experts is None else experts):
+    for e in (range(m.num_experts) if experts is None else experts):
         tok, slot = (idx == e).nonzero(as_tuple=True)  # tokens ascending
         if tok.numel() == 0:
             continue
-        mm = _product(tok.numel(), cap)
-        gate, up = mm(x[tok], m.gate_up_proj[e]).split(INTER, -1)
+        mm = _product(tok.numel(), cap, _tile_top(m))
+        gate, up = mm(x[tok], m.gate_up_proj[e]).split(m.inter, -1)
         y = mm(F.silu(gate) * up, m.down_proj[e])
         out[tok] += y * w[tok, slot, None]  # ids distinct per token: no duplicate rows
     return out
@@ -153,21 +159,25 @@ def test_grouped_many_small_runs_in_parallel() -> None:
     assert torch.equal(outs[0], ref)
 
 
+@pytest.mark.parametrize("inter", [INTER, 64], ids=["k48", "k64"])
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "forced"])
-def test_amx_takes_runs_past_the_chosen_rows(forced: bool, monkeypatch) -> None:
-    """With the chosen GEMVs limited to 2 rows, runs of 3-32 take the tile GEMV on AMX (the
-    oracle's products); a forced kernel (``PAGEFOLD_GEMV``) is never replaced: those runs
-    take the GEMM then."""
+def test_amx_takes_runs_past_the_chosen_rows(forced: bool, inter: int, monkeypatch) -> None:
+    """With the chosen GEMVs limited to 2 rows, runs of 3-256 take the tile GEMV on AMX in
+    32-row calls (3-32 where the expert width, 48, is not a multiple of 32), longer runs the
+    GEMM (the oracle's products); a forced kernel (``PAGEFOLD_GEMV``) is never replaced: those
+    runs take the GEMM then."""
     if forced:
         monkeypatch.setenv("PAGEFOLD_GEMV", cpu_ops.default_choice().name)
-    m = _experts()
+    m = random_experts(E, H, inter)
     pair = _pair(2)
-    x, idx, w = _routing(120, 2, 4, skew=0.8)
+    x, idx, w = _routing(700, 2, 4, skew=0.8)
     counts = torch.bincount(idx.reshape(-1), minlength=E)
-    assert bool(((counts > 2) & (counts <= 32)).any()) and bool((counts > 32).any())
-    kinds = [(lo, hi, p[0].name) for p, lo, hi in moe_rows.run_kernels(pair)]
+    for lo, hi in ((3, 32), (33, 256), (257, 10**6)):  # every kind of run, in one step
+        assert bool(((counts >= lo) & (counts <= hi)).any()), (lo, hi, counts)
+    kinds = [(lo, hi, p[0].name) for p, lo, hi in moe_rows.run_kernels(pair, H, inter)]
     assert kinds[0] == (1, 2, pair[0].name)
-    assert (kinds[1:] == [(3, 32, "amx")]) == (_amx_runs() and not forced)
+    top = 256 if inter % 32 == 0 else 32
+    assert (kinds[1:] == [(3, top, "amx")]) == (_amx_runs() and not forced)
     got = moe_rows.grouped_forward(x, idx, w, m.gate_up_proj, m.down_proj, pair)
     assert torch.equal(got, _oracle(m, x, idx, w, 2))
 

@@ -65,8 +65,14 @@ SHAPES = [
     # the default grid (its tput cell alone takes minutes); ask for it with --shapes.
     Shape("gdn-h1024-l24-i5120", "qwen3_5", 1024, 24,
           dict(intermediate_size=5120, tie_word_embeddings=True, vocab_size=16384), big=True),
+    # A Qwen3-Next-style MoE hybrid whose experts are many and wide enough that expert runs
+    # take the grouped path's tile GEMV and oneDNN (the grid's moe-h512-l8 has 4 experts of
+    # 32): 64 experts of 256, top 8, a shared expert of 512. Opt-in.
+    Shape("moe-h1024-l12-e64", "qwen3_next", 1024, 12,
+          dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+               shared_expert_intermediate_size=512), big=True),
 ]
-OPT_IN = {"gdn-h1024-l24-i5120"}
+OPT_IN = {"gdn-h1024-l24-i5120", "moe-h1024-l12-e64"}
 QUICK = ["dense-h512-l8-gqa4-d128", "gdn-h256-l4", "mamba2-h512-l8", "moe-h512-l8"]
 
 # workload -> (requests, (in lo, in hi), (out lo, out hi), mode) at full size

@@ -64,7 +64,12 @@ def _amx_runs() -> bool:
 
 
 def _tile_top(m: MoEExperts) -> int:
-    return 256 if m.gate_up_proj.shape[2] % 32 == 0 and m.inter % 32 == 0 else 32
+    """The longest run the tile GEMV takes: 256 (128 for experts of more than 4 MiB) where the
+    widths are multiples of 32, else 32."""
+    hidden, inter = m.gate_up_proj.shape[2], m.inter
+    if hidden % 32 or inter % 32:
+        return 32
+    return 128 if 6 * hidden * inter > 4 << 20 else 256
 
 
 def _product(n: int, cap: int, top: int = 32):
@@ -178,6 +183,11 @@ def test_amx_takes_runs_past_the_chosen_rows(forced: bool, inter: int, monkeypat
     assert kinds[0] == (1, 2, pair[0].name)
     top = 256 if inter % 32 == 0 else 32
     assert (kinds[1:] == [(3, top, "amx")]) == (_amx_runs() and not forced)
+    # Experts of more than 4 MiB (2,048 x 768: 9 MiB) take tile runs up to 128 only; 1,024 x
+    # 672 (3.9 MiB) up to 256.
+    for h, i, want in ((2048, 768, 128), (1024, 672, 256)):
+        got = [(lo, hi, p[0].name) for p, lo, hi in moe_rows.run_kernels(pair, h, i)]
+        assert (got[1:] == [(3, want, "amx")]) == (_amx_runs() and not forced)
     got = moe_rows.grouped_forward(x, idx, w, m.gate_up_proj, m.down_proj, pair)
     assert torch.equal(got, _oracle(m, x, idx, w, 2))
 

@@ -686,13 +686,16 @@ def _amx(x, w, b):
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 64), (5, 2100, 128), (16, 1200, 576),
                                    (3, 8209, 32), (7, 33, 40), (4, 64, 64), (17, 4100, 64),
-                                   (24, 1200, 576), (32, 2051, 128)])
+                                   (24, 1200, 576), (32, 2051, 128), (33, 100, 64),
+                                   (47, 48, 96), (64, 1200, 576), (100, 2051, 128),
+                                   (40, 70, 40)])
 def test_amx_product_matches_float32_and_is_row_independent(m, n, k):
     """The AMX tile product (gemv_amx.cpp): float32 sums rounded once (within bf16 rounding of
     the exact product), bias added, weight rows past the last whole tile (n % 16), K not a
-    multiple of 32 and weights under 2^18 elements (both the dot-product GEMV) and 17-32 rows
-    (two x tiles) included; every row's bits equal that row computed alone, so a verify step
-    equals its decode steps."""
+    multiple of 32 and weights under 2^18 elements (both the dot-product GEMV), 17-32 rows
+    (two x tiles) and past 32 (the blocked path: groups of 16, an odd count and a padded last
+    group, an odd number of weight tiles) included; every row's bits equal that row computed
+    alone, so a verify step equals its decode steps and an MoE run's rows their pieces'."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]  # rows strided
     w = (torch.randn(n, k, generator=g) * 0.3).bfloat16()
@@ -705,10 +708,12 @@ def test_amx_product_matches_float32_and_is_row_independent(m, n, k):
     assert torch.equal(_amx(x, w, None), _amx(x, w, torch.zeros(n).bfloat16()))
 
 
-def test_amx_product_refuses_more_than_32_rows():
+def test_amx_product_refuses_no_rows_and_takes_many():
     w = torch.randn(32, 64).bfloat16()
-    assert _amx(torch.randn(32, 64).bfloat16(), w, None) is not None
-    assert _amx(torch.randn(33, 64).bfloat16(), w, None) is None
+    assert _amx(torch.randn(300, 64).bfloat16(), w, None) is not None
+    y = torch.zeros(1, 32, dtype=torch.bfloat16)
+    assert cpu_ops.kernels().pf_linear_bf16_amx(y.data_ptr(), 64, w.data_ptr(), None,
+                                                y.data_ptr(), 32, 0, 32, 64, 1) == -1
 
 
 def _gdn_inputs(y, a, a_log, dt_bias, hk, hv, dk, dv):

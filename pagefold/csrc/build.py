@@ -195,8 +195,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pf_moe_experts_few.argtypes = [p, p, p, i64, i32, i32, p, p, p, p, i32, i64, i64, p,
                                         i32]
     lib.pf_moe_experts_few.restype = i32
-    lib.pf_moe_experts_grouped.argtypes = [p, p, p, i64, i32, p, p, i32, i32, i32, i32, p, p,
-                                            i64, i64, p, i32]
+    lib.pf_moe_experts_grouped.argtypes = [p, p, p, i64, i32, p, p, i32, i32, i32, p, p, i64,
+                                            i64, p, i32]
     lib.pf_moe_experts_grouped.restype = i32
     lib.pf_moe_combine.argtypes = [p, p, i32, i32, p, i64, p, i32]
     lib.pf_moe_combine.restype = i32

@@ -27,6 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -37,6 +38,7 @@ constexpr int kTileRows = 16;     // weight rows per tile
 constexpr int kTileK = 32;        // k per tile (64 bytes of bf16)
 constexpr int kMaxRows = 16;      // x rows (tile columns of B and C)
 constexpr int kMaxRowsWide = 32;  // two B tiles: rows 0..15 and 16..M-1
+constexpr int kChunkGroups = 16;  // blocked path: 256 rows of x per pass of the weights
 
 // Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); asking twice is harmless. Called once, from pf_amx_ready.
@@ -61,11 +63,12 @@ void configure(int M) {
 
 // C (16 weight rows x M, row-major) plus bias, rounded into y's columns n..n+15: column m
 // of C is row m of y (gathered 16 at a time; f32_to_bf16's rounding, vectorised).
+// ld: C's row stride in floats (default M).
 inline void finish(const float* c, int M, const uint16_t* bias, int64_t n, uint16_t* y,
-                   int64_t ys) {
+                   int64_t ys, int ld = 0) {
   const __m512i rows = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(M));
+      _mm512_set1_epi32(ld > 0 ? ld : M));
   const __m512 b = bias ? vload<uint16_t>(bias + n) : _mm512_setzero_ps();
   for (int m = 0; m < M; ++m) {
     const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(m)), c, 4);
@@ -137,6 +140,83 @@ std::vector<uint16_t> pack_x(const uint16_t* x, int64_t xs, int M, int64_t K) {
   return xp;
 }
 
+// More than 32 rows (an MoE expert's run in a prefill step): x packed in 16-row groups (the
+// last zero-padded), two weight tiles x two groups per pass over K (C tmm0-3, A tmm4-5, B
+// tmm6-7). A pair of weight tiles (32 x K) is read from memory once and multiplied with every
+// group while it sits in this core's cache; calling the 32-row kernel per piece read the whole
+// weight once per piece. Every output element is the narrow kernels' arithmetic (C zeroed,
+// one tile product per 32 k ascending, finish), so a row's bits still do not depend on M.
+void configure_block() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;  // B: 16 k-pairs; A and C: 16 weight rows
+    cfg.colsb[t] = kTileRows * 4;
+  }
+  cfg.colsb[4] = cfg.colsb[5] = kTileK * 2;
+  load_tile_config(cfg);
+}
+
+// Group g of x (rows 16g .. 16g + 15, zeros past M) as pack_x lays out 16 rows: a (k-pair,
+// row) dword per 32-bit slot. Groups are independent (threads split them).
+void pack_group(const uint16_t* x, int64_t xs, int M, int64_t K, int g, uint16_t* dst) {
+  for (int m = 0; m < kTileRows; ++m) {
+    const int row = g * kTileRows + m;
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst) + m;
+    if (row >= M) {
+      for (int64_t p = 0; p < K / 2; ++p) d[p * kTileRows] = 0;
+      continue;
+    }
+    const uint16_t* src = x + row * xs;
+    for (int64_t p = 0; p < K / 2; ++p) {  // k-pair p of chunk p / 16 lands at row p % 16
+      uint32_t v;
+      std::memcpy(&v, src + 2 * p, sizeof(v));
+      d[p * kTileRows] = v;
+    }
+  }
+}
+
+// Weight tiles n0 (and n0 + 16 when two) times groups g0, g0 + 1 of the packed x; rows past M
+// are not written.
+void block_2x2(const uint16_t* xp, const uint16_t* w, int64_t K, int M, const uint16_t* bias,
+               int64_t n0, bool two, int g0, uint16_t* y, int64_t ys) {
+  const int64_t gstride = kTileRows * K;  // packed elements a group
+  const uint16_t* b0 = xp + g0 * gstride;
+  const uint16_t* b1 = b0 + gstride;
+  const uint16_t* a0 = w + n0 * K;
+  const uint16_t* a1 = a0 + kTileRows * K;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(6, b0 + k * kTileRows, kTileRows * 4);
+    _tile_loadd(7, b1 + k * kTileRows, kTileRows * 4);
+    _tile_loadd(4, a0 + k, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a1 + k, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][kTileRows * kTileRows];
+  _tile_stored(0, c[0], kTileRows * 4);
+  _tile_stored(1, c[1], kTileRows * 4);
+  if (two) {
+    _tile_stored(2, c[2], kTileRows * 4);
+    _tile_stored(3, c[3], kTileRows * 4);
+  }
+  for (int t = 0; t < (two ? 4 : 2); ++t) {
+    const int g = g0 + (t & 1);
+    const int rows = std::min(kTileRows, M - g * kTileRows);
+    if (rows <= 0) continue;
+    finish(c[t], rows, bias, n0 + (t >> 1) * kTileRows, y + g * kTileRows * ys, ys, kTileRows);
+  }
+}
+
 // Weight rows past the last whole tile: one row at a time (per-row arithmetic, so still
 // independent of M).
 void tail_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, int M,
@@ -169,10 +249,43 @@ int pf_amx_ready() {
   return ready;
 }
 
-// pf_linear_bf16's arguments; -1 (nothing written) for M outside 1..32 or without AMX.
+// pf_linear_bf16's arguments; -1 (nothing written) for M < 1 or without AMX. Up to 32 rows
+// one pass over the weights per call (the decode and verify GEMV); more rows in the blocked
+// path (same bits per row).
 int pf_linear_bf16_amx(const void* xv, int64_t xs, const void* wv, const void* biasv, void* yv,
                        int64_t ys, int M, int64_t N, int64_t K, int nthreads) {
-  if (M < 1 || M > kMaxRowsWide || K <= 0 || !pf_amx_ready()) return -1;
+  if (M < 1 || K <= 0 || !pf_amx_ready()) return -1;
+  if (M > kMaxRowsWide && K % kTileK == 0) {
+    const auto* x = static_cast<const uint16_t*>(xv);
+    const auto* w = static_cast<const uint16_t*>(wv);
+    const auto* bias = static_cast<const uint16_t*>(biasv);
+    auto* y = static_cast<uint16_t*>(yv);
+    const int G = (M + kTileRows - 1) / kTileRows;
+    const int G2 = G + (G & 1);  // groups go in pairs: a zero group pads an odd count
+    std::vector<uint16_t> xp(static_cast<size_t>(G2) * kTileRows * K);
+    const int64_t tiles = N / kTileRows, units = (tiles + 1) / 2;
+    const bool par = nthreads > 1 && N * K >= (1 << 16);
+#pragma omp parallel num_threads(nthreads) if (par)
+    {
+#pragma omp for schedule(static)
+      for (int g = 0; g < G2; ++g) pack_group(x, xs, M, K, g, xp.data() + g * kTileRows * K);
+      configure_block();
+      // Rows in chunks of kChunkGroups groups: a chunk's packed x stays in cache while every
+      // weight tile pair passes over it (the weights are read once per chunk).
+      for (int c0 = 0; c0 < G2; c0 += kChunkGroups) {
+        const int c1 = std::min(G2, c0 + kChunkGroups);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u)
+          for (int g0 = c0; g0 < c1; g0 += 2)
+            block_2x2(xp.data(), w, K, M, bias, 2 * u * kTileRows, 2 * u + 1 < tiles, g0, y,
+                      ys);
+      }
+      _tile_release();
+    }
+    tail_rows(x, xs, w, K, M, bias, tiles * kTileRows, N, y, ys);
+    return 0;
+  }
+  if (M > kMaxRowsWide) return pf_linear_bf16(xv, xs, wv, biasv, yv, ys, M, N, K, nthreads);
   // Every weight with whole 32-k tiles takes the tiles, small ones too: at one row they cost
   // about what the dot-product GEMV does (192 x 576: 6.5 us against 5.5), at 4 and 32 rows
   // 2-3x and 6-7x less (the dot product's work grows with M, the tiles' hardly), and one path

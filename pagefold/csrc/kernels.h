@@ -77,9 +77,9 @@ int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_
                        int64_t inter, uint16_t* out, int nthreads);
 int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
                            int k, const int64_t* order, const int64_t* starts, int E,
-                           int min_rows, int max_rows, int piece_rows,
-                           const uint16_t* gate_up, const uint16_t* down, int64_t hidden,
-                           int64_t inter, uint16_t* ys, int nthreads);
+                           int min_rows, int max_rows, const uint16_t* gate_up,
+                           const uint16_t* down, int64_t hidden, int64_t inter, uint16_t* ys,
+                           int nthreads);
 int pf_moe_combine(const int64_t* rows_at, const int64_t* order, int t, int k,
                    const uint16_t* top_w, int64_t hidden, uint16_t* out, int nthreads);
 int pf_moe_route(const uint16_t* logits, int64_t stride, int t, int E, int k, int norm,

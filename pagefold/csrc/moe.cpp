@@ -96,25 +96,27 @@ int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_
 // rounding as torch's `out.index_add_(rows, y * w)` per expert does.
 
 // Runs of min_rows..max_rows positions, in parallel over experts (each GEMV on one thread)
-// when there are enough of them, else one after another with the GEMVs' own threads; a run
-// goes through the GEMVs in pieces of at most piece_rows rows (the rows the GEMVs take; a
-// row's bits do not depend on the piece it is in). Returns 0, -1 for an argument out of
-// range, or the kernels' nonzero code.
+// when there are enough of them, else one after another with the GEMVs' own threads. Returns
+// 0, -1 for an argument out of range, or the kernels' nonzero code.
 int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
                            int k, const int64_t* order, const int64_t* starts, int E,
-                           int min_rows, int max_rows, int piece_rows, const uint16_t* gate_up,
+                           int min_rows, int max_rows, const uint16_t* gate_up,
                            const uint16_t* down, int64_t hidden, int64_t inter, uint16_t* ys,
                            int nthreads) {
   if (gemv_gu == nullptr || gemv_down == nullptr || k < 1 || min_rows < 1 ||
-      max_rows < min_rows || piece_rows < 1 || E < 1)
+      max_rows < min_rows || E < 1)
     return -1;
   const GemvFn gemv_g = reinterpret_cast<GemvFn>(gemv_gu);
   const GemvFn gemv_dn = reinterpret_cast<GemvFn>(gemv_down);
   std::vector<int> small;
+  int64_t longest = 0;  // the buffers' rows
   for (int e = 0; e < E; ++e) {
     const int64_t n = starts[e + 1] - starts[e];
     if (n < 0) return -1;
-    if (n >= min_rows && n <= max_rows) small.push_back(e);
+    if (n >= min_rows && n <= max_rows) {
+      small.push_back(e);
+      longest = std::max(longest, n);
+    }
   }
   const int groups = static_cast<int>(small.size());
   const bool outer = nthreads > 1 && groups >= 2 * nthreads;
@@ -122,26 +124,22 @@ int pf_moe_experts_grouped(void* gemv_gu, void* gemv_down, const uint16_t* x, in
   int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (outer) reduction(| : rc)
   {
-    const int cap = std::min(max_rows, piece_rows);
-    std::vector<uint16_t> h(static_cast<size_t>(cap) * hidden),
-        gu(static_cast<size_t>(cap) * 2 * inter), act(static_cast<size_t>(cap) * inter);
+    std::vector<uint16_t> h(static_cast<size_t>(longest) * hidden),
+        gu(static_cast<size_t>(longest) * 2 * inter), act(static_cast<size_t>(longest) * inter);
 #pragma omp for schedule(dynamic, 1)
     for (int g = 0; g < groups; ++g) {
       const int e = small[g];
-      const int64_t s0 = starts[e], end = starts[e + 1];
-      // Pieces of one expert back to back: its weights stay in this core's cache between them.
-      for (int64_t s = s0; s < end; s += cap) {
-        const int n = static_cast<int>(std::min<int64_t>(cap, end - s));
-        for (int r = 0; r < n; ++r)
-          std::memcpy(h.data() + r * hidden, x + (order[s + r] / k) * x_stride,
-                      sizeof(uint16_t) * hidden);
-        int c = gemv_g(h.data(), hidden, gate_up + e * 2 * inter * hidden, nullptr, gu.data(),
-                       2 * inter, n, 2 * inter, hidden, inner);
-        c |= pf_silu_mul(1, gu.data(), 2 * inter, act.data(), n, static_cast<int>(inter), inner);
-        c |= gemv_dn(act.data(), inter, down + e * hidden * inter, nullptr, ys + s * hidden,
-                     hidden, n, hidden, inter, inner);
-        rc |= c;
-      }
+      const int64_t s = starts[e];
+      const int n = static_cast<int>(starts[e + 1] - s);
+      for (int r = 0; r < n; ++r)
+        std::memcpy(h.data() + r * hidden, x + (order[s + r] / k) * x_stride,
+                    sizeof(uint16_t) * hidden);
+      int c = gemv_g(h.data(), hidden, gate_up + e * 2 * inter * hidden, nullptr, gu.data(),
+                     2 * inter, n, 2 * inter, hidden, inner);
+      c |= pf_silu_mul(1, gu.data(), 2 * inter, act.data(), n, static_cast<int>(inter), inner);
+      c |= gemv_dn(act.data(), inter, down + e * hidden * inter, nullptr, ys + s * hidden,
+                   hidden, n, hidden, inter, inner);
+      rc |= c;
     }
   }
   return rc;

@@ -11,8 +11,7 @@ layer in a 64-request decode step (4 rows an expert) 36 ms for ~1 ms of products
 2. Every run of at most ``max_rows`` positions (the rows the chosen GEMVs take) in one C call,
    ``pf_moe_experts_grouped``: gather, the GEMVs, the SiLU kernel, exactly what the few-token
    path computes for such an expert, in parallel over experts; on AMX, runs of up to
-   :data:`AMX_MAX_RUN` more in a second call with the tile GEMV, in pieces of 32
-   (:func:`run_kernels`).
+   :data:`AMX_MAX_RUN` more in a second call with the tile GEMV (:func:`run_kernels`).
 3. Longer runs: the GEMM library's products (``matmul_t``: oneDNN, padded row counts), on
    slices of one gather of the inputs; their compute outgrows the few ops around them.
 4. One C call, ``pf_moe_combine``: each token's weighted rows summed in ascending expert order
@@ -20,8 +19,8 @@ layer in a 64-request decode step (4 rows an expert) 36 ms for ~1 ms of products
    path's accumulation; it reads each row at an address (long runs' products in place).
 
 Invariant: a row's expert output is the chosen GEMV's when its run fits ``max_rows``, the
-tile GEMV's for runs up to :data:`AMX_MAX_RUN` on AMX (:data:`AMX_BIG_RUN` for big experts, 32
-where the widths are not multiples of 32), oneDNN's otherwise; a run's bits never depend on
+tile GEMV's for runs up to :data:`AMX_MAX_RUN` on AMX (32 where the widths are not multiples
+of 32), oneDNN's otherwise; a run's bits never depend on
 the other experts' runs. Steps of at most ``max_rows`` tokens never get here (the few-token
 path).
 """
@@ -40,23 +39,19 @@ from pagefold.ops import elementwise
 __all__ = ["grouped_forward", "run_kernels"]
 
 # Past the chosen GEMVs' rows, on AMX (no kernel forced), the tile GEMV takes an expert's run
-# of up to AMX_MAX_RUN positions (AMX_BIG_RUN for experts of more than AMX_BIG_EXPERT bytes),
-# in pieces of AMX_PIECE_ROWS (the most rows it takes; a row's bits do not depend on its
-# piece), one expert's pieces back to back on one core. The chooser's row limit answers "GEMV
-# or oneDNN on prepacked weights"; an expert run's GEMM is oneDNN on weights it reorders on
-# every call (packed copies would double an MoE model's memory) plus ~4 torch calls, while
-# each tile piece reads the expert's weights again. One layer's routed experts, AMX Xeon, 2
-# threads, tile pieces against oneDNN for runs past 32 (`python -m benchmarks.moe_experts` and
-# runs of fixed length, same run): runs of 64-256 positions 1.1-2.6x faster on experts of
-# 0.75-2.25 MiB (64 x 512 x 256 top 8 at 2,048 tokens 1.1-1.8x), 1.07-1.32x on 6 MiB
-# (1,024 x 1,024); on 9 MiB experts (2,048 x 768, Qwen3-30B-A3B's) 1.15-1.2x at 128 positions
-# but 0.96-1.08x at 256; past 512-1,024 positions oneDNN wins everywhere (0.77-0.90x).
-# Runs up to 32: 25 / 47 us at 32 / 64 rows (512 x 512, weights hot) against oneDNN's 36 /
-# 45 us before its calls' ~40 us.
+# of up to AMX_MAX_RUN positions in one call: past 32 rows its blocked path reads each pair of
+# weight tiles once per 256 rows and multiplies them with every 16-row group of the run while
+# they sit in cache (a row's bits are those of the row alone). An expert run's GEMM is oneDNN
+# on weights it reorders on every call (packed copies would double an MoE model's memory)
+# plus ~4 torch calls. One layer's routed experts, AMX Xeon, 2 threads, in the same run
+# (`python -m benchmarks.moe_experts`, and 8 experts top 2 for fixed run lengths): runs of
+# 256-1,024 positions 1.2-1.75x oneDNN's time on 1,024 x 256-384 experts, 0.97-1.07x on
+# 2,048 x 512-768 (Qwen3-30B-A3B's experts); 2,048 positions 0.95-1.03x. Pieces of 32 rows
+# through the 32-row kernel (before the blocked path) read the weights once per piece: 0.77-
+# 0.86x on 2,048 x 768 past 1,024 positions. Runs up to 32: 25 / 47 us at 32 / 64 rows
+# (512 x 512, weights hot) against oneDNN's 36 / 45 us before its calls' ~40 us.
 AMX_PIECE_ROWS = 32
-AMX_MAX_RUN = 256
-AMX_BIG_EXPERT = 4 << 20
-AMX_BIG_RUN = 128
+AMX_MAX_RUN = 1024
 # The tile GEMV multiplies 32 k at a time; other widths go to its dot-product fallback, which
 # is no faster than oneDNN past a few dozen rows: runs past AMX_PIECE_ROWS take oneDNN then.
 AMX_K_MULTIPLE = 32
@@ -67,32 +62,29 @@ def run_kernels(gemv_pair: tuple | None, hidden: int, inter: int
     """The (gate_up, down) GEMV choices for expert runs and the run lengths each takes, as
     ``[((gu, dn), lo, hi), ...]`` over contiguous ranges from 1: the chosen GEMVs up to the
     smaller of their row limits (what the few-token path computes for such a run), then, where
-    AMX runs here and no kernel is forced, the tile GEMV up to :data:`AMX_PIECE_ROWS`, or (in
-    pieces) up to :data:`AMX_MAX_RUN` / :data:`AMX_BIG_RUN` when ``hidden`` and ``inter`` are
-    multiples of :data:`AMX_K_MULTIPLE`. ``[]`` without GEMVs (every run takes the GEMM). The
-    GEMVs take a run in pieces of at most their row limit."""
+    AMX runs here and no kernel is forced, the tile GEMV up to :data:`AMX_MAX_RUN` when
+    ``hidden`` and ``inter`` are multiples of :data:`AMX_K_MULTIPLE`, else up to
+    :data:`AMX_PIECE_ROWS`. ``[]`` without GEMVs (every run takes the GEMM)."""
     if gemv_pair is None or gemv_pair[0].fn is None or gemv_pair[1].fn is None:
         return []
     cap = min(gemv_pair[0].max_rows, gemv_pair[1].max_rows)
     out = [(gemv_pair, 1, cap)] if cap >= 1 else []
-    top = AMX_PIECE_ROWS
-    if hidden % AMX_K_MULTIPLE == 0 and inter % AMX_K_MULTIPLE == 0:
-        expert_bytes = 3 * hidden * inter * 2  # gate_up (2 inter x hidden) + down, bf16
-        top = AMX_BIG_RUN if expert_bytes > AMX_BIG_EXPERT else AMX_MAX_RUN
+    tiles = hidden % AMX_K_MULTIPLE == 0 and inter % AMX_K_MULTIPLE == 0
+    top = AMX_MAX_RUN if tiles else AMX_PIECE_ROWS
     if cap < top and gemv_choice.requested() in ("auto", "flags"):
-        amx = _amx_choice(cpu_ops.kernels())
+        amx = _amx_choice(cpu_ops.kernels(), top)
         if amx is not None:
             out.append(((amx, amx), cap + 1, top))
     return out
 
 
 @functools.cache
-def _amx_choice(lib) -> gemv_choice.Choice | None:
-    """The tile GEMV's choice for :data:`AMX_PIECE_ROWS` rows where it runs here (made once per
-    library, not per MoE layer call), else None."""
+def _amx_choice(lib, rows: int) -> gemv_choice.Choice | None:
+    """The tile GEMV's choice for runs of up to ``rows`` where it runs here (made once per
+    library and row count, not per MoE layer call), else None."""
     if not any(c.name == "amx" for c in gemv_choice.available(lib)):
         return None
-    return gemv_choice.make_choice(lib, "amx", AMX_PIECE_ROWS)
+    return gemv_choice.make_choice(lib, "amx", rows)
 
 
 def grouped_forward(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
@@ -120,11 +112,10 @@ def grouped_forward(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
     hi = 0  # runs of 1..hi positions are the GEMVs'
     for (gu_c, dn_c), lo, hi_r in run_kernels(gemv_pair, hidden, inter):
         if any(lo <= n <= hi_r for n in counts):
-            piece = min(gu_c.max_rows, dn_c.max_rows)
             rc = lib.pf_moe_experts_grouped(
                 gu_c.address, dn_c.address, x.data_ptr(), x.stride(0), k, order.data_ptr(),
-                starts_t.data_ptr(), n_exp, lo, hi_r, piece, gate_up.data_ptr(),
-                down.data_ptr(), hidden, inter, ys.data_ptr(), threads)
+                starts_t.data_ptr(), n_exp, lo, hi_r, gate_up.data_ptr(), down.data_ptr(),
+                hidden, inter, ys.data_ptr(), threads)
             if rc != 0:
                 return None
         hi = hi_r

@@ -9,8 +9,8 @@ of torch ops over the product kernels themselves (never the grouping code):
   for bit;
 * with them, every row is a per-expert loop whose products are the chosen GEMV (whose row bits
   do not depend on the rows beside it) for runs of at most ``max_rows`` positions, the AMX
-  tile GEMV (32 rows a call) up to 256 where it runs (up to 32 where the widths are not
-  multiples of 32), and the GEMM path past that (``matmul_t``: oneDNN or the float32-upcast
+  tile GEMV up to 1,024 where it runs (up to 32 where the widths are not multiples of 32),
+  and the GEMM path past that (``matmul_t``: oneDNN or the float32-upcast
   GEMM), summed per token in ascending expert order with torch's bf16 roundings.
 """
 
@@ -57,32 +57,28 @@ def _pair(rows: int) -> tuple:
 
 def _amx_runs() -> bool:
     """The spec: on a CPU whose AMX tile GEMV runs, with no kernel forced, runs past the chosen
-    GEMV's rows take the tile GEMV: up to 256 positions when hidden and expert widths are
+    GEMV's rows take the tile GEMV: up to 1,024 positions when hidden and expert widths are
     multiples of 32, else up to 32."""
     return (any(c.name == "amx" for c in gemv_registry.available(cpu_ops.kernels()))
             and gemv_choice.requested() in ("auto", "flags"))
 
 
 def _tile_top(m: MoEExperts) -> int:
-    """The longest run the tile GEMV takes: 256 (128 for experts of more than 4 MiB) where the
-    widths are multiples of 32, else 32."""
-    hidden, inter = m.gate_up_proj.shape[2], m.inter
-    if hidden % 32 or inter % 32:
-        return 32
-    return 128 if 6 * hidden * inter > 4 << 20 else 256
+    """The longest run the tile GEMV takes: 1,024 where the widths are multiples of 32, else
+    32."""
+    return 1024 if m.gate_up_proj.shape[2] % 32 == 0 and m.inter % 32 == 0 else 32
 
 
 def _product(n: int, cap: int, top: int = 32):
     """The product a run of ``n`` positions takes: (x, w) -> x @ w.T."""
     lib = cpu_ops.kernels()
     if n <= cap:
-        fn, piece = getattr(lib, gemv_registry.by_name(cpu_ops.default_choice().name).symbol), n
+        fn = getattr(lib, gemv_registry.by_name(cpu_ops.default_choice().name).symbol)
     elif n <= top and _amx_runs():
-        fn, piece = lib.pf_linear_bf16_amx, 32  # the tile GEMV takes at most 32 rows a call
+        fn = lib.pf_linear_bf16_amx  # past 32 rows its blocked path (test_cpu_kernels.py)
     else:  # the GEMM path every product past the GEMVs takes (tests/test_onednn_rows.py)
         return matmul_t
-    return lambda x, w: torch.cat([gemv_registry.call(fn, x[i:i + piece].contiguous(), w, None)
-                                   for i in range(0, x.shape[0], piece)])
+    return lambda x, w: gemv_registry.call(fn, x.contiguous(), w, None)
 
 
 def _oracle(m: MoEExperts, x, idx, w, cap: int, experts=None) -> torch.Tensor:
@@ -167,27 +163,22 @@ def test_grouped_many_small_runs_in_parallel() -> None:
 @pytest.mark.parametrize("inter", [INTER, 64], ids=["k48", "k64"])
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "forced"])
 def test_amx_takes_runs_past_the_chosen_rows(forced: bool, inter: int, monkeypatch) -> None:
-    """With the chosen GEMVs limited to 2 rows, runs of 3-256 take the tile GEMV on AMX in
-    32-row calls (3-32 where the expert width, 48, is not a multiple of 32), longer runs the
-    GEMM (the oracle's products); a forced kernel (``PAGEFOLD_GEMV``) is never replaced: those
-    runs take the GEMM then."""
+    """With the chosen GEMVs limited to 2 rows, runs of 3-1,024 take the tile GEMV on AMX
+    (3-32 where the expert width, 48, is not a multiple of 32), longer runs the GEMM (the
+    oracle's products); a forced kernel (``PAGEFOLD_GEMV``) is never replaced: those runs
+    take the GEMM then."""
     if forced:
         monkeypatch.setenv("PAGEFOLD_GEMV", cpu_ops.default_choice().name)
     m = random_experts(E, H, inter)
     pair = _pair(2)
-    x, idx, w = _routing(700, 2, 4, skew=0.8)
+    x, idx, w = _routing(1700, 2, 4, skew=0.8)
     counts = torch.bincount(idx.reshape(-1), minlength=E)
-    for lo, hi in ((3, 32), (33, 256), (257, 10**6)):  # every kind of run, in one step
+    for lo, hi in ((3, 32), (33, 1024), (1025, 10**6)):  # every kind of run, in one step
         assert bool(((counts >= lo) & (counts <= hi)).any()), (lo, hi, counts)
     kinds = [(lo, hi, p[0].name) for p, lo, hi in moe_rows.run_kernels(pair, H, inter)]
     assert kinds[0] == (1, 2, pair[0].name)
-    top = 256 if inter % 32 == 0 else 32
+    top = 1024 if inter % 32 == 0 else 32
     assert (kinds[1:] == [(3, top, "amx")]) == (_amx_runs() and not forced)
-    # Experts of more than 4 MiB (2,048 x 768: 9 MiB) take tile runs up to 128 only; 1,024 x
-    # 672 (3.9 MiB) up to 256.
-    for h, i, want in ((2048, 768, 128), (1024, 672, 256)):
-        got = [(lo, hi, p[0].name) for p, lo, hi in moe_rows.run_kernels(pair, h, i)]
-        assert (got[1:] == [(3, want, "amx")]) == (_amx_runs() and not forced)
     got = moe_rows.grouped_forward(x, idx, w, m.gate_up_proj, m.down_proj, pair)
     assert torch.equal(got, _oracle(m, x, idx, w, 2))
 

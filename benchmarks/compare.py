@@ -364,6 +364,11 @@ def run_worker(system: str, python: str, spec: dict, tmp: Path, env: dict | None
     worker = system.split("-")[0]
     cmd = [python, str(Path(__file__).resolve()), "--worker", worker, "--spec", str(spec_path),
            "--out", str(out_path)]
+    if worker == "pagefold" and env is None:
+        # This checkout's pagefold/, not whichever one the venv installed (the worker script's
+        # folder, benchmarks/, is what Python puts on its path).
+        paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     if system == "pagefold-t1":
         env = dict(env or os.environ, OMP_NUM_THREADS="1")
     t = time.perf_counter()

@@ -14,8 +14,9 @@ One command, conversion included. Models:
   against llama.cpp on the same file). A llama.cpp worker that crashes is reported as such,
   the other rows kept (llama-cpp-python 0.3.36 segfaults on every quantized file on an AMX
   Xeon unless ``--no-extra-bufts`` turns its CPU repack buffers off).
-* ``ARCH-hH-lL[-iI]``: a random model built from a config (``benchmarks.common.bench_model``:
-  hybrids 3 Gated DeltaNet layers to 1 attention, ``-iI`` the MLP width, 16k tied vocabulary),
+* ``ARCH-hH-lL[-iI][-eE]``: a random model built from a config (``benchmarks.common.bench_model``:
+  hybrids 3 Gated DeltaNet layers to 1 attention, ``-iI`` the MLP width, ``-eE`` (Qwen3-Next)
+  E experts of H / 4, top 8, a shared expert of H / 2; 16k tied vocabulary),
   converted to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py``. The converter comes
   from the llama-cpp-python source package (``vendor/llama.cpp``), fetched once with
   ``pip download`` and kept under the pagefold cache; it runs under this interpreter (it needs
@@ -153,8 +154,16 @@ def hf_model(name: str) -> Path:
     parts = name.split("-")
     arch, hidden, layers = parts[0], int(parts[1][1:]), int(parts[2][1:])
     over: dict = {"vocab_size": VOCAB, "tie_word_embeddings": True}
-    if len(parts) > 3:
-        over["intermediate_size"] = int(parts[3][1:])
+    for part in parts[3:]:
+        if part[0] == "i":
+            over["intermediate_size"] = int(part[1:])
+        elif part[0] == "e":  # MoE: E experts of hidden / 4, top 8, a shared expert of hidden / 2
+            over.update(num_experts=int(part[1:]), num_experts_per_tok=8,
+                        moe_intermediate_size=hidden // 4,
+                        shared_expert_intermediate_size=hidden // 2)
+        else:
+            raise SystemExit(f"unknown model part {part!r} in {name!r} (iI: MLP width, eE: "
+                             "experts)")
     return bench_model(arch, hidden, layers, **over)
 
 

@@ -55,7 +55,7 @@ class _Paths:
 
     def set(self, grouped: bool, short: bool = False) -> None:
         self.cls._grouped_ok = self.real if grouped else (lambda self, *a: False)
-        self.rows.AMX_MAX_RUN = self.rows.AMX_PIECE_ROWS if short else self.max_run
+        self.rows.AMX_MAX_RUN = self.rows.AMX_NARROW_RUN if short else self.max_run
 
 
 def kernel_table(reps: int) -> list[dict]:

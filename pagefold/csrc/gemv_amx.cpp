@@ -1,5 +1,7 @@
-// The bf16 few-row product on CPUs with AMX: y (M, N) = x (M, K) W^T (+ bias) for M <= 32,
-// float32 sums, one rounding at the end. Called through ctypes (see cpu_ops.py).
+// The bf16 few-row product on CPUs with AMX: y (M, N) = x (M, K) W^T (+ bias), float32 sums,
+// one rounding at the end; M <= 32 in one pass over the weights (the decode and verify GEMV),
+// more rows (an MoE expert's run in a prefill step) in a blocked path further down. Called
+// through ctypes (see cpu_ops.py).
 //
 // Why: decode steps (one row per request) and speculative verify steps (1 + k rows) are
 // memory bound on the weights, but the AVX512-BF16 dot-product GEMV does 32 multiply-adds per

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class ThreadGuard:
     _last_t: float | None = None
     _last_delay: int = 0
     _dead: bool = False          # no sensor here: always the full count
-    last_rate: float = field(default=0.0)
+    last_rate: float = 0.0       # the last window's waiting, seconds per second
 
     def threads(self, full: int) -> int:
         """The threads the next step takes: ``full`` or 1."""

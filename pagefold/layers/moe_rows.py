@@ -20,9 +20,8 @@ layer in a 64-request decode step (4 rows an expert) 36 ms for ~1 ms of products
 
 Invariant: a row's expert output is the chosen GEMV's when its run fits ``max_rows``, the
 tile GEMV's for runs up to :data:`AMX_MAX_RUN` on AMX (32 where the widths are not multiples
-of 32), oneDNN's otherwise; a run's bits never depend on
-the other experts' runs. Steps of at most ``max_rows`` tokens never get here (the few-token
-path).
+of 32), oneDNN's otherwise; a run's bits never depend on the other experts' runs. Steps of at
+most ``max_rows`` tokens never get here (the few-token path).
 """
 
 from __future__ import annotations
@@ -46,14 +45,14 @@ __all__ = ["grouped_forward", "run_kernels"]
 # plus ~4 torch calls. One layer's routed experts, AMX Xeon, 2 threads, in the same run
 # (`python -m benchmarks.moe_experts`, and 8 experts top 2 for fixed run lengths): runs of
 # 256-1,024 positions 1.2-1.75x oneDNN's time on 1,024 x 256-384 experts, 0.97-1.07x on
-# 2,048 x 512-768 (Qwen3-30B-A3B's experts); 2,048 positions 0.95-1.03x. Pieces of 32 rows
+# 2,048 x 512-768 (Qwen3-30B-A3B's experts); 2,048 positions 0.95-1.07x. Pieces of 32 rows
 # through the 32-row kernel (before the blocked path) read the weights once per piece: 0.77-
 # 0.86x on 2,048 x 768 past 1,024 positions. Runs up to 32: 25 / 47 us at 32 / 64 rows
 # (512 x 512, weights hot) against oneDNN's 36 / 45 us before its calls' ~40 us.
-AMX_PIECE_ROWS = 32
 AMX_MAX_RUN = 1024
 # The tile GEMV multiplies 32 k at a time; other widths go to its dot-product fallback, which
-# is no faster than oneDNN past a few dozen rows: runs past AMX_PIECE_ROWS take oneDNN then.
+# is no faster than oneDNN past a few dozen rows: runs past AMX_NARROW_RUN take oneDNN then.
+AMX_NARROW_RUN = 32
 AMX_K_MULTIPLE = 32
 
 
@@ -64,13 +63,13 @@ def run_kernels(gemv_pair: tuple | None, hidden: int, inter: int
     smaller of their row limits (what the few-token path computes for such a run), then, where
     AMX runs here and no kernel is forced, the tile GEMV up to :data:`AMX_MAX_RUN` when
     ``hidden`` and ``inter`` are multiples of :data:`AMX_K_MULTIPLE`, else up to
-    :data:`AMX_PIECE_ROWS`. ``[]`` without GEMVs (every run takes the GEMM)."""
+    :data:`AMX_NARROW_RUN`. ``[]`` without GEMVs (every run takes the GEMM)."""
     if gemv_pair is None or gemv_pair[0].fn is None or gemv_pair[1].fn is None:
         return []
     cap = min(gemv_pair[0].max_rows, gemv_pair[1].max_rows)
     out = [(gemv_pair, 1, cap)] if cap >= 1 else []
     tiles = hidden % AMX_K_MULTIPLE == 0 and inter % AMX_K_MULTIPLE == 0
-    top = AMX_MAX_RUN if tiles else AMX_PIECE_ROWS
+    top = AMX_MAX_RUN if tiles else AMX_NARROW_RUN
     if cap < top and gemv_choice.requested() in ("auto", "flags"):
         amx = _amx_choice(cpu_ops.kernels(), top)
         if amx is not None:

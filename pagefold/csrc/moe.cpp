@@ -6,9 +6,10 @@
 // torch operations per expert, far more time than the products of small experts. This does the
 // same in C: the same grouping (experts ascending, tokens ascending within one), the same
 // GEMVs (function pointers: the kernels chosen for the gate_up and the down shapes) and SiLU
-// kernel, and the same
-// roundings as the torch ops it replaces (y * w rounded to bf16, then added to the output row
-// and rounded again, experts in ascending order into zeros): the Python path's bits.
+// kernel, and the same roundings as the torch ops it replaces (y * w rounded to bf16, then
+// added to the output row and rounded again, experts in ascending order into zeros): the
+// Python path's bits. The few-token call and the many-token path share the two kernels that
+// do it (pf_moe_experts_grouped for the products, pf_moe_combine for the sums).
 //
 // Also the block's router (softmax top-k) and its shared expert's gated add: kernels that the
 // module path (SparseMoeBlock on bf16 CPU rows) and the native decode step both call, so the
@@ -31,57 +32,34 @@ extern "C" {
 // token) and top_w (t, k) bf16 weights, both contiguous; gate_up (E, 2 * inter, hidden) and
 // down (E, hidden, inter) bf16 contiguous; out (t, hidden) contiguous, overwritten. Returns 0,
 // -1 for an expert id out of range, or the kernels' nonzero code (nothing is then promised
-// about out).
+// about out). The many-token path's two calls on every run (each at most t positions: ids are
+// distinct within a token), with the grouping done here: the same gathers, products, SiLU
+// kernel and sums.
 int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
                        int t, int k, const int64_t* top_idx, const uint16_t* top_w,
                        const uint16_t* gate_up, const uint16_t* down, int E, int64_t hidden,
                        int64_t inter, uint16_t* out, int nthreads) {
-  if (gemv_gu == nullptr || gemv_down == nullptr || t < 1 || k < 1) return -1;
-  const GemvFn gemv_g = reinterpret_cast<GemvFn>(gemv_gu);
-  const GemvFn gemv_dn = reinterpret_cast<GemvFn>(gemv_down);
-  const int np = t * k;
-  for (int p = 0; p < np; ++p)
+  if (gemv_gu == nullptr || gemv_down == nullptr || t < 1 || k < 1 || E < 1) return -1;
+  const int64_t np = static_cast<int64_t>(t) * k;
+  // Positions p = token * k + slot by expert, tokens ascending within one (a counting sort:
+  // the stable order the many-token path's argsort gives).
+  std::vector<int64_t> starts(static_cast<size_t>(E) + 1, 0), order(np);
+  for (int64_t p = 0; p < np; ++p) {
     if (top_idx[p] < 0 || top_idx[p] >= E) return -1;
-  std::vector<int> order(np);
-  for (int p = 0; p < np; ++p) order[p] = p;
-  std::stable_sort(order.begin(), order.end(),
-                   [top_idx](int a, int b) { return top_idx[a] < top_idx[b]; });
-  std::memset(out, 0, sizeof(uint16_t) * static_cast<size_t>(t) * hidden);
-  std::vector<uint16_t> h(static_cast<size_t>(t) * hidden), gu(static_cast<size_t>(t) * 2 * inter),
-      act(static_cast<size_t>(t) * inter), y(static_cast<size_t>(t) * hidden);
-  int rc = 0;
-  for (int i = 0; i < np;) {
-    const int64_t e = top_idx[order[i]];
-    int j = i + 1;
-    while (j < np && top_idx[order[j]] == e) ++j;
-    const int n = j - i;
-    // Every token, in order (distinct ids per token): the rows as they are, else gathered.
-    const uint16_t* hx = x;
-    int64_t hs = x_stride;
-    if (n != t) {
-      for (int r = 0; r < n; ++r)
-        std::memcpy(h.data() + r * hidden, x + (order[i + r] / k) * x_stride,
-                    sizeof(uint16_t) * hidden);
-      hx = h.data();
-      hs = hidden;
-    }
-    rc |= gemv_g(hx, hs, gate_up + e * 2 * inter * hidden, nullptr, gu.data(), 2 * inter, n,
-                 2 * inter, hidden, nthreads);
-    rc |= pf_silu_mul(1, gu.data(), 2 * inter, act.data(), n, static_cast<int>(inter), nthreads);
-    rc |= gemv_dn(act.data(), inter, down + e * hidden * inter, nullptr, y.data(), hidden, n,
-                  hidden, inter, nthreads);
-    if (rc) return rc;
-    for (int r = 0; r < n; ++r) {
-      const int p = order[i + r];
-      const float w = bf16_to_f32(top_w[p]);
-      uint16_t* o = out + static_cast<int64_t>(p / k) * hidden;
-      const uint16_t* yr = y.data() + static_cast<int64_t>(r) * hidden;
-      for (int64_t d = 0; d < hidden; ++d)  // out += bf16(y * w), rounded as torch's add_
-        o[d] = f32_to_bf16(bf16_to_f32(o[d]) + rnd<uint16_t>(bf16_to_f32(yr[d]) * w));
-    }
-    i = j;
+    ++starts[top_idx[p] + 1];
   }
-  return 0;
+  for (int e = 0; e < E; ++e) starts[e + 1] += starts[e];
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t p = 0; p < np; ++p) order[next[top_idx[p]]++] = p;
+  std::vector<uint16_t> ys(static_cast<size_t>(np) * hidden);
+  int rc = pf_moe_experts_grouped(gemv_gu, gemv_down, x, x_stride, k, order.data(),
+                                  starts.data(), E, 1, t, gate_up, down, hidden, inter,
+                                  ys.data(), nthreads);
+  if (rc) return rc;
+  std::vector<int64_t> rows_at(np);
+  for (int64_t j = 0; j < np; ++j)
+    rows_at[j] = reinterpret_cast<int64_t>(ys.data() + j * hidden);
+  return pf_moe_combine(rows_at.data(), order.data(), t, k, top_w, hidden, out, nthreads);
 }
 
 // The routed experts of a many-token step, in two calls around the GEMM library's products.

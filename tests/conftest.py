@@ -8,6 +8,11 @@ import os
 # pool (which would also warn after the test process forks).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Steps keep their thread count whatever else runs on the host (the thread guard would drop a
+# server's steps to one thread while a test's own work holds a core): a differential test's two
+# runs must not differ in threads by the host's load. tests/test_thread_guard.py drives the
+# guard directly; subprocesses (servers, ranks) inherit this.
+os.environ.setdefault("PAGEFOLD_THREAD_GUARD", "0")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402

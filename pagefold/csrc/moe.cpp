@@ -32,9 +32,8 @@ extern "C" {
 // token) and top_w (t, k) bf16 weights, both contiguous; gate_up (E, 2 * inter, hidden) and
 // down (E, hidden, inter) bf16 contiguous; out (t, hidden) contiguous, overwritten. Returns 0,
 // -1 for an expert id out of range, or the kernels' nonzero code (nothing is then promised
-// about out). The many-token path's two calls on every run (each at most t positions: ids are
-// distinct within a token), with the grouping done here: the same gathers, products, SiLU
-// kernel and sums.
+// about out). The many-token path's two calls on every run, with the grouping done here: the
+// same gathers, products, SiLU kernel and sums.
 int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_t x_stride,
                        int t, int k, const int64_t* top_idx, const uint16_t* top_w,
                        const uint16_t* gate_up, const uint16_t* down, int E, int64_t hidden,
@@ -52,9 +51,10 @@ int pf_moe_experts_few(void* gemv_gu, void* gemv_down, const uint16_t* x, int64_
   std::vector<int64_t> next(starts.begin(), starts.end() - 1);
   for (int64_t p = 0; p < np; ++p) order[next[top_idx[p]]++] = p;
   std::vector<uint16_t> ys(static_cast<size_t>(np) * hidden);
+  // Every run (at most t positions with distinct ids; np bounds it whatever the ids).
   int rc = pf_moe_experts_grouped(gemv_gu, gemv_down, x, x_stride, k, order.data(),
-                                  starts.data(), E, 1, t, gate_up, down, hidden, inter,
-                                  ys.data(), nthreads);
+                                  starts.data(), E, 1, static_cast<int>(np), gate_up, down,
+                                  hidden, inter, ys.data(), nthreads);
   if (rc) return rc;
   std::vector<int64_t> rows_at(np);
   for (int64_t j = 0; j < np; ++j)

@@ -92,6 +92,18 @@ def test_few_rows_gemv_matches_per_token_oracle(t: int, native: bool, monkeypatc
     assert bool(calls) == native
 
 
+def test_few_rows_c_call_takes_a_repeated_expert() -> None:
+    """The one-call C path with the same expert in both slots of every token (an expert's run
+    then has more positions than the step has tokens): every position computed, the oracle's
+    bits (slots of one expert summed in slot order)."""
+    m = _experts()
+    x, idx, w = _routing(3, 2)
+    idx = torch.full_like(idx, 4)
+    got = m._few_rows_native(x, idx, w)
+    assert got is not None
+    assert torch.equal(got, _oracle(m, x, idx, w))
+
+
 def test_few_rows_mutants_are_caught() -> None:
     """A wrong expert row or a dropped routing weight must change the output."""
     m = _experts()

@@ -8,6 +8,7 @@ bandwidth.
     python -m benchmarks.decode_b1 --models smollm2 --quantization gguf   # the Q4_1 GGUF kept
     python -m benchmarks.decode_b1 --base main --batch 32 --requests 32 --out 32  # batched
     python -m benchmarks.decode_b1 --models smollm2 --guard-ab --busy 1  # a core taken
+    python -m benchmarks.decode_b1 --models smollm2 --gemv amx avx512bf16 fma torch
 
 Each (code, model) runs in its own subprocess, one after another, rounds interleaved (the
 order flips every round) so that load from other processes on a shared machine falls on both
@@ -28,7 +29,9 @@ load, CPU time is the steadier measure of the work a step costs (run with ``--th
 
 ``--busy N`` starts N busy-loop processes beside every worker (a host whose cores other work
 takes); ``--guard-ab`` adds this tree with ``PAGEFOLD_THREAD_GUARD=0`` (``executor/
-thread_guard.py`` off: steps keep every thread), its ratio against this tree.
+thread_guard.py`` off: steps keep every thread), its ratio against this tree. ``--gemv K ...``
+adds this tree with ``PAGEFOLD_GEMV=K`` for each K (one GEMV kernel forced for every few-row
+product, ``torch`` for none): ratios below 1 show the measured choice (``this``) beat it.
 
 ``--profile MODEL``: one worker of this tree under ``torch.profiler`` for 32 decode steps;
 prints the ops by self CPU time and the Python-side share of a step.
@@ -218,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--guard-ab", action="store_true",
                    help="also run this tree with PAGEFOLD_THREAD_GUARD=0 (steps keep every "
                         "thread whatever the host does): a row with its ratio against this")
+    p.add_argument("--gemv", nargs="+", default=[], metavar="K",
+                   help="also run this tree with PAGEFOLD_GEMV=K (amx, avx512bf16, fma, "
+                        "torch, flags): a row per kernel, its ratio against this")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from benchmarks.common import print_table
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     quant = {f"this+{q}": q for q in args.quantization}
     codes.update({c: REPO for c in quant})
     envs = {"this+noguard": {"PAGEFOLD_THREAD_GUARD": "0"}} if args.guard_ab else {}
+    envs.update({f"this+gemv={k}": {"PAGEFOLD_GEMV": k} for k in args.gemv})
     codes.update({c: REPO for c in envs})
     got: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):

@@ -178,8 +178,10 @@ def run_worker(src: Path, spec: dict, tmp: Path, env_extra: dict | None = None,
             f"json.dump(worker(json.loads(sys.argv[1])), open({str(out)!r}, 'w'))")
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
+        # cwd is the temporary folder: ``python -c`` puts its cwd first on the path, ahead of
+        # PYTHONPATH, so a worker started in this checkout imported this pagefold/ as "base".
         subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, check=True,
-                       cwd=str(REPO))
+                       cwd=str(tmp))
     finally:
         for lp in loops:
             lp.kill()

@@ -71,8 +71,13 @@ SHAPES = [
     Shape("moe-h1024-l12-e64", "qwen3_next", 1024, 12,
           dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
                shared_expert_intermediate_size=512), big=True),
+    # A wider dense model (Qwen3-1.7B's layer: hidden 2,048, 16 heads of 128 over 8 kv heads,
+    # MLP 6,144; 8 of its 28 layers, a 16k vocabulary: ~0.45B parameters): products with K up
+    # to 6,144 and N up to 12,288, wider than any default shape's. Opt-in.
+    Shape("dense-h2048-l8-i6144", "qwen3", 2048, 8,
+          dict(_attn(16, 8, 128), intermediate_size=6144, vocab_size=16384), big=True),
 ]
-OPT_IN = {"gdn-h1024-l24-i5120", "moe-h1024-l12-e64"}
+OPT_IN = {"gdn-h1024-l24-i5120", "moe-h1024-l12-e64", "dense-h2048-l8-i6144"}
 QUICK = ["dense-h512-l8-gqa4-d128", "gdn-h256-l4", "mamba2-h512-l8", "moe-h512-l8"]
 
 # workload -> (requests, (in lo, in hi), (out lo, out hi), mode) at full size

@@ -7,9 +7,9 @@ scalar loop) and the GEMM path larger products take (oneDNN on reordered weights
 float32-upcast GEMM on CPUs without native bf16) are timed the way the chooser times them
 (``pagefold.csrc.gemv_timing``): each call on the next copy of the weight from a buffer larger
 than the last-level cache (twice its size by default), the paths taking turns, the least time
-over ``--calls`` rounds. Each cell prints microseconds and the fraction of the read bandwidth measured in the same run
-(the best of 15 torch sums over a float32 buffer of the same size): weight bytes / time /
-bandwidth. ``pick`` is what the chooser decides from these numbers.
+over ``--calls`` rounds. Each cell prints microseconds and the fraction of the read bandwidth
+measured in the same run (the best of 15 torch sums over a float32 buffer of the same size):
+weight bytes / time / bandwidth. ``pick`` is what the chooser decides from these numbers.
 
     python -m benchmarks.bf16_gemv
     python -m benchmarks.bf16_gemv --rows 1 2 --shapes 49152x576 576x576

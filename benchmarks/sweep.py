@@ -149,7 +149,7 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
 
             real = str(smollm2_checkpoint())
         models.append((f"real:{Path(real).name}", real, False))
-    rows, bw_rows = [], []
+    rows, bw_rows, raw = [], [], []
     for name, model, big in models:
         vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
         work = make_sweep_work(vocab, args.seed, args.quick, big)
@@ -203,14 +203,24 @@ def run_sweep(args, systems: list[str], run_one, tmp: Path) -> None:
                 if w in ("tput", "long") and hf:
                     row[f"{w} /HF"] = hf["seconds"] / pf["seconds"]
         rows.append(row)
-        # Each shape's row as soon as it is measured (a long sweep that stops keeps them).
+        # Each shape's row as soon as it is measured (a long sweep that stops keeps them), and
+        # the seconds behind its ratios: a ratio alone cannot say which side moved.
         print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()), flush=True)
-        _report(args, rows, bw_rows, final=False)
-    _report(args, rows, bw_rows, final=True)
+        for system, r in got.items():
+            for w, res in r["results"].items():
+                raw.append({"shape": name, "system": system, "workload": w,
+                            "seconds": res["seconds"], "ttft": res.get("ttft"),
+                            "tpot": res.get("tpot")})
+                print(f"  {system} {w}: {res['seconds']:.2f} s"
+                      + (f", TTFT {res['ttft'] * 1e3:.0f} ms" if res.get("ttft") else "")
+                      + (f", TPOT {res['tpot'] * 1e3:.1f} ms" if res.get("tpot") else ""),
+                      flush=True)
+        _report(args, rows, bw_rows, raw, final=False)
+    _report(args, rows, bw_rows, raw, final=True)
 
 
-def _report(args, rows: list[dict], bw_rows: list[dict], final: bool) -> None:
+def _report(args, rows: list[dict], bw_rows: list[dict], raw: list[dict], final: bool) -> None:
     """The tables (``final``) and ``--json`` (after every shape)."""
     from benchmarks.common import print_table
 
@@ -231,7 +241,8 @@ def _report(args, rows: list[dict], bw_rows: list[dict], final: bool) -> None:
         import json
 
         Path(args.json).write_text(json.dumps({"sweep": rows, "geomean": gm, "worst": worst,
-                                               "bandwidth": bw_rows}, indent=1))
+                                               "bandwidth": bw_rows, "raw": raw},
+                                              indent=1))
     if not final:
         return
     print("\nsweep: pagefold's speed-up (> 1: faster) over the best vLLM row and transformers;"

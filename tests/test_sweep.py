@@ -94,8 +94,13 @@ def test_run_sweep_row_workloads_and_best_vllm_row(monkeypatch, qwen3_dir, tmp_p
     run_sweep(args, ["pagefold", "transformers", "vllm", "vllm-r0"], run_one, tmp_path)
     assert seen["vllm"] == {"b1"}
     assert seen["vllm-r0"] == seen["pagefold"] == {"tput", "b1", "long", "sys", "conv"}
-    row = json.loads((tmp_path / "sweep.json").read_text())["sweep"][0]
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    row = saved["sweep"][0]
     assert abs(row["b1 /vLLM"] - 1.5) < 1e-9  # the one-thread row's TPOT
+    # The seconds behind the ratios: one record per (system, workload) that ran.
+    raw = {(r["system"], r["workload"]): r for r in saved["raw"]}
+    assert len(raw) == 5 * 3 + 1 and raw[("vllm", "b1")]["seconds"] == 1.5
+    assert raw[("vllm-r0", "long")]["tpot"] == 0.02 and ("vllm", "tput") not in raw
     assert abs(row["tput /vLLM"] - 2.0) < 1e-9 and abs(row["conv /vLLM"] - 2.0) < 1e-9
     assert abs(row["tput /HF"] - 8.0) < 1e-9
     assert "geometric mean" in capsys.readouterr().out
